@@ -1,0 +1,45 @@
+# The two set-up commands of the README are `make demo` and `make test`; each
+# creates .venv if it is missing. torch is pinned first to the CPU wheel
+# (TORCH_SPEC) so that pip never resolves `torch` to the multi-GB CUDA build on
+# a machine without a GPU; on a GPU machine, install tkern into an environment
+# that already has CUDA torch instead.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: demo test test-fast lint format bench info clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,demo]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/tkern train
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -n auto tests
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow" tests
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check tkern tests benchmarks
+	$(VENV)/bin/ruff format --check tkern tests benchmarks
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff format tkern tests benchmarks
+	$(VENV)/bin/ruff check --fix tkern tests benchmarks
+
+bench: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[bench]"
+	$(VENV)/bin/tkern bench all
+
+info: $(VENV)/.installed
+	$(VENV)/bin/tkern info
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,47 @@
+"""Shared test helpers: the device under test and the one tolerance table.
+
+Every numeric test compares against a reference computed in float64 (or in
+plain fp32 torch for the optimizers) from the same inputs, with a bound taken
+from ``TOL`` below. Kernels run compiled on a CUDA device when there is one,
+else through Triton's interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tkern
+
+DEVICE = "cuda" if torch.cuda.is_available() and not tkern.INTERPRET else "cpu"
+
+# Relative Frobenius error ||out - ref|| / ||ref|| allowed for a GEMM result,
+# keyed by the output dtype (and the input dtype where it matters).
+# * fp16 out: one rounding to fp16 per element, unit roundoff u = 2^-11 = 4.9e-4;
+#   the fp32 accumulation adds ~sqrt(K) * 2^-24, negligible. Bound 2u ~ 1e-3.
+# * bf16 out: u = 2^-8 = 3.9e-3; bound 2u ~ 8e-3. Under the interpreter bf16
+#   stores are rounded to nearest by tkern's own helper, so the same bound holds.
+# * fp32 out: half x half products are exact in fp32, so only the fp32 sum
+#   rounds: ~sqrt(K) * 2^-24 ~ 4e-6 at K = 4096 in the worst test, typically
+#   far less; bound 2e-6 for K <= 256 (the shapes the fp32 tests use).
+TOL = {
+    torch.float16: 1e-3,
+    torch.bfloat16: 8e-3,
+    torch.float32: 2e-6,
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (0 when both are zero)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff if denom == 0 else diff / denom
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
+
+
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (compiled Triton)")

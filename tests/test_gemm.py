@@ -1,0 +1,181 @@
+"""tkern.matmul against a float64 reference built from the same half inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, TOL, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tkern
+
+HALF = [torch.float16, torch.bfloat16]
+
+
+def reference(a, b, bias=None, activation=None):
+    out = a.double() @ b.double()
+    if bias is not None:
+        out = out + bias.double()
+    if activation == "relu":
+        out = out.relu()
+    elif activation == "gelu":
+        out = F.gelu(out)
+    return out
+
+
+def randn(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(
+    "M,N,K", [(1, 1, 1), (17, 33, 65), (17, 65, 33), (129, 31, 96), (64, 64, 256)]
+)
+def test_shapes(dtype, M, N, K):
+    a, b = randn(M, K, dtype=dtype), randn(K, N, dtype=dtype)
+    out = tkern.matmul(a, b)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert rel_err(out, reference(a, b)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("bias_dtype", [None, "same", torch.float32])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_epilogue(dtype, bias_dtype, activation, out_dtype):
+    M, N, K = 33, 47, 96
+    a, b = randn(M, K, dtype=dtype), randn(K, N, dtype=dtype, scale=0.2)
+    bias = None
+    if bias_dtype is not None:
+        bias = randn(N, dtype=dtype if bias_dtype == "same" else bias_dtype)
+    out = tkern.matmul(a, b, bias=bias, activation=activation, out_dtype=out_dtype)
+    expected_dtype = out_dtype or dtype
+    assert out.dtype == expected_dtype
+    assert rel_err(out, reference(a, b, bias, activation)) < TOL[expected_dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_transposed_and_sliced_views_are_read_in_place(dtype):
+    a = randn(47 * 3, 60, dtype=dtype)[::3, 2:58:2].t()  # (28, 47), strides (2, 180)
+    b = randn(47, 70, dtype=dtype)[:, ::2]  # (47, 35), strides (70, 2)
+    assert a.shape == (28, 47) and b.shape == (47, 35)
+    assert not a.is_contiguous() and not b.is_contiguous()
+    out = tkern.matmul(a, b)
+    assert rel_err(out, reference(a, b)) < TOL[dtype]
+    out_t = tkern.matmul(b.t(), a.t())  # (35, 28): both operands transposed views
+    assert rel_err(out_t, reference(b.t(), a.t())) < TOL[dtype]
+
+
+def test_fp32_accumulator_where_fp16_accumulation_fails():
+    # 4096 ones: an fp16 running sum sticks at 2048 (2048 + 1 rounds to 2048);
+    # an fp32 accumulator reaches 4096 exactly, which fp16 can also store.
+    a = torch.ones(16, 4096, dtype=torch.float16, device=DEVICE)
+    b = torch.ones(4096, 16, dtype=torch.float16, device=DEVICE)
+    assert torch.equal(
+        tkern.matmul(a, b, out_dtype=torch.float32), torch.full((16, 16), 4096.0, device=DEVICE)
+    )
+    assert torch.equal(
+        tkern.matmul(a, b), torch.full((16, 16), 4096.0, dtype=torch.float16, device=DEVICE)
+    )
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_k_zero_gives_zeros_plus_bias(dtype, with_bias):
+    a = torch.empty(5, 0, dtype=dtype, device=DEVICE)
+    b = torch.empty(0, 7, dtype=dtype, device=DEVICE)
+    bias = randn(7, dtype=dtype) if with_bias else None
+    out = tkern.matmul(a, b, bias=bias, activation="relu")
+    expected = torch.zeros(5, 7, dtype=dtype, device=DEVICE)
+    if with_bias:
+        expected = bias.float().relu().to(dtype).expand(5, 7)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("M,N", [(0, 4), (4, 0)])
+def test_empty_output(M, N):
+    out = tkern.matmul(
+        torch.empty(M, 3, dtype=torch.float16, device=DEVICE),
+        torch.empty(3, N, dtype=torch.float16, device=DEVICE),
+    )
+    assert out.shape == (M, N)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    M=st.integers(1, 70),
+    N=st.integers(1, 70),
+    K=st.integers(1, 150),
+    transpose_a=st.booleans(),
+    transpose_b=st.booleans(),
+    step=st.integers(1, 3),
+    dtype=st.sampled_from(HALF),
+)
+def test_property_random_shapes_and_strides(M, N, K, transpose_a, transpose_b, step, dtype):
+    a = (
+        randn(K * step, M, dtype=dtype).t()[:, ::step]
+        if transpose_a
+        else randn(M, K * step, dtype=dtype)[:, ::step]
+    )
+    b = randn(N, K, dtype=dtype).t() if transpose_b else randn(K, N * step, dtype=dtype)[:, ::step]
+    assert a.shape == (M, K) and b.shape == (K, N)
+    out = tkern.matmul(a, b)
+    assert rel_err(out, reference(a, b)) < TOL[dtype]
+
+
+# ----------------------------------------------------------------------- bad input
+
+
+def h(*shape, dtype=torch.float16):
+    return torch.zeros(*shape, dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(a=h(4, 5), b=h(6, 3)), ValueError, ["inner dimensions", "(4, 5)", "(6, 3)"]),
+        (
+            dict(a=h(4, 5), b=h(5, 3, dtype=torch.bfloat16)),
+            TypeError,
+            ["same dtype", "float16", "bfloat16"],
+        ),
+        (
+            dict(a=h(4, 5, dtype=torch.float32), b=h(5, 3, dtype=torch.float32)),
+            TypeError,
+            ["a must have dtype", "float32"],
+        ),
+        (dict(a=h(4, 5, 2), b=h(5, 3)), ValueError, ["a must be 2-D", "(4, 5, 2)"]),
+        (dict(a=h(4, 5), b=h(5)), ValueError, ["b must be 2-D", "(5,)"]),
+        (dict(a=h(4, 5), b=h(5, 3), bias=h(4)), ValueError, ["bias must have shape (3,)", "(4,)"]),
+        (
+            dict(a=h(4, 5), b=h(5, 3), bias=h(3, dtype=torch.bfloat16)),
+            TypeError,
+            ["bias must have dtype", "bfloat16"],
+        ),
+        (dict(a=h(4, 5), b=h(5, 3), activation="tanh"), ValueError, ["activation", "'tanh'"]),
+        (dict(a=h(4, 5), b=h(5, 3), out_dtype=torch.int32), TypeError, ["out_dtype", "int32"]),
+        (dict(a=[[1.0]], b=h(1, 1)), TypeError, ["a must be a torch.Tensor", "list"]),
+    ],
+)
+def test_bad_input_raises_before_launch(kwargs, exc, words):
+    a, b = kwargs.pop("a"), kwargs.pop("b")
+    with pytest.raises(exc) as info:
+        tkern.matmul(a, b, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs two devices (cpu and cuda)")
+def test_tensors_on_different_devices():
+    with pytest.raises(ValueError, match="device"):
+        tkern.matmul(h(4, 5), h(5, 3).cpu())
+
+
+def test_cpu_and_meta_devices_differ_is_reported():
+    # On any machine: a meta tensor next to a real one is a device mismatch.
+    if DEVICE == "cuda":
+        pytest.skip("covered by test_tensors_on_different_devices")
+    with pytest.raises(ValueError, match="b is on meta but a is on cpu"):
+        tkern.matmul(h(4, 5), torch.zeros(5, 3, dtype=torch.float16, device="meta"))

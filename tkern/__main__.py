@@ -1,0 +1,5 @@
+import sys
+
+from tkern.cli import main
+
+sys.exit(main())

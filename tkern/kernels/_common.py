@@ -1,0 +1,130 @@
+"""What every kernel family shares: the execution mode, input checks, launch
+configuration helpers and the few ``@triton.jit`` helpers whose behaviour must
+not depend on whether Triton runs compiled or interpreted.
+
+Triton's interpreter (``TRITON_INTERPRET=1``) runs every kernel on CPU tensors,
+so the whole library works and is tested on machines without a GPU. It must be
+switched on before ``triton.jit`` decorates anything, which is why this module
+sets it on import and why every kernel module imports this one first.
+
+What the interpreter gets wrong, and where tkern handles it (all here):
+
+* bf16 arithmetic and bf16 ``tl.dot`` compute on raw bit patterns:
+  ``UPCAST_BF16`` tells the GEMM to upcast bf16 tiles to fp32 before ``tl.dot``
+  (exact, since a bf16 x bf16 product fits in fp32); elementwise kernels always
+  upcast their loads to fp32 anyway.
+* fp32 -> bf16 casts truncate instead of rounding to nearest even:
+  :func:`cast_rne` rounds by hand under the interpreter.
+* ``@triton.autotune`` with several configs cannot run: :func:`autotune` keeps
+  only the first config under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402  (the mode above must be chosen before triton.jit runs)
+import triton.language as tl  # noqa: E402
+
+#: True when kernels run through Triton's interpreter on the CPU.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# The same flag, visible inside @triton.jit functions.
+IS_INTERPRETER = tl.constexpr(INTERPRET)
+
+#: dtypes a half-precision kernel input may have.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+_TL_DTYPES = {
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+    torch.float32: tl.float32,
+}
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton dtype matching a torch dtype (fp16, bf16 or fp32)."""
+    return _TL_DTYPES[dtype]
+
+
+def mode() -> str:
+    """``"interpreted"`` (CPU, Triton's interpreter) or ``"compiled"`` (GPU)."""
+    return "interpreted" if INTERPRET else "compiled"
+
+
+def autotune(configs: list[triton.Config], key: list[str]):
+    """``triton.autotune`` over ``configs`` when compiled; under the interpreter,
+    which cannot benchmark, the first config alone (so list the one that suits
+    small CPU problems first, or pass an interpreter-specific list)."""
+    return triton.autotune(configs=configs[:1] if INTERPRET else configs, key=key)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+) -> torch.Tensor:
+    """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``t`` is a dense
+    tensor with ``ndim`` dimensions and a dtype in ``dtypes``, on a device the
+    current mode can run on."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {_describe(t)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        expected = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({expected}), got {_describe(t)}")
+    if not INTERPRET and t.device.type != "cuda":
+        raise ValueError(
+            f"{name} is on {t.device}, but tkern runs compiled kernels on CUDA tensors; "
+            "set TRITON_INTERPRET=1 before importing tkern to run on the CPU"
+        )
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` unless all given (non-None) tensors share one device."""
+    named = [(k, v) for k, v in tensors.items() if v is not None]
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                "all tensors must be on one device"
+            )
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def cast_rne(x, DTYPE: tl.constexpr):
+    """Cast fp32 ``x`` to ``DTYPE`` rounding to nearest even, as torch does.
+
+    Compiled Triton already rounds this way. The interpreter truncates on
+    fp32 -> bf16, so there the rounding is done on the bits: add 0x7FFF plus the
+    lowest kept bit, then drop the low 16 bits. Infinities and the canonical
+    NaN (0x7FC00000, what arithmetic produces) come through unchanged.
+    """
+    if IS_INTERPRETER and tl.bfloat16 == DTYPE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)

@@ -1,0 +1,74 @@
+"""Gradient of the GEMM epilogue's activation, applied in fp32.
+
+``dz = dy * act'(z)`` where ``z`` is the pre-activation the forward GEMM saved.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tkern.kernels._common import INTERPRET, cast_rne, check_same_device, check_tensor, tl_dtype
+from tkern.kernels.gemm import ACTIVATIONS, check_activation
+
+_RELU: tl.constexpr = tl.constexpr(ACTIVATIONS["relu"])
+_GELU: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu"])
+_INV_SQRT2: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0))
+_INV_SQRT_2PI: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+
+#: Elements per program: large under the interpreter, where each program costs
+#: milliseconds; 1024 (4 warps x 32 threads x 8 halves = 16-byte loads) on a GPU.
+BLOCK = 65536 if INTERPRET else 1024
+
+
+@triton.jit
+def _activation_grad_kernel(
+    dy_ptr,  # (n,) upstream gradient, fp16/bf16
+    z_ptr,  # (n,) pre-activation saved by the forward GEMM, same dtype
+    dz_ptr,  # (n,) output, same dtype
+    n,
+    ACTIVATION: tl.constexpr,  # 1 relu, 2 gelu (erf form)
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == _RELU:
+        dz = tl.where(z > 0.0, dy, 0.0)
+    else:
+        # d/dz [z * Phi(z)] = Phi(z) + z * phi(z)
+        cdf = 0.5 * (1.0 + tl.erf(z * _INV_SQRT2))
+        pdf = tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
+        dz = dy * (cdf + z * pdf)
+    tl.store(dz_ptr + offs, cast_rne(dz, DTYPE), mask=mask)
+
+
+def activation_grad(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
+    """``dy * act'(z)`` computed in fp32, returned in ``dy``'s dtype.
+
+    Args:
+        dy: upstream gradient, any shape, fp16/bf16.
+        z: pre-activation, same shape and dtype as ``dy``.
+        activation: ``"relu"`` or ``"gelu"``.
+    """
+    check_activation(activation)
+    if activation is None:
+        raise ValueError("activation_grad needs an activation, got None")
+    check_tensor("dy", dy, dtypes=(torch.float16, torch.bfloat16))
+    check_tensor("z", z, dtypes=(dy.dtype,))
+    if z.shape != dy.shape:
+        raise ValueError(f"z has shape {tuple(z.shape)} but dy has shape {tuple(dy.shape)}")
+    check_same_device(dy=dy, z=z)
+    dy, z = dy.contiguous(), z.contiguous()
+    dz = torch.empty_like(dy)
+    n = dy.numel()
+    if n:
+        _activation_grad_kernel[(triton.cdiv(n, BLOCK),)](
+            dy, z, dz, n, ACTIVATION=ACTIVATIONS[activation], DTYPE=tl_dtype(dy.dtype), BLOCK=BLOCK
+        )
+    return dz

@@ -1,0 +1,234 @@
+"""GEMM with FP32 accumulation and a fused epilogue.
+
+``C = act(A @ B + bias)`` for fp16 or bf16 ``A`` (M, K) and ``B`` (K, N) of any
+strides. Products are accumulated in an FP32 tile; the epilogue (bias,
+activation, one cast) runs on that FP32 tile, so the only rounding to half
+precision is the final store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tkern.kernels._common import (
+    HALF_DTYPES,
+    INTERPRET,
+    autotune,
+    cast_rne,
+    check_same_device,
+    check_tensor,
+    tl_dtype,
+)
+
+#: Activations the epilogue can apply; the integer is the kernel's constexpr code.
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
+_RELU: tl.constexpr = tl.constexpr(1)
+_GELU: tl.constexpr = tl.constexpr(2)
+_INV_SQRT2: tl.constexpr = tl.constexpr(0.7071067811865476)
+
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def gemm_configs() -> list[triton.Config]:
+    """Tile configurations the autotuner chooses from, the one place they live.
+
+    The first entry is the only one used under the interpreter, where big tiles
+    matter most (each program costs milliseconds on the CPU, the tile size
+    almost nothing). The rest are the tile shapes of Triton's matmul tutorial
+    for fp16 on Ampere/Hopper plus 64-deep K tiles, which let Hopper's wgmma
+    issue fewer, larger instructions; GROUP_M = 8 programs share a band of A
+    rows so that band stays in L2.
+    """
+
+    def cfg(bm, bn, bk, stages, warps):
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
+        return triton.Config(meta, num_stages=stages, num_warps=warps)
+
+    return [
+        cfg(128, 128, 64, 3, 8) if not INTERPRET else cfg(128, 128, 128, 1, 4),
+        cfg(128, 256, 64, 3, 8),
+        cfg(256, 128, 64, 3, 8),
+        cfg(128, 256, 64, 4, 8),
+        cfg(128, 128, 64, 4, 4),
+        cfg(128, 128, 32, 4, 4),
+        cfg(128, 64, 32, 4, 4),
+        cfg(64, 128, 32, 4, 4),
+        cfg(64, 64, 64, 4, 4),
+        cfg(64, 32, 32, 5, 2),
+    ]
+
+
+@autotune(configs=gemm_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION"])
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _matmul_kernel(
+    # pointers
+    a_ptr,  # (M, K) fp16/bf16
+    b_ptr,  # (K, N) same dtype as a
+    c_ptr,  # (M, N) OUT_DTYPE
+    bias_ptr,  # (N,) a's dtype or fp32; unused unless HAS_BIAS
+    preact_ptr,  # (M, N) a's dtype: A @ B + bias before the activation; unused unless STORE_PREACT
+    # dimensions
+    M,
+    N,
+    K,
+    # strides, in elements
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    # meta-parameters; constexpr so the untaken branches are compiled out
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,  # multiply in fp32 (the interpreter cannot multiply bf16)
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask on the K loop
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped ordering: consecutive programs walk down GROUP_M rows of tiles
+    # before moving right, so the A rows they share are still in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+
+    # Accumulate in fp32: fp16 products are exact in fp32, and the running sum
+    # keeps 24 bits where an fp16 sum would keep 11 (4096 ones sum to 2048 in fp16).
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Epilogue, on the fp32 accumulator.
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    if STORE_PREACT:
+        preact_ptrs = preact_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
+    if ACTIVATION == _RELU:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == _GELU:
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * _INV_SQRT2))
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
+
+
+def check_activation(activation: str | None) -> None:
+    """Raise ``ValueError`` unless ``activation`` is one the epilogue knows."""
+    if activation not in ACTIVATIONS:
+        known = ", ".join(repr(a) for a in ACTIVATIONS)
+        raise ValueError(f"activation must be one of {known}, got {activation!r}")
+
+
+def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
+    """Raise unless ``bias`` is None or an (n,) tensor of ``dtype`` or fp32."""
+    if bias is None:
+        return
+    check_tensor("bias", bias, ndim=1, dtypes=(dtype, torch.float32))
+    if bias.shape[0] != n:
+        raise ValueError(f"bias must have shape ({n},), got shape {tuple(bias.shape)}")
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    preact: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``act(a @ b + bias)`` with fp32 accumulation, cast once to ``out_dtype``.
+
+    Args:
+        a: (M, K), fp16 or bf16, any strides (a transposed view is read in place).
+        b: (K, N), same dtype as ``a``, any strides.
+        bias: optional (N,), ``a``'s dtype or fp32, added to the fp32 accumulator.
+        activation: None, ``"relu"`` or ``"gelu"`` (exact, erf form), applied in fp32.
+        out_dtype: dtype of the result: fp16, bf16 or fp32; default ``a.dtype``.
+        preact: optional (M, N) contiguous tensor of ``a``'s dtype that receives
+            ``a @ b + bias`` before the activation (what its gradient needs).
+
+    Returns:
+        A new contiguous (M, N) tensor. K == 0 gives ``act(bias)`` (zeros without bias).
+
+    Raises:
+        TypeError / ValueError: naming the argument, before anything is launched.
+    """
+    check_tensor("a", a, ndim=2, dtypes=HALF_DTYPES)
+    check_tensor("b", b, ndim=2, dtypes=HALF_DTYPES)
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
+    (M, K), (Kb, N) = a.shape, b.shape
+    if Kb != K:
+        raise ValueError(
+            f"inner dimensions differ: a has shape {tuple(a.shape)} (M, K) and "
+            f"b has shape {tuple(b.shape)} (K, N); expected b.shape[0] == {K}"
+        )
+    check_bias(bias, N, a.dtype)
+    check_activation(activation)
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if preact is not None:
+        check_tensor("preact", preact, ndim=2, dtypes=(a.dtype,))
+        if preact.shape != (M, N) or not preact.is_contiguous():
+            raise ValueError(
+                f"preact must be a contiguous ({M}, {N}) tensor, got shape {tuple(preact.shape)}"
+            )
+    check_same_device(a=a, b=b, bias=bias, preact=preact)
+
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    if M == 0 or N == 0:
+        return c
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _matmul_kernel[grid](
+        a, b, c, bias if bias is not None else c, preact if preact is not None else c,
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATIONS[activation],
+        STORE_PREACT=preact is not None,
+        OUT_DTYPE=tl_dtype(out_dtype),
+        PREACT_DTYPE=tl_dtype(a.dtype),
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return c
