@@ -30,9 +30,7 @@ def randn(*shape, dtype, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize(
-    "M,N,K", [(1, 1, 1), (17, 33, 65), (17, 65, 33), (129, 31, 96), (64, 64, 256)]
-)
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (17, 33, 65), (17, 65, 33), (129, 31, 96), (64, 64, 256)])
 def test_shapes(dtype, M, N, K):
     a, b = randn(M, K, dtype=dtype), randn(K, N, dtype=dtype)
     out = tkern.matmul(a, b)
@@ -76,9 +74,7 @@ def test_fp32_accumulator_where_fp16_accumulation_fails():
     assert torch.equal(
         tkern.matmul(a, b, out_dtype=torch.float32), torch.full((16, 16), 4096.0, device=DEVICE)
     )
-    assert torch.equal(
-        tkern.matmul(a, b), torch.full((16, 16), 4096.0, dtype=torch.float16, device=DEVICE)
-    )
+    assert torch.equal(tkern.matmul(a, b), torch.full((16, 16), 4096.0, dtype=torch.float16, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -25,9 +25,9 @@ def _info(_: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tkern", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
-        "info", help="device, torch/triton versions, compiled or interpreted mode"
-    ).set_defaults(func=_info)
+    sub.add_parser("info", help="device, torch/triton versions, compiled or interpreted mode").set_defaults(
+        func=_info
+    )
     return parser
 
 

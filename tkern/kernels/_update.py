@@ -1,0 +1,69 @@
+"""The arguments every pass-2 (update) kernel takes, and their checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tkern.kernels._common import check_tensor
+
+PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class UpdateBuffers:
+    """One contiguous run of a flat parameter buffer and its companions.
+
+    Attributes:
+        param: (n,) fp16/bf16/fp32 model parameters, written in place.
+        grad: (n,) gradients of ``param``'s dtype, scaled by the loss scale.
+        master: (n,) fp32 master weights; for fp32 params, ``param`` itself
+            (the same memory), which is then its own master.
+        state: name -> (n,) fp32 optimizer state (momentum, exp_avg, ...).
+        stats: (3,) fp32 pass-1 statistics from :func:`tkern.kernels.overflow.grad_stats`.
+        inv_scale: (1,) fp32, 1 / loss scale.
+        step: (1,) fp32 count of applied steps before this one.
+    """
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    master: torch.Tensor
+    stats: torch.Tensor
+    inv_scale: torch.Tensor
+    step: torch.Tensor
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def has_master(self) -> bool:
+        """Whether the param is half precision with a separate fp32 master."""
+        return self.param.dtype != torch.float32
+
+
+def check_update_buffers(b: UpdateBuffers, state_names: tuple[str, ...]) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the buffer that is wrong."""
+    check_tensor("param", b.param, ndim=1, dtypes=PARAM_DTYPES)
+    n = b.param.numel()
+    named = {"grad": (b.grad, b.param.dtype), "master": (b.master, torch.float32)}
+    named.update({name: (b.state.get(name), torch.float32) for name in state_names})
+    for name, (t, dtype) in named.items():
+        if t is None:
+            raise ValueError(f"state buffer {name!r} is missing")
+        check_tensor(name, t, ndim=1, dtypes=(dtype,))
+        if t.numel() != n or not t.is_contiguous() or t.device != b.param.device:
+            raise ValueError(
+                f"{name} must be a contiguous ({n},) tensor on {b.param.device} like param, "
+                f"got shape {tuple(t.shape)} on {t.device}"
+            )
+    if not b.has_master and b.master.data_ptr() != b.param.data_ptr():
+        raise ValueError("an fp32 param is its own master: pass the same memory as param and master")
+    for name, t, size in (
+        ("stats", b.stats, 3),
+        ("inv_scale", b.inv_scale, 1),
+        ("step", b.step, 1),
+    ):
+        check_tensor(name, t, dtypes=(torch.float32,))
+        if t.numel() != size or t.device != b.param.device:
+            raise ValueError(
+                f"{name} must hold {size} value(s) on {b.param.device}, got shape {tuple(t.shape)}"
+            )

@@ -1,0 +1,138 @@
+"""Pass 2 for Adam and AdamW: skip on overflow, unscale, clip, weight decay
+(L2 or decoupled), moment updates, bias correction, update of the fp32
+master, write of the half-precision copy. fp32 arithmetic throughout, in the
+order torch.optim.Adam uses."""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from tkern.kernels._common import INTERPRET, cast_rne, tl_dtype
+from tkern.kernels._update import UpdateBuffers, check_update_buffers
+from tkern.kernels.overflow import found_inf, grad_factor
+
+#: See tkern.kernels.sgd: 8 contiguous values per thread.
+BLOCK = 65536 if INTERPRET else 2048
+NUM_WARPS = 8
+
+
+@triton.jit
+def _one_minus_pow(t, ln_beta):
+    """1 - beta ** t, as -expm1(t * ln(beta)) with Kahan's accurate expm1:
+    1 - exp(x) in fp32 would cancel to a few correct bits when beta ** t ~ 1
+    (1 - 0.999 ** 1), and the bias correction would be off by ~1e-4."""
+    x = t * ln_beta
+    u = tl.exp(x)
+    um1 = u - 1.0
+    # um1 == 0: |x| below fp32's spacing at 1, expm1(x) = x; um1 == -1: beta ** t
+    # underflowed (or beta = 0), expm1 = -1; else (u - 1) * x / ln(u) cancels
+    # the rounding error of exp.
+    safe_log = tl.where((um1 == 0.0) | (um1 == -1.0), 1.0, tl.log(u))
+    expm1 = tl.where(um1 == 0.0, x, tl.where(um1 == -1.0, -1.0, um1 * x / safe_log))
+    return -expm1
+
+
+@triton.jit
+def _adam_kernel(
+    param_ptr,  # (n,) fp16/bf16 model param (== master_ptr when HAS_MASTER is False)
+    grad_ptr,  # (n,) gradient, param's dtype, scaled by the loss scale
+    master_ptr,  # (n,) fp32 master weights
+    exp_avg_ptr,  # (n,) fp32 first moment
+    exp_avg_sq_ptr,  # (n,) fp32 second moment
+    max_exp_avg_sq_ptr,  # (n,) fp32 running max of the second moment; unused unless AMSGRAD
+    stats_ptr,  # (3,) fp32 pass-1 statistics
+    inv_scale_ptr,  # (1,) fp32
+    step_ptr,  # (1,) fp32 applied steps so far; this step is step + 1
+    n,
+    # Hyperparameters. Differences such as 1 - beta are formed on the host in
+    # float64, as torch does: in fp32, 1 - 0.999 is off by 1.3e-5 relative.
+    lr,
+    beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    ln_beta1,  # ln(beta1), -inf for 0
+    ln_beta2,
+    eps,
+    weight_decay,
+    decay,  # 1 - lr * weight_decay (AdamW)
+    max_grad_norm,
+    HAS_MASTER: tl.constexpr,
+    DECOUPLED: tl.constexpr,  # AdamW: p *= 1 - lr * wd; else Adam's L2: g += wd * p
+    AMSGRAD: tl.constexpr,
+    CLIP: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    if found_inf(stats_ptr):
+        return  # skipped step: nothing is written, the step count stays
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = g * grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP)
+    p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    if DECOUPLED:
+        p = p * decay
+    else:
+        g = g + weight_decay * p
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    m = m + one_minus_beta1 * (g - m)  # lerp, as torch
+    v = v * beta2 + one_minus_beta2 * g * g
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if AMSGRAD:
+        v = tl.maximum(tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0), v)
+        tl.store(max_exp_avg_sq_ptr + offs, v, mask=mask)
+    t = tl.load(step_ptr) + 1.0
+    bias_correction1 = _one_minus_pow(t, ln_beta1)
+    bias_correction2_sqrt = tl.sqrt(_one_minus_pow(t, ln_beta2))
+    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+    p = p - (lr / bias_correction1) * (m / denom)
+    tl.store(master_ptr + offs, p, mask=mask)
+    if HAS_MASTER:
+        tl.store(param_ptr + offs, cast_rne(p, PARAM_DTYPE), mask=mask)
+
+
+def _ln(beta: float) -> float:
+    return math.log(beta) if beta > 0 else float("-inf")
+
+
+def adam_update(
+    buffers: UpdateBuffers,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    amsgrad: bool,
+    max_grad_norm: float | None,
+) -> None:
+    """Launch the Adam (``decoupled=False``) or AdamW update over ``buffers``
+    (see :class:`UpdateBuffers`); state: ``exp_avg``, ``exp_avg_sq`` and, with
+    ``amsgrad``, ``max_exp_avg_sq``. Does nothing on the device when ``stats``
+    reports an overflow."""
+    b = buffers
+    names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    check_update_buffers(b, names)
+    n = b.grad.numel()
+    if n == 0:
+        return
+    _adam_kernel[(triton.cdiv(n, BLOCK),)](
+        b.param, b.grad, b.master, b.state["exp_avg"], b.state["exp_avg_sq"],
+        b.state.get("max_exp_avg_sq", b.master),
+        b.stats, b.inv_scale, b.step,
+        n, lr, beta2, 1.0 - beta1, 1.0 - beta2, _ln(beta1), _ln(beta2), eps, weight_decay,
+        1.0 - lr * weight_decay, max_grad_norm or 0.0,
+        HAS_MASTER=b.has_master,
+        DECOUPLED=decoupled,
+        AMSGRAD=amsgrad,
+        CLIP=max_grad_norm is not None,
+        PARAM_DTYPE=tl_dtype(b.param.dtype),
+        BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip

@@ -1,0 +1,149 @@
+"""Pass 1 of an optimizer step: one read of the flat gradients.
+
+Produces the step's statistics vector ``stats`` (3 fp32 values on the device):
+
+* ``stats[FOUND_INF]``: 1.0 if any gradient is inf or nan, else 0.0;
+* ``stats[SUMSQ]``: sum of squares of the finite unscaled gradients ``g * inv_scale``;
+* ``stats[AMAX]``: max |g * inv_scale| over the finite gradients.
+
+Each program of :func:`_grad_stats_kernel` writes one row of partial results;
+:func:`_finalize_stats_kernel` reduces the rows in a fixed order. No float
+atomics, so the sums (and so every clipped update) are bit-reproducible.
+
+The update kernels read ``stats`` through :func:`grad_factor`, so this file is
+the one place that knows its layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tkern.kernels._common import INTERPRET, check_tensor
+
+FOUND_INF: int = 0
+SUMSQ: int = 1
+AMAX: int = 2
+N_STATS: int = 3
+
+#: Elements per program per loop iteration (interpreter: few, large programs).
+BLOCK = 65536 if INTERPRET else 4096
+#: At most this many programs per launch, each looping over its share; enough
+#: to fill every SM of an H100/H200 several times, few enough that the final
+#: reduction over the partial rows costs next to nothing.
+MAX_PROGRAMS = 4 if INTERPRET else 1024
+_FINALIZE_BLOCK = 1024
+
+# The same offsets, visible inside @triton.jit functions.
+_FOUND_INF: tl.constexpr = tl.constexpr(FOUND_INF)
+_SUMSQ: tl.constexpr = tl.constexpr(SUMSQ)
+_AMAX: tl.constexpr = tl.constexpr(AMAX)
+_N_STATS: tl.constexpr = tl.constexpr(N_STATS)
+_NUM_WARPS = 8
+
+
+@triton.jit
+def _grad_stats_kernel(
+    grad_ptr,  # (n,) fp16/bf16/fp32 gradients, scaled by the loss scale
+    n,
+    inv_scale_ptr,  # (1,) fp32: 1 / loss scale
+    partials_ptr,  # (num_programs, N_STATS) fp32: this launch's rows
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    inv_scale = tl.load(inv_scale_ptr)
+    nonfinite = tl.zeros((BLOCK,), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        g = tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        # x != x is NaN; |x| == inf is +-inf (libdevice isnan/isinf are not interpretable).
+        bad = (g != g) | (tl.abs(g) == float("inf"))
+        nonfinite = tl.maximum(nonfinite, bad.to(tl.float32))
+        g = tl.where(bad, 0.0, g) * inv_scale
+        sumsq += g * g
+        amax = tl.maximum(amax, tl.abs(g))
+    row = partials_ptr + pid * _N_STATS
+    tl.store(row + _FOUND_INF, tl.max(nonfinite, axis=0))
+    tl.store(row + _SUMSQ, tl.sum(sumsq, axis=0))
+    tl.store(row + _AMAX, tl.max(amax, axis=0))
+
+
+@triton.jit
+def _finalize_stats_kernel(
+    partials_ptr,  # (n_rows, N_STATS) fp32
+    n_rows,
+    stats_ptr,  # (N_STATS,) fp32 output
+    BLOCK: tl.constexpr,
+):
+    nonfinite = tl.zeros((BLOCK,), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        mask = rows < n_rows
+        row = partials_ptr + rows * _N_STATS
+        nonfinite = tl.maximum(nonfinite, tl.load(row + _FOUND_INF, mask=mask, other=0.0))
+        sumsq += tl.load(row + _SUMSQ, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.load(row + _AMAX, mask=mask, other=0.0))
+    tl.store(stats_ptr + _FOUND_INF, tl.max(nonfinite, axis=0))
+    tl.store(stats_ptr + _SUMSQ, tl.sum(sumsq, axis=0))
+    tl.store(stats_ptr + _AMAX, tl.max(amax, axis=0))
+
+
+def _programs_for(n: int) -> int:
+    return max(1, min(triton.cdiv(n, BLOCK), MAX_PROGRAMS))
+
+
+def grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """Statistics of all of ``grads`` together: one launch per tensor plus one
+    tiny reduction, no host synchronization.
+
+    Args:
+        grads: 1-D contiguous fp16/bf16/fp32 tensors (flat gradient buffers or
+            slices of them), all on one device.
+        inv_scale: (1,) fp32 tensor on that device, 1 / loss scale.
+
+    Returns:
+        A new (3,) fp32 tensor: ``[found_inf, sum of squares, max |g|]`` of the
+        unscaled gradients (see the module docstring).
+    """
+    check_tensor("inv_scale", inv_scale, dtypes=(torch.float32,))
+    if inv_scale.numel() != 1:
+        raise ValueError(f"inv_scale must hold one value, got shape {tuple(inv_scale.shape)}")
+    for i, g in enumerate(grads):
+        check_tensor(f"grads[{i}]", g, ndim=1, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+        if not g.is_contiguous() or g.device != inv_scale.device:
+            raise ValueError(f"grads[{i}] must be contiguous and on {inv_scale.device}")
+    programs = [_programs_for(g.numel()) for g in grads]
+    partials = torch.zeros((max(1, sum(programs)), N_STATS), dtype=torch.float32, device=inv_scale.device)
+    row = 0
+    for g, p in zip(grads, programs, strict=True):
+        if g.numel():
+            _grad_stats_kernel[(p,)](
+                g, g.numel(), inv_scale, partials[row : row + p], BLOCK=BLOCK, num_warps=_NUM_WARPS
+            )
+        row += p
+    stats = torch.empty(N_STATS, dtype=torch.float32, device=inv_scale.device)
+    _finalize_stats_kernel[(1,)](partials, partials.shape[0], stats, BLOCK=_FINALIZE_BLOCK)
+    return stats
+
+
+@triton.jit
+def grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP: tl.constexpr):
+    """What the update kernels multiply each gradient by: ``inv_scale`` times
+    torch's ``clip_grad_norm_`` coefficient ``min(1, max_norm / (norm + 1e-6))``."""
+    factor = tl.load(inv_scale_ptr)
+    if CLIP:
+        norm = tl.sqrt(tl.load(stats_ptr + _SUMSQ))
+        factor = factor * tl.minimum(max_grad_norm / (norm + 1e-6), 1.0)
+    return factor
+
+
+@triton.jit
+def found_inf(stats_ptr):
+    """True when the step must be skipped."""
+    return tl.load(stats_ptr + _FOUND_INF) != 0.0
