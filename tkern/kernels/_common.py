@@ -21,6 +21,7 @@ What the interpreter gets wrong, and where tkern handles it (all here):
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -128,3 +129,25 @@ def cast_rne(x, DTYPE: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def one_minus_pow(t, ln_beta):
+    """1 - beta ** t, as -expm1(t * ln(beta)) with Kahan's accurate expm1:
+    1 - exp(x) in fp32 would cancel to a few correct bits when beta ** t ~ 1
+    (1 - 0.999 ** 1), and a bias correction would be off by ~1e-4. Used by
+    Adam's bias corrections and the log-normal loss scaler's."""
+    x = t * ln_beta
+    u = tl.exp(x)
+    um1 = u - 1.0
+    # um1 == 0: |x| below fp32's spacing at 1, expm1(x) = x; um1 == -1: beta ** t
+    # underflowed (or beta = 0), expm1 = -1; else (u - 1) * x / ln(u) cancels
+    # the rounding error of exp.
+    safe_log = tl.where((um1 == 0.0) | (um1 == -1.0), 1.0, tl.log(u))
+    expm1 = tl.where(um1 == 0.0, x, tl.where(um1 == -1.0, -1.0, um1 * x / safe_log))
+    return -expm1
+
+
+def ln_beta(beta: float) -> float:
+    """ln(beta) in float64 for :func:`one_minus_pow` (-inf for beta = 0)."""
+    return math.log(beta) if beta > 0 else float("-inf")

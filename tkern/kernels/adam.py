@@ -5,34 +5,16 @@ order torch.optim.Adam uses."""
 
 from __future__ import annotations
 
-import math
-
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, cast_rne, tl_dtype
+from tkern.kernels._common import INTERPRET, cast_rne, ln_beta, one_minus_pow, tl_dtype
 from tkern.kernels._update import UpdateBuffers, check_update_buffers
 from tkern.kernels.overflow import found_inf, grad_factor
 
 #: See tkern.kernels.sgd: 8 contiguous values per thread.
 BLOCK = 65536 if INTERPRET else 2048
 NUM_WARPS = 8
-
-
-@triton.jit
-def _one_minus_pow(t, ln_beta):
-    """1 - beta ** t, as -expm1(t * ln(beta)) with Kahan's accurate expm1:
-    1 - exp(x) in fp32 would cancel to a few correct bits when beta ** t ~ 1
-    (1 - 0.999 ** 1), and the bias correction would be off by ~1e-4."""
-    x = t * ln_beta
-    u = tl.exp(x)
-    um1 = u - 1.0
-    # um1 == 0: |x| below fp32's spacing at 1, expm1(x) = x; um1 == -1: beta ** t
-    # underflowed (or beta = 0), expm1 = -1; else (u - 1) * x / ln(u) cancels
-    # the rounding error of exp.
-    safe_log = tl.where((um1 == 0.0) | (um1 == -1.0), 1.0, tl.log(u))
-    expm1 = tl.where(um1 == 0.0, x, tl.where(um1 == -1.0, -1.0, um1 * x / safe_log))
-    return -expm1
 
 
 @triton.jit
@@ -87,17 +69,13 @@ def _adam_kernel(
         v = tl.maximum(tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0), v)
         tl.store(max_exp_avg_sq_ptr + offs, v, mask=mask)
     t = tl.load(step_ptr) + 1.0
-    bias_correction1 = _one_minus_pow(t, ln_beta1)
-    bias_correction2_sqrt = tl.sqrt(_one_minus_pow(t, ln_beta2))
+    bias_correction1 = one_minus_pow(t, ln_beta1)
+    bias_correction2_sqrt = tl.sqrt(one_minus_pow(t, ln_beta2))
     denom = tl.sqrt(v) / bias_correction2_sqrt + eps
     p = p - (lr / bias_correction1) * (m / denom)
     tl.store(master_ptr + offs, p, mask=mask)
     if HAS_MASTER:
         tl.store(param_ptr + offs, cast_rne(p, PARAM_DTYPE), mask=mask)
-
-
-def _ln(beta: float) -> float:
-    return math.log(beta) if beta > 0 else float("-inf")
 
 
 def adam_update(
@@ -126,7 +104,7 @@ def adam_update(
         b.param, b.grad, b.master, b.state["exp_avg"], b.state["exp_avg_sq"],
         b.state.get("max_exp_avg_sq", b.master),
         b.stats, b.inv_scale, b.step,
-        n, lr, beta2, 1.0 - beta1, 1.0 - beta2, _ln(beta1), _ln(beta2), eps, weight_decay,
+        n, lr, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), eps, weight_decay,
         1.0 - lr * weight_decay, max_grad_norm or 0.0,
         HAS_MASTER=b.has_master,
         DECOUPLED=decoupled,
