@@ -1,0 +1,246 @@
+"""Trainer, the digits comparison against torch.autocast, and the tkern command."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from conftest import DEVICE
+from torch import nn
+
+import tkern
+from tkern import demo
+from tkern.cli import main
+from tkern.optim import FusedAdamW, FusedSGD
+
+
+def synthetic_loader(n=96, batch=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 12, generator=g)
+    y = (x[:, :3].sum(1) > 0).long()
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=True)
+
+
+def small_trainer(**kwargs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 2)).to(DEVICE)
+    tkern.convert_network(model)
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+    scaler = tkern.DynamicLossScaler(init_scale=2.0**12, growth_interval=4)
+    return tkern.Trainer(
+        model, opt, nn.functional.cross_entropy, scaler, scheduler=sched, progress=False, **kwargs
+    )
+
+
+def test_fastai_mixed_precision_test_adapted():
+    # fastai's test of its MixedPrecision callback: two Linear(1, 1), SGD
+    # without momentum, 3 epochs of synthetic linear data; the loss must fall.
+    g = torch.Generator().manual_seed(42)
+    x = torch.randn(160, 1, generator=g)
+    y = 2.0 * x + 3.0 + 0.1 * torch.randn(160, 1, generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True)
+    torch.manual_seed(0)
+    model = tkern.convert_network(nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)).to(DEVICE))
+    trainer = tkern.Trainer(
+        model,
+        FusedSGD(model.parameters(), lr=1e-2),
+        nn.functional.mse_loss,
+        tkern.DynamicLossScaler(),
+        progress=False,
+    )
+    epochs = trainer.fit(loader, 3)
+    assert epochs[2]["train_loss"] < epochs[1]["train_loss"] < epochs[0]["train_loss"]
+
+
+def test_checkpoint_resume_is_bit_exact(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    full = small_trainer()
+    full.fit(synthetic_loader(), 2, checkpoint_path=ckpt)  # checkpoint after epoch 2
+    full.fit(synthetic_loader(), 4)  # continue to epoch 4 uninterrupted
+
+    torch.manual_seed(123)  # scramble the RNG: the checkpoint must restore it
+    resumed = small_trainer()
+    resumed.load_checkpoint(ckpt)
+    assert resumed.epoch == 2
+    resumed.fit(synthetic_loader(), 4)
+    for p, q in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(
+            full.optimizer.state[p].get("master", p), resumed.optimizer.state[q].get("master", q)
+        )
+    assert [h["loss"] for h in full.history] == [h["loss"] for h in resumed.history]
+    assert full.scaler.get_scale() == resumed.scaler.get_scale()
+    assert full.scheduler.get_last_lr() == resumed.scheduler.get_last_lr()
+
+
+def test_interrupted_save_keeps_the_good_checkpoint(tmp_path, monkeypatch):
+    ckpt = tmp_path / "run.ckpt"
+    trainer = small_trainer()
+    trainer.fit(synthetic_loader(), 1, checkpoint_path=ckpt)
+    good = ckpt.read_bytes()
+
+    def broken_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_checkpoint(ckpt)
+    assert ckpt.read_bytes() == good
+    assert [p.name for p in tmp_path.iterdir()] == ["run.ckpt"]
+
+
+def test_load_missing_checkpoint():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        small_trainer().load_checkpoint("/no/such/file.ckpt")
+
+
+def test_gradient_accumulation_and_history():
+    trainer = small_trainer(accumulation_steps=3)
+    trainer.fit(synthetic_loader(n=96, batch=8), 1)  # 12 micro-batches -> 4 steps
+    assert trainer.step == 4 and [h["step"] for h in trainer.history] == [1, 2, 3, 4]
+    assert all(h["scale"] == 2.0**12 for h in trainer.history[:3])
+    assert trainer.history[3]["scale"] == 2.0**13  # grown after 4 clean steps
+
+
+def test_memory_report_counts_master_state_grads_and_activations():
+    trainer = small_trainer()
+    trainer.fit(synthetic_loader(), 1)
+    report = trainer.memory_report()
+    n = sum(p.numel() for p in trainer.model.parameters())
+    assert report["model"] == 2 * n  # fp16 params
+    assert report["optimizer"] == (4 + 4 + 4) * n + 4  # master, exp_avg, exp_avg_sq, the step count
+    assert report["grads"] == 2 * n
+    assert report["activations"] > 0
+    assert report["total"] == sum(v for k, v in report.items() if k != "total")
+
+
+def test_bad_arguments():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        tkern.Trainer(model, "adam", nn.functional.mse_loss)
+    with pytest.raises(ValueError, match="accumulation_steps must be a positive int"):
+        tkern.Trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss, accumulation_steps=0
+        )
+    with pytest.raises(ValueError, match="epochs must be a non-negative int"):
+        small_trainer().fit(synthetic_loader(), -1)
+
+
+# ----------------------------------------------------------------------- vs torch.autocast
+
+
+@pytest.mark.slow
+def test_digits_tkern_tracks_autocast():
+    """Both runs start from the same weights and see the same batches.
+
+    Band: over the first 10 steps both evaluate nearly the same network with
+    fp16 operands; their losses differ by a few fp16 roundings (u = 4.9e-4
+    each): bound 2e-3 relative (4u; measured <= 2e-4). After that the two
+    trajectories drift apart step by step (autocast rounds fp32 weights at
+    each use, tkern keeps rounded copies of an fp32 master; the gradients
+    round differently), so per-step losses are compared through epoch means,
+    which average out the batch-to-batch noise: bound 2% relative (measured
+    <= 0.53% over two seeds, with 4x margin).
+    """
+    cfg = demo.Config(epochs=5, progress=False, runs=("tkern", "autocast"))
+    mine, theirs = demo.compare(cfg)
+    assert mine.val_accuracy > 0.9 and theirs.val_accuracy > 0.9
+    first = [abs(a - b) / b for a, b in zip(mine.losses[:10], theirs.losses[:10], strict=True)]
+    assert max(first) < 2e-3
+    per_epoch = len(mine.losses) // cfg.epochs
+    for e in range(cfg.epochs):
+        a = statistics.mean(mine.losses[e * per_epoch : (e + 1) * per_epoch])
+        b = statistics.mean(theirs.losses[e * per_epoch : (e + 1) * per_epoch])
+        assert abs(a - b) / b < 0.02, e
+    assert mine.skipped_steps == 0 and mine.final_scale == 2.0**16
+
+
+# ----------------------------------------------------------------------- the command
+
+
+def test_cli_train_only_tkern_with_checkpoint_and_resume(tmp_path, capsys):
+    ckpt = tmp_path / "digits.ckpt"
+    assert (
+        main(
+            [
+                "train",
+                "--only",
+                "tkern",
+                "--epochs",
+                "1",
+                "--hidden",
+                "32",
+                "--no-progress",
+                "--checkpoint",
+                str(ckpt),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "tkern" in out and "val acc" in out and ckpt.is_file()
+    assert (
+        main(
+            [
+                "train",
+                "--only",
+                "tkern",
+                "--epochs",
+                "2",
+                "--hidden",
+                "32",
+                "--no-progress",
+                "--resume",
+                str(ckpt),
+            ]
+        )
+        == 0
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--resume", "/no/such.ckpt"], "--resume: checkpoint '/no/such.ckpt' does not exist"),
+        (["train", "--plot", "/no/such/folder/x.png"], "--plot: folder"),
+    ],
+)
+def test_cli_user_errors_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["train", "--optimizer", "lamb"], ["train", "--hidden", "12,x"], ["train", "--epochs", "0"]]
+)
+def test_cli_bad_option_values_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_cli_missing_extra_is_one_line(monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_sklearn(name, *args, **kwargs):
+        if name.startswith("sklearn"):
+            raise ImportError("no sklearn")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_sklearn)
+    assert main(["train", "--only", "tkern", "--epochs", "1", "--no-progress"]) == 2
+    assert "needs scikit-learn: pip install 'tkern[demo]'" in capsys.readouterr().err
+
+
+def test_cli_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "triton" in out and tkern.mode() in out

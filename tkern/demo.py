@@ -1,0 +1,199 @@
+"""The main job: an MLP on scikit-learn's digits (1,797 real 8x8 handwritten
+digits shipped inside scikit-learn, no download), trained three ways from the
+same initial weights, with a side-by-side table:
+
+* ``tkern``: convert_network (fp16 tkern layers) + a fused optimizer on fp32
+  master weights + a device-side loss scaler;
+* ``fp32``: plain torch in fp32;
+* ``autocast``: torch.autocast(fp16) + torch.amp.GradScaler + torch.optim.AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+import tkern
+from tkern.optim import FusedAdam, FusedAdamW, FusedSGD
+from tkern.trainer import Trainer
+
+RUNS = ("tkern", "fp32", "autocast")
+OPTIMIZERS = {
+    "adamw": (FusedAdamW, torch.optim.AdamW),
+    "adam": (FusedAdam, torch.optim.Adam),
+    "sgd": (FusedSGD, torch.optim.SGD),
+}
+SCALERS = {
+    "dynamic": lambda: tkern.DynamicLossScaler(),
+    "static": lambda: tkern.StaticLossScaler(),
+    "lognormal": lambda: tkern.LogNormalLossScaler(),
+}
+
+
+class MissingExtraError(RuntimeError):
+    """An optional dependency the demo needs is not installed."""
+
+
+@dataclass
+class Config:
+    epochs: int = 10
+    batch_size: int = 64
+    hidden: tuple[int, ...] = (128, 64)
+    optimizer: str = "adamw"
+    scaler: str = "dynamic"
+    lr: float = 3e-3
+    seed: int = 0
+    runs: tuple[str, ...] = RUNS
+    progress: bool = True
+    checkpoint: str | None = None  # the tkern run saves a checkpoint here after each epoch
+    resume: str | None = None  # the tkern run starts from this checkpoint
+
+
+@dataclass
+class Result:
+    name: str
+    train_loss: float
+    val_accuracy: float
+    step_time_ms: float
+    peak_memory_bytes: int
+    skipped_steps: int | None
+    final_scale: float | None
+    losses: list[float] = field(default_factory=list)
+
+
+def load_digits(seed: int, device: torch.device):
+    """Digits as tensors: features scaled to [0, 1], an 80/20 split drawn with ``seed``."""
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+    except ImportError as e:
+        raise MissingExtraError("the digits demo needs scikit-learn: pip install 'tkern[demo]'") from e
+    data = sk_load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    n_val = len(x) // 5
+    val, train = perm[:n_val], perm[n_val:]
+    return (x[train].to(device), y[train].to(device)), (x[val].to(device), y[val].to(device))
+
+
+def make_mlp(in_features: int, hidden: tuple[int, ...], classes: int) -> nn.Sequential:
+    """An fp32 MLP: Linear-ReLU blocks and a Linear head."""
+    layers: list[nn.Module] = []
+    for width in hidden:
+        layers += [nn.Linear(in_features, width), nn.ReLU()]
+        in_features = width
+    layers.append(nn.Linear(in_features, classes))
+    return nn.Sequential(*layers)
+
+
+def _loader(x, y, batch_size, shuffle):
+    # Shuffling draws from torch's global RNG, which checkpoints save and restore.
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle
+    )
+
+
+def build(name: str, base: nn.Module, cfg: Config, device: torch.device):
+    """(model, optimizer, scaler, autocast dtype) for one of the three runs."""
+    model = copy.deepcopy(base)
+    fused_cls, torch_cls = OPTIMIZERS[cfg.optimizer]
+    if name == "tkern":
+        tkern.convert_network(model)
+        return model, fused_cls(model.parameters(), lr=cfg.lr), SCALERS[cfg.scaler](), None
+    extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
+    opt = torch_cls(model.parameters(), lr=cfg.lr, **extra)
+    if name == "fp32":
+        return model, opt, None, None
+    return model, opt, torch.amp.GradScaler(device.type), torch.float16
+
+
+def run_one(name: str, base: nn.Module, data, cfg: Config, device: torch.device) -> Result:
+    (xt, yt), (xv, yv) = data
+    model, opt, scaler, autocast_dtype = build(name, base, cfg, device)
+    trainer = Trainer(
+        model, opt, nn.functional.cross_entropy, scaler, autocast_dtype=autocast_dtype, progress=cfg.progress
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(cfg.seed)
+    loader = _loader(xt, yt, cfg.batch_size, True)
+    if name == "tkern" and cfg.resume:
+        trainer.load_checkpoint(cfg.resume)
+    trainer.fit(loader, cfg.epochs, checkpoint_path=cfg.checkpoint if name == "tkern" else None)
+    metrics = trainer.evaluate(_loader(xv, yv, 512, False))
+    mem = trainer.memory_report()
+    scales = [h["scale"] for h in trainer.history if h["scale"] is not None]
+    return Result(
+        name=name,
+        train_loss=trainer.epochs[-1]["train_loss"],
+        val_accuracy=metrics["val_accuracy"],
+        step_time_ms=1e3 * sum(e["step_time_s"] for e in trainer.epochs) / len(trainer.epochs),
+        peak_memory_bytes=mem["total"],
+        skipped_steps=trainer.skipped_steps if scaler is not None else None,
+        final_scale=scales[-1] if scales else None,
+        losses=[h["loss"] for h in trainer.history],
+    )
+
+
+def compare(cfg: Config, device: torch.device | None = None) -> list[Result]:
+    """Train the digits MLP once per run in ``cfg.runs``, from the same initial weights."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() and not tkern.INTERPRET else "cpu")
+    data = load_digits(cfg.seed, device)
+    torch.manual_seed(cfg.seed)
+    base = make_mlp(64, cfg.hidden, 10).to(device)
+    return [run_one(name, base, data, cfg, device) for name in cfg.runs]
+
+
+def table(results: list[Result]) -> str:
+    """The side-by-side comparison as a fixed-width text table."""
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    rows = [("run", "train loss", "val acc", "ms/step", "peak mem", "skipped", "loss scale")]
+    for r in results:
+        rows.append(
+            (
+                r.name,
+                f"{r.train_loss:.4f}",
+                f"{100 * r.val_accuracy:.1f}%",
+                f"{r.step_time_ms:.2f}",
+                f"{r.peak_memory_bytes / 2**20:.2f} MiB",
+                fmt(r.skipped_steps, "d"),
+                fmt(r.final_scale, "g"),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str) -> None:
+    """Draw the per-step training loss of each run into ``path`` (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise MissingExtraError("--plot needs matplotlib: pip install 'tkern[demo]'") from e
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        ax.plot(r.losses, label=r.name, linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.set_title("digits MLP: tkern vs torch fp32 vs torch autocast")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
