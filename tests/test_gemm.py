@@ -175,3 +175,18 @@ def test_cpu_and_meta_devices_differ_is_reported():
         pytest.skip("covered by test_tensors_on_different_devices")
     with pytest.raises(ValueError, match="b is on meta but a is on cpu"):
         tkern.matmul(h(4, 5), torch.zeros(5, 3, dtype=torch.float16, device="meta"))
+
+
+def test_importing_triton_first_is_a_clear_error_on_cpu():
+    # Under the interpreter, triton must not be imported before tkern.
+    import subprocess
+    import sys
+
+    if DEVICE == "cuda":
+        pytest.skip("compiled mode has no such constraint")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import triton, tkern"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode != 0
+    assert "import tkern before triton, or set TRITON_INTERPRET=1" in proc.stderr

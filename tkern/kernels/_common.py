@@ -4,8 +4,9 @@ not depend on whether Triton runs compiled or interpreted.
 
 Triton's interpreter (``TRITON_INTERPRET=1``) runs every kernel on CPU tensors,
 so the whole library works and is tested on machines without a GPU. It must be
-switched on before ``triton.jit`` decorates anything, which is why this module
-sets it on import and why every kernel module imports this one first.
+switched on before triton is first imported (``triton.language`` decorates its
+own helpers then), which is why this module sets it on import, refuses to
+start when triton came first, and why every kernel module imports it first.
 
 What the interpreter gets wrong, and where tkern handles it (all here):
 
@@ -23,10 +24,20 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import torch
 
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    if "triton" in sys.modules:
+        # triton.language's own helpers (tl.sum, tl.max, ...) were decorated
+        # for the compiler when triton was imported; the interpreter cannot
+        # call them, and every kernel would fail deep inside Triton.
+        raise ImportError(
+            "tkern: there is no CUDA device, so tkern runs Triton's interpreter, which must be "
+            "switched on before triton is first imported; import tkern before triton, or set "
+            "TRITON_INTERPRET=1 in the environment"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402  (the mode above must be chosen before triton.jit runs)

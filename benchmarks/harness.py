@@ -1,0 +1,230 @@
+"""The harness every benchmark script shares.
+
+* :func:`setup` parses the common flags and decides the mode: on a CUDA device
+  the real sizes are timed and written under ``benchmarks/results/<device>/``;
+  with ``--smoke`` tiny sizes run anywhere (through Triton's interpreter on a
+  CPU) to check the code paths, and nothing is written; on a CPU without
+  ``--smoke`` the script says so and exits cleanly.
+* :func:`bench` times a callable: median (and 20th/80th percentiles) of
+  ``triton.testing.do_bench`` on the GPU.
+* :class:`Results` collects rows, writes ``<name>.json`` (``{"device",
+  "torch", "triton", "date", "rows": [...]}``), ``<name>.csv`` and
+  ``<name>.png``, and prints a table last.
+* :func:`copy_bandwidth` and :func:`cublas_tflops` measure the device's two
+  ceilings once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+import tkern  # before triton: on a CPU it must switch Triton's interpreter on first
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QUANTILES = (0.5, 0.2, 0.8)
+
+
+@dataclass
+class Mode:
+    smoke: bool
+    device: torch.device
+    out_dir: Path | None  # where results go; None in smoke mode
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def device_slug(name: str | None = None) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``: the results folder."""
+    return re.sub(r"[^a-z0-9]+", "-", (name or device_name()).lower()).strip("-")
+
+
+def setup(
+    name: str,
+    description: str,
+    argv: list[str] | None = None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> tuple[Mode, argparse.Namespace]:
+    """Parse the common flags (and the script's own, from ``add_arguments``);
+    exit cleanly on a CPU without ``--smoke``."""
+    parser = argparse.ArgumentParser(prog=f"bench_{name}.py", description=description)
+    if add_arguments is not None:
+        add_arguments(parser)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device, nothing written")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="results folder (default benchmarks/results/<device>)"
+    )
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available() and not tkern.INTERPRET
+    if not gpu and not args.smoke:
+        print(
+            f"bench_{name}: no CUDA device (tkern runs interpreted on the CPU); nothing to measure. "
+            "Use --smoke to check the code paths."
+        )
+        sys.exit(0)
+    device = torch.device("cuda" if gpu else "cpu")
+    out_dir = None if args.smoke else (args.out or RESULTS / device_slug())
+    return Mode(args.smoke, device, out_dir), args
+
+
+def bench(fn: Callable[[], object], mode: Mode, rep_ms: int = 100) -> tuple[float, float, float]:
+    """(median, p20, p80) milliseconds per call of ``fn``."""
+    if mode.smoke:
+        fn()
+        start = time.perf_counter()
+        fn()
+        ms = 1e3 * (time.perf_counter() - start)
+        return ms, ms, ms
+    return tuple(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, quantiles=list(QUANTILES)))
+
+
+def copy_bandwidth(mode: Mode, n_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy in GB/s, counting the bytes read and written."""
+    n = (n_bytes // 4) if not mode.smoke else 1 << 16
+    src = torch.empty(n, dtype=torch.float32, device=mode.device)
+    dst = torch.empty_like(src)
+    ms, _, _ = bench(lambda: dst.copy_(src), mode)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def cublas_tflops(mode: Mode, n: int = 8192) -> float:
+    """A large fp16 torch.matmul (cuBLAS) in TFLOP/s."""
+    n = n if not mode.smoke else 64
+    a = torch.randn(n, n, device=mode.device, dtype=torch.float16 if not mode.smoke else torch.float32)
+    b = torch.randn_like(a)
+    ms, _, _ = bench(lambda: a @ b, mode)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def geomean(values: list[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+class Results:
+    """Rows of one benchmark, written as JSON, CSV and a PNG plot.
+
+    Args:
+        name: file stem (``gemm``, ``optimizer``, ``train``).
+        mode: from :func:`setup`.
+        metric: the throughput column, ``"tflops"`` or ``"gbps"`` (or None).
+    """
+
+    def __init__(self, name: str, mode: Mode, metric: str | None) -> None:
+        self.name, self.mode, self.metric = name, mode, metric
+        self.rows: list[dict] = []
+        self.meta: dict = {}
+
+    def add(self, case: str, impl: str, ms: float, **extra) -> dict:
+        row = {"case": case, "impl": impl, "ms": round(ms, 5), **extra}
+        self.rows.append(row)
+        return row
+
+    def payload(self) -> dict:
+        return {
+            "device": device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            **self.meta,
+            "rows": self.rows,
+        }
+
+    def ratio(self, case: str, impl: str, baseline: str) -> float:
+        """Speed of ``impl`` relative to ``baseline`` on ``case`` (baseline ms / impl ms)."""
+        ms = {r["impl"]: r["ms"] for r in self.rows if r["case"] == case}
+        return ms[baseline] / ms[impl] if impl in ms and baseline in ms else float("nan")
+
+    def save(self, plot: Callable[[dict, Path], None] | None = None) -> None:
+        if self.mode.out_dir is None:
+            return
+        self.mode.out_dir.mkdir(parents=True, exist_ok=True)
+        payload = self.payload()
+        (self.mode.out_dir / f"{self.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+        keys = list(dict.fromkeys(k for r in self.rows for k in r))
+        with open(self.mode.out_dir / f"{self.name}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(self.rows)
+        if plot is not None:
+            try:
+                plot(payload, self.mode.out_dir / f"{self.name}.png")
+            except ImportError:
+                print("(matplotlib is missing: no plot; pip install 'tkern[bench]')")
+        print(f"wrote {self.mode.out_dir}/{self.name}.json, .csv, .png")
+
+    def print_table(self, columns: list[str], summary: list[str] = ()) -> None:
+        header = ["case", "impl", *columns]
+        lines = [[str(r.get(c, "")) for c in header] for r in self.rows]
+        widths = [max(len(x) for x in col) for col in zip(header, *lines, strict=True)]
+        print()
+        print(
+            f"{self.name} on {device_name()} "
+            f"({'smoke, not a measurement' if self.mode.smoke else 'median of do_bench'})"
+        )
+        for row in [header, ["-" * w for w in widths], *lines]:
+            print("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)))
+        for line in summary:
+            print(line)
+
+
+def bar_plot(payload: dict, path: Path, value: str, ylabel: str, title: str) -> None:
+    """One group of bars per case, one bar per impl, from the recorded rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * len(impls)), 4.5))
+    for i, impl in enumerate(impls):
+        xs, ys = [], []
+        for j, case in enumerate(cases):
+            for r in rows:
+                if r["case"] == case and r["impl"] == impl and r.get(value) is not None:
+                    xs.append(j + i * width)
+                    ys.append(r[value])
+        ax.bar(xs, ys, width, label=impl)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+    ax.set_xticklabels(cases, rotation=40, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(
+        f"{title} — {payload['device']}, torch {payload['torch']}, "
+        f"triton {payload['triton']}, {payload['date']}",
+        fontsize=8,
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Measure the two ceilings once; write ceilings.json."""
+    mode, _ = setup("ceilings", "The device's copy bandwidth and cuBLAS fp16 matmul rate.", argv)
+    res = Results("ceilings", mode, metric=None)
+    gbps, tflops = copy_bandwidth(mode), cublas_tflops(mode)
+    res.meta.update({"copy_gbps": round(gbps, 1), "cublas_fp16_8192_tflops": round(tflops, 1)})
+    res.save()
+    print(f"copy bandwidth (read + write): {gbps:.0f} GB/s; cuBLAS fp16 8192^3: {tflops:.0f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

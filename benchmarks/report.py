@@ -1,0 +1,132 @@
+"""Render the README's GPU results table from benchmarks/results/<device>/*.json.
+
+    python benchmarks/report.py           # print the table
+    python benchmarks/report.py --write   # replace it in README.md, between the markers
+
+Only recorded figures appear; a device folder without a file leaves its cells empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+
+# (file, key in its JSON, what it is, target)
+HEADLINES = [
+    (
+        "gemm",
+        "fp16_square_ge2048_vs_cublas",
+        "GEMM fp16 / cuBLAS, geomean of square sizes >= 2048",
+        ">= 0.95x",
+    ),
+    (
+        "gemm",
+        "fp16_transformer_vs_cublas",
+        "GEMM fp16 / cuBLAS, geomean of the transformer shapes (M = 8192)",
+        ">= 0.95x",
+    ),
+    (
+        "gemm",
+        "bf16_square_ge2048_vs_cublas",
+        "GEMM bf16 / cuBLAS, geomean of square sizes >= 2048",
+        ">= 0.95x",
+    ),
+    (
+        "gemm",
+        "bf16_transformer_vs_cublas",
+        "GEMM bf16 / cuBLAS, geomean of the transformer shapes",
+        ">= 0.95x",
+    ),
+    (
+        "gemm",
+        "fused_bias_gelu_fwd_speedup",
+        "linear + bias + GELU fused vs torch unfused (autocast), forward",
+        ">= 1.1x",
+    ),
+    ("gemm", "fused_bias_gelu_fwd_bwd_speedup", "the same, forward + backward", ""),
+    ("optimizer", "copy_gbps", "device copy bandwidth, GB/s (read + write)", "ceiling"),
+    ("optimizer", "100M_pct_copy", "AdamW step at 100M params, % of copy bandwidth (30 B/param)", ">= 85%"),
+    ("optimizer", "1B_pct_copy", "AdamW step at 1B params, % of copy bandwidth", ">= 85%"),
+    ("optimizer", "100M_vs_a", "step at 100M vs GradScaler + AdamW(fused=True)", ">= 1.5x"),
+    ("optimizer", "100M_vs_d", "step at 100M vs torch.compile'd master-weights recipe", "> 1x"),
+    ("optimizer", "many_small_vs_b", "1000 tensors of 10k vs GradScaler + AdamW(foreach=True)", ">= 3x"),
+    ("train", "mlp 784-4096-10, batch 8192: vs fp32", "training step, 2-layer MLP, vs torch fp32", ">= 2x"),
+    (
+        "train",
+        "mlp 784-4096-10, batch 8192: vs autocast",
+        "training step, 2-layer MLP, vs autocast + GradScaler",
+        ">= 1.1x",
+    ),
+    ("train", "mlp 8x4096, batch 8192: vs fp32", "training step, 8 x 4096 MLP, vs torch fp32", ">= 2x"),
+    (
+        "train",
+        "mlp 8x4096, batch 8192: vs autocast",
+        "training step, 8 x 4096 MLP, vs autocast + GradScaler",
+        ">= 1.1x",
+    ),
+]
+
+
+def load(results: Path) -> dict[str, dict[str, dict]]:
+    """{device folder: {file stem: payload}}"""
+    out: dict[str, dict[str, dict]] = {}
+    if results.is_dir():
+        for path in sorted(results.glob("*/*.json")):
+            out.setdefault(path.parent.name, {})[path.stem] = json.loads(path.read_text())
+    return out
+
+
+def render(results: Path = RESULTS) -> str:
+    data = load(results)
+    if not data:
+        return (
+            "No GPU results have been measured yet: `benchmarks/results/` holds none. A session with an\n"
+            "H100 or H200 runs `benchmarks/gpu_check.sh`, commits what it writes, and regenerates this\n"
+            "table with `python benchmarks/report.py --write`."
+        )
+    lines = []
+    for folder, files in data.items():
+        any_payload = next(iter(files.values()))
+        lines.append(
+            f"**{any_payload['device']}** (torch {any_payload['torch']}, triton {any_payload['triton']}, "
+            f"{any_payload['date']}; `benchmarks/results/{folder}/`). fp16 unless named; "
+            "ratios are speed (higher is better)."
+        )
+        lines.append("")
+        lines.append("| measure | value | target |")
+        lines.append("| --- | --- | --- |")
+        for stem, key, label, target in HEADLINES:
+            value = files.get(stem, {}).get(key)
+            lines.append(f"| {label} | {'' if value is None else value} | {target} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
+    content = readme.read_text()
+    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+    if not pattern.search(content):
+        raise SystemExit(f"{readme} has no {START} ... {END} markers")
+    readme.write_text(pattern.sub(lambda _: f"{START}\n{text}\n{END}", content))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    args = parser.parse_args()
+    text = render()
+    if args.write:
+        write_readme(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
