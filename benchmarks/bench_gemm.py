@@ -20,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, bar_plot, bench, geomean, setup  # noqa: E402
 
-import tkern  # noqa: E402  (first: see harness)
+import tkern  # noqa: E402
 
 SQUARE = (512, 1024, 2048, 4096, 8192)
 TRANSFORMER = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))

@@ -11,7 +11,10 @@ GB/s counts the minimal bytes of the update every variant performs, Adam with
 fp16 params: 30 B/param (../shared/DESIGN.md): pass 1 reads the fp16 grad
 (2); pass 2 reads grad, master, m, v (2 + 4 + 8) and writes master, m, v and
 the fp16 copy (4 + 8 + 2). It is compared with the measured copy bandwidth.
-Also counted: host synchronizations per step (torch.cuda.set_sync_debug_mode).
+Also measured, at 10M params: what loss scaling adds to a step (check,
+unscale, scale update: scaled step minus the bare optimizer step) and the
+host synchronizations per step (torch.cuda.set_sync_debug_mode), for tkern's
+scaler and for GradScaler with a fused and a foreach AdamW.
 Targets on H100/H200: >= 85% of copy bandwidth at >= 100M params; >= 1.5x (a);
 ahead of (d); >= 3x (b) on the many-small-tensors model.
 """
@@ -28,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, bar_plot, bench, copy_bandwidth, setup  # noqa: E402
 
-import tkern  # noqa: E402  (first: see harness)
+import tkern  # noqa: E402
 
 BYTES_PER_PARAM = 30
 SIZES = {
@@ -47,33 +50,33 @@ def make_grads(params, scale):
         p.grad = (torch.randn_like(p, dtype=torch.float32) * 1e-3 * scale).to(p.dtype)
 
 
-def tkern_step(sizes, device):
+def tkern_step(sizes, device, scaled=True):
     params = [torch.randn(n, device=device, dtype=torch.float16, requires_grad=True) for n in sizes]
     opt = tkern.optim.FusedAdamW(params, lr=LR)
     scaler = tkern.DynamicLossScaler()
     scaler.scale(torch.ones((), device=device))  # state on the device
-    make_grads(params, scaler.init_scale)
+    make_grads(params, scaler.init_scale if scaled else 1.0)
 
     def step():
         scaler.step(opt)
         scaler.update()
 
-    return step
+    return step if scaled else opt.step
 
 
-def torch_amp_step(sizes, device, **adamw_kwargs):
+def torch_amp_step(sizes, device, scaled=True, **adamw_kwargs):
     """(a)/(b): fp32 params with fp32 grads (what autocast produces), GradScaler."""
     params = [torch.randn(n, device=device, requires_grad=True) for n in sizes]
     opt = torch.optim.AdamW(params, lr=LR, **adamw_kwargs)
     scaler = torch.amp.GradScaler(device.type)
     scaler.scale(torch.ones((), device=device))
-    make_grads(params, 2.0**16)
+    make_grads(params, 2.0**16 if scaled else 1.0)
 
     def step():
         scaler.step(opt)
         scaler.update()
 
-    return step
+    return step if scaled else opt.step
 
 
 def master_by_hand(sizes, device):
@@ -153,6 +156,34 @@ def main(argv: list[str] | None = None) -> Results:
                 ms_p20=round(lo, 5),
                 ms_p80=round(hi, 5),
             )
+    # What loss scaling adds to a step (check + unscale + scale update), and its host syncs.
+    overhead_case = "4k" if mode.smoke else "10M"
+    overhead = {
+        "tkern": (lambda s, d: tkern_step(s, d, scaled=False), tkern_step),
+        "AdamW foreach": (
+            lambda s, d: torch_amp_step(s, d, scaled=False, foreach=True),
+            lambda s, d: torch_amp_step(s, d, foreach=True),
+        ),
+    }
+    if not mode.smoke:
+        overhead["AdamW fused"] = (
+            lambda s, d: torch_amp_step(s, d, scaled=False, fused=True),
+            lambda s, d: torch_amp_step(s, d, fused=True),
+        )
+    sizes = (SMOKE_SIZES if mode.smoke else SIZES)[overhead_case]
+    for impl, (bare, scaled) in overhead.items():
+        ms_bare, _, _ = bench(bare(sizes, mode.device), mode)
+        step = scaled(sizes, mode.device)
+        ms_scaled, lo, hi = bench(step, mode)
+        res.add(
+            f"scaler overhead {overhead_case}",
+            f"{impl} + {'tkern scaler' if impl == 'tkern' else 'GradScaler'}",
+            ms_scaled,
+            overhead_ms=round(ms_scaled - ms_bare, 5),
+            syncs_per_step=count_syncs(step, mode),
+            ms_p20=round(lo, 5),
+            ms_p80=round(hi, 5),
+        )
     summary = [
         f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s; minimal bytes: {BYTES_PER_PARAM} B/param"
     ]
@@ -175,7 +206,7 @@ def main(argv: list[str] | None = None) -> Results:
     res.save(
         lambda p, path: bar_plot(p, path, "gbps", "GB/s (30 B/param)", "optimizer step, AdamW + loss scaling")
     )
-    res.print_table(["ms", "gbps", "pct_copy", "syncs_per_step"], summary)
+    res.print_table(["ms", "gbps", "pct_copy", "overhead_ms", "syncs_per_step"], summary)
     return res
 
 

@@ -21,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, bar_plot, setup  # noqa: E402
 
-import tkern  # noqa: E402  (first: see harness)
+import tkern  # noqa: E402
 
 STEPS, WARMUP = 30, 5
 MODELS = {

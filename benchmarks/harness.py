@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import triton
 
 import tkern  # before triton: on a CPU it must switch Triton's interpreter on first
+
+# isort: split
+import triton
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUANTILES = (0.5, 0.2, 0.8)
