@@ -70,6 +70,16 @@ def set_grads(params, grads):
         p.grad.copy_(g)  # the optimizer's own view stays attached
 
 
+def step_both(opt, ropt, params, ref, grads, scale=1.0):
+    """Feed the same gradients to tkern's params (scaled by ``scale``) and,
+    unscaled in fp32, to torch's fp32 copies; step both."""
+    set_grads(params, [(g.float() * scale).to(g.dtype) for g in grads])
+    for r, p in zip(ref, params, strict=True):
+        r.grad = p.grad.float() / scale
+    opt.step(inv_scale=None if scale == 1.0 else torch.full((1,), 1 / scale, device=DEVICE))
+    ropt.step()
+
+
 def master_of(opt, p):
     return opt.state[p].get("master", p)
 
@@ -92,11 +102,7 @@ def test_parity_with_torch(case, dtype):
     gen = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         grads = random_grads(params, gen)
-        set_grads(params, grads)
-        for r, g in zip(ref, grads, strict=True):
-            r.grad = g.float()
-        opt.step()
-        ropt.step()
+        step_both(opt, ropt, params, ref, grads)
     assert_params_match(opt, params, ref)
 
 
@@ -115,11 +121,7 @@ def test_param_groups_and_lr_scheduler(case):
     gen = torch.Generator().manual_seed(2)
     for _ in range(STEPS):
         grads = random_grads(params, gen)
-        set_grads(params, grads)
-        for r, g in zip(ref, grads, strict=True):
-            r.grad = g.float()
-        opt.step()
-        ropt.step()
+        step_both(opt, ropt, params, ref, grads)
         sched.step()
         rsched.step()
     assert opt.param_groups[1]["lr"] == ropt.param_groups[1]["lr"] < kwargs["lr"] * 3
@@ -180,15 +182,8 @@ def test_skipped_without_scaler_and_with_inv_scale():
     ref = fp32_copies(params)
     opt, ropt = FusedAdam(params, lr=1e-2), torch.optim.Adam(ref, lr=1e-2)
     gen = torch.Generator().manual_seed(4)
-    scale = 1024.0
-    inv_scale = torch.full((1,), 1 / scale, device=DEVICE)
     for _ in range(5):
-        grads = random_grads(params, gen, scale=1e-3)
-        set_grads(params, [(g.float() * scale).half() for g in grads])
-        for r, p in zip(ref, params, strict=True):
-            r.grad = p.grad.float() / scale
-        opt.step(inv_scale=inv_scale)
-        ropt.step()
+        step_both(opt, ropt, params, ref, random_grads(params, gen, scale=1e-3), scale=1024.0)
     assert_params_match(opt, params, ref)
 
 
@@ -257,11 +252,7 @@ def test_many_small_tensors_and_mixed_dtypes():
     assert len(opt._flat[0]) == 2  # one flat buffer per dtype
     for _ in range(4):
         grads = random_grads(params, gen)
-        set_grads(params, grads)
-        for r, g in zip(ref, grads, strict=True):
-            r.grad = g.float()
-        opt.step()
-        ropt.step()
+        step_both(opt, ropt, params, ref, grads)
     assert_params_match(opt, params, ref)
 
 

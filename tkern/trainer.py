@@ -109,15 +109,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        ctx = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype
-            else nullcontext()
-        )
-        with ctx:
-            out = self.model(x)
-        return self.loss_fn(out.float(), y)
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's output, under autocast when the trainer has an autocast dtype."""
+        if self.autocast_dtype is None:
+            return self.model(x)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return self.model(x)
 
     def _current_scale(self) -> torch.Tensor | None:
         """The scale as a device tensor (no sync), if the scaler exposes one."""
@@ -154,7 +151,7 @@ class Trainer:
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self._measure_activations() if measure and i == 0 else nullcontext():
-                loss = self._forward_loss(x, y) / k
+                loss = self.loss_fn(self._forward(x).float(), y) / k
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss.detach()
         if self.scaler is not None:
@@ -176,13 +173,7 @@ class Trainer:
         n = 0
         for x, y in loader:
             x, y = x.to(self.device), y.to(self.device)
-            ctx = (
-                torch.autocast(self.device.type, dtype=self.autocast_dtype)
-                if self.autocast_dtype
-                else nullcontext()
-            )
-            with ctx:
-                out = self.model(x)
+            out = self._forward(x)
             loss_sum += self.loss_fn(out.float(), y) * len(y)
             if not y.is_floating_point() and out.dim() == 2:
                 correct += (out.argmax(1) == y).sum()
