@@ -417,3 +417,18 @@ def test_two_gloo_ranks_skip_the_same_steps(tmp_path):
     assert r0["scales"] == r1["scales"] == [256.0, 512.0, 256.0, 256.0, 512.0, 512.0]
     assert r0["skipped"] == r1["skipped"] == [0, 0, 1, 1, 1, 1]
     assert torch.equal(r0["param"], r1["param"])
+
+
+def test_fallback_path_statistics_feed_the_lognormal_scaler():
+    # A plain torch optimizer: the scaler unscales, measures and steps itself.
+    q = torch.zeros(3, device=DEVICE, requires_grad=True)
+    opt = torch.optim.SGD([q], lr=0.1)
+    scaler = tkern.LogNormalLossScaler(init_scale=2.0**4)
+    scaler.scale((q * torch.tensor([0.5, -0.25, 0.125], device=DEVICE)).sum()).backward()
+    scaler.step(opt)
+    found, sumsq, amax = scaler.grad_stats.tolist()
+    assert (found, amax) == (0.0, 0.5)
+    assert sumsq == pytest.approx(0.25 + 0.0625 + 0.015625)
+    scaler.update()
+    assert scaler.get_scale() == pytest.approx(2.0**17, rel=1e-5)  # 2^(16 - log2 0.5)
+    assert torch.allclose(q.detach(), torch.tensor([-0.05, 0.025, -0.0125], device=DEVICE))

@@ -211,10 +211,13 @@ class LossScaler:
             grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             found = self._found_by_optimizer[id(optimizer)]
             with torch.no_grad():
-                finite = [g.float().abs().nan_to_num(0.0, 0.0, 0.0) for g in grads]
-                amax = torch.stack([f.max() for f in finite]).max().reshape(1)
-                sumsq = torch.stack([f.pow(2).sum() for f in finite]).sum().reshape(1)
-                stats = torch.cat([found, sumsq, amax])
+                # max |g| and sum g^2 of the unscaled grads, accumulated in fp32
+                # without copies (on an overflowing step they are inf/nan, but
+                # that step is skipped and the scalers do not read them then)
+                norm = torch.linalg.vector_norm
+                amax = torch.stack([norm(g, float("inf"), dtype=torch.float32) for g in grads]).max()
+                sumsq = torch.stack([norm(g, 2, dtype=torch.float32) ** 2 for g in grads]).sum()
+                stats = torch.cat([found, sumsq.reshape(1), amax.reshape(1)])
                 if dist.is_available() and dist.is_initialized():
                     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             result = None
