@@ -411,3 +411,25 @@ def test_bad_inv_scale():
     opt = FusedSGD([p], lr=0.1)
     with pytest.raises(TypeError, match="inv_scale must be a one-element float32 tensor"):
         opt.step(inv_scale=torch.ones(2, device=DEVICE))
+
+
+def test_bad_state_dict_leaves_the_optimizer_as_it_was():
+    params = make_params(torch.float16)
+    opt = FusedAdam(params, lr=1e-2)
+    gen = torch.Generator().manual_seed(8)
+    set_grads(params, random_grads(params, gen))
+    opt.step()
+    good = opt.state_dict()
+    before = {k: v.clone() for k, v in good["state"][0].items()}
+
+    broken = {"state": {k: dict(v) for k, v in good["state"].items()}, "param_groups": good["param_groups"]}
+    broken["state"][0] = {k: torch.zeros_like(v) for k, v in broken["state"][0].items()}
+    del broken["state"][2]["exp_avg_sq"]  # param 2 lacks a buffer: found after param 0 was read
+    with pytest.raises(KeyError, match="param 2 of param group 0.*lacks 'exp_avg_sq'"):
+        opt.load_state_dict(broken)
+    bad_lr = {"state": good["state"], "param_groups": [{**good["param_groups"][0], "lr": -1.0}]}
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
+        opt.load_state_dict(bad_lr)
+    assert opt.param_groups[0]["lr"] == 1e-2
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(v, before[k]), k

@@ -16,7 +16,9 @@ a (1,) fp32 device tensor; after the step, ``optimizer.grad_stats`` holds the
 statistics of that step (``grad_stats[0]`` is found_inf), which
 :mod:`tkern.amp` reads to update the scale. When ``torch.distributed`` is
 initialized, the statistics are all-reduced (max) over the default process
-group before the update, so every rank skips the same steps.
+group before the update, so every rank skips the same steps (under DDP every
+rank holds the same all-reduced gradients, so the max of the sums of squares
+is that sum itself; sharded gradients would need a sum, and are not supported).
 
 Differences from torch.optim worth knowing:
 
@@ -57,9 +59,6 @@ class _FusedOptimizer(torch.optim.Optimizer):
     the state_dict. Subclasses name their state buffers, validate their
     hyperparameters and launch their update kernel."""
 
-    #: names of the fp32 state buffers the subclass's kernel needs.
-    state_names: tuple[str, ...] = ()
-
     def __init__(self, params: Iterable, defaults: dict[str, Any]) -> None:
         self._flat: list[list[FlatParams]] = []
         self._steps: list[torch.Tensor] = []
@@ -72,7 +71,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------- construction
 
     def _group_state_names(self, group: dict) -> tuple[str, ...]:
-        return self.state_names
+        """Names of the fp32 state buffers the subclass's kernel needs for ``group``."""
+        raise NotImplementedError
 
     def _validate_group(self, group: dict, index: int) -> None:
         _check_nonneg(group, index, "lr", "learning rate")
@@ -244,33 +244,40 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     f"param group {gi} has {len(mine['params'])} params, "
                     f"the loaded one has {len(saved['params'])}"
                 )
+        # Check everything before changing anything: a bad state dict leaves
+        # this optimizer as it was.
         saved_state = state_dict["state"]
-        with torch.no_grad():
-            for gi, (mine, saved) in enumerate(zip(self.param_groups, groups, strict=True)):
-                step_loaded = False
-                for pi, (p, key) in enumerate(zip(mine["params"], saved["params"], strict=True)):
-                    if key not in saved_state:
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, value)
+        new_groups = []
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups, strict=True)):
+            group = {**mine, **{k: v for k, v in saved.items() if k != "params"}}
+            self._validate_group(group, gi)
+            new_groups.append(group)
+            step_loaded = False
+            for pi, (p, key) in enumerate(zip(mine["params"], saved["params"], strict=True)):
+                if key not in saved_state:
+                    continue
+                src = saved_state[key]
+                for name, dest in self.state[p].items():
+                    if name not in src:
+                        raise KeyError(f"loaded state of {describe_param(gi, pi, p)} lacks {name!r}")
+                    value = torch.as_tensor(src[name])
+                    if name == "step":
+                        if not step_loaded:  # one step count per group
+                            copies.append((dest, value.reshape(1)))
+                            step_loaded = True
                         continue
-                    src = saved_state[key]
-                    for name, dest in self.state[p].items():
-                        if name not in src:
-                            raise KeyError(f"loaded state of {describe_param(gi, pi, p)} lacks {name!r}")
-                        value = torch.as_tensor(src[name])
-                        if name == "step":
-                            if not step_loaded:  # one step count per group
-                                dest.copy_(value.reshape(1))
-                                step_loaded = True
-                            continue
-                        if value.shape != dest.shape:
-                            raise ValueError(
-                                f"loaded {name!r} of {describe_param(gi, pi, p)} has shape "
-                                f"{tuple(value.shape)}, expected {tuple(dest.shape)}"
-                            )
-                        dest.copy_(value)
-                for k, v in saved.items():
-                    if k != "params":
-                        mine[k] = v
-                self._validate_group(mine, gi)
+                    if value.shape != dest.shape:
+                        raise ValueError(
+                            f"loaded {name!r} of {describe_param(gi, pi, p)} has shape "
+                            f"{tuple(value.shape)}, expected {tuple(dest.shape)}"
+                        )
+                    copies.append((dest, value))
+        with torch.no_grad():
+            for dest, value in copies:
+                dest.copy_(value)
+            for mine, group in zip(self.param_groups, new_groups, strict=True):
+                mine.update(group)
             for flats in self._flat:
                 for flat in flats:
                     flat.copy_master_to_params()
