@@ -190,3 +190,16 @@ def test_importing_triton_first_is_a_clear_error_on_cpu():
     )
     assert proc.returncode != 0
     assert "import tkern before triton, or set TRITON_INTERPRET=1" in proc.stderr
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="compiled mode rejects meta tensors before this check")
+@pytest.mark.parametrize(
+    "a_shape, b_shape, name",
+    [((70000, 40000), (40000, 8), "a"), ((8, 40000), (40000, 70000), "b"), ((50000, 16), (16, 50000), "out")],
+)
+def test_operands_beyond_int32_offsets_are_refused(a_shape, b_shape, name):
+    # meta tensors: the shapes are real, nothing is allocated
+    a = torch.empty(a_shape, dtype=torch.float16, device="meta")
+    b = torch.empty(b_shape, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match=rf"{name} \(shape .* spans \d+ elements; .* at most 2147483648"):
+        tkern.matmul(a, b)

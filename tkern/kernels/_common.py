@@ -162,3 +162,24 @@ def one_minus_pow(t, ln_beta):
 def ln_beta(beta: float) -> float:
     """ln(beta) in float64 for :func:`one_minus_pow` (-inf for beta = 0)."""
     return math.log(beta) if beta > 0 else float("-inf")
+
+
+@triton.jit
+def block_offsets(BLOCK: tl.constexpr):
+    """This program's BLOCK element offsets in a 1-D launch, as int64: a flat
+    buffer of 2^31 elements or more would overflow int32 offsets."""
+    return tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_int32_addressable(name: str, t: torch.Tensor) -> None:
+    """Raise ``ValueError`` if an element of ``t`` lies 2^31 or more elements
+    from its first: kernels that index it with int32 offsets would wrap around."""
+    reach = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True) if size)
+    if reach > INT32_MAX:
+        raise ValueError(
+            f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) spans {reach + 1} elements; "
+            f"this kernel indexes with int32 offsets and supports at most {INT32_MAX + 1}"
+        )

@@ -11,7 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, cast_rne, check_same_device, check_tensor, tl_dtype
+from tkern.kernels._common import (
+    INTERPRET,
+    block_offsets,
+    cast_rne,
+    check_same_device,
+    check_tensor,
+    tl_dtype,
+)
 from tkern.kernels.gemm import ACTIVATIONS, check_activation
 
 _RELU: tl.constexpr = tl.constexpr(ACTIVATIONS["relu"])
@@ -34,7 +41,7 @@ def _activation_grad_kernel(
     DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = block_offsets(BLOCK)
     mask = offs < n
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, cast_rne, ln_beta, one_minus_pow, tl_dtype
+from tkern.kernels._common import INTERPRET, block_offsets, cast_rne, ln_beta, one_minus_pow, tl_dtype
 from tkern.kernels._update import UpdateBuffers, check_update_buffers
 from tkern.kernels.overflow import found_inf, grad_factor
 
@@ -50,7 +50,7 @@ def _adam_kernel(
 ):
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written, the step count stays
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = block_offsets(BLOCK)
     mask = offs < n
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = g * grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP)

@@ -17,6 +17,7 @@ from tkern.kernels._common import (
     INTERPRET,
     autotune,
     cast_rne,
+    check_int32_addressable,
     check_same_device,
     check_tensor,
     tl_dtype,
@@ -212,6 +213,10 @@ def matmul(
                 f"preact must be a contiguous ({M}, {N}) tensor, got shape {tuple(preact.shape)}"
             )
     check_same_device(a=a, b=b, bias=bias, preact=preact)
+    # int32 tile offsets keep the inner loop lean; refuse what they cannot reach
+    check_int32_addressable("a", a)
+    check_int32_addressable("b", b)
+    check_int32_addressable("out", torch.empty((M, N), device="meta"))
 
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:

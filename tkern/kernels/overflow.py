@@ -51,7 +51,7 @@ def _grad_stats_kernel(
     partials_ptr,  # (num_programs, N_STATS) fp32: this launch's rows
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # int64: buffers may hold 2^31 elements or more
     nprog = tl.num_programs(0)
     inv_scale = tl.load(inv_scale_ptr)
     nonfinite = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, cast_rne, tl_dtype
+from tkern.kernels._common import INTERPRET, block_offsets, cast_rne, tl_dtype
 from tkern.kernels._update import UpdateBuffers, check_update_buffers
 from tkern.kernels.overflow import found_inf, grad_factor
 
@@ -41,7 +41,7 @@ def _sgd_kernel(
 ):
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written anywhere
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = block_offsets(BLOCK)
     mask = offs < n
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = g * grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP)
