@@ -61,6 +61,60 @@ def gemm_configs() -> list[triton.Config]:
     ]
 
 
+@triton.jit
+def _tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row, column) of output tile ``tile_id`` in grouped order: consecutive
+    tiles walk down GROUP_M rows of tiles before moving right, so the rows of A
+    they share are still in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue(
+    acc,  # (BLOCK_M, BLOCK_N) fp32 accumulator of tile (pid_m, pid_n)
+    pid_m,
+    pid_n,
+    M,
+    N,
+    c_ptr,
+    bias_ptr,
+    preact_ptr,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """bias, activation and one cast, on the fp32 accumulator; masked stores."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    mask_c = (rows < M)[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    if STORE_PREACT:
+        preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
+    if ACTIVATION == _RELU:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == _GELU:
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * _INV_SQRT2))
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
+
+
 @autotune(configs=gemm_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION"])
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
@@ -95,17 +149,7 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering: consecutive programs walk down GROUP_M rows of tiles
-    # before moving right, so the A rows they share are still in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,20 +177,10 @@ def _matmul_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # Epilogue, on the fp32 accumulator.
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    mask_c = mask_m[:, None] & mask_n[None, :]
-    if STORE_PREACT:
-        preact_ptrs = preact_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
-    if ACTIVATION == _RELU:
-        acc = tl.maximum(acc, 0.0)
-    elif ACTIVATION == _GELU:
-        acc = 0.5 * acc * (1.0 + tl.erf(acc * _INV_SQRT2))
-    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
+    _epilogue(
+        acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn,
+        HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
 
 
 def check_activation(activation: str | None) -> None:
