@@ -203,3 +203,35 @@ def test_operands_beyond_int32_offsets_are_refused(a_shape, b_shape, name):
     b = torch.empty(b_shape, dtype=torch.float16, device="meta")
     with pytest.raises(ValueError, match=rf"{name} \(shape .* spans \d+ elements; .* at most 2147483648"):
         tkern.matmul(a, b)
+
+
+# ----------------------------------------------------------------------- persistent TMA variant
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("a_t", [False, True])
+@pytest.mark.parametrize("b_t", [False, True])
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_tma_persistent_matches_float64(dtype, a_t, b_t, activation):
+    from tkern.kernels.gemm import matmul_tma_persistent, tma_eligible
+
+    # M, N multiples of 8 so both layouts are describable; ragged against the
+    # 128-row tiles; more tiles than programs, so the persistent loop turns.
+    M, N, K = 264, 200, 96
+    a = randn(K, M, dtype=dtype).t() if a_t else randn(M, K, dtype=dtype)
+    b = randn(N, K, dtype=dtype, scale=0.2).t() if b_t else randn(K, N, dtype=dtype, scale=0.2)
+    bias = randn(N, dtype=dtype)
+    assert tma_eligible(a, b)
+    out = matmul_tma_persistent(a, b, bias=bias, activation=activation)
+    assert rel_err(out, reference(a, b, bias, activation)) < TOL[dtype]
+
+
+def test_tma_persistent_falls_back_where_descriptors_cannot_go():
+    from tkern.kernels.gemm import matmul_tma_persistent, tma_eligible
+
+    a = randn(33, 20, dtype=torch.float16)[:, ::2]  # no unit stride
+    b = randn(10, 7, dtype=torch.float16)  # rows of 14 bytes: not 16-byte aligned
+    assert not tma_eligible(a, b)
+    assert rel_err(matmul_tma_persistent(a, b), reference(a, b)) < TOL[torch.float16]
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        matmul_tma_persistent(a, randn(11, 7, dtype=torch.float16))

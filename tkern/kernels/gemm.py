@@ -199,32 +199,8 @@ def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
         raise ValueError(f"bias must have shape ({n},), got shape {tuple(bias.shape)}")
 
 
-def matmul(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    out_dtype: torch.dtype | None = None,
-    preact: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``act(a @ b + bias)`` with fp32 accumulation, cast once to ``out_dtype``.
-
-    Args:
-        a: (M, K), fp16 or bf16, any strides (a transposed view is read in place).
-        b: (K, N), same dtype as ``a``, any strides.
-        bias: optional (N,), ``a``'s dtype or fp32, added to the fp32 accumulator.
-        activation: None, ``"relu"`` or ``"gelu"`` (exact, erf form), applied in fp32.
-        out_dtype: dtype of the result: fp16, bf16 or fp32; default ``a.dtype``.
-        preact: optional (M, N) contiguous tensor of ``a``'s dtype that receives
-            ``a @ b + bias`` before the activation (what its gradient needs).
-
-    Returns:
-        A new contiguous (M, N) tensor. K == 0 gives ``act(bias)`` (zeros without bias).
-
-    Raises:
-        TypeError / ValueError: naming the argument, before anything is launched.
-    """
+def _check_matmul_args(a, b, bias, activation, out_dtype, preact) -> tuple[int, int, int, torch.dtype]:
+    """Validate :func:`matmul`'s arguments (see there); return M, N, K and the output dtype."""
     check_tensor("a", a, ndim=2, dtypes=HALF_DTYPES)
     check_tensor("b", b, ndim=2, dtypes=HALF_DTYPES)
     if a.dtype != b.dtype:
@@ -252,6 +228,36 @@ def matmul(
     check_int32_addressable("b", b)
     check_int32_addressable("out", torch.empty((M, N), device="meta"))
 
+    return M, N, K, out_dtype
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    preact: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``act(a @ b + bias)`` with fp32 accumulation, cast once to ``out_dtype``.
+
+    Args:
+        a: (M, K), fp16 or bf16, any strides (a transposed view is read in place).
+        b: (K, N), same dtype as ``a``, any strides.
+        bias: optional (N,), ``a``'s dtype or fp32, added to the fp32 accumulator.
+        activation: None, ``"relu"`` or ``"gelu"`` (exact, erf form), applied in fp32.
+        out_dtype: dtype of the result: fp16, bf16 or fp32; default ``a.dtype``.
+        preact: optional (M, N) contiguous tensor of ``a``'s dtype that receives
+            ``a @ b + bias`` before the activation (what its gradient needs).
+
+    Returns:
+        A new contiguous (M, N) tensor. K == 0 gives ``act(bias)`` (zeros without bias).
+
+    Raises:
+        TypeError / ValueError: naming the argument, before anything is launched.
+    """
+    M, N, K, out_dtype = _check_matmul_args(a, b, bias, activation, out_dtype, preact)
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
@@ -269,5 +275,161 @@ def matmul(
         OUT_DTYPE=tl_dtype(out_dtype),
         PREACT_DTYPE=tl_dtype(a.dtype),
         UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return c
+
+
+# --------------------------------------------------------------------------- persistent, TMA
+
+
+def tma_configs() -> list[triton.Config]:
+    """Tiles for the persistent tensor-descriptor kernel (Triton's persistent
+    matmul tutorial's search space for Hopper, 128-row tiles); the pre-hook
+    gives the descriptors each config's block shape."""
+
+    def cfg(bm, bn, bk, stages, warps):
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
+        return triton.Config(meta, num_stages=stages, num_warps=warps, pre_hook=_set_block_shapes)
+
+    return [cfg(128, bn, bk, stages, 8) for bn in (128, 256) for bk in (64, 128) for stages in (3, 4)]
+
+
+def _set_block_shapes(nargs: dict) -> None:
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bk, bm] if nargs["A_T"] else [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
+
+
+@autotune(configs=tma_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"])
+@triton.jit
+def _matmul_tma_kernel(
+    a_desc,  # descriptor of A (M, K), or of A^T (K, M) when A_T
+    b_desc,  # descriptor of B (K, N), or of B^T (N, K) when B_T
+    c_ptr,  # (M, N) OUT_DTYPE
+    bias_ptr,  # (N,) or unused
+    preact_ptr,  # (M, N) or unused
+    M,
+    N,
+    K,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    NUM_SMS: tl.constexpr,  # programs launched: each walks tiles NUM_SMS apart
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Persistent: one program per SM loops over output tiles, so tile start-up
+    # overlaps the previous tile's epilogue. Tiles are fetched by the tensor
+    # memory accelerator through descriptors, which zero-fill out-of-range
+    # rows and columns: the ragged edges need no masks until the store.
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if A_T:
+                a = a_desc.load([k * BLOCK_K, pid_m * BLOCK_M]).T
+            else:
+                a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            if B_T:
+                b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            else:
+                b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        _epilogue(
+            acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn,
+            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
+
+
+#: Tensor descriptors need 16-byte aligned base addresses and strides.
+TMA_ALIGN_BYTES = 16
+
+
+def _tma_layout(t: torch.Tensor) -> str | None:
+    """``"row"`` (unit stride along dim 1), ``"col"`` (unit stride along dim 0)
+    or None when a tensor descriptor cannot describe ``t``."""
+    size = t.element_size()
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        return None
+    if t.stride(1) == 1 and (t.stride(0) * size) % TMA_ALIGN_BYTES == 0:
+        return "row"
+    if t.stride(0) == 1 and (t.stride(1) * size) % TMA_ALIGN_BYTES == 0:
+        return "col"
+    return None
+
+
+def tma_eligible(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether :func:`matmul_tma_persistent` runs its own kernel on ``a`` and ``b``."""
+    return _tma_layout(a) is not None and _tma_layout(b) is not None and min(*a.shape, *b.shape) > 0
+
+
+def _num_programs(device: torch.device) -> int:
+    if INTERPRET:
+        return 4  # few programs, each looping over tiles: exercises the persistent loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def matmul_tma_persistent(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    preact: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`matmul` with a persistent schedule and tensor-descriptor (TMA)
+    loads, the layout Hopper favours; same arguments, same result.
+
+    Operands a descriptor cannot describe (no unit-stride dimension, or
+    addresses and strides not 16-byte aligned) go to :func:`matmul`. Not yet
+    the default: which schedule wins on which shapes is for the GPU
+    benchmark (benchmarks/bench_gemm.py) to measure.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, N, K, out_dtype = _check_matmul_args(a, b, bias, activation, out_dtype, preact)
+    if not tma_eligible(a, b):
+        return matmul(a, b, bias=bias, activation=activation, out_dtype=out_dtype, preact=preact)
+    a_t, b_t = _tma_layout(a) == "col", _tma_layout(b) == "col"
+    # Descriptors over A (M, K) / B (K, N), or over their transposes; the block
+    # shapes are placeholders that each config's pre-hook replaces.
+    a_desc = TensorDescriptor(
+        a, [K, M] if a_t else [M, K], [a.stride(1), 1] if a_t else [a.stride(0), 1], [16, 16]
+    )
+    b_desc = TensorDescriptor(
+        b, [N, K] if b_t else [K, N], [b.stride(1), 1] if b_t else [b.stride(0), 1], [16, 16]
+    )
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    num_sms = _num_programs(a.device)
+
+    def grid(meta):
+        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    _matmul_tma_kernel[grid](
+        a_desc, b_desc, c, bias if bias is not None else c, preact if preact is not None else c,
+        M, N, K, c.stride(0), c.stride(1),
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATIONS[activation],
+        STORE_PREACT=preact is not None,
+        OUT_DTYPE=tl_dtype(out_dtype),
+        PREACT_DTYPE=tl_dtype(a.dtype),
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        A_T=a_t,
+        B_T=b_t,
+        NUM_SMS=num_sms,
     )  # fmt: skip
     return c
