@@ -45,6 +45,13 @@ HEADLINES = [
     ),
     (
         "gemm",
+        "fp16_tma_square_ge2048_vs_cublas",
+        "the same, persistent TMA schedule (not the default)",
+        ">= 0.95x",
+    ),
+    ("gemm", "fp16_tma_transformer_vs_cublas", "transformer shapes, persistent TMA schedule", ">= 0.95x"),
+    (
+        "gemm",
         "fused_bias_gelu_fwd_speedup",
         "linear + bias + GELU fused vs torch unfused (autocast), forward",
         ">= 1.1x",
