@@ -69,11 +69,17 @@ def mode() -> str:
     return "interpreted" if INTERPRET else "compiled"
 
 
+#: ``TKERN_AUTOTUNE=0`` keeps each kernel to its first config when compiled too:
+#: correctness runs (the test suite on a GPU) then compile one variant per
+#: specialization instead of one per config.
+AUTOTUNE: bool = os.environ.get("TKERN_AUTOTUNE", "1") != "0"
+
+
 def autotune(configs: list[triton.Config], key: list[str]):
-    """``triton.autotune`` over ``configs`` when compiled; under the interpreter,
-    which cannot benchmark, the first config alone (so list the one that suits
-    small CPU problems first, or pass an interpreter-specific list)."""
-    return triton.autotune(configs=configs[:1] if INTERPRET else configs, key=key)
+    """``triton.autotune`` over ``configs`` when compiled; the first config
+    alone under the interpreter, which cannot benchmark (so list the one that
+    suits small CPU problems first), or when :data:`AUTOTUNE` is off."""
+    return triton.autotune(configs=configs if AUTOTUNE and not INTERPRET else configs[:1], key=key)
 
 
 # --------------------------------------------------------------------------- checks
