@@ -231,6 +231,18 @@ def _check_matmul_args(a, b, bias, activation, out_dtype, preact) -> tuple[int, 
     return M, N, K, out_dtype
 
 
+def _epilogue_meta(dtype, bias, activation, out_dtype, preact) -> dict:
+    """The constexpr arguments both GEMM kernels take for their epilogue and operands."""
+    return {
+        "HAS_BIAS": bias is not None,
+        "ACTIVATION": ACTIVATIONS[activation],
+        "STORE_PREACT": preact is not None,
+        "OUT_DTYPE": tl_dtype(out_dtype),
+        "PREACT_DTYPE": tl_dtype(dtype),
+        "UPCAST": INTERPRET and dtype == torch.bfloat16,  # the interpreter cannot multiply bf16
+    }
+
+
 def matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -269,12 +281,7 @@ def matmul(
         a, b, c, bias if bias is not None else c, preact if preact is not None else c,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATIONS[activation],
-        STORE_PREACT=preact is not None,
-        OUT_DTYPE=tl_dtype(out_dtype),
-        PREACT_DTYPE=tl_dtype(a.dtype),
-        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        **_epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
     )  # fmt: skip
     return c
 
@@ -422,12 +429,7 @@ def matmul_tma_persistent(
     _matmul_tma_kernel[grid](
         a_desc, b_desc, c, bias if bias is not None else c, preact if preact is not None else c,
         M, N, K, c.stride(0), c.stride(1),
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATIONS[activation],
-        STORE_PREACT=preact is not None,
-        OUT_DTYPE=tl_dtype(out_dtype),
-        PREACT_DTYPE=tl_dtype(a.dtype),
-        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        **_epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
         A_T=a_t,
         B_T=b_t,
         NUM_SMS=num_sms,
