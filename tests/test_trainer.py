@@ -106,6 +106,12 @@ def test_gradient_accumulation_and_history():
     assert trainer.history[3]["scale"] == 2.0**13  # grown after 4 clean steps
 
 
+def test_last_short_accumulation_of_an_epoch_is_stepped():
+    trainer = small_trainer(accumulation_steps=3)
+    trainer.fit(synthetic_loader(n=80, batch=8), 1)  # 10 micro-batches: 3 + 3 + 3 + 1
+    assert trainer.step == 4 and len(trainer.history) == 4
+
+
 def test_memory_report_counts_master_state_grads_and_activations():
     trainer = small_trainer()
     trainer.fit(synthetic_loader(), 1)

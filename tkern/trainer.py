@@ -50,7 +50,8 @@ class Trainer:
         optimizer: a tkern fused optimizer, or any ``torch.optim.Optimizer``.
         loss_fn: ``loss_fn(output.float(), target)`` -> scalar loss.
         scaler: a tkern loss scaler, a ``torch.amp.GradScaler``, or None.
-        accumulation_steps: micro-batches per optimizer step.
+        accumulation_steps: micro-batches per optimizer step (an epoch's last step
+            takes what is left, its loss averaged over those).
         scheduler: an lr scheduler stepped after every optimizer step.
         autocast_dtype: run the forward under ``torch.autocast`` with this dtype
             (for the plain-torch AMP baseline); None for tkern models.
@@ -223,7 +224,7 @@ class Trainer:
                 bar.update(1)
             if len(pending) < self.accumulation_steps:
                 continue
-            losses.append(self.train_step(pending, measure=self.step == 0))
+            losses.append(self.train_step(pending, measure=self._activation_bytes == 0))
             scales.append(self._current_scale())
             pending = []
             if bar is not None and self.step % self.log_every == 0:
@@ -234,14 +235,19 @@ class Trainer:
                 if isinstance(self.scaler, LossScaler):
                     postfix["skipped"] = self.scaler.skipped_steps
                 bar.set_postfix(postfix)
+        if pending:  # the epoch's last, shorter accumulation: its loss is averaged over what is there
+            losses.append(self.train_step(pending))
+            scales.append(self._current_scale())
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         if bar is not None:
             bar.close()
         first = self.step - len(losses) + 1
-        loss_values = torch.stack(losses).tolist() if losses else []  # one sync per epoch
-        scale_values = [None if s is None else s.item() for s in scales]
+        # one read from the device per epoch
+        loss_values = torch.stack(losses).tolist() if losses else []
+        has_scale = bool(scales) and scales[0] is not None
+        scale_values = torch.stack(scales).tolist() if has_scale else [None] * len(losses)
         for i, (loss, scale) in enumerate(zip(loss_values, scale_values, strict=True)):
             self.history.append({"step": first + i, "epoch": self.epoch + 1, "loss": loss, "scale": scale})
         self.epoch += 1
