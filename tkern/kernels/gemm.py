@@ -270,6 +270,11 @@ def matmul(
         TypeError / ValueError: naming the argument, before anything is launched.
     """
     M, N, K, out_dtype = _check_matmul_args(a, b, bias, activation, out_dtype, preact)
+    return _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact)
+
+
+def _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact) -> torch.Tensor:
+    """:func:`matmul` after its arguments were checked."""
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
@@ -378,9 +383,16 @@ def _tma_layout(t: torch.Tensor) -> str | None:
     return None
 
 
+def _tma_layouts(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str] | None:
+    """Both operands' descriptor layouts, or None when :func:`matmul_tma_persistent`
+    cannot run its own kernel on them (a layout missing, or an empty dimension)."""
+    layouts = _tma_layout(a), _tma_layout(b)
+    return None if None in layouts or min(*a.shape, *b.shape) == 0 else layouts
+
+
 def tma_eligible(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether :func:`matmul_tma_persistent` runs its own kernel on ``a`` and ``b``."""
-    return _tma_layout(a) is not None and _tma_layout(b) is not None and min(*a.shape, *b.shape) > 0
+    return _tma_layouts(a, b) is not None
 
 
 def _num_programs(device: torch.device) -> int:
@@ -409,9 +421,10 @@ def matmul_tma_persistent(
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     M, N, K, out_dtype = _check_matmul_args(a, b, bias, activation, out_dtype, preact)
-    if not tma_eligible(a, b):
-        return matmul(a, b, bias=bias, activation=activation, out_dtype=out_dtype, preact=preact)
-    a_t, b_t = _tma_layout(a) == "col", _tma_layout(b) == "col"
+    layouts = _tma_layouts(a, b)
+    if layouts is None:
+        return _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact)
+    a_t, b_t = layouts[0] == "col", layouts[1] == "col"
     # Descriptors over A (M, K) / B (K, N), or over their transposes; the block
     # shapes are placeholders that each config's pre-hook replaces.
     a_desc = TensorDescriptor(
