@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tkern.kernels import scale as K
+from tkern.kernels.overflow import AMAX, FOUND_INF, N_STATS, SUMSQ
 from tkern.optim import _FusedOptimizer
 
 __all__ = ["DynamicLossScaler", "LogNormalLossScaler", "LossScaler", "StaticLossScaler"]
@@ -129,7 +130,7 @@ class LossScaler:
     @property
     def found_inf(self) -> torch.Tensor | None:
         """(1,) fp32 device tensor, 1.0 if the last step overflowed (None before any step)."""
-        return None if not self._stats else self._combined_stats()[0:1]
+        return None if not self._stats else self._combined_stats()[FOUND_INF : FOUND_INF + 1]
 
     @property
     def grad_stats(self) -> torch.Tensor | None:
@@ -217,11 +218,12 @@ class LossScaler:
                 norm = torch.linalg.vector_norm
                 amax = torch.stack([norm(g, float("inf"), dtype=torch.float32) for g in grads]).max()
                 sumsq = torch.stack([norm(g, 2, dtype=torch.float32) ** 2 for g in grads]).sum()
-                stats = torch.cat([found, sumsq.reshape(1), amax.reshape(1)])
+                stats = torch.empty(N_STATS, dtype=torch.float32, device=found.device)
+                stats[FOUND_INF], stats[SUMSQ], stats[AMAX] = found[0], sumsq, amax
                 if dist.is_available() and dist.is_initialized():
                     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             result = None
-            if stats[0].item() == 0.0:  # the fallback's one host sync
+            if stats[FOUND_INF].item() == 0.0:  # the fallback's one host sync
                 result = optimizer.step(*args, **kwargs)
         self._stepped.add(id(optimizer))
         self._stats.append(stats)

@@ -66,9 +66,6 @@ class FlatParams:
         }
         self.attach_grads()
 
-    def __len__(self) -> int:
-        return self.offsets[-1]
-
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Param ``i``'s slice of ``flat``, shaped like the param."""
         return flat[self.offsets[i] : self.offsets[i + 1]].view(self.params[i].shape)

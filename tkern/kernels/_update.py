@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tkern.kernels._common import check_tensor
+from tkern.kernels.overflow import N_STATS
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -58,7 +59,7 @@ def check_update_buffers(b: UpdateBuffers, state_names: tuple[str, ...]) -> None
     if not b.has_master and b.master.data_ptr() != b.param.data_ptr():
         raise ValueError("an fp32 param is its own master: pass the same memory as param and master")
     for name, t, size in (
-        ("stats", b.stats, 3),
+        ("stats", b.stats, N_STATS),
         ("inv_scale", b.inv_scale, 1),
         ("step", b.step, 1),
     ):

@@ -147,3 +147,9 @@ def grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP: tl.constexpr):
 def found_inf(stats_ptr):
     """True when the step must be skipped."""
     return tl.load(stats_ptr + _FOUND_INF) != 0.0
+
+
+@triton.jit
+def grad_amax(stats_ptr):
+    """max |g * inv_scale| over the finite gradients."""
+    return tl.load(stats_ptr + _AMAX)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from tkern.kernels._common import check_tensor, ln_beta, one_minus_pow
+from tkern.kernels.overflow import N_STATS, found_inf, grad_amax
 
 # State vector layout, shared by every scheme.
 SCALE = 0  # the loss scale S
@@ -70,7 +71,7 @@ def _update_scale_kernel(
     overflow_std_dev,
     SCHEME: tl.constexpr,  # 0 static, 1 dynamic, 2 log-normal
 ):
-    found = tl.load(stats_ptr) != 0.0
+    found = found_inf(stats_ptr)
     scale = tl.load(state_ptr + _SCALE)
     at_floor = scale <= min_scale
     skipped = tl.load(state_ptr + _SKIPPED)
@@ -97,7 +98,7 @@ def _update_scale_kernel(
         left = tl.where(found & (left > 1.0), left - 1.0, tl.where(grow, hysteresis, left))
         tl.store(state_ptr + _HYSTERESIS_LEFT, left)
     elif SCHEME == _LOGNORMAL:
-        amax = tl.load(stats_ptr + 2)
+        amax = grad_amax(stats_ptr)
         # x = log2(max |g|). An overflowing step only tells that max |g| * S
         # reached 2 ** log_max: it is recorded as one bit above that bound,
         # x = log_max - log2(S) + 1. (OpenSeq2Seq records x = 2 ** log_max, i.e.
@@ -160,9 +161,9 @@ def update_scale(
     """
     check_tensor("state", state, ndim=1, dtypes=(torch.float32,))
     check_tensor("stats", stats, ndim=1, dtypes=(torch.float32,))
-    if state.numel() != STATE_SIZE or stats.numel() != 3 or stats.device != state.device:
+    if state.numel() != STATE_SIZE or stats.numel() != N_STATS or stats.device != state.device:
         raise ValueError(
-            f"state must be ({STATE_SIZE},) and stats (3,) on one device, got "
+            f"state must be ({STATE_SIZE},) and stats ({N_STATS},) on one device, got "
             f"{tuple(state.shape)} on {state.device} and {tuple(stats.shape)} on {stats.device}"
         )
     if scheme not in (STATIC, DYNAMIC, LOGNORMAL):
