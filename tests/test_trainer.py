@@ -170,42 +170,11 @@ def test_digits_tkern_tracks_autocast():
 
 def test_cli_train_only_tkern_with_checkpoint_and_resume(tmp_path, capsys):
     ckpt = tmp_path / "digits.ckpt"
-    assert (
-        main(
-            [
-                "train",
-                "--only",
-                "tkern",
-                "--epochs",
-                "1",
-                "--hidden",
-                "32",
-                "--no-progress",
-                "--checkpoint",
-                str(ckpt),
-            ]
-        )
-        == 0
-    )
+    small = ["train", "--only", "tkern", "--hidden", "32", "--no-progress"]
+    assert main([*small, "--epochs", "1", "--checkpoint", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert "tkern" in out and "val acc" in out and ckpt.is_file()
-    assert (
-        main(
-            [
-                "train",
-                "--only",
-                "tkern",
-                "--epochs",
-                "2",
-                "--hidden",
-                "32",
-                "--no-progress",
-                "--resume",
-                str(ckpt),
-            ]
-        )
-        == 0
-    )
+    assert main([*small, "--epochs", "2", "--resume", str(ckpt)]) == 0
 
 
 @pytest.mark.parametrize(
