@@ -10,7 +10,6 @@ H100/H200: tkern >= 2x fp32, >= 1.1x autocast, peak memory <= autocast's.
 
 from __future__ import annotations
 
-import copy
 import gc
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, bar_plot, setup  # noqa: E402
 
-import tkern  # noqa: E402
+from tkern import demo  # noqa: E402
 
 STEPS, WARMUP = 30, 5
 MODELS = {
@@ -31,29 +30,13 @@ MODELS = {
 SMOKE_MODELS = {"mlp 16-32-4, batch 8": (16, [32], 4, 8)}
 
 
-def make_model(d_in, hidden, d_out):
-    layers, width = [], d_in
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.ReLU()]
-        width = h
-    layers.append(nn.Linear(width, d_out))
-    return nn.Sequential(*layers)
-
-
-def build(impl, base, device):
-    model = copy.deepcopy(base).to(device)
-    fused = {"fused": True} if device.type == "cuda" else {}
-    if impl == "tkern":
-        tkern.convert_network(model)
-        return model, tkern.optim.FusedAdamW(model.parameters(), lr=1e-4), tkern.DynamicLossScaler(), None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
-    if impl == "torch fp32":
-        return model, opt, None, None
-    return model, opt, torch.amp.GradScaler(device.type), torch.float16
+# The three recipes of tkern's demo (tkern.demo.build), under this script's labels.
+RECIPES = {"tkern": "tkern", "torch fp32": "fp32", "torch autocast": "autocast"}
+CONFIG = demo.Config(optimizer="adamw", scaler="dynamic", lr=1e-4)
 
 
 def time_steps(impl, base, batch, device, steps, warmup):
-    model, opt, scaler, autocast = build(impl, base, device)
+    model, opt, scaler, autocast = demo.build(RECIPES[impl], base, CONFIG, device)
     x = torch.randn(batch[0], batch[1], device=device)
     y = torch.randint(0, batch[2], (batch[0],), device=device)
 
@@ -104,8 +87,8 @@ def main(argv: list[str] | None = None) -> Results:
     steps, warmup = (2, 1) if mode.smoke else (STEPS, WARMUP)
     for case, (d_in, hidden, d_out, batch) in models.items():
         torch.manual_seed(0)
-        base = make_model(d_in, hidden, d_out)
-        for impl in ("tkern", "torch fp32", "torch autocast"):
+        base = demo.make_mlp(d_in, tuple(hidden), d_out).to(mode.device)
+        for impl in RECIPES:
             try:
                 ms, lo, hi, peak = time_steps(impl, base, (batch, d_in, d_out), mode.device, steps, warmup)
             except torch.OutOfMemoryError:

@@ -10,6 +10,8 @@ covers every parameter of the set in one launch.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tkern.kernels._update import PARAM_DTYPES
@@ -46,10 +48,7 @@ class FlatParams:
         self.indices = indices
         self.group = group
         self.dtype, self.device = first.dtype, first.device
-        self.numels = [p.numel() for p in params]
-        self.offsets = [0]
-        for n in self.numels:
-            self.offsets.append(self.offsets[-1] + n)
+        self.offsets = [0, *itertools.accumulate(p.numel() for p in params)]
         total = self.offsets[-1]
 
         self.param = torch.empty(total, dtype=self.dtype, device=self.device)
