@@ -79,6 +79,9 @@ class FlatParams:
         view = self.view(flat, i)
         return t.data_ptr() == view.data_ptr() and t.shape == view.shape and t.stride() == view.stride()
 
+    def _describe(self, i: int) -> str:
+        return describe_param(self.group, self.indices[i], self.params[i])
+
     def active_ranges(self) -> list[tuple[int, int]]:
         """Element ranges ``[start, end)`` of the params that have a gradient this step.
 
@@ -92,10 +95,9 @@ class FlatParams:
         """
         ranges: list[tuple[int, int]] = []
         for i, p in enumerate(self.params):
-            name = describe_param(self.group, self.indices[i], p)
             if not self._owns(p, self.param, i):
                 raise RuntimeError(
-                    f"{name} no longer lives in the optimizer's flat buffer: its .data was "
+                    f"{self._describe(i)} no longer lives in the optimizer's flat buffer: its .data was "
                     "replaced (by .to(), .half() or an assignment) after the optimizer was "
                     "built; build the optimizer after moving or casting the model"
                 )
@@ -103,10 +105,12 @@ class FlatParams:
             if g is None:
                 continue
             if g.layout != torch.strided:
-                raise TypeError(f"{name}: sparse gradients are not supported (layout {g.layout})")
+                raise TypeError(
+                    f"{self._describe(i)}: sparse gradients are not supported (layout {g.layout})"
+                )
             if not self._owns(g, self.grad, i):
                 if g.shape != p.shape:
-                    raise ValueError(f"{name}: .grad has shape {tuple(g.shape)}")
+                    raise ValueError(f"{self._describe(i)}: .grad has shape {tuple(g.shape)}")
                 view = self.view(self.grad, i)
                 view.copy_(g)
                 p.grad = view
