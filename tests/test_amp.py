@@ -390,7 +390,7 @@ def _rank_main(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         p = torch.ones(5, dtype=torch.float16, requires_grad=True)
-        opt = FusedSGD([p], lr=0.1)
+        opt = FusedSGD([p], lr=0.1, process_group=dist.group.WORLD)  # opt in to agreeing
         scaler = tkern.DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
         scales, skipped = [], []
         for step in range(6):

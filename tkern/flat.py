@@ -1,20 +1,69 @@
-"""Flat buffers: many parameters in one contiguous allocation.
+"""Flat buffers: many parameters in one contiguous, padded allocation.
 
-A :class:`FlatParams` takes the parameters of one param group that share a
-device and dtype, moves them into one flat buffer (each ``param.data``
-becomes a view into it), allocates one flat gradient buffer whose views become
-the params' ``.grad``, one flat fp32 master copy (for half-precision params;
-an fp32 param is its own master) and flat fp32 state buffers. A kernel then
-covers every parameter of the set in one launch.
+A :class:`FlatParams` holds the parameters of one param group that share a
+device and a dtype. It is the one layout the fused optimizers, the compiled
+kernels and the sharded (ZeRO-2) optimizer all build on:
+
+Layout
+    Every param starts at a multiple of :data:`ALIGN` (16) elements and takes
+    ``ceil(numel / 16) * 16`` slots; the buffer's length is a multiple of
+    ``16 * world_size``. So every param, every launch range and every shard
+    starts and ends on a 16-element boundary (32 B for fp16, 64 B for fp32)
+    and the streaming kernels get 128-bit accesses with no ragged edge.
+    Padding slots are zero in every buffer and stay zero: their gradient is
+    never written (no param's view covers it), so they add nothing to the
+    gradient norm, and every update rule maps (param 0, grad 0, state 0) to 0.
+
+Views with their own storage
+    ``param.data`` and ``param.grad`` become *aliases* of their slots (tensors
+    over the same memory with a storage object of their own, made through
+    DLPack). Writes through them land in the flat buffer, yet
+    ``torch.save(submodule.state_dict())`` or safetensors see one param's
+    bytes, not the whole buffer, and each param keeps its own version counter.
+
+Who owns the truth
+    The params are the truth; the fp32 master is their shadow. Every in-place
+    write to a param from outside the optimizer (``model.load_state_dict``,
+    DDP's initial broadcast, ``p.mul_(0.5)`` under no_grad) bumps that param's
+    version counter; :meth:`plan` compares the counters with the ones it saw
+    last (one list comparison per step) and, if any moved, the master takes
+    the param's value wherever ``param != round(master)`` and keeps its extra
+    bits wherever they agree. Writes through ``param.data`` bypass the
+    counter: call :meth:`reconcile` (``optimizer.refresh_master()``) after those.
+
+Per-param step counts, "no grad, no update"
+    A param has a gradient this step when its gradient view was written since
+    the last ``zero_grad(set_to_none=True)``: autograd accumulates into the
+    view in place, which bumps the view's version counter (so does any
+    ``p.grad.copy_(g)``), or ``.grad`` is another tensor (copied in then).
+    ``zero_grad(set_to_none=False)`` makes every param count, as torch's zero
+    tensors would. A post-accumulate-grad hook puts the flat view back as
+    ``.grad`` when autograd made a new tensor (after ``model.zero_grad()``). Params that share a history
+    share a step-count tensor on the device (a *cohort*): normally one per
+    buffer, so one launch covers the buffer; a param that sat out a step
+    moves to a cohort of its own history, and launches split at cohort
+    boundaries. In the steady state :meth:`plan` costs three C-speed list
+    scans per step and returns a cached plan.
+
+Shards
+    With ``world_size = W`` the buffer splits into W equal shards of
+    ``len / W`` elements (multiples of 16); rank r's fp32 master and state
+    cover only ``[r * len / W, (r + 1) * len / W)``, the slice reduce-scatter
+    leaves it and all-gather reads from it. ``W = 1`` is the plain optimizer.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
+import weakref
 
 import torch
 
 from tkern.kernels._update import PARAM_DTYPES
+
+#: Every param, launch range and shard starts on a multiple of this many elements.
+ALIGN = 16
 
 
 def describe_param(group: int, index: int, p: torch.Tensor) -> str:
@@ -22,14 +71,52 @@ def describe_param(group: int, index: int, p: torch.Tensor) -> str:
     return f"param {index} of param group {group} (shape {tuple(p.shape)}, dtype {p.dtype})"
 
 
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def alias(flat: torch.Tensor, start: int, numel: int, shape: torch.Size) -> torch.Tensor:
+    """``flat[start:start + numel]`` shaped ``shape``, as a tensor with a storage of its own
+    over the same memory (it keeps ``flat`` alive)."""
+    return torch.from_dlpack(flat.narrow(0, start, numel).detach()).view(shape)
+
+
+class _AdoptGrad:
+    """Post-accumulate-grad hook: keeps param ``index``'s ``.grad`` the flat view
+    (copying in a gradient autograd made as a new tensor). A module-level
+    object holding a weak reference, so it never keeps an optimizer alive
+    (hooks are neither pickled nor deep-copied by torch)."""
+
+    __slots__ = ("flat", "index")
+
+    def __init__(self, flat: FlatParams, index: int) -> None:
+        self.flat = weakref.ref(flat)
+        self.index = index
+
+    def __call__(self, p: torch.Tensor) -> None:
+        flat = self.flat()
+        if flat is not None:
+            flat.adopt_grad(self.index, p)
+
+
 class FlatParams:
     """The parameters of one param group on one device with one dtype.
 
     Args:
-        params: the parameters, in order; each must be a leaf tensor.
+        params: the parameters, in order; each a leaf tensor.
         indices: each param's index within its param group (for messages).
         group: the param group's index (for messages).
         state_names: names of the fp32 state buffers to allocate, zeroed.
+        world_size, rank: shard the master and state (ZeRO); 1, 0 for none.
+
+    Attributes:
+        param, grad: the flat param and gradient buffers (the params' dtype).
+        master: the fp32 master of this rank's shard (for fp32 params, the
+            shard of ``param`` itself).
+        state: name -> fp32 buffer of this rank's shard.
+        offsets: ``offsets[i]`` is where param i starts in ``param``/``grad``.
+        lo, hi: this rank's shard, ``[lo, hi)`` in ``param``/``grad``.
     """
 
     def __init__(
@@ -38,6 +125,9 @@ class FlatParams:
         indices: list[int],
         group: int,
         state_names: tuple[str, ...],
+        *,
+        world_size: int = 1,
+        rank: int = 0,
     ) -> None:
         first = params[0]
         if first.dtype not in PARAM_DTYPES:
@@ -48,90 +138,271 @@ class FlatParams:
         self.indices = indices
         self.group = group
         self.dtype, self.device = first.dtype, first.device
-        self.offsets = [0, *itertools.accumulate(p.numel() for p in params)]
-        total = self.offsets[-1]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [0, *itertools.accumulate(round_up(n, ALIGN) for n in self.numels)]
+        self.world_size, self.rank = world_size, rank
+        total = round_up(self.offsets[-1], ALIGN * world_size)
+        self.shard_size = total // world_size
+        self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 
-        self.param = torch.empty(total, dtype=self.dtype, device=self.device)
+        self.param = torch.zeros(total, dtype=self.dtype, device=self.device)
         self.grad = torch.zeros(total, dtype=self.dtype, device=self.device)
+        self.param_views: list[torch.Tensor] = []
+        self.grad_views: list[torch.Tensor | None] = []
         with torch.no_grad():
             for i, p in enumerate(params):
-                self.view(self.param, i).copy_(p)
-                if p.grad is not None:
-                    self.view(self.grad, i).copy_(p.grad)
-                p.data = self.view(self.param, i)
-        self.master = self.param if self.dtype == torch.float32 else self.param.float()
-        self.state = {
-            name: torch.zeros(total, dtype=torch.float32, device=self.device) for name in state_names
-        }
-        self.attach_grads()
+                self.param_views.append(self._alias(self.param, i))
+                self.param_views[i].copy_(p)
+                if p.requires_grad:
+                    self.grad_views.append(self._alias(self.grad, i))
+                    if p.grad is not None:
+                        self.grad_views[i].copy_(p.grad)
+                else:
+                    self.grad_views.append(None)
+                p.data = self.param_views[i]
+        self.master = (
+            self.param[self.lo : self.hi]
+            if self.dtype == torch.float32
+            else self.param[self.lo : self.hi].float()
+        )
+        self._plan: list[tuple[int, int, torch.Tensor]] | None = None
+        #: Bumped whenever state buffers or step-count tensors are added or replaced.
+        self.layout_version = 0
+        self.state: dict[str, torch.Tensor] = {}
+        self.ensure_state(state_names)
+        # The gradient views' versions at the last zero_grad(set_to_none=True); a view
+        # whose version moved since has a gradient. -1: counts from the start.
+        self._trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self._views = [self.grad_views[i] for i in self._trainable]
+        self._zero_versions = [
+            -1 if params[i].grad is not None else v._version
+            for i, v in zip(self._trainable, self._views, strict=True)
+        ]
+        self._all_active = False
+        #: cohort[i]: index into steps of param i's step-count tensor.
+        self.cohort = [0] * len(params)
+        self.steps = [torch.zeros(1, dtype=torch.float32, device=self.device)]
+        self._ptrs = [p.data_ptr() for p in params]
+        self._versions: list[int] | None = [p._version for p in params]
+        self._hooks: list = []
+        self._attach()
 
-    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Param ``i``'s slice of ``flat``, shaped like the param."""
-        return flat[self.offsets[i] : self.offsets[i + 1]].view(self.params[i].shape)
+    # ------------------------------------------------------------- layout
 
-    def attach_grads(self) -> None:
-        """Make the gradient views the ``.grad`` of every param that requires grad."""
-        for i, p in enumerate(self.params):
-            if p.requires_grad:
-                p.grad = self.view(self.grad, i)
+    def _alias(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        return alias(flat, self.offsets[i], self.numels[i], self.params[i].shape)
 
-    def _owns(self, t: torch.Tensor, flat: torch.Tensor, i: int) -> bool:
-        view = self.view(flat, i)
-        return t.data_ptr() == view.data_ptr() and t.shape == view.shape and t.stride() == view.stride()
+    def shard_view(self, buf: torch.Tensor, i: int) -> torch.Tensor | None:
+        """Param ``i``'s part of a shard-sized buffer (master or state), shaped
+        like the param; None unless the param lies wholly in this rank's shard."""
+        s = self.offsets[i]
+        if s < self.lo or s + self.numels[i] > self.hi:
+            return None
+        return buf[s - self.lo : s - self.lo + self.numels[i]].view(self.params[i].shape)
+
+    def ensure_state(self, names: tuple[str, ...]) -> bool:
+        """Allocate (zeroed) any of the fp32 state buffers ``names`` not there yet;
+        True if one was added."""
+        added = False
+        for name in names:
+            if name not in self.state:
+                self.state[name] = torch.zeros(self.shard_size, dtype=torch.float32, device=self.device)
+                added = True
+        if added:
+            self._changed()
+        return added
+
+    def _changed(self) -> None:
+        self._plan = None
+        self.layout_version += 1
 
     def _describe(self, i: int) -> str:
         return describe_param(self.group, self.indices[i], self.params[i])
 
-    def active_ranges(self) -> list[tuple[int, int]]:
-        """Element ranges ``[start, end)`` of the params that have a gradient this step.
+    # ------------------------------------------------------------- gradients
 
-        A param whose ``.grad`` was replaced by another tensor has it copied
-        into the flat buffer (and the view put back); a param whose ``.grad``
-        is None is left out, and so left alone by the step.
-
-        Raises:
-            RuntimeError: a param's ``.data`` no longer lives in the flat buffer.
-            TypeError: a sparse gradient.
-        """
-        ranges: list[tuple[int, int]] = []
+    def _attach(self) -> None:
+        """Register the gradient hooks and make the flat views the params' ``.grad``."""
         for i, p in enumerate(self.params):
-            if not self._owns(p, self.param, i):
-                raise RuntimeError(
-                    f"{self._describe(i)} no longer lives in the optimizer's flat buffer: its .data was "
-                    "replaced (by .to(), .half() or an assignment) after the optimizer was "
-                    "built; build the optimizer after moving or casting the model"
-                )
-            g = p.grad
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(_AdoptGrad(self, i)))
+                p.grad = self.grad_views[i]
+
+    def detach_hooks(self) -> None:
+        """Remove the gradient hooks (before the params leave this buffer)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def adopt_grad(self, i: int, p: torch.Tensor) -> None:
+        """Called by the hook after autograd accumulated param ``i``'s gradient."""
+        g = p.grad
+        if g is not self.grad_views[i] and g is not None:
+            self._adopt_grad(i, g)
+
+    def _adopt_grad(self, i: int, g: torch.Tensor) -> None:
+        """Copy a gradient tensor that is not the flat view into it, and put the view back."""
+        p = self.params[i]
+        if g.layout != torch.strided:
+            raise TypeError(f"{self._describe(i)}: sparse gradients are not supported (layout {g.layout})")
+        if g.shape != p.shape:
+            raise ValueError(
+                f"{self._describe(i)}: .grad has shape {tuple(g.shape)}, expected {tuple(p.shape)}"
+            )
+        view = self.grad_views[i]
+        with torch.no_grad():
+            view.copy_(g)
+        p.grad = view
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Zero the flat gradient buffer in place and put the views back as ``.grad``.
+        With ``set_to_none`` no param counts as having a gradient until backward
+        gives it one (its ``.grad`` still reads zeros)."""
+        self.check_storage()
+        self.grad.zero_()
+        for p, view in zip(self.params, self.grad_views, strict=True):
+            if p.grad is not view:
+                p.grad = view
+        self._zero_versions = [v._version for v in self._views]
+        self._all_active = not set_to_none
+
+    # ------------------------------------------------------------- the step's plan
+
+    def check_storage(self) -> None:
+        """Raise if a param's ``.data`` was replaced (``.to()``, ``.float()``, assignment)."""
+        if [p.data_ptr() for p in self.params] != self._ptrs:
+            for i, p in enumerate(self.params):
+                if p.data_ptr() != self._ptrs[i]:
+                    raise RuntimeError(
+                        f"{self._describe(i)} no longer lives in the optimizer's flat buffer: its .data "
+                        "was replaced (by .to(), .float(), .half() or an assignment) after the optimizer "
+                        "was built; build the optimizer after moving or casting the model"
+                    )
+
+    def plan(self) -> list[tuple[int, int, torch.Tensor]]:
+        """The launches of this step: ``(start, end, step_count)`` ranges of the
+        params that have a gradient, in ``param``/``grad`` coordinates, clipped
+        to this rank's shard, split where the step counts differ.
+
+        Also brings the master up to date with params written from outside
+        (see the module docstring), copies in gradients that are not the flat
+        views, and moves params that sit this step out into cohorts of their own.
+        """
+        params = self.params
+        self.check_storage()
+        versions = [p._version for p in params]
+        if versions != self._versions:
+            self.reconcile()
+            self._versions = versions
+        grads_are_views = all(map(operator.is_, [p.grad for p in params], self.grad_views))
+        if grads_are_views and self._plan is not None:
+            written = [v._version for v in self._views]
+            if self._all_active or all(map(operator.ne, written, self._zero_versions)):
+                return self._plan
+        active = [False] * len(params)
+        for k, i in enumerate(self._trainable):
+            g, view = params[i].grad, self._views[k]
             if g is None:
                 continue
-            if g.layout != torch.strided:
-                raise TypeError(
-                    f"{self._describe(i)}: sparse gradients are not supported (layout {g.layout})"
-                )
-            if not self._owns(g, self.grad, i):
-                if g.shape != p.shape:
-                    raise ValueError(f"{self._describe(i)}: .grad has shape {tuple(g.shape)}")
-                view = self.view(self.grad, i)
-                view.copy_(g)
-                p.grad = view
-            start, end = self.offsets[i], self.offsets[i + 1]
-            if ranges and ranges[-1][1] == start:
-                ranges[-1] = (ranges[-1][0], end)
-            elif end > start:
-                ranges.append((start, end))
+            if g is not view:
+                self._adopt_grad(i, g)
+                self._zero_versions[k] = -1
+            active[i] = self._all_active or view._version != self._zero_versions[k]
+        self._split_cohorts(active)
+        ranges = self._ranges(active)
+        if all(active[i] for i in self._trainable):
+            self._plan = ranges
         return ranges
 
-    def zero_grad(self) -> None:
-        """Zero the flat gradient buffer in place and re-attach the views."""
-        self.grad.zero_()
-        self.attach_grads()
+    def _split_cohorts(self, active: list[bool]) -> None:
+        """Give the active members of a cohort that also has inactive members a
+        new cohort (a copy of the step count), so only they count this step."""
+        members: dict[int, list[int]] = {}
+        for i, c in enumerate(self.cohort):
+            if self.grad_views[i] is not None:
+                members.setdefault(c, []).append(i)
+        for c, idx in members.items():
+            on = [i for i in idx if active[i]]
+            if on and len(on) < len(idx):
+                self.steps.append(self.steps[c].clone())
+                for i in on:
+                    self.cohort[i] = len(self.steps) - 1
+                self._changed()
+
+    def _ranges(self, active: list[bool]) -> list[tuple[int, int, torch.Tensor]]:
+        runs: list[list[int]] = []  # [start, end, cohort]
+        for i, on in enumerate(active):
+            if not on:
+                continue
+            start, end, c = self.offsets[i], self.offsets[i + 1], self.cohort[i]
+            if runs and runs[-1][1] == start and runs[-1][2] == c:
+                runs[-1][1] = end
+            else:
+                runs.append([start, end, c])
+        if runs and runs[-1][1] == self.offsets[-1]:
+            runs[-1][1] = self.param.numel()  # the tail padding rides along
+        out = []
+        for start, end, c in runs:
+            s, e = max(start, self.lo), min(end, self.hi)
+            if e > s:
+                out.append((s, e, self.steps[c]))
+        return out
+
+    def set_cohorts(self, steps: list[float]) -> None:
+        """Set each param's step count (from a loaded state): params with equal
+        counts share one step tensor."""
+        by_value: dict[float, int] = {}
+        cohort = []
+        for value in steps:
+            cohort.append(by_value.setdefault(value, len(by_value)))
+        self.steps = [torch.full((1,), v, dtype=torch.float32, device=self.device) for v in by_value]
+        self.cohort = cohort
+        self._changed()
+
+    def set_param_step(self, i: int, value: float) -> None:
+        """Give param ``i`` a step count of its own."""
+        self.steps.append(torch.full((1,), value, dtype=torch.float32, device=self.device))
+        self.cohort[i] = len(self.steps) - 1
+        self._changed()
+
+    # ------------------------------------------------------------- master and params
+
+    def mark_dirty(self) -> None:
+        """Reconcile master and params before the next step (after loading a master)."""
+        self._versions = None
+
+    def reconcile(self) -> None:
+        """Where a param differs from its rounded master, the master takes the
+        param's value; elsewhere the master keeps its extra bits."""
+        if self.dtype == torch.float32:
+            return  # an fp32 param is its own master
+        with torch.no_grad():
+            p = self.param[self.lo : self.hi]
+            torch.where(self.master.to(self.dtype) == p, self.master, p.float(), out=self.master)
 
     def copy_master_to_params(self) -> None:
-        """Write the fp32 master, rounded to nearest even, into the params."""
-        if self.master is not self.param:
-            self.param.copy_(self.master)
+        """Write this rank's fp32 master shard, rounded to nearest even, into the params."""
+        if self.dtype != torch.float32:
+            with torch.no_grad():
+                self.param[self.lo : self.hi].copy_(self.master)
 
-    def copy_params_to_master(self) -> None:
-        """Refresh the fp32 master from the params (after loading weights in place)."""
-        if self.master is not self.param:
-            self.master.copy_(self.param)
+    # ------------------------------------------------------------- copies
+
+    def __getstate__(self) -> dict:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_hooks", "param_views", "grad_views")}
+        state["_plan"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """After a deep copy or unpickling: the (copied) params become views of the
+        (copied) buffers again, with their hooks."""
+        self.__dict__.update(state)
+        self.param_views, self.grad_views = [], []
+        for i, p in enumerate(self.params):
+            self.param_views.append(self._alias(self.param, i))
+            self.grad_views.append(self._alias(self.grad, i) if p.requires_grad else None)
+            p.data = self.param_views[i]
+        self._ptrs = [p.data_ptr() for p in self.params]
+        self._versions = [p._version for p in self.params]
+        self._hooks = []
+        self._attach()

@@ -1,0 +1,658 @@
+"""Fused optimizers on fp32 master weights: FusedSGD, FusedAdam, FusedAdamW.
+
+Each ``step()`` is two passes over flat buffers (see :mod:`tkern.flat`), with
+no host synchronization:
+
+1. one read of every gradient gives ``grad_stats`` = [found_inf, sum of
+   squares, max |g|] of the unscaled gradients, as a device tensor;
+2. one fused update per flat buffer (per run of params with one step count)
+   reads that flag and returns at once if it is set (a skipped step writes
+   nothing: params, master, state and step counts are unchanged); otherwise it
+   unscales, clips, updates the fp32 master and state in fp32 and writes the
+   master, rounded to nearest, into the fp16/bf16 params.
+
+Interface with loss scalers: ``step(inv_scale=t)`` takes ``1 / loss scale`` as
+a (1,) fp32 device tensor; after the step, ``optimizer.grad_stats`` holds the
+statistics of that step (``grad_stats[0]`` is found_inf), which
+:mod:`tkern.amp` reads to update the scale. A non-finite ``inv_scale`` makes
+the step a skipped one. ``torch.amp.GradScaler`` drives these optimizers
+through torch's ``_step_supports_amp_scaling`` protocol (it hands over its
+scale and found_inf; the step unscales and skips on the device). The
+``.grad`` tensors are left multiplied by the loss scale after such a step
+(torch's fused Adam writes them back unscaled; tkern saves those 2 B/param):
+``scaler.unscale_(optimizer)`` before the step gives unscaled gradients.
+
+Semantics as torch.optim, with these differences worth knowing:
+
+* params become views into a flat buffer: build the optimizer after moving
+  or casting the model. Writes to the params from outside (loading weights,
+  DDP's broadcast, in-place edits) are picked up by the next step: the master
+  follows the params (see :mod:`tkern.flat`); writes through ``param.data``
+  are invisible to the version counter: call :meth:`refresh_master` then;
+* a param's ``.grad`` is a view that ``zero_grad()`` zeroes in place, so it
+  reads zeros rather than None after ``zero_grad(set_to_none=True)``; a param
+  that then receives no gradient in backward is still left untouched by
+  ``step()`` (no weight decay, no momentum, its step count stays), as in torch;
+* ``optimizer.load_state_dict`` never changes the params' values: the loaded
+  master is kept where the params equal it rounded (a consistent checkpoint,
+  in either load order) and follows the params elsewhere;
+* no collective by default under ``torch.distributed`` (under DDP the
+  gradients are already identical); ``process_group=`` all-reduces the
+  statistics (max) so every rank skips the same steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tkern.flat import FlatParams, describe_param
+from tkern.kernels._update import PARAM_DTYPES, UpdateBuffers
+from tkern.kernels.adam import adam_update
+from tkern.kernels.overflow import FOUND_INF, grad_stats
+from tkern.kernels.sgd import sgd_update
+
+__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD"]
+
+#: Group keys torch.optim's own optimizers keep for bookkeeping; a loaded
+#: state_dict may carry them (they do not change tkern's arithmetic).
+_TORCH_BOOKKEEPING = frozenset(
+    {"foreach", "capturable", "differentiable", "fused", "maximize", "param_names", "decoupled_weight_decay"}
+)
+#: Group keys torch's lr schedulers add.
+_SCHEDULER_KEYS = frozenset(
+    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr", "base_lr"}
+)
+
+
+def _scalar(group: dict, key: str, index: int, label: str | None = None) -> float:
+    """A hyperparameter as a float: Python/numpy scalars and 1-element tensors;
+    anything else raises ValueError naming it."""
+    value = group[key]
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"Invalid {label or key}: a tensor {key} must hold one element, got shape "
+                f"{tuple(value.shape)} (param group {index})"
+            )
+        return float(value.item())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Invalid {label or key}: {value!r} (param group {index})") from None
+
+
+def _check_nonneg(group: dict, index: int, key: str, label: str) -> float:
+    value = _scalar(group, key, index, label)
+    if not value >= 0.0:
+        raise ValueError(f"Invalid {label}: {value} (param group {index})")
+    return value
+
+
+class _ParamState(dict):
+    """``optimizer.state[p]``: the live views of p's step count, master and
+    state. Assigning an entry (``opt.state[p]["exp_avg"] = t``) copies the
+    value into the buffer the kernels use, as assigning into torch.optim's
+    state takes effect."""
+
+    def __init__(self, flat: FlatParams, index: int) -> None:
+        super().__init__()
+        self._flat, self._index = flat, index
+        self.refresh()
+
+    def refresh(self) -> None:
+        flat, i = self._flat, self._index
+        dict.clear(self)
+        dict.__setitem__(self, "step", flat.steps[flat.cohort[i]])
+        if flat.dtype != torch.float32:
+            master = flat.shard_view(flat.master, i)
+            if master is not None:
+                dict.__setitem__(self, "master", master)
+        for name, buf in flat.state.items():
+            view = flat.shard_view(buf, i)
+            if view is not None:
+                dict.__setitem__(self, name, view)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key == "step":
+            self._flat.set_param_step(self._index, float(torch.as_tensor(value).reshape(-1)[0]))
+            self.refresh()
+            return
+        dest = self.get(key)
+        if not isinstance(dest, torch.Tensor):
+            dict.__setitem__(self, key, value)
+            return
+        value = torch.as_tensor(value)
+        if value.numel() != dest.numel():
+            raise ValueError(
+                f"state {key!r}: got a tensor of shape {tuple(value.shape)}, expected {tuple(dest.shape)}"
+            )
+        with torch.no_grad():
+            dest.copy_(value.reshape(dest.shape))
+
+
+class _FusedOptimizer(torch.optim.Optimizer):
+    """What FusedSGD/FusedAdam/FusedAdamW share: flat buffers, the two passes,
+    the state_dict. Subclasses name their state buffers, validate their
+    hyperparameters and launch their update kernel."""
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands over grad_scale and found_inf
+    #: SGD's only use of the step count is "first step: the buffer starts as the gradient",
+    #: so a momentum buffer allocated late (momentum switched on) starts the count afresh.
+    _fresh_state_restarts_count = False
+
+    def __init__(self, params: Iterable, defaults: dict[str, Any], process_group=None) -> None:
+        self._flat: list[list[FlatParams]] = []
+        self._device: torch.device | None = None
+        self._one: torch.Tensor | None = None
+        self._process_group = process_group
+        #: (3,) fp32 statistics of the last step's gradients, on the device.
+        self.grad_stats: torch.Tensor | None = None
+        self._layout_seen: dict[int, int] = {}
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------- construction
+
+    def _group_state_names(self, group: dict) -> tuple[str, ...]:
+        """Names of the fp32 state buffers the subclass's kernel needs for ``group``."""
+        raise NotImplementedError
+
+    def _validate_group(self, group: dict, index: int) -> dict[str, Any]:
+        """Check ``group``'s hyperparameters; return them as the kernel takes them."""
+        args = {
+            "lr": _check_nonneg(group, index, "lr", "learning rate"),
+            "weight_decay": _check_nonneg(group, index, "weight_decay", "weight_decay value"),
+        }
+        norm = group.get("max_grad_norm")
+        if norm is not None:
+            norm = _scalar(group, "max_grad_norm", index)
+            if not norm > 0:
+                raise ValueError(
+                    f"Invalid max_grad_norm value: {norm} (param group {index}); expected > 0 or None"
+                )
+        args["max_grad_norm"] = norm
+        if group.get("maximize", False):
+            args["maximize"] = True
+        return args
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group, moving its params into flat buffers (one per dtype).
+        Everything is checked first: a rejected group leaves nothing behind."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        gi = len(self.param_groups)
+        param_group = dict(param_group)
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
+        params = list(params)
+        if params and all(isinstance(p, tuple) and len(p) == 2 for p in params):  # named_parameters()
+            param_group["param_names"] = [name for name, _ in params]
+            params = [p for _, p in params]
+        param_group["params"] = params
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        group_ids: set[int] = set()
+        for pi, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param {pi} of param group {gi} is a {type(p).__name__}, not a Tensor")
+            name = describe_param(gi, pi, p)
+            if not p.is_leaf:
+                raise ValueError(f"{name} is not a leaf tensor; can't optimize a non-leaf Tensor")
+            if p.is_sparse:
+                raise TypeError(f"{name} is sparse; sparse params are not supported")
+            if p.is_meta:
+                raise ValueError(
+                    f"{name} is on meta: materialize the model (to_empty() and initialise it) "
+                    "before building the optimizer"
+                )
+            if p.dtype not in PARAM_DTYPES:
+                raise TypeError(f"{name}: dtype must be one of {PARAM_DTYPES}")
+            if id(p) in group_ids:
+                raise ValueError(f"{name} is passed more than once")
+            if id(p) in seen:
+                raise ValueError(f"{name} already belongs to another param group")
+            group_ids.add(id(p))
+            device = self._device if self._device is not None else params[0].device
+            if p.device != device:
+                raise ValueError(
+                    f"{name} is on {p.device}, but earlier params are on {device}; "
+                    "a tkern optimizer keeps all its params on one device"
+                )
+        for key, default in self.defaults.items():
+            param_group.setdefault(key, default)
+        self._validate_group(param_group, gi)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if params:
+            self._device = params[0].device
+
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for pi, p in enumerate(group["params"]):
+            by_dtype.setdefault(p.dtype, []).append(pi)
+        names = self._group_state_names(group)
+        flats = [
+            self._make_flat([group["params"][i] for i in idx], idx, gi, names) for idx in by_dtype.values()
+        ]
+        self._flat.append(flats)
+        for flat in flats:
+            self._refresh_state(flat)
+
+    def _make_flat(self, params, indices, group, names) -> FlatParams:
+        return FlatParams(params, indices, group, names)
+
+    def _refresh_state(self, flat: FlatParams) -> None:
+        for i, p in enumerate(flat.params):
+            self.state[p] = _ParamState(flat, i)
+        self._layout_seen[id(flat)] = flat.layout_version
+
+    # ----------------------------------------------------------- the step
+
+    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
+        raise NotImplementedError
+
+    def _inv_scale(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        if grad_scale is not None:
+            if inv_scale is not None:
+                raise ValueError("pass either inv_scale or a GradScaler's grad_scale, not both")
+            return torch.reciprocal(grad_scale.detach().reshape(1).to(torch.float32))
+        if inv_scale is None:
+            if self._one is None:
+                self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+            return self._one
+        if not (
+            isinstance(inv_scale, torch.Tensor)
+            and inv_scale.dtype == torch.float32
+            and inv_scale.numel() == 1
+            and inv_scale.device == self._device
+        ):
+            got = (
+                inv_scale
+                if not isinstance(inv_scale, torch.Tensor)
+                else f"{inv_scale.dtype} {tuple(inv_scale.shape)} on {inv_scale.device}"
+            )
+            raise TypeError(f"inv_scale must be a one-element float32 tensor on {self._device}, got {got}")
+        return inv_scale
+
+    @torch.no_grad()
+    def step(self, closure=None, *, inv_scale: torch.Tensor | None = None):
+        """One optimizer step (two launches per flat buffer, no host sync).
+
+        Every group is checked before the first launch: a bad group raises and
+        leaves every param and state as it was.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+            inv_scale: (1,) fp32 tensor on the params' device, 1 / loss scale;
+                default 1. Steps whose gradients hold inf/nan (or whose
+                ``inv_scale`` is not finite) are skipped either way. The
+                ``.grad`` tensors stay scaled.
+
+        Returns:
+            The closure's loss, if a closure was given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._device is None:  # no params at all
+            return loss
+        inv_scale = self._inv_scale(inv_scale)
+        args = [self._validate_group(g, gi) for gi, g in enumerate(self.param_groups)]
+
+        work = []  # (args, flat, plan)
+        for gi, flats in enumerate(self._flat):
+            names = self._group_state_names(self.param_groups[gi])
+            for flat in flats:
+                if flat.ensure_state(names) and self._fresh_state_restarts_count:
+                    flat.set_cohorts([0.0] * len(flat.params))
+                plan = flat.plan()
+                if self._layout_seen.get(id(flat)) != flat.layout_version:
+                    self._refresh_state(flat)
+                if plan:
+                    work.append((args[gi], flat, plan))
+        stats = grad_stats([flat.grad[s:e] for _, flat, plan in work for s, e, _ in plan], inv_scale)
+        found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step
+        if found_inf is not None:
+            torch.maximum(stats[:1], found_inf.detach().reshape(1).to(stats), out=stats[:1])
+        if self._process_group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self._process_group)
+        self.grad_stats = stats
+
+        applied = 1.0 - stats[FOUND_INF : FOUND_INF + 1]
+        for group_args, flat, plan in work:
+            for s, e, step in plan:
+                lo = flat.lo
+                buffers = UpdateBuffers(
+                    param=flat.param[s:e],
+                    grad=flat.grad[s:e],
+                    master=flat.master[s - lo : e - lo],
+                    state={k: v[s - lo : e - lo] for k, v in flat.state.items()},
+                    stats=stats,
+                    inv_scale=inv_scale,
+                    step=step,
+                )
+                self._launch(group_args, buffers)
+        for _, _, plan in work:
+            for step in {id(step): step for _, _, step in plan}.values():
+                step.add_(applied)
+        return loss
+
+    # ----------------------------------------------------------- grads and state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every flat gradient buffer in place (the views stay attached, so
+        ``.grad`` reads zeros). With ``set_to_none`` (the default) a param that
+        then gets no gradient in backward is left untouched by the next step,
+        as torch's ``None`` gradient would be."""
+        for flats in self._flat:
+            for flat in flats:
+                flat.zero_grad(set_to_none)
+
+    def refresh_master(self) -> None:
+        """Bring the fp32 master up to date with the params now. Not needed after
+        in-place writes to the params (the next step notices them); needed after
+        writes through ``param.data``, which torch does not count."""
+        for flats in self._flat:
+            for flat in flats:
+                flat.check_storage()
+                flat.reconcile()
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's format: ``{"state": {index: {...}}, "param_groups": [...]}``.
+        Each param's state holds its own ``step`` (a float32 scalar tensor, as
+        torch's), the fp32 ``master`` for half-precision params, and the state
+        buffers (views of the live buffers, shaped like the param). It loads
+        into torch.optim.SGD/Adam/AdamW as well as into this class."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        index: dict[int, int] = {}
+        groups = []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
+            groups.append(packed)
+        state: dict[int, dict[str, Any]] = {}
+        for flats in self._flat:
+            for flat in flats:
+                steps = [s.detach().to("cpu").reshape(()) for s in flat.steps]
+                for i, p in enumerate(flat.params):
+                    entry = dict(self.state[p])
+                    entry["step"] = steps[flat.cohort[i]].clone()
+                    state[index[id(p)]] = entry
+        out = {"state": state, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def _allowed_group_keys(self, group: dict) -> set[str]:
+        return set(self.defaults) | set(group) | _TORCH_BOOKKEEPING | _SCHEDULER_KEYS
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict of this class, or of torch.optim's counterpart (SGD,
+        Adam, AdamW), over the same params. Everything is checked before
+        anything changes. The params' values are never changed: the loaded
+        master is kept where a param equals it rounded and follows the param
+        elsewhere (so model-then-optimizer and optimizer-then-model both resume
+        bit-exactly). State a torch optimizer never created (a param it never
+        stepped) starts at zero with step 0."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(groups)} param groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        saved_state = state_dict["state"]
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, value)
+        new_groups = []
+        steps: dict[int, list[float]] = {}  # id(flat) -> step per param
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups, strict=True)):
+            if len(mine["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"param group {gi} has {len(mine['params'])} params, "
+                    f"the loaded one has {len(saved['params'])}"
+                )
+            unknown = sorted(set(saved) - self._allowed_group_keys(mine) - {"params"})
+            if unknown:
+                raise ValueError(
+                    f"loaded param group {gi} has keys {type(self).__name__} does not understand: {unknown} "
+                    "(a state dict of another optimizer?)"
+                )
+            if "decoupled_weight_decay" in saved and bool(saved["decoupled_weight_decay"]) != self._decoupled:
+                raise ValueError(
+                    f"loaded param group {gi} has decoupled_weight_decay={saved['decoupled_weight_decay']}, "
+                    f"but {type(self).__name__} uses {self._decoupled}"
+                )
+            group = {**mine, **{k: v for k, v in saved.items() if k != "params"}}
+            self._validate_group(group, gi)
+            new_groups.append(group)
+            names = self._group_state_names(group)
+            by_param = dict(zip(mine["params"], saved["params"], strict=True))
+            for flat in self._flat[gi]:
+                flat_steps = []
+                for i, p in enumerate(flat.params):
+                    src = saved_state.get(by_param[p]) or {}
+                    step = self._loaded_step(src, gi, flat.indices[i], p)
+                    if self._fresh_state_restarts_count and src.get("momentum_buffer") is None:
+                        step = 0.0  # SGD: a missing buffer starts as the next gradient
+                    flat_steps.append(step)
+                    for name in (*names, "master"):
+                        if src and name in ("exp_avg", "exp_avg_sq") and name not in src:
+                            raise KeyError(
+                                f"loaded state of {describe_param(gi, flat.indices[i], p)} lacks {name!r}"
+                            )
+                        value = src.get(name)
+                        if value is None or (name == "master" and flat.dtype == torch.float32):
+                            continue  # zero state; the master follows the params
+                        value = torch.as_tensor(value)
+                        if value.numel() != p.numel():
+                            raise ValueError(
+                                f"loaded {name!r} of {describe_param(gi, flat.indices[i], p)} has shape "
+                                f"{tuple(value.shape)}, expected {tuple(p.shape)}"
+                            )
+                        copies.append((flat, name, i, value))
+                steps[id(flat)] = flat_steps
+        with torch.no_grad():
+            for mine, group in zip(self.param_groups, new_groups, strict=True):
+                mine.update(group)
+            for gi, flats in enumerate(self._flat):
+                names = self._group_state_names(self.param_groups[gi])
+                for flat in flats:
+                    flat.ensure_state(names)
+                    for name in names:
+                        flat.state[name].zero_()
+                    flat.master.copy_(flat.param[flat.lo : flat.hi])
+                    flat.set_cohorts(steps[id(flat)])
+                    flat.mark_dirty()
+            for flat, name, i, value in copies:
+                buf = flat.master if name == "master" else flat.state[name]
+                dest = flat.shard_view(buf, i)
+                if dest is not None:
+                    dest.copy_(value.reshape(dest.shape))
+            for flats in self._flat:
+                for flat in flats:
+                    self._refresh_state(flat)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    @staticmethod
+    def _loaded_step(src: dict, group: int, index: int, p: torch.Tensor) -> float:
+        value = src.get("step", 0.0)
+        try:
+            return float(torch.as_tensor(value).reshape(-1)[0]) if value is not None else 0.0
+        except (TypeError, ValueError, IndexError):
+            raise ValueError(
+                f"loaded 'step' of {describe_param(group, index, p)} is not a number: {value!r}"
+            ) from None
+
+    # ----------------------------------------------------------- copies
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("state", None)  # rebuilt from the flat buffers
+        state["_process_group"] = None  # process groups do not travel
+        state["_layout_seen"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.state = defaultdict(dict)
+        for flats in self._flat:
+            for flat in flats:
+                self._refresh_state(flat)
+
+
+class FusedSGD(_FusedOptimizer):
+    """SGD with momentum, as ``torch.optim.SGD``, fused on fp32 master weights.
+
+    Args:
+        params: iterable of params, of ``(name, param)`` pairs, or of param-group dicts.
+        lr: learning rate (a float, or a 1-element tensor).
+        momentum, dampening, weight_decay, nesterov, maximize: as ``torch.optim.SGD``.
+        max_grad_norm: clip by the global L2 norm of all unscaled gradients of
+            the optimizer (as ``clip_grad_norm_`` would), or None.
+        process_group: all-reduce the step's statistics over this group (see
+            the module docstring); None (default) for none.
+    """
+
+    _decoupled = False
+    _fresh_state_restarts_count = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        max_grad_norm: float | None = None,
+        *,
+        maximize: bool = False,
+        process_group=None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            max_grad_norm=max_grad_norm,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, process_group)
+
+    def _group_state_names(self, group: dict) -> tuple[str, ...]:
+        return ("momentum_buffer",) if _scalar(group, "momentum", 0) > 0 else ()
+
+    def _validate_group(self, group: dict, index: int) -> dict[str, Any]:
+        args = super()._validate_group(group, index)
+        args["momentum"] = _check_nonneg(group, index, "momentum", "momentum value")
+        args["dampening"] = _scalar(group, "dampening", index)
+        args["nesterov"] = bool(group["nesterov"])
+        if args["nesterov"] and (args["momentum"] <= 0 or args["dampening"] != 0):
+            raise ValueError(
+                f"Nesterov momentum requires a momentum and zero dampening (param group {index})"
+            )
+        return args
+
+    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
+        sgd_update(buffers, **args)
+
+
+class FusedAdam(_FusedOptimizer):
+    """Adam with L2 weight decay, as ``torch.optim.Adam``, fused on fp32 master weights.
+
+    Args:
+        params: iterable of params, of ``(name, param)`` pairs, or of param-group dicts.
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.Adam``
+            (``lr`` and each beta may be a 1-element tensor).
+        max_grad_norm: clip by the global L2 norm of the unscaled gradients, or None.
+        process_group: all-reduce the step's statistics over this group; None for none.
+    """
+
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        max_grad_norm: float | None = None,
+        *,
+        maximize: bool = False,
+        process_group=None,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            max_grad_norm=max_grad_norm,
+            maximize=maximize,
+        )
+        super().__init__(params, defaults, process_group)
+
+    def _group_state_names(self, group: dict) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _validate_group(self, group: dict, index: int) -> dict[str, Any]:
+        args = super()._validate_group(group, index)
+        args["eps"] = _check_nonneg(group, index, "eps", "epsilon value")
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(
+                f"Invalid betas: {betas!r}; expected a pair (beta1, beta2) (param group {index})"
+            )
+        for i in range(2):
+            beta = _scalar({"b": betas[i]}, "b", index, f"beta parameter at index {i}")
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {beta} (param group {index})")
+            args[f"beta{i + 1}"] = beta
+        args["amsgrad"] = bool(group["amsgrad"])
+        args["decoupled"] = self._decoupled
+        return args
+
+    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
+        adam_update(buffers, **args)
+
+
+class FusedAdamW(FusedAdam):
+    """AdamW (decoupled weight decay, default 1e-2), as ``torch.optim.AdamW``,
+    fused on fp32 master weights. Arguments as :class:`FusedAdam`."""
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        max_grad_norm: float | None = None,
+        *,
+        maximize: bool = False,
+        process_group=None,
+    ) -> None:
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm,
+            maximize=maximize, process_group=process_group,
+        )  # fmt: skip
