@@ -55,6 +55,23 @@ def test_epilogue(dtype, bias_dtype, activation, out_dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("kind", ["strided", "expanded", "fp32-strided"])
+@pytest.mark.parametrize("tma", [False, True])
+def test_strided_and_expanded_bias_are_read_in_place(dtype, kind, tma):
+    from tkern.kernels.gemm import matmul_tma_persistent
+
+    M, N, K = 40, 48, 32
+    a, b = randn(M, K, dtype=dtype), randn(K, N, dtype=dtype, scale=0.2)
+    if kind == "expanded":
+        bias = randn(1, dtype=dtype).expand(N)  # stride 0: one value for every column
+    else:
+        bias = randn(3 * N, dtype=dtype if kind == "strided" else torch.float32)[::3]  # stride 3
+    assert bias.stride(0) != 1
+    out = (matmul_tma_persistent if tma else tkern.matmul)(a, b, bias=bias, activation="gelu")
+    assert rel_err(out, reference(a, b, bias, "gelu")) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
 def test_transposed_and_sliced_views_are_read_in_place(dtype):
     a = randn(47 * 3, 60, dtype=dtype)[::3, 2:58:2].t()  # (28, 47), strides (2, 180)
     b = randn(47, 70, dtype=dtype)[:, ::2]  # (47, 35), strides (70, 2)
@@ -163,10 +180,13 @@ def test_bad_input_raises_before_launch(kwargs, exc, words):
         assert word in str(info.value)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs two devices (cpu and cuda)")
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs two devices (cpu and cuda)")
 def test_tensors_on_different_devices():
-    with pytest.raises(ValueError, match="device"):
+    # Compiled: a CPU operand is refused by name, as on no device the kernels can run on.
+    with pytest.raises(ValueError, match=r"b is on device cpu, but tkern runs compiled kernels on CUDA"):
         tkern.matmul(h(4, 5), h(5, 3).cpu())
+    with pytest.raises(ValueError, match=r"bias is on device cpu"):
+        tkern.matmul(h(4, 5), h(5, 3), bias=torch.zeros(3, dtype=torch.float16))
 
 
 def test_cpu_and_meta_devices_differ_is_reported():

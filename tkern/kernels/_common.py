@@ -110,7 +110,7 @@ def check_tensor(
         raise TypeError(f"{name} must have dtype in ({expected}), got {_describe(t)}")
     if not INTERPRET and t.device.type != "cuda":
         raise ValueError(
-            f"{name} is on {t.device}, but tkern runs compiled kernels on CUDA tensors; "
+            f"{name} is on device {t.device}, but tkern runs compiled kernels on CUDA tensors; "
             "set TRITON_INTERPRET=1 before importing tkern to run on the CPU"
         )
     return t
@@ -189,3 +189,29 @@ def check_int32_addressable(name: str, t: torch.Tensor) -> None:
             f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) spans {reach + 1} elements; "
             f"this kernel indexes with int32 offsets and supports at most {INT32_MAX + 1}"
         )
+
+
+@triton.jit
+def load_or_value(x, ON_DEVICE: tl.constexpr):
+    """``x`` itself (a scalar argument) or, when ``ON_DEVICE``, the fp32 value
+    it points to: a hyperparameter such as the learning rate may live in a (1,)
+    device tensor, read by the kernel so that changing it needs no host sync."""
+    if ON_DEVICE:
+        return tl.load(x).to(tl.float32)
+    else:
+        return x
+
+
+#: Elements per vector access: Triton specialises an integer argument divisible
+#: by 16 (and a 16-byte aligned pointer), and only then can it prove that a
+#: masked access covers whole 16-byte vectors.
+ALIGN_ELEMENTS = 16
+
+
+def aligned_split(n: int) -> tuple[int, int]:
+    """``(head, tail)`` with ``head + tail == n``, ``head`` a multiple of
+    :data:`ALIGN_ELEMENTS` and ``tail`` smaller than it. Launchers run the head
+    (vectorised) and the tail (a second tiny launch on the offset views) apart,
+    so a length that is not a multiple of 16 does not make every access scalar."""
+    tail = n % ALIGN_ELEMENTS
+    return n - tail, tail

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from tkern.kernels._common import check_tensor
+from tkern.kernels._common import aligned_split, check_tensor
 from tkern.kernels.overflow import N_STATS
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -68,3 +68,34 @@ def check_update_buffers(b: UpdateBuffers, state_names: tuple[str, ...]) -> None
             raise ValueError(
                 f"{name} must hold {size} value(s) on {b.param.device}, got shape {tuple(t.shape)}"
             )
+
+
+def check_lr(lr: float | torch.Tensor, device: torch.device) -> tuple[float | torch.Tensor, bool]:
+    """``(lr, on_device)`` for a kernel's ``lr`` argument: a Python number, or a
+    (1,) fp32 tensor on ``device`` that the kernel reads itself (no host sync)."""
+    if isinstance(lr, torch.Tensor):
+        check_tensor("lr", lr, dtypes=(torch.float32,))
+        if lr.numel() != 1 or lr.device != device:
+            raise ValueError(
+                f"a tensor lr must hold one fp32 value on {device}, "
+                f"got shape {tuple(lr.shape)} on {lr.device}"
+            )
+        return lr, True
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        raise TypeError(f"lr must be a float or a (1,) fp32 tensor, got {type(lr).__name__}")
+    return float(lr), False
+
+
+def aligned_parts(b: UpdateBuffers) -> list[tuple[UpdateBuffers, int]]:
+    """``b`` as (part, length) runs: a head whose length is a multiple of 16
+    elements (the kernel vectorises it) and, when the length is not, a tail of
+    fewer than 16 elements on offset views of every buffer."""
+    n = b.param.numel()
+    head, tail = aligned_split(n)
+    if not tail or not head:
+        return [(b, n)] if n else []
+    return [
+        (replace(b, param=b.param[s], grad=b.grad[s], master=b.master[s],
+                 state={k: v[s] for k, v in b.state.items()}), length)
+        for s, length in ((slice(0, head), head), (slice(head, n), tail))
+    ]  # fmt: skip

@@ -5,15 +5,24 @@ order torch.optim.Adam uses."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, block_offsets, cast_rne, ln_beta, one_minus_pow, tl_dtype
-from tkern.kernels._update import UpdateBuffers, check_update_buffers
+from tkern.kernels._common import (
+    INTERPRET,
+    block_offsets,
+    cast_rne,
+    ln_beta,
+    load_or_value,
+    one_minus_pow,
+    tl_dtype,
+)
+from tkern.kernels._update import UpdateBuffers, aligned_parts, check_lr, check_update_buffers
 from tkern.kernels.overflow import found_inf, grad_factor
 
-#: See tkern.kernels.sgd: 8 contiguous values per thread.
-BLOCK = 65536 if INTERPRET else 2048
+#: See tkern.kernels.sgd: 4 contiguous values per thread.
+BLOCK = 65536 if INTERPRET else 1024
 NUM_WARPS = 8
 
 
@@ -31,7 +40,7 @@ def _adam_kernel(
     n,
     # Hyperparameters. Differences such as 1 - beta are formed on the host in
     # float64, as torch does: in fp32, 1 - 0.999 is off by 1.3e-5 relative.
-    lr,
+    lr,  # float, or (1,) fp32 pointer when LR_ON_DEVICE
     beta2,
     one_minus_beta1,
     one_minus_beta2,
@@ -39,21 +48,28 @@ def _adam_kernel(
     ln_beta2,
     eps,
     weight_decay,
-    decay,  # 1 - lr * weight_decay (AdamW)
+    decay,  # 1 - lr * weight_decay (AdamW), formed in the kernel when LR_ON_DEVICE
     max_grad_norm,
     HAS_MASTER: tl.constexpr,
     DECOUPLED: tl.constexpr,  # AdamW: p *= 1 - lr * wd; else Adam's L2: g += wd * p
     AMSGRAD: tl.constexpr,
     CLIP: tl.constexpr,
+    MAXIMIZE: tl.constexpr,  # ascend: the gradient is negated, as torch's maximize=True
+    LR_ON_DEVICE: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written, the step count stays
+    if LR_ON_DEVICE:
+        lr = load_or_value(lr, LR_ON_DEVICE)
+        decay = 1.0 - lr * weight_decay
     offs = block_offsets(BLOCK)
     mask = offs < n
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = g * grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP)
+    if MAXIMIZE:
+        g = -g
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
     if DECOUPLED:
         p = p * decay
@@ -81,7 +97,7 @@ def _adam_kernel(
 def adam_update(
     buffers: UpdateBuffers,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -89,28 +105,36 @@ def adam_update(
     decoupled: bool,
     amsgrad: bool,
     max_grad_norm: float | None,
+    maximize: bool = False,
 ) -> None:
     """Launch the Adam (``decoupled=False``) or AdamW update over ``buffers``
     (see :class:`UpdateBuffers`); state: ``exp_avg``, ``exp_avg_sq`` and, with
     ``amsgrad``, ``max_exp_avg_sq``. Does nothing on the device when ``stats``
-    reports an overflow."""
+    reports an overflow.
+
+    ``lr`` is a number or a (1,) fp32 tensor on the params' device, read by the
+    kernel (AdamW's ``1 - lr * weight_decay`` is then formed there in fp32; from
+    a number it is formed on the host in float64, as torch does). ``maximize``
+    negates the gradient, as torch.optim.Adam's."""
     b = buffers
     names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
     check_update_buffers(b, names)
-    n = b.grad.numel()
-    if n == 0:
-        return
-    _adam_kernel[(triton.cdiv(n, BLOCK),)](
-        b.param, b.grad, b.master, b.state["exp_avg"], b.state["exp_avg_sq"],
-        b.state.get("max_exp_avg_sq", b.master),
-        b.stats, b.inv_scale, b.step,
-        n, lr, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), eps, weight_decay,
-        1.0 - lr * weight_decay, max_grad_norm or 0.0,
-        HAS_MASTER=b.has_master,
-        DECOUPLED=decoupled,
-        AMSGRAD=amsgrad,
-        CLIP=max_grad_norm is not None,
-        PARAM_DTYPE=tl_dtype(b.param.dtype),
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
+    lr, lr_on_device = check_lr(lr, b.param.device)
+    decay = 1.0 if lr_on_device else 1.0 - lr * weight_decay
+    for part, n in aligned_parts(b):
+        _adam_kernel[(triton.cdiv(n, BLOCK),)](
+            part.param, part.grad, part.master, part.state["exp_avg"], part.state["exp_avg_sq"],
+            part.state.get("max_exp_avg_sq", part.master),
+            part.stats, part.inv_scale, part.step,
+            n, lr, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), eps, weight_decay,
+            decay, max_grad_norm or 0.0,
+            HAS_MASTER=part.has_master,
+            DECOUPLED=decoupled,
+            AMSGRAD=amsgrad,
+            CLIP=max_grad_norm is not None,
+            MAXIMIZE=bool(maximize),
+            LR_ON_DEVICE=lr_on_device,
+            PARAM_DTYPE=tl_dtype(part.param.dtype),
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip

@@ -88,6 +88,7 @@ def _epilogue(
     preact_ptr,
     stride_cm,
     stride_cn,
+    stride_bias,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     STORE_PREACT: tl.constexpr,
@@ -102,7 +103,7 @@ def _epilogue(
     mask_n = cols < N
     mask_c = (rows < M)[:, None] & mask_n[None, :]
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
     if STORE_PREACT:
         preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
@@ -136,6 +137,7 @@ def _matmul_kernel(
     stride_bn,
     stride_cm,
     stride_cn,
+    stride_bias,  # bias's stride: 1, 0 for an expanded bias, or any other
     # meta-parameters; constexpr so the untaken branches are compiled out
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
@@ -178,7 +180,7 @@ def _matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     _epilogue(
-        acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn,
+        acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N,
     )  # fmt: skip
 
@@ -229,6 +231,13 @@ def _check_matmul_args(a, b, bias, activation, out_dtype, preact) -> tuple[int, 
     check_int32_addressable("out", torch.empty((M, N), device="meta"))
 
     return M, N, K, out_dtype
+
+
+def _bias_stride(bias: torch.Tensor | None) -> int:
+    """The bias's element stride as the epilogue reads it: a strided view or an
+    expanded (stride-0) bias is read in place; 1 (contiguous) is the common case,
+    which Triton specialises to a vectorised load."""
+    return 1 if bias is None else bias.stride(0)
 
 
 def _epilogue_meta(dtype, bias, activation, out_dtype, preact) -> dict:
@@ -285,7 +294,7 @@ def _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact) -> torch.
     _matmul_kernel[grid](
         a, b, c, bias if bias is not None else c, preact if preact is not None else c,
         M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), _bias_stride(bias),
         **_epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
     )  # fmt: skip
     return c
@@ -325,6 +334,7 @@ def _matmul_tma_kernel(
     K,
     stride_cm,
     stride_cn,
+    stride_bias,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     STORE_PREACT: tl.constexpr,
@@ -361,7 +371,7 @@ def _matmul_tma_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
         _epilogue(
-            acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn,
+            acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
             HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N,
         )  # fmt: skip
 
@@ -441,7 +451,7 @@ def matmul_tma_persistent(
 
     _matmul_tma_kernel[grid](
         a_desc, b_desc, c, bias if bias is not None else c, preact if preact is not None else c,
-        M, N, K, c.stride(0), c.stride(1),
+        M, N, K, c.stride(0), c.stride(1), _bias_stride(bias),
         **_epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
         A_T=a_t,
         B_T=b_t,

@@ -2,7 +2,8 @@
 
 Produces the step's statistics vector ``stats`` (3 fp32 values on the device):
 
-* ``stats[FOUND_INF]``: 1.0 if any gradient is inf or nan, else 0.0;
+* ``stats[FOUND_INF]``: 1.0 if any gradient is inf or nan, or if ``inv_scale``
+  itself is (a step must then change nothing), else 0.0;
 * ``stats[SUMSQ]``: sum of squares of the finite unscaled gradients ``g * inv_scale``;
 * ``stats[AMAX]``: max |g * inv_scale| over the finite gradients.
 
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, check_tensor
+from tkern.kernels._common import INTERPRET, aligned_split, check_tensor
 
 FOUND_INF: int = 0
 SUMSQ: int = 1
@@ -76,6 +77,7 @@ def _grad_stats_kernel(
 def _finalize_stats_kernel(
     partials_ptr,  # (n_rows, N_STATS) fp32
     n_rows,
+    inv_scale_ptr,  # (1,) fp32: a non-finite 1 / loss scale is an overflow too
     stats_ptr,  # (N_STATS,) fp32 output
     BLOCK: tl.constexpr,
 ):
@@ -89,9 +91,16 @@ def _finalize_stats_kernel(
         nonfinite = tl.maximum(nonfinite, tl.load(row + _FOUND_INF, mask=mask, other=0.0))
         sumsq += tl.load(row + _SUMSQ, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.load(row + _AMAX, mask=mask, other=0.0))
-    tl.store(stats_ptr + _FOUND_INF, tl.max(nonfinite, axis=0))
+    inv_scale = tl.load(inv_scale_ptr)
+    bad_scale = ((inv_scale != inv_scale) | (tl.abs(inv_scale) == float("inf"))).to(tl.float32)
+    tl.store(stats_ptr + _FOUND_INF, tl.maximum(tl.max(nonfinite, axis=0), bad_scale))
     tl.store(stats_ptr + _SUMSQ, tl.sum(sumsq, axis=0))
     tl.store(stats_ptr + _AMAX, tl.max(amax, axis=0))
+
+
+def _aligned_pieces(g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    head, tail = aligned_split(g.numel())
+    return (g[:head], g[head:]) if head and tail else (g,)
 
 
 def _programs_for(n: int) -> int:
@@ -105,7 +114,8 @@ def grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tens
     Args:
         grads: 1-D contiguous fp16/bf16/fp32 tensors (flat gradient buffers or
             slices of them), all on one device.
-        inv_scale: (1,) fp32 tensor on that device, 1 / loss scale.
+        inv_scale: (1,) fp32 tensor on that device, 1 / loss scale; nan or inf
+            there reports an overflow (``found_inf`` = 1), so the step is skipped.
 
     Returns:
         A new (3,) fp32 tensor: ``[found_inf, sum of squares, max |g|]`` of the
@@ -118,6 +128,9 @@ def grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tens
         check_tensor(f"grads[{i}]", g, ndim=1, dtypes=(torch.float16, torch.bfloat16, torch.float32))
         if not g.is_contiguous() or g.device != inv_scale.device:
             raise ValueError(f"grads[{i}] must be contiguous and on {inv_scale.device}")
+    # A length that is not a multiple of 16 would make every load scalar: its
+    # last n % 16 elements get a launch of their own.
+    grads = [piece for g in grads for piece in _aligned_pieces(g)]
     programs = [_programs_for(g.numel()) for g in grads]
     partials = torch.zeros((max(1, sum(programs)), N_STATS), dtype=torch.float32, device=inv_scale.device)
     row = 0
@@ -128,7 +141,7 @@ def grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tens
             )
         row += p
     stats = torch.empty(N_STATS, dtype=torch.float32, device=inv_scale.device)
-    _finalize_stats_kernel[(1,)](partials, partials.shape[0], stats, BLOCK=_FINALIZE_BLOCK)
+    _finalize_stats_kernel[(1,)](partials, partials.shape[0], inv_scale, stats, BLOCK=_FINALIZE_BLOCK)
     return stats
 
 

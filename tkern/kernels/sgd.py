@@ -4,16 +4,19 @@ of each array, fp32 arithmetic throughout."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, block_offsets, cast_rne, tl_dtype
-from tkern.kernels._update import UpdateBuffers, check_update_buffers
+from tkern.kernels._common import INTERPRET, block_offsets, cast_rne, load_or_value, tl_dtype
+from tkern.kernels._update import UpdateBuffers, aligned_parts, check_lr, check_update_buffers
 from tkern.kernels.overflow import found_inf, grad_factor
 
-#: Elements per program and warps: 2048 fp32 elements over 8 warps gives each
-#: thread 8 contiguous values (16-byte fp16 loads and 32-byte fp32 loads).
-BLOCK = 65536 if INTERPRET else 2048
+#: Elements per program and warps: 1024 elements over 8 warps gives each thread
+#: 4 contiguous values, one 16-byte fp32 access per array. (8 values per thread
+#: made the fp32 -> half store of the param a layout conversion through 8 KB
+#: of shared memory; at 4 the half store is an 8-byte vector from registers.)
+BLOCK = 65536 if INTERPRET else 1024
 NUM_WARPS = 8
 
 
@@ -27,7 +30,7 @@ def _sgd_kernel(
     inv_scale_ptr,  # (1,) fp32
     step_ptr,  # (1,) fp32 applied steps so far (0 on the first)
     n,
-    lr,
+    lr,  # float, or (1,) fp32 pointer when LR_ON_DEVICE
     momentum,
     one_minus_dampening,  # formed on the host in float64, as torch does
     weight_decay,
@@ -36,15 +39,20 @@ def _sgd_kernel(
     MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
     CLIP: tl.constexpr,
+    MAXIMIZE: tl.constexpr,  # ascend: the gradient is negated, as torch's maximize=True
+    LR_ON_DEVICE: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written anywhere
+    lr = load_or_value(lr, LR_ON_DEVICE)
     offs = block_offsets(BLOCK)
     mask = offs < n
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = g * grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP)
+    if MAXIMIZE:
+        g = -g
     p = tl.load(master_ptr + offs, mask=mask, other=0.0)
     g = g + weight_decay * p
     if MOMENTUM:
@@ -66,29 +74,35 @@ def _sgd_kernel(
 def sgd_update(
     buffers: UpdateBuffers,
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     momentum: float,
     dampening: float,
     weight_decay: float,
     nesterov: bool,
     max_grad_norm: float | None,
+    maximize: bool = False,
 ) -> None:
     """Launch the SGD update over ``buffers`` (see :class:`UpdateBuffers`);
-    it does nothing on the device when ``stats`` reports an overflow."""
+    it does nothing on the device when ``stats`` reports an overflow.
+
+    ``lr`` is a number or a (1,) fp32 tensor on the params' device, read by
+    the kernel (changing it then needs no recompile and no host sync).
+    ``maximize`` negates the gradient, as torch.optim.SGD's."""
     b = buffers
     check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
-    n = b.grad.numel()
-    if n == 0:
-        return
-    _sgd_kernel[(triton.cdiv(n, BLOCK),)](
-        b.param, b.grad, b.master, b.state.get("momentum_buffer", b.master),
-        b.stats, b.inv_scale, b.step,
-        n, lr, momentum, 1.0 - dampening, weight_decay, max_grad_norm or 0.0,
-        HAS_MASTER=b.has_master,
-        MOMENTUM=momentum > 0,
-        NESTEROV=nesterov,
-        CLIP=max_grad_norm is not None,
-        PARAM_DTYPE=tl_dtype(b.param.dtype),
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
+    lr, lr_on_device = check_lr(lr, b.param.device)
+    for part, n in aligned_parts(b):
+        _sgd_kernel[(triton.cdiv(n, BLOCK),)](
+            part.param, part.grad, part.master, part.state.get("momentum_buffer", part.master),
+            part.stats, part.inv_scale, part.step,
+            n, lr, momentum, 1.0 - dampening, weight_decay, max_grad_norm or 0.0,
+            HAS_MASTER=part.has_master,
+            MOMENTUM=momentum > 0,
+            NESTEROV=nesterov,
+            CLIP=max_grad_norm is not None,
+            MAXIMIZE=bool(maximize),
+            LR_ON_DEVICE=lr_on_device,
+            PARAM_DTYPE=tl_dtype(part.param.dtype),
+            BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
