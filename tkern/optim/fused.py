@@ -163,8 +163,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _validate_group(self, group: dict, index: int) -> dict[str, Any]:
         """Check ``group``'s hyperparameters; return them as the kernel takes them."""
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.numel() == 1:
+            # Read by the kernel on the device: no host sync, so its value is not checked here.
+            lr = lr.detach().reshape(1).to(torch.float32)
+        else:
+            lr = _check_nonneg(group, index, "lr", "learning rate")
         args = {
-            "lr": _check_nonneg(group, index, "lr", "learning rate"),
+            "lr": lr,
             "weight_decay": _check_nonneg(group, index, "weight_decay", "weight_decay value"),
         }
         norm = group.get("max_grad_norm")
@@ -464,6 +470,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                             )
                         copies.append((flat, name, i, value))
                 steps[id(flat)] = flat_steps
+        loaded = {(id(flat), name, i): value for flat, name, i, value in copies}
         with torch.no_grad():
             for mine, group in zip(self.param_groups, new_groups, strict=True):
                 mine.update(group)
@@ -471,18 +478,23 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 names = self._group_state_names(self.param_groups[gi])
                 for flat in flats:
                     flat.ensure_state(names)
-                    for name in names:
-                        flat.state[name].zero_()
-                    flat.master.copy_(flat.param[flat.lo : flat.hi])
+                    for i, p in enumerate(flat.params):
+                        # Each view is written once, from the loaded value (which may be
+                        # this very view, as in opt.load_state_dict(opt.state_dict())).
+                        for name in (*names, "master"):
+                            buf = flat.master if name == "master" else flat.state[name]
+                            dest = flat.shard_view(buf, i)
+                            if dest is None or (name == "master" and flat.dtype == torch.float32):
+                                continue
+                            value = loaded.get((id(flat), name, i))
+                            if value is not None:
+                                dest.copy_(value.reshape(dest.shape))
+                            elif name == "master":
+                                dest.copy_(p.detach())  # no master saved: it follows the param
+                            else:
+                                dest.zero_()
                     flat.set_cohorts(steps[id(flat)])
                     flat.mark_dirty()
-            for flat, name, i, value in copies:
-                buf = flat.master if name == "master" else flat.state[name]
-                dest = flat.shard_view(buf, i)
-                if dest is not None:
-                    dest.copy_(value.reshape(dest.shape))
-            for flats in self._flat:
-                for flat in flats:
                     self._refresh_state(flat)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
