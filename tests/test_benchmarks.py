@@ -125,3 +125,23 @@ def test_stubbed_launches_run_no_kernel_and_are_restored():
     p, opt = param_and_opt()
     opt.step()
     assert (p.detach() < 0).all()  # AdamW's first step moves each param by ~ -lr
+
+
+def test_host_cases_with_launches_on_run_for_real():
+    """The rows a GPU run adds (tkern with its real launches) work: here through the
+    interpreter, once each, checked against the stub-free result of torch."""
+    import bench_host
+
+    cpu = torch.device("cpu")
+    step = bench_host.optimizer_cases(4, cpu, launches_on=True)["tkern FusedAdamW.step (launches on)"][0]
+    step()
+    torch.manual_seed(0)
+    fwd, bwd, stubbed = bench_host.linear_cases(cpu, launches_on=True)["tkern.linear (launches on)"]
+    torch.manual_seed(0)  # the same x, weight, bias, dy
+    ref_fwd, ref_bwd, _ = bench_host.linear_cases(cpu, launches_on=False)["F.linear"]
+    assert not stubbed
+    # fp16 results of K <= 64 sums of O(1) terms: one fp16 rounding each (u = 2^-11) on values
+    # up to ~30, so atol 2e-2 plus rtol 2e-3 covers both sides' roundings
+    torch.testing.assert_close(fwd().float(), ref_fwd().float(), rtol=2e-3, atol=2e-2)
+    for got, ref in zip(bwd(), ref_bwd(), strict=True):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-3, atol=2e-2)
