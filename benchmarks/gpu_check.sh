@@ -3,9 +3,10 @@
 #   bash benchmarks/gpu_check.sh [all|tests|bench]      (default: all)
 # 1. the full test suite compiled on the GPU (no interpreter), GPU-only checks
 #    included (tests/test_gpu.py: no host sync in step(), compiled bf16
-#    rounding, autotuned shapes);
+#    rounding, autotuned shapes, a whole training step replayed in a CUDA graph);
 # 2. the two ceilings (device copy GB/s, cuBLAS fp16 TFLOP/s);
-# 3. bench_gemm, bench_optimizer, bench_train, writing benchmarks/results/<device>/;
+# 3. bench_host (tkern's host time per call, launches stubbed; ~1 min), then
+#    bench_gemm, bench_optimizer, bench_train, writing benchmarks/results/<device>/;
 # then a short table last. Logs, a summary and a tarball of the results go to
 # $OUT (the device tool brings back at most 8 files). The GPU image has every
 # package this needs (torch, triton, pytest, xdist, hypothesis, scikit-learn,
@@ -52,13 +53,15 @@ if [[ $phase == all || $phase == tests ]]; then
     # compile of its own); then the GPU-only checks with autotuning on.
     TKERN_AUTOTUNE=0 run_phase pytest 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests
     echo "pytest (compiled, first config): $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest.log" | tail -1)" | tee -a "$summary"
-    run_phase pytest_gpu 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+    run_phase pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
     echo "pytest test_gpu.py (autotuned): $(grep -E '[0-9]+ (passed|failed)' "$OUT/pytest_gpu.log" 2>/dev/null | tail -1)" | tee -a "$summary"
 fi
 
 if [[ $phase == all || $phase == bench ]]; then
     run_phase ceilings 30 python3 benchmarks/harness.py
     tail -1 "$OUT/ceilings.log" 2>/dev/null | tee -a "$summary"
+    # Host time does not depend on the tile chosen: one config per GEMM shape.
+    TKERN_AUTOTUNE=0 run_phase bench_host 75 python3 benchmarks/bench_host.py
     for bench in gemm optimizer train; do
         run_phase "bench_$bench" 200 python3 "benchmarks/bench_$bench.py"
     done

@@ -162,12 +162,14 @@ class Results:
             writer = csv.DictWriter(f, fieldnames=keys)
             writer.writeheader()
             writer.writerows(self.rows)
+        written = ".json, .csv"
         if plot is not None:
             try:
                 plot(payload, self.mode.out_dir / f"{self.name}.png")
+                written += ", .png"
             except ImportError:
                 print("(matplotlib is missing: no plot; pip install 'tkern[bench]')")
-        print(f"wrote {self.mode.out_dir}/{self.name}.json, .csv, .png")
+        print(f"wrote {self.mode.out_dir}/{self.name}{written}")
 
     def print_table(self, columns: list[str], summary: list[str] = ()) -> None:
         header = ["case", "impl", *columns]

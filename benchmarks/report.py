@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 
-# (file, key in its JSON, what it is, target)
+# (file, key in its JSON, what it is, target). The ceilings come from
+# ceilings.json (benchmarks/harness.py), the one file that measures them.
 HEADLINES = [
     (
         "gemm",
@@ -57,12 +58,21 @@ HEADLINES = [
         ">= 1.1x",
     ),
     ("gemm", "fused_bias_gelu_fwd_bwd_speedup", "the same, forward + backward", ""),
-    ("optimizer", "copy_gbps", "device copy bandwidth, GB/s (read + write)", "ceiling"),
+    ("ceilings", "copy_gbps", "device copy bandwidth, GB/s (read + write)", "ceiling"),
+    ("ceilings", "cublas_fp16_8192_tflops", "cuBLAS fp16 8192^3, TFLOP/s", "ceiling"),
     ("optimizer", "100M_pct_copy", "AdamW step at 100M params, % of copy bandwidth (30 B/param)", ">= 85%"),
     ("optimizer", "1B_pct_copy", "AdamW step at 1B params, % of copy bandwidth", ">= 85%"),
     ("optimizer", "100M_vs_a", "step at 100M vs GradScaler + AdamW(fused=True)", ">= 1.5x"),
     ("optimizer", "100M_vs_d", "step at 100M vs torch.compile'd master-weights recipe", "> 1x"),
     ("optimizer", "many_small_vs_b", "1000 tensors of 10k vs GradScaler + AdamW(foreach=True)", ">= 3x"),
+    (
+        "host",
+        "step_us_per_tensor_1000",
+        "FusedAdamW.step host time per param tensor at 1000 tensors, us (launches stubbed)",
+        "<= 1",
+    ),
+    ("host", "linear_fwd_us", "tkern.linear forward host time, us (launches stubbed)", "<= 10"),
+    ("host", "linear_bwd_us", "tkern.linear backward host time, us (launches stubbed)", "<= 20"),
     ("train", "mlp 784-4096-10, batch 8192: vs fp32", "training step, 2-layer MLP, vs torch fp32", ">= 2x"),
     (
         "train",
@@ -81,12 +91,14 @@ HEADLINES = [
 
 
 def load(results: Path) -> dict[str, dict[str, dict]]:
-    """{device folder: {file stem: payload}}"""
+    """{device folder: {file stem: payload}}; a folder is a device's when it holds
+    a file that only a GPU run writes (``results/host/`` and ``results/static/`` do not)."""
+    stems = {"ceilings", "gemm", "optimizer", "train"}  # what only a GPU run writes
     out: dict[str, dict[str, dict]] = {}
     if results.is_dir():
         for path in sorted(results.glob("*/*.json")):
             out.setdefault(path.parent.name, {})[path.stem] = json.loads(path.read_text())
-    return out
+    return {folder: files for folder, files in out.items() if stems & files.keys()}
 
 
 def render(results: Path = RESULTS) -> str:
@@ -111,6 +123,10 @@ def render(results: Path = RESULTS) -> str:
         for stem, key, label, target in HEADLINES:
             value = files.get(stem, {}).get(key)
             lines.append(f"| {label} | {'' if value is None else value} | {target} |")
+        for stem, payload in files.items():
+            for f in payload.get("failed", []):
+                lines.append("")
+                lines.append(f"`bench_{stem}.py` failed on {f['case']}, {f['impl']}: `{f['error']}`")
         lines.append("")
     return "\n".join(lines).rstrip()
 

@@ -8,7 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import DEVICE
+
+import tkern
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -42,3 +45,103 @@ def test_report_renders_a_table_from_results(tmp_path):
     text = report.render(tmp_path)
     assert "NVIDIA H100 TEST" in text and "0.9" in text
     assert report.render(tmp_path / "empty").startswith("No GPU results")
+
+
+def test_report_reads_the_ceilings_and_lists_failures_and_skips_non_device_folders(tmp_path):
+    import json
+
+    import report
+
+    folder = tmp_path / "nvidia-h100-test"
+    folder.mkdir()
+    base = {"device": "NVIDIA H100 TEST", "torch": "2.11", "triton": "3.6", "date": "2026-11-21 00:00 UTC"}
+    (folder / "ceilings.json").write_text(json.dumps({**base, "copy_gbps": 3020.0, "rows": []}))
+    failure = {"case": "10M", "impl": "(d) compiled (c)", "error": "IndexError: list index out of range"}
+    (folder / "optimizer.json").write_text(json.dumps({**base, "failed": [failure], "rows": []}))
+    (tmp_path / "host").mkdir()  # CPU host-cost results: not a device's table
+    (tmp_path / "host" / "host.json").write_text(json.dumps({**base, "device": "cpu", "rows": []}))
+    text = report.render(tmp_path)
+    assert "| device copy bandwidth, GB/s (read + write) | 3020.0 | ceiling |" in text
+    assert "(d) compiled (c)" in text and "IndexError" in text
+    assert "**cpu**" not in text
+
+
+def test_master_recipe_matches_torch_adamw_and_skips_overflow():
+    """The by-hand recipe (c)/(d) is AdamW: same master as torch.optim.AdamW over
+    three steps (fp32; the two differ only in the order of a few roundings, so
+    within a few ulps: rtol 1e-6), the fp16 model the master rounded, and a step
+    with an inf gradient leaves everything untouched."""
+    import bench_optimizer as bo
+
+    torch.manual_seed(0)
+    step = bo.master_by_hand([33, 7], torch.device("cpu"))
+    cells = step.tensors
+    model, master = cells["model"], cells["master"]
+    ref = [m.clone().requires_grad_() for m in master]
+    ref_opt = torch.optim.AdamW(ref, lr=bo.LR, betas=bo.BETAS, eps=bo.EPS, weight_decay=bo.WEIGHT_DECAY)
+    for _ in range(3):
+        step()
+        for r, g in zip(ref, cells["grads16"], strict=True):
+            r.grad = g.float() * 2.0**-16
+        ref_opt.step()
+    for m, r, p in zip(master, ref, model, strict=True):
+        torch.testing.assert_close(m, r.detach(), rtol=1e-6, atol=0)
+        assert torch.equal(p, m.half())
+    before = [m.clone() for m in master]
+    cells["grads16"][1][3] = float("inf")
+    step()
+    assert all(torch.equal(m, b) for m, b in zip(master, before, strict=True))
+    assert cells["count"].item() == 3
+
+
+def test_host_smoke_times_tkern_with_stubs_and_torch():
+    import bench_host
+
+    res = bench_host.main(["--smoke"])
+    impls = {r["impl"] for r in res.rows}
+    assert {"tkern FusedAdamW.step", "torch AdamW(foreach=True).step", "tkern.linear", "F.linear"} <= impls
+    assert all(r["us"] > 0 for r in res.rows)
+    assert all(r["launches"] >= 1 for r in res.rows if r["impl"].startswith("tkern"))
+    assert res.meta["linear_fwd_us"] > 0 and res.meta["linear_bwd_us"] > 0
+
+
+def test_stubbed_launches_run_no_kernel_and_are_restored():
+    """Inside the stubs a step launches nothing (the params stay as they were, the
+    launches are counted); after them a step updates the params again. (A stubbed
+    optimizer's device state, e.g. its step count, is left garbage: timing only.)"""
+    import bench_host
+
+    def param_and_opt():
+        p = torch.zeros(40, dtype=torch.float16, requires_grad=True)
+        opt = tkern.optim.FusedAdamW([p], lr=0.1)
+        p.grad = torch.ones_like(p)
+        return p, opt
+
+    p, opt = param_and_opt()
+    with bench_host.stubbed_launches() as launches:
+        opt.step()
+    assert torch.equal(p.detach(), torch.zeros_like(p)) and sum(launches.values()) >= 2
+    assert set(launches) <= set(bench_host.tkern_kernels())
+    p, opt = param_and_opt()
+    opt.step()
+    assert (p.detach() < 0).all()  # AdamW's first step moves each param by ~ -lr
+
+
+def test_host_cases_with_launches_on_run_for_real():
+    """The rows a GPU run adds (tkern with its real launches) work: here through the
+    interpreter, once each, checked against the stub-free result of torch."""
+    import bench_host
+
+    cpu = torch.device("cpu")
+    step = bench_host.optimizer_cases(4, cpu, launches_on=True)["tkern FusedAdamW.step (launches on)"][0]
+    step()
+    torch.manual_seed(0)
+    fwd, bwd, stubbed = bench_host.linear_cases(cpu, launches_on=True)["tkern.linear (launches on)"]
+    torch.manual_seed(0)  # the same x, weight, bias, dy
+    ref_fwd, ref_bwd, _ = bench_host.linear_cases(cpu, launches_on=False)["F.linear"]
+    assert not stubbed
+    # fp16 results of K <= 64 sums of O(1) terms: one fp16 rounding each (u = 2^-11) on values
+    # up to ~30, so atol 2e-2 plus rtol 2e-3 covers both sides' roundings
+    torch.testing.assert_close(fwd().float(), ref_fwd().float(), rtol=2e-3, atol=2e-2)
+    for got, ref in zip(bwd(), ref_bwd(), strict=True):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-3, atol=2e-2)

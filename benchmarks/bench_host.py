@@ -1,0 +1,335 @@
+"""Host-side cost per call: what tkern's own Python costs the CPU, with every
+Triton kernel launch stubbed out, against torch's equivalents.
+
+On a GPU this host time is on the critical path whenever the kernels are
+short (many small tensors, small layers): the device waits for the host.
+Measured, per call: the best of 7 timed loops of ~0.1 s (``time.perf_counter``;
+as ``timeit`` advises, the minimum, since other processes only add time; the
+median is recorded too), on one intra-op thread:
+
+* ``FusedAdamW.step()`` on 10, 100 and 1000 fp16 param tensors in the steady
+  state (nothing changed since the last step), per call and per tensor; also
+  ``DynamicLossScaler.step`` + ``update`` around it; against
+  ``torch.optim.AdamW(foreach=True)`` (and ``fused=True`` where torch has it)
+  on the same tensors in fp32;
+* ``tkern.linear`` forward and backward (bias; bias + GELU) against
+  ``F.linear`` (``F.gelu(F.linear)``); backward is ``torch.autograd.grad``
+  with ``retain_graph``, so both include the autograd engine's own cost.
+
+tkern's rows stub every launch (``kernel[grid](...)`` is a no-op that counts
+launches), so they hold tkern's Python and the torch ops it issues (views,
+allocations, small tensor ops), not Triton's launcher. The tensors are tiny,
+so torch's rows are host cost too (plus a negligible amount of arithmetic on
+a CPU). On a CUDA device the tensors live there and tkern is also timed with
+its real launches (``launches on``): then Triton's launcher is included.
+Targets (issue 11): step <= 1 us per param tensor at 1000 tensors; linear
+forward <= 10 us, backward <= 20 us.
+
+    python benchmarks/bench_host.py            # writes benchmarks/results/host/ (CPU) or results/<device>/
+    python benchmarks/bench_host.py --smoke    # fewer tensors and repeats, nothing written
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import os
+import pkgutil
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import RESULTS, Mode, Results, device_name, device_slug  # noqa: E402
+
+import tkern  # noqa: E402
+import tkern.kernels  # noqa: E402
+
+# isort: split
+from triton.runtime.jit import KernelInterface  # noqa: E402
+
+TENSOR_COUNTS = (10, 100, 1000)
+SMOKE_TENSOR_COUNTS = (10, 30)
+LINEAR = (8, 64, 32)  # M, K, N: tiny, so torch's arithmetic is negligible
+TARGETS = {"step_us_per_tensor_1000": 1.0, "linear_fwd_us": 10.0, "linear_bwd_us": 20.0}
+
+
+# --------------------------------------------------------------------------- stubs
+
+
+def tkern_kernels() -> dict[str, KernelInterface]:
+    """Every Triton kernel object defined in ``tkern.kernels``'s modules, by name."""
+    found = {}
+    for info in pkgutil.iter_modules(tkern.kernels.__path__):
+        module = importlib.import_module(f"tkern.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, KernelInterface):
+                found[f"{info.name}.{name}"] = obj
+    return found
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[Counter]:
+    """Inside, ``kernel[grid](*args)`` of any Triton kernel is a no-op; the
+    Counter yielded counts the launches by kernel name. Patched on the kernel
+    classes (``__getitem__`` is looked up on the type), restored on exit.
+    Kernel outputs stay unwritten, so what ran under the stubs (an optimizer's
+    step count, say) is garbage afterwards: use those objects for timing only."""
+    launches: Counter = Counter()
+    names = {id(k): name for name, k in tkern_kernels().items()}
+    classes = {KernelInterface} | {type(k) for k in tkern_kernels().values()}
+    saved = {cls: cls.__dict__.get("__getitem__") for cls in classes}
+
+    def getitem(self, grid):
+        def launch(*args, **kwargs):
+            launches[names.get(id(self), type(self).__name__)] += 1
+
+        return launch
+
+    for cls in classes:
+        cls.__getitem__ = getitem
+    try:
+        yield launches
+    finally:
+        for cls, original in saved.items():
+            if original is None:
+                del cls.__getitem__
+            else:
+                cls.__getitem__ = original
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us(
+    fn: Callable[[], object], device: torch.device, repeats: int, loop_s: float
+) -> tuple[float, float]:
+    """(min, median) microseconds per call of ``fn`` over ``repeats`` timed loops
+    of about ``loop_s`` seconds each. On CUDA the device is drained before each
+    loop but not waited for at its end: the time is the host's."""
+    fn()
+    fn()
+    n, elapsed = 1, 0.0
+    while True:  # calibrate the loop length
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= loop_s / 4 or n >= 1 << 20:
+            break
+        n *= 2
+    n = max(1, round(n * loop_s / max(elapsed, 1e-9)))
+    samples = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples.append(1e6 * (time.perf_counter() - start) / n)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    _sync(device)
+    return min(samples), statistics.median(samples)
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def param_shapes(count: int) -> list[tuple[int, ...]]:
+    """A layer's worth of tensors, alternating a (16, 16) weight and a (16,) bias."""
+    return [(16, 16) if i % 2 == 0 else (16,) for i in range(count)]
+
+
+def optimizer_cases(count: int, device: torch.device, launches_on: bool) -> dict[str, tuple[Callable, bool]]:
+    """{impl: (step function, runs under the launch stubs)}"""
+    cases = {}
+
+    def tkern_params():
+        shapes = param_shapes(count)
+        params = [torch.zeros(s, device=device, dtype=torch.float16, requires_grad=True) for s in shapes]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        return params
+
+    params = tkern_params()
+    opt = tkern.optim.FusedAdamW(params, lr=1e-3)
+    cases["tkern FusedAdamW.step"] = (opt.step, True)
+
+    params_s = tkern_params()
+    opt_s = tkern.optim.FusedAdamW(params_s, lr=1e-3)
+    scaler = tkern.DynamicLossScaler()
+    scaler.scale(torch.ones((), device=device))
+
+    def scaled_step():
+        scaler.step(opt_s)
+        scaler.update()
+
+    cases["tkern scaler.step + update"] = (scaled_step, True)
+    if launches_on:
+        params_l = tkern_params()
+        opt_l = tkern.optim.FusedAdamW(params_l, lr=1e-3)
+        cases["tkern FusedAdamW.step (launches on)"] = (opt_l.step, False)
+
+    for flag in ("foreach", "fused"):
+        fp32 = [torch.zeros(s, device=device, requires_grad=True) for s in param_shapes(count)]
+        for p in fp32:
+            p.grad = torch.zeros_like(p)
+        try:
+            torch_opt = torch.optim.AdamW(fp32, lr=1e-3, **{flag: True})
+            torch_opt.step()
+        except (RuntimeError, ValueError) as exc:  # fused=True where torch lacks it
+            print(f"torch AdamW({flag}=True) on {device.type}: not available ({exc})")
+            continue
+        cases[f"torch AdamW({flag}=True).step"] = (torch_opt.step, False)
+    return cases
+
+
+def linear_cases(device: torch.device, launches_on: bool) -> dict[str, tuple[Callable, Callable, bool]]:
+    """{impl: (forward, backward, runs under the launch stubs)}"""
+    m, k, n = LINEAR
+    x = torch.randn(m, k, device=device, dtype=torch.float16, requires_grad=True)
+    w = torch.randn(n, k, device=device, dtype=torch.float16, requires_grad=True)
+    b = torch.randn(n, device=device, dtype=torch.float16, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=torch.float16)
+    fns = {
+        "tkern.linear": (lambda: tkern.linear(x, w, b), True),
+        "tkern.linear gelu": (lambda: tkern.linear(x, w, b, activation="gelu"), True),
+        "F.linear": (lambda: F.linear(x, w, b), False),
+        "F.gelu(F.linear)": (lambda: F.gelu(F.linear(x, w, b)), False),
+    }
+    if launches_on:
+        fns["tkern.linear (launches on)"] = (lambda: tkern.linear(x, w, b), False)
+    cases = {}
+    for impl, (fwd, stubbed) in fns.items():
+        with stubbed_launches() if stubbed else contextlib.nullcontext():
+            y = fwd()
+
+        def bwd(y=y):
+            return torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+
+        cases[impl] = (fwd, bwd, stubbed)
+    return cases
+
+
+# --------------------------------------------------------------------------- main
+
+
+def markdown(res: Results) -> str:
+    meta = res.meta
+    lines = [
+        f"Host cost per call on **{meta['host_device']}** (torch {torch.__version__}); tkern rows with "
+        "every Triton launch stubbed out unless marked `launches on`. Microseconds per call, best of "
+        f"7 timed loops (median in host.csv); load average {meta['load_average']} on {meta['cpus']} CPUs.",
+        "",
+        "| case | impl | us/call | us/tensor | launches/call |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in res.rows:
+        cells = [r["case"], r["impl"], r["us"], r.get("us_per_tensor", ""), r.get("launches", "")]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += ["", "| target (issue 11) | measured | limit | met |", "| --- | --- | --- | --- |"]
+    for key, limit in TARGETS.items():
+        value = meta.get(key)
+        met = "" if value is None else ("yes" if value <= limit else "no")
+        lines.append(f"| {key} | {value} | <= {limit} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> Results:
+    parser = argparse.ArgumentParser(prog="bench_host.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="fewer tensors and repeats, nothing written")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: see the docstring)")
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.is_available() and not tkern.INTERPRET
+    device = torch.device("cuda" if gpu else "cpu")
+    out_dir = None if args.smoke else (args.out or RESULTS / (device_slug() if gpu else "host"))
+    mode = Mode(args.smoke, device, out_dir)
+    repeats, loop_s = (3, 0.01) if args.smoke else (7, 0.1)
+    # One intra-op thread: the host cost of issuing work, not a CPU's parallel
+    # arithmetic (and no OpenMP spinning against other processes on the cores).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    res = Results("host", mode, metric=None)
+    res.meta["host_device"] = f"{device.type} ({device_name()})" if gpu else "cpu"
+    res.meta["kernels_stubbed"] = sorted(tkern_kernels())
+    res.meta["cpus"] = os.cpu_count()
+
+    def measure(case, impl, fn, stubbed, tensors=None):
+        with stubbed_launches() if stubbed else contextlib.nullcontext() as launches:
+            fn()  # first call: state, caches
+            if launches is not None:
+                launches.clear()
+                fn()
+                count = sum(launches.values())
+            us, us_median = host_us(fn, device, repeats, loop_s)
+        extra = {"us": round(us, 2), "us_median": round(us_median, 2)}
+        if tensors:
+            extra["us_per_tensor"] = round(us / tensors, 3)
+        if stubbed:
+            extra["launches"] = count
+        return res.add(case, impl, us * 1e-3, **extra)
+
+    for count in SMOKE_TENSOR_COUNTS if args.smoke else TENSOR_COUNTS:
+        for impl, (fn, stubbed) in optimizer_cases(count, device, launches_on=gpu).items():
+            row = measure(f"optimizer step, {count} tensors", impl, fn, stubbed, tensors=count)
+            if impl == "tkern FusedAdamW.step" and count == 1000:
+                res.meta["step_us_per_tensor_1000"] = row["us_per_tensor"]
+        gc.collect()
+    for impl, (fwd, bwd, stubbed) in linear_cases(device, launches_on=gpu).items():
+        f = measure("linear forward " + "x".join(map(str, LINEAR)), impl, fwd, stubbed)
+        b = measure("linear backward " + "x".join(map(str, LINEAR)), impl, bwd, stubbed)
+        if impl == "tkern.linear":
+            res.meta["linear_fwd_us"], res.meta["linear_bwd_us"] = f["us"], b["us"]
+
+    print()
+    kind = "smoke, not a measurement" if args.smoke else "best of 7 loops, us per call"
+    print(f"host cost per call on {res.meta['host_device']} ({kind})")
+    header = ["case", "impl", "us", "us_median", "us_per_tensor", "launches"]
+    table = [[str(r.get(c, "")) for c in header] for r in res.rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
+    for line in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)))
+    for key, limit in TARGETS.items():
+        value = res.meta.get(key)
+        if value is not None:
+            print(f"{key}: {value} (target <= {limit}: {'met' if value <= limit else 'NOT met'})")
+    torch.set_num_threads(threads)
+    res.meta["load_average"] = [round(x, 2) for x in os.getloadavg()]  # other processes on the CPUs
+    ratios = {
+        "step_1000_vs_torch_foreach": ("optimizer step, 1000 tensors", "torch AdamW(foreach=True).step"),
+        "linear_fwd_vs_torch": ("linear forward " + "x".join(map(str, LINEAR)), "F.linear"),
+        "linear_bwd_vs_torch": ("linear backward " + "x".join(map(str, LINEAR)), "F.linear"),
+    }
+    for key, (case, torch_impl) in ratios.items():
+        us = {r["impl"]: r["us"] for r in res.rows if r["case"] == case}
+        mine = us.get("tkern FusedAdamW.step", us.get("tkern.linear"))
+        if mine and us.get(torch_impl):
+            res.meta[key] = round(mine / us[torch_impl], 2)  # tkern's host time / torch's: < 1 is less
+            print(f"{key}: tkern takes {res.meta[key]}x torch's host time")
+    res.save()
+    if out_dir is not None:
+        (out_dir / "host.md").write_text(markdown(res))
+        print(f"wrote {out_dir}/host.md")
+    return res
+
+
+if __name__ == "__main__":
+    main()
