@@ -65,6 +65,10 @@ from tkern.kernels._update import PARAM_DTYPES
 #: Every param, launch range and shard starts on a multiple of this many elements.
 ALIGN = 16
 
+# C-speed getters for the per-step scans over every param.
+_VERSION = operator.attrgetter("_version")
+_GRAD = operator.attrgetter("grad")
+
 
 def describe_param(group: int, index: int, p: torch.Tensor) -> str:
     """How error messages name a parameter: its group, index, shape and dtype."""
@@ -270,7 +274,7 @@ class FlatParams:
 
     def check_storage(self) -> None:
         """Raise if a param's ``.data`` was replaced (``.to()``, ``.float()``, assignment)."""
-        if [p.data_ptr() for p in self.params] != self._ptrs:
+        if list(map(torch.Tensor.data_ptr, self.params)) != self._ptrs:
             for i, p in enumerate(self.params):
                 if p.data_ptr() != self._ptrs[i]:
                     raise RuntimeError(
@@ -290,15 +294,16 @@ class FlatParams:
         """
         params = self.params
         self.check_storage()
-        versions = [p._version for p in params]
+        versions = list(map(_VERSION, params))
         if versions != self._versions:
             self.reconcile()
             self._versions = versions
-        grads_are_views = all(map(operator.is_, [p.grad for p in params], self.grad_views))
-        if grads_are_views and self._plan is not None:
-            written = [v._version for v in self._views]
-            if self._all_active or all(map(operator.ne, written, self._zero_versions)):
-                return self._plan
+        if (
+            self._plan is not None
+            and all(map(operator.is_, map(_GRAD, params), self.grad_views))
+            and (self._all_active or all(map(operator.ne, map(_VERSION, self._views), self._zero_versions)))
+        ):
+            return self._plan  # the steady state: nothing changed since the last step
         active = [False] * len(params)
         for k, i in enumerate(self._trainable):
             g, view = params[i].grad, self._views[k]
