@@ -516,3 +516,27 @@ def test_torch_grad_scaler_drives_a_tkern_optimizer_like_tkerns_scaler():
         for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
             assert torch.equal(a, b)
     assert history[3] == history[2] / 2  # the overflowing step backed off
+
+
+# ----------------------------------------------------------------- 15. misuse gets tkern's message
+
+
+def test_casting_the_model_after_building_is_named_at_zero_grad():
+    model = fp16_model(0)
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    model.float()
+    with pytest.raises(
+        RuntimeError, match=r"param 0 of param group 0 .*no longer lives.*build the optimizer after"
+    ):
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="no longer lives"):
+        opt.step()
+
+
+def test_zero_size_params_are_carried():
+    layer = nn.Linear(0, 3).to(DEVICE)  # weight (3, 0): nothing to update, the bias trains
+    ref = copy.deepcopy(layer)
+    opt, ropt = FusedSGD(layer.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    run(opt, list(layer.parameters()), 2)
+    run(ropt, list(ref.parameters()), 2)
+    assert rel_err(layer.bias, ref.bias) < TOL
