@@ -175,17 +175,16 @@ def _free_port() -> int:
 
 
 def _ddp_rank(rank, world, port, out_dir):
-    os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(rank)  # different initial weights per rank
-        model = nn.Linear(4, 3).half()
+        model = nn.Linear(4, 3).to(DEVICE).half()  # gloo carries CUDA tensors too
         opt = FusedAdamW(model.parameters(), lr=1e-2)  # built before DDP wraps the model
         ddp = nn.parallel.DistributedDataParallel(model)
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(100 + rank)).half()
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(100 + rank)).to(DEVICE).half()
         ddp(x).float().sum().backward()
         opt.step()
-        torch.save([p.detach() for p in model.parameters()], os.path.join(out_dir, f"{rank}.pt"))
+        torch.save([p.detach().cpu() for p in model.parameters()], os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
