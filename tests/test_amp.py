@@ -239,7 +239,7 @@ def test_step_twice_is_an_error():
         (lambda: tkern.DynamicLossScaler(growth_interval=0), "growth_interval must be a positive int"),
         (lambda: tkern.DynamicLossScaler(hysteresis=1.5), "hysteresis must be a positive int"),
         (lambda: tkern.DynamicLossScaler(init_scale=2.0**30), "min_scale <= init_scale <= max_scale"),
-        (lambda: tkern.StaticLossScaler(float("inf")), "init_scale must be a finite number"),
+        (lambda: tkern.StaticLossScaler(float("inf")), "^scale must be a finite number"),
         (lambda: tkern.LogNormalLossScaler(beta1=1.0), r"beta1 must be in \[0, 1\)"),
         (
             lambda: tkern.DynamicLossScaler(max_overflows_at_min=0),
