@@ -238,7 +238,9 @@ class LossScaler:
 
     def _check_iteration(self, optimizer: Any, what: str) -> None:
         if not (isinstance(optimizer, torch.optim.Optimizer) or hasattr(optimizer, "param_groups")):
-            raise TypeError(f"{what}(): optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"{what}(): optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if not self._scaled:
             raise RuntimeError(
                 f"{what}() was called without scale(loss) first in this iteration: "
@@ -325,7 +327,9 @@ class LossScaler:
                 stats[FOUND_INF] = found[0]
                 if values:
                     norm = torch.linalg.vector_norm
-                    stats[AMAX] = torch.stack([norm(v, float("inf"), dtype=torch.float32) for v in values]).max()
+                    stats[AMAX] = torch.stack(
+                        [norm(v, float("inf"), dtype=torch.float32) for v in values]
+                    ).max()
                     stats[SUMSQ] = torch.stack([norm(v, 2, dtype=torch.float32) ** 2 for v in values]).sum()
                 if self.process_group is not None:
                     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.process_group)
@@ -409,7 +413,9 @@ class LossScaler:
         if state_dict.get("class") != type(self).__name__:
             raise ValueError(f"state dict is for a {state_dict.get('class')}, not a {type(self).__name__}")
         optional = self._optional_config()
-        missing = [k for k in (*self._config(), "updates", "state") if k not in state_dict and k not in optional]
+        missing = [
+            k for k in (*self._config(), "updates", "state") if k not in state_dict and k not in optional
+        ]
         if missing:
             raise ValueError(f"state dict of a {type(self).__name__} lacks {', '.join(missing)}")
         config = {k: state_dict.get(k, optional.get(k)) for k in self._config()}
@@ -420,7 +426,9 @@ class LossScaler:
         saved = state_dict["state"]
         if saved is not None:
             if not isinstance(saved, torch.Tensor) or not saved.is_floating_point():
-                raise ValueError(f"state dict: state must be a float tensor or None, got {type(saved).__name__}")
+                raise ValueError(
+                    f"state dict: state must be a float tensor or None, got {type(saved).__name__}"
+                )
             if saved.shape != (K.STATE_SIZE,):
                 raise ValueError(f"state has shape {tuple(saved.shape)}, expected ({K.STATE_SIZE},)")
             saved = saved.detach().to(device="cpu", dtype=torch.float32).clone()
@@ -481,7 +489,9 @@ class StaticLossScaler(LossScaler):
         process_group: Any = None,
     ) -> None:
         _check_scale("scale", scale)
-        super().__init__(scale, scale, scale, max_overflows_at_min, enabled=enabled, process_group=process_group)
+        super().__init__(
+            scale, scale, scale, max_overflows_at_min, enabled=enabled, process_group=process_group
+        )
 
     def _ctor_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         if not config["init_scale"] == config["min_scale"] == config["max_scale"]:
@@ -546,7 +556,12 @@ class DynamicLossScaler(LossScaler):
         if not isinstance(consecutive_hysteresis, bool):
             raise ValueError(f"consecutive_hysteresis must be a bool, got {consecutive_hysteresis!r}")
         super().__init__(
-            init_scale, min_scale, max_scale, max_overflows_at_min, enabled=enabled, process_group=process_group
+            init_scale,
+            min_scale,
+            max_scale,
+            max_overflows_at_min,
+            enabled=enabled,
+            process_group=process_group,
         )
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
@@ -646,7 +661,12 @@ class LogNormalLossScaler(LossScaler):
         if not (_is_real(overflow_std_dev) and math.isfinite(overflow_std_dev) and overflow_std_dev >= 0):
             raise ValueError(f"overflow_std_dev must be >= 0, got {overflow_std_dev}")
         super().__init__(
-            init_scale, scale_min, scale_max, max_overflows_at_min, enabled=enabled, process_group=process_group
+            init_scale,
+            scale_min,
+            scale_max,
+            max_overflows_at_min,
+            enabled=enabled,
+            process_group=process_group,
         )
         self.log_max = float(log_max)
         self.beta1 = float(beta1)
