@@ -404,6 +404,27 @@ class LossScaler:
         """
         if not self._enabled:
             return
+        probe, updates, saved = self._parse_state_dict(state_dict)
+        # validated: change nothing before this line
+        for key in self._config():
+            setattr(self, key, getattr(probe, key))
+        self._updates = int(updates)
+        self._stats.clear()
+        self._last_stats = None
+        if saved is None:
+            self._state, self._mirror, self._state_movable = None, None, False
+            return
+        if self._state is not None:
+            self._state = saved.to(self._state.device)
+            self._state_movable = False
+        else:
+            self._state = saved
+            self._state_movable = True
+        self._mirror = _HostMirror(self._state)
+
+    def _parse_state_dict(self, state_dict: Any) -> tuple[LossScaler, int, torch.Tensor | None]:
+        """Validate a state dict (changing nothing): (a scaler built from its
+        config, the update count, the state on the CPU or None)."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if not state_dict:
@@ -435,22 +456,7 @@ class LossScaler:
             scale, inv = saved[K.SCALE].item(), saved[K.INV_SCALE].item()
             if not (0 < scale <= _FP32_MAX and 0 < inv <= _FP32_MAX):
                 raise ValueError(f"state dict: the scale in state must be finite and > 0, got {scale}")
-        # validated: change nothing before this line
-        for key in self._config():
-            setattr(self, key, getattr(probe, key))
-        self._updates = int(updates)
-        self._stats.clear()
-        self._last_stats = None
-        if saved is None:
-            self._state, self._mirror, self._state_movable = None, None, False
-            return
-        if self._state is not None:
-            self._state = saved.to(self._state.device)
-            self._state_movable = False
-        else:
-            self._state = saved
-            self._state_movable = True
-        self._mirror = _HostMirror(self._state)
+        return probe, int(updates), saved
 
     def _config(self) -> dict[str, Any]:
         return {
