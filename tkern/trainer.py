@@ -22,7 +22,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
@@ -544,10 +544,8 @@ def _remove_stale_temporaries(folder: str, base: str) -> None:
         pid_text = name[len(prefix) :].split("-", 1)[0]
         if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
             continue
-        try:
+        with suppress(OSError):
             os.remove(os.path.join(folder, name))
-        except OSError:
-            pass
 
 
 def _alive(pid: int) -> bool:
