@@ -488,13 +488,21 @@ def test_step_without_scale_is_an_error(kind):
         scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"without scale\(loss\) first"):
         scaler.unscale_(opt)
+    assert torch.equal(p.detach(), torch.zeros_like(p))
+    # a loaded state is not a scale(loss) either (as GradScaler's, whose scale is created lazily)
+    other = tkern.DynamicLossScaler()
+    other.load_state_dict(run_and_save())
+    with pytest.raises(RuntimeError, match=r"without scale\(loss\) first"):
+        other.step(opt)
     scaler.scale(p.float().sum())
     scaler.step(opt)
     scaler.update()
-    before = p.detach().clone()
-    with pytest.raises(RuntimeError, match=r"without scale\(loss\) first"):  # each iteration
-        scaler.step(opt)
-    assert torch.equal(p.detach(), before)
+
+
+def run_and_save():
+    scaler = tkern.DynamicLossScaler()
+    run_fused(scaler, [0, 1])
+    return scaler.state_dict()
 
 
 def test_step_with_a_closure_is_an_error_as_grad_scaler():

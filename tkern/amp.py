@@ -128,7 +128,6 @@ class LossScaler:
         self._state_movable = False  # a loaded state, still on the CPU until its first use
         self._stats: list[torch.Tensor] = []
         self._last_stats: torch.Tensor | None = None
-        self._scaled = False
         self._unscaled: set[int] = set()
         self._found_by_optimizer: dict[int, torch.Tensor] = {}
         self._stepped: set[int] = set()
@@ -219,7 +218,6 @@ class LossScaler:
             )
         state = self._lazy_state(first.device)
         scaled = _map_tensors(outputs, lambda t: self._scale_one(t, state))
-        self._scaled = True
         return scaled
 
     def _scale_one(self, loss: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -241,9 +239,9 @@ class LossScaler:
             raise TypeError(
                 f"{what}(): optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        if not self._scaled:
+        if self._state is None or self._state_movable:
             raise RuntimeError(
-                f"{what}() was called without scale(loss) first in this iteration: "
+                f"{what}() was called without scale(loss) first: "
                 f"call scaler.scale(loss).backward() before scaler.{what}(optimizer)"
             )
 
@@ -292,7 +290,7 @@ class LossScaler:
         has its gradients unscaled and checked here, and its
         ``step(*args, **kwargs)`` is called only if they are finite (this
         waits for the device once). As GradScaler, a closure is refused, and
-        ``scale(loss)`` must have been called in this iteration.
+        ``scale(loss)`` must have been called first.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -367,7 +365,6 @@ class LossScaler:
         self._unscaled.clear()
         self._found_by_optimizer.clear()
         self._stepped.clear()
-        self._scaled = False
         self._updates += 1
         streak, last_loss = self._mirror.poll(self.max_overflows_at_min)
         if streak >= self.max_overflows_at_min:
