@@ -338,8 +338,15 @@ def test_lognormal_follows_a_shifting_distribution():
     #    OpenSeq2Seq's; sigma^2 = E[x^2] - mu^2 cancels (x^2 ~ 36 against
     #    sigma^2 ~ 0.25), so S carries ~1e-4..1e-3 relative error against
     #    float64 (measured 3e-4 on this run); bound 1e-3 (1.4e-3 bits of log2 S).
+    #    The first update is the exception: its one-sample variance is exactly
+    #    0, and what fp32 leaves of E[x^2] - mu^2 (x^2 ~ 36, ulp 2^-18) is a
+    #    few ulps, which the square root magnifies: 2 ulps give sigma = 2.7e-3,
+    #    S off by 3.09 * 2.7e-3 bits = 0.6%. Compiled (division to within 2 ulps)
+    #    it measured 4.7e-3 on an H100, interpreted ~1e-7; bound 1e-2 there.
     ref = lognormal_reference(observations)
-    assert max(abs(a - b) / b for a, b in zip(scales, ref, strict=True)) < 1e-3
+    errors = [abs(a - b) / b for a, b in zip(scales, ref, strict=True)]
+    assert errors[0] < 1e-2
+    assert max(errors[1:]) < 1e-3
     # 2. it follows the shift: S falls by >= 6 of the 8 bits after the ramp up
     #    and climbs >= 6 bits back after the ramp down
     log2 = [math.log2(s) for s in scales]
