@@ -239,7 +239,7 @@ def test_step_twice_is_an_error():
         (lambda: tkern.DynamicLossScaler(growth_interval=0), "growth_interval must be a positive int"),
         (lambda: tkern.DynamicLossScaler(hysteresis=1.5), "hysteresis must be a positive int"),
         (lambda: tkern.DynamicLossScaler(init_scale=2.0**30), "min_scale <= init_scale <= max_scale"),
-        (lambda: tkern.StaticLossScaler(float("inf")), "init_scale must be a finite number"),
+        (lambda: tkern.StaticLossScaler(float("inf")), "^scale must be a finite number"),
         (lambda: tkern.LogNormalLossScaler(beta1=1.0), r"beta1 must be in \[0, 1\)"),
         (
             lambda: tkern.DynamicLossScaler(max_overflows_at_min=0),
@@ -338,8 +338,15 @@ def test_lognormal_follows_a_shifting_distribution():
     #    OpenSeq2Seq's; sigma^2 = E[x^2] - mu^2 cancels (x^2 ~ 36 against
     #    sigma^2 ~ 0.25), so S carries ~1e-4..1e-3 relative error against
     #    float64 (measured 3e-4 on this run); bound 1e-3 (1.4e-3 bits of log2 S).
+    #    The first update is the exception: its one-sample variance is exactly
+    #    0, and what fp32 leaves of E[x^2] - mu^2 (x^2 ~ 36, ulp 2^-18) is a
+    #    few ulps, which the square root magnifies: 2 ulps give sigma = 2.7e-3,
+    #    S off by 3.09 * 2.7e-3 bits = 0.6%. Compiled (division to within 2 ulps)
+    #    it measured 4.7e-3 on an H100, interpreted ~1e-7; bound 1e-2 there.
     ref = lognormal_reference(observations)
-    assert max(abs(a - b) / b for a, b in zip(scales, ref, strict=True)) < 1e-3
+    errors = [abs(a - b) / b for a, b in zip(scales, ref, strict=True)]
+    assert errors[0] < 1e-2
+    assert max(errors[1:]) < 1e-3
     # 2. it follows the shift: S falls by >= 6 of the 8 bits after the ramp up
     #    and climbs >= 6 bits back after the ramp down
     log2 = [math.log2(s) for s in scales]
@@ -389,34 +396,49 @@ def _free_port():
 def _rank_main(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        p = torch.ones(5, dtype=torch.float16, requires_grad=True)
-        opt = FusedSGD([p], lr=0.1, process_group=dist.group.WORLD)  # opt in to agreeing
-        scaler = tkern.DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
-        scales, skipped = [], []
-        for step in range(6):
-            scaler.scale(p.float().sum())
-            p.grad.fill_(1.0)
-            if step == 2 and rank == 0:
-                p.grad[3] = float("inf")  # only rank 0 overflows
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler.get_scale())
-            skipped.append(scaler.skipped_steps)
-        torch.save(
-            {"scales": scales, "skipped": skipped, "param": p.detach().clone()},
-            os.path.join(out_dir, f"{rank}.pt"),
-        )
+        results = {}
+        world = dist.group.WORLD
+        for mode, group in (("default", None), ("group", world), ("fused", world)):
+            p = torch.ones(5, device=DEVICE, requires_grad=True)
+            if mode == "fused":  # tkern's optimizer decides the skip: it opts in too
+                p = torch.ones(5, device=DEVICE, dtype=torch.float16, requires_grad=True)
+                opt = FusedSGD([p], lr=0.1, process_group=world)
+            else:  # a plain torch optimizer: the scaler decides the skip (its fallback path)
+                opt = torch.optim.SGD([p], lr=0.1)
+            scaler = tkern.DynamicLossScaler(init_scale=2.0**8, growth_interval=2, process_group=group)
+            scales, skipped = [], []
+            for step in range(6):
+                scaler.scale(p.sum())
+                p.grad = torch.ones_like(p)
+                if step == 2 and rank == 0:
+                    p.grad[3] = float("inf")  # only rank 0 overflows
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+                skipped.append(scaler.skipped_steps)
+            results[mode] = {"scales": scales, "skipped": skipped, "param": p.detach().cpu().clone()}
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_two_gloo_ranks_skip_the_same_steps(tmp_path):
+def test_two_gloo_ranks_communicate_only_with_a_process_group(tmp_path):
+    """Without process_group a scaler is rank-local (no collective that could
+    hang a rank-local optimizer); with one, every rank skips the same steps."""
     mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
-    assert r0["scales"] == r1["scales"] == [256.0, 512.0, 256.0, 256.0, 512.0, 512.0]
-    assert r0["skipped"] == r1["skipped"] == [0, 0, 1, 1, 1, 1]
-    assert torch.equal(r0["param"], r1["param"])
+    shared = [256.0, 512.0, 256.0, 256.0, 512.0, 512.0]
+    g0, g1 = r0["group"], r1["group"]
+    assert g0["scales"] == g1["scales"] == shared
+    assert g0["skipped"] == g1["skipped"] == [0, 0, 1, 1, 1, 1]
+    assert torch.equal(g0["param"], g1["param"])
+    f0, f1 = r0["fused"], r1["fused"]  # tkern's fused optimizer with process_group: the same agreement
+    assert f0["scales"] == f1["scales"] == shared and f0["skipped"] == f1["skipped"] == [0, 0, 1, 1, 1, 1]
+    assert torch.equal(f0["param"], f1["param"])
+    d0, d1 = r0["default"], r1["default"]
+    assert d0["scales"] == shared and d0["skipped"] == [0, 0, 1, 1, 1, 1]
+    assert d1["scales"] == [256.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0] and d1["skipped"] == [0] * 6
 
 
 def test_fallback_path_statistics_feed_the_lognormal_scaler():
@@ -432,3 +454,334 @@ def test_fallback_path_statistics_feed_the_lognormal_scaler():
     scaler.update()
     assert scaler.get_scale() == pytest.approx(2.0**17, rel=1e-5)  # 2^(16 - log2 0.5)
     assert torch.allclose(q.detach(), torch.tensor([-0.05, 0.025, -0.0125], device=DEVICE))
+
+
+# ----------------------------------------------------------------------- GradScaler's contracts (issue 9)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tkern.DynamicLossScaler(init_scale=1.0, min_scale=1e-40),  # fp32 subnormal: 1/x = inf
+        lambda: tkern.DynamicLossScaler(init_scale=1.0, min_scale=1e-50),  # rounds to 0 in fp32
+        lambda: tkern.LogNormalLossScaler(scale_min=1e-45),
+    ],
+)
+def test_min_scale_whose_fp32_reciprocal_is_not_finite_is_refused(make):
+    with pytest.raises(ValueError, match="reciprocal .* is not finite in float32"):
+        make()
+
+
+def test_smallest_normal_min_scale_is_accepted():
+    scaler = tkern.DynamicLossScaler(init_scale=1.0, min_scale=2.0**-126)
+    assert scaler.min_scale == 2.0**-126
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: tkern.StaticLossScaler(1e39), "scale"),
+        (lambda: tkern.DynamicLossScaler(init_scale=1e39, max_scale=1e39), "init_scale"),
+    ],
+)
+def test_scale_whose_fp32_value_overflows_is_refused(make, name):
+    with pytest.raises(ValueError, match=rf"^{name}=1e\+39 overflows float32"):
+        make()
+
+
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+def test_step_without_scale_is_an_error(kind):
+    if kind == "fused":
+        p, opt = fused_setup()
+    else:
+        p = torch.zeros(4, device=DEVICE, requires_grad=True)
+        opt = torch.optim.SGD([p], lr=0.1)
+    scaler = tkern.DynamicLossScaler()
+    p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"without scale\(loss\) first"):
+        scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"without scale\(loss\) first"):
+        scaler.unscale_(opt)
+    assert torch.equal(p.detach(), torch.zeros_like(p))
+    # a loaded state is not a scale(loss) either (as GradScaler's, whose scale is created lazily)
+    other = tkern.DynamicLossScaler()
+    other.load_state_dict(run_and_save())
+    with pytest.raises(RuntimeError, match=r"without scale\(loss\) first"):
+        other.step(opt)
+    scaler.scale(p.float().sum())
+    scaler.step(opt)
+    scaler.update()
+
+
+def run_and_save():
+    scaler = tkern.DynamicLossScaler()
+    run_fused(scaler, [0, 1])
+    return scaler.state_dict()
+
+
+def test_step_with_a_closure_is_an_error_as_grad_scaler():
+    p, opt = fused_setup()
+    scaler = tkern.DynamicLossScaler()
+    scaler.scale(p.float().sum()).backward()
+    before = p.detach().clone()
+
+    def closure():
+        return p.float().sum()
+
+    for call in (lambda: scaler.step(opt, closure), lambda: scaler.step(opt, closure=closure)):
+        with pytest.raises(RuntimeError, match="Closure use is not supported"):
+            call()
+    assert torch.equal(p.detach(), before)
+    gs = torch.amp.GradScaler("cpu")
+    q = torch.zeros(2, requires_grad=True)
+    gs.scale(q.sum()).backward()
+    with pytest.raises(RuntimeError, match="Closure use is not currently supported"):
+        gs.step(torch.optim.SGD([q], lr=0.1), closure=lambda: q.sum())
+
+
+def test_step_none_names_the_argument():
+    scaler = tkern.DynamicLossScaler()
+    scaler.scale(torch.tensor(1.0, device=DEVICE))
+    with pytest.raises(TypeError, match=r"step\(\): optimizer must be a torch.optim.Optimizer, got NoneType"):
+        scaler.step(None)
+
+
+@pytest.mark.parametrize("cls", [tkern.StaticLossScaler, tkern.DynamicLossScaler, tkern.LogNormalLossScaler])
+def test_disabled_scaler_is_a_no_op_as_grad_scalers(cls):
+    def train(scaler, opt_cls):
+        torch.manual_seed(0)
+        q = torch.randn(4, requires_grad=True)
+        opt = opt_cls([q], lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            loss = (q * q).sum()
+            out = scaler.scale(loss)
+            assert out is loss
+            out.backward()
+            scaler.step(opt, closure=lambda: (q * q).sum().detach())  # a closure is fine when disabled
+            scaler.update()
+        return q.detach()
+
+    mine, theirs = cls(enabled=False), torch.amp.GradScaler("cpu", enabled=False)
+    assert torch.equal(train(mine, torch.optim.SGD), train(theirs, torch.optim.SGD))
+    assert not mine.is_enabled() and mine.get_scale() == theirs.get_scale() == 1.0
+    assert mine.state_dict() == theirs.state_dict() == {}
+    assert mine.skipped_steps == 0 and mine.found_inf is None
+    mine.load_state_dict(cls().state_dict())  # ignored, as GradScaler
+    assert mine.state_dict() == {}
+    # a fused optimizer steps unscaled
+    p, opt = fused_setup()
+    p.grad.fill_(1.0)
+    scaler = cls(enabled=False)
+    scaler.step(opt)
+    scaler.update()
+    assert torch.allclose(opt.state[p]["master"], torch.full((4,), -0.1, device=DEVICE))
+
+
+def test_enabled_scaler_refuses_an_empty_state_dict():
+    with pytest.raises(RuntimeError, match="state dict is empty"):
+        tkern.DynamicLossScaler().load_state_dict({})
+
+
+def test_scale_of_nested_tuples_lists_and_dicts():
+    Pair = __import__("collections").namedtuple("Pair", "a b")
+    a, b, c, d = (torch.tensor(v, device=DEVICE) for v in (1.5, -2.0, 0.25, 3.0))
+    scaler = tkern.StaticLossScaler(2.0**10)
+    out = scaler.scale({"x": a, "y": [b, (c, Pair(d, a))]})
+    assert isinstance(out, dict) and isinstance(out["y"], list) and isinstance(out["y"][1][1], Pair)
+    flat = [out["x"], out["y"][0], out["y"][1][0], out["y"][1][1].a, out["y"][1][1].b]
+    assert [t.item() for t in flat] == [v * 2.0**10 for v in (1.5, -2.0, 0.25, 3.0, 1.5)]
+    # lists and tuples as GradScaler returns them
+    gs = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    ref = gs.scale([a.cpu(), (b.cpu(), c.cpu())])
+    mine = scaler.scale([a, (b, c)])
+    assert type(mine) is type(ref) and type(mine[1]) is type(ref[1])
+    assert [mine[0].item(), *(t.item() for t in mine[1])] == [ref[0].item(), *(t.item() for t in ref[1])]
+    with pytest.raises(TypeError, match="got a str"):
+        scaler.scale([a, "loss"])
+
+
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+def test_found_inf_and_grad_stats_describe_the_last_step_after_update(kind):
+    if kind == "fused":
+        p, opt = fused_setup()
+    else:
+        p = torch.zeros(4, device=DEVICE, requires_grad=True)
+        opt = torch.optim.SGD([p], lr=0.1)
+    scaler = tkern.DynamicLossScaler(init_scale=4.0)
+    for g, found in ((2.0, 0.0), (float("inf"), 1.0), (8.0, 0.0)):
+        scaler.scale(p.float().sum())
+        p.grad = torch.full_like(p, g)
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.found_inf.item() == found
+        if not found:
+            s = 4.0 if g == 2.0 else 2.0  # the scale that step used (backed off after the overflow)
+            assert scaler.grad_stats.tolist() == [0.0, 4 * (g / s) ** 2, g / s]
+
+
+@pytest.mark.parametrize(
+    "key, value, pattern",
+    [
+        ("growth_interval", -3, "growth_interval must be a positive int"),
+        ("min_scale", float("nan"), "min_scale must be a finite number > 0"),
+        ("hysteresis", 0, "hysteresis must be a positive int"),
+        ("backoff_factor", 2.0, "backoff_factor"),
+        ("max_scale", 1e39, "max_scale=1e\\+39 overflows float32"),
+        ("updates", -1, "updates must be an int >= 0"),
+        ("state", torch.zeros(3), "state has shape"),
+        ("state", torch.full((K.STATE_SIZE,), float("inf")), "scale in state must be finite"),
+        ("class", "StaticLossScaler", "state dict is for a StaticLossScaler"),
+    ],
+)
+def test_load_state_dict_validates_before_changing_anything(key, value, pattern):
+    p, opt = fused_setup()
+    scaler = tkern.DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
+    run = [0, 1, 0, 0, 0]
+    for bad in run:
+        scaler.scale(p.float().sum())
+        p.grad.fill_(float("inf") if bad else 1.0)
+        scaler.step(opt)
+        scaler.update()
+    before = scaler.state_dict()
+    bad_sd = {**before, key: value}
+    with pytest.raises(ValueError, match=pattern):
+        scaler.load_state_dict(bad_sd)
+    after = scaler.state_dict()
+    assert {k: v for k, v in after.items() if k != "state"} == {
+        k: v for k, v in before.items() if k != "state"
+    }
+    assert torch.equal(after["state"], before["state"])
+    # and it still trains on from where it was
+    scaler.scale(p.float().sum())
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_load_state_dict_puts_the_state_on_the_device_of_first_use():
+    # a checkpoint's state is saved on the CPU; a fresh scaler takes it to the loss's device
+    full = tkern.DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    run_fused(full, [0, 0, 1])
+    resumed = tkern.DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    resumed.load_state_dict(full.state_dict())
+    assert resumed.get_scale() == full.get_scale()
+    assert run_fused(resumed, [0, 0]) == run_fused(full, [0, 0])
+    assert resumed.state.device == full.state.device
+
+
+class ConsecutiveDeepSpeedReference(DeepSpeedReference):
+    """DeepSpeed's DynamicLossScaler.update_scale with consecutive_hysteresis=True:
+    every clean step refills the hysteresis counter."""
+
+    def update(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.scale = max(self.scale / self.factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.window == 0:
+                self.scale *= self.factor
+        self.cur_iter += 1
+        return self.scale
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_consecutive_hysteresis_follows_deepspeed(hysteresis):
+    rng = random.Random(10 + hysteresis)
+    seq = [int(rng.random() < 0.35) for _ in range(60)]
+    ref = ConsecutiveDeepSpeedReference(2.0**12, 2.0, 4, hysteresis, min_scale=2.0**4)
+    expected = [ref.update(bad) for bad in seq]
+    scaler = tkern.DynamicLossScaler(
+        init_scale=2.0**12,
+        growth_interval=4,
+        hysteresis=hysteresis,
+        min_scale=2.0**4,
+        consecutive_hysteresis=True,
+    )
+    assert run_fused(scaler, seq) == expected
+    if hysteresis > 1:  # the option matters on this sequence
+        plain = DeepSpeedReference(2.0**12, 2.0, 4, hysteresis, min_scale=2.0**4)
+        assert [plain.update(bad) for bad in seq] != expected
+
+
+def test_consecutive_hysteresis_survives_a_state_dict_round_trip():
+    scaler = tkern.DynamicLossScaler(hysteresis=2, consecutive_hysteresis=True)
+    other = tkern.DynamicLossScaler(hysteresis=2)
+    other.load_state_dict(scaler.state_dict())
+    assert other.consecutive_hysteresis is True
+
+
+def test_sparse_gradients_in_the_fallback_path_match_grad_scaler():
+    def train(scaler, device):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True).to(device)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+        idx = torch.tensor([1, 4, 4, 7, 1], device=device)  # repeats: an uncoalesced gradient
+        for step in range(4):
+            opt.zero_grad()
+            scaler.scale((emb(idx) * torch.arange(3.0, device=device)).sum()).backward()
+            if step == 1:
+                g = emb.weight.grad
+                emb.weight.grad = torch.sparse_coo_tensor(
+                    g._indices(),
+                    g._values().index_fill(1, torch.tensor([2], device=device), float("inf")),
+                    g.shape,
+                    check_invariants=True,
+                )
+            scaler.step(opt)
+            scaler.update()
+        return emb.weight.detach().cpu(), scaler
+
+    mine, scaler = train(tkern.DynamicLossScaler(init_scale=2.0**8, growth_interval=100), DEVICE)
+    theirs, gs = train(torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=100), "cpu")
+    assert torch.equal(mine, theirs)  # S is a power of 2: unscaling is exact in either order
+    assert scaler.get_scale() == gs.get_scale() == 2.0**7 and scaler.skipped_steps == 1
+    # the statistics are those of the coalesced gradient: rows 1 and 4 hold
+    # 2 * [0, 1, 2] (each index twice), row 7 holds [0, 1, 2]
+    assert scaler.grad_stats.tolist() == [0.0, 2 * (4 + 16) + (1 + 4), 4.0]
+
+
+def test_lognormal_defaults_are_documented_truthfully():
+    import inspect
+    import re
+
+    doc = tkern.LogNormalLossScaler.__doc__
+    for name, param in inspect.signature(tkern.LogNormalLossScaler).parameters.items():
+        if name in ("max_overflows_at_min", "enabled", "process_group"):
+            continue
+        match = re.search(rf"{name}:.*?Default ([0-9.*]+)", doc, re.S)
+        assert match, name
+        assert eval(match.group(1)) == param.default, name  # noqa: S307 (a number from our docstring)
+    assert "all-zero gradient steps are not recorded" in doc
+    assert "censored record of overflows" in doc
+
+
+def test_lognormal_does_not_record_an_all_zero_gradient_step():
+    p, opt = fused_setup()
+    scaler = tkern.LogNormalLossScaler()
+    scaler.scale(p.float().sum())
+    p.grad.fill_(0.25)
+    scaler.step(opt)
+    scaler.update()
+    before = scaler.state.clone()
+    scaler.scale(p.float().sum())
+    p.grad.zero_()
+    scaler.step(opt)
+    scaler.update()
+    # S, the EMAs, their count and the skip counters are unchanged (the loss
+    # recorded for error messages is the only slot that moves)
+    keep = [i for i in range(K.STATE_SIZE) if i != K.LAST_LOSS]
+    assert torch.equal(scaler.state[keep], before[keep])
+
+
+def test_fused_step_leaves_the_gradients_scaled():
+    # documented: tkern's optimizer unscales inside its kernel and never writes .grad
+    p, opt = fused_setup()
+    scaler = tkern.StaticLossScaler(2.0**6)
+    scaler.scale((p.float() * 0.5).sum()).backward()
+    scaler.step(opt)
+    assert torch.equal(p.grad, torch.full_like(p.grad, 0.5 * 2.0**6))
+    assert "still hold the scaled gradients" in " ".join(tkern.amp.__doc__.split())

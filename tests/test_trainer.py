@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+import signal
+import stat
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -221,3 +228,334 @@ def test_cli_info(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "triton" in out and tkern.mode() in out
+
+
+# ----------------------------------------------------------------------- checkpoints (issue 9, item 17)
+
+
+def variant_trainer(opt_cls=FusedAdamW, scaler="dynamic", scheduler="step", hidden=16, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, hidden), nn.ReLU(), nn.Linear(hidden, 2)).to(DEVICE)
+    tkern.convert_network(model)
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    scalers = {
+        "dynamic": lambda: tkern.DynamicLossScaler(init_scale=2.0**12, growth_interval=4),
+        "static": lambda: tkern.StaticLossScaler(2.0**10),
+        None: lambda: None,
+    }
+    schedulers = {
+        "step": lambda: torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7),
+        "exp": lambda: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9),
+        None: lambda: None,
+    }
+    return tkern.Trainer(
+        model,
+        opt,
+        nn.functional.cross_entropy,
+        scalers[scaler](),
+        scheduler=schedulers[scheduler](),
+        progress=False,
+    )
+
+
+def trained(trainer, n=16):
+    trainer.fit(synthetic_loader(n=n), trainer.epoch + 1)
+    return trainer
+
+
+def snapshot(trainer):
+    """Everything load_checkpoint could change, as comparable values."""
+    opt = trainer.optimizer.state_dict()
+    return {
+        "params": [p.detach().clone() for p in trainer.model.parameters()],
+        "opt_state": {k: {n: v.clone() for n, v in s.items()} for k, s in opt["state"].items()},
+        "opt_groups": [{k: v for k, v in g.items()} for g in opt["param_groups"]],
+        "scaler": None if trainer.scaler is None else trainer.scaler.state_dict(),
+        "scheduler": None if trainer.scheduler is None else trainer.scheduler.state_dict(),
+        "counters": (trainer.epoch, trainer.step, list(trainer.history)),
+    }
+
+
+def assert_same(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+    assert a["opt_state"].keys() == b["opt_state"].keys()
+    for k in a["opt_state"]:
+        assert all(torch.equal(a["opt_state"][k][n], b["opt_state"][k][n]) for n in a["opt_state"][k])
+    assert a["opt_groups"] == b["opt_groups"] and a["scheduler"] == b["scheduler"]
+    assert a["counters"] == b["counters"]
+    if a["scaler"] is not None:
+        sa, sb = dict(a["scaler"]), dict(b["scaler"])
+        ta, tb = sa.pop("state"), sb.pop("state")
+        assert sa == sb and (ta is tb is None or torch.equal(ta, tb))
+
+
+def test_checkpoint_respects_the_umask(tmp_path):
+    trainer = trained(variant_trainer())
+    old = os.umask(0o022)
+    try:
+        trainer.save_checkpoint(tmp_path / "a.ckpt")
+        os.umask(0o077)
+        trainer.save_checkpoint(tmp_path / "b.ckpt")
+        os.chmod(tmp_path / "a.ckpt", 0o640)  # an existing file keeps its own mode
+        trainer.save_checkpoint(tmp_path / "a.ckpt")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "b.ckpt").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "a.ckpt").st_mode) == 0o640
+    os.umask(0o022)
+    try:
+        trainer.save_checkpoint(tmp_path / "c.ckpt")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "c.ckpt").st_mode) == 0o644
+
+
+def test_checkpoint_through_a_symlink_rewrites_the_target_and_keeps_the_link(tmp_path):
+    trainer = trained(variant_trainer())
+    (tmp_path / "runs").mkdir()
+    target = tmp_path / "runs" / "real.ckpt"
+    target.write_bytes(b"an older checkpoint")
+    link = tmp_path / "latest.ckpt"
+    link.symlink_to(target)
+    trainer.save_checkpoint(link)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["real.ckpt"]
+    resumed = variant_trainer(seed=1)
+    resumed.load_checkpoint(target)
+    assert_same(snapshot(resumed), snapshot(trainer))
+
+
+def test_checkpoint_save_removes_temporaries_of_killed_saves(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    script = (
+        "import sys, time, torch, tkern\n"
+        "from torch import nn\n"
+        "m = nn.Linear(2, 2)\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "t = tkern.Trainer(m, opt, nn.functional.mse_loss, progress=False)\n"
+        "def stuck(obj, f):\n"
+        "    f.write(b'half a checkpoint'); f.flush(); print('writing', flush=True); time.sleep(120)\n"
+        "torch.save = stuck\n"
+        "t.save_checkpoint(sys.argv[1])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(ckpt)], stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"writing"
+    finally:
+        proc.kill()  # kill -9 in the middle of the save
+        proc.wait()
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0] != "run.ckpt"  # the killed save's temporary file
+    trained(variant_trainer()).save_checkpoint(ckpt)
+    assert [p.name for p in tmp_path.iterdir()] == ["run.ckpt"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs RLIMIT_FSIZE (POSIX)")
+def test_checkpoint_write_failure_names_the_path_and_keeps_the_good_file(tmp_path):
+    import resource
+
+    ckpt = tmp_path / "run.ckpt"
+    trainer = trained(variant_trainer())
+    trainer.save_checkpoint(ckpt)
+    good = ckpt.read_bytes()
+    # the file size limit makes the write fail as a full disk does
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(OSError, match=re.escape(str(ckpt))) as info:
+            trainer.save_checkpoint(ckpt)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert info.value.errno == errno.EFBIG
+    assert ckpt.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["run.ckpt"]
+
+
+def test_checkpoint_full_disk_at_sync_names_the_path(tmp_path, monkeypatch):
+    ckpt = tmp_path / "run.ckpt"
+    trainer = trained(variant_trainer())
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(OSError, match=r"No space left on device.*" + re.escape(str(ckpt))) as info:
+        trainer.save_checkpoint(ckpt)
+    assert info.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_loads_with_weights_only(tmp_path):
+    trainer = trained(variant_trainer())
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    payload = torch.load(tmp_path / "run.ckpt", weights_only=True)
+    assert payload["model"].keys() == trainer.model.state_dict().keys()
+    assert payload["epoch"] == 1 and len(payload["sha256"]) == 64
+
+
+def test_flipped_byte_fails_the_load_and_changes_nothing(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    trainer = trained(variant_trainer())
+    trainer.save_checkpoint(ckpt)
+    data = bytearray(ckpt.read_bytes())
+    weight = trainer.model[0].weight.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    at = data.find(weight)
+    assert at >= 0
+    data[at + 7] ^= 0x04  # one bit of one fp16 weight
+    ckpt.write_bytes(bytes(data))
+    other = trained(variant_trainer(seed=1))
+    before = snapshot(other)
+    with pytest.raises(tkern.trainer.CheckpointError, match="SHA-256"):
+        other.load_checkpoint(ckpt)
+    assert_same(snapshot(other), before)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"scaler": None}, "has a DynamicLossScaler scaler, this trainer has none"),
+        ({"scaler": "static"}, "has a DynamicLossScaler scaler, this trainer a StaticLossScaler"),
+        ({"scheduler": None}, "has a StepLR scheduler, this trainer has none"),
+        ({"scheduler": "exp"}, "has a StepLR scheduler, this trainer a ExponentialLR"),
+        ({"opt_cls": FusedSGD}, "holds a FusedAdamW optimizer's state, not a FusedSGD's"),
+        ({"hidden": 8}, r"does not fit this model: 0.weight is \(16, 12\) in the checkpoint, \(8, 12\) here"),
+    ],
+)
+def test_load_checkpoint_validates_everything_before_changing_anything(tmp_path, changes, message):
+    ckpt = tmp_path / "run.ckpt"
+    trained(variant_trainer()).save_checkpoint(ckpt)
+    other = trained(variant_trainer(seed=1, **changes))
+    before = snapshot(other)
+    with pytest.raises(tkern.trainer.CheckpointError, match=message):
+        other.load_checkpoint(ckpt)
+    assert_same(snapshot(other), before)
+
+
+def test_load_checkpoint_refuses_a_checkpoint_without_a_scheduler(tmp_path):
+    ckpt = tmp_path / "run.ckpt"
+    trained(variant_trainer(scheduler=None)).save_checkpoint(ckpt)
+    other = trained(variant_trainer(seed=1))
+    before = snapshot(other)
+    with pytest.raises(tkern.trainer.CheckpointError, match="has no scheduler, this trainer has a StepLR"):
+        other.load_checkpoint(ckpt)
+    assert_same(snapshot(other), before)
+
+
+# ----------------------------------------------------------------------- the command (issue 9, item 19)
+
+
+def run_cli(argv):
+    """The exit status of ``tkern argv`` (argparse's own errors exit through SystemExit)."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def save_demo_checkpoint(path, **cfg):
+    """A checkpoint of the CLI's tkern run for ``demo.Config(**cfg)``, without training."""
+    config = demo.Config(**cfg)
+    torch.manual_seed(0)
+    model, opt, scaler, _ = demo.build(
+        "tkern", demo.make_mlp(64, config.hidden, 10).to(DEVICE), config, torch.device(DEVICE)
+    )
+    tkern.Trainer(model, opt, nn.functional.cross_entropy, scaler, progress=False).save_checkpoint(path)
+
+
+def no_training(*args, **kwargs):
+    raise AssertionError("training started before the mistake was reported")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lr", "nan"], "argument --lr: must be a finite number > 0, got 'nan'"),
+        (["--lr=-1e-3"], "argument --lr: must be a finite number > 0"),
+        (["--lr", "fast"], "argument --lr: expected a number like 3e-3, got 'fast'"),
+        (["--checkpoint", "{tmp}"], "--checkpoint: '{tmp}' is a directory"),
+        (["--checkpoint", "{tmp}/no/such/run.ckpt"], "--checkpoint: folder '{tmp}/no/such' does not exist"),
+        (["--plot", "{tmp}/curves.txt"], "--plot: '{tmp}/curves.txt' is not an image file name"),
+        (["--plot", "{tmp}"], "--plot: '{tmp}' is a directory"),
+        (["--resume", "{tmp}"], "--resume: '{tmp}' is a directory"),
+        (["--resume", "{tmp}/garbage.ckpt"], "--resume: checkpoint '{tmp}/garbage.ckpt' cannot be read"),
+        (["--resume", "{tmp}/h32.ckpt", "--hidden", "16"], "does not fit this model: 0.weight is (32, 64)"),
+        (["--resume", "{tmp}/sgd.ckpt"], "holds a FusedSGD optimizer's state, not a FusedAdamW's"),
+        (["--resume", "{tmp}/h32.ckpt", "--only", "fp32"], "--resume applies to the tkern run"),
+    ],
+)
+def test_cli_user_mistakes_are_one_line_and_exit_2(tmp_path, argv, message, capsys, monkeypatch):
+    (tmp_path / "garbage.ckpt").write_bytes(b"not a checkpoint")
+    save_demo_checkpoint(tmp_path / "h32.ckpt", hidden=(32,))
+    save_demo_checkpoint(tmp_path / "sgd.ckpt", hidden=(32,), optimizer="sgd")
+    monkeypatch.setattr(tkern.Trainer, "fit", no_training)
+    argv = ["train", "--only", "tkern", "--hidden", "32", "--no-progress"] + [
+        a.format(tmp=tmp_path) for a in argv
+    ]
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message.format(tmp=tmp_path) in err and "\n" not in err and "Traceback" not in err
+
+
+def test_cli_unwritable_checkpoint_folder(tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        if os.access(
+            folder, os.W_OK
+        ):  # root writes anywhere: make the folder refuse as a read-only mount does
+            import tempfile
+
+            def refuse(*args, **kwargs):
+                raise PermissionError(errno.EROFS, "Read-only file system")
+
+            monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+        monkeypatch.setattr(tkern.Trainer, "fit", no_training)
+        assert run_cli(["train", "--only", "tkern", "--checkpoint", str(folder / "run.ckpt")]) == 2
+    finally:
+        folder.chmod(0o755)
+    err = capsys.readouterr().err.strip()
+    assert f"--checkpoint: cannot write in folder '{folder}'" in err and "\n" not in err
+
+
+def test_cli_help_shows_defaults(capsys):
+    assert run_cli(["train", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for text in (
+        "(default: 10)",
+        "(default: 64)",
+        "(default: 128,64)",
+        "(default: adamw)",
+        "(default: dynamic)",
+    ):
+        assert text in out
+    assert "adamw 0.003, adam 0.003, sgd 0.1; sgd with momentum 0.9" in out
+
+
+def test_sgd_gets_its_own_defaults_and_learns():
+    # at Adam's 3e-3 and no momentum SGD stayed near chance (11.7% after 10 epochs)
+    cfg = demo.Config(optimizer="sgd", epochs=5, progress=False, runs=("fp32",))
+    for name in ("tkern", "fp32"):
+        _, opt, _, _ = demo.build(name, demo.make_mlp(64, (8,), 10), cfg, torch.device("cpu"))
+        assert (opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]) == (0.1, 0.9)
+    (result,) = demo.compare(cfg)
+    assert result.val_accuracy > 0.9  # measured 0.97 at 10 epochs, 0.88-0.90 at 3
+
+
+def test_cli_silences_numpy_cast_overflow_warnings(monkeypatch, capsys):
+    import warnings
+
+    import numpy as np
+
+    def overflowing_compare(cfg):
+        np.array([1e6], dtype=np.float32).astype(np.float16)  # what the interpreter does on overflow
+        return []
+
+    monkeypatch.setattr(demo, "compare", overflowing_compare)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["train", "--only", "tkern", "--no-progress"]) == 0
+        assert not [w for w in seen if "overflow encountered in cast" in str(w.message)]
+        np.array([1e6], dtype=np.float32).astype(np.float16)  # outside the command: not filtered
+        assert [w for w in seen if "overflow encountered in cast" in str(w.message)]

@@ -11,15 +11,37 @@ Mistakes a user can make end with one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import runpy
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 BENCHES = ("gemm", "optimizer", "train")
+#: what --plot can write (matplotlib's formats)
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
 
 
 class UsageError(Exception):
     """A mistake on the command line or in the environment, reported in one line."""
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, reporting a bad option in one line on stderr (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _info(_: argparse.Namespace) -> int:
@@ -51,23 +73,63 @@ def _hidden(text: str) -> tuple[int, ...]:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number like 3e-3, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _check_writable(option: str, path: str) -> None:
+    """A file ``path`` can be created or replaced: not a folder, in a folder we can write."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option}: {path!r} is a directory, expected a file name")
+    folder = Path(os.path.realpath(p)).parent
+    if not folder.is_dir():
+        raise UsageError(f"{option}: folder {str(folder)!r} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UsageError(f"{option}: cannot write in folder {str(folder)!r} ({e.strerror or e})") from None
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"{option}: {path!r} is not writable")
+
+
 def _train(args: argparse.Namespace) -> int:
     from tkern import demo
+    from tkern.trainer import CheckpointError
 
     if args.plot:
-        folder = Path(args.plot).resolve().parent
-        if not folder.is_dir():
-            raise UsageError(f"--plot: folder {str(folder)!r} does not exist")
-    if args.resume and not Path(args.resume).is_file():
-        raise UsageError(f"--resume: checkpoint {args.resume!r} does not exist")
-    if args.checkpoint and not Path(args.checkpoint).resolve().parent.is_dir():
-        raise UsageError(f"--checkpoint: folder of {args.checkpoint!r} does not exist")
+        _check_writable("--plot", args.plot)
+        if Path(args.plot).suffix.lower() not in PLOT_FORMATS:
+            raise UsageError(
+                f"--plot: {args.plot!r} is not an image file name; end it in {', '.join(PLOT_FORMATS)}"
+            )
+    if args.resume:
+        if Path(args.resume).is_dir():
+            raise UsageError(f"--resume: {args.resume!r} is a directory, expected a checkpoint file")
+        if not Path(args.resume).is_file():
+            raise UsageError(f"--resume: checkpoint {args.resume!r} does not exist")
+        if args.only and args.only != "tkern":
+            raise UsageError(f"--resume applies to the tkern run, but --only {args.only} leaves it out")
+    if args.checkpoint:
+        _check_writable("--checkpoint", args.checkpoint)
+        if args.only and args.only != "tkern":
+            raise UsageError(f"--checkpoint applies to the tkern run, but --only {args.only} leaves it out")
     runs = (args.only,) if args.only else demo.RUNS
     cfg = demo.Config(
         epochs=args.epochs,
@@ -90,6 +152,12 @@ def _train(args: argparse.Namespace) -> int:
             print(f"loss curves written to {args.plot}")
     except demo.MissingExtraError as e:
         raise UsageError(str(e)) from None
+    except CheckpointError as e:  # the tkern run loads it before anything trains
+        raise UsageError(f"--resume: {e}") from None
+    except OSError as e:
+        if args.checkpoint and e.filename == args.checkpoint:
+            raise UsageError(f"--checkpoint: {e.strerror}: {args.checkpoint!r}") from None
+        raise
     return 0
 
 
@@ -106,26 +174,40 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tkern", description="Triton kernels for mixed-precision training.")
+    parser = _Parser(prog="tkern", description="Triton kernels for mixed-precision training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("info", help="device, torch/triton versions, compiled or interpreted mode").set_defaults(
         func=_info
     )
 
-    from tkern.demo import OPTIMIZERS, RUNS, SCALERS, Config
+    from tkern.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, RUNS, SCALERS, Config
 
     d = Config()
     train = sub.add_parser(
-        "train", help="train the digits MLP with tkern, torch fp32 and torch autocast; compare"
+        "train",
+        help="train the digits MLP with tkern, torch fp32 and torch autocast; compare",
+        formatter_class=_Help,
     )
-    train.add_argument("--epochs", type=_positive, default=d.epochs)
-    train.add_argument("--batch-size", type=_positive, default=d.batch_size)
-    train.add_argument("--hidden", type=_hidden, default=d.hidden, help="hidden layer widths, e.g. 128,64")
-    train.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer)
+    lrs = ", ".join(f"{k} {v['lr']:g}" for k, v in OPTIMIZER_DEFAULTS.items())
+    train.add_argument("--epochs", type=_positive, default=d.epochs, help="epochs to train")
+    train.add_argument("--batch-size", type=_positive, default=d.batch_size, help="samples per step")
+    train.add_argument(
+        "--hidden",
+        type=_hidden,
+        default=",".join(map(str, d.hidden)),
+        help="hidden layer widths, e.g. 128,64",
+    )
+    train.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer, help="the optimizer")
     train.add_argument("--scaler", choices=sorted(SCALERS), default=d.scaler, help="tkern's loss scaler")
-    train.add_argument("--lr", type=float, default=d.lr)
-    train.add_argument("--seed", type=int, default=d.seed)
+    train.add_argument(
+        "--lr",
+        type=_learning_rate,
+        default=None,
+        metavar="LR",
+        help=f"learning rate; by default the optimizer's own ({lrs}; sgd with momentum 0.9)",
+    )
+    train.add_argument("--seed", type=int, default=d.seed, help="seed of the weights, split and batches")
     train.add_argument("--only", choices=RUNS, help="train only this run")
     train.add_argument("--plot", metavar="PNG", help="draw the loss curves into this file")
     train.add_argument(
@@ -135,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train)
 
-    bench = sub.add_parser("bench", help="run the benchmark scripts (GPU)")
-    bench.add_argument("which", nargs="?", choices=(*BENCHES, "all"), default="all")
+    bench = sub.add_parser("bench", help="run the benchmark scripts (GPU)", formatter_class=_Help)
+    bench.add_argument("which", nargs="?", choices=(*BENCHES, "all"), default="all", help="which benchmark")
     bench.add_argument("extra", nargs=argparse.REMAINDER, help="passed on to the scripts")
     bench.set_defaults(func=_bench)
     return parser
@@ -146,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            # Triton's interpreter casts through numpy, which warns when an fp16
+            # value overflows; tkern detects those overflows itself (skipped steps)
+            warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning)
+            return args.func(args)
     except UsageError as e:
         print(f"tkern {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,14 @@ OPTIMIZERS = {
     "adam": (FusedAdam, torch.optim.Adam),
     "sgd": (FusedSGD, torch.optim.SGD),
 }
+#: Each optimizer's own defaults for the demo: Adam(W) at 3e-3; SGD needs a
+#: larger step and momentum (at Adam's 3e-3 without momentum it stays near
+#: chance, 11.7%, after 10 epochs; with these it reaches ~97%).
+OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
+    "adamw": {"lr": 3e-3},
+    "adam": {"lr": 3e-3},
+    "sgd": {"lr": 0.1, "momentum": 0.9},
+}
 SCALERS = {
     "dynamic": lambda: tkern.DynamicLossScaler(),
     "static": lambda: tkern.StaticLossScaler(),
@@ -44,7 +52,7 @@ class Config:
     hidden: tuple[int, ...] = (128, 64)
     optimizer: str = "adamw"
     scaler: str = "dynamic"
-    lr: float = 3e-3
+    lr: float | None = None  # None: the optimizer's default (OPTIMIZER_DEFAULTS)
     seed: int = 0
     runs: tuple[str, ...] = RUNS
     progress: bool = True
@@ -100,11 +108,14 @@ def build(name: str, base: nn.Module, cfg: Config, device: torch.device):
     """(model, optimizer, scaler, autocast dtype) for one of the three runs."""
     model = copy.deepcopy(base)
     fused_cls, torch_cls = OPTIMIZERS[cfg.optimizer]
+    hyper = dict(OPTIMIZER_DEFAULTS[cfg.optimizer])
+    if cfg.lr is not None:
+        hyper["lr"] = cfg.lr
     if name == "tkern":
         tkern.convert_network(model)
-        return model, fused_cls(model.parameters(), lr=cfg.lr), SCALERS[cfg.scaler](), None
+        return model, fused_cls(model.parameters(), **hyper), SCALERS[cfg.scaler](), None
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
-    opt = torch_cls(model.parameters(), lr=cfg.lr, **extra)
+    opt = torch_cls(model.parameters(), **hyper, **extra)
     if name == "fp32":
         return model, opt, None, None
     return model, opt, torch.amp.GradScaler(device.type), torch.float16
