@@ -776,6 +776,10 @@ class _HostMirror:
         if not self._cuda:
             streak, loss = picked.tolist()
             return streak, loss
+        if torch.cuda.is_current_stream_capturing():
+            # Inside a CUDA graph capture nothing may read the device from the host: the
+            # give-up check (a host-side safety net) is left to the eager steps around it.
+            return self._last
         self._polls += 1
         if self._pending and self._event.query():
             streak, loss = self._host.tolist()
