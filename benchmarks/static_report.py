@@ -291,26 +291,29 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
     return sig
 
 
-def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False) -> list:
+def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False, gelu: bool = True) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning)."""
     from tkern.kernels import gemm
 
     configs = gemm.tma_configs() if tma else gemm.gemm_configs()
     if not hasattr(gemm, "prune_configs"):  # an older tkern: all of them
         return configs
-    return gemm.prune_configs(configs, cc, tma=tma, ragged=ragged)
+    return gemm.prune_configs(configs, cc, tma=tma, ragged=ragged, gelu=gelu)
 
 
 def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     """Pointer GEMM: every offered config on the heaviest epilogue (bias, GELU,
     pre-activation saved: ``tkern.linear``'s forward with GELU) in fp16 on a
-    transformer layout (x @ W^T: A row-major, B column-major); the first config
-    on the other epilogues, dtypes and layouts (backward: A^T, B row-major) and
-    on a ragged K = 1000 (strides not multiples of 16, K not a multiple of
-    BLOCK_K). TMA persistent kernel (sm_90 only): every offered config."""
+    transformer layout (x @ W^T: A row-major, B column-major) and every config
+    offered on ragged operands (M, N, K and strides not multiples of 16); with
+    ``full``, the first config on the other epilogues, dtypes and layouts
+    (backward: A^T, B row-major). TMA persistent kernel (sm_90 only): every
+    offered config, and the first on the other layout and on ragged operands."""
     tl = _tl()
     cases = []
     variants = [("fp16", "fp16", "fp16", 2, True, "NT", False, "all")]
+    # the configs offered only without GELU (before Hopper, see gemm.prune_configs)
+    variants += [("fp16", "fp16", "fp16", 0, False, "NT", False, "rest")]
     variants += (
         []
         if not full
@@ -324,8 +327,10 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     # (below) when descriptors can describe them, else to the pointer kernel
     variants.append(("fp16", "fp16", "fp16", 2, True, "NT", True, "all"))
     for dtype, out, bias, act, preact, layout, ragged, which in variants:
-        configs = gemm_configs_for(cc, ragged=ragged)
-        for cfg in configs if which == "all" else configs[:1]:
+        configs = gemm_configs_for(cc, ragged=ragged, gelu=act == 2)
+        if which == "rest":
+            configs = [c for c in configs if c not in gemm_configs_for(cc, ragged=ragged, gelu=True)]
+        for cfg in configs if which in ("all", "rest") else configs[:1]:
             kw = cfg.kwargs
             sig = _gemm_sig(dtype, out, bias, preact)
             const = dict(
@@ -447,11 +452,14 @@ def _fit(case: Case, fn) -> Case:
     return dataclasses.replace(case, signature=sig, constexprs=const, aligned=aligned)
 
 
-def all_cases(cc: int) -> list[Case]:
-    cases = (
-        _update_cases("sgd") + _update_cases("adam") + _stats_cases() + _activation_cases() + _scale_cases()
-    )
-    return cases + _gemm_cases(cc)
+def all_cases(cc: int, full: bool = True) -> list[Case]:
+    """Every case for target ``cc``; ``full=False``: the compile gate's
+    representative set (every dtype of every kernel; the plainest, the
+    heaviest and the newest flag combinations of the update kernels; every
+    offered GEMM config on the heaviest epilogue and on ragged operands; the
+    other epilogues, dtypes and layouts only in the full report)."""
+    cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
+    return cases + _scale_cases() + _gemm_cases(cc, full)
 
 
 # --------------------------------------------------------------------------- compile and read
