@@ -291,14 +291,14 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
     return sig
 
 
-def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False, gelu: bool = True) -> list:
+def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning)."""
     from tkern.kernels import gemm
 
     configs = gemm.tma_configs() if tma else gemm.gemm_configs()
     if not hasattr(gemm, "prune_configs"):  # an older tkern: all of them
         return configs
-    return gemm.prune_configs(configs, cc, tma=tma, ragged=ragged, gelu=gelu)
+    return gemm.prune_configs(configs, cc, tma=tma, ragged=ragged)
 
 
 def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
@@ -312,8 +312,6 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     tl = _tl()
     cases = []
     variants = [("fp16", "fp16", "fp16", 2, True, "NT", False, "all")]
-    # the configs offered only without GELU (before Hopper, see gemm.prune_configs)
-    variants += [("fp16", "fp16", "fp16", 0, False, "NT", False, "rest")]
     variants += (
         []
         if not full
@@ -327,10 +325,8 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     # (below) when descriptors can describe them, else to the pointer kernel
     variants.append(("fp16", "fp16", "fp16", 2, True, "NT", True, "all"))
     for dtype, out, bias, act, preact, layout, ragged, which in variants:
-        configs = gemm_configs_for(cc, ragged=ragged, gelu=act == 2)
-        if which == "rest":
-            configs = [c for c in configs if c not in gemm_configs_for(cc, ragged=ragged, gelu=True)]
-        for cfg in configs if which in ("all", "rest") else configs[:1]:
+        configs = gemm_configs_for(cc, ragged=ragged)
+        for cfg in configs if which == "all" else configs[:1]:
             kw = cfg.kwargs
             sig = _gemm_sig(dtype, out, bias, preact)
             const = dict(

@@ -269,7 +269,12 @@ def test_configs_that_cannot_launch_are_pruned_per_device():
             kept = prune_configs(configs, cc, tma=tma)
             assert kept and all(smem_estimate(c) <= SMEM_LIMIT[cc // 10] for c in kept)
             dropped = [c for c in configs if c not in kept]
-            assert all(smem_estimate(c) > SMEM_LIMIT[cc // 10] for c in dropped)
+            # dropped: over the shared memory, or (before Hopper) over 64 accumulator values a thread
+            acc = [c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps) for c in dropped]
+            assert all(
+                smem_estimate(c) > SMEM_LIMIT[cc // 10] or (cc < 90 and a > 64)
+                for c, a in zip(dropped, acc, strict=True)
+            )
     # the 128x256x128 TMA tiles (288-384 KB) never fit; 128x256x64 in 4 stages fits an H100 only
     assert not [c for c in prune_configs(tma_configs(), 90, tma=True) if c.kwargs["BLOCK_K"] == 128
                 and c.kwargs["BLOCK_N"] == 256]  # fmt: skip

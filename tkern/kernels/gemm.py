@@ -96,11 +96,11 @@ def smem_estimate(cfg: triton.Config, elem_bytes: int = 2) -> int:
 RAGGED_MAX_TILE = 128 * 64
 
 
-#: Accumulator values per thread above which a GELU epilogue spills before
-#: Hopper (mma.sync keeps operand fragments in registers next to the
-#: accumulator): 128x256 and 256x128 on 8 warps spill 16-40 B on sm_80 under
-#: triton 3.6 even in four column slices.
-PRE_HOPPER_GELU_MAX_ACC = 64
+#: Accumulator values per thread above which the pointer kernel spills before
+#: Hopper (mma.sync keeps its operand fragments in registers next to the
+#: accumulator): 128x256 and 256x128 on 8 warps spill 40 B on sm_80 under
+#: triton 3.6 with any epilogue, 16-40 B with GELU even in four column slices.
+PRE_HOPPER_MAX_ACC = 64
 
 
 def _acc_per_thread(c: triton.Config) -> int:
@@ -108,19 +108,19 @@ def _acc_per_thread(c: triton.Config) -> int:
 
 
 def prune_configs(
-    configs: list[triton.Config], cc: int, *, tma: bool = False, ragged: bool = False, gelu: bool = False
+    configs: list[triton.Config], cc: int, *, tma: bool = False, ragged: bool = False
 ) -> list[triton.Config]:
     """The configs worth trying on compute capability ``cc`` (e.g. 90): those
     whose shared memory fits; on ``ragged`` operands (see :func:`_ragged`) only
-    the tiles that do not spill there; before Hopper with a ``gelu`` epilogue,
-    only the tiles whose accumulator leaves it room. Never empty: the smallest
+    the tiles that do not spill there; before Hopper only the tiles whose
+    accumulator leaves room for mma.sync's operands. Never empty: the smallest
     is kept."""
     limit = SMEM_LIMIT.get(cc // 10, _SMEM_DEFAULT)
     fits = [c for c in configs if smem_estimate(c) <= limit]
     if ragged and not tma:
         fits = [c for c in fits if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE]
-    if gelu and cc < 90:
-        fits = [c for c in fits if _acc_per_thread(c) <= PRE_HOPPER_GELU_MAX_ACC]
+    if cc < 90:
+        fits = [c for c in fits if _acc_per_thread(c) <= PRE_HOPPER_MAX_ACC]
     return fits or [min(configs, key=smem_estimate)]
 
 
@@ -144,9 +144,8 @@ def _autotune(configs: list[triton.Config], key: list[str], tma: bool = False):
         return autotune(configs, key)
 
     def prune(configs, nargs, **kwargs):
-        gelu = {**nargs, **kwargs}.get("ACTIVATION") == ACTIVATIONS["gelu"]
         ragged = not tma and _ragged_args(nargs)
-        return prune_configs(configs, _device_cc(nargs), tma=tma, ragged=ragged, gelu=gelu)
+        return prune_configs(configs, _device_cc(nargs), tma=tma, ragged=ragged)
 
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})
 
