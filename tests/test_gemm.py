@@ -255,3 +255,49 @@ def test_tma_persistent_falls_back_where_descriptors_cannot_go():
     assert rel_err(matmul_tma_persistent(a, b), reference(a, b)) < TOL[torch.float16]
     with pytest.raises(ValueError, match="inner dimensions differ"):
         matmul_tma_persistent(a, randn(11, 7, dtype=torch.float16))
+
+
+# ----------------------------------------------------------------------- configs offered per device
+
+
+def test_configs_that_cannot_launch_are_pruned_per_device():
+    from tkern.kernels.gemm import SMEM_LIMIT, gemm_configs, prune_configs, smem_estimate, tma_configs
+
+    for cc in (90, 80):
+        for tma in (False, True):
+            configs = tma_configs() if tma else gemm_configs()
+            kept = prune_configs(configs, cc, tma=tma)
+            assert kept and all(smem_estimate(c) <= SMEM_LIMIT[cc // 10] for c in kept)
+            dropped = [c for c in configs if c not in kept]
+            # dropped: over the shared memory, or (before Hopper) over 64 accumulator values a thread
+            acc = [c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps) for c in dropped]
+            assert all(
+                smem_estimate(c) > SMEM_LIMIT[cc // 10] or (cc < 90 and a > 64)
+                for c, a in zip(dropped, acc, strict=True)
+            )
+    # the 128x256x128 TMA tiles (288-384 KB) never fit; 128x256x64 in 4 stages fits an H100 only
+    assert not [c for c in prune_configs(tma_configs(), 90, tma=True) if c.kwargs["BLOCK_K"] == 128
+                and c.kwargs["BLOCK_N"] == 256]  # fmt: skip
+    big = [c for c in gemm_configs() if (c.kwargs["BLOCK_N"], c.num_stages) == (256, 4)]
+    assert (
+        big
+        and big[0] in prune_configs(gemm_configs(), 90)
+        and big[0] not in prune_configs(gemm_configs(), 80)
+    )
+
+
+def test_ragged_operands_get_only_the_tiles_that_do_not_spill():
+    from tkern.kernels.gemm import RAGGED_MAX_TILE, _ragged, gemm_configs, prune_configs
+
+    kept = prune_configs(gemm_configs(), 80, ragged=True)
+    assert kept and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE for c in kept)
+    a, b = h(64, 1000), h(1000, 48)
+    assert _ragged(a, b) and _ragged(h(64, 32), h(32, 40)) and not _ragged(h(64, 32), h(32, 48))
+    assert _ragged(h(64, 40)[:, :32], h(32, 48))  # row stride 40
+
+
+def test_every_config_offers_hopper_a_whole_warpgroup():
+    # wgmma needs 4 warps (one warpgroup) and 64-row tiles
+    from tkern.kernels.gemm import gemm_configs
+
+    assert all(c.num_warps >= 4 and c.kwargs["BLOCK_M"] >= 64 for c in gemm_configs())

@@ -30,6 +30,7 @@ _INV_SQRT_2PI: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
 #: Elements per program: large under the interpreter, where each program costs
 #: milliseconds; 1024 (4 warps x 32 threads x 8 halves = 16-byte loads) on a GPU.
 BLOCK = 65536 if INTERPRET else 1024
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -82,6 +83,7 @@ def activation_grad(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch
         if n:
             _activation_grad_kernel[(triton.cdiv(n, BLOCK),)](
                 *(t[s] for t in flat), n,
-                ACTIVATION=ACTIVATIONS[activation], DTYPE=tl_dtype(dy.dtype), BLOCK=BLOCK,
+                ACTIVATION=ACTIVATIONS[activation], DTYPE=tl_dtype(dy.dtype),
+                BLOCK=BLOCK, num_warps=NUM_WARPS,
             )  # fmt: skip
     return dz

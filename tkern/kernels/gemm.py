@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from tkern.kernels._common import (
+    AUTOTUNE,
     HALF_DTYPES,
     INTERPRET,
     autotune,
@@ -32,6 +33,12 @@ _INV_SQRT2: tl.constexpr = tl.constexpr(0.7071067811865476)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def epi_split(block_m: int, block_n: int, num_warps: int) -> int:
+    """Column slices of a GELU epilogue: one per 32 accumulator values a thread
+    holds, at most 4 (128x256 on 8 warps: 128 values, 4 slices of 32)."""
+    return max(1, min(4, block_m * block_n // (32 * num_warps) // 32))
+
+
 def gemm_configs() -> list[triton.Config]:
     """Tile configurations the autotuner chooses from, the one place they live.
 
@@ -44,7 +51,13 @@ def gemm_configs() -> list[triton.Config]:
     """
 
     def cfg(bm, bn, bk, stages, warps):
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
+        meta = {
+            "BLOCK_M": bm,
+            "BLOCK_N": bn,
+            "BLOCK_K": bk,
+            "GROUP_M": 8,
+            "EPI_SPLIT": epi_split(bm, bn, warps),
+        }
         return triton.Config(meta, num_stages=stages, num_warps=warps)
 
     return [
@@ -57,8 +70,84 @@ def gemm_configs() -> list[triton.Config]:
         cfg(128, 64, 32, 4, 4),
         cfg(64, 128, 32, 4, 4),
         cfg(64, 64, 64, 4, 4),
-        cfg(64, 32, 32, 5, 2),
+        # 4 warps (one warpgroup): with 2 it could not use Hopper's wgmma
+        cfg(64, 32, 32, 5, 4),
     ]
+
+
+#: Largest dynamic shared memory one program may use, by compute capability
+#: major (H100/H200: 227 KB; A100: 163 KB; the others: 99 KB or less).
+SMEM_LIMIT = {9: 232448, 8: 166912}
+_SMEM_DEFAULT = 101376
+
+
+def smem_estimate(cfg: triton.Config, elem_bytes: int = 2) -> int:
+    """Shared memory a config's pipeline holds: ``num_stages`` A and B tiles
+    (an upper bound of what the compiler allocates; checked against the
+    compiled kernels by tests/test_compiled.py)."""
+    kw = cfg.kwargs
+    return cfg.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * elem_bytes
+
+
+#: Largest output tile the pointer kernel is offered on ragged operands: without
+#: 16-byte alignment it loads with scalar instructions and no cp.async, and the
+#: 128x128 and larger tiles then spill (56 B to 4.3 KB on sm_80); 128x64,
+#: 64x128, 64x64 and 64x32 do not (see benchmarks/results/static/).
+RAGGED_MAX_TILE = 128 * 64
+
+
+#: Accumulator values per thread above which the pointer kernel spills before
+#: Hopper (mma.sync keeps its operand fragments in registers next to the
+#: accumulator): 128x256 and 256x128 on 8 warps spill 40 B on sm_80 under
+#: triton 3.6 with any epilogue, 16-40 B with GELU even in four column slices.
+PRE_HOPPER_MAX_ACC = 64
+
+
+def _acc_per_thread(c: triton.Config) -> int:
+    return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps)
+
+
+def prune_configs(
+    configs: list[triton.Config], cc: int, *, tma: bool = False, ragged: bool = False
+) -> list[triton.Config]:
+    """The configs worth trying on compute capability ``cc`` (e.g. 90): those
+    whose shared memory fits; on ``ragged`` operands (see :func:`_ragged`) only
+    the tiles that do not spill there; before Hopper only the tiles whose
+    accumulator leaves room for mma.sync's operands. Never empty: the smallest
+    is kept."""
+    limit = SMEM_LIMIT.get(cc // 10, _SMEM_DEFAULT)
+    fits = [c for c in configs if smem_estimate(c) <= limit]
+    if ragged and not tma:
+        fits = [c for c in fits if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE]
+    if cc < 90:
+        fits = [c for c in fits if _acc_per_thread(c) <= PRE_HOPPER_MAX_ACC]
+    return fits or [min(configs, key=smem_estimate)]
+
+
+def _ragged_args(nargs: dict) -> bool:
+    """:func:`_ragged` from the pointer kernel's arguments."""
+    names = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn")
+    return any(nargs[k] % 16 for k in names if nargs[k] != 1)
+
+
+def _device_cc(nargs: dict) -> int:
+    t = next(v for v in nargs.values() if isinstance(v, torch.Tensor))
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return 10 * major + minor
+
+
+def _autotune(configs: list[triton.Config], key: list[str], tma: bool = False):
+    """:func:`autotune`, and on a GPU the configs are pruned to those whose
+    shared memory fits the device (an autotuner never benchmarks, nor compiles,
+    a config that cannot launch)."""
+    if INTERPRET or not AUTOTUNE:
+        return autotune(configs, key)
+
+    def prune(configs, nargs, **kwargs):
+        ragged = not tma and _ragged_args(nargs)
+        return prune_configs(configs, _device_cc(nargs), tma=tma, ragged=ragged)
+
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})
 
 
 @triton.jit
@@ -74,6 +163,43 @@ def _tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GR
     pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
     pid_n = (tile_id % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _epilogue_part(
+    acc,  # (BLOCK_M, WIDTH) fp32: columns col0 .. col0 + WIDTH of the tile
+    rows,
+    col0,
+    M,
+    N,
+    c_ptr,
+    bias_ptr,
+    preact_ptr,
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    cols = col0 + tl.arange(0, WIDTH)
+    mask_n = cols < N
+    mask_c = (rows < M)[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    if STORE_PREACT:
+        preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
+    if ACTIVATION == _RELU:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == _GELU:
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * _INV_SQRT2))
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
 
 
 @triton.jit
@@ -96,27 +222,66 @@ def _epilogue(
     PREACT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
 ):
-    """bias, activation and one cast, on the fp32 accumulator; masked stores."""
+    """bias, activation and one cast, on the fp32 accumulator; masked stores.
+
+    With GELU the epilogue runs on ``EPI_SPLIT`` (1, 2 or 4) column slices of
+    the tile one after the other: erf's temporaries next to a whole 128x256
+    (or 4-warp 128x128) accumulator spilled registers; on a slice they fit."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = cols < N
-    mask_c = (rows < M)[:, None] & mask_n[None, :]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
-        acc = acc + bias[None, :]
-    if STORE_PREACT:
-        preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
-    if ACTIVATION == _RELU:
-        acc = tl.maximum(acc, 0.0)
-    elif ACTIVATION == _GELU:
-        acc = 0.5 * acc * (1.0 + tl.erf(acc * _INV_SQRT2))
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
+    col0 = pid_n * BLOCK_N
+    if ACTIVATION != _GELU or EPI_SPLIT == 1:
+        _epilogue_part(
+            acc, rows, col0, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
+            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_N,
+        )  # fmt: skip
+    else:
+        left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
+        _epilogue_halves(
+            left, rows, col0, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
+            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE,
+            BLOCK_M, BLOCK_N // 2, EPI_SPLIT // 2,
+        )  # fmt: skip
+        _epilogue_halves(
+            right, rows, col0 + BLOCK_N // 2, M, N, c_ptr, bias_ptr, preact_ptr,
+            stride_cm, stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE,
+            BLOCK_M, BLOCK_N // 2, EPI_SPLIT // 2,
+        )  # fmt: skip
 
 
-@autotune(configs=gemm_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION"])
+@triton.jit
+def _column_halves(acc, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """The left and right column halves of a (BLOCK_M, WIDTH) tile."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _epilogue_halves(
+    acc, rows, col0, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, PARTS: tl.constexpr,
+):  # fmt: skip
+    """:func:`_epilogue_part` on ``acc`` whole (PARTS == 1) or on its two column halves (PARTS == 2)."""
+    if PARTS == 1:
+        _epilogue_part(
+            acc, rows, col0, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
+            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
+        )  # fmt: skip
+    else:
+        left, right = _column_halves(acc, BLOCK_M, WIDTH)
+        _epilogue_part(
+            left, rows, col0, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
+            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH // 2,
+        )  # fmt: skip
+        _epilogue_part(
+            right, rows, col0 + WIDTH // 2, M, N, c_ptr, bias_ptr, preact_ptr,
+            stride_cm, stride_cn, stride_bias,
+            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH // 2,
+        )  # fmt: skip
+
+
+@_autotune(configs=gemm_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION"])
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _matmul_kernel(
@@ -150,6 +315,7 @@ def _matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see _epilogue)
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -181,7 +347,7 @@ def _matmul_kernel(
 
     _epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
-        HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N,
+        HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
     )  # fmt: skip
 
 
@@ -279,7 +445,24 @@ def matmul(
         TypeError / ValueError: naming the argument, before anything is launched.
     """
     M, N, K, out_dtype = _check_matmul_args(a, b, bias, activation, out_dtype, preact)
+    if _ragged(a, b) and _tma_layouts(a, b) is not None and _has_tma(a.device):
+        # The pointer kernel cannot prove 16-byte alignment here: every load is
+        # a 16-bit scalar, without cp.async (255 registers and spills, see the
+        # static report); descriptors zero-fill the edges and keep wgmma fed.
+        return _launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, _tma_layouts(a, b))
     return _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact)
+
+
+def _ragged(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the pointer kernel loses its vector loads on ``a`` @ ``b``: a
+    dimension or a non-unit stride that is not a multiple of 16 elements."""
+    dims = (*a.shape, b.shape[1], *(s for s in (*a.stride(), *b.stride()) if s != 1))
+    return any(d % 16 for d in dims)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether ``device`` has the tensor memory accelerator (Hopper, sm_90, or newer)."""
+    return not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact) -> torch.Tensor:
@@ -309,7 +492,13 @@ def tma_configs() -> list[triton.Config]:
     gives the descriptors each config's block shape."""
 
     def cfg(bm, bn, bk, stages, warps):
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
+        meta = {
+            "BLOCK_M": bm,
+            "BLOCK_N": bn,
+            "BLOCK_K": bk,
+            "GROUP_M": 8,
+            "EPI_SPLIT": epi_split(bm, bn, warps),
+        }
         return triton.Config(meta, num_stages=stages, num_warps=warps, pre_hook=_set_block_shapes)
 
     return [cfg(128, bn, bk, stages, 8) for bn in (128, 256) for bk in (64, 128) for stages in (3, 4)]
@@ -321,7 +510,7 @@ def _set_block_shapes(nargs: dict) -> None:
     nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
 
 
-@autotune(configs=tma_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"])
+@_autotune(configs=tma_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"], tma=True)
 @triton.jit
 def _matmul_tma_kernel(
     a_desc,  # descriptor of A (M, K), or of A^T (K, M) when A_T
@@ -348,6 +537,7 @@ def _matmul_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
 ):
     # Persistent: one program per SM loops over output tiles, so tile start-up
     # overlaps the previous tile's epilogue. Tiles are fetched by the tensor
@@ -372,7 +562,7 @@ def _matmul_tma_kernel(
             acc = tl.dot(a, b, acc)
         _epilogue(
             acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
-            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N,
+            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
         )  # fmt: skip
 
 
@@ -424,16 +614,25 @@ def matmul_tma_persistent(
     loads, the layout Hopper favours; same arguments, same result.
 
     Operands a descriptor cannot describe (no unit-stride dimension, or
-    addresses and strides not 16-byte aligned) go to :func:`matmul`. Not yet
+    addresses and strides not 16-byte aligned), and GPUs before Hopper (no
+    TMA), go to :func:`matmul`'s pointer kernel. :func:`matmul` itself routes
+    here on Hopper the shapes its pointer kernel cannot vectorise. Not yet
     the default: which schedule wins on which shapes is for the GPU
     benchmark (benchmarks/bench_gemm.py) to measure.
     """
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     M, N, K, out_dtype = _check_matmul_args(a, b, bias, activation, out_dtype, preact)
     layouts = _tma_layouts(a, b)
-    if layouts is None:
+    if layouts is None or not (INTERPRET or _has_tma(a.device)):
+        # before Hopper there is no TMA: the descriptor loads compile to scalar
+        # loads without cp.async and the kernel spills (see the static report)
         return _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact)
+    return _launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts)
+
+
+def _launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts) -> torch.Tensor:
+    """:func:`matmul_tma_persistent` after its arguments were checked."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     a_t, b_t = layouts[0] == "col", layouts[1] == "col"
     # Descriptors over A (M, K) / B (K, N), or over their transposes; the block
     # shapes are placeholders that each config's pre-hook replaces.

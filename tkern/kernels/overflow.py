@@ -29,7 +29,9 @@ AMAX: int = 2
 N_STATS: int = 3
 
 #: Elements per program per loop iteration (interpreter: few, large programs).
-BLOCK = 65536 if INTERPRET else 4096
+#: 2048 over 8 warps: 8 values per thread, one 16-byte load of halves; at 4096
+#: the three running vectors took 70-80 registers and occupancy fell to 37.5%.
+BLOCK = 65536 if INTERPRET else 2048
 #: At most this many programs per launch, each looping over its share; enough
 #: to fill every SM of an H100/H200 several times, few enough that the final
 #: reduction over the partial rows costs next to nothing.

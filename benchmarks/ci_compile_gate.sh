@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The compile gate (tests/test_compiled.py) under each Triton version tkern
+# supports: the environment's own (3.9 in CI) and 3.6, the version on the GPU
+# machines. No GPU is needed: Triton's compiler targets sm_90 and sm_80 on the
+# CPU with the ptxas/cuobjdump shipped in its wheel.
+#
+# Triton 3.6 is installed alone (--no-deps, ~7 s) into a side directory that is
+# put first on PYTHONPATH for the second run only; torch and everything else
+# come from the environment. Set TKERN_GATE_TRITONS to change the list of extra
+# versions (space separated; empty: the environment's version only).
+#
+#   benchmarks/ci_compile_gate.sh            # from the project root, after `make test`'s venv exists
+#   PYTHON=/path/to/python benchmarks/ci_compile_gate.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+EXTRA=${TKERN_GATE_TRITONS-3.6.0}
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/tkern-compile-gate
+export TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1
+
+gate() {  # $1: label; runs the gate with whatever triton PYTHONPATH selects
+    local start=$SECONDS
+    echo "== compile gate, triton $("$PY" -c 'import triton; print(triton.__version__)') ($1)"
+    "$PY" -m pytest -q -p no:cacheprovider -m compiled tests/test_compiled.py
+    echo "== triton $1: $((SECONDS - start)) s"
+}
+
+gate environment
+for version in $EXTRA; do
+    dir=$CACHE/triton-$version
+    if [ ! -f "$dir/.complete" ]; then
+        rm -rf "$dir"
+        "$PY" -m pip install --quiet --no-deps --target "$dir" "triton==$version"
+        touch "$dir/.complete"
+    fi
+    got=$(PYTHONPATH="$dir" "$PY" -c 'import triton; print(triton.__version__)')
+    [ "$got" = "$version" ] || { echo "expected triton $version from $dir, got $got" >&2; exit 1; }
+    PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" gate "$version"
+done

@@ -1,0 +1,680 @@
+"""Compiler facts about every tkern kernel, for NVIDIA targets, on any machine.
+
+Triton's compiler runs without a GPU: each kernel is compiled ahead of time with
+``triton.compile`` for Hopper (``GPUTarget("cuda", 90, 32)``) and Ampere
+(``("cuda", 80, 32)``), and its artifacts are read with the ``cuobjdump`` and
+``nvdisasm`` shipped in the triton wheel: registers, local memory (spills),
+shared memory, an occupancy estimate, wgmma / mma.sync / cp.async / TMA use,
+layout conversions left in the TTGIR, and the width of every global access per
+kernel argument (traced through the PTX). These are compiler facts, not
+timings: they say what the GPU would run, not how fast.
+
+The cases mirror what the launchers pass (the same block sizes, warps, configs
+and constexpr flags, read from the kernel modules): the signatures Triton
+would specialise for tkern's flat layout (every buffer 16-byte aligned, every
+length a multiple of 16 elements, see tkern/flat.py) and for the tails and
+ragged GEMMs the launchers also produce. ``tests/test_compiled.py`` asserts on
+the same records (the compile gate); this script writes them to
+``benchmarks/results/static/`` as JSON and a Markdown table.
+
+Usage (compiled mode: tkern must not switch on the interpreter)::
+
+    TRITON_INTERPRET=0 python benchmarks/static_report.py [--targets 90 80] [--only adam] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "static"
+
+# --------------------------------------------------------------------------- hardware model
+
+#: Per-SM limits for the occupancy estimate (H100/H200 for sm_90, A100 for sm_80).
+HW = {
+    90: dict(
+        name="H100/H200", regs=65536, smem_sm=233472, smem_block=232448, reserved=1024, warps=64, blocks=32
+    ),
+    80: dict(name="A100", regs=65536, smem_sm=167936, smem_block=166912, reserved=1024, warps=64, blocks=32),
+}
+
+
+def smem_limit(cc: int) -> int:
+    """Largest dynamic shared memory one program may use on target ``cc``."""
+    return HW[cc]["smem_block"]
+
+
+def occupancy(regs: int, smem: int, warps: int, cc: int) -> tuple[float, str]:
+    """(resident warps / maximum warps in %, the limiting resource)."""
+    hw = HW[cc]
+    if smem > hw["smem_block"]:
+        return 0.0, "smem over the per-block limit"
+    per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256  # registers are allocated 256 per warp
+    limits = {
+        "warps": hw["warps"] // warps,
+        "blocks": hw["blocks"],
+        "smem": hw["smem_sm"] // (smem + hw["reserved"]),
+        "registers": (hw["regs"] // per_warp) // warps,
+    }
+    limiter = min(limits, key=lambda k: (limits[k], k != "warps"))
+    return round(100.0 * limits[limiter] * warps / hw["warps"], 1), limiter
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclasses.dataclass
+class Case:
+    """One kernel specialisation: what ``triton.compile`` needs and what the gate checks."""
+
+    name: str
+    family: str  # "streaming" (per-element kernels), "scalar" (one program, a few values), "gemm"
+    kernel: str  # "module:function"
+    signature: dict  # argument -> triton type string, or "constexpr"
+    constexprs: dict  # constexpr argument -> value
+    aligned: tuple  # arguments specialised as divisible by 16 (pointers: 16-byte aligned)
+    num_warps: int
+    num_stages: int = 3
+    arrays: tuple = ()  # streaming: the per-element arrays, each accessed as (elements per thread) vectors
+    per_thread: int = 0  # streaming: contiguous elements per thread
+    gated: bool = True  # the aligned case the layout guarantees (tails and ragged shapes only must compile)
+
+
+def _tl():
+    import triton.language as tl
+
+    return tl
+
+
+def _ptr(dtype: str) -> str:
+    return f"*{dtype}"
+
+
+_TL_NAME = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+def _update_cases(opt: str, full: bool = True) -> list[Case]:
+    from tkern.kernels import adam, sgd
+
+    mod = adam if opt == "adam" else sgd
+    tl = _tl()
+    cases = []
+    if opt == "adam":
+        flags = [
+            dict(DECOUPLED=d, AMSGRAD=a, CLIP=c, MAXIMIZE=False, LR_ON_DEVICE=False)
+            for d in (False, True)
+            for a in (False, True)
+            for c in (False, True)
+        ]
+        flags += [dict(DECOUPLED=True, AMSGRAD=False, CLIP=True, MAXIMIZE=True, LR_ON_DEVICE=True)]
+        if not full:  # the plainest, the heaviest and the newest flags
+            flags = [flags[0], flags[7], flags[8]]
+        state = ["exp_avg_ptr", "exp_avg_sq_ptr", "max_exp_avg_sq_ptr"]
+    else:
+        flags = [
+            dict(MOMENTUM=m, NESTEROV=nv, CLIP=c, MAXIMIZE=False, LR_ON_DEVICE=False)
+            for m, nv in ((False, False), (True, False), (True, True))
+            for c in (False, True)
+        ]
+        flags += [dict(MOMENTUM=True, NESTEROV=False, CLIP=True, MAXIMIZE=True, LR_ON_DEVICE=True)]
+        if not full:
+            flags = [flags[0], flags[5], flags[6]]
+        state = ["momentum_ptr"]
+    fn = adam._adam_kernel if opt == "adam" else sgd._sgd_kernel
+    per_thread = mod.BLOCK // (32 * mod.NUM_WARPS)
+    for dtype in ("fp16", "bf16", "fp32"):
+        for f in flags:
+            for tail in (False, True):
+                if tail and (f != flags[0]):
+                    continue  # one tail specialisation per dtype: it only has to compile
+                sig, const = {}, {}
+                for name in fn.arg_names:
+                    if name.endswith("_ptr"):
+                        sig[name] = _ptr(dtype if name in ("param_ptr", "grad_ptr") else "fp32")
+                    elif name == "n":
+                        sig[name] = "i32"
+                    elif name == "lr" and f["LR_ON_DEVICE"]:
+                        sig[name] = "*fp32"
+                    elif name.isupper():
+                        sig[name] = "constexpr"
+                    else:
+                        sig[name] = "fp32"
+                const.update(
+                    f, HAS_MASTER=dtype != "fp32", PARAM_DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=mod.BLOCK
+                )
+                if opt == "sgd":
+                    const.pop("DECOUPLED", None)
+                arrays = ["grad_ptr", "master_ptr"] + (["param_ptr"] if dtype != "fp32" else [])
+                if opt == "adam":
+                    arrays += state[:2] + (state[2:] if f["AMSGRAD"] else [])
+                elif f["MOMENTUM"]:
+                    arrays += state
+                aligned = tuple(k for k in sig if k.endswith("_ptr") or (k == "n" and not tail) or k == "lr")
+                flag_s = ",".join(k.lower() for k, v in f.items() if v) or "plain"
+                cases.append(
+                    Case(
+                        name=f"{opt}[{dtype},{flag_s}{',tail' if tail else ''}]",
+                        family="streaming",
+                        kernel=f"tkern.kernels.{opt}:{fn.__name__}",
+                        signature=sig,
+                        constexprs=const,
+                        aligned=aligned,
+                        num_warps=mod.NUM_WARPS,
+                        arrays=tuple(arrays),
+                        per_thread=per_thread,
+                        gated=not tail,
+                    )
+                )
+    return cases
+
+
+def _stats_cases() -> list[Case]:
+    from tkern.kernels import overflow as ov
+
+    cases = []
+    for dtype in ("fp16", "bf16", "fp32"):
+        for tail in (False, True):
+            if tail and dtype != "fp16":
+                continue
+            sig = {"grad_ptr": _ptr(dtype), "n": "i32", "inv_scale_ptr": "*fp32", "partials_ptr": "*fp32"}
+            sig["BLOCK"] = "constexpr"
+            cases.append(
+                Case(
+                    name=f"grad_stats[{dtype}{',tail' if tail else ''}]",
+                    family="streaming",
+                    kernel="tkern.kernels.overflow:_grad_stats_kernel",
+                    signature=sig,
+                    constexprs={"BLOCK": ov.BLOCK},
+                    aligned=("grad_ptr", "inv_scale_ptr", "partials_ptr") + (() if tail else ("n",)),
+                    num_warps=ov._NUM_WARPS,
+                    arrays=("grad_ptr",),
+                    per_thread=ov.BLOCK // (32 * ov._NUM_WARPS),
+                    gated=not tail,
+                )
+            )
+    sig = {"partials_ptr": "*fp32", "n_rows": "i32", "inv_scale_ptr": "*fp32", "stats_ptr": "*fp32"}
+    sig["BLOCK"] = "constexpr"
+    cases.append(
+        Case(
+            name="finalize_stats",
+            family="scalar",
+            kernel="tkern.kernels.overflow:_finalize_stats_kernel",
+            signature=sig,
+            constexprs={"BLOCK": ov._FINALIZE_BLOCK},
+            aligned=("partials_ptr", "inv_scale_ptr", "stats_ptr"),
+            num_warps=4,
+        )
+    )
+    return cases
+
+
+def _activation_cases() -> list[Case]:
+    from tkern.kernels import activation as act
+
+    tl = _tl()
+    cases = []
+    for dtype in ("fp16", "bf16"):
+        for code, aname in ((1, "relu"), (2, "gelu")):
+            for tail in (False, True):
+                if tail and (dtype, aname) != ("fp16", "gelu"):
+                    continue
+                sig = {"dy_ptr": _ptr(dtype), "z_ptr": _ptr(dtype), "dz_ptr": _ptr(dtype), "n": "i32"}
+                sig.update(ACTIVATION="constexpr", DTYPE="constexpr", BLOCK="constexpr")
+                cases.append(
+                    Case(
+                        name=f"activation_grad[{dtype},{aname}{',tail' if tail else ''}]",
+                        family="streaming",
+                        kernel="tkern.kernels.activation:_activation_grad_kernel",
+                        signature=sig,
+                        constexprs=dict(ACTIVATION=code, DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=act.BLOCK),
+                        aligned=("dy_ptr", "z_ptr", "dz_ptr") + (() if tail else ("n",)),
+                        num_warps=getattr(act, "NUM_WARPS", 4),
+                        arrays=("dy_ptr", "z_ptr", "dz_ptr"),
+                        per_thread=act.BLOCK // (32 * getattr(act, "NUM_WARPS", 4)),
+                        gated=not tail,
+                    )
+                )
+    return cases
+
+
+def _scale_cases() -> list[Case]:
+    from tkern.kernels import scale
+
+    fn = scale._update_scale_kernel
+    cases = []
+    for scheme, sname in (
+        (scale.STATIC, "static"),
+        (scale.DYNAMIC, "dynamic"),
+        (scale.LOGNORMAL, "lognormal"),
+    ):
+        sig = {name: ("*fp32" if name.endswith("_ptr") else "fp32") for name in fn.arg_names}
+        sig["SCHEME"] = "constexpr"
+        # the scaler's state is its own (11,) allocation; stats a fresh (3,) one
+        cases.append(
+            Case(
+                name=f"update_scale[{sname}]",
+                family="scalar",
+                kernel="tkern.kernels.scale:_update_scale_kernel",
+                signature=sig,
+                constexprs={"SCHEME": scheme},
+                aligned=("state_ptr", "stats_ptr"),
+                num_warps=4,
+            )
+        )
+    return cases
+
+
+def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
+    sig = {}
+    if tma:
+        bm, bn, bk, a_t, b_t = tma
+        sig["a_desc"] = f"tensordesc<{dtype}[{bk}, {bm}]>" if a_t else f"tensordesc<{dtype}[{bm}, {bk}]>"
+        sig["b_desc"] = f"tensordesc<{dtype}[{bn}, {bk}]>" if b_t else f"tensordesc<{dtype}[{bk}, {bn}]>"
+    else:
+        sig.update(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype))
+    sig.update(c_ptr=_ptr(out), bias_ptr=_ptr(bias_dtype or out), preact_ptr=_ptr(dtype if preact else out))
+    sig.update(M="i32", N="i32", K="i32")
+    return sig
+
+
+def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False) -> list:
+    """The configs tkern's autotuner offers on target ``cc`` (after its own pruning)."""
+    from tkern.kernels import gemm
+
+    configs = gemm.tma_configs() if tma else gemm.gemm_configs()
+    if not hasattr(gemm, "prune_configs"):  # an older tkern: all of them
+        return configs
+    return gemm.prune_configs(configs, cc, tma=tma, ragged=ragged)
+
+
+def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
+    """Pointer GEMM: every offered config on the heaviest epilogue (bias, GELU,
+    pre-activation saved: ``tkern.linear``'s forward with GELU) in fp16 on a
+    transformer layout (x @ W^T: A row-major, B column-major) and every config
+    offered on ragged operands (M, N, K and strides not multiples of 16); with
+    ``full``, the first config on the other epilogues, dtypes and layouts
+    (backward: A^T, B row-major). TMA persistent kernel (sm_90 only): every
+    offered config, and the first on the other layout and on ragged operands."""
+    tl = _tl()
+    cases = []
+    variants = [("fp16", "fp16", "fp16", 2, True, "NT", False, "all")]
+    variants += (
+        []
+        if not full
+        else [
+            ("bf16", "bf16", "fp32", 0, False, "NN", False, "first"),
+            ("fp16", "fp32", None, 1, False, "TN", False, "first"),
+            ("bf16", "bf16", "bf16", 2, True, "NT", False, "first"),
+        ]
+    )
+    # ragged operands: on Hopper tkern.matmul routes them to the TMA kernel
+    # (below) when descriptors can describe them, else to the pointer kernel
+    variants.append(("fp16", "fp16", "fp16", 2, True, "NT", True, "all"))
+    for dtype, out, bias, act, preact, layout, ragged, which in variants:
+        configs = gemm_configs_for(cc, ragged=ragged)
+        for cfg in configs if which == "all" else configs[:1]:
+            kw = cfg.kwargs
+            sig = _gemm_sig(dtype, out, bias, preact)
+            const = dict(
+                HAS_BIAS=bias is not None, ACTIVATION=act, STORE_PREACT=preact,
+                OUT_DTYPE=getattr(tl, _TL_NAME[out]), PREACT_DTYPE=getattr(tl, _TL_NAME[dtype]),
+                UPCAST=False, EVEN_K=not ragged, **kw,
+            )  # fmt: skip
+            # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
+            strides = {"stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
+            unit = (
+                {"N": "stride_ak", "T": "stride_am"}[layout[0]],
+                {"N": "stride_bn", "T": "stride_bk"}[layout[1]],
+            )
+            for s in strides:
+                if s in unit:
+                    const[s] = 1
+            const.update(stride_cn=1, stride_bias=1)
+            for s in (
+                "stride_am",
+                "stride_ak",
+                "stride_bk",
+                "stride_bn",
+                "stride_cm",
+                "stride_cn",
+                "stride_bias",
+            ):
+                sig[s] = "constexpr" if s in const else "i32"
+            for k in const:
+                sig[k] = "constexpr"
+            aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", "stride_cm"]
+            if not ragged:
+                aligned += ["M", "N", "K"] + [s for s in strides if s not in const]
+            else:
+                aligned += ["M", "N"]
+            name = f"matmul[{cfg_name(kw, cfg)},{dtype}->{out},{layout},{_act_name(act, bias, preact)}"
+            cases.append(
+                Case(
+                    name=name + (",ragged]" if ragged else "]"),
+                    family="gemm",
+                    kernel="tkern.kernels.gemm:_matmul_kernel",
+                    signature=_order(sig, "tkern.kernels.gemm:_matmul_kernel"),
+                    constexprs=const,
+                    aligned=tuple(aligned),
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    gated=not ragged,
+                )
+            )
+    if cc >= 90:
+        for i, cfg in enumerate(gemm_configs_for(cc, tma=True)):
+            kw = cfg.kwargs
+            for a_t, b_t, ragged in ((False, True, False),) + (
+                ((True, False, False), (False, True, True)) if i == 0 else ()
+            ):
+                sig = _gemm_sig(
+                    "fp16", "fp16", "fp16", True, tma=(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], a_t, b_t)
+                )
+                const = dict(
+                    HAS_BIAS=True, ACTIVATION=2, STORE_PREACT=True,
+                    OUT_DTYPE=tl.float16, PREACT_DTYPE=tl.float16, UPCAST=False,
+                    A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, **kw,
+                )  # fmt: skip
+                sig.update(stride_cm="i32")
+                for k in const:
+                    sig[k] = "constexpr"
+                layout = ("T" if a_t else "N") + ("T" if b_t else "N")
+                tag = ",ragged" if ragged else ""
+                cases.append(
+                    Case(
+                        name=f"matmul_tma[{cfg_name(kw, cfg)},fp16,{layout},bias+gelu+preact{tag}]",
+                        family="gemm",
+                        kernel="tkern.kernels.gemm:_matmul_tma_kernel",
+                        signature=_order(sig, "tkern.kernels.gemm:_matmul_tma_kernel"),
+                        constexprs=const,
+                        aligned=("c_ptr", "bias_ptr", "preact_ptr")
+                        + (() if ragged else ("M", "N", "K", "stride_cm")),
+                        num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages,
+                    )
+                )
+    return cases
+
+
+def _act_name(act, bias, preact):
+    s = {0: "none", 1: "relu", 2: "gelu"}[act]
+    return ("bias+" if bias else "") + s + ("+preact" if preact else "")
+
+
+def cfg_name(kw, cfg):
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}/s{cfg.num_stages}w{cfg.num_warps}"
+
+
+def _kernel_fn(spec: str):
+    import importlib
+
+    mod, name = spec.split(":")
+    from triton.runtime.jit import JITFunction
+
+    fn = getattr(importlib.import_module(mod), name)
+    while not isinstance(fn, JITFunction):  # unwrap Autotuner / Heuristics
+        fn = fn.fn
+    return fn
+
+
+def _order(sig: dict, spec: str) -> dict:
+    fn = _kernel_fn(spec)
+    missing = [a for a in fn.arg_names if a not in sig]
+    if missing:
+        raise KeyError(f"{spec}: no type for {missing}")
+    return {a: sig[a] for a in fn.arg_names}
+
+
+def _fit(case: Case, fn) -> Case:
+    """``case`` restricted to the arguments ``fn`` takes (an older tkern's kernel
+    lacks the newer flags, which then stand at their defaults)."""
+    sig = {a: case.signature.get(a, "constexpr") for a in fn.arg_names}
+    const = {k: v for k, v in case.constexprs.items() if k in fn.arg_names}
+    aligned = tuple(a for a in case.aligned if a in fn.arg_names)
+    return dataclasses.replace(case, signature=sig, constexprs=const, aligned=aligned)
+
+
+def all_cases(cc: int, full: bool = True) -> list[Case]:
+    """Every case for target ``cc``; ``full=False``: the compile gate's
+    representative set (every dtype of every kernel; the plainest, the
+    heaviest and the newest flag combinations of the update kernels; every
+    offered GEMM config on the heaviest epilogue and on ragged operands; the
+    other epilogues, dtypes and layouts only in the full report)."""
+    cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
+    return cases + _scale_cases() + _gemm_cases(cc, full)
+
+
+# --------------------------------------------------------------------------- compile and read
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+_PTX_OP = re.compile(r"^(@!?%\w+\s+)?([a-z][\w.:]*)\s*(.*?);?$")
+
+
+def _access_bits(op: str) -> int:
+    vec, bits = 1, 32
+    for part in op.split("."):
+        if m := re.fullmatch(r"v(\d+)", part):
+            vec = int(m.group(1))
+        elif m := re.fullmatch(r"[bfsu](\d+)", part):
+            bits = int(m.group(1))
+    return vec * bits
+
+
+def ptx_accesses(ptx: str, arg_names: list[str]) -> dict[str, list[int]]:
+    """Width in bits of every ld/st.global, keyed by the kernel argument whose
+    address it uses (traced through the 64-bit registers), '?' when unknown."""
+    entry = re.search(r"\.entry\s+\w+\s*\((.*?)\)", ptx, re.S)
+    params = re.findall(r"(\w+_param_(\d+))", entry.group(1)) if entry else []
+    names = {p: (arg_names[int(i)] if int(i) < len(arg_names) else "?") for p, i in params}
+    prov: dict[str, set] = collections.defaultdict(set)
+    out = collections.defaultdict(list)
+    lines = [ln.split("//")[0].strip() for ln in ptx.splitlines()]
+    for _ in range(3):  # loops carry addresses backwards: a few passes reach the fixpoint
+        for line in lines:
+            m = _PTX_OP.match(line)
+            if not m:
+                continue
+            op, ops = m.group(2), [o.strip() for o in m.group(3).split(",")]
+            if op.startswith("ld.param") and len(ops) == 2:
+                pm = re.search(r"\[(\w+)\]", ops[1])
+                if pm and pm.group(1) in names:
+                    prov[ops[0]].add(names[pm.group(1)])
+            elif op.startswith(("ld.global", "st.global", "ld.", "st.")):
+                continue
+            elif ops and re.fullmatch(r"%rd\d+", ops[0]):
+                for o in ops[1:]:
+                    for r in re.findall(r"%rd\d+", o):
+                        prov[ops[0]] |= prov[r]
+    for line in lines:
+        m = _PTX_OP.match(line)
+        if not m or not m.group(2).startswith(("ld.global", "st.global")):
+            continue
+        addr = re.search(r"\[\s*(%rd\d+)", m.group(3))
+        args = sorted(prov[addr.group(1)]) if addr else []
+        for a in args or ["?"]:
+            out[a].append(_access_bits(m.group(2)))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def analyse(kernel, case: Case, cc: int) -> dict:
+    asm = kernel.asm
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(asm["cubin"])
+        res = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True
+        ).stdout
+        sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", res)
+    regs, stack, static_smem, local = (int(x) for x in m.groups()) if m else (0, 0, 0, 0)
+    ops = collections.Counter(
+        re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    )
+    heads = collections.Counter()
+    for op, n in ops.items():
+        heads[op.split(".")[0]] += n
+    smem = kernel.metadata.shared + static_smem
+    occ, limiter = occupancy(regs, smem, case.num_warps, cc)
+    ptx, ttgir = asm["ptx"], asm["ttgir"]
+    fn = _kernel_fn(case.kernel)
+    nonconst = [a for a in fn.arg_names if case.signature[a] != "constexpr"]
+    return dict(
+        regs=regs,
+        spill_bytes=stack + local,  # ptxas's stack frame holds the spilled registers
+        stack=stack,
+        spill_instructions=heads["STL"] + heads["LDL"],
+        smem=smem,
+        occupancy_pct=occ,
+        limiter=limiter,
+        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
+        cp_async_16=len(
+            re.findall(
+                r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)?\s+\[[^\]]+\],\s*\[[^\]]+\],\s*0x10", ptx
+            )
+        ),
+        cp_async=len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
+        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global", ptx)),
+        convert_layout=ttgir.count("ttg.convert_layout"),
+        sass_instructions=sum(ops.values()),
+        global_access_bits=ptx_accesses(ptx, nonconst),
+    )
+
+
+def compile_case(case: Case, cc: int) -> dict:
+    """Compile ``case`` for ``GPUTarget("cuda", cc, 32)`` and read its facts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _kernel_fn(case.kernel)
+    case = _fit(case, fn)
+    index = {a: i for i, a in enumerate(fn.arg_names)}
+    attrs = {(index[a],): [["tt.divisibility", 16]] for a in case.aligned}
+    t0 = time.perf_counter()
+    row = dict(case=case.name, kernel=case.kernel.split(":")[1], family=case.family, target=f"sm_{cc}",
+               gated=case.gated, num_warps=case.num_warps, num_stages=case.num_stages)  # fmt: skip
+    try:
+        src = ASTSource(fn, case.signature, case.constexprs, attrs)
+        kernel = triton.compile(
+            src,
+            target=GPUTarget("cuda", cc, 32),
+            options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
+        )
+        row.update(analyse(kernel, case, cc), compiled=True)
+    except Exception as exc:  # recorded; the gate fails on it
+        row.update(compiled=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    row["compile_s"] = round(time.perf_counter() - t0, 2)
+    if case.family == "streaming":
+        size = {a: _SIZE[case.signature[a].lstrip("*")] for a in case.arrays}
+        row["expected_bits"] = {a: min(case.per_thread * s, 16) * 8 for a, s in size.items()}
+        row["per_thread"] = case.per_thread
+    return row
+
+
+def _compile_star(args):
+    return compile_case(*args)
+
+
+def run(targets=(90, 80), only: str | None = None, workers: int = 2, full: bool = True) -> list[dict]:
+    """Compile every case for every target (``workers`` processes); return the rows."""
+    jobs = [(c, cc) for cc in targets for c in all_cases(cc, full) if not only or re.search(only, c.name)]
+    jobs.sort(key=lambda j: j[0].family != "gemm")  # the long compiles first: the pool ends together
+    if workers <= 1:
+        return [compile_case(*j) for j in jobs]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_compile_star, jobs, chunksize=2))
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _widths(row: dict) -> str:
+    acc = row.get("global_access_bits") or {}
+    arrays = row.get("expected_bits") or {}
+    if arrays:
+        return " ".join(
+            f"{a.removesuffix('_ptr')}:{'/'.join(map(str, sorted(set(acc.get(a, [])))))}" for a in arrays
+        )
+    return ""
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    out = [
+        "# Static report: what the compiler produces for each tkern kernel",
+        "",
+        "Compiler facts, not timings: registers per thread, local-memory spills, shared memory, an",
+        "occupancy estimate from those (H100/H200 limits for sm_90, A100 for sm_80), tensor-core and",
+        "copy instructions, layout conversions left in the TTGIR and the global access widths (bits) per",
+        "array. Produced by `benchmarks/static_report.py` without a GPU.",
+        "",
+        f"triton {meta['triton']}, {meta['n_rows']} compiled variants, {meta['seconds']} s.",
+        "",
+        "| kernel case | target | warps | regs | spill B | smem B | occupancy | wgmma | cp.async 16B | TMA | "
+        "convert_layout | access bits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r.get("compiled"):
+            out.append(f"| {r['case']} | {r['target']} | FAILED: {r.get('error', '')[:80]} |||||||||")
+            continue
+        out.append(
+            f"| {r['case']} | {r['target']} | {r['num_warps']} | {r['regs']} | {r['spill_bytes']} | "
+            f"{r['smem']} | {r['occupancy_pct']}% ({r['limiter']}) | {r['wgmma']} | {r['cp_async_16']} | "
+            f"{r['tma_loads']} | {r['convert_layout']} | {_widths(r)} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--targets", type=int, nargs="+", default=[90, 80])
+    ap.add_argument("--only", help="regex on case names")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for static.json and static.md")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--gate-set", action="store_true", help="only the compile gate's representative set")
+    args = ap.parse_args(argv)
+    import triton
+
+    import tkern
+
+    if tkern.INTERPRET:
+        sys.exit("static_report compiles for GPUs: run it with TRITON_INTERPRET=0")
+    t0 = time.perf_counter()
+    rows = run(tuple(args.targets), args.only, args.workers, full=not args.gate_set)
+    meta = dict(triton=triton.__version__, n_rows=len(rows), seconds=round(time.perf_counter() - t0, 1))
+    if not args.no_write:
+        args.out.mkdir(parents=True, exist_ok=True)
+        tag = "triton-" + triton.__version__
+        (args.out / f"{tag}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
+        (args.out / f"{tag}.md").write_text(markdown(rows, meta))
+        print(f"wrote {args.out / tag}.json and .md")
+    failed = [r for r in rows if not r.get("compiled")]
+    print(f"{len(rows)} variants in {meta['seconds']} s, {len(failed)} failed to compile")
+    return rows
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    main()

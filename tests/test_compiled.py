@@ -1,0 +1,167 @@
+"""The compile gate: every kernel compiled ahead of time for Hopper (sm_90) and
+Ampere (sm_80), without a GPU, and its machine code held to what tkern is for.
+
+The interpreter runs the kernels' Python semantics, not the code a GPU would
+run; this module compiles them with Triton's own compiler for
+``GPUTarget("cuda", 90, 32)`` and ``("cuda", 80, 32)`` and reads registers,
+spills, shared memory, tensor-core and copy instructions, layout conversions
+and global access widths (``benchmarks/static_report.py`` does the compiling
+and reading; its ``all_cases(cc, full=False)`` says what is covered).
+
+It needs compiled mode (tkern imported with ``TRITON_INTERPRET=0``), so the
+ordinary interpreted test run skips it; CI runs it alone, under each Triton
+version tkern supports, with ``benchmarks/ci_compile_gate.sh``::
+
+    TRITON_INTERPRET=0 python -m pytest -m compiled tests/test_compiled.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import tkern
+
+pytestmark = [
+    pytest.mark.compiled,
+    pytest.mark.skipif(
+        tkern.INTERPRET,
+        reason="the compile gate needs compiled mode: TRITON_INTERPRET=0 (benchmarks/ci_compile_gate.sh)",
+    ),
+]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+TARGETS = (90, 80)
+#: Streaming kernels keep at least half the SM's warp slots busy: they are
+#: bandwidth-bound and hide memory latency with resident warps.
+MIN_STREAMING_OCCUPANCY = 50.0
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    import static_report
+
+    return static_report.run(TARGETS, full=False)
+
+
+def _name(r: dict) -> str:
+    return f"{r['case']} on {r['target']}"
+
+
+def _of(rows, family=None, gated=None, target=None):
+    return [
+        r
+        for r in rows
+        if (family is None or r["family"] == family)
+        and (gated is None or r["gated"] == gated)
+        and (target is None or r["target"] == target)
+    ]
+
+
+def test_every_kernel_and_target_is_covered(rows):
+    import static_report
+
+    kernels = {(r["kernel"], r["target"]) for r in rows}
+    expected = {
+        "_sgd_kernel", "_adam_kernel", "_grad_stats_kernel", "_finalize_stats_kernel",
+        "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
+    }  # fmt: skip
+    for cc in TARGETS:
+        assert {k for k, t in kernels if t == f"sm_{cc}"} >= expected
+    assert ("_matmul_tma_kernel", "sm_90") in kernels
+    assert ("_matmul_tma_kernel", "sm_80") not in kernels  # not offered before Hopper
+    # every config the autotuner offers on each target, on the heaviest epilogue
+    for cc in TARGETS:
+        offered = {static_report.cfg_name(c.kwargs, c) for c in static_report.gemm_configs_for(cc)}
+        compiled = {r["case"].split("[")[1].split(",")[0] for r in _of(rows, "gemm", True, f"sm_{cc}")}
+        assert offered <= compiled
+
+
+def test_everything_compiles(rows):
+    failed = [f"{_name(r)}: {r['error']}" for r in rows if not r["compiled"]]
+    assert not failed, "\n".join(failed)
+
+
+def test_no_register_spills(rows):
+    spilled = [f"{_name(r)}: {r['spill_bytes']} B" for r in rows if r["compiled"] and r["spill_bytes"]]
+    assert not spilled, "spills:\n" + "\n".join(spilled)
+
+
+def test_no_offered_config_exceeds_shared_memory(rows):
+    import static_report
+
+    over = [
+        f"{_name(r)}: {r['smem']} B > {static_report.smem_limit(int(r['target'][3:]))} B"
+        for r in rows
+        if r["compiled"] and r["smem"] > static_report.smem_limit(int(r["target"][3:]))
+    ]
+    assert not over, "configs that can never launch are offered:\n" + "\n".join(over)
+
+
+def test_tma_configs_over_the_limit_are_not_offered():
+    # the pruning itself: the 128-wide K tiles on 256 columns need 288-416 KB
+    import static_report
+
+    names = {static_report.cfg_name(c.kwargs, c) for c in static_report.gemm_configs_for(90, tma=True)}
+    assert "128x256x128/s3w8" not in names and "128x256x128/s4w8" not in names
+    assert "128x128x64/s3w8" in names
+
+
+def test_every_hopper_gemm_config_uses_wgmma(rows):
+    gemms = _of(rows, "gemm", target="sm_90")
+    assert gemms
+    missing = [_name(r) for r in gemms if r["compiled"] and not r["wgmma"]]
+    assert not missing, "no wgmma:\n" + "\n".join(missing)
+
+
+def test_pointer_gemm_pipelines_with_16_byte_async_copies(rows):
+    bad = [
+        f"{_name(r)}: {r['cp_async_16']} of {r['cp_async']}"
+        for r in _of(rows, "gemm", gated=True)
+        if r["kernel"] == "_matmul_kernel"
+        and r["compiled"]
+        and (not r["cp_async"] or r["cp_async_16"] != r["cp_async"])
+    ]
+    assert not bad, "cp.async missing or narrower than 16 bytes:\n" + "\n".join(bad)
+
+
+def test_tma_kernel_loads_through_descriptors(rows):
+    tma = [r for r in rows if r["kernel"] == "_matmul_tma_kernel"]
+    assert tma and all(r["tma_loads"] > 0 for r in tma if r["compiled"])
+
+
+def test_streaming_kernels_use_full_width_vector_accesses(rows):
+    # Each thread owns `per_thread` contiguous elements of every array and must
+    # move them in one access of min(per_thread * element size, 16) bytes:
+    # 128-bit for fp32 and for halves at 8 per thread; 64-bit for halves next
+    # to fp32 arrays at 4 per thread (the update kernels, see tkern.kernels.sgd).
+    bad = []
+    streaming = _of(rows, "streaming", gated=True)
+    assert streaming
+    for r in streaming:
+        if not r["compiled"]:
+            continue
+        for array, bits in r["expected_bits"].items():
+            seen = set(r["global_access_bits"].get(array, []))
+            if seen != {bits}:
+                bad.append(f"{_name(r)}: {array} accessed as {sorted(seen)} bits, expected {bits}")
+        fp32_arrays = [a for a, b in r["expected_bits"].items() if b == 128]
+        assert fp32_arrays, f"{_name(r)}: no array reaches 128-bit accesses"
+    assert not bad, "\n".join(bad)
+
+
+def test_streaming_kernels_have_no_layout_conversions(rows):
+    bad = [f"{_name(r)}: {r['convert_layout']}" for r in _of(rows, "streaming") if r["convert_layout"]]
+    assert not bad, "layout conversions (shuffles through shared memory):\n" + "\n".join(bad)
+
+
+def test_streaming_kernels_keep_half_the_warp_slots(rows):
+    bad = [
+        f"{_name(r)}: {r['occupancy_pct']}% ({r['regs']} registers, limited by {r['limiter']})"
+        for r in _of(rows, "streaming")
+        if r["compiled"] and r["occupancy_pct"] < MIN_STREAMING_OCCUPANCY
+    ]
+    assert not bad, "\n".join(bad)
