@@ -317,12 +317,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     self._refresh_state(flat)
                 if plan:
                     work.append((args[gi], flat, plan))
+        self._sync_grads()
         stats = grad_stats([flat.grad[s:e] for _, flat, plan in work for s, e, _ in plan], inv_scale)
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step
         if found_inf is not None:
             torch.maximum(stats[:1], found_inf.detach().reshape(1).to(stats), out=stats[:1])
-        if self._process_group is not None:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self._process_group)
+        stats = self._sync_stats(stats)
         self.grad_stats = stats
 
         applied = 1.0 - stats[FOUND_INF : FOUND_INF + 1]
@@ -342,7 +342,23 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for _, _, plan in work:
             for step in {id(step): step for _, _, step in plan}.values():
                 step.add_(applied)
+        self._sync_params()
         return loss
+
+    # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
+    # nothing but agree on the statistics when a process_group was given.
+
+    def _sync_grads(self) -> None:
+        """Before pass 1: make this rank's gradients the ones to step on."""
+
+    def _sync_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """After pass 1: the statistics every rank steps with."""
+        if self._process_group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self._process_group)
+        return stats
+
+    def _sync_params(self) -> None:
+        """After pass 2 and the step counts: bring every rank's params up to date."""
 
     # ----------------------------------------------------------- grads and state
 
@@ -478,9 +494,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     flat.mark_dirty()
             for flat, name, i, value in copies:
                 buf = flat.master if name == "master" else flat.state[name]
-                dest = flat.shard_view(buf, i)
-                if dest is not None:
-                    dest.copy_(value.reshape(dest.shape))
+                flat.copy_into_shard(buf, i, value)
             for flats in self._flat:
                 for flat in flats:
                     self._refresh_state(flat)
