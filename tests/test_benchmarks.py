@@ -42,3 +42,16 @@ def test_report_renders_a_table_from_results(tmp_path):
     text = report.render(tmp_path)
     assert "NVIDIA H100 TEST" in text and "0.9" in text
     assert report.render(tmp_path / "empty").startswith("No GPU results")
+
+
+def test_distributed_smoke_runs_every_variant_on_two_gloo_ranks():
+    import bench_distributed
+
+    res = bench_distributed.main(["--smoke"])
+    by = {r["impl"]: r for r in res.rows}
+    assert set(by) == {bench_distributed.TKERN, bench_distributed.DDP, bench_distributed.ZERO1}
+    assert all(r["ms"] > 0 and r["world"] == 2 for r in res.rows)
+    # AdamW on fp16 params: 2 + 2 + 12 / W B/param sharded, 16 unsharded (the same padding for both)
+    assert by[bench_distributed.TKERN]["bytes_per_param"] / by[bench_distributed.DDP]["bytes_per_param"] == (
+        pytest.approx(10 / 16, rel=1e-3)
+    )
