@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import tkern
 from tkern.optim import (
     DistributedFusedAdam,
     DistributedFusedAdamW,
@@ -43,6 +44,7 @@ SHAPES = [
     ((70,), torch.float16),
     ((4, 4), torch.float16),
     ((1,), torch.float16),
+    ((9,), torch.bfloat16),
 ]
 STEPS = 3
 SCALE = 8.0  # gradients arrive multiplied by a loss scale; step(inv_scale=1/8)
@@ -119,7 +121,21 @@ def _scenario_equivalence(rank, world):
 def _scenario_skip(rank, world):
     record = {}
     params, state = _sharded_run("adamw", None, rank, world, inf_at=1, record=record)
-    return {"params": params, "state": state, **record}
+    # tkern's loss scaler drives the sharded optimizer as any fused one: only rank 0 overflows
+    p = torch.ones(40, dtype=torch.float16, requires_grad=True)
+    opt = DistributedFusedSGD([p], lr=0.1)
+    scaler = tkern.DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
+    scales, skipped = [], []
+    for step in range(6):
+        scaler.scale(p.float().sum()).backward()
+        if step == 2 and rank == 0:
+            p.grad[3] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+        skipped.append(scaler.skipped_steps)
+    return {"params": params, "state": state, **record, "scaler": (scales, skipped, p.detach().clone())}
 
 
 def _scenario_memory(rank, world):
@@ -191,6 +207,13 @@ def _scenario_bad_input(rank, world):
     sum((p.float() * rank_grad(1, rank, i).float()).sum() for i, p in enumerate(params)).backward()
     opt.step()
     out["accumulated"] = [p.detach().clone() for p in params]
+    # 5. torch's step hooks run once per step (FusedAdamW.step is hooked too once one exists)
+    FusedAdamW(make_params(0))
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    opt.step()
+    out["hooks"] = calls
     return out
 
 
@@ -386,6 +409,10 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(world2):
         _assert_params_match(res["params"], ref_params, exact=True)
         _assert_states_match(res["state"], ref_state, exact=True)
         assert all(float(e["step"]) == STEPS - 1 for e in res["state"]["state"].values())
+        scales, skipped, p = res["scaler"]
+        assert scales == [256.0, 512.0, 256.0, 256.0, 512.0, 512.0]  # as tests/test_amp.py's DDP-free run
+        assert skipped == [0, 0, 1, 1, 1, 1]
+        assert torch.equal(p, torch.full((40,), 1 - 5 * 0.1, dtype=torch.float16))  # 5 applied steps of 0.1
 
 
 def test_resharding_2_3_1_2_continues_the_uninterrupted_run_bit_exactly(world3):
@@ -433,9 +460,9 @@ def test_a_process_group_of_size_one_is_the_plain_optimizer(world2):
         memory = res["adamw"]["memory"]
         assert memory["world_size"] == 1
         # AdamW at W = 1: 16 B per slot for fp32 params (param, grad, 2 moments; the param is its own
-        # master) and for fp16 ones (2 + 2 + 4 + 8); slots: 16 + 16 fp32, 80 + 16 + 16 fp16
-        assert memory["padded_numel"] == 144 and memory["numel"] == 109
-        assert memory["total"] == 16 * 144
+        # master) and for 16-bit ones (2 + 2 + 4 + 8); slots: 16 + 16 fp32, 80 + 16 + 16 fp16, 16 bf16
+        assert memory["padded_numel"] == 160 and memory["numel"] == 118
+        assert memory["total"] == 16 * 160
 
 
 def test_params_that_differ_across_ranks_raise_on_every_rank(world2):
@@ -455,4 +482,5 @@ def test_no_sync_rejects_a_step_and_accumulates_micro_batches(world2):
     opt.step()
     for res in ranks:
         assert "inside no_sync()" in res["no_sync_step"] and res["no_sync_unchanged"]
+        assert res["hooks"] == ["pre", "post"]
         _assert_params_match(res["accumulated"], [p.detach() for p in params], exact=True)

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from tkern.flat import ALIGN, FlatParams, alias, describe_param
 from tkern.kernels.overflow import AMAX, FOUND_INF, N_STATS, SUMSQ
-from tkern.optim.fused import FusedAdam, FusedAdamW, FusedSGD
+from tkern.optim.fused import FusedAdam, FusedAdamW, FusedSGD, _FusedOptimizer
 
 __all__ = ["DistributedFusedAdam", "DistributedFusedAdamW", "DistributedFusedSGD"]
 
@@ -233,7 +233,9 @@ class _Sharded:
                 "micro-batches would never be averaged across ranks; leave no_sync() for the last "
                 "micro-batch's backward and step after it"
             )
-        return super().step(closure, inv_scale=inv_scale)
+        # The fused step itself, not FusedAdamW.step: torch wraps each optimizer class's step
+        # with its hooks once that class is instantiated, and they must run once per step.
+        return _FusedOptimizer.step(self, closure, inv_scale=inv_scale)
 
     # ----------------------------------------------------------- the step's collectives
 
