@@ -95,11 +95,11 @@ def reference(name: str, clip: float | None, world: int, skip: frozenset = froze
 # ----------------------------------------------------------------------- the ranks' side
 
 
-def _sharded_run(name, clip, rank, world, group=None, inf_at=None, record=None):
+def _sharded_run(name, clip, rank, world, group=None, inf_at=None, record=None, **extra):
     """Step a sharded optimizer STEPS times on this rank's gradients."""
     _, sharded, kw = OPTIMIZERS[name]
     params = make_params(100 + rank)  # different on every rank: construction broadcasts rank 0's
-    opt = sharded(params, max_grad_norm=clip, process_group=group, **kw)
+    opt = sharded(params, max_grad_norm=clip, process_group=group, **kw, **extra)
     inv = torch.tensor([1 / SCALE])
     for t in range(STEPS):
         for i, p in enumerate(params):
@@ -115,7 +115,10 @@ def _sharded_run(name, clip, rank, world, group=None, inf_at=None, record=None):
 
 
 def _scenario_equivalence(rank, world):
-    return {cfg: _sharded_run(cfg[0], CLIP[cfg[1]], rank, world) for cfg in CONFIGS}
+    out = {cfg: _sharded_run(cfg[0], CLIP[cfg[1]], rank, world) for cfg in CONFIGS}
+    if world == 2:
+        out["own_dtype"] = _sharded_run("adamw", None, rank, world, grad_sync_dtype=None)
+    return out
 
 
 def _scenario_skip(rank, world):
@@ -398,6 +401,16 @@ def test_sharded_step_matches_single_process_on_the_mean_gradient(request, world
         _assert_states_match(state, ref_state, exact)
         other = ranks[0][config][0]
         assert all(torch.equal(a, b) for a, b in zip(params, other, strict=True)), f"rank {r} differs"
+
+
+def test_grad_sync_in_the_gradients_own_dtype(world2):
+    # W = 2: halving a multiple of 1/32 and adding two of them are exact in fp16 and bf16, so
+    # pre-dividing gives the fp32 sum's mean bit for bit
+    ref_params, ref_state = reference("adamw", None, 2)
+    for res in _result(world2, "equivalence"):
+        params, state = res["own_dtype"]
+        _assert_params_match(params, ref_params, exact=True)
+        _assert_states_match(state, ref_state, exact=True)
 
 
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(world2):

@@ -13,14 +13,16 @@ on half-precision params, ``2 + 2 + 12 / W`` bytes per parameter instead of 16
 One ``step()``, all on the device, no host synchronisation:
 
 1. reduce-scatter the flat gradient buffer so this rank's shard holds the mean
-   gradient over the ranks. The sum is taken in **fp32** (the gradients are
-   staged in fp32 buckets of ``bucket_mb`` MiB and the sum divided by W in
-   fp32, then rounded once to the gradients' dtype): an fp16 sum of W finite,
-   loss-scaled gradients can overflow, and pre-dividing each rank's fp16
-   gradient by W would round (and, for small gradients, flush to zero) W times
-   before the sum. The price is twice the bytes on the wire for fp16/bf16
-   gradients. Outside its shard, a rank's ``.grad`` still holds its own
-   local gradient;
+   gradient over the ranks. By default the sum is taken in **fp32** (fp16/bf16
+   gradients are staged in fp32 buckets of ``bucket_mb`` MiB, the sum divided
+   by W in fp32 and rounded once to the gradients' dtype): an fp16 sum of W
+   finite, loss-scaled gradients can overflow, and pre-dividing each rank's
+   gradient by W rounds every share (and flushes the smallest to zero) before
+   the sum. The price is twice the bytes of the reduce-scatter for 16-bit
+   gradients; ``grad_sync_dtype=None`` pre-divides instead and reduces in the
+   gradients' own dtype (no overflow either: each share is at most max / W).
+   Outside its shard, a rank's ``.grad`` is left holding its local gradient
+   (divided by W with ``grad_sync_dtype=None``);
 2. pass 1 (``grad_stats``) on the shard, then ONE all-gather of the three
    statistics (W x 3 floats), reduced the same way on every rank: found_inf
    max, sum of squares summed (so ``max_grad_norm`` clips by the global norm of
@@ -111,7 +113,7 @@ class _Sharded:
     _world: int
     _rank: int
 
-    def _setup(self, params: Any, process_group: Any, bucket_mb: float) -> list:
+    def _setup(self, params: Any, process_group: Any, bucket_mb: float, grad_sync_dtype: Any) -> list:
         """Resolve the group, check that every rank passed the same params (one
         collective) and return the params with every iterator made a list."""
         if not dist.is_available() or not dist.is_initialized():
@@ -127,7 +129,10 @@ class _Sharded:
         self._rank = dist.get_rank(group)
         if self._rank < 0:
             raise ValueError(f"{type(self).__name__}: this process is not a member of process_group")
+        if grad_sync_dtype not in (torch.float32, None):
+            raise ValueError(f"Invalid grad_sync_dtype: {grad_sync_dtype}; expected torch.float32 or None")
         self._bucket_bytes = int(bucket_mb * 2**20)
+        self._sync_fp32 = grad_sync_dtype is not None
         self._no_sync_depth = 0
         self._constructed = False
 
@@ -249,15 +254,21 @@ class _Sharded:
 
     def _reduce_scatter_flat(self, flat: FlatParams) -> None:
         w, size = self._world, flat.shard_size
+        if not self._sync_fp32 or flat.dtype == torch.float32:
+            if flat.dtype != torch.float32:
+                flat.grad.div_(w)  # each share <= max / W: the sum cannot overflow where they are finite
+            recv = torch.empty(size, dtype=flat.dtype, device=flat.device)
+            _reduce_scatter(recv, flat.grad, op=dist.ReduceOp.SUM, group=self._zero_group)
+            if flat.dtype == torch.float32:
+                recv.div_(w)
+            flat.grad[flat.lo : flat.hi].copy_(recv)
+            return
         rows = flat.grad.view(w, size)
         chunk = max(ALIGN, self._bucket_bytes // (4 * w) // ALIGN * ALIGN)
         for a in range(0, size, chunk):
             b = min(size, a + chunk)
-            if flat.dtype == torch.float32 and b - a == size:
-                send = flat.grad  # already fp32 and laid out by rank
-            else:
-                send = torch.empty((w, b - a), dtype=torch.float32, device=flat.device)
-                send.copy_(rows[:, a:b])
+            send = torch.empty((w, b - a), dtype=torch.float32, device=flat.device)
+            send.copy_(rows[:, a:b])
             recv = torch.empty(b - a, dtype=torch.float32, device=flat.device)
             _reduce_scatter(recv, send.view(-1), op=dist.ReduceOp.SUM, group=self._zero_group)
             recv.div_(w)
@@ -471,6 +482,10 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
             by the global norm of the mean gradient).
         process_group: the ranks to shard over; None (default) for the default group.
         bucket_mb: size of the fp32 staging buffer of the gradient reduce-scatter, in MiB.
+        grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
+            None: in their own dtype, each pre-divided by W (half the bytes on the wire
+            for fp16/bf16; each rank's share is rounded once, and shares below the
+            dtype's smallest subnormal times W flush to zero).
     """
 
     def __init__(
@@ -486,8 +501,9 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
         maximize: bool = False,
         process_group=None,
         bucket_mb: float = 32.0,
+        grad_sync_dtype: torch.dtype | None = torch.float32,
     ) -> None:
-        params = self._setup(params, process_group, bucket_mb)
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype)
         FusedSGD.__init__(
             self, params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm, maximize=maximize
         )
@@ -503,6 +519,10 @@ class DistributedFusedAdam(_Sharded, FusedAdam):
             as :class:`~tkern.optim.FusedAdam`.
         process_group: the ranks to shard over; None (default) for the default group.
         bucket_mb: size of the fp32 staging buffer of the gradient reduce-scatter, in MiB.
+        grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
+            None: in their own dtype, each pre-divided by W (half the bytes on the wire
+            for fp16/bf16; each rank's share is rounded once, and shares below the
+            dtype's smallest subnormal times W flush to zero).
     """
 
     def __init__(
@@ -518,8 +538,9 @@ class DistributedFusedAdam(_Sharded, FusedAdam):
         maximize: bool = False,
         process_group=None,
         bucket_mb: float = 32.0,
+        grad_sync_dtype: torch.dtype | None = torch.float32,
     ) -> None:
-        params = self._setup(params, process_group, bucket_mb)
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype)
         FusedAdam.__init__(
             self, params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize=maximize
         )
@@ -544,8 +565,9 @@ class DistributedFusedAdamW(_Sharded, FusedAdamW):
         maximize: bool = False,
         process_group=None,
         bucket_mb: float = 32.0,
+        grad_sync_dtype: torch.dtype | None = torch.float32,
     ) -> None:
-        params = self._setup(params, process_group, bucket_mb)
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype)
         FusedAdamW.__init__(
             self, params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize=maximize
         )
