@@ -115,7 +115,8 @@ def _sharded_run(name, clip, rank, world, group=None, inf_at=None, record=None, 
 
 
 def _scenario_equivalence(rank, world):
-    out = {cfg: _sharded_run(cfg[0], CLIP[cfg[1]], rank, world) for cfg in CONFIGS}
+    # 128 B buckets: the fp32 staging of the reduce-scatter runs in chunks of 16 elements per rank
+    out = {cfg: _sharded_run(cfg[0], CLIP[cfg[1]], rank, world, bucket_mb=2.0**-13) for cfg in CONFIGS}
     if world == 2:
         out["own_dtype"] = _sharded_run("adamw", None, rank, world, grad_sync_dtype=None)
     return out
@@ -217,6 +218,15 @@ def _scenario_bad_input(rank, world):
     opt.register_step_post_hook(lambda *a: calls.append("post"))
     opt.step()
     out["hooks"] = calls
+    # 6. add_param_group after construction: a collective; rank 0's values win, mismatches raise
+    extra = torch.full((20,), float(rank), dtype=torch.float16, requires_grad=True)
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    out["added"] = extra.detach().clone()
+    try:
+        opt.add_param_group({"params": [torch.zeros(3 + rank, requires_grad=True)]})
+    except ValueError as e:
+        out["added_mismatch"] = str(e)
+    out["groups_after"] = len(opt.param_groups)
     return out
 
 
@@ -513,6 +523,9 @@ def test_params_that_differ_across_ranks_raise_on_every_rank(world2):
         msg = res["mismatch"]
         assert "param 1 of param group 0" in msg and "(5, 3)" in msg and "(3, 5)" in msg and "rank 1" in msg
         assert "on rank 1" in res["device"] and "meta" in res["device"]
+        assert torch.equal(res["added"], torch.zeros(20, dtype=torch.float16))  # rank 0's values
+        assert "param 0 of param group 2" in res["added_mismatch"] and "(4,)" in res["added_mismatch"]
+        assert res["groups_after"] == 2  # the rejected group left nothing behind
 
 
 def test_no_sync_rejects_a_step_and_accumulates_micro_batches(world2):

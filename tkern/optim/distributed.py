@@ -87,10 +87,10 @@ def _describe_entry(p: Any) -> tuple:
     return (tuple(p.shape), str(p.dtype).removeprefix("torch."), p.device.type)
 
 
-def _local_problem(groups: list[list]) -> str | None:
+def _local_problem(groups: list[list], first_group: int) -> str | None:
     """A problem this rank alone may have (mixed devices): reported by every rank."""
     devices = []
-    for gi, params in enumerate(groups):
+    for gi, params in enumerate(groups, start=first_group):
         for pi, p in enumerate(params):
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p
             if isinstance(p, torch.Tensor):
@@ -151,12 +151,12 @@ class _Sharded:
         self._check_ranks_agree(lists)
         return params
 
-    def _check_ranks_agree(self, groups: list[list]) -> None:
+    def _check_ranks_agree(self, groups: list[list], first_group: int = 0) -> None:
         """One all_gather_object of every rank's param shapes/dtypes/devices; a
         mismatch raises the same ValueError on every rank."""
         mine = {
             "params": [[_describe_entry(p) for p in g] for g in groups],
-            "problem": _local_problem(groups),
+            "problem": _local_problem(groups, first_group),
         }
         everyone: list[Any] = [None] * self._world
         dist.all_gather_object(everyone, mine, group=self._zero_group)
@@ -172,7 +172,7 @@ class _Sharded:
                     f"{name}: ranks disagree on the number of param groups: rank 0 passed {len(ref)}, "
                     f"rank {r} passed {len(sig)}"
                 )
-            for gi, (a, b) in enumerate(zip(ref, sig, strict=True)):
+            for gi, (a, b) in enumerate(zip(ref, sig, strict=True), start=first_group):
                 for pi in range(max(len(a), len(b))):
                     x = a[pi] if pi < len(a) else "nothing"
                     y = b[pi] if pi < len(b) else "nothing"
@@ -210,7 +210,7 @@ class _Sharded:
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         param_group = {**param_group, "params": _param_list(param_group["params"])}
-        self._check_ranks_agree([param_group["params"]])
+        self._check_ranks_agree([param_group["params"]], first_group=len(self.param_groups))
         super().add_param_group(param_group)
         for flat in self._flat[-1]:
             self._broadcast(flat)
@@ -245,7 +245,8 @@ class _Sharded:
     # ----------------------------------------------------------- the step's collectives
 
     def _sync_grads(self) -> None:
-        """Reduce-scatter every flat gradient buffer: the shard gets the mean, summed in fp32."""
+        """Reduce-scatter every flat gradient buffer: this rank's shard gets the mean
+        (see the module docstring for the dtype of the sum)."""
         if self._world == 1:
             return
         for flats in self._flat:
@@ -308,8 +309,11 @@ class _Sharded:
         elements and each buffer to a multiple of ``16 * world_size``.
         ``bytes_per_param`` is ``total / numel``: for AdamW on fp16 params
         ``(2 + 2 + 12 / W) * padded_numel / numel``. Not counted: the step-count
-        tensors (4 B per run of params with one step count) and the transient
-        fp32 staging buckets of a step (``bucket_mb`` MiB at most).
+        tensors (4 B per run of params with one step count) and what a step
+        allocates while it runs: the fp32 staging buckets of the reduce-scatter
+        (``bucket_mb`` MiB at most, 16-bit gradients with the default
+        ``grad_sync_dtype``) or else a receive buffer of one shard, and the
+        ``W x 3`` gathered statistics.
         """
         report = {"world_size": self._world, "rank": self._rank, "numel": 0, "padded_numel": 0}
         sizes = dict.fromkeys(("param", "grad", "master", "state"), 0)
