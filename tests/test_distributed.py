@@ -190,7 +190,15 @@ def _scenario_bad_input(rank, world):
         DistributedFusedAdamW(params)
     except ValueError as e:
         out["device"] = str(e)
-    # 3. step() inside no_sync(): an error, nothing changes
+    # 3. an invalid hyperparameter on rank 1 only (in the second of two groups): no hang
+    params = make_params(0)
+    try:
+        DistributedFusedSGD(
+            [{"params": params[:2]}, {"params": params[2:], "lr": 0.5 if rank == 0 else -0.5}]
+        )
+    except ValueError as e:
+        out["bad_lr"] = str(e)
+    # 4. step() inside no_sync(): an error, nothing changes
     params = make_params(0)
     opt = DistributedFusedAdamW(params)
     for p in params:
@@ -202,7 +210,7 @@ def _scenario_bad_input(rank, world):
     except RuntimeError as e:
         out["no_sync_step"] = str(e)
     out["no_sync_unchanged"] = all(torch.equal(b, p) for b, p in zip(before, params, strict=True))
-    # 4. no_sync() for accumulation: two backward passes, one step == one step on the mean of the sums
+    # 5. no_sync() for accumulation: two backward passes, one step == one step on the mean of the sums
     params = make_params(3)
     opt = DistributedFusedAdamW(params, lr=1e-2)
     opt.zero_grad()
@@ -211,14 +219,14 @@ def _scenario_bad_input(rank, world):
     sum((p.float() * rank_grad(1, rank, i).float()).sum() for i, p in enumerate(params)).backward()
     opt.step()
     out["accumulated"] = [p.detach().clone() for p in params]
-    # 5. torch's step hooks run once per step (FusedAdamW.step is hooked too once one exists)
+    # 6. torch's step hooks run once per step (FusedAdamW.step is hooked too once one exists)
     FusedAdamW(make_params(0))
     calls = []
     opt.register_step_pre_hook(lambda *a: calls.append("pre"))
     opt.register_step_post_hook(lambda *a: calls.append("post"))
     opt.step()
     out["hooks"] = calls
-    # 6. add_param_group after construction: a collective; rank 0's values win, mismatches raise
+    # 7. add_param_group after construction: a collective; rank 0's values win, mismatches raise
     extra = torch.full((20,), float(rank), dtype=torch.float16, requires_grad=True)
     opt.add_param_group({"params": [extra], "lr": 0.5})
     out["added"] = extra.detach().clone()
@@ -523,6 +531,10 @@ def test_params_that_differ_across_ranks_raise_on_every_rank(world2):
         msg = res["mismatch"]
         assert "param 1 of param group 0" in msg and "(5, 3)" in msg and "(3, 5)" in msg and "rank 1" in msg
         assert "on rank 1" in res["device"] and "meta" in res["device"]
+    r0, r1 = (res["bad_lr"] for res in _result(world2, "bad_input"))
+    assert r1 == "Invalid learning rate: -0.5 (param group 1)"  # FusedSGD's own error, on rank 1
+    assert r0 == f"DistributedFusedSGD: on rank 1: ValueError: {r1}"
+    for res in _result(world2, "bad_input"):
         assert torch.equal(res["added"], torch.zeros(20, dtype=torch.float16))  # rank 0's values
         assert "param 0 of param group 2" in res["added_mismatch"] and "(4,)" in res["added_mismatch"]
         assert res["groups_after"] == 2  # the rejected group left nothing behind

@@ -52,7 +52,7 @@ this rank's shard (same world size) for models too large to gather.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -113,9 +113,14 @@ class _Sharded:
     _world: int
     _rank: int
 
-    def _setup(self, params: Any, process_group: Any, bucket_mb: float, grad_sync_dtype: Any) -> list:
-        """Resolve the group, check that every rank passed the same params (one
-        collective) and return the params with every iterator made a list."""
+    def _setup(
+        self, params: Any, process_group: Any, bucket_mb: float, grad_sync_dtype: Any, probe: Callable
+    ) -> list:
+        """Resolve the group, check that every rank passed the same params and valid
+        hyperparameters (one collective) and return the params with every iterator
+        made a list. ``probe(groups)`` builds the single-process optimizer with the
+        same arguments over stand-in params: it raises what the real one would
+        raise on this rank, before anything collective can hang on it."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 f"{type(self).__name__} needs torch.distributed: call "
@@ -142,25 +147,41 @@ class _Sharded:
                 f"but got {torch.typename(params)}"
             )
         params = list(params)
-        if params and isinstance(params[0], dict):
+        grouped = bool(params) and isinstance(params[0], dict)
+        if grouped:
             params = [{**g, "params": _param_list(g["params"])} for g in params]
             lists = [g["params"] for g in params]
         else:
             params = _param_list(params)
             lists = [params]
-        self._check_ranks_agree(lists)
+        error = None
+        try:
+
+            def stand_in():
+                return [torch.zeros(1, requires_grad=True)]
+
+            probe([{**g, "params": stand_in()} for g in params] if grouped else stand_in())
+        except Exception as e:  # raised on every rank below, after the one collective
+            error = e
+        self._check_ranks_agree(lists, error=error)
         return params
 
-    def _check_ranks_agree(self, groups: list[list], first_group: int = 0) -> None:
-        """One all_gather_object of every rank's param shapes/dtypes/devices; a
-        mismatch raises the same ValueError on every rank."""
-        mine = {
-            "params": [[_describe_entry(p) for p in g] for g in groups],
-            "problem": _local_problem(groups, first_group),
-        }
+    def _check_ranks_agree(
+        self, groups: list[list], first_group: int = 0, error: Exception | None = None
+    ) -> None:
+        """One all_gather_object of every rank's param shapes/dtypes/devices and of
+        its local ``error``; a mismatch or an error on any rank raises on every
+        rank (the rank that had the error raises it; the others a ValueError
+        naming that rank)."""
+        problem = _local_problem(groups, first_group)
+        if problem is None and error is not None:
+            problem = f"{type(error).__name__}: {error}"
+        mine = {"params": [[_describe_entry(p) for p in g] for g in groups], "problem": problem}
         everyone: list[Any] = [None] * self._world
         dist.all_gather_object(everyone, mine, group=self._zero_group)
         name = type(self).__name__
+        if error is not None:
+            raise error
         for r, theirs in enumerate(everyone):
             if theirs["problem"] is not None:
                 raise ValueError(f"{name}: on rank {r}: {theirs['problem']}")
@@ -210,7 +231,12 @@ class _Sharded:
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         param_group = {**param_group, "params": _param_list(param_group["params"])}
-        self._check_ranks_agree([param_group["params"]], first_group=len(self.param_groups))
+        error = None
+        try:
+            self._validate_group({**self.defaults, **param_group}, len(self.param_groups))
+        except Exception as e:
+            error = e
+        self._check_ranks_agree([param_group["params"]], first_group=len(self.param_groups), error=error)
         super().add_param_group(param_group)
         for flat in self._flat[-1]:
             self._broadcast(flat)
@@ -507,10 +533,10 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
         bucket_mb: float = 32.0,
         grad_sync_dtype: torch.dtype | None = torch.float32,
     ) -> None:
-        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype)
-        FusedSGD.__init__(
-            self, params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm, maximize=maximize
-        )
+        args = (lr, momentum, dampening, weight_decay, nesterov, max_grad_norm)
+        probe = lambda p: FusedSGD(p, *args, maximize=maximize)  # noqa: E731
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        FusedSGD.__init__(self, params, *args, maximize=maximize)
         self._finish_setup()
 
 
@@ -544,10 +570,10 @@ class DistributedFusedAdam(_Sharded, FusedAdam):
         bucket_mb: float = 32.0,
         grad_sync_dtype: torch.dtype | None = torch.float32,
     ) -> None:
-        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype)
-        FusedAdam.__init__(
-            self, params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize=maximize
-        )
+        args = (lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
+        probe = lambda p: FusedAdam(p, *args, maximize=maximize)  # noqa: E731
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        FusedAdam.__init__(self, params, *args, maximize=maximize)
         self._finish_setup()
 
 
@@ -571,8 +597,8 @@ class DistributedFusedAdamW(_Sharded, FusedAdamW):
         bucket_mb: float = 32.0,
         grad_sync_dtype: torch.dtype | None = torch.float32,
     ) -> None:
-        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype)
-        FusedAdamW.__init__(
-            self, params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize=maximize
-        )
+        args = (lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
+        probe = lambda p: FusedAdamW(p, *args, maximize=maximize)  # noqa: E731
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        FusedAdamW.__init__(self, params, *args, maximize=maximize)
         self._finish_setup()
