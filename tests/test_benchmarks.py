@@ -147,3 +147,16 @@ def test_host_cases_with_launches_on_run_for_real():
     torch.testing.assert_close(fwd().float(), ref_fwd().float(), rtol=2e-3, atol=2e-2)
     for got, ref in zip(bwd(), ref_bwd(), strict=True):
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-3, atol=2e-2)
+
+
+def test_distributed_smoke_runs_every_variant_on_two_gloo_ranks():
+    import bench_distributed
+
+    res = bench_distributed.main(["--smoke"])
+    by = {r["impl"]: r for r in res.rows}
+    assert set(by) == {bench_distributed.TKERN, bench_distributed.DDP, bench_distributed.ZERO1}
+    assert all(r["ms"] > 0 and r["world"] == 2 for r in res.rows)
+    # AdamW on fp16 params: 2 + 2 + 12 / W B/param sharded, 16 unsharded (the same padding for both)
+    assert by[bench_distributed.TKERN]["bytes_per_param"] / by[bench_distributed.DDP]["bytes_per_param"] == (
+        pytest.approx(10 / 16, rel=1e-3)
+    )

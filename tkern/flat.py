@@ -204,6 +204,14 @@ class FlatParams:
             return None
         return buf[s - self.lo : s - self.lo + self.numels[i]].view(self.params[i].shape)
 
+    def copy_into_shard(self, buf: torch.Tensor, i: int, value: torch.Tensor) -> None:
+        """Copy the part of param ``i``'s full-size ``value`` that lies in this rank's
+        shard into the shard-sized buffer ``buf`` (all of it when unsharded)."""
+        s = self.offsets[i]
+        a, b = max(s, self.lo), min(s + self.numels[i], self.hi)
+        if b > a:
+            buf[a - self.lo : b - self.lo].copy_(value.reshape(-1)[a - s : b - s])
+
     def ensure_state(self, names: tuple[str, ...]) -> bool:
         """Allocate (zeroed) any of the fp32 state buffers ``names`` not there yet;
         True if one was added."""

@@ -1,8 +1,18 @@
 """tkern's optimizers: fused SGD/Adam/AdamW on fp32 master weights in flat buffers.
 
-:mod:`tkern.optim.fused` holds the single-process optimizers.
+:mod:`tkern.optim.fused` holds the single-process optimizers;
+:mod:`tkern.optim.distributed` their sharded (ZeRO-2) versions on torch.distributed.
 """
 
+from tkern.optim.distributed import DistributedFusedAdam, DistributedFusedAdamW, DistributedFusedSGD
 from tkern.optim.fused import FusedAdam, FusedAdamW, FusedSGD, _FusedOptimizer
 
-__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD", "_FusedOptimizer"]
+__all__ = [
+    "DistributedFusedAdam",
+    "DistributedFusedAdamW",
+    "DistributedFusedSGD",
+    "FusedAdam",
+    "FusedAdamW",
+    "FusedSGD",
+    "_FusedOptimizer",
+]

@@ -323,12 +323,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                     self._refresh_state(flat)
                 if plan:
                     work.append((args[gi], flat, plan))
+        self._sync_grads()
         stats = grad_stats([flat.grad[s:e] for _, flat, plan in work for s, e, _ in plan], inv_scale)
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step
         if found_inf is not None:
             torch.maximum(stats[:1], found_inf.detach().reshape(1).to(stats), out=stats[:1])
-        if self._process_group is not None:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self._process_group)
+        stats = self._sync_stats(stats)
         self.grad_stats = stats
 
         applied = 1.0 - stats[FOUND_INF : FOUND_INF + 1]
@@ -348,7 +348,23 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for _, _, plan in work:
             for step in {id(step): step for _, _, step in plan}.values():
                 step.add_(applied)
+        self._sync_params()
         return loss
+
+    # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
+    # nothing but agree on the statistics when a process_group was given.
+
+    def _sync_grads(self) -> None:
+        """Before pass 1: make this rank's gradients the ones to step on."""
+
+    def _sync_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """After pass 1: the statistics every rank steps with."""
+        if self._process_group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self._process_group)
+        return stats
+
+    def _sync_params(self) -> None:
+        """After pass 2 and the step counts: bring every rank's params up to date."""
 
     # ----------------------------------------------------------- grads and state
 
@@ -479,20 +495,19 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 for flat in flats:
                     flat.ensure_state(names)
                     for i, p in enumerate(flat.params):
-                        # Each view is written once, from the loaded value (which may be
-                        # this very view, as in opt.load_state_dict(opt.state_dict())).
+                        # Each param's part of this rank's shard is written once, from the
+                        # loaded value (which may be this very view, as in
+                        # opt.load_state_dict(opt.state_dict())).
                         for name in (*names, "master"):
+                            if name == "master" and flat.dtype == torch.float32:
+                                continue  # an fp32 param is its own master
                             buf = flat.master if name == "master" else flat.state[name]
-                            dest = flat.shard_view(buf, i)
-                            if dest is None or (name == "master" and flat.dtype == torch.float32):
-                                continue
                             value = loaded.get((id(flat), name, i))
-                            if value is not None:
-                                dest.copy_(value.reshape(dest.shape))
-                            elif name == "master":
-                                dest.copy_(p.detach())  # no master saved: it follows the param
-                            else:
-                                dest.zero_()
+                            if value is None:  # no master saved: it follows the param; no state: zero
+                                value = (
+                                    p.detach() if name == "master" else torch.zeros_like(p, dtype=buf.dtype)
+                                )
+                            flat.copy_into_shard(buf, i, value)
                     flat.set_cohorts(steps[id(flat)])
                     flat.mark_dirty()
                     self._refresh_state(flat)

@@ -1,0 +1,604 @@
+"""Sharded fused optimizers (ZeRO-2) on ``torch.distributed``.
+
+:class:`DistributedFusedAdamW`, :class:`DistributedFusedAdam` and
+:class:`DistributedFusedSGD` are :class:`~tkern.optim.FusedAdamW`,
+:class:`~tkern.optim.FusedAdam` and :class:`~tkern.optim.FusedSGD` whose fp32
+master weights and optimizer state exist only for this rank's 1/W of each flat
+buffer (see :mod:`tkern.flat`, "Shards"). The model is *not* wrapped in DDP:
+the optimizer owns gradient synchronisation. Every rank keeps the full fp16/bf16
+(or fp32) params and gradients, so per rank the optimizer allocates, for AdamW
+on half-precision params, ``2 + 2 + 12 / W`` bytes per parameter instead of 16
+(see :meth:`memory_report`).
+
+One ``step()``, all on the device, no host synchronisation:
+
+1. reduce-scatter the flat gradient buffer so this rank's shard holds the mean
+   gradient over the ranks. By default the sum is taken in **fp32** (fp16/bf16
+   gradients are staged in fp32 buckets of ``bucket_mb`` MiB, the sum divided
+   by W in fp32 and rounded once to the gradients' dtype): an fp16 sum of W
+   finite, loss-scaled gradients can overflow, and pre-dividing each rank's
+   gradient by W rounds every share (and flushes the smallest to zero) before
+   the sum. The price is twice the bytes of the reduce-scatter for 16-bit
+   gradients; ``grad_sync_dtype=None`` pre-divides instead and reduces in the
+   gradients' own dtype (no overflow either: each share is at most max / W).
+   Outside its shard, a rank's ``.grad`` is left holding its local gradient
+   (divided by W with ``grad_sync_dtype=None``);
+2. pass 1 (``grad_stats``) on the shard, then ONE all-gather of the three
+   statistics (W x 3 floats), reduced the same way on every rank: found_inf
+   max, sum of squares summed (so ``max_grad_norm`` clips by the global norm of
+   the mean gradient), max |g| max. An inf/nan on any rank skips the step on
+   every rank;
+3. pass 2 on the shard: the update of the fp32 master and state;
+4. all-gather the updated shards into every rank's full param buffer, so the
+   params are bit-identical on every rank after every step.
+
+Requirements as for DDP without ``find_unused_parameters``: every rank calls
+``step()``, ``zero_grad()``, ``state_dict()`` and ``add_param_group()`` in the
+same order, and every rank's backward gives gradients to the same params.
+Gradient accumulation: ``with opt.no_sync():`` around all but the last
+micro-batch (the gradients simply accumulate in the flat buffer; the reduction
+happens in ``step()``, which must not be called inside ``no_sync``).
+
+Checkpoints: :meth:`state_dict` is a collective that returns the **full**,
+unsharded state in exactly :class:`~tkern.optim.FusedAdamW`'s format on
+**every** rank (so any rank, usually rank 0, can save it), and
+:meth:`load_state_dict` loads such a full state (from any world size, or from a
+single-process tkern or torch optimizer) without communicating: train on 2
+ranks, resume on 3, or on one process with the plain optimizer, and back.
+:meth:`sharded_state_dict` / :meth:`load_sharded_state_dict` save and load only
+this rank's shard (same world size) for models too large to gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tkern.flat import ALIGN, FlatParams, alias, describe_param
+from tkern.kernels.overflow import AMAX, FOUND_INF, N_STATS, SUMSQ
+from tkern.optim.fused import FusedAdam, FusedAdamW, FusedSGD, _FusedOptimizer
+
+__all__ = ["DistributedFusedAdam", "DistributedFusedAdamW", "DistributedFusedSGD"]
+
+# torch renamed the tensor collectives (all_gather_into_tensor -> all_gather_single); take
+# whichever this torch has.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _param_list(params: Any) -> list:
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
+    return list(params)  # (name, param) pairs stay pairs: add_param_group takes them
+
+
+def _describe_entry(p: Any) -> tuple:
+    """What ranks must agree on for one param: shape, dtype, device type."""
+    if isinstance(p, tuple) and len(p) == 2:
+        p = p[1]
+    if not isinstance(p, torch.Tensor):
+        return ("not a tensor", type(p).__name__)
+    return (tuple(p.shape), str(p.dtype).removeprefix("torch."), p.device.type)
+
+
+def _local_problem(groups: list[list], first_group: int) -> str | None:
+    """A problem this rank alone may have (mixed devices): reported by every rank."""
+    devices = []
+    for gi, params in enumerate(groups, start=first_group):
+        for pi, p in enumerate(params):
+            p = p[1] if isinstance(p, tuple) and len(p) == 2 else p
+            if isinstance(p, torch.Tensor):
+                if devices and p.device != devices[0][0]:
+                    d0, g0, i0 = devices[0]
+                    return (
+                        f"{describe_param(gi, pi, p)} is on {p.device}, but param {i0} of param group "
+                        f"{g0} is on {d0}; a tkern optimizer keeps all its params on one device"
+                    )
+                devices.append((p.device, gi, pi))
+    return None
+
+
+class _Sharded:
+    """The ZeRO-2 machinery, mixed in before a fused optimizer class (so its hooks
+    override the fused optimizer's)."""
+
+    # Set by _setup before the fused optimizer's constructor runs.
+    _zero_group: Any
+    _world: int
+    _rank: int
+
+    def _setup(
+        self, params: Any, process_group: Any, bucket_mb: float, grad_sync_dtype: Any, probe: Callable
+    ) -> list:
+        """Resolve the group, check that every rank passed the same params and valid
+        hyperparameters (one collective) and return the params with every iterator
+        made a list. ``probe(groups)`` builds the single-process optimizer with the
+        same arguments over stand-in params: it raises what the real one would
+        raise on this rank, before anything collective can hang on it."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"{type(self).__name__} needs torch.distributed: call "
+                "torch.distributed.init_process_group() first (torchrun sets the environment)"
+            )
+        if not bucket_mb > 0:
+            raise ValueError(f"Invalid bucket_mb: {bucket_mb}; expected > 0")
+        group = process_group if process_group is not None else dist.group.WORLD
+        self._zero_group = group
+        self._world = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+        if self._rank < 0:
+            raise ValueError(f"{type(self).__name__}: this process is not a member of process_group")
+        if grad_sync_dtype not in (torch.float32, None):
+            raise ValueError(f"Invalid grad_sync_dtype: {grad_sync_dtype}; expected torch.float32 or None")
+        self._bucket_bytes = int(bucket_mb * 2**20)
+        self._sync_fp32 = grad_sync_dtype is not None
+        self._no_sync_depth = 0
+        self._constructed = False
+
+        if isinstance(params, torch.Tensor):
+            raise TypeError(
+                "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                f"but got {torch.typename(params)}"
+            )
+        params = list(params)
+        grouped = bool(params) and isinstance(params[0], dict)
+        if grouped:
+            params = [{**g, "params": _param_list(g["params"])} for g in params]
+            lists = [g["params"] for g in params]
+        else:
+            params = _param_list(params)
+            lists = [params]
+        error = None
+        try:
+
+            def stand_in():
+                return [torch.zeros(1, requires_grad=True)]
+
+            probe([{**g, "params": stand_in()} for g in params] if grouped else stand_in())
+        except Exception as e:  # raised on every rank below, after the one collective
+            error = e
+        self._check_ranks_agree(lists, error=error)
+        return params
+
+    def _check_ranks_agree(
+        self, groups: list[list], first_group: int = 0, error: Exception | None = None
+    ) -> None:
+        """One all_gather_object of every rank's param shapes/dtypes/devices and of
+        its local ``error``; a mismatch or an error on any rank raises on every
+        rank (the rank that had the error raises it; the others a ValueError
+        naming that rank)."""
+        problem = _local_problem(groups, first_group)
+        if problem is None and error is not None:
+            problem = f"{type(error).__name__}: {error}"
+        mine = {"params": [[_describe_entry(p) for p in g] for g in groups], "problem": problem}
+        everyone: list[Any] = [None] * self._world
+        dist.all_gather_object(everyone, mine, group=self._zero_group)
+        name = type(self).__name__
+        if error is not None:
+            raise error
+        for r, theirs in enumerate(everyone):
+            if theirs["problem"] is not None:
+                raise ValueError(f"{name}: on rank {r}: {theirs['problem']}")
+        ref = everyone[0]["params"]
+        for r, theirs in enumerate(everyone[1:], start=1):
+            sig = theirs["params"]
+            if len(sig) != len(ref):
+                raise ValueError(
+                    f"{name}: ranks disagree on the number of param groups: rank 0 passed {len(ref)}, "
+                    f"rank {r} passed {len(sig)}"
+                )
+            for gi, (a, b) in enumerate(zip(ref, sig, strict=True), start=first_group):
+                for pi in range(max(len(a), len(b))):
+                    x = a[pi] if pi < len(a) else "nothing"
+                    y = b[pi] if pi < len(b) else "nothing"
+                    if x != y:
+                        raise ValueError(
+                            f"{name}: ranks disagree on param {pi} of param group {gi}: rank 0 passed "
+                            f"{_fmt(x)}, rank {r} passed {_fmt(y)}; every rank must pass the same params "
+                            "in the same order"
+                        )
+
+    def _make_flat(self, params, indices, group, names) -> FlatParams:
+        return FlatParams(params, indices, group, names, world_size=self._world, rank=self._rank)
+
+    def _finish_setup(self) -> None:
+        for flats in self._flat:
+            for flat in flats:
+                self._broadcast(flat)
+        self._constructed = True
+
+    def _broadcast(self, flat: FlatParams) -> None:
+        """Every rank starts from rank 0's params (and a master that matches them)."""
+        if self._world > 1:
+            src = dist.get_global_rank(self._zero_group, 0)
+            dist.broadcast(flat.param, src=src, group=self._zero_group)
+        if flat.dtype != torch.float32:
+            with torch.no_grad():
+                flat.master.copy_(flat.param[flat.lo : flat.hi])
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group (a collective after construction: every rank adds the
+        same params; rank 0's values are broadcast)."""
+        if not getattr(self, "_constructed", False):
+            super().add_param_group(param_group)
+            return
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        param_group = {**param_group, "params": _param_list(param_group["params"])}
+        error = None
+        try:
+            self._validate_group({**self.defaults, **param_group}, len(self.param_groups))
+        except Exception as e:
+            error = e
+        self._check_ranks_agree([param_group["params"]], first_group=len(self.param_groups), error=error)
+        super().add_param_group(param_group)
+        for flat in self._flat[-1]:
+            self._broadcast(flat)
+
+    # ----------------------------------------------------------- gradient accumulation
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over micro-batches without synchronising, as
+        ``DistributedDataParallel.no_sync``: use it around the backward of every
+        micro-batch but the last. ``step()`` inside it raises."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    @torch.no_grad()
+    def step(self, closure=None, *, inv_scale: torch.Tensor | None = None):
+        """One sharded step (see the module docstring); a collective: every rank
+        calls it. Arguments as :meth:`tkern.optim.FusedAdamW.step`."""
+        if self._no_sync_depth:
+            raise RuntimeError(
+                f"{type(self).__name__}.step() was called inside no_sync(): the gradients of the "
+                "micro-batches would never be averaged across ranks; leave no_sync() for the last "
+                "micro-batch's backward and step after it"
+            )
+        # The fused step itself, not FusedAdamW.step: torch wraps each optimizer class's step
+        # with its hooks once that class is instantiated, and they must run once per step.
+        return _FusedOptimizer.step(self, closure, inv_scale=inv_scale)
+
+    # ----------------------------------------------------------- the step's collectives
+
+    def _sync_grads(self) -> None:
+        """Reduce-scatter every flat gradient buffer: this rank's shard gets the mean
+        (see the module docstring for the dtype of the sum)."""
+        if self._world == 1:
+            return
+        for flats in self._flat:
+            for flat in flats:
+                self._reduce_scatter_flat(flat)
+
+    def _reduce_scatter_flat(self, flat: FlatParams) -> None:
+        w, size = self._world, flat.shard_size
+        if not self._sync_fp32 or flat.dtype == torch.float32:
+            if flat.dtype != torch.float32:
+                flat.grad.div_(w)  # each share <= max / W: the sum cannot overflow where they are finite
+            recv = torch.empty(size, dtype=flat.dtype, device=flat.device)
+            _reduce_scatter(recv, flat.grad, op=dist.ReduceOp.SUM, group=self._zero_group)
+            if flat.dtype == torch.float32:
+                recv.div_(w)
+            flat.grad[flat.lo : flat.hi].copy_(recv)
+            return
+        rows = flat.grad.view(w, size)
+        chunk = max(ALIGN, self._bucket_bytes // (4 * w) // ALIGN * ALIGN)
+        for a in range(0, size, chunk):
+            b = min(size, a + chunk)
+            send = torch.empty((w, b - a), dtype=torch.float32, device=flat.device)
+            send.copy_(rows[:, a:b])
+            recv = torch.empty(b - a, dtype=torch.float32, device=flat.device)
+            _reduce_scatter(recv, send.view(-1), op=dist.ReduceOp.SUM, group=self._zero_group)
+            recv.div_(w)
+            flat.grad[flat.lo + a : flat.lo + b].copy_(recv)
+
+    def _sync_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """One all-gather of every rank's (3,) statistics, reduced in rank order
+        (so every rank computes bit-identical values)."""
+        if self._world == 1:
+            return stats
+        rows = torch.empty((self._world, N_STATS), dtype=torch.float32, device=stats.device)
+        _all_gather(rows.view(-1), stats, group=self._zero_group)
+        out = torch.empty_like(stats)
+        out[FOUND_INF] = rows[:, FOUND_INF].amax()
+        out[SUMSQ] = rows[:, SUMSQ].sum()
+        out[AMAX] = rows[:, AMAX].amax()
+        return out
+
+    def _sync_params(self) -> None:
+        """All-gather every rank's updated shard into the full param buffers (in place)."""
+        if self._world == 1:
+            return
+        for flats in self._flat:
+            for flat in flats:
+                _all_gather(flat.param, flat.param[flat.lo : flat.hi], group=self._zero_group)
+
+    # ----------------------------------------------------------- memory
+
+    def memory_report(self) -> dict[str, Any]:
+        """What the optimizer allocates on this rank, in bytes.
+
+        ``param`` and ``grad`` are the flat buffers the model's params and
+        gradients live in (full size on every rank); ``master`` (half-precision
+        params only: fp32 params are their own master) and ``state`` cover this
+        rank's shard. ``numel`` counts the params' elements; ``padded_numel``
+        the flat buffers' slots: each param is padded to a multiple of 16
+        elements and each buffer to a multiple of ``16 * world_size``.
+        ``bytes_per_param`` is ``total / numel``: for AdamW on fp16 params
+        ``(2 + 2 + 12 / W) * padded_numel / numel``. Not counted: the step-count
+        tensors (4 B per run of params with one step count) and what a step
+        allocates while it runs: the fp32 staging buckets of the reduce-scatter
+        (``bucket_mb`` MiB at most, 16-bit gradients with the default
+        ``grad_sync_dtype``) or else a receive buffer of one shard, and the
+        ``W x 3`` gathered statistics.
+        """
+        report = {"world_size": self._world, "rank": self._rank, "numel": 0, "padded_numel": 0}
+        sizes = dict.fromkeys(("param", "grad", "master", "state"), 0)
+        for flats in self._flat:
+            for flat in flats:
+                report["numel"] += sum(flat.numels)
+                report["padded_numel"] += flat.param.numel()
+                sizes["param"] += flat.param.numel() * flat.param.element_size()
+                sizes["grad"] += flat.grad.numel() * flat.grad.element_size()
+                if flat.dtype != torch.float32:
+                    sizes["master"] += flat.master.numel() * 4
+                sizes["state"] += sum(b.numel() * 4 for b in flat.state.values())
+        report.update(sizes)
+        report["total"] = sum(sizes.values())
+        report["bytes_per_param"] = report["total"] / report["numel"] if report["numel"] else 0.0
+        return report
+
+    # ----------------------------------------------------------- checkpoints
+
+    def _gather(self, buf: torch.Tensor) -> torch.Tensor:
+        if self._world == 1:
+            return buf
+        full = torch.empty(buf.numel() * self._world, dtype=buf.dtype, device=buf.device)
+        _all_gather(full, buf, group=self._zero_group)
+        return full
+
+    def _packed_groups(self) -> tuple[list[dict], dict[int, int]]:
+        index: dict[int, int] = {}
+        groups = []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
+            groups.append(packed)
+        return groups, index
+
+    def state_dict(self) -> dict[str, Any]:
+        """The FULL, unsharded state in :class:`~tkern.optim.FusedAdamW`'s (and
+        torch.optim's) format, on EVERY rank: a collective (one all-gather per
+        state buffer), so every rank must call it. For W > 1 the tensors are
+        fresh copies, not views of the live state. It loads into this class at
+        any world size, into the single-process tkern optimizers and into
+        torch.optim's SGD/Adam/AdamW."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        groups, index = self._packed_groups()
+        state: dict[int, dict[str, Any]] = {}
+        for flats in self._flat:
+            for flat in flats:
+                full = {}
+                if flat.dtype != torch.float32:
+                    full["master"] = self._gather(flat.master)
+                for name, buf in flat.state.items():
+                    full[name] = self._gather(buf)
+                steps = [s.detach().to("cpu").reshape(()) for s in flat.steps]
+                for i, p in enumerate(flat.params):
+                    entry: dict[str, Any] = {"step": steps[flat.cohort[i]].clone()}
+                    for name, buf in full.items():
+                        entry[name] = alias(buf, flat.offsets[i], flat.numels[i], p.shape)
+                    state[index[id(p)]] = entry
+        out = {"state": state, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard only (no communication): ``param_groups`` as in
+        :meth:`state_dict`, and per flat buffer its layout, each param's step
+        count, and the fp32 master/state shards (copies). Loads with
+        :meth:`load_sharded_state_dict` on the same rank of the same world size
+        over the same params."""
+        groups, _ = self._packed_groups()
+        shards = []
+        for gi, flats in enumerate(self._flat):
+            for flat in flats:
+                shards.append(
+                    {
+                        "group": gi,
+                        "dtype": str(flat.dtype).removeprefix("torch."),
+                        "length": flat.param.numel(),
+                        "lo": flat.lo,
+                        "hi": flat.hi,
+                        "step": [float(flat.steps[c]) for c in flat.cohort],
+                        "master": flat.master.detach().clone() if flat.dtype != torch.float32 else None,
+                        "state": {k: v.detach().clone() for k, v in flat.state.items()},
+                    }
+                )
+        return {"world_size": self._world, "rank": self._rank, "param_groups": groups, "shards": shards}
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`sharded_state_dict` returned on this rank. Everything
+        is checked first; as with :meth:`load_state_dict`, the params' values
+        are never changed (the loaded master is kept where a param equals it
+        rounded and follows the param elsewhere)."""
+        name = type(self).__name__
+        if state_dict.get("world_size") != self._world or state_dict.get("rank") != self._rank:
+            raise ValueError(
+                f"{name}: this sharded state dict was saved by rank {state_dict.get('rank')} of "
+                f"{state_dict.get('world_size')}, this is rank {self._rank} of {self._world}; "
+                "use state_dict()/load_state_dict() to change the world size"
+            )
+        groups, shards = state_dict["param_groups"], state_dict["shards"]
+        flats = [(gi, flat) for gi, fl in enumerate(self._flat) for flat in fl]
+        if len(groups) != len(self.param_groups) or len(shards) != len(flats):
+            raise ValueError(
+                f"{name}: the sharded state dict has {len(groups)} param groups and {len(shards)} flat "
+                f"buffers, this optimizer {len(self.param_groups)} and {len(flats)}"
+            )
+        new_groups = []
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups, strict=True)):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(
+                    f"{name}: param group {gi} has {len(mine['params'])} params, "
+                    f"the loaded one has {len(saved['params'])}"
+                )
+            group = {**mine, **{k: v for k, v in saved.items() if k != "params"}}
+            self._validate_group(group, gi)
+            new_groups.append(group)
+        for (gi, flat), shard in zip(flats, shards, strict=True):
+            layout = (gi, str(flat.dtype).removeprefix("torch."), flat.param.numel(), flat.lo, flat.hi)
+            saved = (shard["group"], shard["dtype"], shard["length"], shard["lo"], shard["hi"])
+            if layout != saved or len(shard["step"]) != len(flat.params):
+                raise ValueError(f"{name}: flat buffer layout {saved} in the state dict, expected {layout}")
+            names = self._group_state_names(new_groups[gi])
+            missing = [n for n in names if n not in shard["state"]]
+            if missing:
+                raise KeyError(f"{name}: the sharded state of param group {gi} lacks {missing}")
+            for n, value in shard["state"].items():
+                if n in names and value.numel() != flat.shard_size:
+                    raise ValueError(
+                        f"{name}: shard {n!r} has {value.numel()} elements, expected {flat.shard_size}"
+                    )
+        with torch.no_grad():
+            for mine, group in zip(self.param_groups, new_groups, strict=True):
+                mine.update(group)
+            for (gi, flat), shard in zip(flats, shards, strict=True):
+                names = self._group_state_names(self.param_groups[gi])
+                flat.ensure_state(names)
+                for n in names:
+                    flat.state[n].copy_(shard["state"][n])
+                if flat.dtype != torch.float32 and shard["master"] is not None:
+                    flat.master.copy_(shard["master"])
+                flat.set_cohorts(shard["step"])
+                flat.mark_dirty()
+                self._refresh_state(flat)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_zero_group"] = None  # process groups do not travel
+        return state
+
+
+def _fmt(entry: Any) -> str:
+    if entry == "nothing":
+        return "nothing"
+    if entry[0] == "not a tensor":
+        return f"a {entry[1]}"
+    shape, dtype, device = entry
+    return f"shape {shape} dtype {dtype} on {device}"
+
+
+class DistributedFusedSGD(_Sharded, FusedSGD):
+    """:class:`~tkern.optim.FusedSGD` sharded across the ranks of a process group
+    (ZeRO-2; see :mod:`tkern.optim.distributed`).
+
+    Args:
+        params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm,
+            maximize: as :class:`~tkern.optim.FusedSGD` (``max_grad_norm`` clips
+            by the global norm of the mean gradient).
+        process_group: the ranks to shard over; None (default) for the default group.
+        bucket_mb: size of the fp32 staging buffer of the gradient reduce-scatter, in MiB.
+        grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
+            None: in their own dtype, each pre-divided by W (half the bytes on the wire
+            for fp16/bf16; each rank's share is rounded once, and shares below the
+            dtype's smallest subnormal times W flush to zero).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        max_grad_norm: float | None = None,
+        *,
+        maximize: bool = False,
+        process_group=None,
+        bucket_mb: float = 32.0,
+        grad_sync_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
+        args = (lr, momentum, dampening, weight_decay, nesterov, max_grad_norm)
+        probe = lambda p: FusedSGD(p, *args, maximize=maximize)  # noqa: E731
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        FusedSGD.__init__(self, params, *args, maximize=maximize)
+        self._finish_setup()
+
+
+class DistributedFusedAdam(_Sharded, FusedAdam):
+    """:class:`~tkern.optim.FusedAdam` sharded across the ranks of a process group
+    (ZeRO-2; see :mod:`tkern.optim.distributed`).
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize:
+            as :class:`~tkern.optim.FusedAdam`.
+        process_group: the ranks to shard over; None (default) for the default group.
+        bucket_mb: size of the fp32 staging buffer of the gradient reduce-scatter, in MiB.
+        grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
+            None: in their own dtype, each pre-divided by W (half the bytes on the wire
+            for fp16/bf16; each rank's share is rounded once, and shares below the
+            dtype's smallest subnormal times W flush to zero).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        max_grad_norm: float | None = None,
+        *,
+        maximize: bool = False,
+        process_group=None,
+        bucket_mb: float = 32.0,
+        grad_sync_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
+        args = (lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
+        probe = lambda p: FusedAdam(p, *args, maximize=maximize)  # noqa: E731
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        FusedAdam.__init__(self, params, *args, maximize=maximize)
+        self._finish_setup()
+
+
+class DistributedFusedAdamW(_Sharded, FusedAdamW):
+    """:class:`~tkern.optim.FusedAdamW` sharded across the ranks of a process group
+    (ZeRO-2; see :mod:`tkern.optim.distributed`). Arguments as
+    :class:`DistributedFusedAdam` (``weight_decay`` defaults to 1e-2)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        max_grad_norm: float | None = None,
+        *,
+        maximize: bool = False,
+        process_group=None,
+        bucket_mb: float = 32.0,
+        grad_sync_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
+        args = (lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
+        probe = lambda p: FusedAdamW(p, *args, maximize=maximize)  # noqa: E731
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        FusedAdamW.__init__(self, params, *args, maximize=maximize)
+        self._finish_setup()
