@@ -261,18 +261,18 @@ def test_tma_persistent_falls_back_where_descriptors_cannot_go():
 
 
 def test_configs_that_cannot_launch_are_pruned_per_device():
-    from tkern.kernels.gemm import SMEM_LIMIT, gemm_configs, prune_configs, smem_estimate, tma_configs
+    from tkern.kernels.gemm import gemm_configs, prune_configs, smem_estimate, smem_limit, tma_configs
 
     for cc in (90, 80):
         for tma in (False, True):
             configs = tma_configs() if tma else gemm_configs()
             kept = prune_configs(configs, cc, tma=tma)
-            assert kept and all(smem_estimate(c) <= SMEM_LIMIT[cc // 10] for c in kept)
+            assert kept and all(smem_estimate(c) <= smem_limit(cc) for c in kept)
             dropped = [c for c in configs if c not in kept]
             # dropped: over the shared memory, or (before Hopper) over 64 accumulator values a thread
             acc = [c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] // (32 * c.num_warps) for c in dropped]
             assert all(
-                smem_estimate(c) > SMEM_LIMIT[cc // 10] or (cc < 90 and a > 64)
+                smem_estimate(c) > smem_limit(cc) or (cc < 90 and a > 64)
                 for c, a in zip(dropped, acc, strict=True)
             )
     # the 128x256x128 TMA tiles (288-384 KB) never fit; 128x256x64 in 4 stages fits an H100 only

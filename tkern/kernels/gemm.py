@@ -75,16 +75,22 @@ def gemm_configs() -> list[triton.Config]:
     ]
 
 
-#: Largest dynamic shared memory one program may use, by compute capability
-#: major (H100/H200: 227 KB; A100: 163 KB; the others: 99 KB or less).
-SMEM_LIMIT = {9: 232448, 8: 166912}
+#: Largest shared memory one program may use, by compute capability (H100/H200
+#: and B200: 227 KB; A100 and Orin: 163 KB; sm_86/89/120: 99 KB).
+SMEM_LIMIT = {90: 232448, 100: 232448, 103: 232448, 80: 166912, 87: 166912}
 _SMEM_DEFAULT = 101376
 
 
+def smem_limit(cc: int) -> int:
+    """:data:`SMEM_LIMIT` for compute capability ``cc`` (e.g. 90)."""
+    return SMEM_LIMIT.get(cc, _SMEM_DEFAULT)
+
+
 def smem_estimate(cfg: triton.Config, elem_bytes: int = 2) -> int:
-    """Shared memory a config's pipeline holds: ``num_stages`` A and B tiles
-    (an upper bound of what the compiler allocates; checked against the
-    compiled kernels by tests/test_compiled.py)."""
+    """Shared memory of a config's load pipeline: ``num_stages`` A and B tiles.
+    The compiled kernel adds ~1 KB (pointer kernel) to ~34 KB (the TMA
+    kernel's epilogue staging); tests/test_compiled.py checks every offered
+    config's compiled size against the limit on sm_90 and sm_80."""
     kw = cfg.kwargs
     return cfg.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * elem_bytes
 
@@ -115,7 +121,7 @@ def prune_configs(
     the tiles that do not spill there; before Hopper only the tiles whose
     accumulator leaves room for mma.sync's operands. Never empty: the smallest
     is kept."""
-    limit = SMEM_LIMIT.get(cc // 10, _SMEM_DEFAULT)
+    limit = smem_limit(cc)
     fits = [c for c in configs if smem_estimate(c) <= limit]
     if ragged and not tma:
         fits = [c for c in fits if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE]
