@@ -47,3 +47,15 @@ def test_example_runs_and_learns(script, args, package):
 def test_examples_take_a_steps_flag():
     for script in sorted(EXAMPLES.glob("*.py")):
         assert "--steps" in script.read_text(), script.name
+
+
+def test_readme_quick_start_runs_as_written_and_learns():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quick start") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[1]) for line in proc.stdout.split("\n") if line.strip()]
+    assert len(losses) == 2 and losses[1] < losses[0], proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]  # nothing the interpreter says reaches the user

@@ -230,3 +230,29 @@ def test_lightning_module_with_a_tkern_optimizer_trains():
     assert len(module.losses) == 12
     assert sum(module.losses[-4:]) < 0.8 * sum(module.losses[:4])
     assert module.net[0].weight.dtype == torch.float16
+
+
+# --------------------------------------------------------------------------- what users see
+
+
+@needs_cpu
+def test_interpreter_numpy_warnings_do_not_reach_users():
+    # An fp16 GEMM whose result overflows: numpy warns inside Triton's interpreter. The
+    # user's own numpy code still gets its warning.
+    code = textwrap.dedent(
+        """
+        import numpy as np, torch, tkern
+        x = torch.full((4, 16), 200.0).half()
+        y = tkern.linear(x, x)
+        assert torch.isinf(y).all()
+        np.array([1e10]).astype(np.float16)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(tkern.__file__))
+    proc = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("overflow encountered in cast") == 1, proc.stderr  # the user's, not ours
+    assert "interpreter.py" not in proc.stderr
