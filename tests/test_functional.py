@@ -235,3 +235,11 @@ def test_compile_with_inductor_matches_eager():
     assert rel_err(y1, y0) < TOL[torch.float16]
     for a, c in zip(g0, g1, strict=True):
         assert rel_err(c, a) < 2 * TOL[torch.float16]
+
+
+def test_linear_on_meta_tensors_checks_dtypes_with_tkern_messages():
+    x = torch.empty(2, 16, dtype=torch.float16, device="meta")
+    with pytest.raises(TypeError, match="weight must be a 2-D fp16 or bf16 tensor.*float32"):
+        tkern.linear(x, torch.empty(8, 16, device="meta"))
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 4\)"):
+        tkern.linear(x, torch.empty(8, 4, dtype=torch.float16, device="meta"))

@@ -182,6 +182,17 @@ def _linear_op(x, weight, bias, activation):
 # --------------------------------------------------------------------------- public
 
 
+def _check_meta(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """:func:`check_tensor`'s dtype and rank checks for meta tensors, which compiled
+    mode would otherwise refuse for not being CUDA tensors."""
+    if weight.dim() != 2 or weight.dtype not in HALF_DTYPES:
+        raise TypeError(
+            f"weight must be a 2-D fp16 or bf16 tensor, got shape {tuple(weight.shape)}, dtype {weight.dtype}"
+        )
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x must have dtype in ({weight.dtype}), got dtype {x.dtype}")
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -209,8 +220,11 @@ def linear(
         (..., N) tensor of ``x``'s dtype. ``K == 0`` gives ``act(bias)`` (zeros
         without a bias), as ``torch.nn.functional.linear``.
     """
-    check_tensor("weight", weight, ndim=2, dtypes=HALF_DTYPES)
-    check_tensor("x", x, dtypes=(weight.dtype,))
+    if x.is_meta and weight.is_meta and (bias is None or bias.is_meta):
+        _check_meta(x, weight)  # meta tensors run nowhere: shapes and dtypes only, in either mode
+    else:
+        check_tensor("weight", weight, ndim=2, dtypes=HALF_DTYPES)
+        check_tensor("x", x, dtypes=(weight.dtype,))
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"x must have shape (..., {weight.shape[1]}) to match weight of shape "
