@@ -23,10 +23,10 @@ EXAMPLES = ROOT / "examples"
 @pytest.mark.parametrize(
     "script, args, package",
     [
-        ("custom_loop.py", ["--steps", "30"], None),
-        ("hf_trainer.py", ["--steps", "6"], "transformers"),
-        ("lightning.py", ["--steps", "12"], "lightning"),
-        ("lightning.py", ["--steps", "12", "--manual"], "lightning"),
+        ("custom_loop.py", ["--steps", "12"], None),
+        ("hf_trainer.py", ["--steps", "4"], "transformers"),
+        ("lightning.py", ["--steps", "8"], "lightning"),
+        ("lightning.py", ["--steps", "8", "--manual"], "lightning"),
     ],
 )
 def test_example_runs_and_learns(script, args, package):
