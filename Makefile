@@ -27,12 +27,12 @@ test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" tests
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check tkern tests benchmarks
-	$(VENV)/bin/ruff format --check tkern tests benchmarks
+	$(VENV)/bin/ruff check tkern tests benchmarks examples
+	$(VENV)/bin/ruff format --check tkern tests benchmarks examples
 
 format: $(VENV)/.installed
-	$(VENV)/bin/ruff format tkern tests benchmarks
-	$(VENV)/bin/ruff check --fix tkern tests benchmarks
+	$(VENV)/bin/ruff format tkern tests benchmarks examples
+	$(VENV)/bin/ruff check --fix tkern tests benchmarks examples
 
 bench: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[bench]"

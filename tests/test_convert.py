@@ -90,3 +90,163 @@ def test_bad_arguments():
         convert_network(nn.Sequential(nn.Linear(2, 2)), dtype=torch.float64)
     with pytest.raises(TypeError, match="bare nn.Linear"):
         convert_network(nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------- whole models
+
+
+def _mlp_with_norms():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)
+    ).to(DEVICE)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_converted_model_with_norm_layers_pickles_and_deepcopies(how, tmp_path):
+    import copy
+
+    model = convert_network(_mlp_with_norms())
+    if how == "torch.save":
+        torch.save(model, tmp_path / "model.pt")
+        other = torch.load(tmp_path / "model.pt", weights_only=False)
+    else:
+        other = copy.deepcopy(model)
+    x = torch.randn(5, 6, device=DEVICE)
+    model.eval(), other.eval()
+    y = model(x)
+    assert y.dtype == torch.float16 and torch.equal(other(x), y)  # the same hooks came along
+    assert other[1].weight.dtype == torch.float32 and isinstance(other[0], tkern.nn.Linear)
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab=11, dim=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tie_word_embeddings
+
+    def forward(self, ids):
+        return self.head(self.norm(self.embed(ids)))
+
+
+def test_tied_weights_stay_one_parameter():
+    torch.manual_seed(0)
+    model = TiedLM().to(DEVICE)
+    count = sum(p.numel() for p in model.parameters())
+    convert_network(model)
+    assert model.head.weight is model.embed.weight
+    assert model.head.weight.dtype == torch.float16
+    assert sum(p.numel() for p in model.parameters()) == count
+    # one training step moves both uses of the one weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.tensor([[1, 2, 3]], device=DEVICE)
+    model(ids).float().logsumexp(-1).sum().backward()
+    opt.step()
+    assert model.head.weight is model.embed.weight
+
+
+def test_other_shared_parameters_stay_shared():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared).to(DEVICE)
+    other = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).to(DEVICE)
+    other[1].bias = other[0].bias
+    convert_network(model), convert_network(other)
+    assert model[0] is model[2] and len(list(model.parameters())) == 2
+    assert other[1].bias is other[0].bias and len(list(other.parameters())) == 3
+
+
+def test_cnn_accepts_the_same_fp32_input_as_before():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)
+    ).to(DEVICE)
+    x = torch.randn(2, 3, 6, 6, device=DEVICE)  # fp32, as the data loader gives it
+    convert_network(model)
+    y = model(x)
+    assert y.dtype == torch.float16 and model[0].weight.dtype == torch.float16
+    # the reference: the converted weights in float64, activations rounded to fp16 as autocast would
+    h = torch.nn.functional.conv2d(
+        x.half().double(), model[0].weight.double(), model[0].bias.double(), padding=1
+    )
+    h = torch.nn.functional.batch_norm(h.half().double(), None, None, model[1].weight.double(),
+                                       model[1].bias.double(), training=True).relu()  # fmt: skip
+    out = h.half().double().flatten(1) @ model[4].weight.double().t() + model[4].bias.double()
+    assert rel_err(y, out) < 5e-3  # three fp16 roundings in a row plus BN's fp32
+    y.float().sum().backward()
+    assert model[0].weight.grad.dtype == torch.float16
+
+
+class Scaled(nn.Module):
+    """A root that owns a learned scale and has Linear children."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+        self.register_buffer("shift", torch.zeros(3))
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.body(x) * self.scale + self.shift
+
+
+def test_module_owning_parameters_keeps_only_its_own_in_fp32_and_warns_once_per_type():
+    model = nn.Sequential(Scaled(), Scaled()).to(DEVICE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_network(model)
+    ours = [w for w in caught if "convert_network" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert "0, 1 (Scaled)" in str(ours[0].message)
+    assert ours[0].filename == __file__  # attributed to the user's call
+    for sub in model:
+        assert sub.scale.dtype == sub.shift.dtype == torch.float32
+        assert isinstance(sub.body[0], tkern.nn.Linear) and sub.body[0].weight.dtype == torch.float16
+    y = model[0].body(torch.randn(2, 4, device=DEVICE))
+    assert y.dtype == torch.float16  # the children run in half precision
+
+
+def _hooks(model):
+    return [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
+def test_converting_twice_is_converting_once():
+    once = convert_network(_mlp_with_norms())
+    twice = convert_network(convert_network(_mlp_with_norms()))
+    assert _hooks(once) == _hooks(twice) and max(max(h) for h in _hooks(twice)) == 1
+    x = torch.randn(4, 6, device=DEVICE)
+    assert torch.equal(once(x), twice(x))
+    assert [p.dtype for p in once.parameters()] == [p.dtype for p in twice.parameters()]
+
+
+def test_convert_back_to_float32_restores_plain_modules():
+    model = _mlp_with_norms()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    convert_network(model)
+    assert convert_network(model, torch.float32) is model
+    assert [type(m) for m in model] == [
+        nn.Linear,
+        nn.LayerNorm,
+        nn.ReLU,
+        nn.Linear,
+        nn.BatchNorm1d,
+        nn.Linear,
+    ]
+    assert all(h == (0, 0) for h in _hooks(model))
+    assert list(model.parameters()) == params  # the same Parameter objects, now fp32
+    for k, v in model.state_dict().items():
+        assert v.dtype == reference[k].dtype
+        linear = k.split(".")[0] in ("0", "3", "5")  # a round trip through fp16: one rounding
+        assert torch.equal(v, reference[k].half().float() if linear else reference[k]), k
+    x = torch.randn(4, 6, device=DEVICE)
+    assert model(x).dtype == torch.float32
+
+
+def test_convert_back_refuses_a_fused_activation_before_changing_anything():
+    model = nn.Sequential(nn.Linear(4, 4), tkern.nn.Linear(4, 4, activation="relu"))
+    convert_network(model)
+    with pytest.raises(ValueError, match=r"1 is a tkern.nn.Linear with activation='relu'"):
+        convert_network(model, torch.float32)
+    assert model[0].weight.dtype == torch.float16 and isinstance(model[0], tkern.nn.Linear)

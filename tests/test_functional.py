@@ -120,3 +120,126 @@ def test_linear_dtype_mismatch():
     w = torch.zeros(4, 5, dtype=torch.float16, device=DEVICE)
     with pytest.raises(TypeError, match="x must have dtype.*float16.*got.*float32"):
         tkern.linear(x, w)
+
+
+# --------------------------------------------------------------------------- second order
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_double_backward_gradient_penalty_vs_float64(dtype, activation):
+    # A gradient penalty: the loss is ||d<y, dy>/dx||^2, so its gradient w.r.t. the weights
+    # differentiates tkern's backward (create_graph=True).
+    x, w, b = make(dtype, shape=(6, 32), n=24)
+    dy = torch.randn(6, 24, device=DEVICE).to(dtype)
+
+    def penalty_grads(x, w, b, fn):
+        y = fn(x, w, b)
+        (gx,) = torch.autograd.grad(y, x, dy.to(y.dtype), create_graph=True)
+        grads = torch.autograd.grad(gx.float().pow(2).sum(), (w, b), allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (w, b), strict=True)]
+
+    mine = penalty_grads(x, w, b, lambda x, w, b: tkern.linear(x, w, b, activation))
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    ref = penalty_grads(*leaves, lambda x, w, b: ACT[activation](F.linear(x, w, b)))
+    # first-order grads carry 2 roundings (2 * TOL); the penalty's gradient is built from
+    # the rounded dz and dx, one more: 4 * TOL. Without a curved activation, b does not
+    # reach dx: its penalty gradient is exactly zero on both sides.
+    assert mine[0].dtype == dtype and rel_err(mine[0], ref[0]) < 4 * TOL[dtype]
+    if activation == "gelu":
+        assert rel_err(mine[1], ref[1]) < 4 * TOL[dtype]
+    else:
+        assert ref[1].abs().max() == 0 and mine[1].abs().max() == 0
+
+
+def test_first_order_backward_without_create_graph_is_not_a_graph():
+    x, w, b = make(torch.float16)
+    (gx,) = torch.autograd.grad(tkern.linear(x, w, b, "gelu").sum(), x)
+    assert gx.grad_fn is None
+
+
+# --------------------------------------------------------------------------- K = 0, meta
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_linear_with_no_input_features_returns_act_bias(activation):
+    x = torch.randn(3, 0, device=DEVICE).half().requires_grad_()
+    w = torch.zeros(4, 0, device=DEVICE).half().requires_grad_()
+    b = torch.tensor([-1.0, 0.5, 2.0, 0.0], device=DEVICE).half().requires_grad_()
+    y = tkern.linear(x, w, b, activation)
+    ref = ACT[activation](F.linear(x.double(), w.double(), b.double()))
+    assert y.shape == (3, 4) and rel_err(y, ref) < TOL[torch.float16]
+    y.sum().backward()
+    leaf = b.detach().double().requires_grad_()
+    ACT[activation](leaf.expand(3, 4)).sum().backward()
+    assert rel_err(b.grad, leaf.grad) < TOL[torch.float16]
+    assert x.grad.shape == (3, 0) and w.grad.shape == (4, 0)
+
+
+def test_linear_on_meta_tensors_gives_shape_and_dtype():
+    x = torch.empty(2, 7, 16, dtype=torch.float16, device="meta", requires_grad=True)
+    w = torch.empty(8, 16, dtype=torch.float16, device="meta", requires_grad=True)
+    b = torch.empty(8, dtype=torch.float32, device="meta")
+    y = tkern.linear(x, w, b, "gelu")
+    assert y.device.type == "meta" and y.shape == (2, 7, 8) and y.dtype == torch.float16
+    y.sum().backward()
+    assert w.grad.shape == w.shape and w.grad.device.type == "meta"
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _compile_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 8)
+    ).to(DEVICE)
+    tkern.convert_network(model)
+    fused = tkern.nn.Linear(8, 8, activation="relu", device=DEVICE)
+    return torch.nn.Sequential(model, fused)
+
+
+def _run(model, x):
+    y = model(x)
+    y.float().square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return y.detach(), grads
+
+
+def test_compile_fullgraph_has_no_graph_break_and_matches_eager():
+    model = _compile_model()
+    x = torch.randn(4, 16, device=DEVICE)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    y0, g0 = _run(model, x)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y1, g1 = _run(compiled, x)
+    # the same kernels on the same inputs: identical
+    assert torch.equal(y0, y1)
+    for a, c in zip(g0, g1, strict=True):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.slow
+def test_compile_with_inductor_matches_eager():
+    model = _compile_model()
+    x = torch.randn(4, 16, device=DEVICE)
+    y0, g0 = _run(model, x)
+    torch._dynamo.reset()
+    y1, g1 = _run(torch.compile(model, fullgraph=True), x)
+    # Inductor fuses the LayerNorm and the elementwise ops differently (fp32, then one
+    # fp16 rounding per element): within the fp16 GEMM tolerance, gradients 2x
+    assert rel_err(y1, y0) < TOL[torch.float16]
+    for a, c in zip(g0, g1, strict=True):
+        assert rel_err(c, a) < 2 * TOL[torch.float16]
+
+
+def test_linear_on_meta_tensors_checks_dtypes_with_tkern_messages():
+    x = torch.empty(2, 16, dtype=torch.float16, device="meta")
+    with pytest.raises(TypeError, match="weight must be a 2-D fp16 or bf16 tensor.*float32"):
+        tkern.linear(x, torch.empty(8, 16, device="meta"))
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 4\)"):
+        tkern.linear(x, torch.empty(8, 4, dtype=torch.float16, device="meta"))

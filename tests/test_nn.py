@@ -45,3 +45,28 @@ def test_bad_arguments():
         tkern.nn.Linear(4, 3, dtype=torch.float32)
     with pytest.raises(ValueError, match="activation"):
         tkern.nn.Linear(4, 3, activation="tanh")
+
+
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_no_input_features_returns_the_bias_as_nn_linear(activation):
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(0, 5)
+    torch.nn.init.uniform_(ref.bias, -1, 1)
+    layer = tkern.nn.Linear(0, 5, activation=activation).to(DEVICE)
+    with torch.no_grad():
+        layer.bias.copy_(ref.bias)
+    x = torch.randn(3, 0, device=DEVICE)
+    y = layer(x)
+    want = ref(x.cpu()) if activation is None else ref(x.cpu()).relu()
+    assert y.shape == (3, 5) and y.dtype == torch.float16
+    assert rel_err(y, want) < TOL[torch.float16]  # the bias, rounded once to fp16
+    y.float().sum().backward()
+    assert rel_err(layer.bias.grad, torch.full((5,), 3.0) * (want[0] > 0 if activation else 1)) == 0
+
+
+def test_meta_device_layer_runs_shapes_only():
+    layer = tkern.nn.Linear(16, 8, activation="gelu", device="meta")
+    y = layer(torch.empty(4, 16, device="meta"))  # fp32 in: cast as autocast would
+    assert y.device.type == "meta" and y.shape == (4, 8) and y.dtype == torch.float16
+    y.sum().backward()
+    assert layer.weight.grad.shape == (8, 16)

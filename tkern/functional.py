@@ -1,14 +1,67 @@
-"""Autograd functions built on the kernels."""
+"""Autograd functions and torch.library custom ops built on the kernels.
+
+Two doors lead to the same kernels:
+
+* eager calls go through :class:`_Linear`, a plain ``torch.autograd.Function``
+  (the least host time per call);
+* ``torch.compile``/``torch.export`` tracing, meta tensors and tensor subclasses
+  (FakeTensor) go through the custom ops ``tkern::linear_forward``,
+  ``tkern::mm`` and ``tkern::activation_grad``: each has a fake (meta)
+  implementation, so Dynamo and AOTAutograd treat tkern's GEMMs as opaque ops
+  with known output shapes (no graph break, nothing traced into Triton), and
+  ``tkern::linear_forward`` has its backward registered in terms of the other two.
+  The op bodies run the same launchers (the interpreter on a CPU).
+
+Second-order gradients (``create_graph=True``, gradient penalties) take a
+differentiable path: when grad mode is on in backward, the gradients are
+computed with torch operations in fp32 from the saved inputs, so autograd can
+differentiate them again.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
 from tkern.kernels.activation import activation_grad
 from tkern.kernels.gemm import check_activation, check_bias, matmul
 
 __all__ = ["linear", "matmul"]
+
+_NO_ACT = "none"  # how the custom ops spell activation=None (their schema takes a str)
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def _as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` (..., K) as (M, K); also for K == 0, where ``reshape(-1, 0)`` is ambiguous."""
+    return x.reshape(-1, k) if k else x.reshape(math.prod(x.shape[:-1]), 0)
+
+
+def _differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
+    """The three gradients of ``act(x @ W^T + b)`` with torch operations in fp32,
+    each cast once to its input's dtype: what the kernels compute, but recorded
+    by autograd (used when grad mode is on in backward)."""
+    n, k = weight.shape
+    dz = _as_2d(dy, n).float()
+    if activation is not None:
+        z = F.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
+        if activation == "relu":
+            dz = dz * (z > 0)
+        else:  # gelu, erf form: d/dz [z Phi(z)] = Phi(z) + z phi(z)
+            cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+            pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+            dz = dz * (cdf + z * pdf)
+        # the kernels round dz to the activations' dtype before the two GEMMs
+        dz = dz.to(dy.dtype).float()
+    dx = (dz @ weight.float()).to(x2d.dtype).reshape(*dy.shape[:-1], k) if needs[0] else None
+    dw = (dz.t() @ x2d.float()).to(weight.dtype) if needs[1] else None
+    db = dz.sum(0).to(bias_dtype) if needs[2] and bias is not None else None
+    return dx, dw, db
 
 
 class _Linear(torch.autograd.Function):
@@ -17,33 +70,127 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
         n, k = weight.shape
-        x2d = x.reshape(-1, k)
+        x2d = _as_2d(x, k)
         needs_grad = any(ctx.needs_input_grad[:3])
         preact = None
         if activation is not None and needs_grad:
             preact = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
         y = matmul(x2d, weight.t(), bias=bias, activation=activation, preact=preact)
         ctx.activation = activation
-        ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(x2d, weight, preact)
+        ctx.save_for_backward(x2d, weight, bias, preact)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, preact = ctx.saved_tensors
+        x2d, weight, bias, preact = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
+            dx, dw, db = _differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
+            return dx, dw, db, None
         n, k = weight.shape
-        dz = dy.reshape(-1, n)
+        dz = _as_2d(dy, n)
         if ctx.activation is not None:
             dz = activation_grad(dz, preact, ctx.activation)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if needs[0]:
             dx = matmul(dz, weight).reshape(*dy.shape[:-1], k)  # (M, N) @ (N, K)
-        if ctx.needs_input_grad[1]:
+        if needs[1]:
             dw = matmul(dz.t(), x2d)  # (N, M) @ (M, K), dz^T read in place
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if bias is not None and needs[2]:
             db = dz.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("tkern::mm", mutates_args=())
+def _mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with fp32 accumulation, in ``a``'s dtype (:func:`tkern.matmul`)."""
+    return matmul(a, b)
+
+
+@_mm_op.register_fake
+def _(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+@torch.library.custom_op("tkern::activation_grad", mutates_args=())
+def _activation_grad_op(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
+    """``dy * act'(z)`` in fp32, in ``dy``'s dtype."""
+    return activation_grad(dy, z, activation)
+
+
+@_activation_grad_op.register_fake
+def _(dy, z, activation):
+    return torch.empty_like(dy)
+
+
+@torch.library.custom_op("tkern::linear_forward", mutates_args=())
+def _linear_forward_op(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str, save_preact: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act(x2d @ weight^T + bias), pre-activation)``; the pre-activation is an
+    empty tensor unless ``save_preact`` and there is an activation."""
+    act = None if activation == _NO_ACT else activation
+    preact = None
+    if act is not None and save_preact:
+        preact = torch.empty((x2d.shape[0], weight.shape[0]), dtype=x2d.dtype, device=x2d.device)
+    y = matmul(x2d, weight.t(), bias=bias, activation=act, preact=preact)
+    return y, x2d.new_empty(0) if preact is None else preact
+
+
+@_linear_forward_op.register_fake
+def _(x2d, weight, bias, activation, save_preact):
+    y = x2d.new_empty((x2d.shape[0], weight.shape[0]))
+    keep = activation != _NO_ACT and save_preact
+    return y, x2d.new_empty((x2d.shape[0], weight.shape[0]) if keep else 0)
+
+
+def _linear_setup_context(ctx, inputs, output):
+    x2d, weight, bias, activation, _ = inputs
+    ctx.activation = activation
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(x2d, weight, output[1])
+
+
+def _linear_backward(ctx, dy, _dpreact):
+    x2d, weight, preact = ctx.saved_tensors
+    dz = dy if ctx.activation == _NO_ACT else _activation_grad_op(dy, preact, ctx.activation)
+    dx = _mm_op(dz, weight) if ctx.needs_input_grad[0] else None
+    dw = _mm_op(dz.t(), x2d) if ctx.needs_input_grad[1] else None
+    db = dz.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+    return dx, dw, db, None, None
+
+
+_linear_forward_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+def _linear_op(x, weight, bias, activation):
+    """:func:`linear` through the custom op (tracing, meta and subclass tensors)."""
+    n, k = weight.shape
+    save = (
+        activation is not None
+        and torch.is_grad_enabled()
+        and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    )
+    y, _ = _linear_forward_op(_as_2d(x, k), weight, bias, activation or _NO_ACT, save)
+    return y.reshape(*x.shape[:-1], n)
+
+
+# --------------------------------------------------------------------------- public
+
+
+def _check_meta(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """:func:`check_tensor`'s dtype and rank checks for meta tensors, which compiled
+    mode would otherwise refuse for not being CUDA tensors."""
+    if weight.dim() != 2 or weight.dtype not in HALF_DTYPES:
+        raise TypeError(
+            f"weight must be a 2-D fp16 or bf16 tensor, got shape {tuple(weight.shape)}, dtype {weight.dtype}"
+        )
+    if x.dtype != weight.dtype:
+        raise TypeError(f"x must have dtype in ({weight.dtype}), got dtype {x.dtype}")
 
 
 def linear(
@@ -57,6 +204,11 @@ def linear(
     Forward and backward run on :func:`tkern.matmul` with fp32 accumulation:
     dgrad ``dY @ W``, wgrad ``dY^T @ X``, dbias summed in fp32, the activation's
     gradient applied in fp32 from the pre-activation saved by the forward pass.
+    Under ``torch.compile`` the GEMMs are the custom ops ``tkern::linear_forward``
+    and ``tkern::mm`` (no graph break); meta tensors get the right output shape
+    and dtype. With ``create_graph=True`` the backward is itself differentiable
+    (computed with torch operations in fp32, so second-order gradients are exact
+    to fp32 rounding).
 
     Args:
         x: (..., K), fp16 or bf16.
@@ -65,10 +217,14 @@ def linear(
         activation: None, ``"relu"`` or ``"gelu"``.
 
     Returns:
-        (..., N) tensor of ``x``'s dtype.
+        (..., N) tensor of ``x``'s dtype. ``K == 0`` gives ``act(bias)`` (zeros
+        without a bias), as ``torch.nn.functional.linear``.
     """
-    check_tensor("weight", weight, ndim=2, dtypes=HALF_DTYPES)
-    check_tensor("x", x, dtypes=(weight.dtype,))
+    if x.is_meta and weight.is_meta and (bias is None or bias.is_meta):
+        _check_meta(x, weight)  # meta tensors run nowhere: shapes and dtypes only, in either mode
+    else:
+        check_tensor("weight", weight, ndim=2, dtypes=HALF_DTYPES)
+        check_tensor("x", x, dtypes=(weight.dtype,))
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"x must have shape (..., {weight.shape[1]}) to match weight of shape "
@@ -77,4 +233,6 @@ def linear(
     check_bias(bias, weight.shape[0], weight.dtype)
     check_activation(activation)
     check_same_device(x=x, weight=weight, bias=bias)
+    if torch.compiler.is_compiling() or x.is_meta or type(x) is not torch.Tensor:
+        return _linear_op(x, weight, bias, activation)
     return _Linear.apply(x, weight, bias, activation)

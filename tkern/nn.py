@@ -11,7 +11,7 @@ from tkern.functional import linear
 from tkern.kernels._common import HALF_DTYPES
 from tkern.kernels.gemm import check_activation
 
-__all__ = ["Linear", "convert_network"]
+__all__ = ["Linear", "convert_network"]  # and Conv1D, once transformers is installed
 
 
 class Linear(nn.Linear):
@@ -21,7 +21,9 @@ class Linear(nn.Linear):
     Parameters have the names and the initialisation of ``nn.Linear``: they are
     drawn in fp32 exactly as ``nn.Linear`` draws them, then cast to ``dtype``.
     A floating-point input of another dtype is cast to the weight's dtype first,
-    as ``torch.autocast`` would.
+    as ``torch.autocast`` would. ``in_features=0`` gives ``act(bias)``, as
+    ``nn.Linear``; on the meta device the forward returns a meta tensor of the
+    right shape and dtype.
 
     Args:
         in_features: K.
@@ -44,17 +46,65 @@ class Linear(nn.Linear):
         check_activation(activation)
         if dtype not in HALF_DTYPES:
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=torch.float32)
+        with warnings.catch_warnings():
+            # nn.Linear(0, n) warns that initialising its empty weight does nothing; so does ours
+            warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+            super().__init__(in_features, out_features, bias=bias, device=device, dtype=torch.float32)
         self.to(dtype)
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_floating_point() and x.dtype != self.weight.dtype:
-            x = x.to(self.weight.dtype)
-        return linear(x, self.weight, self.bias, self.activation)
+        weight = self.weight
+        if x.is_floating_point() and x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        return linear(x, weight, self.bias, self.activation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}, dtype={self.weight.dtype}"
+
+
+def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``Conv1D`` (``x @ weight + bias``, weight stored (in, out))
+    on :func:`tkern.linear`: the transposed weight is read in place."""
+    weight = self.weight
+    if x.is_floating_point() and x.dtype != weight.dtype:
+        x = x.to(weight.dtype)
+    return linear(x, weight.t(), self.bias)
+
+
+def _transformers_conv1d() -> type | None:
+    """transformers' ``Conv1D`` class when transformers is imported, else None
+    (tkern never imports transformers itself)."""
+    import sys
+
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
+
+
+_CONV1D: type | None = None
+
+
+def __getattr__(name: str):
+    # ``tkern.nn.Conv1D`` subclasses transformers' Conv1D, so it exists only once
+    # transformers is importable; created on first use, and found by pickle by name.
+    global _CONV1D
+    if name != "Conv1D":
+        raise AttributeError(f"module 'tkern.nn' has no attribute {name!r}")
+    if _CONV1D is None:
+        from transformers.pytorch_utils import Conv1D as HFConv1D
+
+        _CONV1D = type(
+            "Conv1D",
+            (HFConv1D,),
+            {
+                "__module__": __name__,
+                "__qualname__": "Conv1D",
+                "__doc__": "transformers' GPT-2 ``Conv1D`` (a Linear with a transposed weight) "
+                "whose forward runs on :func:`tkern.linear`; same parameters, names and shapes.",
+                "forward": _conv1d_forward,
+            },
+        )
+    return _CONV1D
 
 
 #: Normalization layers: kept in fp32 (parameters and running statistics), run
@@ -67,6 +117,7 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
 ) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 #: Modules with parameters or buffers that run correctly once cast to fp16/bf16.
+#: Their floating-point inputs are cast to that dtype first, as autocast would.
 CASTABLE_TYPES: tuple[type[nn.Module], ...] = (
     nn.Embedding,
     nn.EmbeddingBag,
@@ -79,7 +130,7 @@ def _cast_floats(value, dtype: torch.dtype):
     """``value`` with every floating-point tensor in it (nested in tuples,
     lists and dicts) cast to ``dtype``."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (tuple, list)):
         return type(value)(_cast_floats(v, dtype) for v in value)
     if isinstance(value, dict):
@@ -87,13 +138,66 @@ def _cast_floats(value, dtype: torch.dtype):
     return value
 
 
+class _CastInputs:
+    """Forward pre-hook: cast the floating-point positional and keyword inputs to
+    ``dtype``. A module-level class, so converted models pickle and deepcopy."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        return _cast_floats(args, self.dtype), _cast_floats(kwargs, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"tkern.nn._CastInputs({self.dtype})"
+
+
+class _CastOutput:
+    """Forward hook: cast the floating-point outputs to ``dtype`` (picklable)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        return _cast_floats(output, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"tkern.nn._CastOutput({self.dtype})"
+
+
+def _remove_tkern_hooks(module: nn.Module) -> None:
+    """Remove the hooks a previous convert_network put on ``module`` (and only those)."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, h in hooks.items() if isinstance(h, (_CastInputs, _CastOutput))]:
+            del hooks[key]
+            for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
+                getattr(module, extra, {}).pop(key, None)
+
+
+def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s own floating-point parameters and buffers (not its
+    children's) to ``dtype`` in place: each Parameter stays the same object, so
+    parameters shared with other modules (tied weights) stay shared."""
+    for p in module._parameters.values():
+        if p is not None and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            if p.grad is not None:
+                p.grad = p.grad.to(dtype)
+    for name, b in module._buffers.items():
+        if b is not None and b.is_floating_point() and b.dtype != dtype:
+            module._buffers[name] = b.to(dtype)
+
+
+def _cast_tree(module: nn.Module, dtype: torch.dtype) -> None:
+    for m in module.modules():
+        _cast_own(m, dtype)
+
+
 def _run_in_fp32(module: nn.Module, dtype: torch.dtype) -> None:
     """Keep ``module`` in fp32: its inputs are cast to fp32 and its outputs to ``dtype``."""
-    module.float()
-    module.register_forward_pre_hook(
-        lambda m, args, kwargs: (_cast_floats(args, torch.float32), kwargs), with_kwargs=True
-    )
-    module.register_forward_hook(lambda m, args, out: _cast_floats(out, dtype))
+    _cast_tree(module, torch.float32)
+    module.register_forward_pre_hook(_CastInputs(torch.float32), with_kwargs=True)
+    module.register_forward_hook(_CastOutput(dtype))
 
 
 def _owns_tensors(module: nn.Module) -> bool:
@@ -102,61 +206,119 @@ def _owns_tensors(module: nn.Module) -> bool:
     )
 
 
-def _linear_like(old: nn.Linear, dtype: torch.dtype) -> Linear:
-    new = Linear(
-        old.in_features, old.out_features, bias=old.bias is not None, dtype=dtype, device=old.weight.device
-    )
-    with torch.no_grad():
-        new.weight.copy_(old.weight)
-        new.weight.requires_grad_(old.weight.requires_grad)
-        if old.bias is not None:
-            new.bias.copy_(old.bias)
-            new.bias.requires_grad_(old.bias.requires_grad)
-    new.train(old.training)
-    return new
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    hf = _transformers_conv1d()
+    return hf is not None and type(module) is hf
+
+
+def _check_convertible_back(model: nn.Module) -> None:
+    for path, m in model.named_modules():
+        if isinstance(m, Linear) and m.activation is not None:
+            raise ValueError(
+                f"convert_network(model, torch.float32): {path or 'the model'} is a tkern.nn.Linear with "
+                f"activation={m.activation!r} fused in, which nn.Linear cannot express; nothing was changed"
+            )
+
+
+def _convert_back(module: nn.Module) -> None:
+    """Undo :func:`convert_network`: plain fp32 modules, tkern's hooks removed."""
+    for m in module.modules():
+        _remove_tkern_hooks(m)
+        if type(m) is Linear:
+            del m.activation
+            m.__class__ = nn.Linear
+        elif _CONV1D is not None and type(m) is _CONV1D:
+            m.__class__ = _CONV1D.__bases__[0]
+    _cast_tree(module, torch.float32)
 
 
 def convert_network(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.Module:
     """Convert ``model`` in place for mixed-precision training, and return it.
 
-    * every ``nn.Linear`` becomes a :class:`tkern.nn.Linear` with the same
-      weights, in ``dtype``;
+    * every ``nn.Linear`` becomes a :class:`tkern.nn.Linear` (and transformers'
+      GPT-2 ``Conv1D`` a :class:`tkern.nn.Conv1D`) with the same parameters in
+      ``dtype``: the Parameter objects are kept (cast in place), so names,
+      shapes, hooks and weights shared between modules (an output layer tied to
+      an embedding) stay as they were;
     * normalization layers (:data:`NORM_TYPES`) keep fp32 parameters and
       statistics and run on their input cast to fp32, returning ``dtype``;
     * other modules that own parameters or buffers and are known to run in
-      half precision (:data:`CASTABLE_TYPES`) are cast to ``dtype``; modules
-      that own none (activations, dropout, containers) need nothing;
-    * any other module that owns parameters or buffers is left in fp32, run
-      like a normalization layer, with a warning.
+      half precision (:data:`CASTABLE_TYPES`: embeddings, convolutions) are cast
+      to ``dtype`` and get their floating-point inputs cast to ``dtype``, as
+      autocast would (an fp32 image into a converted CNN works);
+      modules that own none (activations, dropout, containers) need nothing;
+    * any other module that owns parameters or buffers keeps its own tensors in
+      fp32; a leaf of that kind also runs on inputs cast to fp32 with its output
+      cast to ``dtype``, while the children of one that has children are still
+      converted. One warning per module type names the modules affected.
+
+    Converting twice is the same as converting once. ``dtype=torch.float32``
+    converts back: plain ``nn.Linear`` (and ``Conv1D``) modules, every parameter
+    and buffer in fp32, tkern's hooks removed.
+
+    Every hook is an instance of a module-level class, so a converted model can
+    be pickled (``torch.save(model)``) and deep-copied.
 
     Args:
-        model: the fp32 model.
-        dtype: torch.float16 (default) or torch.bfloat16.
+        model: the model (fp32, or converted before).
+        dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
+
+    Raises:
+        TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it
+            cannot be replaced in place; wrap it), or ``dtype`` is another dtype.
+        ValueError: converting back a :class:`tkern.nn.Linear` with a fused
+            activation (nothing is changed).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if dtype not in HALF_DTYPES:
-        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    if dtype not in (*HALF_DTYPES, torch.float32):
+        raise TypeError(
+            f"dtype must be torch.float16 or torch.bfloat16 (or torch.float32 to convert back), got {dtype}"
+        )
     if type(model) is nn.Linear:
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; wrap it in a module")
+    if dtype == torch.float32:
+        _check_convertible_back(model)
+        _convert_back(model)
+        return model
 
-    def convert(module: nn.Module, path: str) -> nn.Module:
+    kept: dict[type, list[str]] = {}
+
+    def convert(module: nn.Module, path: str) -> None:
+        _remove_tkern_hooks(module)  # converting again replaces, never stacks, the hooks
         if type(module) is nn.Linear:
-            return _linear_like(module, dtype)
-        if isinstance(module, (Linear, *CASTABLE_TYPES)):
-            return module.to(dtype)
-        if isinstance(module, NORM_TYPES):
-            _run_in_fp32(module, dtype)
-        elif _owns_tensors(module):
-            warnings.warn(
-                f"convert_network: {path or 'the model'} ({type(module).__name__}) is not a type tkern "
-                f"knows to run in {dtype}; it is kept in fp32 with its inputs cast to fp32",
-                stacklevel=3,
-            )
+            module.__class__ = Linear
+            module.activation = None
+            _cast_own(module, dtype)
+        elif isinstance(module, Linear):
+            _cast_own(module, dtype)
+        elif _is_hf_conv1d(module) or (_CONV1D is not None and type(module) is _CONV1D):
+            module.__class__ = __getattr__("Conv1D")
+            _cast_own(module, dtype)
+        elif isinstance(module, CASTABLE_TYPES):
+            _cast_tree(module, dtype)
+            module.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True)
+        elif isinstance(module, NORM_TYPES):
             _run_in_fp32(module, dtype)
         else:
-            for name, child in module.named_children():
-                setattr(module, name, convert(child, f"{path}.{name}" if path else name))
-        return module
+            children = list(module.named_children())
+            if _owns_tensors(module):
+                kept.setdefault(type(module), []).append(path or "the model")
+                if not children:
+                    _run_in_fp32(module, dtype)
+                    return
+                _cast_own(module, torch.float32)
+            for name, child in children:
+                convert(child, f"{path}.{name}" if path else name)
 
-    return convert(model, "")
+    convert(model, "")
+    for cls, paths in kept.items():
+        shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        verb = "is" if len(paths) == 1 else "are"
+        warnings.warn(
+            f"convert_network: {shown} ({cls.__name__}) {verb} not a type tkern knows to run in {dtype}; "
+            "its own parameters and buffers are kept in fp32 (a leaf module runs on its inputs cast "
+            "to fp32, a module with children has its children converted)",
+            stacklevel=2,
+        )
+    return model

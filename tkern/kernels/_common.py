@@ -3,10 +3,14 @@ configuration helpers and the few ``@triton.jit`` helpers whose behaviour must
 not depend on whether Triton runs compiled or interpreted.
 
 Triton's interpreter (``TRITON_INTERPRET=1``) runs every kernel on CPU tensors,
-so the whole library works and is tested on machines without a GPU. It must be
-switched on before triton is first imported (``triton.language`` decorates its
-own helpers then), which is why this module sets it on import, refuses to
-start when triton came first, and why every kernel module imports it first.
+so the whole library works and is tested on machines without a GPU. ``triton.jit``
+picks interpreter or compiler when it decorates, so the mode is chosen here,
+before any tkern kernel is decorated (every kernel module imports this one
+first). When triton was imported before tkern on a machine without CUDA (by
+``import lightning``, ``torch.compile``, a transformers model, or the user),
+``triton.language``'s own ``@triton.jit`` helpers (``tl.sum``, ``tl.max``,
+``tl.cdiv``, ...) were decorated for the compiler; :func:`_interpret_triton_language`
+re-wraps them as the interpreter would have, so the import order does not matter.
 
 What the interpreter gets wrong, and where tkern handles it (all here):
 
@@ -25,26 +29,60 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 
 import torch
 
+_TRITON_FIRST = "triton" in sys.modules
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    if "triton" in sys.modules:
-        # triton.language's own helpers (tl.sum, tl.max, ...) were decorated
-        # for the compiler when triton was imported; the interpreter cannot
-        # call them, and every kernel would fail deep inside Triton.
-        raise ImportError(
-            "tkern: there is no CUDA device, so tkern runs Triton's interpreter, which must be "
-            "switched on before triton is first imported; import tkern before triton, or set "
-            "TRITON_INTERPRET=1 in the environment"
-        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402  (the mode above must be chosen before triton.jit runs)
 import triton.language as tl  # noqa: E402
 
+
+def _interpret_triton_language() -> int:
+    """Re-wrap every ``@triton.jit`` helper that triton's own modules decorated for
+    the compiler as an interpreted function, wherever triton keeps a reference to
+    it (module attributes and ``tl.tensor``'s member functions); the same object
+    replaces every reference, so identity checks inside the interpreter
+    (``combine_fn is tl.standard._sum_combine``) still hold. Returns how many
+    helpers were re-wrapped. A no-op when nothing was decorated for the compiler."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    wrapped: dict[int, object] = {}
+
+    def interpreted(value):
+        if id(value) not in wrapped:
+            wrapped[id(value)] = InterpretedFunction(value.fn)
+        return wrapped[id(value)]
+
+    owners = [m for n, m in list(sys.modules.items()) if m is not None and n.split(".")[0] == "triton"]
+    for owner in [*owners, tl.tensor]:
+        for name, value in list(vars(owner).items()):
+            if isinstance(value, JITFunction):
+                setattr(owner, name, interpreted(value))
+    return len(wrapped)
+
+
 #: True when kernels run through Triton's interpreter on the CPU.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+if INTERPRET and _TRITON_FIRST:
+    _interpret_triton_language()
+
+if INTERPRET:
+    # numpy, which runs the interpreter's arithmetic, reports fp16 overflow (and
+    # NaN/inf) in its casts; loss scaling provokes exactly that overflow on purpose,
+    # and the fused kernels detect it and skip the step. Such a warning says nothing
+    # to a user, so it is silenced where the interpreter raises it, and only there.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"(overflow|invalid value) encountered",
+        category=RuntimeWarning,
+        module=r"triton\.runtime\.interpreter",
+    )
 
 # The same flag, visible inside @triton.jit functions.
 IS_INTERPRETER = tl.constexpr(INTERPRET)
