@@ -8,7 +8,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-fast lint format bench info clean
+.PHONY: demo test test-fast compile-gate lint format bench info clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n auto tests
+
+# The ahead-of-time compile gate: every kernel compiled for sm_90 and sm_80 on the
+# CPU, under the installed triton and 3.6 (the GPU machines' version).
+compile-gate: $(VENV)/.installed
+	PYTHON=$(PY) bash benchmarks/ci_compile_gate.sh
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" tests
