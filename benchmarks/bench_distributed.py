@@ -173,6 +173,9 @@ def _rank_main(rank: int, world: int, port: int, smoke: bool, iters: int, out: s
     finally:
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
+        # Tear down together: a gloo rank whose peer closed the connection first can
+        # abort in C++ ("terminate called without an active exception"), seen in CI.
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -419,6 +419,7 @@ def _rank_main(rank, world, port, out_dir):
             results[mode] = {"scales": scales, "skipped": skipped, "param": p.detach().cpu().clone()}
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     finally:
+        dist.barrier()  # tear down together: a gloo rank whose peer left first can abort
         dist.destroy_process_group()
 
 

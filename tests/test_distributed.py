@@ -371,6 +371,7 @@ def _worker(rank, world, port, out_dir, names):
             results[name + "_s"] = time.perf_counter() - start
     finally:
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+        dist.barrier()  # tear down together: a gloo rank whose peer left first can abort
         dist.destroy_process_group()
 
 

@@ -186,6 +186,7 @@ def _ddp_rank(rank, world, port, out_dir):
         opt.step()
         torch.save([p.detach().cpu() for p in model.parameters()], os.path.join(out_dir, f"{rank}.pt"))
     finally:
+        dist.barrier()  # tear down together: a gloo rank whose peer left first can abort
         dist.destroy_process_group()
 
 
