@@ -158,7 +158,7 @@ def _train(args: argparse.Namespace) -> int:
             how = "NCCL" if demo.default_device().type == "cuda" else "gloo"
             print(
                 f"tkern run: data-parallel on {args.nproc} processes ({how}), sharded {args.optimizer}, "
-                f"batch {args.batch_size // args.nproc} per process"
+                f"batch {args.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
             )
         print(demo.table(results))
         if args.plot:
