@@ -130,6 +130,13 @@ def _train(args: argparse.Namespace) -> int:
         _check_writable("--checkpoint", args.checkpoint)
         if args.only and args.only != "tkern":
             raise UsageError(f"--checkpoint applies to the tkern run, but --only {args.only} leaves it out")
+    if args.nproc > 1 and args.batch_size < args.nproc:
+        raise UsageError(
+            f"--nproc: {args.nproc} processes split each batch of --batch-size {args.batch_size}; "
+            f"use a --batch-size of at least {args.nproc}"
+        )
+    if args.nproc > 1 and "tkern" not in ((args.only,) if args.only else demo.RUNS):
+        raise UsageError(f"--nproc applies to the tkern run, but --only {args.only} leaves it out")
     runs = (args.only,) if args.only else demo.RUNS
     cfg = demo.Config(
         epochs=args.epochs,
@@ -143,9 +150,16 @@ def _train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         checkpoint=args.checkpoint,
         resume=args.resume,
+        nproc=args.nproc,
     )
     try:
         results = demo.compare(cfg)
+        if args.nproc > 1:
+            how = "NCCL" if demo.default_device().type == "cuda" else "gloo"
+            print(
+                f"tkern run: data-parallel on {args.nproc} processes ({how}), sharded {args.optimizer}, "
+                f"batch {args.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
+            )
         print(demo.table(results))
         if args.plot:
             demo.plot(results, args.plot)
@@ -154,6 +168,8 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     except CheckpointError as e:  # the tkern run loads it before anything trains
         raise UsageError(f"--resume: {e}") from None
+    except demo.NprocError as e:
+        raise UsageError(f"--nproc: {e}") from None
     except OSError as e:
         if args.checkpoint and e.filename == args.checkpoint:
             raise UsageError(f"--checkpoint: {e.strerror}: {args.checkpoint!r}") from None
@@ -214,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint", metavar="PATH", help="save the tkern run's checkpoint here after each epoch"
     )
     train.add_argument("--resume", metavar="PATH", help="start the tkern run from this checkpoint")
+    train.add_argument(
+        "--nproc",
+        type=_positive,
+        default=d.nproc,
+        metavar="N",
+        help="train the tkern run data-parallel on N local processes (gloo on the CPU, NCCL on N GPUs) "
+        "with the sharded optimizer: each process trains on every N-th sample with a batch of "
+        "batch-size // N, so a step still sees batch-size samples; the fp32 and autocast runs stay "
+        "in one process; 1: no processes started",
+    )
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train)
 

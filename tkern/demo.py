@@ -6,19 +6,39 @@ same initial weights, with a side-by-side table:
   master weights + a device-side loss scaler;
 * ``fp32``: plain torch in fp32;
 * ``autocast``: torch.autocast(fp16) + torch.amp.GradScaler + torch.optim.AdamW.
+
+With ``Config.nproc`` = N > 1 the ``tkern`` run is data-parallel on N local
+processes (gloo on the CPU, NCCL on N GPUs) with the sharded optimizer
+(:mod:`tkern.optim.distributed`): each rank trains on every N-th training
+sample with a batch of ``batch_size // N``, so one optimizer step still sees
+``batch_size`` samples; rank 0 evaluates, prints and writes files. The fp32 and
+autocast runs stay in this process.
 """
 
 from __future__ import annotations
 
 import copy
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 import tkern
-from tkern.optim import FusedAdam, FusedAdamW, FusedSGD
-from tkern.trainer import Trainer
+from tkern.optim import (
+    DistributedFusedAdam,
+    DistributedFusedAdamW,
+    DistributedFusedSGD,
+    FusedAdam,
+    FusedAdamW,
+    FusedSGD,
+)
+from tkern.trainer import CheckpointError, Trainer
 
 RUNS = ("tkern", "fp32", "autocast")
 OPTIMIZERS = {
@@ -26,6 +46,8 @@ OPTIMIZERS = {
     "adam": (FusedAdam, torch.optim.Adam),
     "sgd": (FusedSGD, torch.optim.SGD),
 }
+#: the sharded (ZeRO-2) optimizer of each, for the data-parallel tkern run
+SHARDED = {"adamw": DistributedFusedAdamW, "adam": DistributedFusedAdam, "sgd": DistributedFusedSGD}
 #: Each optimizer's own defaults for the demo: Adam(W) at 3e-3; SGD needs a
 #: larger step and momentum (at Adam's 3e-3 without momentum it stays near
 #: chance, 11.7%, after 10 epochs; with these it reaches ~97%).
@@ -45,6 +67,15 @@ class MissingExtraError(RuntimeError):
     """An optional dependency the demo needs is not installed."""
 
 
+class NprocError(ValueError):
+    """``Config.nproc`` asks for more GPUs than this machine has."""
+
+
+def default_device() -> torch.device:
+    """The GPU when there is one and tkern compiles its kernels, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() and not tkern.INTERPRET else "cpu")
+
+
 @dataclass
 class Config:
     epochs: int = 10
@@ -58,6 +89,7 @@ class Config:
     progress: bool = True
     checkpoint: str | None = None  # the tkern run saves a checkpoint here after each epoch
     resume: str | None = None  # the tkern run starts from this checkpoint
+    nproc: int = 1  # > 1: the tkern run is data-parallel on this many local processes
 
 
 @dataclass
@@ -104,10 +136,14 @@ def _loader(x, y, batch_size, shuffle):
     )
 
 
-def build(name: str, base: nn.Module, cfg: Config, device: torch.device):
-    """(model, optimizer, scaler, autocast dtype) for one of the three runs."""
+def build(name: str, base: nn.Module, cfg: Config, device: torch.device, sharded: bool = False):
+    """(model, optimizer, scaler, autocast dtype) for one of the three runs; with
+    ``sharded`` (a process group is initialised) the tkern run's optimizer is the
+    sharded one."""
     model = copy.deepcopy(base)
     fused_cls, torch_cls = OPTIMIZERS[cfg.optimizer]
+    if sharded:
+        fused_cls = SHARDED[cfg.optimizer]
     hyper = dict(OPTIMIZER_DEFAULTS[cfg.optimizer])
     if cfg.lr is not None:
         hyper["lr"] = cfg.lr
@@ -121,41 +157,139 @@ def build(name: str, base: nn.Module, cfg: Config, device: torch.device):
     return model, opt, torch.amp.GradScaler(device.type), torch.float16
 
 
-def run_one(name: str, base: nn.Module, data, cfg: Config, device: torch.device) -> Result:
+def run_one(
+    name: str, base: nn.Module, data, cfg: Config, device: torch.device, rank: int = 0, world: int = 1
+) -> Result | None:
+    """Train and evaluate one run. With ``world`` > 1 (a process group of that many
+    ranks is initialised) this is rank ``rank`` of the data-parallel tkern run: it
+    trains on every ``world``-th sample (the first ``len // world * world``, so every
+    rank takes the same number of steps) with a batch of ``batch_size // world``;
+    rank 0 returns the Result (its per-step losses averaged over the ranks), the
+    others None."""
     (xt, yt), (xv, yv) = data
-    model, opt, scaler, autocast_dtype = build(name, base, cfg, device)
+    batch_size = cfg.batch_size
+    if world > 1:
+        n = len(xt) // world * world
+        xt, yt = xt[:n][rank::world], yt[:n][rank::world]
+        batch_size = max(cfg.batch_size // world, 1)
+    model, opt, scaler, autocast_dtype = build(name, base, cfg, device, sharded=world > 1)
     trainer = Trainer(
-        model, opt, nn.functional.cross_entropy, scaler, autocast_dtype=autocast_dtype, progress=cfg.progress
+        model,
+        opt,
+        nn.functional.cross_entropy,
+        scaler,
+        autocast_dtype=autocast_dtype,
+        progress=cfg.progress and rank == 0,
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(cfg.seed)
-    loader = _loader(xt, yt, cfg.batch_size, True)
+    torch.manual_seed(cfg.seed + rank)  # each rank its own shuffles
+    loader = _loader(xt, yt, batch_size, True)
     if name == "tkern" and cfg.resume:
         trainer.load_checkpoint(cfg.resume)
     trainer.fit(loader, cfg.epochs, checkpoint_path=cfg.checkpoint if name == "tkern" else None)
+    losses = [h["loss"] for h in trainer.history]
+    train_loss = trainer.epochs[-1]["train_loss"]
+    if world > 1:  # each rank's losses are its own batches': report their mean over the ranks
+        import torch.distributed as dist
+
+        mean = torch.tensor(losses, dtype=torch.float64, device=device)
+        dist.all_reduce(mean)
+        losses = (mean / world).tolist()
+        last = [x for x, h in zip(losses, trainer.history, strict=True) if h["epoch"] == trainer.epoch]
+        train_loss = sum(last) / max(len(last), 1)
+        if rank != 0:
+            return None
     metrics = trainer.evaluate(_loader(xv, yv, 512, False))
     mem = trainer.memory_report()
     scales = [h["scale"] for h in trainer.history if h["scale"] is not None]
     return Result(
         name=name,
-        train_loss=trainer.epochs[-1]["train_loss"],
+        train_loss=train_loss,
         val_accuracy=metrics["val_accuracy"],
         step_time_ms=1e3 * sum(e["step_time_s"] for e in trainer.epochs) / len(trainer.epochs),
         peak_memory_bytes=mem["total"],
         skipped_steps=trainer.skipped_steps if scaler is not None else None,
         final_scale=scales[-1] if scales else None,
-        losses=[h["loss"] for h in trainer.history],
+        losses=losses,
     )
 
 
 def compare(cfg: Config, device: torch.device | None = None) -> list[Result]:
     """Train the digits MLP once per run in ``cfg.runs``, from the same initial weights."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() and not tkern.INTERPRET else "cpu")
+    device = device or default_device()
+    if cfg.nproc > 1 and device.type == "cuda" and cfg.nproc > torch.cuda.device_count():
+        raise NprocError(
+            f"{cfg.nproc} processes need as many GPUs; this machine has {torch.cuda.device_count()}"
+        )
     data = load_digits(cfg.seed, device)
     torch.manual_seed(cfg.seed)
     base = make_mlp(64, cfg.hidden, 10).to(device)
-    return [run_one(name, base, data, cfg, device) for name in cfg.runs]
+    return [
+        run_parallel(base, data, cfg, device) if name == "tkern" and cfg.nproc > 1 else
+        run_one(name, base, data, cfg, device)
+        for name in cfg.runs
+    ]  # fmt: skip
+
+
+#: what a rank of the data-parallel run reports to the parent instead of a traceback
+_EXPECTED_ERRORS = (CheckpointError, OSError)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, base, data, cfg: Config, device_type: str, out: str):
+    """One rank of the data-parallel tkern run (started by :func:`run_parallel`)."""
+    import torch.distributed as dist
+
+    # as the command: Triton's interpreter casts through numpy, which warns on fp16 overflows
+    warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(minutes=10),
+    )
+    try:
+        data = tuple((x.to(device), y.to(device)) for x, y in data)
+        outcome: tuple[str, object] = (
+            "ok",
+            run_one("tkern", base.to(device), data, cfg, device, rank, world),
+        )
+    except _EXPECTED_ERRORS as e:  # every rank meets them alike (the same file); rank 0 reports
+        outcome = ("error", e)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "wb") as f:
+            pickle.dump(outcome, f)
+
+
+def run_parallel(base: nn.Module, data, cfg: Config, device: torch.device) -> Result:
+    """The tkern run data-parallel on ``cfg.nproc`` local processes (see :func:`run_one`)."""
+    import torch.multiprocessing as mp
+
+    cpu_data = tuple((x.cpu(), y.cpu()) for x, y in data)
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "rank0.pkl")
+        mp.spawn(
+            _rank_main,
+            args=(cfg.nproc, _free_port(), copy.deepcopy(base).cpu(), cpu_data, cfg, device.type, out),
+            nprocs=cfg.nproc,
+        )
+        with open(out, "rb") as f:
+            status, value = pickle.load(f)
+    if status == "error":
+        raise value
+    return value
 
 
 def table(results: list[Result]) -> str:

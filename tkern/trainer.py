@@ -26,6 +26,7 @@ from contextlib import contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tkern.amp import LossScaler
@@ -319,6 +320,14 @@ class Trainer:
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
+    def _process_group(self) -> tuple[Any, int, int]:
+        """(group, rank, world size) of a sharded optimizer's process group
+        (:mod:`tkern.optim.distributed`), or (None, 0, 1) for any other optimizer."""
+        group = getattr(self.optimizer, "_zero_group", None)
+        if group is None or not dist.is_available() or not dist.is_initialized():
+            return None, 0, 1
+        return group, dist.get_rank(group), dist.get_world_size(group)
+
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Save model, optimizer (fp32 master and state), scaler, scheduler,
         epoch, step, history and RNG states.
@@ -332,12 +341,40 @@ class Trainer:
         SHA-256 digest that :meth:`load_checkpoint` checks, and loads with
         ``torch.load(path, weights_only=True)``. A failed write (a full disk)
         raises ``OSError`` naming ``path``.
+
+        With a sharded optimizer (:class:`~tkern.optim.DistributedFusedAdamW`
+        and its kin) this is a collective: every rank of the optimizer's process
+        group must call it (it gathers the full optimizer state and every rank's
+        RNG state), rank 0 of the group writes the file, the others do not, and
+        no rank returns before the file is complete; a failed write raises on
+        every rank (``OSError`` naming ``path``). The history saved is rank 0's
+        (each rank's losses are those of its own micro-batches).
         """
         path = os.fspath(path)
-        if os.path.isdir(path):
-            raise IsADirectoryError(errno.EISDIR, "the checkpoint path is a directory", path)
-        target = os.path.realpath(path)
-        folder, base = os.path.split(target)
+        group, rank, world = self._process_group()
+        payload = self._payload(group, world)  # a collective with a sharded optimizer
+        if group is None:
+            self._write_checkpoint(payload, path)
+            return
+        error: BaseException | None = None
+        if rank == 0:
+            try:
+                self._write_checkpoint(payload, path)
+            except BaseException as e:  # told to the other ranks, then raised here
+                error = e
+        # rank 0's outcome; also the barrier after which the file is complete for every rank
+        outcome: list[Any] = [None if error is None else (getattr(error, "errno", None), str(error))]
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+        if error is not None:
+            raise error
+        if outcome[0] is not None:
+            code, message = outcome[0]
+            raise OSError(code, f"rank 0 could not save the checkpoint: {message}", path)
+
+    def _payload(self, group: Any, world: int) -> dict[str, Any]:
+        """The checkpoint's contents with its digest. With a process group every
+        rank's RNG state is gathered too (``rng_ranks``): ranks may draw different
+        shuffles and dropout masks."""
         payload: dict[str, Any] = {
             "format": CHECKPOINT_FORMAT,
             "version": CHECKPOINT_VERSION,
@@ -354,7 +391,18 @@ class Trainer:
             "epochs": self.epochs,
             "rng": self._rng_state(),
         }
+        if group is not None:
+            ranks: list[Any] = [None] * world
+            dist.all_gather_object(ranks, payload["rng"], group=group)
+            payload["rng_ranks"] = ranks
         payload["sha256"] = _digest(payload)  # also checks that weights_only can load every entry
+        return payload
+
+    def _write_checkpoint(self, payload: dict[str, Any], path: str) -> None:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "the checkpoint path is a directory", path)
+        target = os.path.realpath(path)
+        folder, base = os.path.split(target)
         _remove_stale_temporaries(folder, base)
         try:
             mode = stat.S_IMODE(os.stat(target).st_mode)
@@ -394,6 +442,13 @@ class Trainer:
         the scheduler's presence, class and contents) before anything is
         changed: a bad checkpoint raises :class:`CheckpointError` (a
         ``ValueError``) and leaves the trainer as it was.
+
+        With a sharded optimizer every rank calls it and reads the whole file;
+        the optimizer keeps its shard of the full state (so a checkpoint saved
+        at one world size, or by the single-process optimizer of the same kind,
+        resumes at another: ``FusedAdamW`` and ``DistributedFusedAdamW``
+        checkpoints load into each other). Each rank restores its own RNG state
+        when the checkpoint was saved by as many ranks, else rank 0's.
         """
         path = os.fspath(path)
         if not os.path.isfile(path):
@@ -417,6 +472,10 @@ class Trainer:
         self.epoch, self.step = payload["epoch"], payload["step"]
         self.history, self.epochs = payload["history"], payload["epochs"]
         rng = payload["rng"]
+        group, rank, world = self._process_group()
+        ranks = payload.get("rng_ranks")
+        if group is not None and isinstance(ranks, list) and len(ranks) == world:
+            rng = ranks[rank]
         torch.set_rng_state(rng["torch"].cpu())
         random.setstate(rng["python"])
         if "numpy" in rng:
@@ -463,7 +522,7 @@ class Trainer:
                 fail(f"does not fit this model: {key} is {got} in the checkpoint, {tuple(value.shape)} here")
         # the optimizer: same class, same groups
         opt_class = type(self.optimizer).__name__
-        if payload["optimizer_class"] != opt_class:
+        if _optimizer_kind(payload["optimizer_class"]) != _optimizer_kind(opt_class):
             fail(f"holds a {payload['optimizer_class']} optimizer's state, not a {opt_class}'s")
         groups = payload["optimizer"].get("param_groups") if isinstance(payload["optimizer"], dict) else None
         if not isinstance(groups, list) or len(groups) != len(self.optimizer.param_groups):
@@ -499,6 +558,12 @@ class Trainer:
         rng = payload["rng"]
         if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor) or "python" not in rng:
             fail("has a bad RNG state")
+        ranks = payload.get("rng_ranks")
+        if ranks is not None and not (
+            isinstance(ranks, list)
+            and all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) for r in ranks)
+        ):
+            fail("has a bad per-rank RNG state")
 
 
 CHECKPOINT_FORMAT = "tkern.Trainer checkpoint"
@@ -517,6 +582,14 @@ _PAYLOAD_KEYS = (
     "epochs",
     "rng",
 )
+
+
+def _optimizer_kind(name: Any) -> Any:
+    """A sharded optimizer's checkpoint holds the full state in its single-process
+    kin's format: ``DistributedFusedAdamW`` and ``FusedAdamW`` are one kind."""
+    if isinstance(name, str) and name.startswith("DistributedFused"):
+        return name.removeprefix("Distributed")
+    return name
 
 
 class CheckpointError(ValueError):
