@@ -188,7 +188,6 @@ class FlatParams:
         self.steps = [torch.zeros(1, dtype=torch.float32, device=self.device)]
         self._ptrs = [p.data_ptr() for p in params]
         self._versions: list[int] | None = [p._version for p in params]
-        self._hooks: list = []
         self._attach()
 
     # ------------------------------------------------------------- layout
@@ -237,14 +236,8 @@ class FlatParams:
         """Register the gradient hooks and make the flat views the params' ``.grad``."""
         for i, p in enumerate(self.params):
             if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(_AdoptGrad(self, i)))
+                p.register_post_accumulate_grad_hook(_AdoptGrad(self, i))
                 p.grad = self.grad_views[i]
-
-    def detach_hooks(self) -> None:
-        """Remove the gradient hooks (before the params leave this buffer)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     def adopt_grad(self, i: int, p: torch.Tensor) -> None:
         """Called by the hook after autograd accumulated param ``i``'s gradient."""
@@ -393,16 +386,10 @@ class FlatParams:
             p = self.param[self.lo : self.hi]
             torch.where(self.master.to(self.dtype) == p, self.master, p.float(), out=self.master)
 
-    def copy_master_to_params(self) -> None:
-        """Write this rank's fp32 master shard, rounded to nearest even, into the params."""
-        if self.dtype != torch.float32:
-            with torch.no_grad():
-                self.param[self.lo : self.hi].copy_(self.master)
-
     # ------------------------------------------------------------- copies
 
     def __getstate__(self) -> dict:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_hooks", "param_views", "grad_views")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("param_views", "grad_views")}
         state["_plan"] = None
         return state
 
@@ -417,5 +404,4 @@ class FlatParams:
             p.data = self.param_views[i]
         self._ptrs = [p.data_ptr() for p in self.params]
         self._versions = [p._version for p in self.params]
-        self._hooks = []
         self._attach()

@@ -437,7 +437,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 f"this optimizer has {len(self.param_groups)}"
             )
         saved_state = state_dict["state"]
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, value)
+        loaded: dict[tuple[int, str, int], torch.Tensor] = {}  # (id(flat), name, index) -> value
         new_groups = []
         steps: dict[int, list[float]] = {}  # id(flat) -> step per param
         for gi, (mine, saved) in enumerate(zip(self.param_groups, groups, strict=True)):
@@ -484,9 +484,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
                                 f"loaded {name!r} of {describe_param(gi, flat.indices[i], p)} has shape "
                                 f"{tuple(value.shape)}, expected {tuple(p.shape)}"
                             )
-                        copies.append((flat, name, i, value))
+                        loaded[id(flat), name, i] = value
                 steps[id(flat)] = flat_steps
-        loaded = {(id(flat), name, i): value for flat, name, i, value in copies}
         with torch.no_grad():
             for mine, group in zip(self.param_groups, new_groups, strict=True):
                 mine.update(group)
