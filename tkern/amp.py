@@ -56,11 +56,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tkern.kernels import scale as K
-from tkern.kernels.overflow import AMAX, FOUND_INF, N_STATS, SUMSQ
-from tkern.optim import _FusedOptimizer
+from tkern.kernels.overflow import AMAX, FOUND_INF, N_STATS, SUMSQ, combine_stats
+from tkern.optim import FusedOptimizer
 
 __all__ = ["DynamicLossScaler", "LogNormalLossScaler", "LossScaler", "StaticLossScaler"]
 
@@ -302,14 +301,13 @@ class LossScaler:
         self._check_iteration(optimizer, "step")
         if id(optimizer) in self._stepped:
             raise RuntimeError("step() has already been called since the last update()")
-        if isinstance(optimizer, _FusedOptimizer):
-            state = self._lazy_state(optimizer._device)
+        if isinstance(optimizer, FusedOptimizer):
+            state = self._lazy_state(optimizer.device)
             inv_scale = None if id(optimizer) in self._unscaled else state[K.INV_SCALE : K.INV_SCALE + 1]
             result = optimizer.step(*args, inv_scale=inv_scale, **kwargs)
             stats = optimizer.grad_stats
             if self.process_group is not None:
-                stats = stats.clone()
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.process_group)
+                stats = combine_stats(stats.clone(), self.process_group)
         else:
             if id(optimizer) not in self._unscaled:
                 self.unscale_(optimizer)
@@ -329,8 +327,7 @@ class LossScaler:
                         [norm(v, float("inf"), dtype=torch.float32) for v in values]
                     ).max()
                     stats[SUMSQ] = torch.stack([norm(v, 2, dtype=torch.float32) ** 2 for v in values]).sum()
-                if self.process_group is not None:
-                    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.process_group)
+                stats = combine_stats(stats, self.process_group)
             result = None
             if stats[FOUND_INF].item() == 0.0:  # the fallback's one host sync
                 result = optimizer.step(*args, **kwargs)

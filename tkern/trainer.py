@@ -323,7 +323,7 @@ class Trainer:
     def _process_group(self) -> tuple[Any, int, int]:
         """(group, rank, world size) of a sharded optimizer's process group
         (:mod:`tkern.optim.distributed`), or (None, 0, 1) for any other optimizer."""
-        group = getattr(self.optimizer, "_zero_group", None)
+        group = getattr(self.optimizer, "shard_group", None)
         if group is None or not dist.is_available() or not dist.is_initialized():
             return None, 0, 1
         return group, dist.get_rank(group), dist.get_world_size(group)

@@ -18,6 +18,7 @@ the one place that knows its layout.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -168,3 +169,38 @@ def found_inf(stats_ptr):
 def grad_amax(stats_ptr):
     """max |g * inv_scale| over the finite gradients."""
     return tl.load(stats_ptr + _AMAX)
+
+
+def combine_stats(stats: torch.Tensor, group=None, *, sharded: bool = False) -> torch.Tensor:
+    """The statistics every rank of ``group`` steps with; the one place that
+    knows how ranks combine them.
+
+    Args:
+        stats: (N_STATS,) fp32 statistics of this rank's gradients.
+        group: a torch.distributed process group, or None (single process:
+            ``stats`` is returned as it is).
+        sharded: False when every rank read the same (replicated) gradients:
+            the ranks agree on the elementwise max, in place. True when each
+            rank read its own shard (ZeRO-2): one all-gather of the (W, N_STATS)
+            rows, reduced in rank order (found_inf and max|g| by max, the sum
+            of squares summed), so every rank computes bit-identical values.
+
+    Returns:
+        (N_STATS,) fp32 statistics, identical on every rank.
+    """
+    if group is None:
+        return stats
+    if not sharded:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+        return stats
+    world = dist.get_world_size(group)
+    if world == 1:
+        return stats
+    rows = torch.empty((world, N_STATS), dtype=torch.float32, device=stats.device)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(rows.view(-1), stats, group=group)
+    out = torch.empty_like(stats)
+    out[FOUND_INF] = rows[:, FOUND_INF].amax()
+    out[SUMSQ] = rows[:, SUMSQ].sum()
+    out[AMAX] = rows[:, AMAX].amax()
+    return out

@@ -5,7 +5,7 @@
 """
 
 from tkern.optim.distributed import DistributedFusedAdam, DistributedFusedAdamW, DistributedFusedSGD
-from tkern.optim.fused import FusedAdam, FusedAdamW, FusedSGD, _FusedOptimizer
+from tkern.optim.fused import FusedAdam, FusedAdamW, FusedOptimizer, FusedSGD
 
 __all__ = [
     "DistributedFusedAdam",
@@ -14,5 +14,5 @@ __all__ = [
     "FusedAdam",
     "FusedAdamW",
     "FusedSGD",
-    "_FusedOptimizer",
+    "FusedOptimizer",
 ]

@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 
 from tkern.flat import ALIGN, FlatParams, alias, describe_param
-from tkern.kernels.overflow import AMAX, FOUND_INF, N_STATS, SUMSQ
-from tkern.optim.fused import FusedAdam, FusedAdamW, FusedSGD, _FusedOptimizer
+from tkern.kernels.overflow import combine_stats
+from tkern.optim.fused import FusedAdam, FusedAdamW, FusedOptimizer, FusedSGD
 
 __all__ = ["DistributedFusedAdam", "DistributedFusedAdamW", "DistributedFusedSGD"]
 
@@ -112,6 +112,11 @@ class _Sharded:
     _zero_group: Any
     _world: int
     _rank: int
+
+    @property
+    def shard_group(self) -> Any:
+        """The process group the optimizer's state is sharded over."""
+        return self._zero_group
 
     def _setup(
         self, params: Any, process_group: Any, bucket_mb: float, grad_sync_dtype: Any, probe: Callable
@@ -266,7 +271,7 @@ class _Sharded:
             )
         # The fused step itself, not FusedAdamW.step: torch wraps each optimizer class's step
         # with its hooks once that class is instantiated, and they must run once per step.
-        return _FusedOptimizer.step(self, closure, inv_scale=inv_scale)
+        return FusedOptimizer.step(self, closure, inv_scale=inv_scale)
 
     # ----------------------------------------------------------- the step's collectives
 
@@ -302,17 +307,10 @@ class _Sharded:
             flat.grad[flat.lo + a : flat.lo + b].copy_(recv)
 
     def _sync_stats(self, stats: torch.Tensor) -> torch.Tensor:
-        """One all-gather of every rank's (3,) statistics, reduced in rank order
-        (so every rank computes bit-identical values)."""
+        """Each rank read its own shard: combine the ranks' rows in rank order."""
         if self._world == 1:
             return stats
-        rows = torch.empty((self._world, N_STATS), dtype=torch.float32, device=stats.device)
-        _all_gather(rows.view(-1), stats, group=self._zero_group)
-        out = torch.empty_like(stats)
-        out[FOUND_INF] = rows[:, FOUND_INF].amax()
-        out[SUMSQ] = rows[:, SUMSQ].sum()
-        out[AMAX] = rows[:, AMAX].amax()
-        return out
+        return combine_stats(stats, self._zero_group, sharded=True)
 
     def _sync_params(self) -> None:
         """All-gather every rank's updated shard into the full param buffers (in place)."""

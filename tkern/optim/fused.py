@@ -48,12 +48,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tkern.flat import FlatParams, describe_param
 from tkern.kernels._update import PARAM_DTYPES, UpdateBuffers
 from tkern.kernels.adam import adam_update
-from tkern.kernels.overflow import FOUND_INF, grad_stats
+from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats
 from tkern.kernels.sgd import sgd_update
 
 __all__ = ["FusedAdam", "FusedAdamW", "FusedSGD"]
@@ -135,7 +134,7 @@ class _ParamState(dict):
             dest.copy_(value.reshape(dest.shape))
 
 
-class _FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(torch.optim.Optimizer):
     """What FusedSGD/FusedAdam/FusedAdamW share: flat buffers, the two passes,
     the state_dict. Subclasses name their state buffers, validate their
     hyperparameters and launch their update kernel."""
@@ -154,6 +153,19 @@ class _FusedOptimizer(torch.optim.Optimizer):
         self.grad_stats: torch.Tensor | None = None
         self._layout_seen: dict[int, int] = {}
         super().__init__(params, defaults)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the params (and of every buffer the step uses); None
+        while the optimizer holds no params."""
+        return self._device
+
+    @property
+    def shard_group(self) -> Any:
+        """The process group the optimizer's state is sharded over (ZeRO-2,
+        :mod:`tkern.optim.distributed`); None for an optimizer whose state is
+        whole on every rank."""
+        return None
 
     # ----------------------------------------------------------- construction
 
@@ -359,9 +371,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _sync_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """After pass 1: the statistics every rank steps with."""
-        if self._process_group is not None:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self._process_group)
-        return stats
+        return combine_stats(stats, self._process_group)
 
     def _sync_params(self) -> None:
         """After pass 2 and the step counts: bring every rank's params up to date."""
@@ -540,7 +550,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
                 self._refresh_state(flat)
 
 
-class FusedSGD(_FusedOptimizer):
+class FusedSGD(FusedOptimizer):
     """SGD with momentum, as ``torch.optim.SGD``, fused on fp32 master weights.
 
     Args:
@@ -598,7 +608,7 @@ class FusedSGD(_FusedOptimizer):
         sgd_update(buffers, **args)
 
 
-class FusedAdam(_FusedOptimizer):
+class FusedAdam(FusedOptimizer):
     """Adam with L2 weight decay, as ``torch.optim.Adam``, fused on fp32 master weights.
 
     Args:
