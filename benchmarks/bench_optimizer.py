@@ -16,8 +16,10 @@ Also measured, at 10M params: what loss scaling adds to a step (check,
 unscale, scale update: scaled step minus the bare optimizer step) and the
 host synchronizations per step (torch.cuda.set_sync_debug_mode), for tkern's
 scaler and for GradScaler with a fused and a foreach AdamW.
-Targets on H100/H200: >= 85% of copy bandwidth at >= 100M params; >= 1.5x (a);
-ahead of (d); >= 3x (b) on the many-small-tensors model.
+Targets on H100/H200: >= 1.0x (a) at every size and >= 1.5x (a) at >= 100M
+params (a, fused AdamW, is the headline baseline; b beside it); >= 85% of copy
+bandwidth at >= 100M params; ahead of (d); >= 3x (b) on the many-small-tensors
+model. ``syncs_per_step`` is averaged over 20 steps (0 for tkern is the claim).
 
 A variant that raises is recorded under ``failed`` in optimizer.json (and
 printed last) and the others are still measured and written; results are
@@ -50,6 +52,8 @@ SIZES = {
 SMOKE_SIZES = {"4k": [4096], "20x100": [100] * 20}
 LR = 1e-3
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 1e-2  # torch.optim.AdamW's defaults
+#: Steps over which the host syncs per step are counted (and averaged).
+SYNC_STEPS = 20
 
 
 def make_grads(params, scale):
@@ -149,8 +153,10 @@ def master_by_hand(sizes, device, compile_backend: str | None = None):
     return step
 
 
-def count_syncs(step, mode) -> int | None:
-    """Host synchronizations in one call of ``step`` (CUDA only)."""
+def count_syncs(step, mode, steps: int = SYNC_STEPS) -> float | None:
+    """Host synchronizations per call of ``step`` (CUDA only), averaged over
+    ``steps`` calls, so a sync that happens only every few steps (a periodic
+    host poll) shows as the fraction it is instead of 0 or 1."""
     if mode.device.type != "cuda":
         return None
     step()
@@ -159,10 +165,11 @@ def count_syncs(step, mode) -> int | None:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            step()
+            for _ in range(steps):
+                step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return round(sum("synchroniz" in str(w.message) for w in caught) / steps, 3)
 
 
 def _record_failure(failed: list[dict], case: str, impl: str, exc: Exception) -> None:
@@ -269,20 +276,30 @@ def main(argv: list[str] | None = None) -> Results:
         f"copy bandwidth (read + write): {copy_gbps:.0f} GB/s; minimal bytes: {BYTES_PER_PARAM} B/param"
     ]
     if not mode.smoke:
-        for case in ("100M", "1B"):
+        # The headline baseline is torch's best: GradScaler + AdamW(fused=True);
+        # foreach is printed beside it, never instead of it.
+        for case in ("1M", "10M", "100M", "1B"):
             pct = next((r["pct_copy"] for r in res.rows if r["case"] == case and r["impl"] == "tkern"), None)
             vs_a = _finite_or_none(res.ratio(case, "tkern", "(a) GradScaler+AdamW fused"))
+            vs_b = _finite_or_none(res.ratio(case, "tkern", "(b) GradScaler+AdamW foreach"))
             vs_d = _finite_or_none(res.ratio(case, "tkern", "(d) compiled (c)"))
+            big = case in ("100M", "1B")
             summary.append(
-                f"{case}: tkern at {pct}% of copy bandwidth (target >= 85%); "
-                f"{vs_a}x (a) (target >= 1.5); {vs_d}x (d) (target > 1)"
+                f"{case}: tkern {vs_a}x GradScaler + fused AdamW (target >= {1.5 if big else 1.0}), "
+                f"{vs_b}x foreach, {vs_d}x compiled master recipe (target > 1)"
+                + (f"; {pct}% of copy bandwidth (target >= 85%)" if big else "")
             )
             res.meta[f"{case}_pct_copy"] = pct
             res.meta[f"{case}_vs_a"] = vs_a
+            res.meta[f"{case}_vs_b"] = vs_b
             res.meta[f"{case}_vs_d"] = vs_d
-        small = _finite_or_none(res.ratio("1000x10k", "tkern", "(b) GradScaler+AdamW foreach"))
-        res.meta["many_small_vs_b"] = small
-        summary.append(f"1000 tensors of 10k: {small}x (b) (target >= 3)")
+        small_a = _finite_or_none(res.ratio("1000x10k", "tkern", "(a) GradScaler+AdamW fused"))
+        small_b = _finite_or_none(res.ratio("1000x10k", "tkern", "(b) GradScaler+AdamW foreach"))
+        res.meta["many_small_vs_a"] = small_a
+        res.meta["many_small_vs_b"] = small_b
+        summary.append(
+            f"1000 tensors of 10k: {small_a}x GradScaler + fused AdamW; {small_b}x foreach (target >= 3)"
+        )
     for f in failed:
         summary.append(f"FAILED {f['case']} {f['impl']}: {f['error']}")
     res.save(

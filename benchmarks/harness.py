@@ -112,6 +112,24 @@ def cublas_tflops(mode: Mode, n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def commit() -> str:
+    """The checkout's commit (short hash, ``+dirty`` with uncommitted changes), or
+    ``unknown`` outside a git checkout: every results file names the code it measured."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def geomean(values: list[float]) -> float:
     values = [v for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
@@ -142,6 +160,7 @@ class Results:
             "torch": torch.__version__,
             "triton": triton.__version__,
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": commit(),
             **self.meta,
             "rows": self.rows,
         }
