@@ -353,7 +353,9 @@ def test_tensor_and_numpy_hyperparameters_behave_as_floats():
     params = [torch.randn(6, device=DEVICE).requires_grad_() for _ in range(2)]
     ref = [p.detach().clone().requires_grad_() for p in params]
     t = lambda v: torch.tensor(v)  # noqa: E731
-    opt = FusedAdamW(params[:1], lr=t(1e-2), betas=(t(0.8), np.float64(0.99)), weight_decay=np.float32(0.1))
+    opt = FusedAdamW(
+        params[:1], lr=t(1e-2), betas=(t(0.8), t(0.99)), eps=np.float64(1e-8), weight_decay=np.float32(0.1)
+    )
     ropt = FusedAdamW(ref[:1], lr=1e-2, betas=(0.8, 0.99), weight_decay=float(np.float32(0.1)))
     run(opt, params[:1], 3)
     run(ropt, ref[:1], 3)
@@ -409,6 +411,138 @@ def test_load_state_dict_hooks_run():
     opt.register_state_dict_post_hook(lambda o, sd: seen.append("sd_post"))
     opt.load_state_dict(opt.state_dict())
     assert seen == ["sd_post", "pre", "post"]
+
+
+# Ported from torch's test/test_optim.py (TestOptimRenewed.test_state_dict_pre_hook,
+# test_state_dict_post_hook, test_state_dict_pre_post_hook, test_load_state_dict_pre_hook_and_prepend,
+# test_load_state_dict_post_hook, test_load_state_dict_pre_post_hook) and their hook helpers.
+def _state_dict_pre_hook(optimizer):
+    optimizer.state["test"] = 1
+
+
+def _state_dict_post_hook(optimizer, state_dict):
+    if "test" in state_dict["state"]:
+        state_dict["state"].pop("test")
+        state_dict["ran_state_dict_pre_hook"] = True
+    else:
+        state_dict["ran_state_dict_pre_hook"] = False
+    return state_dict
+
+
+def _load_state_dict_pre_hook1(optimizer, state_dict):
+    state_dict["param_groups"][0]["lr"] = 0.002
+
+
+def _load_state_dict_pre_hook2(optimizer, state_dict):
+    # The hook may also return a new state dict (torch's test deep-copies it).
+    state_dict = copy.deepcopy(state_dict)
+    state_dict["param_groups"][0]["lr"] = 0.003
+    return state_dict
+
+
+def _load_state_dict_post_hook(optimizer):
+    optimizer.state["ran_load_state_dict_pre_hook2"] = optimizer.param_groups[0]["lr"] == 0.003
+    optimizer.state["ran_load_state_dict_post_hook"] = True
+
+
+HOOKED = [(FusedAdamW, {}), (FusedAdam, {}), (FusedSGD, {"momentum": 0.9})]
+
+
+@pytest.mark.parametrize(("cls", "kw"), HOOKED)
+def test_state_dict_pre_hook_entry_reaches_the_state_dict(cls, kw):
+    opt = cls([torch.randn(4, device=DEVICE, requires_grad=True)], lr=1e-2, **kw)
+    opt.register_state_dict_pre_hook(_state_dict_pre_hook)
+    assert opt.state_dict()["state"]["test"] == 1
+
+
+@pytest.mark.parametrize(("cls", "kw"), HOOKED)
+def test_state_dict_post_hook_changes_are_returned(cls, kw):
+    opt = cls([torch.randn(4, device=DEVICE, requires_grad=True)], lr=1e-2, **kw)
+    opt.register_state_dict_post_hook(_state_dict_post_hook)
+    assert opt.state_dict()["ran_state_dict_pre_hook"] is False
+
+
+@pytest.mark.parametrize(("cls", "kw"), HOOKED)
+def test_state_dict_pre_and_post_hooks(cls, kw):
+    p = torch.randn(4, device=DEVICE, requires_grad=True)
+    opt = cls([p], lr=1e-2, **kw)
+    run(opt, [p], 1)
+    opt.register_state_dict_pre_hook(_state_dict_pre_hook)
+    opt.register_state_dict_post_hook(_state_dict_post_hook)
+    sd = opt.state_dict()
+    assert "test" not in sd["state"]
+    assert sd["ran_state_dict_pre_hook"] is True
+    assert 0 in sd["state"]  # the param's own state is still there
+
+
+@pytest.mark.parametrize(("cls", "kw"), HOOKED)
+def test_load_state_dict_pre_hooks_prepend_and_post_hook(cls, kw):
+    p = torch.randn(4, device=DEVICE, requires_grad=True)
+    opt = cls([p], lr=1e-2, **kw)
+    run(opt, [p], 1)
+    sd = opt.state_dict()
+    opt2 = cls([p], lr=1e-2, **kw)
+    opt2.register_load_state_dict_pre_hook(_load_state_dict_pre_hook1)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 0.002
+    opt2.register_load_state_dict_pre_hook(_load_state_dict_pre_hook2, prepend=True)
+    opt2.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+    opt2.load_state_dict(sd)
+    # hook2 ran first (prepend) and returned a copy; hook1 then set 0.002 on that copy
+    assert opt2.param_groups[0]["lr"] == 0.002
+    assert opt2.state["ran_load_state_dict_pre_hook2"] is False
+    assert opt2.state["ran_load_state_dict_post_hook"] is True
+
+
+def test_non_param_state_entries_round_trip_as_in_torch():
+    # torch.optim.Optimizer.state_dict/load_state_dict carry non-param keys as they are.
+    p = torch.randn(4, device=DEVICE, requires_grad=True)
+    ref_p = p.detach().clone().requires_grad_()
+    opt, ref = FusedAdamW([p], lr=1e-2), torch.optim.AdamW([ref_p], lr=1e-2)
+    for o, q in ((opt, p), (ref, ref_p)):
+        run(o, [q], 1)
+        o.state["note"] = {"epoch": 3}
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    assert sd["state"]["note"] == ref_sd["state"]["note"] == {"epoch": 3}
+    for o, s in ((FusedAdamW([p], lr=1e-2), sd), (torch.optim.AdamW([ref_p], lr=1e-2), ref_sd)):
+        o.state["stale"] = 1  # the loaded state replaces what was there
+        o.load_state_dict(s)
+        assert o.state["note"] == {"epoch": 3}
+        assert "stale" not in o.state
+    opt.load_state_dict(ref_sd)  # and across the two
+    assert opt.state["note"] == {"epoch": 3}
+    assert pickle.loads(pickle.dumps(opt)).state["note"] == {"epoch": 3}
+
+
+# Ported from torch's test/test_optim.py (test_tensor_lr: "Tensor lr must be 1-element";
+# test_param_group_with_names / test_param_groups_with_names mixing named and unnamed params)
+# and torch/optim/adam.py's betas check (OptimizerInfo error inputs of Adam/AdamW).
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedAdam, FusedSGD])
+def test_tensor_lr_with_more_than_one_element_is_torchs_error(cls):
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        cls([torch.randn(3, requires_grad=True, device=DEVICE)], lr=torch.tensor([1e-2, 1e-3]))
+
+
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedAdam, FusedSGD])
+def test_mixing_named_and_unnamed_params_is_torchs_error(cls):
+    model = fp16_model(0)
+    named = list(model.named_parameters())
+    mixed = [named[0], named[1][1]]
+    for opt_cls in (cls, torch.optim.SGD):
+        with pytest.raises(ValueError, match="all optimizer params should be with/without names"):
+            opt_cls(mixed, lr=0.1)
+    opt = cls(named[:2], lr=0.1)
+    with pytest.raises(ValueError, match="all optimizer param groups should be with/without names"):
+        opt.add_param_group({"params": [named[2][1]]})
+
+
+@pytest.mark.parametrize("cls", [FusedAdamW, FusedAdam])
+def test_betas_mixing_floats_and_tensors_is_torchs_error(cls):
+    params = [torch.randn(3, requires_grad=True, device=DEVICE)]
+    for opt_cls in (cls, torch.optim.AdamW):
+        with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+            opt_cls(params, lr=1e-2, betas=(0.9, torch.tensor(0.999)))
+    cls(params, lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)))  # both tensors: accepted
 
 
 def test_a_rejected_add_param_group_leaves_nothing_behind():

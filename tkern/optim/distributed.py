@@ -397,6 +397,7 @@ class _Sharded:
                     for name, buf in full.items():
                         entry[name] = alias(buf, flat.offsets[i], flat.numels[i], p.shape)
                     state[index[id(p)]] = entry
+        state.update(self.extra_state())
         out = {"state": state, "param_groups": groups}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)

@@ -74,9 +74,10 @@ def _scalar(group: dict, key: str, index: int, label: str | None = None) -> floa
     value = group[key]
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
+            # torch's own words first (torch.optim.Adam: "Tensor lr must be 1-element")
             raise ValueError(
-                f"Invalid {label or key}: a tensor {key} must hold one element, got shape "
-                f"{tuple(value.shape)} (param group {index})"
+                f"Tensor {key} must be 1-element: got shape {tuple(value.shape)} "
+                f"({label or key}, param group {index})"
             )
         return float(value.item())
     try:
@@ -210,9 +211,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         elif isinstance(params, set):
             raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
         params = list(params)
-        if params and all(isinstance(p, tuple) and len(p) == 2 for p in params):  # named_parameters()
+        named = [isinstance(p, tuple) and len(p) == 2 for p in params]
+        if params and all(named):  # named_parameters()
             param_group["param_names"] = [name for name, _ in params]
             params = [p for _, p in params]
+        elif any(named):  # torch.optim.Optimizer.add_param_group's check and words
+            raise ValueError(
+                "all optimizer params should be with/without names. Some param names are missing "
+                f"(param group {gi})"
+            )
+        if self.param_groups and ("param_names" in param_group) != ("param_names" in self.param_groups[0]):
+            raise ValueError(
+                "all optimizer param groups should be with/without names. cannot add param group "
+                f"{'with' if 'param_names' in param_group else 'without'} names to the optimizer"
+            )
         param_group["params"] = params
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         group_ids: set[int] = set()
@@ -418,12 +430,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                     entry = dict(self.state[p])
                     entry["step"] = steps[flat.cohort[i]].clone()
                     state[index[id(p)]] = entry
+        # Entries under keys that are not params (a hook's, a user's) travel as
+        # torch.optim.Optimizer.state_dict carries them: under their own key.
+        state.update(self.extra_state())
         out = {"state": state, "param_groups": groups}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
                 out = result
         return out
+
+    def extra_state(self) -> dict[Any, Any]:
+        """The entries of ``optimizer.state`` whose key is not a param (put there
+        by a hook or a user): ``state_dict()`` carries them under their own key
+        and ``load_state_dict`` restores them, as torch.optim does."""
+        return {k: v for k, v in self.state.items() if not isinstance(k, torch.Tensor)}
 
     def _allowed_group_keys(self, group: dict) -> set[str]:
         return set(self.defaults) | set(group) | _TORCH_BOOKKEEPING | _SCHEDULER_KEYS
@@ -496,7 +517,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                             )
                         loaded[id(flat), name, i] = value
                 steps[id(flat)] = flat_steps
+        param_ids = {i for g in groups for i in g["params"]}
+        extra = {k: v for k, v in saved_state.items() if k not in param_ids}
         with torch.no_grad():
+            for key in self.extra_state():  # as torch: the loaded state replaces the old
+                del self.state[key]
+            self.state.update(extra)
             for mine, group in zip(self.param_groups, new_groups, strict=True):
                 mine.update(group)
             for gi, flats in enumerate(self._flat):
@@ -537,14 +563,17 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
+        state["_extra_state"] = self.extra_state()
         state.pop("state", None)  # rebuilt from the flat buffers
         state["_process_group"] = None  # process groups do not travel
         state["_layout_seen"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        extra = state.pop("_extra_state", {})
         super().__setstate__(state)
         self.state = defaultdict(dict)
+        self.state.update(extra)
         for flats in self._flat:
             for flat in flats:
                 self._refresh_state(flat)
@@ -656,6 +685,9 @@ class FusedAdam(FusedOptimizer):
             raise ValueError(
                 f"Invalid betas: {betas!r}; expected a pair (beta1, beta2) (param group {index})"
             )
+        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
+            # torch.optim.Adam's check and words
+            raise ValueError(f"betas must be either both floats or both Tensors (param group {index})")
         for i in range(2):
             beta = _scalar({"b": betas[i]}, "b", index, f"beta parameter at index {i}")
             if not 0.0 <= beta < 1.0:
