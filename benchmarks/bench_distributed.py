@@ -21,10 +21,8 @@ rank at W = 8 <= 0.35x FusedAdamW's; step time within 10% of (a) at W = 1..8.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,13 +31,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, bar_plot, setup  # noqa: E402
 
 import tkern  # noqa: E402
 from tkern.optim import DistributedFusedAdamW, FusedAdamW  # noqa: E402
+from tkern.optim.distributed import run_local_processes  # noqa: E402
 
 SIZES = {"100M": [1 << 20] * 100, "1B": [1 << 24] * 64}
 SMOKE_SIZES = {"20x100+4k": [100] * 20 + [4096]}
@@ -55,12 +53,6 @@ def _add_arguments(parser) -> None:
         help="world sizes to run, e.g. 1,2,4,8 (default: powers of 2 up to the GPU count; --smoke: 2)",
     )
     parser.add_argument("--iters", type=int, default=20, help="timed steps per variant (GPU)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sync(device: torch.device) -> None:
@@ -133,19 +125,9 @@ def _make(impl: str, sizes: list[int], device: torch.device, world: int):
     return step, sum(p.nbytes + p.grad.nbytes for p in params) + state
 
 
-def _rank_main(rank: int, world: int, port: int, smoke: bool, iters: int, out: str) -> None:
+def _rank_main(rank: int, world: int, smoke: bool, iters: int, out: str) -> None:
     gpu = torch.cuda.is_available() and not tkern.INTERPRET
     device = torch.device(f"cuda:{rank}" if gpu else "cpu")
-    if gpu:
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if gpu else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=300),
-        **({"device_id": device} if gpu else {}),
-    )
     rows = []
     try:
         for case, sizes in (SMOKE_SIZES if smoke else SIZES).items():
@@ -173,10 +155,6 @@ def _rank_main(rank: int, world: int, port: int, smoke: bool, iters: int, out: s
     finally:
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
-        # Tear down together: a gloo rank whose peer closed the connection first can
-        # abort in C++ ("terminate called without an active exception"), seen in CI.
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> Results:
@@ -191,7 +169,9 @@ def main(argv: list[str] | None = None) -> Results:
     for world in worlds:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            mp.spawn(_rank_main, args=(world, _free_port(), mode.smoke, args.iters, out), nprocs=world)
+            run_local_processes(
+                _rank_main, world, (mode.smoke, args.iters, out), backend="nccl" if gpus else "gloo"
+            )
             for row in json.loads(Path(out).read_text()):
                 res.add(**row)
     summary = []

@@ -7,17 +7,16 @@ import io
 import math
 import os
 import random
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import DEVICE
 
 import tkern
 from tkern.kernels import scale as K
 from tkern.optim import FusedAdam, FusedSGD
+from tkern.optim.distributed import run_local_processes
 
 FP16_MAX = 65504.0
 
@@ -387,47 +386,37 @@ def test_lognormal_overflow_is_recorded_as_a_censored_observation():
 # ----------------------------------------------------------------------- multi-process
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, world, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        results = {}
-        world = dist.group.WORLD
-        for mode, group in (("default", None), ("group", world), ("fused", world)):
-            p = torch.ones(5, device=DEVICE, requires_grad=True)
-            if mode == "fused":  # tkern's optimizer decides the skip: it opts in too
-                p = torch.ones(5, device=DEVICE, dtype=torch.float16, requires_grad=True)
-                opt = FusedSGD([p], lr=0.1, process_group=world)
-            else:  # a plain torch optimizer: the scaler decides the skip (its fallback path)
-                opt = torch.optim.SGD([p], lr=0.1)
-            scaler = tkern.DynamicLossScaler(init_scale=2.0**8, growth_interval=2, process_group=group)
-            scales, skipped = [], []
-            for step in range(6):
-                scaler.scale(p.sum())
-                p.grad = torch.ones_like(p)
-                if step == 2 and rank == 0:
-                    p.grad[3] = float("inf")  # only rank 0 overflows
-                scaler.step(opt)
-                scaler.update()
-                scales.append(scaler.get_scale())
-                skipped.append(scaler.skipped_steps)
-            results[mode] = {"scales": scales, "skipped": skipped, "param": p.detach().cpu().clone()}
-        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.barrier()  # tear down together: a gloo rank whose peer left first can abort
-        dist.destroy_process_group()
+def _rank_main(rank, world, out_dir):
+    """One rank; the process group is set up and torn down by run_local_processes."""
+    results = {}
+    world = dist.group.WORLD
+    for mode, group in (("default", None), ("group", world), ("fused", world)):
+        p = torch.ones(5, device=DEVICE, requires_grad=True)
+        if mode == "fused":  # tkern's optimizer decides the skip: it opts in too
+            p = torch.ones(5, device=DEVICE, dtype=torch.float16, requires_grad=True)
+            opt = FusedSGD([p], lr=0.1, process_group=world)
+        else:  # a plain torch optimizer: the scaler decides the skip (its fallback path)
+            opt = torch.optim.SGD([p], lr=0.1)
+        scaler = tkern.DynamicLossScaler(init_scale=2.0**8, growth_interval=2, process_group=group)
+        scales, skipped = [], []
+        for step in range(6):
+            scaler.scale(p.sum())
+            p.grad = torch.ones_like(p)
+            if step == 2 and rank == 0:
+                p.grad[3] = float("inf")  # only rank 0 overflows
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            skipped.append(scaler.skipped_steps)
+        results[mode] = {"scales": scales, "skipped": skipped, "param": p.detach().cpu().clone()}
+    torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_gloo_ranks_communicate_only_with_a_process_group(tmp_path):
     """Without process_group a scaler is rank-local (no collective that could
     hang a rank-local optimizer); with one, every rank skips the same steps."""
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    run_local_processes(_rank_main, 2, (str(tmp_path),), timeout_s=240)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     shared = [256.0, 512.0, 256.0, 256.0, 512.0, 512.0]
     g0, g1 = r0["group"], r1["group"]

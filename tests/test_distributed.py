@@ -15,16 +15,13 @@ of one factor, 6e-8, times a handful of steps).
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tkern
 from tkern.optim import (
@@ -35,6 +32,7 @@ from tkern.optim import (
     FusedAdamW,
     FusedSGD,
 )
+from tkern.optim.distributed import run_local_processes
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -352,14 +350,7 @@ SCENARIOS = {
 }
 
 
-def _worker(rank, world, port, out_dir, names):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+def _worker(rank, world, out_dir, names):
     results = {}
     try:
         for name in names:
@@ -371,25 +362,11 @@ def _worker(rank, world, port, out_dir, names):
             results[name + "_s"] = time.perf_counter() - start
     finally:
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-        dist.barrier()  # tear down together: a gloo rank whose peer left first can abort
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(world, names, out_dir):
-    ctx = mp.spawn(_worker, args=(world, _free_port(), str(out_dir), names), nprocs=world, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            pytest.fail(f"{world} gloo ranks did not finish within {TIMEOUT_S} s")
+    # gloo's own timeout (60 s) turns a hang into an error first; the whole spawn is bounded too
+    run_local_processes(_worker, world, (str(out_dir), names), timeout_s=TIMEOUT_S, pg_timeout_s=60)
     return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 

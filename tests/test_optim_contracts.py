@@ -12,18 +12,17 @@ import copy
 import io
 import os
 import pickle
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import DEVICE, rel_err
 from torch import nn
 
 import tkern
 from tkern.optim import FusedAdam, FusedAdamW, FusedSGD
+from tkern.optim.distributed import run_local_processes
 
 TOL = 1e-6
 # Where the gradients come from the model itself (a training loop), the few-ulp
@@ -168,31 +167,20 @@ def test_in_place_edit_of_a_param_is_followed_by_the_master():
 # ----------------------------------------------------------------- 4. DDP's broadcast
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_rank(rank, world, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(rank)  # different initial weights per rank
-        model = nn.Linear(4, 3).to(DEVICE).half()  # gloo carries CUDA tensors too
-        opt = FusedAdamW(model.parameters(), lr=1e-2)  # built before DDP wraps the model
-        ddp = nn.parallel.DistributedDataParallel(model)
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(100 + rank)).to(DEVICE).half()
-        ddp(x).float().sum().backward()
-        opt.step()
-        torch.save([p.detach().cpu() for p in model.parameters()], os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.barrier()  # tear down together: a gloo rank whose peer left first can abort
-        dist.destroy_process_group()
+def _ddp_rank(rank, world, out_dir):
+    torch.manual_seed(rank)  # different initial weights per rank
+    model = nn.Linear(4, 3).to(DEVICE).half()  # gloo carries CUDA tensors too
+    opt = FusedAdamW(model.parameters(), lr=1e-2)  # built before DDP wraps the model
+    ddp = nn.parallel.DistributedDataParallel(model)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(100 + rank)).to(DEVICE).half()
+    ddp(x).float().sum().backward()
+    opt.step()
+    torch.save([p.detach().cpu() for p in model.parameters()], os.path.join(out_dir, f"{rank}.pt"))
 
 
 @pytest.mark.slow
 def test_optimizer_built_before_ddp_keeps_ranks_identical(tmp_path):
-    mp.start_processes(_ddp_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    run_local_processes(_ddp_rank, 2, (str(tmp_path),), timeout_s=240)
     a, b = (torch.load(tmp_path / f"{r}.pt") for r in range(2))
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)

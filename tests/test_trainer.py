@@ -590,15 +590,7 @@ def _sharded_trainer(model_seed):
     return tkern.Trainer(model, opt, nn.functional.cross_entropy, scaler, progress=False)
 
 
-def _sharded_checkpoint_worker(rank, world, port, folder):
-    import datetime
-
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
+def _sharded_checkpoint_worker(rank, world, folder):
     out = {}
     try:
         writes = []
@@ -640,26 +632,12 @@ def _sharded_checkpoint_worker(rank, world, port, folder):
         out["error"] = traceback.format_exc()
     finally:
         torch.save(out, os.path.join(folder, f"{rank}.pt"))
-        dist.destroy_process_group()
 
 
 def test_sharded_checkpoint_resumes_bit_exactly_on_two_ranks(tmp_path):
-    import socket
-    import time
+    from tkern.optim.distributed import run_local_processes
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.spawn(_sharded_checkpoint_worker, args=(2, port, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            pytest.fail("2 gloo ranks did not finish within 240 s")
+    run_local_processes(_sharded_checkpoint_worker, 2, (str(tmp_path),), timeout_s=240, pg_timeout_s=60)
     ranks = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(2)]
     for r, res in enumerate(ranks):
         assert "error" not in res, f"rank {r}: {res['error']}"

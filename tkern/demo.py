@@ -18,10 +18,8 @@ autocast runs stay in this process.
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import pickle
-import socket
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -236,28 +234,12 @@ def compare(cfg: Config, device: torch.device | None = None) -> list[Result]:
 _EXPECTED_ERRORS = (CheckpointError, OSError)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, base, data, cfg: Config, device_type: str, out: str):
-    """One rank of the data-parallel tkern run (started by :func:`run_parallel`)."""
-    import torch.distributed as dist
-
+def _rank_main(rank: int, world: int, base, data, cfg: Config, device_type: str, out: str):
+    """One rank of the data-parallel tkern run (started by :func:`run_parallel`,
+    a member of the process group already)."""
     # as the command: Triton's interpreter casts through numpy, which warns on fp16 overflows
     warnings.filterwarnings("ignore", message="overflow encountered in cast", category=RuntimeWarning)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(minutes=10),
-    )
     try:
         data = tuple((x.to(device), y.to(device)) for x, y in data)
         outcome: tuple[str, object] = (
@@ -266,8 +248,6 @@ def _rank_main(rank: int, world: int, port: int, base, data, cfg: Config, device
         )
     except _EXPECTED_ERRORS as e:  # every rank meets them alike (the same file); rank 0 reports
         outcome = ("error", e)
-    finally:
-        dist.destroy_process_group()
     if rank == 0:
         with open(out, "wb") as f:
             pickle.dump(outcome, f)
@@ -275,15 +255,16 @@ def _rank_main(rank: int, world: int, port: int, base, data, cfg: Config, device
 
 def run_parallel(base: nn.Module, data, cfg: Config, device: torch.device) -> Result:
     """The tkern run data-parallel on ``cfg.nproc`` local processes (see :func:`run_one`)."""
-    import torch.multiprocessing as mp
+    from tkern.optim.distributed import run_local_processes
 
     cpu_data = tuple((x.cpu(), y.cpu()) for x, y in data)
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "rank0.pkl")
-        mp.spawn(
+        run_local_processes(
             _rank_main,
-            args=(cfg.nproc, _free_port(), copy.deepcopy(base).cpu(), cpu_data, cfg, device.type, out),
-            nprocs=cfg.nproc,
+            cfg.nproc,
+            (copy.deepcopy(base).cpu(), cpu_data, cfg, device.type, out),
+            backend="nccl" if device.type == "cuda" else "gloo",
         )
         with open(out, "rb") as f:
             status, value = pickle.load(f)
