@@ -190,6 +190,19 @@ class LossScaler:
         ``update()`` of the steps it used (None before any step)."""
         return self._combined_stats() if self._stats else self._last_stats
 
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The current S as a 0-dim fp32 device tensor (a copy, no host sync);
+        None while disabled or before the first :meth:`scale`."""
+        if not self._enabled or self._state is None:
+            return None
+        return self._state[K.SCALE].clone()
+
+    def validate_state_dict(self, state_dict: Any) -> None:
+        """Check ``state_dict`` as :meth:`load_state_dict` would, changing
+        nothing: ``TypeError``/``ValueError``/``RuntimeError`` if it would be
+        refused (the wrong class, missing entries, a bad config or state)."""
+        self._parse_state_dict(state_dict)
+
     def get_scale(self) -> float:
         """The current S as a Python float (waits for the device); 1.0 when disabled."""
         if not self._enabled:

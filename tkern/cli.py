@@ -111,7 +111,7 @@ def _check_writable(option: str, path: str) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from tkern import demo
-    from tkern.trainer import CheckpointError
+    from tkern.checkpoint import CheckpointError
 
     if args.plot:
         _check_writable("--plot", args.plot)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import tkern
+from tkern.checkpoint import CheckpointError
 from tkern.optim import (
     DistributedFusedAdam,
     DistributedFusedAdamW,
@@ -36,7 +37,7 @@ from tkern.optim import (
     FusedAdamW,
     FusedSGD,
 )
-from tkern.trainer import CheckpointError, Trainer
+from tkern.trainer import Trainer
 
 RUNS = ("tkern", "fp32", "autocast")
 OPTIMIZERS = {

@@ -14,23 +14,19 @@ progress bar).
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import os
-import random
-import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tkern import checkpoint
 from tkern.amp import LossScaler
-from tkern.kernels.scale import SCALE
+from tkern.checkpoint import CheckpointError
 
 __all__ = ["CheckpointError", "Trainer"]
 
@@ -122,11 +118,14 @@ class Trainer:
             return self.model(x)
 
     def _current_scale(self) -> torch.Tensor | None:
-        """The scale as a device tensor (no sync), if the scaler exposes one."""
-        if isinstance(self.scaler, LossScaler) and self.scaler.state is not None:
-            return self.scaler.state[SCALE].clone()
-        scale = getattr(self.scaler, "_scale", None)  # torch.amp.GradScaler keeps it here
-        return scale.reshape(()).clone() if isinstance(scale, torch.Tensor) else None
+        """The scale as a device tensor (no sync), if the scaler has one."""
+        if isinstance(self.scaler, LossScaler):
+            return self.scaler.scale_tensor()
+        if isinstance(self.scaler, torch.amp.GradScaler) and self.scaler.is_enabled():
+            # GradScaler's public API has no sync-free getter (get_scale() waits for the
+            # device); scale() of a one returns S as a device tensor, changing nothing.
+            return self.scaler.scale(torch.ones((), device=self.device)).detach()
+        return None
 
     @contextmanager
     def _measure_activations(self):
@@ -306,28 +305,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _rng_state(self) -> dict[str, Any]:
-        state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        try:
-            import numpy as np
-
-            name, keys, pos, has_gauss, cached = np.random.get_state()
-            # as a tensor and plain numbers: loadable with torch.load(weights_only=True)
-            state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
-        except ImportError:  # numpy is a dependency, but keep checkpoints loadable without it
-            pass
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def _process_group(self) -> tuple[Any, int, int]:
-        """(group, rank, world size) of a sharded optimizer's process group
-        (:mod:`tkern.optim.distributed`), or (None, 0, 1) for any other optimizer."""
-        group = getattr(self.optimizer, "shard_group", None)
-        if group is None or not dist.is_available() or not dist.is_initialized():
-            return None, 0, 1
-        return group, dist.get_rank(group), dist.get_world_size(group)
-
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Save model, optimizer (fp32 master and state), scaler, scheduler,
         epoch, step, history and RNG states.
@@ -338,7 +315,8 @@ class Trainer:
         removed. A symbolic link is followed: its target is rewritten and the
         link kept. A new file gets the permissions the umask allows (0644
         under 022); an existing one keeps its own. The payload carries a
-        SHA-256 digest that :meth:`load_checkpoint` checks, and loads with
+        SHA-256 digest that :meth:`load_checkpoint` checks (the file's rules live
+        in :mod:`tkern.checkpoint`), and loads with
         ``torch.load(path, weights_only=True)``. A failed write (a full disk)
         raises ``OSError`` naming ``path``.
 
@@ -350,34 +328,20 @@ class Trainer:
         every rank (``OSError`` naming ``path``). The history saved is rank 0's
         (each rank's losses are those of its own micro-batches).
         """
-        path = os.fspath(path)
-        group, rank, world = self._process_group()
+        group, _, world = checkpoint.shard_group_of(self.optimizer)
         payload = self._payload(group, world)  # a collective with a sharded optimizer
-        if group is None:
-            self._write_checkpoint(payload, path)
-            return
-        error: BaseException | None = None
-        if rank == 0:
-            try:
-                self._write_checkpoint(payload, path)
-            except BaseException as e:  # told to the other ranks, then raised here
-                error = e
-        # rank 0's outcome; also the barrier after which the file is complete for every rank
-        outcome: list[Any] = [None if error is None else (getattr(error, "errno", None), str(error))]
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
-        if error is not None:
-            raise error
-        if outcome[0] is not None:
-            code, message = outcome[0]
-            raise OSError(code, f"rank 0 could not save the checkpoint: {message}", path)
+        checkpoint.save(payload, path, group, self._write_checkpoint)
+
+    def _write_checkpoint(self, payload: dict[str, Any], path: str) -> None:
+        checkpoint.write_atomic(payload, path)
 
     def _payload(self, group: Any, world: int) -> dict[str, Any]:
         """The checkpoint's contents with its digest. With a process group every
         rank's RNG state is gathered too (``rng_ranks``): ranks may draw different
         shuffles and dropout masks."""
         payload: dict[str, Any] = {
-            "format": CHECKPOINT_FORMAT,
-            "version": CHECKPOINT_VERSION,
+            "format": checkpoint.CHECKPOINT_FORMAT,
+            "version": checkpoint.CHECKPOINT_VERSION,
             "model": self.model.state_dict(),
             "optimizer_class": type(self.optimizer).__name__,
             "optimizer": self.optimizer.state_dict(),
@@ -389,48 +353,14 @@ class Trainer:
             "step": self.step,
             "history": self.history,
             "epochs": self.epochs,
-            "rng": self._rng_state(),
+            "rng": checkpoint.rng_state(),
         }
         if group is not None:
             ranks: list[Any] = [None] * world
             dist.all_gather_object(ranks, payload["rng"], group=group)
             payload["rng_ranks"] = ranks
-        payload["sha256"] = _digest(payload)  # also checks that weights_only can load every entry
+        payload["sha256"] = checkpoint.digest(payload)  # also checks that weights_only can load every entry
         return payload
-
-    def _write_checkpoint(self, payload: dict[str, Any], path: str) -> None:
-        if os.path.isdir(path):
-            raise IsADirectoryError(errno.EISDIR, "the checkpoint path is a directory", path)
-        target = os.path.realpath(path)
-        folder, base = os.path.split(target)
-        _remove_stale_temporaries(folder, base)
-        try:
-            mode = stat.S_IMODE(os.stat(target).st_mode)
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(base) + f"{os.getpid()}-", dir=folder)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot save the checkpoint: {e.strerror or e}", path) from e
-        try:
-            with os.fdopen(fd, "wb") as f:
-                sink = _RecordingWriter(f)
-                try:
-                    torch.save(payload, sink)
-                except RuntimeError as e:  # torch reports a failed write as a RuntimeError
-                    if sink.error is None:
-                        raise
-                    raise sink.error from e
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, target)
-        except BaseException as e:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            if isinstance(e, OSError):
-                raise OSError(e.errno, f"could not save the checkpoint: {e.strerror or e}", path) from e
-            raise
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore everything :meth:`save_checkpoint` wrote; ``fit`` then
@@ -450,18 +380,15 @@ class Trainer:
         checkpoints load into each other). Each rank restores its own RNG state
         when the checkpoint was saved by as many ranks, else rank 0's.
         """
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"checkpoint {path!r} does not exist")
-        try:
-            payload = torch.load(path, map_location=self.device, weights_only=True)
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise CheckpointError(
-                f"checkpoint {path!r} cannot be read (corrupt, or not a tkern checkpoint): "
-                f"{type(e).__name__}: {first}"
-            ) from e
-        self._check_payload(payload, path)
+        payload = checkpoint.read(path, map_location=self.device)
+        checkpoint.validate(
+            payload,
+            os.fspath(path),
+            model=self.model,
+            optimizer=self.optimizer,
+            scaler=self.scaler,
+            scheduler=self.scheduler,
+        )
         # validated: nothing above changed the trainer
         self.optimizer.load_state_dict(payload["optimizer"])
         self.model.load_state_dict(payload["model"])
@@ -472,214 +399,8 @@ class Trainer:
         self.epoch, self.step = payload["epoch"], payload["step"]
         self.history, self.epochs = payload["history"], payload["epochs"]
         rng = payload["rng"]
-        group, rank, world = self._process_group()
+        group, rank, world = checkpoint.shard_group_of(self.optimizer)
         ranks = payload.get("rng_ranks")
         if group is not None and isinstance(ranks, list) and len(ranks) == world:
             rng = ranks[rank]
-        torch.set_rng_state(rng["torch"].cpu())
-        random.setstate(rng["python"])
-        if "numpy" in rng:
-            import numpy as np
-
-            name, keys, pos, has_gauss, cached = rng["numpy"]
-            np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
-
-    def _check_payload(self, payload: Any, path: str) -> None:
-        """Raise CheckpointError unless ``payload`` is an intact checkpoint that fits this trainer."""
-
-        def fail(why: str) -> None:
-            raise CheckpointError(f"checkpoint {path!r} {why}")
-
-        if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-            fail("is not a tkern Trainer checkpoint (or was written by an older tkern)")
-        if payload.get("version") != CHECKPOINT_VERSION:
-            fail(f"has format version {payload.get('version')!r}; this tkern reads {CHECKPOINT_VERSION}")
-        body = {k: v for k, v in payload.items() if k != "sha256"}
-        try:
-            intact = payload.get("sha256") == _digest(body)
-        except TypeError:
-            intact = False
-        if not intact:
-            fail("is corrupt: its SHA-256 digest does not match its contents")
-        missing = [k for k in _PAYLOAD_KEYS if k not in payload]
-        if missing:
-            fail(f"lacks {', '.join(missing)}")
-        # the model: same keys, same shapes
-        mine, saved = self.model.state_dict(), payload["model"]
-        if not isinstance(saved, dict):
-            fail("has no model state dict")
-        extra, lacking = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
-        if extra or lacking:
-            fail(f"does not fit this model: unexpected keys {extra[:3]}, missing keys {lacking[:3]}")
-        for key, value in mine.items():
-            other = saved[key]
-            if isinstance(value, torch.Tensor) and (
-                not isinstance(other, torch.Tensor) or other.shape != value.shape
-            ):
-                got = tuple(other.shape) if isinstance(other, torch.Tensor) else type(other).__name__
-                fail(f"does not fit this model: {key} is {got} in the checkpoint, {tuple(value.shape)} here")
-        # the optimizer: same class, same groups
-        opt_class = type(self.optimizer).__name__
-        if _optimizer_kind(payload["optimizer_class"]) != _optimizer_kind(opt_class):
-            fail(f"holds a {payload['optimizer_class']} optimizer's state, not a {opt_class}'s")
-        groups = payload["optimizer"].get("param_groups") if isinstance(payload["optimizer"], dict) else None
-        if not isinstance(groups, list) or len(groups) != len(self.optimizer.param_groups):
-            fail(f"does not fit this {opt_class}: its param groups differ")
-        for gi, (g, h) in enumerate(zip(self.optimizer.param_groups, groups, strict=True)):
-            if not isinstance(h, dict) or len(h.get("params", ())) != len(g["params"]):
-                fail(f"does not fit this {opt_class}: param group {gi} has a different number of params")
-        # scaler and scheduler: present in both or neither, same class, loadable contents
-        for what, obj in (("scaler", self.scaler), ("scheduler", self.scheduler)):
-            saved_class = payload[f"{what}_class"]
-            if (saved_class is None) != (obj is None) or (payload[what] is None) != (obj is None):
-                has = "has no" if saved_class is None else f"has a {saved_class}"
-                fail(f"{has} {what}, this trainer has {'none' if obj is None else 'a ' + type(obj).__name__}")
-            if obj is not None and saved_class != type(obj).__name__:
-                fail(f"has a {saved_class} {what}, this trainer a {type(obj).__name__}")
-        if isinstance(self.scaler, LossScaler) and self.scaler.is_enabled():
-            try:
-                self.scaler._parse_state_dict(payload["scaler"])
-            except (ValueError, TypeError, RuntimeError) as e:
-                fail(f"has a bad scaler state: {e}")
-        for what, obj in (("scaler", self.scaler), ("scheduler", self.scheduler)):
-            if obj is None or isinstance(obj, LossScaler):
-                continue
-            keys, saved_keys = set(obj.state_dict()), payload[what]
-            if not isinstance(saved_keys, dict) or (saved_keys and set(saved_keys) != keys):
-                fail(f"has a {what} state that does not fit this {type(obj).__name__}")
-        for key in ("epoch", "step"):
-            value = payload[key]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                fail(f"has a bad {key}: {value!r}")
-        if not isinstance(payload["history"], list) or not isinstance(payload["epochs"], list):
-            fail("has a bad history")
-        rng = payload["rng"]
-        if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor) or "python" not in rng:
-            fail("has a bad RNG state")
-        ranks = payload.get("rng_ranks")
-        if ranks is not None and not (
-            isinstance(ranks, list)
-            and all(isinstance(r, dict) and isinstance(r.get("torch"), torch.Tensor) for r in ranks)
-        ):
-            fail("has a bad per-rank RNG state")
-
-
-CHECKPOINT_FORMAT = "tkern.Trainer checkpoint"
-CHECKPOINT_VERSION = 2
-_PAYLOAD_KEYS = (
-    "model",
-    "optimizer_class",
-    "optimizer",
-    "scaler_class",
-    "scaler",
-    "scheduler_class",
-    "scheduler",
-    "epoch",
-    "step",
-    "history",
-    "epochs",
-    "rng",
-)
-
-
-def _optimizer_kind(name: Any) -> Any:
-    """A sharded optimizer's checkpoint holds the full state in its single-process
-    kin's format: ``DistributedFusedAdamW`` and ``FusedAdamW`` are one kind."""
-    if isinstance(name, str) and name.startswith("DistributedFused"):
-        return name.removeprefix("Distributed")
-    return name
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is corrupt, not a tkern checkpoint, or does not fit the trainer."""
-
-
-def _temp_prefix(base: str) -> str:
-    return f".{base}.tkern-tmp-"
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _remove_stale_temporaries(folder: str, base: str) -> None:
-    """Remove the temporary files of saves of ``base`` whose process is gone (killed mid-save)."""
-    prefix = _temp_prefix(base)
-    try:
-        names = [n for n in os.listdir(folder) if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        pid_text = name[len(prefix) :].split("-", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid() or _alive(int(pid_text)):
-            continue
-        with suppress(OSError):
-            os.remove(os.path.join(folder, name))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. another user's process
-        return True
-    return True
-
-
-class _RecordingWriter:
-    """A file wrapper for torch.save that keeps the OSError of a failed write
-    (torch reports it as a RuntimeError without the cause)."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-        self.error: OSError | None = None
-
-    def write(self, data) -> int:
-        try:
-            return self._f.write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
-def _digest(payload: Any) -> str:
-    """SHA-256 of a checkpoint payload: its structure, every value and every
-    tensor's dtype, shape and bytes. Raises TypeError naming an entry that
-    ``torch.load(weights_only=True)`` could not load."""
-    h = hashlib.sha256()
-    _feed(h, payload, "checkpoint")
-    return h.hexdigest()
-
-
-def _feed(h, obj: Any, where: str) -> None:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.layout != torch.strided:
-            t = t.to_dense()
-        t = t.cpu().contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)};".encode())
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    elif isinstance(obj, dict):
-        h.update(f"D{len(obj)};".encode())
-        for key, value in obj.items():
-            _feed(h, key, where)
-            _feed(h, value, f"{where}[{key!r}]")
-    elif isinstance(obj, (list, tuple)):
-        h.update(f"{'L' if isinstance(obj, list) else 'U'}{len(obj)};".encode())
-        for i, value in enumerate(obj):
-            _feed(h, value, f"{where}[{i}]")
-    elif obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.dtype, torch.device)):
-        h.update(f"{type(obj).__name__}:{obj!r};".encode())
-    else:
-        raise TypeError(
-            f"{where} is a {type(obj).__name__}, which torch.load(weights_only=True) cannot load; "
-            "a checkpoint holds tensors, numbers, strings and lists/tuples/dicts of them"
-        )
+        checkpoint.set_rng_state(rng)
