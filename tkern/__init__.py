@@ -4,6 +4,8 @@ from tkern import amp, nn, optim
 from tkern.amp import DynamicLossScaler, LogNormalLossScaler, StaticLossScaler
 from tkern.functional import linear, matmul
 from tkern.kernels import INTERPRET, mode
+from tkern.kernels.float8 import to_float8
+from tkern.kernels.gemm import scaled_mm
 from tkern.nn import convert_network
 from tkern.trainer import Trainer
 
@@ -23,4 +25,6 @@ __all__ = [
     "mode",
     "nn",
     "optim",
+    "scaled_mm",
+    "to_float8",
 ]

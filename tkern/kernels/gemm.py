@@ -8,6 +8,8 @@ precision is the final store.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -15,6 +17,7 @@ import triton.language as tl
 from tkern.kernels._common import (
     AUTOTUNE,
     HALF_DTYPES,
+    INT32_MAX,
     INTERPRET,
     autotune,
     cast_rne,
@@ -31,6 +34,14 @@ _GELU: tl.constexpr = tl.constexpr(2)
 _INV_SQRT2: tl.constexpr = tl.constexpr(0.7071067811865476)
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: How an operand's fp8 scale is laid out (the kernel's constexpr SCALE_A/SCALE_B):
+#: none (fp16/bf16 operands), one element for the whole tensor, one per row of a
+#: (M, 1) / per column of b (1, N), or one per block of the operand.
+SCALE_NONE, SCALE_TENSOR, SCALE_VECTOR, SCALE_BLOCK = 0, 1, 2, 3
+_SCALE_TENSOR: tl.constexpr = tl.constexpr(SCALE_TENSOR)
+_SCALE_VECTOR: tl.constexpr = tl.constexpr(SCALE_VECTOR)
+_SCALE_BLOCK: tl.constexpr = tl.constexpr(SCALE_BLOCK)
 
 
 def epi_split(block_m: int, block_n: int, num_warps: int) -> int:
@@ -287,7 +298,27 @@ def _epilogue_halves(
         )  # fmt: skip
 
 
-@_autotune(configs=gemm_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION"])
+@triton.jit
+def _operand_scale(
+    scale_ptr, offs, mask, k0, stride_s_outer, stride_s_k, block_outer, block_k, SCALE: tl.constexpr
+):
+    """The fp32 scale of each row of a (or column of b) at K offset ``k0``:
+    (BLOCK,) values. SCALE_TENSOR: one element; SCALE_VECTOR: one per row
+    (column); SCALE_BLOCK: the block holding (row, k0), i.e. element
+    (row // block_outer, k0 // block_k) of the scale grid."""
+    if SCALE == _SCALE_TENSOR:
+        return tl.load(scale_ptr + offs * 0, mask=mask, other=0.0)
+    elif SCALE == _SCALE_VECTOR:
+        return tl.load(scale_ptr + offs * stride_s_outer, mask=mask, other=0.0)
+    else:
+        return tl.load(
+            scale_ptr + (offs // block_outer) * stride_s_outer + (k0 // block_k) * stride_s_k,
+            mask=mask,
+            other=0.0,
+        )
+
+
+@_autotune(configs=gemm_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "SCALE_A", "SCALE_B"])
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _matmul_kernel(
@@ -309,6 +340,17 @@ def _matmul_kernel(
     stride_cm,
     stride_cn,
     stride_bias,  # bias's stride: 1, 0 for an expanded bias, or any other
+    # fp8 operand scales (scaled_mm); unused when SCALE_A == SCALE_B == SCALE_NONE
+    scale_a_ptr,  # fp32: (1,), (M, 1), or (ceil(M / block_am), ceil(K / block_ak)) blocks
+    scale_b_ptr,  # fp32: (1,), (1, N), or (ceil(K / block_bk), ceil(N / block_bn)) blocks
+    stride_sam,
+    stride_sak,
+    stride_sbk,
+    stride_sbn,
+    block_am,
+    block_ak,
+    block_bk,
+    block_bn,
     # meta-parameters; constexpr so the untaken branches are compiled out
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
@@ -322,6 +364,8 @@ def _matmul_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see _epilogue)
+    SCALE_A: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per row) / _BLOCK
+    SCALE_B: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per column) / _BLOCK
 ):
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
@@ -347,10 +391,51 @@ def _matmul_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        if SCALE_A == _SCALE_BLOCK or SCALE_B == _SCALE_BLOCK:
+            # Block scales change along K: each K tile (inside one K block: the
+            # launcher checks BLOCK_K divides it) is summed on its own and promoted
+            # into the fp32 accumulator times its scales, as DeepSeek-V3 does
+            # every 128 of K (Hopper's fp8 tensor cores keep fewer accumulator bits).
+            part = tl.dot(a, b)
+            if SCALE_A == _SCALE_BLOCK:
+                sa = _operand_scale(
+                    scale_a_ptr,
+                    offs_m,
+                    mask_m,
+                    k * BLOCK_K,
+                    stride_sam,
+                    stride_sak,
+                    block_am,
+                    block_ak,
+                    SCALE_A,
+                )
+                part = part * sa[:, None]
+            if SCALE_B == _SCALE_BLOCK:
+                sb = _operand_scale(
+                    scale_b_ptr,
+                    offs_n,
+                    mask_n,
+                    k * BLOCK_K,
+                    stride_sbn,
+                    stride_sbk,
+                    block_bn,
+                    block_bk,
+                    SCALE_B,
+                )
+                part = part * sb[None, :]
+            acc += part
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    # Scales constant along K multiply the fp32 accumulator once, before the bias.
+    if SCALE_A == _SCALE_TENSOR or SCALE_A == _SCALE_VECTOR:  # noqa: SIM109 (jit: no `in`)
+        sa = _operand_scale(scale_a_ptr, offs_m, mask_m, 0, stride_sam, 0, 1, 1, SCALE_A)
+        acc = acc * sa[:, None]
+    if SCALE_B == _SCALE_TENSOR or SCALE_B == _SCALE_VECTOR:  # noqa: SIM109 (jit: no `in`)
+        sb = _operand_scale(scale_b_ptr, offs_n, mask_n, 0, stride_sbn, 0, 1, 1, SCALE_B)
+        acc = acc * sb[None, :]
     _epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
@@ -419,8 +504,10 @@ def _epilogue_meta(dtype, bias, activation, out_dtype, preact) -> dict:
         "ACTIVATION": ACTIVATIONS[activation],
         "STORE_PREACT": preact is not None,
         "OUT_DTYPE": tl_dtype(out_dtype),
-        "PREACT_DTYPE": tl_dtype(dtype),
-        "UPCAST": INTERPRET and dtype == torch.bfloat16,  # the interpreter cannot multiply bf16
+        # fp8 operands have no pre-activation output (scaled_mm): the field is unused
+        "PREACT_DTYPE": tl_dtype(dtype if dtype in HALF_DTYPES else out_dtype),
+        # the interpreter cannot multiply bf16, and fp8 products are exact in fp32 too
+        "UPCAST": INTERPRET and dtype != torch.float16,
     }
 
 
@@ -471,8 +558,34 @@ def _has_tma(device: torch.device) -> bool:
     return not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact) -> torch.Tensor:
-    """:func:`matmul` after its arguments were checked."""
+class OperandScales(NamedTuple):
+    """The fp8 scales of :func:`tkern.kernels.gemm.scaled_mm`'s operands, as the
+    kernel reads them: a kind (``SCALE_*``) per operand, the scale tensors, and
+    for block scales the block shape (in elements) of each operand."""
+
+    kind_a: int = SCALE_NONE
+    kind_b: int = SCALE_NONE
+    scale_a: torch.Tensor | None = None
+    scale_b: torch.Tensor | None = None
+    block_a: tuple[int, int] = (1, 1)  # (rows of a, K) per scale
+    block_b: tuple[int, int] = (1, 1)  # (K, columns of b) per scale
+
+    def args(self, dummy: torch.Tensor) -> tuple:
+        """The kernel's scale arguments, from ``scale_a_ptr`` to ``block_bn``."""
+        sa = self.scale_a if self.scale_a is not None else dummy
+        sb = self.scale_b if self.scale_b is not None else dummy
+        sam, sak = (sa.stride(0), sa.stride(1)) if sa.dim() == 2 else (0, 0)
+        sbk, sbn = (sb.stride(0), sb.stride(1)) if sb.dim() == 2 else (0, 0)
+        return (sa, sb, sam, sak, sbk, sbn, *self.block_a, *self.block_b)
+
+
+NO_SCALES = OperandScales()
+
+
+def _launch_matmul(
+    a, b, M, N, K, bias, activation, out_dtype, preact, scales: OperandScales = NO_SCALES
+) -> torch.Tensor:
+    """:func:`matmul` (and :func:`scaled_mm`) after its arguments were checked."""
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         return c
@@ -484,7 +597,10 @@ def _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact) -> torch.
         a, b, c, bias if bias is not None else c, preact if preact is not None else c,
         M, N, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), _bias_stride(bias),
+        *scales.args(c),
         **_epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
+        SCALE_A=scales.kind_a,
+        SCALE_B=scales.kind_b,
     )  # fmt: skip
     return c
 
@@ -663,3 +779,135 @@ def _launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts) -> 
         NUM_SMS=num_sms,
     )  # fmt: skip
     return c
+
+
+# --------------------------------------------------------------------------- fp8 (scaled_mm)
+
+#: fp8 operand pairs the tensor cores take (e5m2 x e5m2 is not one of them).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Block scales change along K at most once per this many elements: every K tile
+#: of every config (BLOCK_K <= 128) then lies inside one scale block, and partial
+#: sums are promoted to fp32 at least this often (DeepSeek-V3's interval).
+SCALE_BLOCK_K = 128
+#: fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) or newer.
+FP8_MIN_CC = (8, 9)
+
+
+def _infer_block(size: int, count: int) -> int:
+    """The block length that gives ``count`` scales over ``size`` elements:
+    ceil(size / count) rounded up to a power of two."""
+    return triton.next_power_of_2(max(1, triton.cdiv(size, max(count, 1))))
+
+
+def _check_scale(
+    name: str, scale: torch.Tensor, rows: int, cols: int, vector_shape: tuple[int, int], block, k_dim: int
+) -> tuple[int, tuple[int, int]]:
+    """(kind, block shape) of an operand's scale over its (rows, cols) elements;
+    ``k_dim`` is which of the two is K (1 for a, 0 for b)."""
+    check_tensor(name, scale, dtypes=(torch.float32,))
+    if scale.numel() == 1 and block is None:
+        return SCALE_TENSOR, (1, 1)
+    if tuple(scale.shape) == vector_shape and block is None:
+        return SCALE_VECTOR, (1, 1)
+    if scale.dim() != 2:
+        raise ValueError(
+            f"{name} must have one element, shape {vector_shape} or a 2-D block grid; "
+            f"got shape {tuple(scale.shape)}"
+        )
+    grid = tuple(scale.shape)
+    if block is None:
+        block = (_infer_block(rows, grid[0]), _infer_block(cols, grid[1]))
+    if not (
+        isinstance(block, (tuple, list))
+        and len(block) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block)
+    ):
+        raise ValueError(f"the block shape of {name} must be two positive ints, got {block!r}")
+    block = (int(block[0]), int(block[1]))
+    want = (triton.cdiv(rows, block[0]), triton.cdiv(cols, block[1]))
+    if grid != want:
+        raise ValueError(
+            f"{name} has shape {grid}, but blocks of {block} over ({rows}, {cols}) need {want} scales"
+        )
+    if block[k_dim] % SCALE_BLOCK_K:
+        raise ValueError(
+            f"{name}: block scales must span a multiple of {SCALE_BLOCK_K} along K, got blocks of {block}"
+        )
+    return SCALE_BLOCK, block
+
+
+def _check_fp8_device(device: torch.device) -> None:
+    if device.type == "cuda" and not INTERPRET:
+        cc = torch.cuda.get_device_capability(device)
+        if cc < FP8_MIN_CC:
+            raise RuntimeError(
+                f"scaled_mm needs fp8 tensor cores (compute capability >= 8.9, Ada or Hopper); "
+                f"{torch.cuda.get_device_name(device)} ({device}) has {cc[0]}.{cc[1]}"
+            )
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_a: tuple[int, int] | None = None,
+    block_b: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """``(a.float() * scale_a) @ (b.float() * scale_b) + bias``, accumulated in
+    fp32 and rounded once to ``out_dtype``, as ``torch._scaled_mm`` defines its
+    scales. The same GEMM kernel as :func:`matmul` (tiles, ordering, epilogue,
+    configs), with fp8 operands and the scales applied to the fp32 accumulator.
+
+    Args:
+        a: (M, K) ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, any strides.
+        b: (K, N) fp8, any strides; e5m2 x e5m2 is refused (no such tensor-core op).
+        scale_a: fp32: one element (per tensor), (M, 1) (per row of a), or block
+            scales (ceil(M / bm), ceil(K / bk)).
+        scale_b: fp32: one element, (1, N) (per column of b), or block scales
+            (ceil(K / bk), ceil(N / bn)).
+        bias: optional (N,) bf16, fp16 or fp32, added after the scales.
+        out_dtype: bf16 (default), fp16 or fp32.
+        block_a, block_b: the block shapes (bm, bk) / (bk, bn) of block scales;
+            when omitted, inferred per dimension as ceil(size / number of scales)
+            rounded up to a power of two (DeepSeek-V3's (1, 128) and (128, 128)
+            blocks are found from their scales). A block's K extent must be a
+            multiple of 128: partial sums are promoted to fp32 at least that often.
+
+    Raises:
+        TypeError / ValueError: naming the argument, before anything is launched;
+        RuntimeError on a GPU without fp8 tensor cores (before Ada, sm_89).
+    """
+    check_tensor("a", a, ndim=2, dtypes=FP8_DTYPES)
+    check_tensor("b", b, ndim=2, dtypes=FP8_DTYPES)
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise TypeError("a and b cannot both be torch.float8_e5m2: fp8 tensor cores take e4m3 x e4m3, "
+                        "e4m3 x e5m2 and e5m2 x e4m3")  # fmt: skip
+    (M, K), (Kb, N) = a.shape, b.shape
+    if Kb != K:
+        raise ValueError(
+            f"inner dimensions differ: a has shape {tuple(a.shape)} (M, K) and "
+            f"b has shape {tuple(b.shape)} (K, N); expected b.shape[0] == {K}"
+        )
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=OUT_DTYPES)
+        if bias.shape[0] != N:
+            raise ValueError(f"bias must have shape ({N},), got shape {tuple(bias.shape)}")
+    kind_a, blk_a = _check_scale("scale_a", scale_a, M, K, (M, 1), block_a, 1)
+    kind_b, blk_b = _check_scale("scale_b", scale_b, K, N, (1, N), block_b, 0)
+    check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    _check_fp8_device(a.device)
+    check_int32_addressable("a", a)
+    check_int32_addressable("b", b)
+    if M * N > INT32_MAX:
+        raise ValueError(f"the ({M}, {N}) output has more than {INT32_MAX} elements")
+    # one element as (1, 1); (M, 1), (1, N) and block grids as they are (2-D, any strides)
+    sa = scale_a.reshape(1, 1) if kind_a == SCALE_TENSOR else scale_a
+    sb = scale_b.reshape(1, 1) if kind_b == SCALE_TENSOR else scale_b
+    scales = OperandScales(kind_a, kind_b, sa, sb, blk_a, blk_b)
+    return _launch_matmul(a, b, M, N, K, bias, None, out_dtype, None, scales)
