@@ -6,7 +6,7 @@ from tkern.functional import linear, matmul
 from tkern.kernels import INTERPRET, mode
 from tkern.kernels.float8 import to_float8
 from tkern.kernels.gemm import scaled_mm
-from tkern.nn import convert_network
+from tkern.nn import Float8Linear, Float8Recipe, convert_network
 from tkern.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 __all__ = [
     "INTERPRET",
     "DynamicLossScaler",
+    "Float8Linear",
+    "Float8Recipe",
     "LogNormalLossScaler",
     "StaticLossScaler",
     "Trainer",

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
 from tkern.kernels.activation import activation_grad
-from tkern.kernels.gemm import check_activation, check_bias, matmul
+from tkern.kernels.float8 import to_float8, to_float8_delayed
+from tkern.kernels.gemm import check_activation, check_bias, matmul, scaled_mm
 
-__all__ = ["linear", "matmul"]
+__all__ = ["float8_linear", "linear", "matmul"]
 
 _NO_ACT = "none"  # how the custom ops spell activation=None (their schema takes a str)
 
@@ -236,3 +237,174 @@ def linear(
     if torch.compiler.is_compiling() or x.is_meta or type(x) is not torch.Tensor:
         return _linear_op(x, weight, bias, activation)
     return _Linear.apply(x, weight, bias, activation)
+
+
+# --------------------------------------------------------------------------- fp8 (Float8Linear)
+#
+# The fp8 casts and GEMM as custom ops, so torch.compile treats them as opaque
+# ops with known output shapes; _Float8Linear wires them into forward and
+# backward. Granularity is spelled (bm, bk) for blocks, (0, 0) for a tensor.
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@torch.library.custom_op("tkern::to_float8", mutates_args=())
+def _to_float8_op(x: torch.Tensor, dtype: torch.dtype, bm: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tkern.to_float8` with ``granularity`` (bm, bk), or "tensor" for (0, 0)."""
+    return to_float8(x, dtype, "tensor" if bm == 0 else (bm, bk))
+
+
+@_to_float8_op.register_fake
+def _(x, dtype, bm, bk):
+    if bm == 0:
+        return torch.empty_like(x, dtype=dtype), x.new_empty((), dtype=torch.float32)
+    m, k = x.shape
+    return (
+        x.new_empty((m, k), dtype=dtype),
+        x.new_empty((-(-m // bm), -(-k // bk)), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("tkern::to_float8_delayed", mutates_args=("history",))
+def _to_float8_delayed_op(
+    x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int, update: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tkern.kernels.float8.to_float8_delayed` (rolls ``history`` when ``update``)."""
+    return to_float8_delayed(x, history, dtype, margin, update=update)
+
+
+@_to_float8_delayed_op.register_fake
+def _(x, history, dtype, margin, update):
+    return torch.empty_like(x, dtype=dtype), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("tkern::scaled_mm", mutates_args=())
+def _scaled_mm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    block_a: list[int],
+    block_b: list[int],
+) -> torch.Tensor:
+    """:func:`tkern.scaled_mm`; an empty block list means "not block scales"."""
+    return scaled_mm(
+        a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
+        block_a=tuple(block_a) if block_a else None, block_b=tuple(block_b) if block_b else None,
+    )  # fmt: skip
+
+
+@_scaled_mm_op.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+#: DeepSeek-V3's tiles: activations and gradients in (1, 128), weights in (128, 128).
+TILE, WEIGHT_BLOCK = (1, 128), (128, 128)
+
+
+def _cast(x, dtype, recipe: str, history, margin: int, update: bool, block=TILE):
+    """``x`` to fp8 as ``recipe`` casts it: (data, scale)."""
+    if recipe == "delayed":
+        return _to_float8_delayed_op(x, history, dtype, margin, update)
+    if recipe == "blockwise":
+        return _to_float8_op(x, dtype, *block)
+    return _to_float8_op(x, dtype, 0, 0)
+
+
+def _dequantize_tiles(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """fp32 values of fp8 ``data`` (M, K) with (bm, bk) block ``scale``."""
+    m, k = data.shape
+    full = scale.repeat_interleave(tile[0], 0)[:m].repeat_interleave(tile[1], 1)[:, :k]
+    return data.float() * full
+
+
+class _Float8Linear(torch.autograd.Function):
+    """y = x @ W^T + b with fp8 GEMMs (Float8Linear's forward and backward).
+
+    Forward: x and W to e4m3, one scaled GEMM, bias and the output cast in its
+    epilogue; x and W are saved in fp8 (with their scales). Backward: the output
+    gradient to e5m2 (e4m3 under "blockwise"), dgrad and wgrad as fp8 GEMMs.
+    Under "blockwise" the wgrad operands need their tiles along M: dy is cast
+    again transposed, and the saved x is converted from 1x128 to 128x1 tiles
+    (dequantized and cast again), as DeepSeek-V3 does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, margin, update, h_x, h_w, h_g):
+        n, k = weight.shape
+        x2d = _as_2d(x, k)
+        xq, sx = _cast(x2d, E4M3, recipe, h_x, margin, update)
+        wq, sw = _cast(weight, E4M3, recipe, h_w, margin, update, WEIGHT_BLOCK)
+        blocks = (list(TILE), list(WEIGHT_BLOCK)) if recipe == "blockwise" else ([], [])
+        sw_b = sw.t() if recipe == "blockwise" else sw
+        y = _scaled_mm_op(xq, wq.t(), sx, sw_b, bias, x.dtype, *blocks)
+        ctx.recipe, ctx.margin, ctx.update = recipe, margin, update
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.x_shape = x.shape
+        ctx.save_for_backward(xq, sx, wq, sw, h_g)
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, sx, wq, sw, h_g = ctx.saved_tensors
+        recipe = ctx.recipe
+        n, k = wq.shape
+        dy2d = _as_2d(dy, n).contiguous()
+        grad_dtype = E4M3 if recipe == "blockwise" else E5M2
+        gq, sg = _cast(dy2d, grad_dtype, recipe, h_g, ctx.margin, ctx.update)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # (M, N) @ (N, K)
+            blocks = (list(TILE), list(WEIGHT_BLOCK)) if recipe == "blockwise" else ([], [])
+            dx = _scaled_mm_op(gq, wq, sg, sw, None, ctx.x_dtype, *blocks).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
+            if recipe == "blockwise":
+                gtq, sgt = _to_float8_op(dy2d.t(), E4M3, *TILE)  # tiles along M
+                xtq, sxt = _to_float8_op(_dequantize_tiles(xq, sx, TILE).t(), E4M3, *TILE)
+                dw = _scaled_mm_op(gtq, xtq.t(), sgt, sxt.t(), None, ctx.w_dtype, list(TILE), [128, 1])
+            else:
+                dw = _scaled_mm_op(gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def float8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    scaling: str = "tensorwise",
+    margin: int = 0,
+    update: bool = True,
+    histories: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
+
+    Args:
+        x: (..., K) bf16/fp16/fp32; weight: (N, K) of x's dtype; bias: optional (N,).
+        scaling: ``"tensorwise"``, ``"delayed"`` or ``"blockwise"``.
+        margin, update, histories: delayed scaling's margin, whether to roll this
+            step's amaxes into the histories, and the (input, weight, grad_output)
+            fp32 amax histories (required for ``"delayed"``).
+    """
+    check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
+    check_tensor("x", x, dtypes=(weight.dtype,))
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x must have shape (..., {weight.shape[1]}) to match weight of shape "
+            f"{tuple(weight.shape)} (N, K), got shape {tuple(x.shape)}"
+        )
+    if scaling not in ("tensorwise", "delayed", "blockwise"):
+        raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
+    if scaling == "delayed" and histories is None:
+        raise ValueError('scaling="delayed" needs histories=(input, weight, grad_output) amax histories')
+    # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
+    h = (
+        histories
+        if histories is not None
+        else tuple(weight.new_empty(0, dtype=torch.float32) for _ in range(3))
+    )
+    return _Float8Linear.apply(x, weight, bias, scaling, margin, update, *h)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tkern.functional import linear
+from tkern.functional import float8_linear, linear
 from tkern.kernels._common import HALF_DTYPES
 from tkern.kernels.gemm import check_activation
 
-__all__ = ["Linear", "convert_network"]  # and Conv1D, once transformers is installed
+__all__ = ["Float8Linear", "Float8Recipe", "Linear", "convert_network"]  # and Conv1D, with transformers
 
 
 class Linear(nn.Linear):
@@ -61,6 +63,126 @@ class Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}, dtype={self.weight.dtype}"
+
+
+#: The scaling recipes of :class:`Float8Recipe`.
+FLOAT8_SCALINGS = ("tensorwise", "delayed", "blockwise")
+
+
+@dataclass(frozen=True)
+class Float8Recipe:
+    """How a :class:`Float8Linear` scales its fp8 operands.
+
+    Args:
+        scaling: ``"tensorwise"``: each tensor's amax every step (torchao's default
+            ``Float8LinearConfig()``); ``"delayed"``: Transformer Engine's
+            ``DelayedScaling``, the multiplier from the max of an amax history of
+            past steps; ``"blockwise"``: DeepSeek-V3's 1x128 tiles for activations
+            and gradients, 128x128 blocks for weights, e4m3 everywhere.
+        history_len: amax history length of ``"delayed"`` (16, as TE's default).
+        margin: ``"delayed"``: the multiplier is fp8_max / amax x 2^-margin.
+    """
+
+    scaling: str = "tensorwise"
+    history_len: int = 16
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scaling not in FLOAT8_SCALINGS:
+            raise ValueError(f"scaling must be one of {FLOAT8_SCALINGS}, got {self.scaling!r}")
+        for name, low in (("history_len", 1), ("margin", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+    @classmethod
+    def of(cls, recipe: str | Float8Recipe) -> Float8Recipe:
+        """A recipe from its name or itself."""
+        if isinstance(recipe, cls):
+            return recipe
+        if isinstance(recipe, str):
+            return cls(scaling=recipe)
+        raise TypeError(f"recipe must be a Float8Recipe or one of {FLOAT8_SCALINGS}, got {recipe!r}")
+
+
+#: Delayed scaling's amax histories: buffers of the module (saved with its state_dict).
+_HISTORIES = ("fp8_amax_history_input", "fp8_amax_history_weight", "fp8_amax_history_grad_output")
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run in fp8 with per-tensor (or per-block) scales.
+
+    Parameters have ``nn.Linear``'s names, shapes, state_dict keys and
+    initialisation (drawn in fp32, then cast to ``dtype``). Forward: x and W cast
+    to e4m3 (:func:`tkern.to_float8`), one :func:`tkern.scaled_mm` with the bias
+    in its epilogue, output in ``dtype``; x and W are saved for backward in fp8
+    (half the activation memory of bf16). Backward: the output gradient cast to
+    e5m2 (e4m3 under ``"blockwise"``), dgrad and wgrad as fp8 GEMMs.
+
+    Under ``"delayed"`` the module holds three fp32 amax histories (input,
+    weight, output gradient) as buffers, saved and restored with its state_dict
+    (a resumed run is bit-exact); a plain checkpoint without them loads with
+    ``strict=True`` (the histories are then kept as they are). The histories are
+    updated only in training with grad mode on; in ``eval()`` or under
+    ``torch.no_grad()`` the module casts with them and leaves them unchanged.
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``; both features
+            multiples of 16 suit the fp8 tensor cores.
+        dtype: the params' (and output's) dtype: bf16 (default), fp16 or fp32.
+        recipe: a :class:`Float8Recipe` or its scaling's name.
+        device: where the parameters live.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        recipe: str | Float8Recipe = "tensorwise",
+        device: torch.device | str | None = None,
+    ) -> None:
+        if dtype not in (*HALF_DTYPES, torch.float32):
+            raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
+        recipe = Float8Recipe.of(recipe)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=torch.float32)
+        self.to(dtype)
+        self._set_recipe(recipe)
+
+    def _set_recipe(self, recipe: Float8Recipe) -> None:
+        self.recipe = recipe
+        for name in _HISTORIES:
+            if recipe.scaling == "delayed":
+                if name not in self._buffers:
+                    self.register_buffer(
+                        name, torch.zeros(recipe.history_len, dtype=torch.float32, device=self.weight.device)
+                    )
+            elif name in self._buffers:
+                del self._buffers[name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if x.is_floating_point() and x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        delayed = self.recipe.scaling == "delayed"
+        histories = tuple(getattr(self, n) for n in _HISTORIES) if delayed else None
+        return float8_linear(
+            x, weight, self.bias, scaling=self.recipe.scaling, margin=self.recipe.margin,
+            update=self.training and torch.is_grad_enabled(), histories=histories,
+        )  # fmt: skip
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args):
+        before = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, *args)
+        # a checkpoint of a plain Linear has no histories: keep ours, load strictly
+        kept = [k for k in missing_keys[before:] if k.removeprefix(prefix) in _HISTORIES]
+        for k in kept:
+            missing_keys.remove(k)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dtype={self.weight.dtype}, recipe={self.recipe}"
 
 
 def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,16 +296,16 @@ def _remove_tkern_hooks(module: nn.Module) -> None:
                 getattr(module, extra, {}).pop(key, None)
 
 
-def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast ``module``'s own floating-point parameters and buffers (not its
-    children's) to ``dtype`` in place: each Parameter stays the same object, so
-    parameters shared with other modules (tied weights) stay shared."""
+def _cast_own(module: nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
+    """Cast ``module``'s own floating-point parameters and (with ``buffers``) buffers
+    (not its children's) to ``dtype`` in place: each Parameter stays the same object,
+    so parameters shared with other modules (tied weights) stay shared."""
     for p in module._parameters.values():
         if p is not None and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
             if p.grad is not None:
                 p.grad = p.grad.to(dtype)
-    for name, b in module._buffers.items():
+    for name, b in module._buffers.items() if buffers else ():
         if b is not None and b.is_floating_point() and b.dtype != dtype:
             module._buffers[name] = b.to(dtype)
 
@@ -227,12 +349,22 @@ def _convert_back(module: nn.Module) -> None:
         if type(m) is Linear:
             del m.activation
             m.__class__ = nn.Linear
+        elif type(m) is Float8Linear:
+            m._set_recipe(Float8Recipe())  # drops delayed scaling's histories
+            del m.recipe
+            m.__class__ = nn.Linear
         elif _CONV1D is not None and type(m) is _CONV1D:
             m.__class__ = _CONV1D.__bases__[0]
     _cast_tree(module, torch.float32)
 
 
-def convert_network(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.Module:
+def convert_network(
+    model: nn.Module,
+    dtype: torch.dtype = torch.float16,
+    *,
+    float8: str | Float8Recipe | None = None,
+    float8_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> nn.Module:
     """Convert ``model`` in place for mixed-precision training, and return it.
 
     * every ``nn.Linear`` becomes a :class:`tkern.nn.Linear` (and transformers'
@@ -259,9 +391,19 @@ def convert_network(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.
     Every hook is an instance of a module-level class, so a converted model can
     be pickled (``torch.save(model)``) and deep-copied.
 
+    With ``float8`` (a recipe name or a :class:`Float8Recipe`; bf16 is its natural
+    ``dtype``), every ``nn.Linear`` whose in and out features are multiples of 16
+    becomes a :class:`Float8Linear` of that recipe instead (same Parameter
+    objects, in ``dtype``), unless ``float8_filter(name, module)`` returns False
+    for it (as torchao's ``module_filter_fn``: True converts; e.g. keep an LM
+    head out). The other Linears become :class:`tkern.nn.Linear` as without it.
+    GPT-2 ``Conv1D`` layers stay :class:`tkern.nn.Conv1D` (not fp8).
+
     Args:
         model: the model (fp32, or converted before).
         dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
+        float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or a Float8Recipe.
+        float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
 
     Raises:
         TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it
@@ -277,16 +419,35 @@ def convert_network(model: nn.Module, dtype: torch.dtype = torch.float16) -> nn.
         )
     if type(model) is nn.Linear:
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; wrap it in a module")
+    recipe = None if float8 is None else Float8Recipe.of(float8)
+    if float8_filter is not None and not callable(float8_filter):
+        raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32:
+        if recipe is not None:
+            raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
         _check_convertible_back(model)
         _convert_back(model)
         return model
+
+    def to_float8(module: nn.Module, path: str) -> bool:
+        return (
+            recipe is not None
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+            and (float8_filter is None or bool(float8_filter(path, module)))
+        )
 
     kept: dict[type, list[str]] = {}
 
     def convert(module: nn.Module, path: str) -> None:
         _remove_tkern_hooks(module)  # converting again replaces, never stacks, the hooks
-        if type(module) is nn.Linear:
+        if type(module) in (nn.Linear, Float8Linear) and to_float8(module, path):
+            module.__class__ = Float8Linear
+            _cast_own(module, dtype, buffers=False)  # delayed scaling's histories stay fp32
+            module._set_recipe(recipe)
+        elif isinstance(module, Float8Linear):
+            _cast_own(module, dtype, buffers=False)
+        elif type(module) is nn.Linear:
             module.__class__ = Linear
             module.activation = None
             _cast_own(module, dtype)
