@@ -219,3 +219,11 @@ def test_torch_compile_fullgraph_matches_eager():
     m.weight.grad = None
     y2.float().sum().backward()
     assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad) and torch.equal(g1, m.weight.grad)
+
+
+@pytest.mark.slow
+def test_cli_train_float8_runs_the_tkern_run_in_fp8(capsys):
+    from tkern.cli import main
+
+    assert main(["train", "--only", "tkern", "--float8", "delayed", "--epochs", "1", "--no-progress"]) == 0
+    assert "tkern" in capsys.readouterr().out

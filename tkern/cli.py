@@ -151,6 +151,7 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         resume=args.resume,
         nproc=args.nproc,
+        float8=args.float8,
     )
     try:
         results = demo.compare(cfg)
@@ -239,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with the sharded optimizer: each process trains on every N-th sample with a batch of "
         "batch-size // N, so a step still sees batch-size samples; the fp32 and autocast runs stay "
         "in one process; 1: no processes started",
+    )
+    train.add_argument(
+        "--float8",
+        choices=("tensorwise", "delayed", "blockwise"),
+        default=None,
+        metavar="RECIPE",
+        help="the tkern run in bf16 with fp8 GEMMs (tkern.nn.Float8Linear) of this scaling recipe: "
+        "tensorwise, delayed or blockwise; Linear layers whose sizes are not multiples of 16 stay bf16",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train)

@@ -89,6 +89,7 @@ class Config:
     checkpoint: str | None = None  # the tkern run saves a checkpoint here after each epoch
     resume: str | None = None  # the tkern run starts from this checkpoint
     nproc: int = 1  # > 1: the tkern run is data-parallel on this many local processes
+    float8: str | None = None  # a Float8Recipe name: the tkern run in bf16 with fp8 GEMMs
 
 
 @dataclass
@@ -147,7 +148,10 @@ def build(name: str, base: nn.Module, cfg: Config, device: torch.device, sharded
     if cfg.lr is not None:
         hyper["lr"] = cfg.lr
     if name == "tkern":
-        tkern.convert_network(model)
+        if cfg.float8 is None:
+            tkern.convert_network(model)
+        else:  # bf16 is fp8's partner: the layers fp8 cannot take run in bf16
+            tkern.convert_network(model, torch.bfloat16, float8=cfg.float8)
         return model, fused_cls(model.parameters(), **hyper), SCALERS[cfg.scaler](), None
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
     opt = torch_cls(model.parameters(), **hyper, **extra)
