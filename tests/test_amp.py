@@ -324,13 +324,17 @@ def test_lognormal_follows_a_shifting_distribution():
     rng = random.Random(0)
     state = torch.zeros(K.STATE_SIZE, device=DEVICE)
     state[K.SCALE], state[K.INV_SCALE] = 1.0, 1.0
+    ref = tkern.LogNormalLossScaler()  # the defaults, held by the scaler
     observations, scales = [], []
     for c in centers:
         amax = 2.0 ** (c + rng.gauss(0.0, 0.5))
         found = amax * state[K.SCALE].item() > FP16_MAX
         observations.append((found, amax))
         stats = torch.tensor([float(found), 0.0, 0.0 if found else amax], device=DEVICE)
-        K.update_scale(state, stats, scheme=K.LOGNORMAL, min_scale=1.0, max_scale=2.0**24)
+        K.update_scale(
+            state, stats, scheme=K.LOGNORMAL, min_scale=1.0, max_scale=2.0**24,
+            beta1=ref.beta1, beta2=ref.beta2, log_max=ref.log_max, overflow_std_dev=ref.overflow_std_dev,
+        )  # fmt: skip
         scales.append(state[K.SCALE].item())
 
     # 1. the kernel computes OpenSeq2Seq's equations. Its EMAs are fp32, like

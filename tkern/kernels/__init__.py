@@ -1,4 +1,50 @@
-"""Triton kernels and their launchers. Nothing here knows about nn or optim."""
+"""Triton kernels and their launchers. Nothing here knows about nn or optim.
+
+Each family lives in one file: private ``@triton.jit`` kernels (their docstrings
+and argument comments give each pointer's shape and dtype) and the launchers
+that validate their arguments, allocate and launch. The map, from kernel to
+what a user touches, its tests and its benchmark:
+
+gemm.py
+    kernels: ``_matmul_kernel`` (pointer; fp16/bf16, or fp8 operands with their
+    scales applied to the fp32 accumulator), ``_matmul_tma_kernel`` (persistent,
+    TMA). Launchers: ``matmul``, ``matmul_tma_persistent``, ``scaled_mm``.
+    Above: ``functional.linear`` (``_Linear``; custom ops ``tkern::linear_forward``,
+    ``tkern::mm``), ``functional.float8_linear`` (``tkern::scaled_mm``),
+    ``nn.Linear``, ``nn.Conv1D``, ``nn.Float8Linear``, ``tkern.matmul``,
+    ``tkern.scaled_mm``. Tests: test_gemm.py, test_functional.py, test_float8.py,
+    test_compiled.py. Benchmarks: bench_gemm.py, bench_host.py.
+float8.py
+    kernels: ``_amax_partials_kernel``, ``_cast_tensorwise_kernel``,
+    ``_roll_history_kernel``, ``_cast_blocks_kernel`` (jit helpers
+    ``amax_to_multiplier``, ``to_fp8_saturated``). Launchers: ``to_float8``,
+    ``to_float8_delayed``. Above: ``tkern.to_float8``, ``nn.Float8Linear``
+    (custom ops ``tkern::to_float8``, ``tkern::to_float8_delayed``). Tests:
+    test_float8.py, test_float8_linear.py. Benchmark: not yet (needs a GPU).
+activation.py
+    kernel: ``_activation_grad_kernel``. Launcher: ``activation_grad``. Above:
+    ``functional.linear``'s backward (``tkern::activation_grad``). Tests:
+    test_activation.py, test_functional.py. Benchmark: bench_gemm.py (fused GELU).
+overflow.py
+    kernels: ``_grad_stats_kernel``, ``_finalize_stats_kernel``. Launchers:
+    ``grad_stats``; ``combine_stats`` combines the ranks' statistics. Above:
+    ``optim.FusedOptimizer.step`` (pass 1), the ``amp`` scalers. Tests:
+    test_overflow.py, test_optim.py, test_distributed.py. Benchmark: bench_optimizer.py.
+adam.py, sgd.py (their shared lines in _update.py)
+    kernels: ``_adam_kernel``, ``_sgd_kernel``. Launchers: ``adam_update``,
+    ``sgd_update``. Above: ``optim.FusedAdam``/``FusedAdamW``/``FusedSGD`` and
+    their ``Distributed`` versions (pass 2). Tests: test_update_kernels.py,
+    test_optim.py, test_optim_contracts.py, test_distributed.py. Benchmarks:
+    bench_optimizer.py, bench_distributed.py.
+scale.py
+    kernel: ``_update_scale_kernel``. Launcher: ``update_scale``. Above:
+    ``amp.DynamicLossScaler`` and kin. Tests: test_scale.py, test_amp.py.
+    Benchmark: bench_optimizer.py (scaler overhead).
+
+``_common.py`` holds what every family shares: the execution mode (Triton's
+interpreter on a CPU, compiled on a GPU), input checks, and jit helpers whose
+result must not depend on the mode (rounding, accurate expm1).
+"""
 
 from tkern.kernels._common import INTERPRET, mode
 

@@ -43,6 +43,8 @@ def _activation_grad_kernel(
     DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """dz = dy * act'(z) for n elements, computed in fp32 and cast once to dy's dtype
+    (the activation's gradient in the linear backward; pointer shapes above)."""
     offs = block_offsets(BLOCK)
     mask = offs < n
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)

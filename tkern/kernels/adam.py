@@ -59,6 +59,9 @@ def _adam_kernel(
     PARAM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Pass 2 of an Adam/AdamW step over n elements of a flat buffer: skip on overflow,
+    unscale and clip the gradient, update the fp32 master and moments, write the
+    half-precision param (pointer shapes above; the shared lines are _update.py's)."""
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written, the step count stays
     if LR_ON_DEVICE:

@@ -202,6 +202,8 @@ def _epilogue_part(
     PREACT_DTYPE: tl.constexpr,
     WIDTH: tl.constexpr,
 ):
+    """Bias, optional pre-activation store, activation and one masked cast-and-store
+    on WIDTH columns of the fp32 tile."""
     cols = col0 + tl.arange(0, WIDTH)
     mask_n = cols < N
     mask_c = (rows < M)[:, None] & mask_n[None, :]
@@ -367,6 +369,9 @@ def _matmul_kernel(
     SCALE_A: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per row) / _BLOCK
     SCALE_B: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per column) / _BLOCK
 ):
+    """C = act(A @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
+    accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
+    per tensor/row/column after the K loop, per block inside it. Shapes above."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -661,6 +666,8 @@ def _matmul_tma_kernel(
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,
 ):
+    """The same GEMM and epilogue, persistent (one program per SM walks the tiles) with
+    A and B fetched by the tensor memory accelerator through descriptors."""
     # Persistent: one program per SM loops over output tiles, so tile start-up
     # overlaps the previous tile's epilogue. Tiles are fetched by the tensor
     # memory accelerator through descriptors, which zero-fill out-of-range

@@ -55,6 +55,8 @@ def _grad_stats_kernel(
     partials_ptr,  # (num_programs, N_STATS) fp32: this launch's rows
     BLOCK: tl.constexpr,
 ):
+    """Pass 1 over n gradients: each program writes its row of partial statistics
+    (non-finite flag, sum of squares, max |g| of g * inv_scale). Shapes above."""
     pid = tl.program_id(0).to(tl.int64)  # int64: buffers may hold 2^31 elements or more
     nprog = tl.num_programs(0)
     inv_scale = tl.load(inv_scale_ptr)
@@ -84,6 +86,8 @@ def _finalize_stats_kernel(
     stats_ptr,  # (N_STATS,) fp32 output
     BLOCK: tl.constexpr,
 ):
+    """Reduce the n_rows partial rows in a fixed order into the (N_STATS,) statistics
+    (bit-reproducible: no float atomics)."""
     nonfinite = tl.zeros((BLOCK,), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)

@@ -71,6 +71,8 @@ def _update_scale_kernel(
     overflow_std_dev,
     SCHEME: tl.constexpr,  # 0 static, 1 dynamic, 2 log-normal
 ):
+    """One program: the loss scale's update from the step's statistics, in place in the
+    scaler's device state (grow, back off, hysteresis), with no host sync."""
     found = found_inf(stats_ptr)
     scale = tl.load(state_ptr + _SCALE)
     at_floor = scale <= min_scale
@@ -136,6 +138,14 @@ def _update_scale_kernel(
     tl.store(state_ptr + _INV_SCALE, 1.0 / new_scale)
 
 
+#: The arguments each scheme reads; their defaults live once, in :mod:`tkern.amp`.
+SCHEME_ARGS = {
+    STATIC: (),
+    DYNAMIC: ("growth_factor", "backoff_factor", "growth_interval", "hysteresis"),
+    LOGNORMAL: ("beta1", "beta2", "log_max", "overflow_std_dev"),
+}
+
+
 def update_scale(
     state: torch.Tensor,
     stats: torch.Tensor,
@@ -143,21 +153,23 @@ def update_scale(
     scheme: int,
     min_scale: float,
     max_scale: float,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    hysteresis: int = 1,
-    beta1: float = 0.99,
-    beta2: float = 0.999,
-    log_max: float = 16.0,
-    overflow_std_dev: float = 3.09,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    growth_interval: int | None = None,
+    hysteresis: int | None = None,
+    beta1: float | None = None,
+    beta2: float | None = None,
+    log_max: float | None = None,
+    overflow_std_dev: float | None = None,
 ) -> None:
     """Update a scaler's ``state`` vector in place from one step's ``stats``.
 
     Args:
         state: (STATE_SIZE,) fp32 scaler state (layout in this module).
         stats: (3,) fp32 ``[found_inf, sum of squares, max |g|]``, same device.
-        scheme: STATIC, DYNAMIC or LOGNORMAL; the other arguments as the scalers in :mod:`tkern.amp`.
+        scheme: STATIC, DYNAMIC or LOGNORMAL. The scheme's own arguments
+            (:data:`SCHEME_ARGS`) are required, the others unused; they mean what
+            the scalers of :mod:`tkern.amp` (which hold the defaults) say.
     """
     check_tensor("state", state, ndim=1, dtypes=(torch.float32,))
     check_tensor("stats", stats, ndim=1, dtypes=(torch.float32,))
@@ -168,9 +180,22 @@ def update_scale(
         )
     if scheme not in (STATIC, DYNAMIC, LOGNORMAL):
         raise ValueError(f"scheme must be STATIC, DYNAMIC or LOGNORMAL (0, 1, 2), got {scheme!r}")
+    given = {
+        "growth_factor": growth_factor, "backoff_factor": backoff_factor, "growth_interval": growth_interval,
+        "hysteresis": hysteresis, "beta1": beta1, "beta2": beta2, "log_max": log_max,
+        "overflow_std_dev": overflow_std_dev,
+    }  # fmt: skip
+    missing = [name for name in SCHEME_ARGS[scheme] if given[name] is None]
+    if missing:
+        raise TypeError(f"update_scale: scheme {scheme} needs {', '.join(missing)}")
+    # the kernel compiles out what a scheme does not read: placeholders there
+    v = {k: 0.0 if val is None else float(val) for k, val in given.items()}
+    beta1 = 0.5 if beta1 is None else float(beta1)  # a placeholder whose logarithm is finite
+    beta2 = 0.5 if beta2 is None else float(beta2)
     _update_scale_kernel[(1,)](
         state, stats, min_scale, max_scale,
-        growth_factor, backoff_factor, float(growth_interval), float(hysteresis),
-        beta1, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), log_max, overflow_std_dev,
+        v["growth_factor"], v["backoff_factor"], v["growth_interval"], v["hysteresis"],
+        beta1, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2),
+        v["log_max"], v["overflow_std_dev"],
         SCHEME=scheme,
     )  # fmt: skip

@@ -44,6 +44,9 @@ def _sgd_kernel(
     PARAM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Pass 2 of an SGD step over n elements of a flat buffer: skip on overflow, unscale
+    and clip, momentum/Nesterov/weight decay on the fp32 master, write the param
+    (pointer shapes above; the shared lines are _update.py's)."""
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written anywhere
     lr = load_or_value(lr, LR_ON_DEVICE)

@@ -1,5 +1,5 @@
-"""The kernel launchers' own input checks (the layers above them check their
-arguments too; these guard direct users of tkern.kernels)."""
+"""The fused update kernels (adam.py, sgd.py, _update.py): their launchers' input checks and
+one step against torch.optim on the same fp32 buffers."""
 
 from __future__ import annotations
 
@@ -7,11 +7,8 @@ import pytest
 import torch
 from conftest import DEVICE
 
-from tkern.kernels import scale as K
 from tkern.kernels._update import UpdateBuffers
-from tkern.kernels.activation import activation_grad
 from tkern.kernels.adam import adam_update
-from tkern.kernels.overflow import grad_stats
 from tkern.kernels.sgd import sgd_update
 
 
@@ -59,56 +56,6 @@ def test_update_launchers_check_their_buffers(b, launch, exc, pattern):
 def test_amsgrad_needs_its_buffer():
     with pytest.raises(ValueError, match="'max_exp_avg_sq' is missing"):
         adam_update(buffers(), amsgrad=True, **ADAM)
-
-
-def test_grad_stats_checks_its_inputs():
-    with pytest.raises(ValueError, match="inv_scale must hold one value"):
-        grad_stats([t(4, dtype=torch.float16)], torch.ones(2, device=DEVICE))
-    with pytest.raises(TypeError, match=r"grads\[0\] must have dtype"):
-        grad_stats([t(4, dtype=torch.int32)], torch.ones(1, device=DEVICE))
-    with pytest.raises(ValueError, match=r"grads\[0\] must be contiguous"):
-        grad_stats([t(4, 2, dtype=torch.float16).t().reshape(-1)[::2]], torch.ones(1, device=DEVICE))
-
-
-def test_grad_stats_against_torch():
-    g = torch.randn(70000, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.float16)
-    h = torch.randn(333, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    inv = torch.full((1,), 0.25, device=DEVICE)
-    found, sumsq, amax = grad_stats([g, h], inv).tolist()
-    ref = torch.cat([g.double(), h.double()]) * 0.25
-    assert found == 0.0
-    assert sumsq == pytest.approx(ref.pow(2).sum().item(), rel=1e-5)  # fp32 sums of 70k terms
-    assert amax == ref.abs().max().item()  # exact: a max of exactly scaled values
-    g[123] = float("nan")
-    assert grad_stats([g, h], inv)[0].item() == 1.0
-
-
-def test_activation_grad_checks_its_inputs():
-    with pytest.raises(ValueError, match="needs an activation"):
-        activation_grad(t(4, dtype=torch.float16), t(4, dtype=torch.float16), None)
-    with pytest.raises(ValueError, match=r"z has shape \(5,\) but dy has shape \(4,\)"):
-        activation_grad(t(4, dtype=torch.float16), t(5, dtype=torch.float16), "relu")
-    with pytest.raises(TypeError, match="dy must have dtype"):
-        activation_grad(t(4), t(4), "gelu")
-
-
-def test_update_scale_checks_its_inputs():
-    with pytest.raises(ValueError, match=r"state must be \(11,\) and stats \(3,\)"):
-        K.update_scale(t(5), t(3), scheme=K.DYNAMIC, min_scale=1.0, max_scale=2.0)
-    with pytest.raises(ValueError, match="scheme must be STATIC, DYNAMIC or LOGNORMAL"):
-        K.update_scale(t(K.STATE_SIZE), t(3), scheme=7, min_scale=1.0, max_scale=2.0)
-
-
-# ----------------------------------------------------------------------- what the optimizers build on
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_grad_stats_reports_a_non_finite_inv_scale_as_an_overflow(bad):
-    g = torch.ones(40, dtype=torch.float16, device=DEVICE)
-    inv = torch.full((1,), bad, device=DEVICE)
-    assert grad_stats([g], inv)[0].item() == 1.0
-    assert grad_stats([], inv)[0].item() == 1.0  # nothing to read, still no step
-    assert grad_stats([g], torch.full((1,), 0.5, device=DEVICE))[0].item() == 0.0
 
 
 def _fp32_buffers(n, seed, names):
@@ -182,17 +129,3 @@ def test_update_launchers_check_lr(lr, exc, pattern):
         sgd_update(buffers(), **{**SGD, "lr": lr})
     with pytest.raises(exc, match=pattern):
         adam_update(buffers(), amsgrad=False, **{**ADAM, "lr": lr})
-
-
-@pytest.mark.parametrize("n", [1000, 37, 3])
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_activation_grad_any_length_matches_torch(n, activation):
-    gen = torch.Generator().manual_seed(2)
-    dy = torch.randn(n, generator=gen).to(DEVICE, torch.float16)
-    z = torch.randn(n, generator=gen).to(DEVICE, torch.float16)
-    zz = z.double().cpu().requires_grad_()
-    out = zz.relu() if activation == "relu" else torch.nn.functional.gelu(zz)
-    (ref,) = torch.autograd.grad(out, zz, dy.double().cpu())
-    dz = activation_grad(dy, z, activation)
-    # one rounding to fp16 of an fp32 result: 2^-11 relative, plus fp32's erf/exp error
-    torch.testing.assert_close(dz.double().cpu(), ref, rtol=1e-3, atol=1e-5)
