@@ -288,6 +288,12 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
         sig.update(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype))
     sig.update(c_ptr=_ptr(out), bias_ptr=_ptr(bias_dtype or out), preact_ptr=_ptr(dtype if preact else out))
     sig.update(M="i32", N="i32", K="i32")
+    if not tma:  # the fp8 scales' arguments (unused unless SCALE_A / SCALE_B say otherwise)
+        sig.update(scale_a_ptr="*fp32", scale_b_ptr="*fp32")
+        for name in ("stride_sam", "stride_sak", "stride_sbk", "stride_sbn"):
+            sig[name] = "i32"
+        for name in ("block_am", "block_ak", "block_bk", "block_bn"):
+            sig[name] = "i32"
     return sig
 
 
@@ -332,7 +338,7 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
             const = dict(
                 HAS_BIAS=bias is not None, ACTIVATION=act, STORE_PREACT=preact,
                 OUT_DTYPE=getattr(tl, _TL_NAME[out]), PREACT_DTYPE=getattr(tl, _TL_NAME[dtype]),
-                UPCAST=False, EVEN_K=not ragged, **kw,
+                UPCAST=False, EVEN_K=not ragged, SCALE_A=0, SCALE_B=0, **kw,
             )  # fmt: skip
             # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
             strides = {"stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
@@ -375,6 +381,8 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
                     gated=not ragged,
                 )
             )
+    if cc >= 89:
+        cases += _fp8_gemm_cases(cc)
     if cc >= 90:
         for i, cfg in enumerate(gemm_configs_for(cc, tma=True)):
             kw = cfg.kwargs
@@ -407,6 +415,58 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
                         num_stages=cfg.num_stages,
                     )
                 )
+    return cases
+
+
+def _fp8_gemm_cases(cc: int) -> list[Case]:
+    """scaled_mm (sm_89 and newer): every offered config with e4m3 x e4m3 operands
+    and per-tensor scales (Float8Linear's forward: x @ W^T, B column-major, bf16
+    out with a bias), and the first config with block scales and e5m2 x e4m3
+    (blockwise recipe, backward operand pair)."""
+    tl = _tl()
+    cases = []
+    configs = gemm_configs_for(cc)
+    variants = [(cfg, "fp8e4nv", "fp8e4nv", 1, 1) for cfg in configs]
+    variants += [(configs[0], "fp8e4nv", "fp8e4nv", 3, 3), (configs[0], "fp8e5", "fp8e4nv", 2, 2)]
+    for cfg, a_dtype, b_dtype, scale_a, scale_b in variants:
+        kw = cfg.kwargs
+        sig = _gemm_sig("fp16", "bf16", "bf16", False)
+        sig.update(a_ptr=_ptr(a_dtype), b_ptr=_ptr(b_dtype))
+        const = dict(
+            HAS_BIAS=True, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16, PREACT_DTYPE=tl.bfloat16,
+            UPCAST=False, EVEN_K=True, SCALE_A=scale_a, SCALE_B=scale_b,
+            stride_ak=1, stride_bk=1, stride_cn=1, stride_bias=1, **kw,
+        )  # fmt: skip
+        for name in ("stride_am", "stride_bn", "stride_cm"):
+            sig[name] = "i32"
+        for k in const:
+            sig[k] = "constexpr"
+        aligned = [
+            "a_ptr",
+            "b_ptr",
+            "c_ptr",
+            "bias_ptr",
+            "M",
+            "N",
+            "K",
+            "stride_am",
+            "stride_bn",
+            "stride_cm",
+        ]
+        kind = {1: "tensor", 2: "row/col", 3: "block"}[scale_a]
+        cases.append(
+            Case(
+                name=f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{kind} scales,bias]",
+                family="gemm",
+                kernel="tkern.kernels.gemm:_matmul_kernel",
+                signature=_order(sig, "tkern.kernels.gemm:_matmul_kernel"),
+                constexprs=const,
+                aligned=tuple(aligned),
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                gated=False,  # its own test in test_compiled.py (the fp8 facts)
+            )
+        )
     return cases
 
 
@@ -548,6 +608,7 @@ def analyse(kernel, case: Case, cc: int) -> dict:
         limiter=limiter,
         wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
         mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
+        fp8_mma=len(re.findall(r"(?:wgmma\.mma_async|\bmma\.sync)[^;\n]*\.e[45]m[23]", ptx)),
         cp_async_16=len(
             re.findall(
                 r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)?\s+\[[^\]]+\],\s*\[[^\]]+\],\s*0x10", ptx

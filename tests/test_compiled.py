@@ -165,3 +165,16 @@ def test_streaming_kernels_keep_half_the_warp_slots(rows):
         if r["compiled"] and r["occupancy_pct"] < MIN_STREAMING_OCCUPANCY
     ]
     assert not bad, "\n".join(bad)
+
+
+def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
+    """scaled_mm's kernel (the pointer GEMM with fp8 operands; issue 17): wgmma on
+    e4m3/e5m2 operands on sm_90 for every offered config, no spills; it is not
+    offered before sm_89 (scaled_mm refuses those GPUs by name)."""
+    fp8 = [r for r in rows if r["case"].startswith("scaled_mm")]
+    assert {r["target"] for r in fp8} == {"sm_90"}
+    assert len(fp8) >= 3
+    for r in fp8:
+        assert r["compiled"], f"{_name(r)}: {r.get('error')}"
+        assert r["spill_bytes"] == 0, f"{_name(r)} spills {r['spill_bytes']} B"
+        assert r["wgmma"] > 0 and r["fp8_mma"] > 0, f"{_name(r)}: no fp8 wgmma"

@@ -25,10 +25,16 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
+from tkern.kernels._common import (
+    HALF_DTYPES,
+    check_int32_addressable,
+    check_int32_elements,
+    check_same_device,
+    check_tensor,
+)
 from tkern.kernels.activation import activation_grad
 from tkern.kernels.float8 import to_float8, to_float8_delayed
-from tkern.kernels.gemm import check_activation, check_bias, matmul, scaled_mm
+from tkern.kernels.gemm import check_activation, check_bias, matmul, matmul_prechecked, scaled_mm
 
 __all__ = ["float8_linear", "linear", "matmul"]
 
@@ -76,7 +82,7 @@ class _Linear(torch.autograd.Function):
         preact = None
         if activation is not None and needs_grad:
             preact = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
-        y = matmul(x2d, weight.t(), bias=bias, activation=activation, preact=preact)
+        y = matmul_prechecked(x2d, weight.t(), bias, activation, x.dtype, preact)  # linear() checked them
         ctx.activation = activation
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x2d, weight, bias, preact)
@@ -95,9 +101,9 @@ class _Linear(torch.autograd.Function):
             dz = activation_grad(dz, preact, ctx.activation)
         dx = dw = db = None
         if needs[0]:
-            dx = matmul(dz, weight).reshape(*dy.shape[:-1], k)  # (M, N) @ (N, K)
+            dx = matmul_prechecked(dz, weight, None, None, dz.dtype, None).reshape(*dy.shape[:-1], k)
         if needs[1]:
-            dw = matmul(dz.t(), x2d)  # (N, M) @ (M, K), dz^T read in place
+            dw = matmul_prechecked(dz.t(), x2d, None, None, dz.dtype, None)  # dz^T read in place
         if bias is not None and needs[2]:
             db = dz.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None
@@ -236,6 +242,10 @@ def linear(
     check_same_device(x=x, weight=weight, bias=bias)
     if torch.compiler.is_compiling() or x.is_meta or type(x) is not torch.Tensor:
         return _linear_op(x, weight, bias, activation)
+    # int32 offsets: checked here once for the three GEMMs (forward, dgrad, wgrad)
+    check_int32_addressable("x", x)
+    check_int32_addressable("weight", weight)
+    check_int32_elements("output", (math.prod(x.shape[:-1]), weight.shape[0]))
     return _Linear.apply(x, weight, bias, activation)
 
 

@@ -229,6 +229,22 @@ def check_int32_addressable(name: str, t: torch.Tensor) -> None:
         )
 
 
+def check_int32_elements(name: str, shape: tuple[int, ...]) -> None:
+    """:func:`check_int32_addressable` for a new contiguous tensor of ``shape``,
+    without building one (not even on the meta device)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    strides.reverse()
+    reach = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True) if size)
+    if reach > INT32_MAX:
+        raise ValueError(
+            f"{name} (shape {tuple(shape)}, strides {tuple(strides)}) spans {reach + 1} elements; "
+            f"this kernel indexes with int32 offsets and supports at most {INT32_MAX + 1}"
+        )
+
+
 @triton.jit
 def load_or_value(x, ON_DEVICE: tl.constexpr):
     """``x`` itself (a scalar argument) or, when ``ON_DEVICE``, the fp32 value

@@ -8,6 +8,7 @@ precision is the final store.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -22,6 +23,7 @@ from tkern.kernels._common import (
     autotune,
     cast_rne,
     check_int32_addressable,
+    check_int32_elements,
     check_same_device,
     check_tensor,
     tl_dtype,
@@ -490,7 +492,7 @@ def _check_matmul_args(a, b, bias, activation, out_dtype, preact) -> tuple[int, 
     # int32 tile offsets keep the inner loop lean; refuse what they cannot reach
     check_int32_addressable("a", a)
     check_int32_addressable("b", b)
-    check_int32_addressable("out", torch.empty((M, N), device="meta"))
+    check_int32_elements("out", (M, N))
 
     return M, N, K, out_dtype
 
@@ -542,8 +544,23 @@ def matmul(
     Raises:
         TypeError / ValueError: naming the argument, before anything is launched.
     """
-    M, N, K, out_dtype = _check_matmul_args(a, b, bias, activation, out_dtype, preact)
-    if _ragged(a, b) and _tma_layouts(a, b) is not None and _has_tma(a.device):
+    _, _, _, out_dtype = _check_matmul_args(a, b, bias, activation, out_dtype, preact)
+    return matmul_prechecked(a, b, bias, activation, out_dtype, preact)
+
+
+def matmul_prechecked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    out_dtype: torch.dtype,
+    preact: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`matmul` for a caller that has validated the arguments itself
+    (:func:`tkern.linear` checks its inputs once; its backward feeds the GEMM
+    tensors it made): the hot path, with no checks repeated per call."""
+    (M, K), N = a.shape, b.shape[1]
+    if _has_tma(a.device) and _ragged(a, b) and _tma_layouts(a, b) is not None:
         # The pointer kernel cannot prove 16-byte alignment here: every load is
         # a 16-bit scalar, without cp.async (255 registers and spills, see the
         # static report); descriptors zero-fill the edges and keep wgmma fed.
@@ -560,7 +577,12 @@ def _ragged(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _has_tma(device: torch.device) -> bool:
     """Whether ``device`` has the tensor memory accelerator (Hopper, sm_90, or newer)."""
-    return not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+    return not INTERPRET and _major_cc(device) >= 9
+
+
+@functools.cache
+def _major_cc(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 class OperandScales(NamedTuple):
