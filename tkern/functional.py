@@ -71,6 +71,25 @@ def _differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
     return dx, dw, db
 
 
+def _mm_checked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in a's dtype on operands the caller made or checked."""
+    return matmul_prechecked(a, b, None, None, a.dtype, None)
+
+
+def _linear_grads(dz, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad):
+    """The gradients of ``act(x @ W^T + b)`` for both doors of :func:`linear`:
+    ``dz`` (M, N) the output gradient, the activation's gradient applied with
+    ``act_grad`` from the saved pre-activation, then dgrad ``dZ @ W`` and wgrad
+    ``dZ^T @ X`` (dZ^T read in place) with ``mm``, dbias summed in fp32. ``mm``
+    and ``act_grad`` are the launchers (eager) or the custom ops (traced)."""
+    if activation is not None:
+        dz = act_grad(dz, preact, activation)
+    dx = mm(dz, weight) if needs[0] else None  # (M, N) @ (N, K)
+    dw = mm(dz.t(), x2d) if needs[1] else None  # (N, M) @ (M, K)
+    db = dz.sum(0, dtype=torch.float32).to(bias_dtype) if needs[2] and bias_dtype is not None else None
+    return dx, dw, db
+
+
 class _Linear(torch.autograd.Function):
     """y = act(x @ W^T + b); every product through :func:`tkern.matmul`."""
 
@@ -95,18 +114,19 @@ class _Linear(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             dx, dw, db = _differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
             return dx, dw, db, None
-        n, k = weight.shape
-        dz = _as_2d(dy, n)
-        if ctx.activation is not None:
-            dz = activation_grad(dz, preact, ctx.activation)
-        dx = dw = db = None
-        if needs[0]:
-            dx = matmul_prechecked(dz, weight, None, None, dz.dtype, None).reshape(*dy.shape[:-1], k)
-        if needs[1]:
-            dw = matmul_prechecked(dz.t(), x2d, None, None, dz.dtype, None)  # dz^T read in place
-        if bias is not None and needs[2]:
-            db = dz.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None
+        n, _ = weight.shape
+        dx, dw, db = _linear_grads(
+            _as_2d(dy, n),
+            x2d,
+            weight,
+            preact,
+            ctx.activation,
+            needs,
+            ctx.bias_dtype,
+            _mm_checked,
+            activation_grad,
+        )
+        return None if dx is None else dx.reshape(*dy.shape[:-1], weight.shape[1]), dw, db, None
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -164,10 +184,10 @@ def _linear_setup_context(ctx, inputs, output):
 
 def _linear_backward(ctx, dy, _dpreact):
     x2d, weight, preact = ctx.saved_tensors
-    dz = dy if ctx.activation == _NO_ACT else _activation_grad_op(dy, preact, ctx.activation)
-    dx = _mm_op(dz, weight) if ctx.needs_input_grad[0] else None
-    dw = _mm_op(dz.t(), x2d) if ctx.needs_input_grad[1] else None
-    db = dz.sum(0, dtype=torch.float32).to(ctx.bias_dtype) if ctx.needs_input_grad[2] else None
+    act = None if ctx.activation == _NO_ACT else ctx.activation
+    dx, dw, db = _linear_grads(
+        dy, x2d, weight, preact, act, ctx.needs_input_grad[:3], ctx.bias_dtype, _mm_op, _activation_grad_op
+    )
     return dx, dw, db, None, None
 
 
