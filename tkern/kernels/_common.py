@@ -269,3 +269,11 @@ def aligned_split(n: int) -> tuple[int, int]:
     so a length that is not a multiple of 16 does not make every access scalar."""
     tail = n % ALIGN_ELEMENTS
     return n - tail, tail
+
+
+def aligned_slices(n: int) -> list[slice]:
+    """The launches :func:`aligned_split` asks for, as slices of an n-element
+    buffer: the head and the tail, each only if it is not empty (none for n == 0).
+    Every launcher that splits its buffers this way takes its runs from here."""
+    head, tail = aligned_split(n)
+    return [s for s, size in ((slice(0, head), head), (slice(head, n), tail)) if size]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from tkern.kernels._common import aligned_split, check_tensor
+from tkern.kernels._common import aligned_slices, check_tensor
 from tkern.kernels.overflow import N_STATS
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -91,11 +91,11 @@ def aligned_parts(b: UpdateBuffers) -> list[tuple[UpdateBuffers, int]]:
     elements (the kernel vectorises it) and, when the length is not, a tail of
     fewer than 16 elements on offset views of every buffer."""
     n = b.param.numel()
-    head, tail = aligned_split(n)
-    if not tail or not head:
+    runs = aligned_slices(n)
+    if len(runs) < 2:
         return [(b, n)] if n else []
     return [
         (replace(b, param=b.param[s], grad=b.grad[s], master=b.master[s],
-                 state={k: v[s] for k, v in b.state.items()}), length)
-        for s, length in ((slice(0, head), head), (slice(head, n), tail))
+                 state={k: v[s] for k, v in b.state.items()}), s.stop - s.start)
+        for s in runs
     ]  # fmt: skip

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from tkern.kernels._common import (
     INTERPRET,
-    aligned_split,
+    aligned_slices,
     block_offsets,
     cast_rne,
     check_same_device,
@@ -80,12 +80,11 @@ def activation_grad(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch
     flat = dy.view(-1), z.view(-1), dz.view(-1)
     # The head (a multiple of 16 elements) is read in 16-byte vectors; a tail
     # of n % 16 elements gets its own launch rather than making every access scalar.
-    head, tail = aligned_split(dy.numel())
-    for s, n in ((slice(0, head), head), (slice(head, head + tail), tail)):
-        if n:
-            _activation_grad_kernel[(triton.cdiv(n, BLOCK),)](
-                *(t[s] for t in flat), n,
-                ACTIVATION=ACTIVATIONS[activation], DTYPE=tl_dtype(dy.dtype),
-                BLOCK=BLOCK, num_warps=NUM_WARPS,
-            )  # fmt: skip
+    for s in aligned_slices(dy.numel()):
+        n = s.stop - s.start
+        _activation_grad_kernel[(triton.cdiv(n, BLOCK),)](
+            *(t[s] for t in flat), n,
+            ACTIVATION=ACTIVATIONS[activation], DTYPE=tl_dtype(dy.dtype),
+            BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
     return dz

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, aligned_split, check_tensor
+from tkern.kernels._common import INTERPRET, aligned_slices, check_tensor
 
 FOUND_INF: int = 0
 SUMSQ: int = 1
@@ -106,8 +106,8 @@ def _finalize_stats_kernel(
 
 
 def _aligned_pieces(g: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    head, tail = aligned_split(g.numel())
-    return (g[:head], g[head:]) if head and tail else (g,)
+    runs = aligned_slices(g.numel())
+    return tuple(g[s] for s in runs) if len(runs) == 2 else (g,)
 
 
 def _programs_for(n: int) -> int:
