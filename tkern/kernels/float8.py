@@ -204,6 +204,14 @@ def _roll_history_kernel(
 
 
 @triton.jit
+def _load_tile(x_ptr, rows, cols, row_end, col_end, stride_xm, stride_xk):
+    """The (rows, cols) tile of x, masked to the block's end: (x, rows, cols, mask)."""
+    mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    return x, rows, cols, mask
+
+
+@triton.jit
 def _cast_blocks_kernel(
     x_ptr,  # (M, K) fp32/fp16/bf16, any strides
     M,
@@ -234,20 +242,16 @@ def _cast_blocks_kernel(
     best = tl.zeros((TM, TK), dtype=tl.float32)
     for r in range(row0, row_end, TM):
         for c in range(col0, col_end, TK):
-            rows = r + rows_t
-            cols = c + cols_t
-            mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+            x, _, _, _ = _load_tile(x_ptr, r + rows_t, c + cols_t, row_end, col_end, stride_xm, stride_xk)
             best = tl.maximum(best, tl.abs(x.to(tl.float32)))
     amax = tl.max(tl.max(best, axis=1), axis=0)
     mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
     tl.store(scale_ptr + bi * tl.cdiv(K, bk) + bj, reciprocal(mult))
     for r in range(row0, row_end, TM):
         for c in range(col0, col_end, TK):
-            rows = r + rows_t
-            cols = c + cols_t
-            mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+            x, rows, cols, mask = _load_tile(
+                x_ptr, r + rows_t, c + cols_t, row_end, col_end, stride_xm, stride_xk
+            )
             y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
             tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
 
