@@ -19,3 +19,13 @@ def test_update_scale_checks_its_inputs():
         K.update_scale(t(5), t(3), scheme=K.DYNAMIC, min_scale=1.0, max_scale=2.0)
     with pytest.raises(ValueError, match="scheme must be STATIC, DYNAMIC or LOGNORMAL"):
         K.update_scale(t(K.STATE_SIZE), t(3), scheme=7, min_scale=1.0, max_scale=2.0)
+
+
+def test_update_scale_needs_its_schemes_arguments_before_any_launch():
+    state = t(K.STATE_SIZE)
+    with pytest.raises(TypeError, match="needs growth_factor, backoff_factor, growth_interval, hysteresis"):
+        K.update_scale(state, t(3), scheme=K.DYNAMIC, min_scale=1.0, max_scale=2.0)
+    with pytest.raises(TypeError, match="needs beta2, log_max"):
+        K.update_scale(state, t(3), scheme=K.LOGNORMAL, min_scale=1.0, max_scale=2.0, beta1=0.9,
+                       overflow_std_dev=3.0)  # fmt: skip
+    assert torch.equal(state, t(K.STATE_SIZE))  # nothing launched, nothing written

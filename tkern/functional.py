@@ -209,6 +209,15 @@ def _linear_op(x, weight, bias, activation):
 # --------------------------------------------------------------------------- public
 
 
+def _check_in_features(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """x (..., K) against weight (N, K), as both linears take them."""
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x must have shape (..., {weight.shape[1]}) to match weight of shape "
+            f"{tuple(weight.shape)} (N, K), got shape {tuple(x.shape)}"
+        )
+
+
 def _check_meta(x: torch.Tensor, weight: torch.Tensor) -> None:
     """:func:`check_tensor`'s dtype and rank checks for meta tensors, which compiled
     mode would otherwise refuse for not being CUDA tensors."""
@@ -252,11 +261,7 @@ def linear(
     else:
         check_tensor("weight", weight, ndim=2, dtypes=HALF_DTYPES)
         check_tensor("x", x, dtypes=(weight.dtype,))
-    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"x must have shape (..., {weight.shape[1]}) to match weight of shape "
-            f"{tuple(weight.shape)} (N, K), got shape {tuple(x.shape)}"
-        )
+    _check_in_features(x, weight)
     check_bias(bias, weight.shape[0], weight.dtype)
     check_activation(activation)
     check_same_device(x=x, weight=weight, bias=bias)
@@ -331,8 +336,14 @@ def _(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-#: DeepSeek-V3's tiles: activations and gradients in (1, 128), weights in (128, 128).
-TILE, WEIGHT_BLOCK = (1, 128), (128, 128)
+#: DeepSeek-V3's tiles: activations and gradients in (1, 128), weights in (128, 128);
+#: wgrad reads x with its tiles along M: (128, 1).
+TILE, WEIGHT_BLOCK, TILE_T = (1, 128), (128, 128), (128, 1)
+
+
+def _blocks(recipe: str) -> tuple[list[int], list[int]]:
+    """scaled_mm's (block_a, block_b) for an activation/gradient times a weight."""
+    return (list(TILE), list(WEIGHT_BLOCK)) if recipe == "blockwise" else ([], [])
 
 
 def _cast(x, dtype, recipe: str, history, margin: int, update: bool, block=TILE):
@@ -367,9 +378,8 @@ class _Float8Linear(torch.autograd.Function):
         x2d = _as_2d(x, k)
         xq, sx = _cast(x2d, E4M3, recipe, h_x, margin, update)
         wq, sw = _cast(weight, E4M3, recipe, h_w, margin, update, WEIGHT_BLOCK)
-        blocks = (list(TILE), list(WEIGHT_BLOCK)) if recipe == "blockwise" else ([], [])
         sw_b = sw.t() if recipe == "blockwise" else sw
-        y = _scaled_mm_op(xq, wq.t(), sx, sw_b, bias, x.dtype, *blocks)
+        y = _scaled_mm_op(xq, wq.t(), sx, sw_b, bias, x.dtype, *_blocks(recipe))
         ctx.recipe, ctx.margin, ctx.update = recipe, margin, update
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -381,19 +391,18 @@ class _Float8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         xq, sx, wq, sw, h_g = ctx.saved_tensors
         recipe = ctx.recipe
-        n, k = wq.shape
+        n = wq.shape[0]
         dy2d = _as_2d(dy, n).contiguous()
         grad_dtype = E4M3 if recipe == "blockwise" else E5M2
         gq, sg = _cast(dy2d, grad_dtype, recipe, h_g, ctx.margin, ctx.update)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K)
-            blocks = (list(TILE), list(WEIGHT_BLOCK)) if recipe == "blockwise" else ([], [])
-            dx = _scaled_mm_op(gq, wq, sg, sw, None, ctx.x_dtype, *blocks).reshape(ctx.x_shape)
+            dx = _scaled_mm_op(gq, wq, sg, sw, None, ctx.x_dtype, *_blocks(recipe)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
             if recipe == "blockwise":
                 gtq, sgt = _to_float8_op(dy2d.t(), E4M3, *TILE)  # tiles along M
                 xtq, sxt = _to_float8_op(_dequantize_tiles(xq, sx, TILE).t(), E4M3, *TILE)
-                dw = _scaled_mm_op(gtq, xtq.t(), sgt, sxt.t(), None, ctx.w_dtype, list(TILE), [128, 1])
+                dw = _scaled_mm_op(gtq, xtq.t(), sgt, sxt.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
             else:
                 dw = _scaled_mm_op(gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
@@ -422,15 +431,24 @@ def float8_linear(
     """
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
     check_tensor("x", x, dtypes=(weight.dtype,))
-    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"x must have shape (..., {weight.shape[1]}) to match weight of shape "
-            f"{tuple(weight.shape)} (N, K), got shape {tuple(x.shape)}"
-        )
+    _check_in_features(x, weight)
+    check_bias(bias, weight.shape[0], weight.dtype)
+    check_same_device(x=x, weight=weight, bias=bias)
     if scaling not in ("tensorwise", "delayed", "blockwise"):
         raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
-    if scaling == "delayed" and histories is None:
-        raise ValueError('scaling="delayed" needs histories=(input, weight, grad_output) amax histories')
+    if scaling == "delayed":
+        # all three before the first cast: the casts roll the histories as they go
+        if histories is None or len(histories) != 3:
+            raise ValueError('scaling="delayed" needs histories=(input, weight, grad_output) amax histories')
+        for name, h in zip(("input", "weight", "grad_output"), histories, strict=True):
+            check_tensor(f"histories ({name})", h, ndim=1, dtypes=(torch.float32,))
+            if h.numel() < 1 or not h.is_contiguous() or h.device != weight.device:
+                raise ValueError(
+                    f"histories ({name}) must be a contiguous (H,) fp32 tensor with H >= 1 on "
+                    f"{weight.device}, got shape {tuple(h.shape)} on {h.device}"
+                )
+        if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+            raise ValueError(f"margin must be an int >= 0, got {margin!r}")
     # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
     h = (
         histories

@@ -218,15 +218,19 @@ def block_offsets(BLOCK: tl.constexpr):
 INT32_MAX = 2**31 - 1
 
 
+def _check_int32_reach(name: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> None:
+    reach = sum((size - 1) * abs(stride) for size, stride in zip(shape, strides, strict=True) if size)
+    if reach > INT32_MAX:
+        raise ValueError(
+            f"{name} (shape {tuple(shape)}, strides {tuple(strides)}) spans {reach + 1} elements; "
+            f"this kernel indexes with int32 offsets and supports at most {INT32_MAX + 1}"
+        )
+
+
 def check_int32_addressable(name: str, t: torch.Tensor) -> None:
     """Raise ``ValueError`` if an element of ``t`` lies 2^31 or more elements
     from its first: kernels that index it with int32 offsets would wrap around."""
-    reach = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True) if size)
-    if reach > INT32_MAX:
-        raise ValueError(
-            f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) spans {reach + 1} elements; "
-            f"this kernel indexes with int32 offsets and supports at most {INT32_MAX + 1}"
-        )
+    _check_int32_reach(name, tuple(t.shape), t.stride())
 
 
 def check_int32_elements(name: str, shape: tuple[int, ...]) -> None:
@@ -236,13 +240,7 @@ def check_int32_elements(name: str, shape: tuple[int, ...]) -> None:
     for size in reversed(shape):
         strides.append(step)
         step *= size
-    strides.reverse()
-    reach = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True) if size)
-    if reach > INT32_MAX:
-        raise ValueError(
-            f"{name} (shape {tuple(shape)}, strides {tuple(strides)}) spans {reach + 1} elements; "
-            f"this kernel indexes with int32 offsets and supports at most {INT32_MAX + 1}"
-        )
+    _check_int32_reach(name, tuple(shape), tuple(reversed(strides)))
 
 
 @triton.jit

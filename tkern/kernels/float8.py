@@ -129,18 +129,11 @@ def _amax_partials_kernel(
 
 
 @triton.jit
-def _multiplier_from(
-    vec_ptr,
-    count,
-    PBLOCK: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MULT_AT_EPS: tl.constexpr,
-    EPS_F32: tl.constexpr,
-):
-    """amax_to_multiplier of the max of ``count`` fp32 values at ``vec_ptr``."""
+def _max_of(vec_ptr, count, PBLOCK: tl.constexpr):
+    """The max of ``count`` (<= PBLOCK) fp32 values at ``vec_ptr`` (partial maxima
+    or an amax history), 0 for none."""
     offs = tl.arange(0, PBLOCK)
-    amax = tl.max(tl.load(vec_ptr + offs, mask=offs < count, other=0.0), axis=0)
-    return amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
+    return tl.max(tl.load(vec_ptr + offs, mask=offs < count, other=0.0), axis=0)
 
 
 @triton.jit
@@ -165,12 +158,11 @@ def _cast_tensorwise_kernel(
     the multiplier, program 0 writes the scale, each casts its share."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    mult = _multiplier_from(amax_ptr, count, PBLOCK, FP8_MAX, MULT_AT_EPS, EPS_F32)
+    amax = _max_of(amax_ptr, count, PBLOCK)
+    mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
     if DELAYED:
-        offs_h = tl.arange(0, PBLOCK)
-        seen = tl.max(tl.load(amax_ptr + offs_h, mask=offs_h < count, other=0.0), axis=0)
         # Transformer Engine starts a tensor's scale at 1 until its history holds an amax
-        mult = tl.where(seen > 0.0, mult * margin_factor, 1.0)
+        mult = tl.where(amax > 0.0, mult * margin_factor, 1.0)
     if pid == 0:
         tl.store(scale_ptr, reciprocal(mult))
     best = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -196,8 +188,7 @@ def _roll_history_kernel(
 ):
     """Delayed scaling's bookkeeping: this step's amax becomes history[0], the
     rest moves one place back (the oldest drops out). One program."""
-    offs_p = tl.arange(0, PBLOCK)
-    amax = tl.max(tl.load(partials_ptr + offs_p, mask=offs_p < count, other=0.0), axis=0)
+    amax = _max_of(partials_ptr, count, PBLOCK)
     offs = tl.arange(0, HBLOCK)
     older = tl.load(history_ptr + offs - 1, mask=(offs > 0) & (offs < H), other=0.0)
     tl.store(history_ptr + offs, tl.where(offs == 0, amax, older), mask=offs < H)
@@ -338,13 +329,23 @@ def _programs(n: int) -> int:
     return max(1, min(MAX_PROGRAMS, triton.cdiv(n, BLOCK)))
 
 
-def _cast_tensorwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensorwise_buffers(x: torch.Tensor, dtype: torch.dtype):
+    """What a per-tensor cast launches on: x flat, the fp8 result (x's shape), the
+    0-dim scale, the number of programs and their (programs,) partial maxima."""
     flat = x.reshape(-1)
+    programs = _programs(flat.numel())
+    return (
+        flat,
+        torch.empty(x.shape, dtype=dtype, device=x.device),
+        torch.empty((), dtype=torch.float32, device=x.device),
+        programs,
+        torch.zeros(programs, dtype=torch.float32, device=x.device),
+    )
+
+
+def _cast_tensorwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    flat, data, scale, programs, partials = _tensorwise_buffers(x, dtype)
     n = flat.numel()
-    data = torch.empty(x.shape, dtype=dtype, device=x.device)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
-    programs = _programs(n)
-    partials = torch.zeros(programs, dtype=torch.float32, device=x.device)
     _amax_partials_kernel[(programs,)](flat, n, partials, BLOCK=BLOCK)
     _cast_tensorwise_kernel[(programs,)](
         flat, n, partials, programs, data.view(-1), scale, partials, 1.0,
@@ -401,13 +402,8 @@ def to_float8_delayed(
         )
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
         raise ValueError(f"margin must be an int >= 0, got {margin!r}")
-    flat = x.reshape(-1)
-    n = flat.numel()
-    data = torch.empty(x.shape, dtype=dtype, device=x.device)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
-    programs = _programs(n)
-    partials = torch.zeros(programs, dtype=torch.float32, device=x.device)
-    h = history.numel()
+    flat, data, scale, programs, partials = _tensorwise_buffers(x, dtype)
+    n, h = flat.numel(), history.numel()
     _cast_tensorwise_kernel[(programs,)](
         flat, n, history, h, data.view(-1), scale, partials, 2.0**-margin,
         DELAYED=True, **_constants(dtype), BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(max(h, programs)),

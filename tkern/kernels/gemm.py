@@ -18,7 +18,6 @@ import triton.language as tl
 from tkern.kernels._common import (
     AUTOTUNE,
     HALF_DTYPES,
-    INT32_MAX,
     INTERPRET,
     autotune,
     cast_rne,
@@ -933,8 +932,7 @@ def scaled_mm(
     _check_fp8_device(a.device)
     check_int32_addressable("a", a)
     check_int32_addressable("b", b)
-    if M * N > INT32_MAX:
-        raise ValueError(f"the ({M}, {N}) output has more than {INT32_MAX} elements")
+    check_int32_elements("out", (M, N))
     # one element as (1, 1); (M, 1), (1, N) and block grids as they are (2-D, any strides)
     sa = scale_a.reshape(1, 1) if kind_a == SCALE_TENSOR else scale_a
     sb = scale_b.reshape(1, 1) if kind_b == SCALE_TENSOR else scale_b

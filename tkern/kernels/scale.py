@@ -138,6 +138,9 @@ def _update_scale_kernel(
     tl.store(state_ptr + _INV_SCALE, 1.0 / new_scale)
 
 
+#: Placeholders for the arguments a scheme does not read (0.0 for the others).
+_UNUSED = {"beta1": 0.5, "beta2": 0.5}
+
 #: The arguments each scheme reads; their defaults live once, in :mod:`tkern.amp`.
 SCHEME_ARGS = {
     STATIC: (),
@@ -189,9 +192,9 @@ def update_scale(
     if missing:
         raise TypeError(f"update_scale: scheme {scheme} needs {', '.join(missing)}")
     # the kernel compiles out what a scheme does not read: placeholders there
-    v = {k: 0.0 if val is None else float(val) for k, val in given.items()}
-    beta1 = 0.5 if beta1 is None else float(beta1)  # a placeholder whose logarithm is finite
-    beta2 = 0.5 if beta2 is None else float(beta2)
+    # (the betas' placeholder has a finite logarithm)
+    v = {k: float(val) if val is not None else _UNUSED.get(k, 0.0) for k, val in given.items()}
+    beta1, beta2 = v["beta1"], v["beta2"]
     _update_scale_kernel[(1,)](
         state, stats, min_scale, max_scale,
         v["growth_factor"], v["backoff_factor"], v["growth_interval"], v["hysteresis"],
