@@ -104,7 +104,15 @@ def _ptr(dtype: str) -> str:
 
 
 _TL_NAME = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
-_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
+_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "i16": 2, "u8": 1}
+
+
+#: The update kernels' memory modes (issue 18) compiled beside the default fp32 master and
+#: fp32 state: (param dtype, MASTER, state kind) -- a split master with 8-bit state, no
+#: master (stochastic rounding) with bf16 state, and fp16 stochastic rounding.
+_MODE_CASES = (("bf16", "split", "u8"), ("bf16", "none", "bf16"), ("fp16", "none", "fp32"))
+_MASTER = {"self": 0, "fp32": 1, "split": 2, "none": 3}
+_KIND = {"fp32": 0, "bf16": 1, "u8": 2}
 
 
 def _update_cases(opt: str, full: bool = True) -> list[Case]:
@@ -123,7 +131,8 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
         flags += [dict(DECOUPLED=True, AMSGRAD=False, CLIP=True, MAXIMIZE=True, LR_ON_DEVICE=True)]
         if not full:  # the plainest, the heaviest and the newest flags
             flags = [flags[0], flags[7], flags[8]]
-        state = ["exp_avg_ptr", "exp_avg_sq_ptr", "max_exp_avg_sq_ptr"]
+        kinds = ("M_KIND", "V_KIND", "VMAX_KIND")
+        prefixes = ("exp_avg_", "exp_avg_sq_", "max_exp_avg_sq_")
     else:
         flags = [
             dict(MOMENTUM=m, NESTEROV=nv, CLIP=c, MAXIMIZE=False, LR_ON_DEVICE=False)
@@ -133,52 +142,64 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
         flags += [dict(MOMENTUM=True, NESTEROV=False, CLIP=True, MAXIMIZE=True, LR_ON_DEVICE=True)]
         if not full:
             flags = [flags[0], flags[5], flags[6]]
-        state = ["momentum_ptr"]
+        kinds = ("MOMENTUM_KIND",)
+        prefixes = ("momentum_",)
     fn = adam._adam_kernel if opt == "adam" else sgd._sgd_kernel
     per_thread = mod.BLOCK // (32 * mod.NUM_WARPS)
-    for dtype in ("fp16", "bf16", "fp32"):
-        for f in flags:
-            for tail in (False, True):
-                if tail and (f != flags[0]):
-                    continue  # one tail specialisation per dtype: it only has to compile
-                sig, const = {}, {}
-                for name in fn.arg_names:
-                    if name.endswith("_ptr"):
-                        sig[name] = _ptr(dtype if name in ("param_ptr", "grad_ptr") else "fp32")
-                    elif name == "n":
-                        sig[name] = "i32"
-                    elif name == "lr" and f["LR_ON_DEVICE"]:
-                        sig[name] = "*fp32"
-                    elif name.isupper():
-                        sig[name] = "constexpr"
-                    else:
-                        sig[name] = "fp32"
-                const.update(
-                    f, HAS_MASTER=dtype != "fp32", PARAM_DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=mod.BLOCK
-                )
-                if opt == "sgd":
-                    const.pop("DECOUPLED", None)
-                arrays = ["grad_ptr", "master_ptr"] + (["param_ptr"] if dtype != "fp32" else [])
-                if opt == "adam":
-                    arrays += state[:2] + (state[2:] if f["AMSGRAD"] else [])
-                elif f["MOMENTUM"]:
-                    arrays += state
-                aligned = tuple(k for k in sig if k.endswith("_ptr") or (k == "n" and not tail) or k == "lr")
-                flag_s = ",".join(k.lower() for k, v in f.items() if v) or "plain"
-                cases.append(
-                    Case(
-                        name=f"{opt}[{dtype},{flag_s}{',tail' if tail else ''}]",
-                        family="streaming",
-                        kernel=f"tkern.kernels.{opt}:{fn.__name__}",
-                        signature=sig,
-                        constexprs=const,
-                        aligned=aligned,
-                        num_warps=mod.NUM_WARPS,
-                        arrays=tuple(arrays),
-                        per_thread=per_thread,
-                        gated=not tail,
-                    )
-                )
+    variants = [(d, "self" if d == "fp32" else "fp32", "fp32", f, t) for d in ("fp16", "bf16", "fp32")
+                for f in flags for t in (False, True) if not t or f == flags[0]]  # fmt: skip
+    # the memory modes on the heaviest flags (amsgrad + clip; momentum + clip)
+    variants += [(d, m, k, flags[7] if opt == "adam" else flags[3], False) for d, m, k in _MODE_CASES]
+    for dtype, master, kind, f, tail in variants:
+        held = "i16" if master == "split" else dtype  # a split master's param is addressed as int16
+        sig, const = {}, {}
+        for name in fn.arg_names:
+            if name in ("param_ptr", "grad_ptr"):
+                sig[name] = _ptr(held if name == "param_ptr" else dtype)
+            elif name == "master_ptr":
+                sig[name] = _ptr({"split": "i16", "none": dtype}.get(master, "fp32"))
+            elif name.endswith("_absmax_ptr") or name.endswith("_qmap_ptr"):
+                sig[name] = "*fp32"
+            elif name.endswith("_ptr") and name.startswith(prefixes):
+                sig[name] = _ptr(kind)
+            elif name.endswith("_ptr"):
+                sig[name] = "*fp32"
+            elif name in ("n", "seed", "offset"):
+                sig[name] = "i32"
+            elif name == "lr" and f["LR_ON_DEVICE"]:
+                sig[name] = "*fp32"
+            elif name.isupper():
+                sig[name] = "constexpr"
+            else:
+                sig[name] = "fp32"
+        const.update(f, MASTER=_MASTER[master], PARAM_DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=mod.BLOCK)
+        const.update(dict.fromkeys(kinds, _KIND[kind]), QB=mod.QBLOCK)
+        if opt == "sgd":
+            const.pop("DECOUPLED", None)
+        arrays = ["grad_ptr", "param_ptr"] + (["master_ptr"] if master in ("fp32", "split") else [])
+        if opt == "adam":
+            arrays += ["exp_avg_ptr", "exp_avg_sq_ptr"] + (["max_exp_avg_sq_ptr"] if f["AMSGRAD"] else [])
+        elif f["MOMENTUM"]:
+            arrays += ["momentum_ptr"]
+        aligned = tuple(k for k in sig if k.endswith("_ptr") or (k == "n" and not tail) or k == "lr")
+        flag_s = ",".join(k.lower() for k, v in f.items() if v) or "plain"
+        mode_s = (
+            "" if (master, kind) in (("self", "fp32"), ("fp32", "fp32")) else f",master={master},state={kind}"
+        )
+        cases.append(
+            Case(
+                name=f"{opt}[{dtype},{flag_s}{mode_s}{',tail' if tail else ''}]",
+                family="streaming",
+                kernel=f"tkern.kernels.{opt}:{fn.__name__}",
+                signature=sig,
+                constexprs=const,
+                aligned=aligned,
+                num_warps=mod.NUM_WARPS,
+                arrays=tuple(arrays),
+                per_thread=per_thread,
+                gated=not tail,
+            )
+        )
     return cases
 
 
@@ -617,6 +638,12 @@ def analyse(kernel, case: Case, cc: int) -> dict:
         cp_async=len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global", ptx)),
         convert_layout=ttgir.count("ttg.convert_layout"),
+        # elements of each converted tensor: a streaming kernel may move per-block values (the 8-bit
+        # state's absmax, BLOCK / 256 per program) between layouts, never its element arrays
+        convert_layout_elements=[
+            math.prod(int(d) for d in shape.split("x"))
+            for shape in re.findall(r"ttg\.convert_layout [^:]*: tensor<((?:\d+x)*\d+)x\w+", ttgir)
+        ],
         sass_instructions=sum(ops.values()),
         global_access_bits=ptx_accesses(ptx, nonconst),
     )

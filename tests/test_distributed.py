@@ -339,7 +339,53 @@ def _scenario_trainer(rank, world):
     return {"params": [p.detach().clone() for p in model.parameters()], "steps": trainer.step}
 
 
+#: The memory modes (issue 18) under ZeRO-2: params large enough for 8-bit state.
+MODE_SHAPES = [((5000,), torch.bfloat16), ((300,), torch.bfloat16), ((4096,), torch.float32)]
+MODE_CONFIGS = {
+    "split-uint8": {"master": "split", "state_dtype": torch.uint8},
+    "none-bf16": {"master": "none", "state_dtype": torch.bfloat16, "seed": 5},
+}
+
+
+def _mode_params(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(d).requires_grad_() for s, d in MODE_SHAPES]
+
+
+def _mode_grad(step: int, rank: int, index: int) -> torch.Tensor:
+    shape, dtype = MODE_SHAPES[index]
+    g = torch.Generator().manual_seed(500 * step + 10 * rank + index)
+    return (torch.randint(-64, 65, shape, generator=g) / 32).to(dtype)
+
+
+def mode_reference(config: str, world: int):
+    """The single-process optimizer in the same memory mode, stepped on the mean gradients
+    (W = 2: the mean of two multiples of 1/32 is exact in every dtype)."""
+    params = _mode_params(100)
+    opt = FusedAdamW(params, lr=1e-2, **MODE_CONFIGS[config])
+    for t in range(STEPS):
+        for i, p in enumerate(params):
+            total = sum(_mode_grad(t, r, i).float() * SCALE for r in range(world))
+            p.grad.copy_((total / world).to(p.dtype))
+        opt.step(inv_scale=torch.tensor([1 / SCALE]))
+    return [p.detach().clone() for p in params], opt.state_dict()
+
+
+def _scenario_modes(rank, world):
+    out = {}
+    for config, modes in MODE_CONFIGS.items():
+        params = _mode_params(100 + rank)
+        opt = DistributedFusedAdamW(params, lr=1e-2, **modes)
+        for t in range(STEPS):
+            for i, p in enumerate(params):
+                p.grad.copy_(_mode_grad(t, rank, i) * SCALE)
+            opt.step(inv_scale=torch.tensor([1 / SCALE]))
+        out[config] = ([p.detach().clone() for p in params], opt.state_dict(), opt.memory_report())
+    return out
+
+
 SCENARIOS = {
+    "modes": _scenario_modes,
     "equivalence": _scenario_equivalence,
     "skip": _scenario_skip,
     "memory": _scenario_memory,
@@ -374,7 +420,7 @@ def _spawn(world, names, out_dir):
 def world2(tmp_path_factory):
     return _spawn(
         2,
-        ["equivalence", "skip", "memory", "size_one_group", "bad_input", "trainer"],
+        ["equivalence", "skip", "memory", "size_one_group", "bad_input", "trainer", "modes"],
         tmp_path_factory.mktemp("w2"),
     )
 
@@ -488,6 +534,22 @@ def test_memory_per_rank_is_4_plus_12_over_w_bytes_per_param(request, world):
         assert report["total"] == sum(expected[k] for k in ("param", "grad", "master", "state"))
         padding = expected["padded_numel"] / sum(sizes)  # < 1.001 here
         assert report["bytes_per_param"] == pytest.approx((4 + 12 / world) * padding, rel=1e-12)
+
+
+@pytest.mark.parametrize("config", list(MODE_CONFIGS))
+def test_memory_modes_shard_like_the_single_process_optimizer(world2, config):
+    """A split master with 8-bit moments, and stochastic rounding with bf16 moments, under
+    ZeRO-2: bit-identical to the single-process run (the 8-bit blocks and the random
+    stream are the flat buffer's, whatever the shards), each rank holding half the state."""
+    ref_params, ref_state = mode_reference(config, 2)
+    single = FusedAdamW(_mode_params(0), **MODE_CONFIGS[config]).memory_report()
+    for res in _result(world2, "modes"):
+        params, state, report = res[config]
+        _assert_params_match(params, ref_params, exact=True)
+        _assert_states_match(state, ref_state, exact=True)
+        # half of each buffer, plus the padding that makes the shards equal (< 1% here)
+        assert single["state"] / 2 <= report["state"] < 0.51 * single["state"]
+        assert single["master"] / 2 <= report["master"] <= 0.51 * single["master"]
 
 
 def test_a_process_group_of_size_one_is_the_plain_optimizer(world2):

@@ -60,14 +60,42 @@ import weakref
 
 import torch
 
-from tkern.kernels._update import PARAM_DTYPES
+from tkern.kernels._update import (
+    ABSMAX_EPS,
+    MASTER_MODES,
+    PARAM_DTYPES,
+    QBLOCK,
+    SIGNED_STATE,
+    STATE_DTYPES,
+    UpdateBuffers,
+    state_from_fp32,
+    state_to_fp32,
+    zero_code,
+)
 
-#: Every param, launch range and shard starts on a multiple of this many elements.
+#: Every param, launch range and shard starts on a multiple of this many elements
+#: (of QBLOCK = 256 in a buffer with block-quantized uint8 state: whole blocks).
 ALIGN = 16
 
 # C-speed getters for the per-step scans over every param.
 _VERSION = operator.attrgetter("_version")
 _GRAD = operator.attrgetter("grad")
+
+
+def check_modes(master: str, state_dtype: torch.dtype, param_dtype: torch.dtype | None = None) -> None:
+    """Raise ``ValueError`` naming the argument unless ``master`` and ``state_dtype``
+    are modes a flat buffer of ``param_dtype`` params can keep."""
+    if master not in MASTER_MODES:
+        raise ValueError(f'master must be "fp32", "split" or "none", got {master!r}')
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(
+            f"state_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got {state_dtype!r}"
+        )
+    if master == "split" and param_dtype == torch.float16:
+        raise ValueError(
+            'master="split" keeps the fp32 master as a bf16 param plus 16 low bits: it needs bf16 '
+            'params, got float16 (use master="fp32", or bf16 params)'
+        )
 
 
 def describe_param(group: int, index: int, p: torch.Tensor) -> str:
@@ -78,6 +106,22 @@ def describe_param(group: int, index: int, p: torch.Tensor) -> str:
 def round_up(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple of ``multiple``."""
     return -(-n // multiple) * multiple
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 master as ``(param, remainder)``: the bf16 param (the master rounded to
+    nearest, ties away from zero) and the int16 remainder with
+    ``master == join_master(param, remainder)`` bit for bit (the update kernels'
+    ``store_master`` in split mode, on the host)."""
+    bits = master.contiguous().view(torch.int32)
+    rounded = (bits + 0x8000) & -65536
+    return (rounded >> 16).to(torch.int16).view(torch.bfloat16), (bits - rounded).to(torch.int16)
+
+
+def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master a bf16 ``param`` and its int16 ``remainder`` hold (a new tensor)."""
+    high = param.contiguous().view(torch.int16).to(torch.int32)
+    return ((high << 16) + remainder.to(torch.int32)).view(torch.float32)
 
 
 def alias(flat: torch.Tensor, start: int, numel: int, shape: torch.Size) -> torch.Tensor:
@@ -111,14 +155,22 @@ class FlatParams:
         params: the parameters, in order; each a leaf tensor.
         indices: each param's index within its param group (for messages).
         group: the param group's index (for messages).
-        state_names: names of the fp32 state buffers to allocate, zeroed.
+        state_names: names of the state buffers to allocate, zeroed.
         world_size, rank: shard the master and state (ZeRO); 1, 0 for none.
+        master: ``"fp32"``, ``"split"`` (bf16 params) or ``"none"``: how the
+            master is kept (see :mod:`tkern.kernels._update`); fp32 params are
+            their own master whatever it says.
+        state_dtype: the state buffers' dtype: fp32, bf16, or uint8 (block-quantized;
+            params then start on 256-element boundaries).
+        seed: the stochastic rounding's seed (``master="none"``).
 
     Attributes:
         param, grad: the flat param and gradient buffers (the params' dtype).
-        master: the fp32 master of this rank's shard (for fp32 params, the
-            shard of ``param`` itself).
-        state: name -> fp32 buffer of this rank's shard.
+        master: this rank's shard of the master: fp32 (for fp32 params, the
+            shard of ``param`` itself), the int16 remainders of a split master,
+            or None.
+        state: name -> buffer of this rank's shard (``state_dtype``).
+        absmax: name -> fp32 block absmax of each uint8 state buffer.
         offsets: ``offsets[i]`` is where param i starts in ``param``/``grad``.
         lo, hi: this rank's shard, ``[lo, hi)`` in ``param``/``grad``.
     """
@@ -132,20 +184,28 @@ class FlatParams:
         *,
         world_size: int = 1,
         rank: int = 0,
+        master: str = "fp32",
+        state_dtype: torch.dtype = torch.float32,
+        seed: int = 0,
     ) -> None:
         first = params[0]
         if first.dtype not in PARAM_DTYPES:
             raise TypeError(
                 f"{describe_param(group, indices[0], first)}: dtype must be one of {PARAM_DTYPES}"
             )
+        check_modes(master, state_dtype, first.dtype)
+        self.master_mode = "self" if first.dtype == torch.float32 else master
+        self.state_dtype = state_dtype
+        self.seed = seed & 0x7FFFFFFF
+        align = QBLOCK if state_dtype == torch.uint8 else ALIGN
         self.params = params
         self.indices = indices
         self.group = group
         self.dtype, self.device = first.dtype, first.device
         self.numels = [p.numel() for p in params]
-        self.offsets = [0, *itertools.accumulate(round_up(n, ALIGN) for n in self.numels)]
+        self.offsets = [0, *itertools.accumulate(round_up(n, align) for n in self.numels)]
         self.world_size, self.rank = world_size, rank
-        total = round_up(self.offsets[-1], ALIGN * world_size)
+        total = round_up(self.offsets[-1], align * world_size)
         self.shard_size = total // world_size
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 
@@ -164,15 +224,19 @@ class FlatParams:
                 else:
                     self.grad_views.append(None)
                 p.data = self.param_views[i]
-        self.master = (
-            self.param[self.lo : self.hi]
-            if self.dtype == torch.float32
-            else self.param[self.lo : self.hi].float()
-        )
-        self._plan: list[tuple[int, int, torch.Tensor]] | None = None
+        shard = self.param[self.lo : self.hi]
+        self.master: torch.Tensor | None = None  # "none"
+        if self.master_mode == "self":
+            self.master = shard
+        elif self.master_mode == "fp32":
+            self.master = shard.float()
+        elif self.master_mode == "split":  # remainders 0: the master is the param
+            self.master = torch.zeros(self.shard_size, dtype=torch.int16, device=self.device)
+        self._plan: list[UpdateBuffers] | None = None
         #: Bumped whenever state buffers or step-count tensors are added or replaced.
         self.layout_version = 0
         self.state: dict[str, torch.Tensor] = {}
+        self.absmax: dict[str, torch.Tensor] = {}
         self.ensure_state(state_names)
         # The gradient views' versions at the last zero_grad(set_to_none=True); a view
         # whose version moved since has a gradient. -1: counts from the start.
@@ -212,16 +276,100 @@ class FlatParams:
             buf[a - self.lo : b - self.lo].copy_(value.reshape(-1)[a - s : b - s])
 
     def ensure_state(self, names: tuple[str, ...]) -> bool:
-        """Allocate (zeroed) any of the fp32 state buffers ``names`` not there yet;
+        """Allocate (zeroed) any of the state buffers ``names`` not there yet;
         True if one was added."""
         added = False
         for name in names:
             if name not in self.state:
-                self.state[name] = torch.zeros(self.shard_size, dtype=torch.float32, device=self.device)
+                self.state[name] = torch.zeros(self.shard_size, dtype=self.state_dtype, device=self.device)
+                if self.state_dtype == torch.uint8:
+                    # zero state as the kernel stores it: every block's absmax clamped to
+                    # ABSMAX_EPS and the code of 0.0 (not code 0, which is -1 in the signed map)
+                    self.state[name].fill_(zero_code(name in SIGNED_STATE))
+                    self.absmax[name] = torch.full(
+                        (self.shard_size // QBLOCK,), ABSMAX_EPS, dtype=torch.float32, device=self.device
+                    )
                 added = True
         if added:
             self._changed()
         return added
+
+    # ------------------------------------------------------------- master and state in fp32
+
+    @property
+    def keeps_master(self) -> bool:
+        """Whether a master is kept beside the params (fp32 or split)."""
+        return self.master_mode in ("fp32", "split")
+
+    def master_fp32(self) -> torch.Tensor | None:
+        """This shard's fp32 master: the live buffer (fp32 master, or fp32 params'
+        own shard), a rebuilt copy (split), or None (no master)."""
+        if self.master_mode == "split":
+            return join_master(self.param[self.lo : self.hi], self.master)
+        return self.master
+
+    def set_master_fp32(self, values: torch.Tensor) -> None:
+        """Store ``values`` (this shard's fp32 master) as the master; the params are
+        never changed. An fp32 master is then reconciled with the params before the
+        next step (see :meth:`mark_dirty`; loading one before or after the model
+        gives the same run); a split master keeps the values' remainders (the
+        master is exact where a param is the value rounded, and always rounds to
+        its param). Nothing for fp32 params or no master."""
+        with torch.no_grad():
+            if self.master_mode == "fp32":
+                if values is not self.master:
+                    self.master.copy_(values)
+                self.mark_dirty()
+            elif self.master_mode == "split":
+                self.master.copy_(split_master(values)[1])
+
+    def state_fp32(self, name: str) -> torch.Tensor:
+        """This shard's state ``name`` in fp32: the live buffer if it is fp32, else a
+        converted copy."""
+        buf = self.state[name]
+        if buf.dtype == torch.float32:
+            return buf
+        return state_to_fp32(buf, self.absmax.get(name), name in SIGNED_STATE)
+
+    def set_state_fp32(self, name: str, values: torch.Tensor) -> None:
+        """Store this shard's fp32 ``values`` as state ``name`` (rounded or quantized
+        as the update kernel stores it)."""
+        buf = self.state[name]
+        if values is not buf:
+            state_from_fp32(values.contiguous(), buf, self.absmax.get(name), name in SIGNED_STATE)
+
+    def export_fp32(self, gather=None) -> dict[str, torch.Tensor]:
+        """The master (fp32 or split; not fp32 params' own nor none) and every state
+        buffer in fp32: this shard's, or with ``gather`` (a function from a shard
+        buffer to the full buffer of every rank's shards, in rank order) the whole
+        buffer's. Buffers kept in fp32 come back as they are (live, when not gathered)."""
+        g = gather if gather is not None else (lambda t: t)
+        out: dict[str, torch.Tensor] = {}
+        if self.master_mode == "fp32":
+            out["master"] = g(self.master)
+        elif self.master_mode == "split":
+            low = g(self.master)
+            param = self.param if low.numel() == self.param.numel() else self.param[self.lo : self.hi]
+            out["master"] = join_master(param, low)
+        for name, buf in self.state.items():
+            if buf.dtype == torch.float32:
+                out[name] = g(buf)
+            else:
+                out[name] = state_to_fp32(g(buf), g(self.absmax[name]) if name in self.absmax else None,
+                                          name in SIGNED_STATE)  # fmt: skip
+        return out
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of each kind of buffer: ``param``, ``grad`` (full size), ``master`` and
+        ``state`` (this shard; block absmax included; 0 for fp32 params' master)."""
+        state = sum(b.numel() * b.element_size() for b in (*self.state.values(), *self.absmax.values()))
+        master = 0 if self.master is None or self.master_mode == "self" else self.master.numel()
+        return {
+            "param": self.param.numel() * self.param.element_size(),
+            "grad": self.grad.numel() * self.grad.element_size(),
+            "master": master * (self.master.element_size() if master else 0),
+            "state": state,
+        }
 
     def _changed(self) -> None:
         self._plan = None
@@ -284,10 +432,11 @@ class FlatParams:
                         "was built; build the optimizer after moving or casting the model"
                     )
 
-    def plan(self) -> list[tuple[int, int, torch.Tensor]]:
-        """The launches of this step: ``(start, end, step_count)`` ranges of the
-        params that have a gradient, in ``param``/``grad`` coordinates, clipped
-        to this rank's shard, split where the step counts differ.
+    def plan(self) -> list[UpdateBuffers]:
+        """The launches of this step: the :class:`UpdateBuffers` (views of every
+        buffer, the step count, the random stream's offset; ``stats`` and
+        ``inv_scale`` left for the step to set) of each range of params that have
+        a gradient, clipped to this rank's shard, split where the step counts differ.
 
         Also brings the master up to date with params written from outside
         (see the module docstring), copies in gradients that are not the flat
@@ -315,10 +464,26 @@ class FlatParams:
                 self._zero_versions[k] = -1
             active[i] = self._all_active or view._version != self._zero_versions[k]
         self._split_cohorts(active)
-        ranges = self._ranges(active)
+        launches = [self._buffers(s, e, step) for s, e, step in self._ranges(active)]
         if all(active[i] for i in self._trainable):
-            self._plan = ranges
-        return ranges
+            self._plan = launches
+        return launches
+
+    def _buffers(self, s: int, e: int, step: torch.Tensor) -> UpdateBuffers:
+        """The views of ``[s, e)`` (in ``param`` coordinates, within this shard)."""
+        a, b = s - self.lo, e - self.lo
+        return UpdateBuffers(
+            param=self.param[s:e],
+            grad=self.grad[s:e],
+            master=None if self.master is None else self.master[a:b],
+            stats=None,
+            inv_scale=None,
+            step=step,
+            state={k: v[a:b] for k, v in self.state.items()},
+            absmax={k: v[a // QBLOCK : b // QBLOCK] for k, v in self.absmax.items()},
+            seed=self.seed,
+            offset=s,
+        )
 
     def _split_cohorts(self, active: list[bool]) -> None:
         """Give the active members of a cohort that also has inactive members a
@@ -379,9 +544,10 @@ class FlatParams:
 
     def reconcile(self) -> None:
         """Where a param differs from its rounded master, the master takes the
-        param's value; elsewhere the master keeps its extra bits."""
-        if self.dtype == torch.float32:
-            return  # an fp32 param is its own master
+        param's value; elsewhere the master keeps its extra bits. (A split master
+        always rounds to its param, and there is nothing to reconcile without one.)"""
+        if self.master_mode != "fp32":
+            return
         with torch.no_grad():
             p = self.param[self.lo : self.hi]
             torch.where(self.master.to(self.dtype) == p, self.master, p.float(), out=self.master)

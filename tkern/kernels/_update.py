@@ -1,63 +1,362 @@
-"""The arguments every pass-2 (update) kernel takes, and their checks."""
+"""What every pass-2 (update) kernel shares: its arguments (:class:`UpdateBuffers`)
+and their checks, and the jit lines every update kernel runs the same way.
+
+The shared lines, in the order a kernel calls them:
+
+* :func:`tile` -- this program's elements as a (ROWS, QBLOCK) tile, so a row is
+  one block of the 8-bit state's block quantization;
+* :func:`load_grad` -- the gradient unscaled, clipped and (``maximize``) negated;
+* :func:`load_master` / :func:`store_master` -- the fp32 master in one of the
+  four *master modes* below, and the write of the param;
+* :func:`load_state` / :func:`store_state` -- an optimizer state buffer in one of
+  the three *state dtypes* below.
+
+Master modes (``MASTER``, from the buffers' dtypes):
+
+``SELF``
+    fp32 params: the param is its own master.
+``FP32``
+    an fp32 master beside the 16-bit param; the param is the master rounded to
+    nearest even. 4 B/param.
+``SPLIT``
+    bf16 params: the master's 32 bits are the param's 16 and a 16-bit remainder.
+    The param holds the master rounded to nearest (ties away from zero, so that
+    the remainder ``master - param`` always fits in 16 signed bits) and
+    ``master`` the int16 remainder: the fp32 master is rebuilt exactly, bit for
+    bit what ``FP32`` would hold. The param differs from ``FP32``'s only on an
+    exact tie (1 value in 65536, by one ulp, and with the same half-ulp error).
+    2 B/param.
+``NONE``
+    no master: the update is computed in fp32 from the param and written back
+    with stochastic rounding (unbiased: the expected param is the fp32 result),
+    drawn from Philox keyed by (seed, step count) at each element's place in
+    the flat buffer, so a step is reproducible and a resumed run bit-identical.
+    0 B/param.
+
+State dtypes (``KIND``, from each state buffer's dtype):
+
+``STATE_F32`` fp32 (4 B/param); ``STATE_BF16`` bf16, rounded to nearest even
+(2 B/param); ``STATE_U8`` 8 bits, block-quantized as bitsandbytes' 8-bit Adam:
+blocks of :data:`QBLOCK` elements, one fp32 absmax per block, each value
+divided by its block's absmax and coded as the nearest entry of a 256-entry
+*dynamic* code map (:func:`dynamic_code_map`; signed for a first moment or a
+momentum, unsigned for a second moment), ties rounding up, exactly as
+torchao's ``quantize_8bit_with_qmap`` (1 + 4 / 256 B/param).
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
+import triton
+import triton.language as tl
 
-from tkern.kernels._common import aligned_slices, check_tensor
-from tkern.kernels.overflow import N_STATS
+from tkern.kernels._common import INTERPRET, aligned_slices, cast_rne, check_tensor
+from tkern.kernels.overflow import N_STATS, grad_factor
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: Elements per block of the 8-bit state (bitsandbytes' and torchao's block size).
+QBLOCK = 256
+_QBLOCK: tl.constexpr = tl.constexpr(QBLOCK)
+#: State buffers of params smaller than this keep fp32 state (bitsandbytes' min_8bit_size).
+MIN_8BIT_SIZE = 4096
+#: The absmax of an all-zero block, as torchao clamps it.
+ABSMAX_EPS = 1e-12
+_ABSMAX_EPS: tl.constexpr = tl.constexpr(ABSMAX_EPS)
+
+# Master modes.
+SELF: tl.constexpr = tl.constexpr(0)
+FP32: tl.constexpr = tl.constexpr(1)
+SPLIT: tl.constexpr = tl.constexpr(2)
+NONE: tl.constexpr = tl.constexpr(3)
+MASTER_MODES = {"fp32": 1, "split": 2, "none": 3}
+
+# State kinds.
+STATE_F32: tl.constexpr = tl.constexpr(0)
+STATE_BF16: tl.constexpr = tl.constexpr(1)
+STATE_U8: tl.constexpr = tl.constexpr(2)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+_STATE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+
+#: Names of the state buffers whose values can be negative (signed code map).
+SIGNED_STATE = frozenset({"exp_avg", "momentum_buffer"})
+
+
+def dynamic_code_map(signed: bool) -> list[float]:
+    """The 256 sorted values of bitsandbytes' dynamic 8-bit code map (Dettmers et
+    al., "8-bit Optimizers via Block-wise Quantization", 2022; as torchao's
+    ``create_dynamic_map(signed)`` with 7 exponent bits): each of 7 decades
+    10^-6 .. 10^0 holds evenly spaced fractions (more of them in the larger
+    decades), plus 0 and 1, and their negatives when ``signed``."""
+    data: list[float] = []
+    max_exponent_bits, non_sign_bits = 7, 7
+    for i in range(max_exponent_bits):
+        items = 2 ** (i + non_sign_bits - max_exponent_bits + (0 if signed else 1)) + 1
+        bounds = torch.linspace(0.1, 1, items)  # float32 arithmetic, as torchao builds it
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        decade = 10 ** (-(max_exponent_bits - 1) + i)
+        data += (decade * means).tolist()
+        if signed:
+            data += (-decade * means).tolist()
+    data += [0.0, 1.0]
+    assert len(data) == 256
+    return sorted(data)
+
+
+@functools.cache
+def code_map(signed: bool, device: torch.device) -> torch.Tensor:
+    """(256,) fp32 :func:`dynamic_code_map` on ``device`` (one per device and sign)."""
+    return torch.tensor(dynamic_code_map(signed), dtype=torch.float32, device=device)
+
+
+def zero_code(signed: bool) -> int:
+    """The code of 0.0 in the signed or unsigned map."""
+    return dynamic_code_map(signed).index(0.0)
+
+
+def state_kind(dtype: torch.dtype) -> int:
+    """The ``KIND`` constexpr of a state buffer of ``dtype``."""
+    return _STATE_KINDS[dtype]
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def tile(n, BLOCK: tl.constexpr, QB: tl.constexpr):
+    """This program's BLOCK of n elements as ``(offs, mask)``: (BLOCK // QB, QB)
+    int64 element offsets, row r one block of the 8-bit state, and which lie below n.
+    (Per-block values are kept in this 2-D layout too, broadcast along the row, so
+    that no layout conversion is needed.)"""
+    ROWS: tl.constexpr = BLOCK // QB
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * QB + tl.arange(0, QB)[None, :]
+    return offs, offs < n
+
+
+@triton.jit
+def load_grad(
+    grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP: tl.constexpr, MAXIMIZE: tl.constexpr
+):
+    """The gradient at ``offs`` in fp32: unscaled, clipped by the global norm, and
+    negated when ``MAXIMIZE`` (torch's ``maximize=True``)."""
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = g * grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP)
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
+def load_master(param_ptr, master_ptr, offs, mask, MASTER: tl.constexpr):
+    """The fp32 master at ``offs`` (see the module docstring's master modes). In
+    ``SPLIT`` mode ``param_ptr`` is the bf16 param viewed as int16."""
+    if MASTER == FP32:
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    elif MASTER == SPLIT:
+        high = tl.load(param_ptr + offs, mask=mask, other=0).to(tl.int32)
+        low = tl.load(master_ptr + offs, mask=mask, other=0).to(tl.int32)
+        p = ((high << 16) + low).to(tl.float32, bitcast=True)
+    else:  # SELF, NONE: the param itself
+        p = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return p
+
+
+@triton.jit
+def _stochastic_round(p, random, PARAM_DTYPE: tl.constexpr):
+    """fp32 ``p`` to PARAM_DTYPE (bf16 or fp16), rounded up in magnitude with the
+    probability of its distance from the value below (unbiased), ``random`` (p's
+    shape) uniform uint32 draws."""
+    if tl.bfloat16 == PARAM_DTYPE:
+        # bf16 is fp32's upper half: adding 16 random bits to the magnitude carries
+        # into the kept bits with probability low16 / 2^16
+        bits = p.to(tl.int32, bitcast=True) + (random >> 16).to(tl.int32)
+        out = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        # fp16: the spacing at |p| (2^(e - 10), at least the subnormals' 2^-24) is a
+        # power of two, so |p| / ulp, its floor and the two neighbours are exact in fp32
+        mag = tl.abs(p)
+        e = tl.maximum(((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -14)
+        ulp = ((e - 10 + 127) << 23).to(tl.float32, bitcast=True)
+        q = mag / ulp
+        down = tl.floor(q)
+        u = (random >> 8).to(tl.float32) * (1.0 / 16777216.0)  # uniform in [0, 1), 24 bits
+        mag = tl.where(u < q - down, down + 1.0, down) * ulp
+        out = tl.where(p < 0.0, -mag, mag).to(tl.float16)
+    return out
+
+
+@triton.jit
+def store_master(
+    param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER: tl.constexpr, PARAM_DTYPE: tl.constexpr
+):
+    """Write the updated fp32 master ``p`` and the param it gives (see the module
+    docstring). ``NONE`` draws its random bits from Philox keyed by
+    ``(seed, t)`` (t: the step count) at element ``offset + offs`` of the flat buffer."""
+    if MASTER == SELF:
+        tl.store(param_ptr + offs, p, mask=mask)
+    elif MASTER == FP32:
+        tl.store(master_ptr + offs, p, mask=mask)
+        tl.store(param_ptr + offs, cast_rne(p, PARAM_DTYPE), mask=mask)
+    elif MASTER == SPLIT:
+        bits = p.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x8000) & -65536  # to nearest, ties away from zero
+        tl.store(param_ptr + offs, (rounded >> 16).to(tl.int16), mask=mask)
+        tl.store(master_ptr + offs, (bits - rounded).to(tl.int16), mask=mask)
+    else:  # NONE
+        key = (t.to(tl.uint64) << 32) | seed.to(tl.uint64)
+        random = tl.randint(key, (offset + offs).to(tl.uint32))
+        tl.store(param_ptr + offs, _stochastic_round(p, random, PARAM_DTYPE), mask=mask)
+
+
+@triton.jit
+def load_state(ptr, absmax_ptr, qmap_ptr, offs, mask, KIND: tl.constexpr):
+    """A state buffer at ``offs`` (a tile from :func:`tile`) in fp32."""
+    if KIND == STATE_U8:
+        code = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+        absmax = tl.load(absmax_ptr + offs // _QBLOCK, mask=mask, other=0.0)  # its block's, per element
+        x = tl.load(qmap_ptr + code) * absmax
+    else:
+        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def store_state(ptr, absmax_ptr, qmap_ptr, offs, mask, x, KIND: tl.constexpr):
+    """Write fp32 ``x`` (a tile from :func:`tile`, whole blocks) to a state buffer:
+    as it is, rounded to bf16, or block-quantized (absmax per row, then the
+    nearest code by a branchless binary search over the sorted code map)."""
+    if KIND == STATE_U8:
+        absmax = tl.maximum(tl.max(tl.abs(x), axis=1), _ABSMAX_EPS)[:, None]
+        first = mask & (offs % _QBLOCK == 0)  # one store per block, from its first element
+        tl.store(absmax_ptr + offs // _QBLOCK, tl.broadcast_to(absmax, x.shape), mask=first)
+        xn = x / absmax
+        code = tl.where(xn >= tl.load(qmap_ptr + 128), 128, 0)
+        for shift in tl.static_range(6, -1, -1):
+            step = 1 << shift
+            code += tl.where(xn >= tl.load(qmap_ptr + code + step), step, 0)
+        up = tl.minimum(code + 1, 255)
+        below = tl.load(qmap_ptr + code)
+        code = tl.where(xn - below >= (tl.load(qmap_ptr + up) - below) * 0.5, up, code)
+        tl.store(ptr + offs, code.to(tl.uint8), mask=mask)
+    elif KIND == STATE_BF16:
+        tl.store(ptr + offs, cast_rne(x, tl.bfloat16), mask=mask)
+    else:
+        tl.store(ptr + offs, x, mask=mask)
+
+
+# --------------------------------------------------------------------------- buffers
 
 
 @dataclass
 class UpdateBuffers:
     """One contiguous run of a flat parameter buffer and its companions.
 
+    The master mode and each state buffer's kind follow from the dtypes (see the
+    module docstring).
+
     Attributes:
         param: (n,) fp16/bf16/fp32 model parameters, written in place.
         grad: (n,) gradients of ``param``'s dtype, scaled by the loss scale.
-        master: (n,) fp32 master weights; for fp32 params, ``param`` itself
-            (the same memory), which is then its own master.
-        state: name -> (n,) fp32 optimizer state (momentum, exp_avg, ...).
+        master: (n,) fp32 master weights; for fp32 params, ``param`` itself (the
+            same memory); (n,) int16 remainders for a ``"split"`` master (bf16
+            params); None for no master (``"none"``: stochastic rounding).
+        state: name -> (n,) optimizer state (momentum, exp_avg, ...): fp32, bf16,
+            or uint8 codes (then ``n`` is a multiple of :data:`QBLOCK`).
+        absmax: name -> (n / QBLOCK,) fp32 block absmax of each uint8 state buffer.
         stats: (3,) fp32 pass-1 statistics from :func:`tkern.kernels.overflow.grad_stats`.
         inv_scale: (1,) fp32, 1 / loss scale.
         step: (1,) fp32 count of applied steps before this one.
+        seed: the stochastic rounding's seed (32 bits; no master only).
+        offset: where ``param[0]`` lies in its flat buffer (the random stream's counter).
     """
 
     param: torch.Tensor
     grad: torch.Tensor
-    master: torch.Tensor
-    stats: torch.Tensor
-    inv_scale: torch.Tensor
+    master: torch.Tensor | None
+    stats: torch.Tensor | None
+    inv_scale: torch.Tensor | None
     step: torch.Tensor
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+    seed: int = 0
+    offset: int = 0
 
     @property
     def has_master(self) -> bool:
         """Whether the param is half precision with a separate fp32 master."""
-        return self.param.dtype != torch.float32
+        return (
+            self.param.dtype != torch.float32
+            and self.master is not None
+            and self.master.dtype == torch.float32
+        )
+
+    @property
+    def master_mode(self) -> int:
+        """The ``MASTER`` constexpr: SELF, FP32, SPLIT or NONE."""
+        if self.param.dtype == torch.float32:
+            return 0
+        if self.master is None:
+            return 3
+        return 2 if self.master.dtype == torch.int16 else 1
+
+    def kernel_param(self) -> torch.Tensor:
+        """The param as the kernel addresses it (its int16 bits under a split master)."""
+        return self.param.view(torch.int16) if self.master_mode == 2 else self.param
+
+    def kernel_master(self) -> torch.Tensor:
+        """The master pointer (the param itself where there is none)."""
+        return self.param if self.master is None else self.master
+
+    def kernel_state(self, name: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """``(buffer, absmax, code map, KIND)`` of state ``name`` as the kernel takes
+        them; placeholders (never read) for None, a state the update does not use."""
+        buf = self.state.get(name) if name is not None else None
+        if buf is None:
+            return self.param, self.param, self.param, 0
+        kind = state_kind(buf.dtype)
+        if kind != 2:
+            return buf, buf, buf, kind
+        return buf, self.absmax[name], code_map(name in SIGNED_STATE, buf.device), kind
 
 
 def check_update_buffers(b: UpdateBuffers, state_names: tuple[str, ...]) -> None:
     """Raise ``TypeError``/``ValueError`` naming the buffer that is wrong."""
     check_tensor("param", b.param, ndim=1, dtypes=PARAM_DTYPES)
     n = b.param.numel()
-    named = {"grad": (b.grad, b.param.dtype), "master": (b.master, torch.float32)}
-    named.update({name: (b.state.get(name), torch.float32) for name in state_names})
-    for name, (t, dtype) in named.items():
+    named: dict[str, tuple[torch.Tensor | None, tuple[torch.dtype, ...]]] = {
+        "grad": (b.grad, (b.param.dtype,))
+    }
+    if b.master is not None or b.param.dtype == torch.float32:
+        masters = (torch.float32, torch.int16) if b.param.dtype == torch.bfloat16 else (torch.float32,)
+        named["master"] = (b.master, masters)
+    named.update({name: (b.state.get(name), STATE_DTYPES) for name in state_names})
+    for name, (t, dtypes) in named.items():
         if t is None:
             raise ValueError(f"state buffer {name!r} is missing")
-        check_tensor(name, t, ndim=1, dtypes=(dtype,))
+        check_tensor(name, t, ndim=1, dtypes=dtypes)
         if t.numel() != n or not t.is_contiguous() or t.device != b.param.device:
             raise ValueError(
                 f"{name} must be a contiguous ({n},) tensor on {b.param.device} like param, "
                 f"got shape {tuple(t.shape)} on {t.device}"
             )
-    if not b.has_master and b.master.data_ptr() != b.param.data_ptr():
+    if b.param.dtype == torch.float32 and b.master.data_ptr() != b.param.data_ptr():
         raise ValueError("an fp32 param is its own master: pass the same memory as param and master")
+    for name in state_names:
+        if b.state[name].dtype != torch.uint8:
+            continue
+        absmax = b.absmax.get(name)
+        if n % QBLOCK:
+            raise ValueError(f"uint8 state {name!r} needs whole blocks of {QBLOCK} elements, got {n}")
+        check_tensor(f"absmax[{name!r}]", absmax, ndim=1, dtypes=(torch.float32,))
+        if absmax.numel() != n // QBLOCK or not absmax.is_contiguous() or absmax.device != b.param.device:
+            raise ValueError(
+                f"absmax[{name!r}] must be a contiguous ({n // QBLOCK},) fp32 tensor on {b.param.device}, "
+                f"got shape {tuple(absmax.shape)} on {absmax.device}"
+            )
     for name, t, size in (
         ("stats", b.stats, N_STATS),
         ("inv_scale", b.inv_scale, 1),
@@ -89,13 +388,86 @@ def check_lr(lr: float | torch.Tensor, device: torch.device) -> tuple[float | to
 def aligned_parts(b: UpdateBuffers) -> list[tuple[UpdateBuffers, int]]:
     """``b`` as (part, length) runs: a head whose length is a multiple of 16
     elements (the kernel vectorises it) and, when the length is not, a tail of
-    fewer than 16 elements on offset views of every buffer."""
+    fewer than 16 elements on offset views of every buffer. (Block-quantized
+    state comes in whole blocks of 256, so it never has a tail.)"""
     n = b.param.numel()
     runs = aligned_slices(n)
     if len(runs) < 2:
         return [(b, n)] if n else []
     return [
-        (replace(b, param=b.param[s], grad=b.grad[s], master=b.master[s],
-                 state={k: v[s] for k, v in b.state.items()}), s.stop - s.start)
+        (replace(b, param=b.param[s], grad=b.grad[s], master=None if b.master is None else b.master[s],
+                 state={k: v[s] for k, v in b.state.items()}, offset=b.offset + s.start), s.stop - s.start)
         for s in runs
     ]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- state conversion
+
+#: Elements per program of the conversion kernels.
+CONVERT_BLOCK = 65536 if INTERPRET else 1024
+
+
+@triton.jit
+def _convert_state_kernel(
+    x_ptr,  # (n,) fp32 values
+    buf_ptr,  # (n,) the state buffer (fp32, bf16 or uint8 codes)
+    absmax_ptr,  # (n / QB,) fp32 block absmax (uint8 only)
+    qmap_ptr,  # (256,) fp32 code map (uint8 only)
+    n,
+    TO_STATE: tl.constexpr,  # True: x -> buf (quantize); False: buf -> x (dequantize)
+    KIND: tl.constexpr,
+    QB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """A whole state buffer to or from fp32 with the update kernels' own
+    :func:`load_state`/:func:`store_state` (checkpoints, loading, inspection)."""
+    offs, mask = tile(n, BLOCK, QB)
+    if TO_STATE:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        store_state(buf_ptr, absmax_ptr, qmap_ptr, offs, mask, x, KIND)
+    else:
+        x = load_state(buf_ptr, absmax_ptr, qmap_ptr, offs, mask, KIND)
+        tl.store(x_ptr + offs, x, mask=mask)
+
+
+def _convert(
+    x: torch.Tensor, buf: torch.Tensor, absmax: torch.Tensor | None, signed: bool, to_state: bool
+) -> None:
+    n = buf.numel()
+    kind = state_kind(buf.dtype)
+    if kind == 2 and (absmax is None or n % QBLOCK or absmax.numel() != n // QBLOCK):
+        raise ValueError(
+            f"a uint8 state of {n} elements needs whole blocks of {QBLOCK} and {n // QBLOCK} absmax"
+        )
+    if n == 0:
+        return
+    qmap = code_map(signed, buf.device) if kind == 2 else x
+    _convert_state_kernel[(triton.cdiv(n, CONVERT_BLOCK),)](
+        x, buf, absmax if absmax is not None else x, qmap, n,
+        TO_STATE=to_state, KIND=kind, QB=QBLOCK, BLOCK=CONVERT_BLOCK,
+    )  # fmt: skip
+
+
+def state_to_fp32(buf: torch.Tensor, absmax: torch.Tensor | None, signed: bool) -> torch.Tensor:
+    """A (n,) state buffer as a new (n,) fp32 tensor (a uint8 one dequantized
+    with its (n / 256,) ``absmax`` and the signed or unsigned code map)."""
+    if buf.dtype == torch.float32:
+        return buf.clone()
+    if buf.dtype == torch.bfloat16:
+        return buf.float()
+    out = torch.empty(buf.shape, dtype=torch.float32, device=buf.device)
+    _convert(out, buf, absmax, signed, to_state=False)
+    return out
+
+
+def state_from_fp32(x: torch.Tensor, buf: torch.Tensor, absmax: torch.Tensor | None, signed: bool) -> None:
+    """Write (n,) fp32 ``x`` into the state buffer ``buf`` (and ``absmax``), as an
+    update kernel stores it: as it is, rounded to nearest even, or quantized."""
+    check_tensor("x", x, ndim=1, dtypes=(torch.float32,))
+    if x.numel() != buf.numel() or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous ({buf.numel()},) fp32 tensor, got shape {tuple(x.shape)}")
+    if buf.dtype == torch.uint8:
+        _convert(x, buf, absmax, signed, to_state=True)
+    else:
+        with torch.no_grad():
+            buf.copy_(x)

@@ -9,17 +9,21 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import (
-    INTERPRET,
-    block_offsets,
-    cast_rne,
-    ln_beta,
-    load_or_value,
-    one_minus_pow,
-    tl_dtype,
+from tkern.kernels._common import INTERPRET, ln_beta, load_or_value, one_minus_pow, tl_dtype
+from tkern.kernels._update import (
+    QBLOCK,
+    UpdateBuffers,
+    aligned_parts,
+    check_lr,
+    check_update_buffers,
+    load_grad,
+    load_master,
+    load_state,
+    store_master,
+    store_state,
+    tile,
 )
-from tkern.kernels._update import UpdateBuffers, aligned_parts, check_lr, check_update_buffers
-from tkern.kernels.overflow import found_inf, grad_factor
+from tkern.kernels.overflow import found_inf
 
 #: See tkern.kernels.sgd: 4 contiguous values per thread.
 BLOCK = 65536 if INTERPRET else 1024
@@ -28,16 +32,24 @@ NUM_WARPS = 8
 
 @triton.jit
 def _adam_kernel(
-    param_ptr,  # (n,) fp16/bf16 model param (== master_ptr when HAS_MASTER is False)
+    param_ptr,  # (n,) model param: fp16/bf16 (int16 bits under a split master), or fp32 (its own master)
     grad_ptr,  # (n,) gradient, param's dtype, scaled by the loss scale
-    master_ptr,  # (n,) fp32 master weights
-    exp_avg_ptr,  # (n,) fp32 first moment
-    exp_avg_sq_ptr,  # (n,) fp32 second moment
-    max_exp_avg_sq_ptr,  # (n,) fp32 running max of the second moment; unused unless AMSGRAD
+    master_ptr,  # (n,) fp32 master, int16 remainder (split) or unused (see _update.py)
+    exp_avg_ptr,  # (n,) first moment: fp32, bf16 or uint8 codes
+    exp_avg_absmax_ptr,  # (n / QB,) fp32 block absmax of a uint8 first moment
+    exp_avg_qmap_ptr,  # (256,) fp32 signed code map
+    exp_avg_sq_ptr,  # (n,) second moment, as exp_avg
+    exp_avg_sq_absmax_ptr,
+    exp_avg_sq_qmap_ptr,  # (256,) fp32 unsigned code map
+    max_exp_avg_sq_ptr,  # (n,) running max of the second moment; unused unless AMSGRAD
+    max_exp_avg_sq_absmax_ptr,
+    max_exp_avg_sq_qmap_ptr,
     stats_ptr,  # (3,) fp32 pass-1 statistics
     inv_scale_ptr,  # (1,) fp32
     step_ptr,  # (1,) fp32 applied steps so far; this step is step + 1
     n,
+    seed,  # stochastic rounding (MASTER == NONE): Philox key with the step count
+    offset,  # element offset of param_ptr in its flat buffer (the random stream's counter)
     # Hyperparameters. Differences such as 1 - beta are formed on the host in
     # float64, as torch does: in fp32, 1 - 0.999 is off by 1.3e-5 relative.
     lr,  # float, or (1,) fp32 pointer when LR_ON_DEVICE
@@ -50,51 +62,59 @@ def _adam_kernel(
     weight_decay,
     decay,  # 1 - lr * weight_decay (AdamW), formed in the kernel when LR_ON_DEVICE
     max_grad_norm,
-    HAS_MASTER: tl.constexpr,
+    MASTER: tl.constexpr,  # SELF, FP32, SPLIT or NONE (_update.py)
+    M_KIND: tl.constexpr,  # STATE_F32, STATE_BF16 or STATE_U8, per state buffer
+    V_KIND: tl.constexpr,
+    VMAX_KIND: tl.constexpr,
     DECOUPLED: tl.constexpr,  # AdamW: p *= 1 - lr * wd; else Adam's L2: g += wd * p
     AMSGRAD: tl.constexpr,
     CLIP: tl.constexpr,
     MAXIMIZE: tl.constexpr,  # ascend: the gradient is negated, as torch's maximize=True
     LR_ON_DEVICE: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
+    QB: tl.constexpr,  # elements per block of the 8-bit state
     BLOCK: tl.constexpr,
 ):
     """Pass 2 of an Adam/AdamW step over n elements of a flat buffer: skip on overflow,
     unscale and clip the gradient, update the fp32 master and moments, write the
-    half-precision param (pointer shapes above; the shared lines are _update.py's)."""
+    param (pointer shapes above; the shared lines, master modes and state dtypes
+    are _update.py's)."""
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written, the step count stays
     if LR_ON_DEVICE:
         lr = load_or_value(lr, LR_ON_DEVICE)
         decay = 1.0 - lr * weight_decay
-    offs = block_offsets(BLOCK)
-    mask = offs < n
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = g * grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP)
-    if MAXIMIZE:
-        g = -g
-    p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    offs, mask = tile(n, BLOCK, QB)
+    g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
+    p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
     if DECOUPLED:
         p = p * decay
     else:
         g = g + weight_decay * p
-    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    m = load_state(exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_qmap_ptr, offs, mask, M_KIND)
+    v = load_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, exp_avg_sq_qmap_ptr, offs, mask, V_KIND)
     m = m + one_minus_beta1 * (g - m)  # lerp, as torch
     v = v * beta2 + one_minus_beta2 * g * g
-    tl.store(exp_avg_ptr + offs, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    store_state(exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_qmap_ptr, offs, mask, m, M_KIND)
+    store_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, exp_avg_sq_qmap_ptr, offs, mask, v, V_KIND)
     if AMSGRAD:
-        v = tl.maximum(tl.load(max_exp_avg_sq_ptr + offs, mask=mask, other=0.0), v)
-        tl.store(max_exp_avg_sq_ptr + offs, v, mask=mask)
-    t = tl.load(step_ptr) + 1.0
-    bias_correction1 = one_minus_pow(t, ln_beta1)
-    bias_correction2_sqrt = tl.sqrt(one_minus_pow(t, ln_beta2))
+        v = tl.maximum(
+            load_state(
+                max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr,
+                offs, mask, VMAX_KIND,
+            ),
+            v,
+        )  # fmt: skip
+        store_state(
+            max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr,
+            offs, mask, v, VMAX_KIND,
+        )  # fmt: skip
+    t = tl.load(step_ptr)
+    bias_correction1 = one_minus_pow(t + 1.0, ln_beta1)
+    bias_correction2_sqrt = tl.sqrt(one_minus_pow(t + 1.0, ln_beta2))
     denom = tl.sqrt(v) / bias_correction2_sqrt + eps
     p = p - (lr / bias_correction1) * (m / denom)
-    tl.store(master_ptr + offs, p, mask=mask)
-    if HAS_MASTER:
-        tl.store(param_ptr + offs, cast_rne(p, PARAM_DTYPE), mask=mask)
+    store_master(param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER, PARAM_DTYPE)
 
 
 def adam_update(
@@ -125,19 +145,24 @@ def adam_update(
     lr, lr_on_device = check_lr(lr, b.param.device)
     decay = 1.0 if lr_on_device else 1.0 - lr * weight_decay
     for part, n in aligned_parts(b):
+        m, v = part.kernel_state("exp_avg"), part.kernel_state("exp_avg_sq")
+        vmax = part.kernel_state("max_exp_avg_sq" if amsgrad else None)
         _adam_kernel[(triton.cdiv(n, BLOCK),)](
-            part.param, part.grad, part.master, part.state["exp_avg"], part.state["exp_avg_sq"],
-            part.state.get("max_exp_avg_sq", part.master),
-            part.stats, part.inv_scale, part.step,
-            n, lr, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), eps, weight_decay,
+            part.kernel_param(), part.grad, part.kernel_master(), *m[:3], *v[:3], *vmax[:3],
+            part.stats, part.inv_scale, part.step, n, part.seed, part.offset,
+            lr, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), eps, weight_decay,
             decay, max_grad_norm or 0.0,
-            HAS_MASTER=part.has_master,
+            MASTER=part.master_mode,
+            M_KIND=m[3],
+            V_KIND=v[3],
+            VMAX_KIND=vmax[3],
             DECOUPLED=decoupled,
             AMSGRAD=amsgrad,
             CLIP=max_grad_norm is not None,
             MAXIMIZE=bool(maximize),
             LR_ON_DEVICE=lr_on_device,
             PARAM_DTYPE=tl_dtype(part.param.dtype),
+            QB=QBLOCK,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )  # fmt: skip

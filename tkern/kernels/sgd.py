@@ -8,9 +8,21 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, block_offsets, cast_rne, load_or_value, tl_dtype
-from tkern.kernels._update import UpdateBuffers, aligned_parts, check_lr, check_update_buffers
-from tkern.kernels.overflow import found_inf, grad_factor
+from tkern.kernels._common import INTERPRET, load_or_value, tl_dtype
+from tkern.kernels._update import (
+    QBLOCK,
+    UpdateBuffers,
+    aligned_parts,
+    check_lr,
+    check_update_buffers,
+    load_grad,
+    load_master,
+    load_state,
+    store_master,
+    store_state,
+    tile,
+)
+from tkern.kernels.overflow import found_inf
 
 #: Elements per program and warps: 1024 elements over 8 warps gives each thread
 #: 4 contiguous values, one 16-byte fp32 access per array. (8 values per thread
@@ -22,56 +34,65 @@ NUM_WARPS = 8
 
 @triton.jit
 def _sgd_kernel(
-    param_ptr,  # (n,) fp16/bf16 model param (== master_ptr when HAS_MASTER is False)
+    param_ptr,  # (n,) model param: fp16/bf16 (int16 bits under a split master), or fp32 (its own master)
     grad_ptr,  # (n,) gradient, param's dtype, scaled by the loss scale
-    master_ptr,  # (n,) fp32 master weights
-    momentum_ptr,  # (n,) fp32 momentum buffer; unused unless MOMENTUM
+    master_ptr,  # (n,) fp32 master, int16 remainder (split) or unused (see _update.py)
+    momentum_ptr,  # (n,) momentum buffer (fp32, bf16 or uint8 codes); unused unless MOMENTUM
+    momentum_absmax_ptr,  # (n / QB,) fp32 block absmax of a uint8 momentum
+    momentum_qmap_ptr,  # (256,) fp32 signed code map
     stats_ptr,  # (3,) fp32 pass-1 statistics (found_inf, sum of squares, max)
     inv_scale_ptr,  # (1,) fp32
     step_ptr,  # (1,) fp32 applied steps so far (0 on the first)
     n,
+    seed,  # stochastic rounding (MASTER == NONE): Philox key with the step count
+    offset,  # element offset of param_ptr in its flat buffer (the random stream's counter)
     lr,  # float, or (1,) fp32 pointer when LR_ON_DEVICE
     momentum,
     one_minus_dampening,  # formed on the host in float64, as torch does
     weight_decay,
     max_grad_norm,
-    HAS_MASTER: tl.constexpr,  # param is half precision with a separate fp32 master
+    MASTER: tl.constexpr,  # SELF, FP32, SPLIT or NONE (_update.py)
+    MOMENTUM_KIND: tl.constexpr,  # STATE_F32, STATE_BF16 or STATE_U8
     MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
     CLIP: tl.constexpr,
     MAXIMIZE: tl.constexpr,  # ascend: the gradient is negated, as torch's maximize=True
     LR_ON_DEVICE: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
+    QB: tl.constexpr,  # elements per block of the 8-bit state
     BLOCK: tl.constexpr,
 ):
     """Pass 2 of an SGD step over n elements of a flat buffer: skip on overflow, unscale
     and clip, momentum/Nesterov/weight decay on the fp32 master, write the param
-    (pointer shapes above; the shared lines are _update.py's)."""
+    (pointer shapes above; the shared lines, master modes and state dtypes are
+    _update.py's)."""
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written anywhere
     lr = load_or_value(lr, LR_ON_DEVICE)
-    offs = block_offsets(BLOCK)
-    mask = offs < n
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = g * grad_factor(stats_ptr, inv_scale_ptr, max_grad_norm, CLIP)
-    if MAXIMIZE:
-        g = -g
-    p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    offs, mask = tile(n, BLOCK, QB)
+    g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
+    p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
     g = g + weight_decay * p
+    t = tl.load(step_ptr)
     if MOMENTUM:
-        buf = tl.load(momentum_ptr + offs, mask=mask, other=0.0)
-        first = tl.load(step_ptr) == 0.0
+        buf = load_state(momentum_ptr, momentum_absmax_ptr, momentum_qmap_ptr, offs, mask, MOMENTUM_KIND)
         # torch.optim.SGD: the buffer starts as the first gradient, undamped.
-        buf = tl.where(first, g, momentum * buf + one_minus_dampening * g)
-        tl.store(momentum_ptr + offs, buf, mask=mask)
+        buf = tl.where(t == 0.0, g, momentum * buf + one_minus_dampening * g)
+        store_state(
+            momentum_ptr,
+            momentum_absmax_ptr,
+            momentum_qmap_ptr,
+            offs,
+            mask,
+            buf,
+            MOMENTUM_KIND,
+        )
         if NESTEROV:
             g = g + momentum * buf
         else:
             g = buf
     p = p - lr * g
-    tl.store(master_ptr + offs, p, mask=mask)
-    if HAS_MASTER:
-        tl.store(param_ptr + offs, cast_rne(p, PARAM_DTYPE), mask=mask)
+    store_master(param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER, PARAM_DTYPE)
 
 
 def sgd_update(
@@ -95,17 +116,20 @@ def sgd_update(
     check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
     lr, lr_on_device = check_lr(lr, b.param.device)
     for part, n in aligned_parts(b):
+        buf = part.kernel_state("momentum_buffer" if momentum > 0 else None)
         _sgd_kernel[(triton.cdiv(n, BLOCK),)](
-            part.param, part.grad, part.master, part.state.get("momentum_buffer", part.master),
-            part.stats, part.inv_scale, part.step,
-            n, lr, momentum, 1.0 - dampening, weight_decay, max_grad_norm or 0.0,
-            HAS_MASTER=part.has_master,
+            part.kernel_param(), part.grad, part.kernel_master(), *buf[:3],
+            part.stats, part.inv_scale, part.step, n, part.seed, part.offset,
+            lr, momentum, 1.0 - dampening, weight_decay, max_grad_norm or 0.0,
+            MASTER=part.master_mode,
+            MOMENTUM_KIND=buf[3],
             MOMENTUM=momentum > 0,
             NESTEROV=nesterov,
             CLIP=max_grad_norm is not None,
             MAXIMIZE=bool(maximize),
             LR_ON_DEVICE=lr_on_device,
             PARAM_DTYPE=tl_dtype(part.param.dtype),
+            QB=QBLOCK,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )  # fmt: skip

@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import inspect
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -202,7 +203,23 @@ def _local_problem(groups: list[list], first_group: int) -> str | None:
 
 class _Sharded:
     """The ZeRO-2 machinery, mixed in before a fused optimizer class (so its hooks
-    override the fused optimizer's)."""
+    override the fused optimizer's). The sharded class takes the fused class's
+    arguments as they are, plus the sharding's own (keyword-only)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        *args: Any,
+        process_group: Any = None,
+        bucket_mb: float = 32.0,
+        grad_sync_dtype: torch.dtype | None = torch.float32,
+        **kwargs: Any,
+    ) -> None:
+        fused = _fused_class(type(self))
+        probe = lambda p: fused(p, *args, **kwargs)  # noqa: E731
+        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        fused.__init__(self, params, *args, **kwargs)
+        self._finish_setup()
 
     # Set by _setup before the fused optimizer's constructor runs.
     _zero_group: Any
@@ -305,8 +322,8 @@ class _Sharded:
                             "in the same order"
                         )
 
-    def _make_flat(self, params, indices, group, names) -> FlatParams:
-        return FlatParams(params, indices, group, names, world_size=self._world, rank=self._rank)
+    def _make_flat(self, params, indices, group, names, modes) -> FlatParams:
+        return FlatParams(params, indices, group, names, world_size=self._world, rank=self._rank, **modes)
 
     def _finish_setup(self) -> None:
         for flats in self._flat:
@@ -319,9 +336,8 @@ class _Sharded:
         if self._world > 1:
             src = dist.get_global_rank(self._zero_group, 0)
             dist.broadcast(flat.param, src=src, group=self._zero_group)
-        if flat.dtype != torch.float32:
-            with torch.no_grad():
-                flat.master.copy_(flat.param[flat.lo : flat.hi])
+        with torch.no_grad():
+            flat.set_master_fp32(flat.param[flat.lo : flat.hi].float())  # the master is the param
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group (a collective after construction: every rank adds the
@@ -416,49 +432,25 @@ class _Sharded:
             for flat in flats:
                 _all_gather(flat.param, flat.param[flat.lo : flat.hi], group=self._zero_group)
 
-    # ----------------------------------------------------------- memory
-
-    def memory_report(self) -> dict[str, Any]:
-        """What the optimizer allocates on this rank, in bytes.
-
-        ``param`` and ``grad`` are the flat buffers the model's params and
-        gradients live in (full size on every rank); ``master`` (half-precision
-        params only: fp32 params are their own master) and ``state`` cover this
-        rank's shard. ``numel`` counts the params' elements; ``padded_numel``
-        the flat buffers' slots: each param is padded to a multiple of 16
-        elements and each buffer to a multiple of ``16 * world_size``.
-        ``bytes_per_param`` is ``total / numel``: for AdamW on fp16 params
-        ``(2 + 2 + 12 / W) * padded_numel / numel``. Not counted: the step-count
-        tensors (4 B per run of params with one step count) and what a step
-        allocates while it runs: the fp32 staging buckets of the reduce-scatter
-        (``bucket_mb`` MiB at most, 16-bit gradients with the default
-        ``grad_sync_dtype``) or else a receive buffer of one shard, and the
-        ``W x 3`` gathered statistics.
-        """
-        report = {"world_size": self._world, "rank": self._rank, "numel": 0, "padded_numel": 0}
-        sizes = dict.fromkeys(("param", "grad", "master", "state"), 0)
-        for flats in self._flat:
-            for flat in flats:
-                report["numel"] += sum(flat.numels)
-                report["padded_numel"] += flat.param.numel()
-                sizes["param"] += flat.param.numel() * flat.param.element_size()
-                sizes["grad"] += flat.grad.numel() * flat.grad.element_size()
-                if flat.dtype != torch.float32:
-                    sizes["master"] += flat.master.numel() * 4
-                sizes["state"] += sum(b.numel() * 4 for b in flat.state.values())
-        report.update(sizes)
-        report["total"] = sum(sizes.values())
-        report["bytes_per_param"] = report["total"] / report["numel"] if report["numel"] else 0.0
-        return report
-
     # ----------------------------------------------------------- checkpoints
 
     def _gather(self, buf: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard of ``buf``, in rank order (integer buffers travel as bytes)."""
         if self._world == 1:
             return buf
-        full = torch.empty(buf.numel() * self._world, dtype=buf.dtype, device=buf.device)
-        _all_gather(full, buf, group=self._zero_group)
-        return full
+        send = buf if buf.is_floating_point() else buf.view(torch.uint8)
+        full = torch.empty(send.numel() * self._world, dtype=send.dtype, device=buf.device)
+        _all_gather(full, send, group=self._zero_group)
+        return full.view(buf.dtype)
+
+    def _export(self, flat: FlatParams) -> dict[str, torch.Tensor]:
+        """The whole buffers, gathered from every rank's shard (a collective)."""
+        return flat.export_fp32(self._gather)
+
+    def _entry(self, flat: FlatParams, full: torch.Tensor, i: int) -> torch.Tensor:
+        if self._world == 1:
+            return flat.shard_view(full, i)
+        return alias(full, flat.offsets[i], flat.numels[i], flat.params[i].shape)
 
     def _packed_groups(self) -> tuple[list[dict], dict[int, int]]:
         index: dict[int, int] = {}
@@ -472,34 +464,11 @@ class _Sharded:
     def state_dict(self) -> dict[str, Any]:
         """The FULL, unsharded state in :class:`~tkern.optim.FusedAdamW`'s (and
         torch.optim's) format, on EVERY rank: a collective (one all-gather per
-        state buffer), so every rank must call it. For W > 1 the tensors are
-        fresh copies, not views of the live state. It loads into this class at
-        any world size, into the single-process tkern optimizers and into
-        torch.optim's SGD/Adam/AdamW."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        groups, index = self._packed_groups()
-        state: dict[int, dict[str, Any]] = {}
-        for flats in self._flat:
-            for flat in flats:
-                full = {}
-                if flat.dtype != torch.float32:
-                    full["master"] = self._gather(flat.master)
-                for name, buf in flat.state.items():
-                    full[name] = self._gather(buf)
-                steps = [s.detach().to("cpu").reshape(()) for s in flat.steps]
-                for i, p in enumerate(flat.params):
-                    entry: dict[str, Any] = {"step": steps[flat.cohort[i]].clone()}
-                    for name, buf in full.items():
-                        entry[name] = alias(buf, flat.offsets[i], flat.numels[i], p.shape)
-                    state[index[id(p)]] = entry
-        state.update(self.extra_state())
-        out = {"state": state, "param_groups": groups}
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, out)
-            if result is not None:
-                out = result
-        return out
+        buffer), so every rank must call it. For W > 1 the tensors are fresh
+        copies, not views of the live state. It loads into this class at any world
+        size, into the single-process tkern optimizers and into torch.optim's
+        SGD/Adam/AdamW."""
+        return FusedOptimizer.state_dict(self)
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shard only (no communication): ``param_groups`` as in
@@ -519,8 +488,9 @@ class _Sharded:
                         "lo": flat.lo,
                         "hi": flat.hi,
                         "step": [float(flat.steps[c]) for c in flat.cohort],
-                        "master": flat.master.detach().clone() if flat.dtype != torch.float32 else None,
+                        "master": flat.master.detach().clone() if flat.keeps_master else None,
                         "state": {k: v.detach().clone() for k, v in flat.state.items()},
+                        "absmax": {k: v.detach().clone() for k, v in flat.absmax.items()},
                     }
                 )
         return {"world_size": self._world, "rank": self._rank, "param_groups": groups, "shards": shards}
@@ -564,10 +534,21 @@ class _Sharded:
             if missing:
                 raise KeyError(f"{name}: the sharded state of param group {gi} lacks {missing}")
             for n, value in shard["state"].items():
-                if n in names and value.numel() != flat.shard_size:
+                if n in names and (value.numel() != flat.shard_size or value.dtype != flat.state_dtype):
                     raise ValueError(
-                        f"{name}: shard {n!r} has {value.numel()} elements, expected {flat.shard_size}"
+                        f"{name}: shard {n!r} has {value.numel()} {value.dtype} elements, expected "
+                        f"{flat.shard_size} {flat.state_dtype} (a sharded state dict keeps the compact "
+                        "state: load it with the same state_dtype, or go through state_dict())"
                     )
+            master = shard["master"]
+            expected = flat.master if flat.keeps_master else None
+            if (master is None) != (expected is None) or (
+                master is not None and (master.dtype != expected.dtype or master.numel() != expected.numel())
+            ):
+                raise ValueError(
+                    f"{name}: the sharded state dict's master does not match this optimizer's "
+                    f"master={self.master!r}; load it with the same master mode, or go through state_dict()"
+                )
         with torch.no_grad():
             for mine, group in zip(self.param_groups, new_groups, strict=True):
                 mine.update(group)
@@ -576,7 +557,9 @@ class _Sharded:
                 flat.ensure_state(names)
                 for n in names:
                     flat.state[n].copy_(shard["state"][n])
-                if flat.dtype != torch.float32 and shard["master"] is not None:
+                    if n in flat.absmax:
+                        flat.absmax[n].copy_(shard["absmax"][n])
+                if shard["master"] is not None:
                     flat.master.copy_(shard["master"])
                 flat.set_cohorts(shard["step"])
                 flat.mark_dirty()
@@ -586,6 +569,27 @@ class _Sharded:
         state = super().__getstate__()
         state["_zero_group"] = None  # process groups do not travel
         return state
+
+
+def _fused_class(cls: type) -> type:
+    """The single-process optimizer a sharded class extends (the first fused class
+    after _Sharded in its MRO)."""
+    return next(c for c in cls.__mro__ if issubclass(c, FusedOptimizer) and not issubclass(c, _Sharded))
+
+
+def _sharded_signature(cls: type) -> inspect.Signature:
+    """The fused class's signature with the sharding's keyword-only arguments added
+    (what ``help()`` and ``inspect.signature`` show for the sharded class)."""
+    fused = inspect.signature(_fused_class(cls).__init__)
+    own = inspect.signature(_Sharded.__init__).parameters
+    params = [p for name, p in fused.parameters.items() if name not in ("self", "process_group", "kwargs")]
+    keyword = [p for p in params if p.kind == p.KEYWORD_ONLY]
+    positional = [p for p in params if p.kind != p.KEYWORD_ONLY]
+    if "kwargs" in fused.parameters:  # FusedAdamW passes its keyword-only arguments on to FusedAdam's
+        parent = inspect.signature(_fused_class(cls).__mro__[1].__init__).parameters
+        keyword = [p for p in parent.values() if p.kind == p.KEYWORD_ONLY and p.name != "process_group"]
+    extra = [own[n] for n in ("process_group", "bucket_mb", "grad_sync_dtype")]
+    return inspect.Signature([*positional, *keyword, *extra])
 
 
 def _fmt(entry: Any) -> str:
@@ -603,8 +607,9 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
 
     Args:
         params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm,
-            maximize: as :class:`~tkern.optim.FusedSGD` (``max_grad_norm`` clips
-            by the global norm of the mean gradient).
+            maximize, master, state_dtype, seed: as :class:`~tkern.optim.FusedSGD`
+            (``max_grad_norm`` clips by the global norm of the mean gradient;
+            the shards hold the compact master and state).
         process_group: the ranks to shard over; None (default) for the default group.
         bucket_mb: size of the fp32 staging buffer of the gradient reduce-scatter, in MiB.
         grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
@@ -612,64 +617,13 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
             for fp16/bf16; each rank's share is rounded once, and shares below the
             dtype's smallest subnormal times W flush to zero).
     """
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        max_grad_norm: float | None = None,
-        *,
-        maximize: bool = False,
-        process_group=None,
-        bucket_mb: float = 32.0,
-        grad_sync_dtype: torch.dtype | None = torch.float32,
-    ) -> None:
-        args = (lr, momentum, dampening, weight_decay, nesterov, max_grad_norm)
-        probe = lambda p: FusedSGD(p, *args, maximize=maximize)  # noqa: E731
-        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
-        FusedSGD.__init__(self, params, *args, maximize=maximize)
-        self._finish_setup()
 
 
 class DistributedFusedAdam(_Sharded, FusedAdam):
     """:class:`~tkern.optim.FusedAdam` sharded across the ranks of a process group
-    (ZeRO-2; see :mod:`tkern.optim.distributed`).
-
-    Args:
-        params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize:
-            as :class:`~tkern.optim.FusedAdam`.
-        process_group: the ranks to shard over; None (default) for the default group.
-        bucket_mb: size of the fp32 staging buffer of the gradient reduce-scatter, in MiB.
-        grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
-            None: in their own dtype, each pre-divided by W (half the bytes on the wire
-            for fp16/bf16; each rank's share is rounded once, and shares below the
-            dtype's smallest subnormal times W flush to zero).
-    """
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        max_grad_norm: float | None = None,
-        *,
-        maximize: bool = False,
-        process_group=None,
-        bucket_mb: float = 32.0,
-        grad_sync_dtype: torch.dtype | None = torch.float32,
-    ) -> None:
-        args = (lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
-        probe = lambda p: FusedAdam(p, *args, maximize=maximize)  # noqa: E731
-        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
-        FusedAdam.__init__(self, params, *args, maximize=maximize)
-        self._finish_setup()
+    (ZeRO-2; see :mod:`tkern.optim.distributed`). Arguments: those of
+    :class:`~tkern.optim.FusedAdam` and the sharding's own, ``process_group``,
+    ``bucket_mb`` and ``grad_sync_dtype``, as :class:`DistributedFusedSGD`."""
 
 
 class DistributedFusedAdamW(_Sharded, FusedAdamW):
@@ -677,23 +631,7 @@ class DistributedFusedAdamW(_Sharded, FusedAdamW):
     (ZeRO-2; see :mod:`tkern.optim.distributed`). Arguments as
     :class:`DistributedFusedAdam` (``weight_decay`` defaults to 1e-2)."""
 
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        max_grad_norm: float | None = None,
-        *,
-        maximize: bool = False,
-        process_group=None,
-        bucket_mb: float = 32.0,
-        grad_sync_dtype: torch.dtype | None = torch.float32,
-    ) -> None:
-        args = (lr, betas, eps, weight_decay, amsgrad, max_grad_norm)
-        probe = lambda p: FusedAdamW(p, *args, maximize=maximize)  # noqa: E731
-        params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
-        FusedAdamW.__init__(self, params, *args, maximize=maximize)
-        self._finish_setup()
+
+for _cls in (DistributedFusedSGD, DistributedFusedAdam, DistributedFusedAdamW):
+    _cls.__signature__ = _sharded_signature(_cls)
+del _cls

@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from tkern.flat import FlatParams, describe_param
-from tkern.kernels._update import PARAM_DTYPES, UpdateBuffers
+from tkern.flat import FlatParams, check_modes, describe_param
+from tkern.kernels._update import MIN_8BIT_SIZE, PARAM_DTYPES, UpdateBuffers
 from tkern.kernels.adam import adam_update
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats
 from tkern.kernels.sgd import sgd_update
@@ -93,11 +93,16 @@ def _check_nonneg(group: dict, index: int, key: str, label: str) -> float:
     return value
 
 
+#: What _ParamState stores for an entry it converts when read (a compact buffer).
+_CONVERTED = object()
+
+
 class _ParamState(dict):
-    """``optimizer.state[p]``: the live views of p's step count, master and
-    state. Assigning an entry (``opt.state[p]["exp_avg"] = t``) copies the
-    value into the buffer the kernels use, as assigning into torch.optim's
-    state takes effect."""
+    """``optimizer.state[p]``: p's step count, fp32 master and state. Entries kept
+    in fp32 are live views of the buffers the kernels use; compact ones (a split
+    master, bf16 or uint8 state) read as fp32 copies converted when read.
+    Assigning an entry (``opt.state[p]["exp_avg"] = t``) writes the value into
+    the kernels' buffer, as assigning into torch.optim's state takes effect."""
 
     def __init__(self, flat: FlatParams, index: int) -> None:
         super().__init__()
@@ -108,14 +113,35 @@ class _ParamState(dict):
         flat, i = self._flat, self._index
         dict.clear(self)
         dict.__setitem__(self, "step", flat.steps[flat.cohort[i]])
-        if flat.dtype != torch.float32:
-            master = flat.shard_view(flat.master, i)
-            if master is not None:
-                dict.__setitem__(self, "master", master)
-        for name, buf in flat.state.items():
+        buffers = dict(flat.state)
+        if flat.keeps_master:
+            buffers = {"master": flat.master, **buffers}
+        for name, buf in buffers.items():
             view = flat.shard_view(buf, i)
             if view is not None:
-                dict.__setitem__(self, name, view)
+                dict.__setitem__(self, name, view if buf.dtype == torch.float32 else _CONVERTED)
+
+    def converted(self, key: str) -> bool:
+        """Whether entry ``key`` is a compact buffer read as an fp32 copy."""
+        return dict.get(self, key) is _CONVERTED
+
+    def _read(self, key: str) -> torch.Tensor:
+        flat = self._flat
+        full = flat.master_fp32() if key == "master" else flat.state_fp32(key)
+        return flat.shard_view(full, self._index)
+
+    def __getitem__(self, key: Any) -> Any:
+        value = dict.__getitem__(self, key)
+        return self._read(key) if value is _CONVERTED else value
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if dict.__contains__(self, key) else default
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+    def values(self):
+        return [self[k] for k in self]
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "step":
@@ -131,8 +157,17 @@ class _ParamState(dict):
             raise ValueError(
                 f"state {key!r}: got a tensor of shape {tuple(value.shape)}, expected {tuple(dest.shape)}"
             )
+        flat = self._flat
         with torch.no_grad():
-            dest.copy_(value.reshape(dest.shape))
+            if not self.converted(key):
+                dest.copy_(value.reshape(dest.shape))
+                return
+            full = flat.master_fp32() if key == "master" else flat.state_fp32(key)
+            flat.copy_into_shard(full, self._index, value)
+            if key == "master":
+                flat.set_master_fp32(full)
+            else:
+                flat.set_state_fp32(key, full)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -145,7 +180,22 @@ class FusedOptimizer(torch.optim.Optimizer):
     #: so a momentum buffer allocated late (momentum switched on) starts the count afresh.
     _fresh_state_restarts_count = False
 
-    def __init__(self, params: Iterable, defaults: dict[str, Any], process_group=None) -> None:
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict[str, Any],
+        process_group=None,
+        *,
+        master: str = "fp32",
+        state_dtype: torch.dtype = torch.float32,
+        seed: int | None = None,
+    ) -> None:
+        check_modes(master, state_dtype)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+        self._master, self._state_dtype = master, state_dtype
+        #: The stochastic rounding's seed (master="none"); torch's initial seed by default.
+        self.seed = (torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
         self._flat: list[list[FlatParams]] = []
         self._device: torch.device | None = None
         self._one: torch.Tensor | None = None
@@ -167,6 +217,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         :mod:`tkern.optim.distributed`); None for an optimizer whose state is
         whole on every rank."""
         return None
+
+    @property
+    def master(self) -> str:
+        """How the fp32 master is kept: ``"fp32"``, ``"split"`` or ``"none"``."""
+        return self._master
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype of the state buffers (params below 4096 elements keep fp32
+        state when it is torch.uint8)."""
+        return self._state_dtype
 
     # ----------------------------------------------------------- construction
 
@@ -243,6 +304,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 )
             if p.dtype not in PARAM_DTYPES:
                 raise TypeError(f"{name}: dtype must be one of {PARAM_DTYPES}")
+            try:
+                check_modes(self._master, self._state_dtype, p.dtype)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
             if id(p) in group_ids:
                 raise ValueError(f"{name} is passed more than once")
             if id(p) in seen:
@@ -262,19 +327,24 @@ class FusedOptimizer(torch.optim.Optimizer):
         if params:
             self._device = params[0].device
 
-        by_dtype: dict[torch.dtype, list[int]] = {}
+        # one flat buffer per dtype and state dtype (uint8 state only for params of
+        # MIN_8BIT_SIZE elements or more, as bitsandbytes: the rest keep fp32 state)
+        by_kind: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
         for pi, p in enumerate(group["params"]):
-            by_dtype.setdefault(p.dtype, []).append(pi)
+            small = self._state_dtype == torch.uint8 and p.numel() < MIN_8BIT_SIZE
+            by_kind.setdefault((p.dtype, torch.float32 if small else self._state_dtype), []).append(pi)
         names = self._group_state_names(group)
-        flats = [
-            self._make_flat([group["params"][i] for i in idx], idx, gi, names) for idx in by_dtype.values()
-        ]
+        flats = []
+        for (_, state_dtype), idx in by_kind.items():
+            seed = (self.seed + 0x9E3779B1 * sum(map(len, self._flat)) + len(flats)) & 0x7FFFFFFF
+            modes = {"master": self._master, "state_dtype": state_dtype, "seed": seed}
+            flats.append(self._make_flat([group["params"][i] for i in idx], idx, gi, names, modes))
         self._flat.append(flats)
         for flat in flats:
             self._refresh_state(flat)
 
-    def _make_flat(self, params, indices, group, names) -> FlatParams:
-        return FlatParams(params, indices, group, names)
+    def _make_flat(self, params, indices, group, names, modes) -> FlatParams:
+        return FlatParams(params, indices, group, names, **modes)
 
     def _refresh_state(self, flat: FlatParams) -> None:
         for i, p in enumerate(flat.params):
@@ -336,7 +406,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         inv_scale = self._inv_scale(inv_scale)
         args = [self._validate_group(g, gi) for gi, g in enumerate(self.param_groups)]
 
-        work = []  # (args, flat, plan)
+        work = []  # (args, plan)
         for gi, flats in enumerate(self._flat):
             names = self._group_state_names(self.param_groups[gi])
             for flat in flats:
@@ -346,9 +416,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if self._layout_seen.get(id(flat)) != flat.layout_version:
                     self._refresh_state(flat)
                 if plan:
-                    work.append((args[gi], flat, plan))
+                    work.append((args[gi], plan))
         self._sync_grads()
-        stats = grad_stats([flat.grad[s:e] for _, flat, plan in work for s, e, _ in plan], inv_scale)
+        stats = grad_stats([b.grad for _, plan in work for b in plan], inv_scale)
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step
         if found_inf is not None:
             torch.maximum(stats[:1], found_inf.detach().reshape(1).to(stats), out=stats[:1])
@@ -356,21 +426,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.grad_stats = stats
 
         applied = 1.0 - stats[FOUND_INF : FOUND_INF + 1]
-        for group_args, flat, plan in work:
-            for s, e, step in plan:
-                lo = flat.lo
-                buffers = UpdateBuffers(
-                    param=flat.param[s:e],
-                    grad=flat.grad[s:e],
-                    master=flat.master[s - lo : e - lo],
-                    state={k: v[s - lo : e - lo] for k, v in flat.state.items()},
-                    stats=stats,
-                    inv_scale=inv_scale,
-                    step=step,
-                )
+        for group_args, plan in work:
+            for buffers in plan:
+                buffers.stats, buffers.inv_scale = stats, inv_scale
                 self._launch(group_args, buffers)
-        for _, _, plan in work:
-            for step in {id(step): step for _, _, step in plan}.values():
+        for _, plan in work:
+            for step in {id(b.step): b.step for b in plan}.values():
                 step.add_(applied)
         self._sync_params()
         return loss
@@ -426,8 +487,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         for flats in self._flat:
             for flat in flats:
                 steps = [s.detach().to("cpu").reshape(()) for s in flat.steps]
+                full = self._export(flat)  # compact buffers in fp32, converted once per buffer
                 for i, p in enumerate(flat.params):
-                    entry = dict(self.state[p])
+                    entry = {k: v for k, v in dict.items(self.state[p]) if k not in full}
+                    entry.update((k, self._entry(flat, v, i)) for k, v in full.items())
                     entry["step"] = steps[flat.cohort[i]].clone()
                     state[index[id(p)]] = entry
         # Entries under keys that are not params (a hook's, a user's) travel as
@@ -439,6 +502,57 @@ class FusedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 out = result
         return out
+
+    def _export(self, flat: FlatParams) -> dict[str, torch.Tensor]:
+        """``flat``'s master (unless fp32 params or none) and state in fp32, shard-sized
+        (live views of buffers kept in fp32)."""
+        return flat.export_fp32()
+
+    def _entry(self, flat: FlatParams, full: torch.Tensor, i: int) -> torch.Tensor:
+        """Param ``i``'s part of an exported buffer, shaped like it."""
+        return flat.shard_view(full, i)
+
+    def memory_report(self) -> dict[str, Any]:
+        """What the optimizer allocates (on this rank), in bytes.
+
+        ``param`` and ``grad`` are the flat buffers the model's params and
+        gradients live in (full size on every rank); ``master`` (half-precision
+        params only: fp32 params are their own master; 2 B/param for a split
+        master, 0 for none) and ``state`` (with the 8-bit state's block absmax)
+        cover this rank's shard. ``numel`` counts the params' elements;
+        ``padded_numel`` the flat buffers' slots: each param is padded to a
+        multiple of 16 elements (256 with uint8 state) and each buffer to a
+        multiple of that times ``world_size``. ``bytes_per_param`` is
+        ``total / numel`` and ``per_param`` each buffer's share: for AdamW on
+        bf16 params 16 (fp32 master and state), 14 (split master), 10 (uint8
+        moments), 8 (split + uint8), 6 (none + uint8), plus padding and 4/256 B
+        of absmax per 8-bit element; sharded over W ranks, master and state
+        divide by W. Not counted: the step-count tensors (4 B per run of params
+        with one step count) and what a step allocates while it runs (the
+        statistics; for the sharded optimizers the reduce-scatter's staging).
+        """
+        group = self.shard_group
+        report: dict[str, Any] = {
+            "world_size": 1 if group is None else torch.distributed.get_world_size(group),
+            "rank": 0 if group is None else torch.distributed.get_rank(group),
+            "master_mode": self._master,
+            "state_dtype": self._state_dtype,
+            "numel": 0,
+            "padded_numel": 0,
+        }
+        sizes = dict.fromkeys(("param", "grad", "master", "state"), 0)
+        for flats in self._flat:
+            for flat in flats:
+                report["numel"] += sum(flat.numels)
+                report["padded_numel"] += flat.param.numel()
+                for k, v in flat.nbytes().items():
+                    sizes[k] += v
+        report.update(sizes)
+        report["total"] = sum(sizes.values())
+        numel = report["numel"]
+        report["bytes_per_param"] = report["total"] / numel if numel else 0.0
+        report["per_param"] = {k: v / numel if numel else 0.0 for k, v in sizes.items()}
+        return report
 
     def extra_state(self) -> dict[Any, Any]:
         """The entries of ``optimizer.state`` whose key is not a param (put there
@@ -483,11 +597,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"loaded param group {gi} has keys {type(self).__name__} does not understand: {unknown} "
                     "(a state dict of another optimizer?)"
                 )
-            if "decoupled_weight_decay" in saved and bool(saved["decoupled_weight_decay"]) != self._decoupled:
-                raise ValueError(
-                    f"loaded param group {gi} has decoupled_weight_decay={saved['decoupled_weight_decay']}, "
-                    f"but {type(self).__name__} uses {self._decoupled}"
-                )
+            self._check_loaded_group(saved, gi)
             group = {**mine, **{k: v for k, v in saved.items() if k != "params"}}
             self._validate_group(group, gi)
             new_groups.append(group)
@@ -502,13 +612,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                         step = 0.0  # SGD: a missing buffer starts as the next gradient
                     flat_steps.append(step)
                     for name in (*names, "master"):
-                        if src and name in ("exp_avg", "exp_avg_sq") and name not in src:
+                        if src and name in self._required_state and name not in src:
                             raise KeyError(
                                 f"loaded state of {describe_param(gi, flat.indices[i], p)} lacks {name!r}"
                             )
                         value = src.get(name)
-                        if value is None or (name == "master" and flat.dtype == torch.float32):
-                            continue  # zero state; the master follows the params
+                        if value is None or (name == "master" and flat.master_mode in ("self", "none")):
+                            continue  # zero state; the master follows the params (or there is none)
                         value = torch.as_tensor(value)
                         if value.numel() != p.numel():
                             raise ValueError(
@@ -529,25 +639,36 @@ class FusedOptimizer(torch.optim.Optimizer):
                 names = self._group_state_names(self.param_groups[gi])
                 for flat in flats:
                     flat.ensure_state(names)
-                    for i, p in enumerate(flat.params):
+                    for name in (*names, "master") if flat.keeps_master else names:
                         # Each param's part of this rank's shard is written once, from the
                         # loaded value (which may be this very view, as in
-                        # opt.load_state_dict(opt.state_dict())).
-                        for name in (*names, "master"):
-                            if name == "master" and flat.dtype == torch.float32:
-                                continue  # an fp32 param is its own master
-                            buf = flat.master if name == "master" else flat.state[name]
+                        # opt.load_state_dict(opt.state_dict())), into an fp32 staging
+                        # shard (the live buffer when it is fp32), stored once per buffer.
+                        full = flat.master_fp32() if name == "master" else flat.state_fp32(name)
+                        for i, p in enumerate(flat.params):
                             value = loaded.get((id(flat), name, i))
                             if value is None:  # no master saved: it follows the param; no state: zero
                                 value = (
-                                    p.detach() if name == "master" else torch.zeros_like(p, dtype=buf.dtype)
+                                    p.detach()
+                                    if name == "master"
+                                    else torch.zeros_like(p, dtype=torch.float32)
                                 )
-                            flat.copy_into_shard(buf, i, value)
+                            flat.copy_into_shard(full, i, value)
+                        if name == "master":
+                            flat.set_master_fp32(full)
+                        else:
+                            flat.set_state_fp32(name, full)
                     flat.set_cohorts(steps[id(flat)])
                     flat.mark_dirty()
                     self._refresh_state(flat)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    #: State a loaded param's entry must hold once it holds any (Adam's moments).
+    _required_state: tuple[str, ...] = ()
+
+    def _check_loaded_group(self, saved: dict, index: int) -> None:
+        """Raise if a loaded param group cannot be this optimizer's (a subclass's facts)."""
 
     @staticmethod
     def _loaded_step(src: dict, group: int, index: int, p: torch.Tensor) -> float:
@@ -590,9 +711,23 @@ class FusedSGD(FusedOptimizer):
             the optimizer (as ``clip_grad_norm_`` would), or None.
         process_group: all-reduce the step's statistics over this group (see
             the module docstring); None (default) for none.
+        master: how the fp32 master is kept (see :mod:`tkern.kernels._update`):
+            ``"fp32"`` (default; 4 B/param), ``"split"`` (bf16 params only: the
+            param is the master rounded to nearest, ties away from zero, plus a
+            16-bit remainder, so the master is rebuilt bit for bit what
+            ``"fp32"`` holds; the forward sees the same round-to-nearest weights
+            except on exact ties, 1 value in 65536; 2 B/param), or ``"none"``
+            (no master: the fp32 update is written to the param with stochastic
+            rounding, unbiased, seeded per step and element; 0 B/param).
+        state_dtype: ``torch.float32`` (default), ``torch.bfloat16`` (rounded to
+            nearest even), or ``torch.uint8`` (8-bit block-wise quantized with
+            bitsandbytes' dynamic code maps, blocks of 256; params under 4096
+            elements keep fp32 state). ``state_dict()`` converts to and from
+            torch's fp32 format in every mode.
+        seed: the stochastic rounding's seed (``master="none"``); default
+            ``torch.initial_seed()``, so ``torch.manual_seed`` makes runs repeat.
     """
 
-    _decoupled = False
     _fresh_state_restarts_count = True
 
     def __init__(
@@ -607,6 +742,9 @@ class FusedSGD(FusedOptimizer):
         *,
         maximize: bool = False,
         process_group=None,
+        master: str = "fp32",
+        state_dtype: torch.dtype = torch.float32,
+        seed: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -617,7 +755,7 @@ class FusedSGD(FusedOptimizer):
             max_grad_norm=max_grad_norm,
             maximize=maximize,
         )
-        super().__init__(params, defaults, process_group)
+        super().__init__(params, defaults, process_group, master=master, state_dtype=state_dtype, seed=seed)
 
     def _group_state_names(self, group: dict) -> tuple[str, ...]:
         return ("momentum_buffer",) if _scalar(group, "momentum", 0) > 0 else ()
@@ -646,6 +784,7 @@ class FusedAdam(FusedOptimizer):
             (``lr`` and each beta may be a 1-element tensor).
         max_grad_norm: clip by the global L2 norm of the unscaled gradients, or None.
         process_group: all-reduce the step's statistics over this group; None for none.
+        master, state_dtype, seed: as :class:`FusedSGD`.
     """
 
     _decoupled = False
@@ -662,6 +801,9 @@ class FusedAdam(FusedOptimizer):
         *,
         maximize: bool = False,
         process_group=None,
+        master: str = "fp32",
+        state_dtype: torch.dtype = torch.float32,
+        seed: int | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -672,7 +814,7 @@ class FusedAdam(FusedOptimizer):
             max_grad_norm=max_grad_norm,
             maximize=maximize,
         )
-        super().__init__(params, defaults, process_group)
+        super().__init__(params, defaults, process_group, master=master, state_dtype=state_dtype, seed=seed)
 
     def _group_state_names(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -697,13 +839,23 @@ class FusedAdam(FusedOptimizer):
         args["decoupled"] = self._decoupled
         return args
 
+    _required_state = ("exp_avg", "exp_avg_sq")
+
+    def _check_loaded_group(self, saved: dict, index: int) -> None:
+        if "decoupled_weight_decay" in saved and bool(saved["decoupled_weight_decay"]) != self._decoupled:
+            raise ValueError(
+                f"loaded param group {index} has decoupled_weight_decay={saved['decoupled_weight_decay']}, "
+                f"but {type(self).__name__} uses {self._decoupled}"
+            )
+
     def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
         adam_update(buffers, **args)
 
 
 class FusedAdamW(FusedAdam):
     """AdamW (decoupled weight decay, default 1e-2), as ``torch.optim.AdamW``,
-    fused on fp32 master weights. Arguments as :class:`FusedAdam`."""
+    fused on fp32 master weights. Arguments (the keyword-only ones too) as
+    :class:`FusedAdam`."""
 
     _decoupled = True
 
@@ -716,11 +868,6 @@ class FusedAdamW(FusedAdam):
         weight_decay: float = 1e-2,
         amsgrad: bool = False,
         max_grad_norm: float | None = None,
-        *,
-        maximize: bool = False,
-        process_group=None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm,
-            maximize=maximize, process_group=process_group,
-        )  # fmt: skip
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, **kwargs)
