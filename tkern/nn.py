@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from tkern.functional import float8_linear, linear
 from tkern.kernels._common import HALF_DTYPES
@@ -56,13 +57,19 @@ class Linear(nn.Linear):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if x.is_floating_point() and x.dtype != weight.dtype:
-            x = x.to(weight.dtype)
-        return linear(x, weight, self.bias, self.activation)
+        return _linear_forward(self, x, self.activation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}, dtype={self.weight.dtype}"
+
+
+def _linear_forward(module: Linear, x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``module``'s forward with ``activation`` in the GEMM's epilogue (its own, or
+    the one a fused activation module after it computes: see :class:`_FusedSequentialForward`)."""
+    weight = module.weight
+    if x.is_floating_point() and x.dtype != weight.dtype:
+        x = x.to(weight.dtype)
+    return linear(x, weight, module.bias, activation)
 
 
 #: The scaling recipes of :class:`Float8Recipe`.
@@ -287,13 +294,112 @@ class _CastOutput:
         return f"tkern.nn._CastOutput({self.dtype})"
 
 
+# --------------------------------------------------------------------------- activation fusion
+
+
+def _epilogue_activation(module: nn.Module) -> str | None:
+    """The GEMM epilogue's name for the activation ``module`` computes, or None.
+
+    Exact types only (a subclass may compute something else). ``ReLU(inplace=True)``
+    too: the Linear's output it would overwrite is a fresh tensor nobody else holds.
+    GELU's tanh form and SiLU are not in the epilogue (yet), so they run unfused."""
+    if type(module) is nn.ReLU:
+        return "relu"
+    if type(module) is nn.GELU and module.approximate == "none":
+        return "gelu"
+    return None
+
+
+def _runs_more_than_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run more than its class's forward: the test
+    ``nn.Module.__call__`` makes (the module's own hooks and the global ones), or a
+    forward replaced on the instance."""
+    hooked = (
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+        or _torch_module._global_forward_pre_hooks
+        or _torch_module._global_forward_hooks
+        or _torch_module._global_backward_pre_hooks
+        or _torch_module._global_backward_hooks
+    )
+    return bool(hooked) or "forward" in module.__dict__
+
+
+def _fusable(first: nn.Module, second: nn.Module) -> str | None:
+    """The activation to run in ``first``'s GEMM epilogue in place of calling
+    ``second`` on its output, or None: ``first`` a :class:`Linear` without an
+    activation of its own, ``second`` an activation the epilogue computes, and
+    neither with anything (a hook, a patched forward) that would see the difference."""
+    if type(first) is not Linear or first.activation is not None:
+        return None
+    activation = _epilogue_activation(second)
+    if activation is None or _runs_more_than_forward(first) or _runs_more_than_forward(second):
+        return None
+    return activation
+
+
+class _FusedSequentialForward:
+    """The forward of an ``nn.Sequential`` converted with ``fuse_activations``.
+
+    ``nn.Sequential.forward``, except that a :class:`Linear` directly followed by
+    an activation module the GEMM epilogue computes runs as one GEMM with that
+    activation in its epilogue (the same values: see :func:`convert_network`),
+    and the activation module is not called. Decided on every call from the
+    modules as they are then: a hook put on either module later, a global module
+    hook, or a module replaced, gets the plain path for that pair, each module
+    called in turn with every hook firing on the values it would see unfused.
+
+    Stored as the container's instance ``forward``: names, ``state_dict`` and
+    ``print(model)`` are unchanged. A module-level class, so the model pickles
+    and deep-copies (the copy routes its own modules)."""
+
+    def __init__(self, sequential: nn.Sequential) -> None:
+        self.sequential = sequential
+
+    def __call__(self, input):  # noqa: A002 (nn.Sequential.forward's argument name)
+        modules = list(self.sequential)
+        i = 0
+        while i < len(modules):
+            module = modules[i]
+            activation = _fusable(module, modules[i + 1]) if i + 1 < len(modules) else None
+            if activation is None:
+                input = module(input)
+                i += 1
+            else:
+                input = _linear_forward(module, input, activation)
+                i += 2
+        return input
+
+    def __repr__(self) -> str:
+        return "tkern.nn._FusedSequentialForward()"
+
+
+def _route_fusion(module: nn.Module) -> None:
+    """Give ``module`` the fused forward if it is an ``nn.Sequential`` (or a subclass
+    that keeps its forward) holding a :class:`Linear` directly followed by an
+    activation the epilogue computes. Hooks are looked at on every call, not here."""
+    if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
+        return  # another forward: which output feeds what is not provable from the structure
+    if "forward" in module.__dict__:
+        return  # the user's own replacement forward
+    children = list(module)
+    pairs = zip(children, children[1:], strict=False)
+    if any(type(a) is Linear and a.activation is None and _epilogue_activation(b) for a, b in pairs):
+        module.forward = _FusedSequentialForward(module)
+
+
 def _remove_tkern_hooks(module: nn.Module) -> None:
-    """Remove the hooks a previous convert_network put on ``module`` (and only those)."""
+    """Remove the hooks and the fused forward a previous convert_network put on
+    ``module`` (and only those)."""
     for hooks in (module._forward_pre_hooks, module._forward_hooks):
         for key in [k for k, h in hooks.items() if isinstance(h, (_CastInputs, _CastOutput))]:
             del hooks[key]
             for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
                 getattr(module, extra, {}).pop(key, None)
+    if isinstance(module.__dict__.get("forward"), _FusedSequentialForward):
+        del module.forward
 
 
 def _cast_own(module: nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
@@ -364,6 +470,7 @@ def convert_network(
     *,
     float8: str | Float8Recipe | None = None,
     float8_filter: Callable[[str, nn.Module], bool] | None = None,
+    fuse_activations: bool = True,
 ) -> nn.Module:
     """Convert ``model`` in place for mixed-precision training, and return it.
 
@@ -420,6 +527,8 @@ def convert_network(
     if type(model) is nn.Linear:
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; wrap it in a module")
     recipe = None if float8 is None else Float8Recipe.of(float8)
+    if not isinstance(fuse_activations, bool):
+        raise TypeError(f"fuse_activations must be True or False, got {fuse_activations!r}")
     if float8_filter is not None and not callable(float8_filter):
         raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32:
@@ -471,6 +580,8 @@ def convert_network(
                 _cast_own(module, torch.float32)
             for name, child in children:
                 convert(child, f"{path}.{name}" if path else name)
+            if fuse_activations:
+                _route_fusion(module)
 
     convert(model, "")
     for cls, paths in kept.items():
