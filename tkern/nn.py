@@ -493,7 +493,7 @@ def convert_network(
 
     Converting twice is the same as converting once. ``dtype=torch.float32``
     converts back: plain ``nn.Linear`` (and ``Conv1D``) modules, every parameter
-    and buffer in fp32, tkern's hooks removed.
+    and buffer in fp32, tkern's hooks and fused forwards removed.
 
     Every hook is an instance of a module-level class, so a converted model can
     be pickled (``torch.save(model)``) and deep-copied.
@@ -506,15 +506,33 @@ def convert_network(
     head out). The other Linears become :class:`tkern.nn.Linear` as without it.
     GPT-2 ``Conv1D`` layers stay :class:`tkern.nn.Conv1D` (not fp8).
 
+    With ``fuse_activations`` (the default), an ``nn.Sequential`` (or a subclass
+    that keeps its forward) in which a :class:`tkern.nn.Linear` is directly
+    followed by ``nn.ReLU`` (``inplace`` or not) or ``nn.GELU()`` (erf form) runs
+    that activation in the Linear's GEMM epilogue: one kernel, no separate pass
+    over the output, and the activation's gradient taken from the pre-activation
+    the GEMM saves. The modules stay as they were (types, names, state_dict keys,
+    ``print(model)``); the container gets an instance ``forward`` that decides on
+    every call, so a pair where either module has a hook (its own or a global
+    one; registered before ``torch.compile``, as compile requires of any hook)
+    runs unfused, each hook seeing the values it would see without fusion. ReLU
+    gives the same numbers as unfused; GELU rounds once fewer (the epilogue applies
+    it to the fp32 accumulator, the module to the pre-activation rounded to
+    ``dtype``). A Linear whose output is used in a forward tkern cannot see
+    (any other container or module) is not fused; nor are GELU's tanh form, SiLU,
+    or :class:`Float8Linear`.
+
     Args:
         model: the model (fp32, or converted before).
         dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
         float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or a Float8Recipe.
         float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
+        fuse_activations: fold ReLU/GELU modules into the preceding Linear's GEMM.
 
     Raises:
         TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it
-            cannot be replaced in place; wrap it), or ``dtype`` is another dtype.
+            cannot be replaced in place; wrap it), or ``dtype`` is another dtype,
+            or ``fuse_activations`` is not a bool.
         ValueError: converting back a :class:`tkern.nn.Linear` with a fused
             activation (nothing is changed).
     """
