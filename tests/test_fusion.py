@@ -306,6 +306,20 @@ def test_compile_fullgraph_matches_eager():
     _assert_same(_run(compiled, x), eager, None)  # the same kernels on the same inputs
 
 
+@pytest.mark.slow
+def test_compile_with_inductor_matches_eager():
+    model = convert_network(_mlp(nn.GELU))
+    x = torch.randn(4, 12, device=DEVICE)
+    eager = _run(model, x)
+    torch._dynamo.reset()
+    y, grads = _run(torch.compile(model, fullgraph=True), x)
+    # Inductor writes its own kernel for the loss and its gradient (fp32, rounded
+    # to fp16 once): the fp16 GEMM tolerance, gradients 2x, as test_functional's
+    assert rel_err(y, eager[0]) < TOL[torch.float16]
+    for g, ref in zip(grads, eager[1], strict=True):
+        assert rel_err(g, ref) < 2 * TOL[torch.float16]
+
+
 def test_compile_fullgraph_runs_a_hooked_pair_unfused():
     # hooks registered before compiling (torch.compile does not guard on hooks
     # added later, for any module: torch._dynamo.config.skip_nnmodule_hook_guards)
