@@ -91,7 +91,11 @@ def _linear_grads(dz, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
 
 
 class _Linear(torch.autograd.Function):
-    """y = act(x @ W^T + b); every product through :func:`tkern.matmul`."""
+    """y = act(x @ W^T + b) as (M, N); every product through :func:`tkern.matmul`.
+
+    The output keeps its 2-D shape here: :func:`linear` gives it x's leading
+    dimensions outside the Function, since a view made inside one cannot be
+    written in place afterwards (``nn.ReLU(inplace=True)`` after the Linear)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
@@ -104,19 +108,19 @@ class _Linear(torch.autograd.Function):
         y = matmul_prechecked(x2d, weight.t(), bias, activation, x.dtype, preact)  # linear() checked them
         ctx.activation = activation
         ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.x_shape = x.shape
         ctx.save_for_backward(x2d, weight, bias, preact)
-        return y.reshape(*x.shape[:-1], n)
+        return y
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy):  # dy (M, N)
         x2d, weight, bias, preact = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             dx, dw, db = _differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
-            return dx, dw, db, None
-        n, _ = weight.shape
+            return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
         dx, dw, db = _linear_grads(
-            _as_2d(dy, n),
+            dy,
             x2d,
             weight,
             preact,
@@ -126,7 +130,7 @@ class _Linear(torch.autograd.Function):
             _mm_checked,
             activation_grad,
         )
-        return None if dx is None else dx.reshape(*dy.shape[:-1], weight.shape[1]), dw, db, None
+        return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -271,7 +275,8 @@ def linear(
     check_int32_addressable("x", x)
     check_int32_addressable("weight", weight)
     check_int32_elements("output", (math.prod(x.shape[:-1]), weight.shape[0]))
-    return _Linear.apply(x, weight, bias, activation)
+    y = _Linear.apply(x, weight, bias, activation)  # (M, N)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 # --------------------------------------------------------------------------- fp8 (Float8Linear)

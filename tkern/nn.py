@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from tkern.functional import float8_linear, linear
 from tkern.kernels._common import HALF_DTYPES
@@ -56,13 +57,19 @@ class Linear(nn.Linear):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if x.is_floating_point() and x.dtype != weight.dtype:
-            x = x.to(weight.dtype)
-        return linear(x, weight, self.bias, self.activation)
+        return _linear_forward(self, x, self.activation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation}, dtype={self.weight.dtype}"
+
+
+def _linear_forward(module: Linear, x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``module``'s forward with ``activation`` in the GEMM's epilogue (its own, or
+    the one a fused activation module after it computes: see :class:`_FusedSequentialForward`)."""
+    weight = module.weight
+    if x.is_floating_point() and x.dtype != weight.dtype:
+        x = x.to(weight.dtype)
+    return linear(x, weight, module.bias, activation)
 
 
 #: The scaling recipes of :class:`Float8Recipe`.
@@ -287,13 +294,112 @@ class _CastOutput:
         return f"tkern.nn._CastOutput({self.dtype})"
 
 
+# --------------------------------------------------------------------------- activation fusion
+
+
+def _epilogue_activation(module: nn.Module) -> str | None:
+    """The GEMM epilogue's name for the activation ``module`` computes, or None.
+
+    Exact types only (a subclass may compute something else). ``ReLU(inplace=True)``
+    too: the Linear's output it would overwrite is a fresh tensor nobody else holds.
+    GELU's tanh form and SiLU are not in the epilogue (yet), so they run unfused."""
+    if type(module) is nn.ReLU:
+        return "relu"
+    if type(module) is nn.GELU and module.approximate == "none":
+        return "gelu"
+    return None
+
+
+def _runs_more_than_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run more than its class's forward: the test
+    ``nn.Module.__call__`` makes (the module's own hooks and the global ones), or a
+    forward replaced on the instance."""
+    hooked = (
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+        or _torch_module._global_forward_pre_hooks
+        or _torch_module._global_forward_hooks
+        or _torch_module._global_backward_pre_hooks
+        or _torch_module._global_backward_hooks
+    )
+    return bool(hooked) or "forward" in module.__dict__
+
+
+def _fusable(first: nn.Module, second: nn.Module) -> str | None:
+    """The activation to run in ``first``'s GEMM epilogue in place of calling
+    ``second`` on its output, or None: ``first`` a :class:`Linear` without an
+    activation of its own, ``second`` an activation the epilogue computes, and
+    neither with anything (a hook, a patched forward) that would see the difference."""
+    if type(first) is not Linear or first.activation is not None:
+        return None
+    activation = _epilogue_activation(second)
+    if activation is None or _runs_more_than_forward(first) or _runs_more_than_forward(second):
+        return None
+    return activation
+
+
+class _FusedSequentialForward:
+    """The forward of an ``nn.Sequential`` converted with ``fuse_activations``.
+
+    ``nn.Sequential.forward``, except that a :class:`Linear` directly followed by
+    an activation module the GEMM epilogue computes runs as one GEMM with that
+    activation in its epilogue (the same values: see :func:`convert_network`),
+    and the activation module is not called. Decided on every call from the
+    modules as they are then: a hook put on either module later, a global module
+    hook, or a module replaced, gets the plain path for that pair, each module
+    called in turn with every hook firing on the values it would see unfused.
+
+    Stored as the container's instance ``forward``: names, ``state_dict`` and
+    ``print(model)`` are unchanged. A module-level class, so the model pickles
+    and deep-copies (the copy routes its own modules)."""
+
+    def __init__(self, sequential: nn.Sequential) -> None:
+        self.sequential = sequential
+
+    def __call__(self, input):  # noqa: A002 (nn.Sequential.forward's argument name)
+        modules = list(self.sequential)
+        i = 0
+        while i < len(modules):
+            module = modules[i]
+            activation = _fusable(module, modules[i + 1]) if i + 1 < len(modules) else None
+            if activation is None:
+                input = module(input)
+                i += 1
+            else:
+                input = _linear_forward(module, input, activation)
+                i += 2
+        return input
+
+    def __repr__(self) -> str:
+        return "tkern.nn._FusedSequentialForward()"
+
+
+def _route_fusion(module: nn.Module) -> None:
+    """Give ``module`` the fused forward if it is an ``nn.Sequential`` (or a subclass
+    that keeps its forward) holding a :class:`Linear` directly followed by an
+    activation the epilogue computes. Hooks are looked at on every call, not here."""
+    if not isinstance(module, nn.Sequential) or type(module).forward is not nn.Sequential.forward:
+        return  # another forward: which output feeds what is not provable from the structure
+    if "forward" in module.__dict__:
+        return  # the user's own replacement forward
+    children = list(module)
+    pairs = zip(children, children[1:], strict=False)
+    if any(type(a) is Linear and a.activation is None and _epilogue_activation(b) for a, b in pairs):
+        module.forward = _FusedSequentialForward(module)
+
+
 def _remove_tkern_hooks(module: nn.Module) -> None:
-    """Remove the hooks a previous convert_network put on ``module`` (and only those)."""
+    """Remove the hooks and the fused forward a previous convert_network put on
+    ``module`` (and only those)."""
     for hooks in (module._forward_pre_hooks, module._forward_hooks):
         for key in [k for k, h in hooks.items() if isinstance(h, (_CastInputs, _CastOutput))]:
             del hooks[key]
             for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
                 getattr(module, extra, {}).pop(key, None)
+    if isinstance(module.__dict__.get("forward"), _FusedSequentialForward):
+        del module.forward
 
 
 def _cast_own(module: nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
@@ -364,6 +470,7 @@ def convert_network(
     *,
     float8: str | Float8Recipe | None = None,
     float8_filter: Callable[[str, nn.Module], bool] | None = None,
+    fuse_activations: bool = True,
 ) -> nn.Module:
     """Convert ``model`` in place for mixed-precision training, and return it.
 
@@ -386,7 +493,7 @@ def convert_network(
 
     Converting twice is the same as converting once. ``dtype=torch.float32``
     converts back: plain ``nn.Linear`` (and ``Conv1D``) modules, every parameter
-    and buffer in fp32, tkern's hooks removed.
+    and buffer in fp32, tkern's hooks and fused forwards removed.
 
     Every hook is an instance of a module-level class, so a converted model can
     be pickled (``torch.save(model)``) and deep-copied.
@@ -399,15 +506,33 @@ def convert_network(
     head out). The other Linears become :class:`tkern.nn.Linear` as without it.
     GPT-2 ``Conv1D`` layers stay :class:`tkern.nn.Conv1D` (not fp8).
 
+    With ``fuse_activations`` (the default), an ``nn.Sequential`` (or a subclass
+    that keeps its forward) in which a :class:`tkern.nn.Linear` is directly
+    followed by ``nn.ReLU`` (``inplace`` or not) or ``nn.GELU()`` (erf form) runs
+    that activation in the Linear's GEMM epilogue: one kernel, no separate pass
+    over the output, and the activation's gradient taken from the pre-activation
+    the GEMM saves. The modules stay as they were (types, names, state_dict keys,
+    ``print(model)``); the container gets an instance ``forward`` that decides on
+    every call, so a pair where either module has a hook (its own or a global
+    one; registered before ``torch.compile``, as compile requires of any hook)
+    runs unfused, each hook seeing the values it would see without fusion. ReLU
+    gives the same numbers as unfused; GELU rounds once fewer (the epilogue applies
+    it to the fp32 accumulator, the module to the pre-activation rounded to
+    ``dtype``). A Linear whose output is used in a forward tkern cannot see
+    (any other container or module) is not fused; nor are GELU's tanh form, SiLU,
+    or :class:`Float8Linear`.
+
     Args:
         model: the model (fp32, or converted before).
         dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
         float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or a Float8Recipe.
         float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
+        fuse_activations: fold ReLU/GELU modules into the preceding Linear's GEMM.
 
     Raises:
         TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it
-            cannot be replaced in place; wrap it), or ``dtype`` is another dtype.
+            cannot be replaced in place; wrap it), or ``dtype`` is another dtype,
+            or ``fuse_activations`` is not a bool.
         ValueError: converting back a :class:`tkern.nn.Linear` with a fused
             activation (nothing is changed).
     """
@@ -420,6 +545,8 @@ def convert_network(
     if type(model) is nn.Linear:
         raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; wrap it in a module")
     recipe = None if float8 is None else Float8Recipe.of(float8)
+    if not isinstance(fuse_activations, bool):
+        raise TypeError(f"fuse_activations must be True or False, got {fuse_activations!r}")
     if float8_filter is not None and not callable(float8_filter):
         raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32:
@@ -471,6 +598,8 @@ def convert_network(
                 _cast_own(module, torch.float32)
             for name, child in children:
                 convert(child, f"{path}.{name}" if path else name)
+            if fuse_activations:
+                _route_fusion(module)
 
     convert(model, "")
     for cls, paths in kept.items():
