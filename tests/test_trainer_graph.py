@@ -156,9 +156,13 @@ def test_torch_parts_that_stay_on_the_device_can_capture():
             {"optimizer": lambda a: torch.optim.AdamW(a["model"].parameters()), "scaler": None},
             "AdamW is not built with capturable=True",
         ),
+        (
+            {"optimizer": lambda a: FusedAdamW(a["model"].parameters(), lr=torch.tensor(1e-3))},
+            "FusedAdamW has a tensor lr (param group 0), which its step reads on the host",
+        ),
     ],
     ids=["cpu", "interpreted", "accumulation", "scheduler", "gradscaler-sync", "tkern-scaler-torch-opt",
-         "unknown-scaler", "not-capturable"],
+         "unknown-scaler", "not-capturable", "tensor-lr"],
 )  # fmt: skip
 def test_each_reason_to_run_eager_is_one_line(changes, reason):
     why = _eligible(**changes)

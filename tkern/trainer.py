@@ -10,6 +10,11 @@ One optimizer step::
 The loop itself never waits for the device: per-step metrics are kept as
 device tensors and read once per epoch (and every ``log_every`` steps for the
 progress bar).
+
+With ``cuda_graph=True`` a step of one micro-batch is captured as a CUDA graph
+per batch shape and replayed (:class:`StepGraphs`), after warm-up steps; where
+:func:`graph_blocker` gives a reason it cannot be, the trainer warns once and
+runs eager.
 """
 
 from __future__ import annotations
@@ -167,9 +172,15 @@ def graph_blocker(
             )
     elif scaler is not None:
         return f"a {type(scaler).__name__} loss scaler is not known to be free of host syncs"
-    if not isinstance(optimizer, FusedOptimizer) and not all(
-        g.get("capturable", False) for g in optimizer.param_groups
-    ):
+    if isinstance(optimizer, FusedOptimizer):
+        for i, group in enumerate(optimizer.param_groups):
+            for key, value in group.items():
+                if key != "params" and isinstance(value, torch.Tensor):
+                    return (
+                        f"{opt} has a tensor {key} (param group {i}), which its step reads on the host; "
+                        "give it as a number"
+                    )
+    elif not all(g.get("capturable", False) for g in optimizer.param_groups):
         return f"{opt} is not built with capturable=True, and torch refuses to capture its step without it"
     return None
 
