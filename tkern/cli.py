@@ -130,6 +130,8 @@ def _train(args: argparse.Namespace) -> int:
         _check_writable("--checkpoint", args.checkpoint)
         if args.only and args.only != "tkern":
             raise UsageError(f"--checkpoint applies to the tkern run, but --only {args.only} leaves it out")
+    if args.cuda_graph and args.only and args.only != "tkern":
+        raise UsageError(f"--cuda-graph applies to the tkern run, but --only {args.only} leaves it out")
     if args.nproc > 1 and args.batch_size < args.nproc:
         raise UsageError(
             f"--nproc: {args.nproc} processes split each batch of --batch-size {args.batch_size}; "
@@ -152,6 +154,7 @@ def _train(args: argparse.Namespace) -> int:
         resume=args.resume,
         nproc=args.nproc,
         float8=args.float8,
+        cuda_graph=args.cuda_graph,
     )
     try:
         results = demo.compare(cfg)
@@ -161,6 +164,12 @@ def _train(args: argparse.Namespace) -> int:
                 f"tkern run: data-parallel on {args.nproc} processes ({how}), sharded {args.optimizer}, "
                 f"batch {args.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
             )
+        for r in results:
+            if r.graph_counts is not None:
+                how = ", ".join(
+                    f"{r.graph_counts.get(k, 0)} {k}" for k in ("warmup", "capture", "replay", "eager")
+                )
+                print(f"{r.name} run: whole-step CUDA graphs, steps by kind: {how}")
         print(demo.table(results))
         if args.plot:
             demo.plot(results, args.plot)
@@ -248,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RECIPE",
         help="the tkern run in bf16 with fp8 GEMMs (tkern.nn.Float8Linear) of this scaling recipe: "
         "tensorwise, delayed or blockwise; Linear layers whose sizes are not multiples of 16 stay bf16",
+    )
+    train.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the tkern run's whole step (forward, backward, scaler, optimizer) as a CUDA graph "
+        "per batch shape and replay it; where it cannot be captured (no GPU, --nproc > 1) the run warns "
+        "once with the reason and trains eager",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     train.set_defaults(func=_train)

@@ -90,6 +90,7 @@ class Config:
     resume: str | None = None  # the tkern run starts from this checkpoint
     nproc: int = 1  # > 1: the tkern run is data-parallel on this many local processes
     float8: str | None = None  # a Float8Recipe name: the tkern run in bf16 with fp8 GEMMs
+    cuda_graph: bool = False  # the tkern run's whole step captured as a CUDA graph (Trainer's cuda_graph)
 
 
 @dataclass
@@ -102,6 +103,8 @@ class Result:
     skipped_steps: int | None
     final_scale: float | None
     losses: list[float] = field(default_factory=list)
+    #: how the steps ran with ``Config.cuda_graph`` (warmup, capture, replay, eager); None: eager
+    graph_counts: dict[str, int] | None = None
 
 
 def load_digits(seed: int, device: torch.device):
@@ -183,6 +186,7 @@ def run_one(
         scaler,
         autocast_dtype=autocast_dtype,
         progress=cfg.progress and rank == 0,
+        cuda_graph=cfg.cuda_graph and name == "tkern",
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -215,6 +219,7 @@ def run_one(
         skipped_steps=trainer.skipped_steps if scaler is not None else None,
         final_scale=scales[-1] if scales else None,
         losses=losses,
+        graph_counts=None if trainer.graphs is None else dict(trainer.graphs.counts),
     )
 
 

@@ -10,15 +10,23 @@ One optimizer step::
 The loop itself never waits for the device: per-step metrics are kept as
 device tensors and read once per epoch (and every ``log_every`` steps for the
 progress bar).
+
+With ``cuda_graph=True`` a step of one micro-batch is captured as a CUDA graph
+per batch shape and replayed (:class:`StepGraphs`), after warm-up steps; where
+:func:`graph_blocker` gives a reason it cannot be, the trainer warns once and
+runs eager.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,8 +35,20 @@ from torch import nn
 from tkern import checkpoint
 from tkern.amp import LossScaler
 from tkern.checkpoint import CheckpointError
+from tkern.kernels import INTERPRET
+from tkern.optim import FusedOptimizer
 
-__all__ = ["CheckpointError", "Trainer"]
+__all__ = [
+    "MAX_GRAPHS",
+    "WARMUP_STEPS",
+    "CheckpointError",
+    "CudaGraphCapture",
+    "GraphCapture",
+    "StepGraphs",
+    "Trainer",
+    "graph_blocker",
+    "graph_stamp",
+]
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -40,6 +60,262 @@ def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+# ---------------------------------------------------------------------- CUDA graphs
+
+#: Eager runs of a batch shape before its step is captured. Everything a step builds
+#: lazily must exist before capture, where nothing may synchronise with the host or
+#: allocate-and-initialise state that later replays would re-initialise: the optimizer's
+#: moments and master, the loss scale, the gradients, cuBLAS workspaces, and Triton's
+#: autotuning for that shape (it times configs, waiting for the device). Three is
+#: ``torch.cuda.make_graphed_callables``' ``num_warmup_iters``.
+WARMUP_STEPS = 3
+#: Batch shapes that get a graph of their own: an epoch's full batch and its last,
+#: smaller one. Batches of any further shape (dynamic shapes) run eager: a graph per
+#: shape holds its own activation memory, and capture costs warm-up steps.
+MAX_GRAPHS = 2
+
+
+class GraphCapture(Protocol):
+    """The seam between :class:`StepGraphs`' bookkeeping and the device:
+    :class:`CudaGraphCapture` on a GPU; tests pass one that records and runs eagerly."""
+
+    #: the device type whose work this seam can capture
+    device_type: str
+
+    def warmup(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run ``fn`` eagerly, as a warm-up for a later capture; return its result."""
+        ...
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Record ``fn`` without running it: (replay, the static tensor ``fn``
+        returned, which every replay rewrites)."""
+        ...
+
+
+class CudaGraphCapture:
+    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``, as torch's recipe for
+    whole-network capture: warm-up on a side stream, then ``torch.cuda.graph``."""
+
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._stream: torch.cuda.Stream | None = None  # made on first use: none on a CPU
+
+    def warmup(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        # a side stream, as capture uses one: lazy per-stream state (autograd's
+        # stream bookkeeping, cuBLAS handles) is made on a stream that is not the
+        # legacy default one
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(self._stream)
+        return out
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a DataLoader's pin-memory thread may call the CUDA API
+        # while this thread captures, which the default ("global") mode forbids
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+        return graph.replay, out
+
+
+def graph_blocker(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    accumulation_steps: int,
+    scheduler: Any,
+    device: torch.device,
+    capture_device_type: str = "cuda",
+    interpreted: bool = False,
+) -> str | None:
+    """Why a trainer with these parts cannot capture its whole step as one graph
+    (one line), or None when it can. Looks only at its arguments.
+
+    ``capture_device_type``: the device type the capture seam records (CUDA's).
+    ``interpreted``: tkern's kernels run through Triton's interpreter, on the host,
+    while the model is on that device.
+    """
+    opt = type(optimizer).__name__
+    if device.type != capture_device_type:
+        return f"the model is on {device}, and only {capture_device_type} work can be captured"
+    if interpreted:
+        return "tkern's kernels run in Triton's interpreter (TRITON_INTERPRET=1), on the host"
+    if accumulation_steps > 1:
+        return f"accumulation_steps={accumulation_steps}: only a step of one forward and backward is captured"
+    if scheduler is not None:
+        return (
+            f"a {type(scheduler).__name__} changes the learning rate every step, and a captured "
+            "step replays the hyperparameters it was captured with"
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "a DistributedDataParallel model: its gradient all-reduce hooks are not captured"
+    if getattr(optimizer, "shard_group", None) is not None:
+        return f"{opt} is sharded: its collectives are not captured"
+    if isinstance(scaler, torch.amp.GradScaler):
+        if scaler.is_enabled() and not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return (
+                f"torch.amp.GradScaler with {opt} reads found_inf on the host every step "
+                "(only an optimizer with _step_supports_amp_scaling takes it on the device)"
+            )
+    elif isinstance(scaler, LossScaler):
+        if scaler.is_enabled() and not isinstance(optimizer, FusedOptimizer):
+            return (
+                f"a {type(scaler).__name__} with {opt}, which is not a tkern fused optimizer, "
+                "reads found_inf on the host every step"
+            )
+    elif scaler is not None:
+        return f"a {type(scaler).__name__} loss scaler is not known to be free of host syncs"
+    if isinstance(optimizer, FusedOptimizer):
+        for i, group in enumerate(optimizer.param_groups):
+            for key, value in group.items():
+                if key != "params" and isinstance(value, torch.Tensor):
+                    return (
+                        f"{opt} has a tensor {key} (param group {i}), which its step reads on the host; "
+                        "give it as a number"
+                    )
+    elif not all(g.get("capturable", False) for g in optimizer.param_groups):
+        return f"{opt} is not built with capturable=True, and torch refuses to capture its step without it"
+    return None
+
+
+def graph_stamp(optimizer: torch.optim.Optimizer, scaler: Any) -> tuple:
+    """What a captured step bakes in that may change between steps: each param
+    group's hyperparameters (tkern's kernels take them as arguments, so a graph
+    replays the values of its capture) and its number of params, and the address
+    of the loss scaler's state. A different stamp means capturing again."""
+    groups = tuple(
+        (len(g["params"]), tuple((k, _stamp_value(v)) for k, v in g.items() if k != "params"))
+        for g in optimizer.param_groups
+    )
+    state = scaler.state if isinstance(scaler, LossScaler) else None
+    return groups, None if state is None else state.data_ptr()
+
+
+def _stamp_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):  # a tensor hyperparameter: the same tensor, unwritten
+        return ("tensor", id(value), value._version)
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return value
+
+
+def _batch_key(x: torch.Tensor, y: torch.Tensor) -> tuple:
+    return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in (x, y))
+
+
+@dataclass
+class _ShapeGraph:
+    """One batch shape's static input buffers, warm-up count and graph."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    warmups: int = 0
+    replay: Callable[[], None] | None = None
+    loss: torch.Tensor | None = None  # the loss the graph writes on every replay
+
+
+class StepGraphs:
+    """Whole training steps as graphs, one per batch shape (at most ``max_graphs``).
+
+    ``body(x, y, measure)`` is one whole step (zero the gradients in place, forward,
+    loss, scaled backward, scaler step and update or optimizer step) returning its loss.
+    Each batch is copied into its shape's static buffers; the first ``warmup_steps``
+    batches of a shape run eagerly through ``capture.warmup``, the next is captured and
+    replayed, and every later one only replays. Batches of a shape beyond the first
+    ``max_graphs`` run ``body`` eagerly (with a one-time warning). ``stamp()`` says
+    what the graphs bake in (:func:`graph_stamp`): when it changes between steps every
+    graph is dropped and warm-up starts again.
+
+    ``counts`` says how each step ran: ``warmup``, ``capture`` (captured, then
+    replayed), ``replay`` and ``eager``.
+    """
+
+    def __init__(
+        self,
+        body: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
+        capture: GraphCapture,
+        stamp: Callable[[], tuple],
+        *,
+        warmup_steps: int = WARMUP_STEPS,
+        max_graphs: int = MAX_GRAPHS,
+    ) -> None:
+        self.body = body
+        self.capture = capture
+        self.stamp = stamp
+        self.warmup_steps = warmup_steps
+        self.max_graphs = max_graphs
+        self.counts: Counter[str] = Counter()
+        self._graphs: dict[tuple, _ShapeGraph] = {}
+        self._stamp: tuple | None = None
+        self._warned_shapes = False
+
+    def reset(self) -> None:
+        """Drop every graph and static buffer (after a load changed the state they captured)."""
+        self._graphs.clear()
+        self._stamp = None
+
+    def run(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> torch.Tensor:
+        """One step on the batch ``(x, y)`` (on the model's device); its loss."""
+        stamp = self.stamp()
+        if stamp != self._stamp:
+            self.reset()
+            self._stamp = stamp
+        key = _batch_key(x, y)
+        entry = self._graphs.get(key)
+        if entry is not None and entry.replay is not None:
+            return self._replay(entry, x, y, "replay")
+        if entry is None and len(self._graphs) >= self.max_graphs:
+            if not self._warned_shapes:
+                self._warned_shapes = True
+                warnings.warn(
+                    f"Trainer(cuda_graph=True): batches of shape {tuple(x.shape)} run eager; graphs "
+                    f"are kept for the first {self.max_graphs} batch shapes only",
+                    stacklevel=3,
+                )
+            self.counts["eager"] += 1
+            loss = self.body(x, y, measure)
+        else:
+            if entry is None:
+                entry = self._graphs[key] = _ShapeGraph(torch.empty_like(x), torch.empty_like(y))
+            if entry.warmups < self.warmup_steps:
+                entry.warmups += 1
+                self.counts["warmup"] += 1
+                entry.x.copy_(x, non_blocking=True)
+                entry.y.copy_(y, non_blocking=True)
+                loss = self.capture.warmup(lambda: self.body(entry.x, entry.y, measure))
+            else:
+                self._capture(entry)
+                loss = self._replay(entry, x, y, "capture")
+        # Python ran the step and may have built what the stamp looks at (the
+        # scaler's state, on the first step); a replay runs no Python
+        self._stamp = self.stamp()
+        return loss
+
+    def _capture(self, entry: _ShapeGraph) -> None:
+        try:
+            entry.replay, entry.loss = self.capture.capture(lambda: self.body(entry.x, entry.y, False))
+        except Exception as e:
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            raise RuntimeError(
+                f"Trainer(cuda_graph=True): capturing the step for batches of shape {tuple(entry.x.shape)} "
+                f"failed ({type(e).__name__}: {first_line}); train with cuda_graph=False"
+            ) from e
+
+    def _replay(self, entry: _ShapeGraph, x: torch.Tensor, y: torch.Tensor, how: str) -> torch.Tensor:
+        entry.x.copy_(x, non_blocking=True)
+        entry.y.copy_(y, non_blocking=True)
+        entry.replay()
+        self.counts[how] += 1
+        return entry.loss.clone()  # the next replay rewrites the static loss
 
 
 class Trainer:
@@ -59,6 +335,20 @@ class Trainer:
         log_every: optimizer steps between progress-bar refreshes (each reads
             the loss from the device once).
         callbacks: called as ``callback(trainer, epoch_metrics)`` after every epoch.
+        cuda_graph: capture the whole step (gradients zeroed in place, forward, loss,
+            scaled backward, scaler step and update, optimizer step) as a CUDA graph
+            per batch shape and replay it (see :class:`StepGraphs`): one launch per
+            step instead of dozens. Needs parts that never wait for the device
+            (a tkern fused optimizer with a tkern scaler or GradScaler, or a torch
+            optimizer with ``capturable=True``), ``accumulation_steps=1`` and no
+            scheduler; where :func:`graph_blocker` finds a reason it cannot, the
+            trainer warns once with it and runs eager, exactly as ``cuda_graph=False``.
+            The gradients are zeroed in place (never set to None) on every step,
+            eager ones included. After a replay the host-side give-up check of a
+            tkern scaler (``max_overflows_at_min``) and its update count do not run;
+            eager steps keep them.
+        graph_capture: the capture seam (default :class:`CudaGraphCapture`);
+            only with ``cuda_graph=True``.
     """
 
     def __init__(
@@ -74,6 +364,8 @@ class Trainer:
         progress: bool = True,
         log_every: int = 10,
         callbacks: Iterable[Callable[[Trainer, dict], None]] = (),
+        cuda_graph: bool = False,
+        graph_capture: GraphCapture | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -85,6 +377,10 @@ class Trainer:
             raise ValueError(f"accumulation_steps must be a positive int, got {accumulation_steps!r}")
         if not isinstance(log_every, int) or log_every < 1:
             raise ValueError(f"log_every must be a positive int, got {log_every!r}")
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool, got {cuda_graph!r}")
+        if graph_capture is not None and not cuda_graph:
+            raise ValueError("graph_capture is used only with cuda_graph=True")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -103,6 +399,28 @@ class Trainer:
         #: one dict per epoch: epoch, train_loss, val_loss, val_accuracy, step_time_s, samples_per_s
         self.epochs: list[dict[str, float]] = []
         self._activation_bytes = 0
+        #: the whole-step graphs when ``cuda_graph=True`` can capture, else None (eager steps)
+        self.graphs: StepGraphs | None = None
+        #: why ``cuda_graph=True`` runs eager (None when it captures, or was not asked for)
+        self.graph_fallback: str | None = None
+        if cuda_graph:
+            capture = CudaGraphCapture() if graph_capture is None else graph_capture
+            self.graph_fallback = graph_blocker(
+                model=model,
+                optimizer=optimizer,
+                scaler=scaler,
+                accumulation_steps=accumulation_steps,
+                scheduler=scheduler,
+                device=self.device,
+                capture_device_type=capture.device_type,
+                interpreted=INTERPRET and self.device.type == "cuda",
+            )
+            if self.graph_fallback is None:
+                self.graphs = StepGraphs(
+                    self._whole_step, capture, lambda: graph_stamp(self.optimizer, self.scaler)
+                )
+            else:
+                warnings.warn(f"Trainer(cuda_graph=True) runs eager: {self.graph_fallback}", stacklevel=2)
 
     @property
     def device(self) -> torch.device:
@@ -147,9 +465,31 @@ class Trainer:
     def train_step(
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], measure: bool = False
     ) -> torch.Tensor:
-        """One optimizer step over ``micro_batches``; returns the mean loss (device tensor)."""
+        """One optimizer step over ``micro_batches``; returns the mean loss (device
+        tensor). With graphs, a step of one micro-batch goes through :attr:`graphs`."""
         self.model.train()
-        self.optimizer.zero_grad()
+        if self.graphs is None:
+            total = self._steps_through(micro_batches, set_to_none=True, measure=measure)
+        elif len(micro_batches) == 1:
+            x, y = (t.to(self.device, non_blocking=True) for t in micro_batches[0])
+            total = self.graphs.run(x, y, measure)
+        else:  # in place, as the graphs: their gradient buffers must stay where they were captured
+            total = self._steps_through(micro_batches, set_to_none=False, measure=measure)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step += 1
+        return total
+
+    def _whole_step(self, x: torch.Tensor, y: torch.Tensor, measure: bool) -> torch.Tensor:
+        """The step :class:`StepGraphs` warms up, captures and runs eagerly."""
+        return self._steps_through([(x, y)], set_to_none=False, measure=measure)
+
+    def _steps_through(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], set_to_none: bool, measure: bool
+    ) -> torch.Tensor:
+        """Zero the gradients, forward and scaled backward of every micro-batch, then
+        the scaler's (or the optimizer's) step and update; the mean loss."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
         total = torch.zeros((), device=self.device)
         k = len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
@@ -163,9 +503,6 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.step += 1
         return total
 
     @torch.no_grad()
@@ -390,6 +727,8 @@ class Trainer:
             scheduler=self.scheduler,
         )
         # validated: nothing above changed the trainer
+        if self.graphs is not None:  # the loads below may put state at new addresses
+            self.graphs.reset()
         self.optimizer.load_state_dict(payload["optimizer"])
         self.model.load_state_dict(payload["model"])
         if self.scaler is not None:
