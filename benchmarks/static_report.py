@@ -149,7 +149,10 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
     variants = [(d, "self" if d == "fp32" else "fp32", "fp32", f, t) for d in ("fp16", "bf16", "fp32")
                 for f in flags for t in (False, True) if not t or f == flags[0]]  # fmt: skip
     # the memory modes on the heaviest flags (amsgrad + clip; momentum + clip)
-    variants += [(d, m, k, flags[7] if opt == "adam" else flags[3], False) for d, m, k in _MODE_CASES]
+    heaviest = next(
+        f for f in flags if f.get("AMSGRAD", f.get("MOMENTUM")) and f["CLIP"] and not f["MAXIMIZE"]
+    )
+    variants += [(d, m, k, heaviest, False) for d, m, k in _MODE_CASES]
     for dtype, master, kind, f, tail in variants:
         held = "i16" if master == "split" else dtype  # a split master's param is addressed as int16
         sig, const = {}, {}

@@ -227,3 +227,61 @@ def test_cli_train_float8_runs_the_tkern_run_in_fp8(capsys):
 
     assert main(["train", "--only", "tkern", "--float8", "delayed", "--epochs", "1", "--no-progress"]) == 0
     assert "tkern" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------- the weight cast in the step
+
+
+def _twin_models(seed=0):
+    torch.manual_seed(seed)
+    a = torch.nn.Sequential(tkern.nn.Float8Linear(32, 48), torch.nn.ReLU(), tkern.nn.Float8Linear(48, 16))
+    b = copy.deepcopy(a)
+    return a.to(DEVICE), b.to(DEVICE)
+
+
+def test_the_optimizer_writes_the_fp8_weight_and_the_forward_reads_it():
+    """issue 17: a fused optimizer's step casts a tensorwise Float8Linear's weight once after
+    updating it; the forward then reads that cast instead of casting, with identical results."""
+    from tkern.functional import float8_weight_cache
+
+    cached, plain = _twin_models()
+    for m in plain:  # the reference casts in every forward
+        if isinstance(m, tkern.nn.Float8Linear):
+            float8_weight_cache(m.weight, register=False)
+    opts = [tkern.optim.FusedAdamW(m.parameters(), lr=1e-2) for m in (cached, plain)]
+    x = torch.randn(8, 32, device=DEVICE).to(torch.bfloat16)
+    casts = []
+    for step in range(3):
+        outs = []
+        for model, opt in zip((cached, plain), opts, strict=True):
+            opt.zero_grad()
+            y = model(x)
+            y.float().square().mean().backward()
+            opt.step()
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1]), step
+        cache = float8_weight_cache(cached[0].weight)
+        casts.append(cache.lookup(cached[0].weight))
+    for a, b in zip(cached.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    data, scale = casts[-1]
+    ref_data, ref_scale = tkern.to_float8(cached[0].weight.detach(), torch.float8_e4m3fn)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    assert float8_weight_cache(plain[0].weight) is None
+
+
+def test_a_write_from_outside_the_optimizer_makes_the_forward_cast_again():
+    from tkern.functional import float8_weight_cache
+
+    model, _ = _twin_models(1)
+    opt = tkern.optim.FusedSGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 32, device=DEVICE).to(torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    weight = model[0].weight
+    assert float8_weight_cache(weight).lookup(weight) is not None
+    with torch.no_grad():
+        weight.mul_(0.5)  # e.g. a checkpoint loaded into the model
+    assert float8_weight_cache(weight).lookup(weight) is None
+    fresh = copy.deepcopy(model)  # its own cache, never refreshed: casts in its forward
+    assert torch.equal(model(x), fresh(x))

@@ -21,6 +21,7 @@ differentiate them again.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ from tkern.kernels.activation import activation_grad
 from tkern.kernels.float8 import to_float8, to_float8_delayed
 from tkern.kernels.gemm import check_activation, check_bias, matmul, matmul_prechecked, scaled_mm
 
-__all__ = ["float8_linear", "linear", "matmul"]
+__all__ = ["Float8WeightCache", "float8_linear", "float8_weight_cache", "linear", "matmul"]
 
 _NO_ACT = "none"  # how the custom ops spell activation=None (their schema takes a str)
 
@@ -367,6 +368,66 @@ def _dequantize_tiles(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, 
     return data.float() * full
 
 
+class Float8WeightCache:
+    """The e4m3 copy of a weight and its tensorwise scale, written once per optimizer
+    step instead of once per forward (issue 17).
+
+    A tensorwise :class:`tkern.nn.Float8Linear` registers its weight
+    (:func:`float8_weight_cache`); a fused optimizer holding that weight calls
+    :meth:`refresh` at the end of every ``step()``, after it wrote the new weight,
+    so the forward reads the cast instead of casting (with gradient accumulation,
+    once per step instead of once per micro-batch; in evaluation, not at all).
+    The copy is the weight's exact ``to_float8`` cast, so results are identical
+    to casting in the forward. It is used only while it is the cast of the
+    weight as it is: a write from outside the optimizer (loading a checkpoint,
+    an in-place edit: it moves the weight's version counter) or new storage
+    (``.data =``) makes the forward cast again until the next step refreshes it.
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self._weight = weakref.ref(weight)
+        self.data: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self._stamp: tuple[int, int] | None = None
+
+    def refresh(self) -> None:
+        """Cast the weight as it is now (e4m3, one scale); no host sync."""
+        weight = self._weight()
+        if weight is None:
+            return
+        with torch.no_grad():
+            self.data, self.scale = to_float8(weight.detach(), E4M3, "tensor")
+        self._stamp = (weight._version, weight.data_ptr())
+
+    def lookup(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(data, scale)`` if they are the cast of ``weight`` as it is, else None."""
+        if self._stamp is None or self._stamp != (weight._version, weight.data_ptr()):
+            return None
+        return self.data, self.scale
+
+
+#: id(weight) -> its cache, while the weight lives (tensors cannot key a WeakKeyDictionary:
+#: their == is elementwise).
+_FLOAT8_WEIGHTS: dict[int, Float8WeightCache] = {}
+
+
+def float8_weight_cache(weight: torch.Tensor, *, register: bool | None = None) -> Float8WeightCache | None:
+    """The :class:`Float8WeightCache` of ``weight`` (None if it has none). With
+    ``register=True`` one is made if missing; with ``register=False`` it is removed."""
+    key = id(weight)
+    cache = _FLOAT8_WEIGHTS.get(key)
+    if cache is not None and cache._weight() is not weight:
+        cache = None  # a dead weight's entry whose id was reused
+    if register is True and cache is None:
+        cache = _FLOAT8_WEIGHTS[key] = Float8WeightCache(weight)
+        weakref.finalize(weight, _FLOAT8_WEIGHTS.pop, key, None)
+    elif register is False:
+        if cache is not None:
+            del _FLOAT8_WEIGHTS[key]
+        return None
+    return cache
+
+
 class _Float8Linear(torch.autograd.Function):
     """y = x @ W^T + b with fp8 GEMMs (Float8Linear's forward and backward).
 
@@ -378,11 +439,14 @@ class _Float8Linear(torch.autograd.Function):
     (dequantized and cast again), as DeepSeek-V3 does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, margin, update, h_x, h_w, h_g):
+    def forward(ctx, x, weight, bias, recipe, margin, update, h_x, h_w, h_g, cached_wq, cached_sw):
         n, k = weight.shape
         x2d = _as_2d(x, k)
         xq, sx = _cast(x2d, E4M3, recipe, h_x, margin, update)
-        wq, sw = _cast(weight, E4M3, recipe, h_w, margin, update, WEIGHT_BLOCK)
+        if cached_wq is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
+            wq, sw = cached_wq, cached_sw
+        else:
+            wq, sw = _cast(weight, E4M3, recipe, h_w, margin, update, WEIGHT_BLOCK)
         sw_b = sw.t() if recipe == "blockwise" else sw
         y = _scaled_mm_op(xq, wq.t(), sx, sw_b, bias, x.dtype, *_blocks(recipe))
         ctx.recipe, ctx.margin, ctx.update = recipe, margin, update
@@ -412,7 +476,7 @@ class _Float8Linear(torch.autograd.Function):
                 dw = _scaled_mm_op(gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def float8_linear(
@@ -424,6 +488,7 @@ def float8_linear(
     margin: int = 0,
     update: bool = True,
     histories: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
@@ -433,6 +498,9 @@ def float8_linear(
         margin, update, histories: delayed scaling's margin, whether to roll this
             step's amaxes into the histories, and the (input, weight, grad_output)
             fp32 amax histories (required for ``"delayed"``).
+        weight_fp8: ``"tensorwise"`` only: ``weight``'s e4m3 cast and its 0-dim fp32
+            scale, already made (a :class:`Float8WeightCache`'s); the forward then
+            does not cast the weight.
     """
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
     check_tensor("x", x, dtypes=(weight.dtype,))
@@ -454,10 +522,22 @@ def float8_linear(
                 )
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+    if weight_fp8 is not None:
+        if scaling != "tensorwise":
+            raise ValueError(f'weight_fp8 is a tensorwise cast; scaling is "{scaling}"')
+        wq, sw = weight_fp8
+        check_tensor("weight_fp8 data", wq, dtypes=(E4M3,))
+        check_tensor("weight_fp8 scale", sw, dtypes=(torch.float32,))
+        if wq.shape != weight.shape or sw.numel() != 1 or wq.device != weight.device:
+            raise ValueError(
+                f"weight_fp8 must be the ({tuple(weight.shape)}) e4m3 weight and a one-element scale on "
+                f"{weight.device}, got shapes {tuple(wq.shape)} and {tuple(sw.shape)} on {wq.device}"
+            )
     # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
     h = (
         histories
         if histories is not None
         else tuple(weight.new_empty(0, dtype=torch.float32) for _ in range(3))
     )
-    return _Float8Linear.apply(x, weight, bias, scaling, margin, update, *h)
+    cached = weight_fp8 if weight_fp8 is not None else (None, None)
+    return _Float8Linear.apply(x, weight, bias, scaling, margin, update, *h, *cached)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from tkern.functional import float8_linear, linear
+from tkern.functional import float8_linear, float8_weight_cache, linear
 from tkern.kernels._common import HALF_DTYPES
 from tkern.kernels.gemm import check_activation
 
@@ -160,6 +160,8 @@ class Float8Linear(nn.Linear):
 
     def _set_recipe(self, recipe: Float8Recipe) -> None:
         self.recipe = recipe
+        # a tensorwise weight's cast can be written by the optimizer's step (Float8WeightCache)
+        float8_weight_cache(self.weight, register=recipe.scaling == "tensorwise")
         for name in _HISTORIES:
             if recipe.scaling == "delayed":
                 if name not in self._buffers:
@@ -175,10 +177,17 @@ class Float8Linear(nn.Linear):
             x = x.to(weight.dtype)
         delayed = self.recipe.scaling == "delayed"
         histories = tuple(getattr(self, n) for n in _HISTORIES) if delayed else None
+        cache = None if torch.compiler.is_compiling() else float8_weight_cache(weight)
         return float8_linear(
             x, weight, self.bias, scaling=self.recipe.scaling, margin=self.recipe.margin,
             update=self.training and torch.is_grad_enabled(), histories=histories,
+            weight_fp8=None if cache is None else cache.lookup(weight),
         )  # fmt: skip
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # a copy's weight is a new Parameter: it gets its own fp8 weight cache
+        float8_weight_cache(self.weight, register=self.recipe.scaling == "tensorwise")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args):
         before = len(missing_keys)
@@ -457,6 +466,7 @@ def _convert_back(module: nn.Module) -> None:
             m.__class__ = nn.Linear
         elif type(m) is Float8Linear:
             m._set_recipe(Float8Recipe())  # drops delayed scaling's histories
+            float8_weight_cache(m.weight, register=False)
             del m.recipe
             m.__class__ = nn.Linear
         elif _CONV1D is not None and type(m) is _CONV1D:

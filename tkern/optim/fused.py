@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes, describe_param
+from tkern.functional import Float8WeightCache, float8_weight_cache
 from tkern.kernels._update import MIN_8BIT_SIZE, PARAM_DTYPES, UpdateBuffers
 from tkern.kernels.adam import adam_update
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats
@@ -197,6 +198,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         #: The stochastic rounding's seed (master="none"); torch's initial seed by default.
         self.seed = (torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
         self._flat: list[list[FlatParams]] = []
+        #: fp8 weights (tensorwise Float8Linear) whose cast the step writes after updating them
+        self._float8_caches: list[Float8WeightCache] = []
         self._device: torch.device | None = None
         self._one: torch.Tensor | None = None
         self._process_group = process_group
@@ -342,6 +345,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._flat.append(flats)
         for flat in flats:
             self._refresh_state(flat)
+        self._float8_caches += [c for p in group["params"] if (c := float8_weight_cache(p)) is not None]
 
     def _make_flat(self, params, indices, group, names, modes) -> FlatParams:
         return FlatParams(params, indices, group, names, **modes)
@@ -434,6 +438,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             for step in {id(b.step): b.step for b in plan}.values():
                 step.add_(applied)
         self._sync_params()
+        for cache in self._float8_caches:  # the fp8 weights' casts, once per step (not per forward)
+            cache.refresh()
         return loss
 
     # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
@@ -688,6 +694,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         state.pop("state", None)  # rebuilt from the flat buffers
         state["_process_group"] = None  # process groups do not travel
         state["_layout_seen"] = {}
+        state["_float8_caches"] = []  # weak references: found again from the params
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -698,6 +705,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for flats in self._flat:
             for flat in flats:
                 self._refresh_state(flat)
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._float8_caches = [c for p in params if (c := float8_weight_cache(p)) is not None]
 
 
 class FusedSGD(FusedOptimizer):
