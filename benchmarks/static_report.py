@@ -176,7 +176,7 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
             else:
                 sig[name] = "fp32"
         const.update(f, MASTER=_MASTER[master], PARAM_DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=mod.BLOCK)
-        const.update(dict.fromkeys(kinds, _KIND[kind]), QB=mod.QBLOCK)
+        const.update(dict.fromkeys(kinds, _KIND[kind]))
         if opt == "sgd":
             const.pop("DECOUPLED", None)
         arrays = ["grad_ptr", "param_ptr"] + (["master_ptr"] if master in ("fp32", "split") else [])

@@ -148,8 +148,9 @@ def test_streaming_kernels_use_full_width_vector_accesses(rows):
             seen = set(r["global_access_bits"].get(array, []))
             if seen != {bits}:
                 bad.append(f"{_name(r)}: {array} accessed as {sorted(seen)} bits, expected {bits}")
-        fp32_arrays = [a for a, b in r["expected_bits"].items() if b == 128]
-        assert fp32_arrays, f"{_name(r)}: no array reaches 128-bit accesses"
+        # every array is held to its full width above: 128 bits for fp32 at 4 per thread, 64
+        # for 16-bit arrays (a kernel of only those: a split or no master with bf16/8-bit state)
+        assert r["expected_bits"], f"{_name(r)}: no array to check"
     assert not bad, "\n".join(bad)
 
 

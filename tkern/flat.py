@@ -233,6 +233,8 @@ class FlatParams:
         elif self.master_mode == "split":  # remainders 0: the master is the param
             self.master = torch.zeros(self.shard_size, dtype=torch.int16, device=self.device)
         self._plan: list[UpdateBuffers] | None = None
+        #: Bumped whenever :meth:`plan` hands out new launches (views, step counts).
+        self.plan_version = 0
         #: Bumped whenever state buffers or step-count tensors are added or replaced.
         self.layout_version = 0
         self.state: dict[str, torch.Tensor] = {}
@@ -465,6 +467,7 @@ class FlatParams:
             active[i] = self._all_active or view._version != self._zero_versions[k]
         self._split_cohorts(active)
         launches = [self._buffers(s, e, step) for s, e, step in self._ranges(active)]
+        self.plan_version += 1  # new launches: a captured step (tkern.optim.fused.StepGraph) is stale
         if all(active[i] for i in self._trainable):
             self._plan = launches
         return launches

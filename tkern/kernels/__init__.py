@@ -32,10 +32,15 @@ overflow.py
     test_overflow.py, test_optim.py, test_distributed.py. Benchmark: bench_optimizer.py.
 adam.py, sgd.py (their shared lines in _update.py)
     kernels: ``_adam_kernel``, ``_sgd_kernel``. Launchers: ``adam_update``,
-    ``sgd_update``. Above: ``optim.FusedAdam``/``FusedAdamW``/``FusedSGD`` and
-    their ``Distributed`` versions (pass 2). Tests: test_update_kernels.py,
-    test_optim.py, test_optim_contracts.py, test_distributed.py. Benchmarks:
-    bench_optimizer.py, bench_distributed.py.
+    ``sgd_update``. Shared jit helpers (_update.py): ``tile``, ``load_grad``,
+    ``load_master``/``store_master`` (fp32, split or no master: stochastic
+    rounding), ``load_state``/``store_state`` (fp32, bf16 or 8-bit block-quantized
+    state); ``_convert_state_kernel`` (``state_to_fp32``/``state_from_fp32``:
+    checkpoints). Above: ``optim.FusedAdam``/``FusedAdamW``/``FusedSGD`` and
+    their ``Distributed`` versions (pass 2; ``master=``, ``state_dtype=``).
+    Tests: test_update_kernels.py, test_optim.py, test_optim_memory.py,
+    test_optim_graph.py, test_optim_contracts.py, test_distributed.py.
+    Benchmarks: bench_optimizer.py, bench_distributed.py, bench_memory.py.
 scale.py
     kernel: ``_update_scale_kernel``. Launcher: ``update_scale``. Above:
     ``amp.DynamicLossScaler`` and kin. Tests: test_scale.py, test_amp.py.

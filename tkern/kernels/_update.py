@@ -3,8 +3,7 @@ and their checks, and the jit lines every update kernel runs the same way.
 
 The shared lines, in the order a kernel calls them:
 
-* :func:`tile` -- this program's elements as a (ROWS, QBLOCK) tile, so a row is
-  one block of the 8-bit state's block quantization;
+* :func:`tile` -- this program's elements (whole blocks of the 8-bit state);
 * :func:`load_grad` -- the gradient unscaled, clipped and (``maximize``) negated;
 * :func:`load_master` / :func:`store_master` -- the fp32 master in one of the
   four *master modes* below, and the write of the param;
@@ -126,14 +125,11 @@ def state_kind(dtype: torch.dtype) -> int:
 
 
 @triton.jit
-def tile(n, BLOCK: tl.constexpr, QB: tl.constexpr):
-    """This program's BLOCK of n elements as ``(offs, mask)``: (BLOCK // QB, QB)
-    int64 element offsets, row r one block of the 8-bit state, and which lie below n.
-    (Per-block values are kept in this 2-D layout too, broadcast along the row, so
-    that no layout conversion is needed.)"""
-    ROWS: tl.constexpr = BLOCK // QB
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * QB + tl.arange(0, QB)[None, :]
+def tile(n, BLOCK: tl.constexpr):
+    """This program's BLOCK of n elements: ``(offs, mask)``, int64 element offsets
+    and which lie below n. BLOCK is a multiple of QBLOCK, so a program holds whole
+    blocks of the 8-bit state."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     return offs, offs < n
 
 
@@ -230,9 +226,11 @@ def store_state(ptr, absmax_ptr, qmap_ptr, offs, mask, x, KIND: tl.constexpr):
     as it is, rounded to bf16, or block-quantized (absmax per row, then the
     nearest code by a branchless binary search over the sorted code map)."""
     if KIND == STATE_U8:
-        absmax = tl.maximum(tl.max(tl.abs(x), axis=1), _ABSMAX_EPS)[:, None]
+        ROWS: tl.constexpr = x.shape[0] // _QBLOCK
+        absmax = tl.maximum(tl.max(tl.reshape(tl.abs(x), (ROWS, _QBLOCK)), axis=1), _ABSMAX_EPS)
+        absmax = tl.reshape(tl.broadcast_to(absmax[:, None], (ROWS, _QBLOCK)), x.shape)  # per element
         first = mask & (offs % _QBLOCK == 0)  # one store per block, from its first element
-        tl.store(absmax_ptr + offs // _QBLOCK, tl.broadcast_to(absmax, x.shape), mask=first)
+        tl.store(absmax_ptr + offs // _QBLOCK, absmax, mask=first)
         xn = x / absmax
         code = tl.where(xn >= tl.load(qmap_ptr + 128), 128, 0)
         for shift in tl.static_range(6, -1, -1):
@@ -411,17 +409,16 @@ CONVERT_BLOCK = 65536 if INTERPRET else 1024
 def _convert_state_kernel(
     x_ptr,  # (n,) fp32 values
     buf_ptr,  # (n,) the state buffer (fp32, bf16 or uint8 codes)
-    absmax_ptr,  # (n / QB,) fp32 block absmax (uint8 only)
+    absmax_ptr,  # (n / QBLOCK,) fp32 block absmax (uint8 only)
     qmap_ptr,  # (256,) fp32 code map (uint8 only)
     n,
     TO_STATE: tl.constexpr,  # True: x -> buf (quantize); False: buf -> x (dequantize)
     KIND: tl.constexpr,
-    QB: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """A whole state buffer to or from fp32 with the update kernels' own
     :func:`load_state`/:func:`store_state` (checkpoints, loading, inspection)."""
-    offs, mask = tile(n, BLOCK, QB)
+    offs, mask = tile(n, BLOCK)
     if TO_STATE:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         store_state(buf_ptr, absmax_ptr, qmap_ptr, offs, mask, x, KIND)
@@ -444,7 +441,7 @@ def _convert(
     qmap = code_map(signed, buf.device) if kind == 2 else x
     _convert_state_kernel[(triton.cdiv(n, CONVERT_BLOCK),)](
         x, buf, absmax if absmax is not None else x, qmap, n,
-        TO_STATE=to_state, KIND=kind, QB=QBLOCK, BLOCK=CONVERT_BLOCK,
+        TO_STATE=to_state, KIND=kind, BLOCK=CONVERT_BLOCK,
     )  # fmt: skip
 
 

@@ -11,7 +11,6 @@ import triton.language as tl
 
 from tkern.kernels._common import INTERPRET, ln_beta, load_or_value, one_minus_pow, tl_dtype
 from tkern.kernels._update import (
-    QBLOCK,
     UpdateBuffers,
     aligned_parts,
     check_lr,
@@ -36,7 +35,7 @@ def _adam_kernel(
     grad_ptr,  # (n,) gradient, param's dtype, scaled by the loss scale
     master_ptr,  # (n,) fp32 master, int16 remainder (split) or unused (see _update.py)
     exp_avg_ptr,  # (n,) first moment: fp32, bf16 or uint8 codes
-    exp_avg_absmax_ptr,  # (n / QB,) fp32 block absmax of a uint8 first moment
+    exp_avg_absmax_ptr,  # (n / QBLOCK,) fp32 block absmax of a uint8 first moment
     exp_avg_qmap_ptr,  # (256,) fp32 signed code map
     exp_avg_sq_ptr,  # (n,) second moment, as exp_avg
     exp_avg_sq_absmax_ptr,
@@ -72,7 +71,6 @@ def _adam_kernel(
     MAXIMIZE: tl.constexpr,  # ascend: the gradient is negated, as torch's maximize=True
     LR_ON_DEVICE: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
-    QB: tl.constexpr,  # elements per block of the 8-bit state
     BLOCK: tl.constexpr,
 ):
     """Pass 2 of an Adam/AdamW step over n elements of a flat buffer: skip on overflow,
@@ -84,7 +82,7 @@ def _adam_kernel(
     if LR_ON_DEVICE:
         lr = load_or_value(lr, LR_ON_DEVICE)
         decay = 1.0 - lr * weight_decay
-    offs, mask = tile(n, BLOCK, QB)
+    offs, mask = tile(n, BLOCK)
     g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
     p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
     if DECOUPLED:
@@ -162,7 +160,6 @@ def adam_update(
             MAXIMIZE=bool(maximize),
             LR_ON_DEVICE=lr_on_device,
             PARAM_DTYPE=tl_dtype(part.param.dtype),
-            QB=QBLOCK,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )  # fmt: skip

@@ -10,7 +10,6 @@ import triton.language as tl
 
 from tkern.kernels._common import INTERPRET, load_or_value, tl_dtype
 from tkern.kernels._update import (
-    QBLOCK,
     UpdateBuffers,
     aligned_parts,
     check_lr,
@@ -38,7 +37,7 @@ def _sgd_kernel(
     grad_ptr,  # (n,) gradient, param's dtype, scaled by the loss scale
     master_ptr,  # (n,) fp32 master, int16 remainder (split) or unused (see _update.py)
     momentum_ptr,  # (n,) momentum buffer (fp32, bf16 or uint8 codes); unused unless MOMENTUM
-    momentum_absmax_ptr,  # (n / QB,) fp32 block absmax of a uint8 momentum
+    momentum_absmax_ptr,  # (n / QBLOCK,) fp32 block absmax of a uint8 momentum
     momentum_qmap_ptr,  # (256,) fp32 signed code map
     stats_ptr,  # (3,) fp32 pass-1 statistics (found_inf, sum of squares, max)
     inv_scale_ptr,  # (1,) fp32
@@ -59,7 +58,6 @@ def _sgd_kernel(
     MAXIMIZE: tl.constexpr,  # ascend: the gradient is negated, as torch's maximize=True
     LR_ON_DEVICE: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
-    QB: tl.constexpr,  # elements per block of the 8-bit state
     BLOCK: tl.constexpr,
 ):
     """Pass 2 of an SGD step over n elements of a flat buffer: skip on overflow, unscale
@@ -69,7 +67,7 @@ def _sgd_kernel(
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written anywhere
     lr = load_or_value(lr, LR_ON_DEVICE)
-    offs, mask = tile(n, BLOCK, QB)
+    offs, mask = tile(n, BLOCK)
     g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
     p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
     g = g + weight_decay * p
@@ -129,7 +127,6 @@ def sgd_update(
             MAXIMIZE=bool(maximize),
             LR_ON_DEVICE=lr_on_device,
             PARAM_DTYPE=tl_dtype(part.param.dtype),
-            QB=QBLOCK,
             BLOCK=BLOCK,
             num_warps=NUM_WARPS,
         )  # fmt: skip

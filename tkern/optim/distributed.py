@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from tkern.flat import ALIGN, FlatParams, alias, describe_param
 from tkern.kernels.overflow import combine_stats
-from tkern.optim.fused import FusedAdam, FusedAdamW, FusedOptimizer, FusedSGD
+from tkern.optim.fused import FusedAdam, FusedAdamW, FusedOptimizer, FusedSGD, full_signature
 
 __all__ = [
     "DistributedFusedAdam",
@@ -578,18 +578,11 @@ def _fused_class(cls: type) -> type:
 
 
 def _sharded_signature(cls: type) -> inspect.Signature:
-    """The fused class's signature with the sharding's keyword-only arguments added
-    (what ``help()`` and ``inspect.signature`` show for the sharded class)."""
-    fused = inspect.signature(_fused_class(cls).__init__)
+    """The fused class's whole signature with the sharding's own keyword-only arguments."""
     own = inspect.signature(_Sharded.__init__).parameters
-    params = [p for name, p in fused.parameters.items() if name not in ("self", "process_group", "kwargs")]
-    keyword = [p for p in params if p.kind == p.KEYWORD_ONLY]
-    positional = [p for p in params if p.kind != p.KEYWORD_ONLY]
-    if "kwargs" in fused.parameters:  # FusedAdamW passes its keyword-only arguments on to FusedAdam's
-        parent = inspect.signature(_fused_class(cls).__mro__[1].__init__).parameters
-        keyword = [p for p in parent.values() if p.kind == p.KEYWORD_ONLY and p.name != "process_group"]
-    extra = [own[n] for n in ("process_group", "bucket_mb", "grad_sync_dtype")]
-    return inspect.Signature([*positional, *keyword, *extra])
+    return full_signature(
+        _fused_class(cls), tuple(own[n] for n in ("process_group", "bucket_mb", "grad_sync_dtype"))
+    )
 
 
 def _fmt(entry: Any) -> str:

@@ -43,14 +43,17 @@ Semantics as torch.optim, with these differences worth knowing:
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from tkern.flat import FlatParams, check_modes, describe_param
 from tkern.functional import Float8WeightCache, float8_weight_cache
+from tkern.kernels._common import INTERPRET
 from tkern.kernels._update import MIN_8BIT_SIZE, PARAM_DTYPES, UpdateBuffers
 from tkern.kernels.adam import adam_update
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats
@@ -171,6 +174,119 @@ class _ParamState(dict):
                 flat.set_state_fp32(key, full)
 
 
+def full_signature(cls: type, extra: tuple[inspect.Parameter, ...] = ()) -> inspect.Signature:
+    """An optimizer class's whole signature for ``help()`` and ``inspect.signature``:
+    its positional arguments and the keyword-only ones of every class its
+    ``**options`` reach (each named once, where it is defined), then ``extra``."""
+    positional: list[inspect.Parameter] = []
+    keyword: dict[str, inspect.Parameter] = {}
+    for c in cls.__mro__:
+        if "__init__" not in vars(c) or not issubclass(c, FusedOptimizer):
+            continue
+        params = [p for name, p in inspect.signature(c.__init__).parameters.items() if name != "self"]
+        if not positional:
+            positional = [p for p in params if p.kind == p.POSITIONAL_OR_KEYWORD]
+        for p in params:
+            if p.kind == p.KEYWORD_ONLY and p.name not in {e.name for e in extra}:
+                keyword.setdefault(p.name, p)
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return inspect.Signature([*positional, *keyword.values(), *extra])
+
+
+class CudaGraphRunner:
+    """Captures a callable into a ``torch.cuda.CUDAGraph`` and replays it: the
+    seam through which :class:`StepGraph` uses CUDA graphs (tests put a recording
+    stand-in here, since a CPU has none)."""
+
+    def blocker(self, device: torch.device | None) -> str | None:
+        """Why a step on ``device`` cannot be captured now (None if it can)."""
+        if device is None or device.type != "cuda" or INTERPRET:
+            return f"the params are on {device}, not a CUDA device (kernels run through Triton's interpreter)"
+        if torch.cuda.is_current_stream_capturing():
+            return "the step is inside another CUDA graph's capture (e.g. Trainer(cuda_graph=True))"
+        return None
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        """``(graph, fn's result)``: ``fn``'s launches captured, not run."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+class StepGraph:
+    """A fused optimizer's device step (:meth:`FusedOptimizer._device_step`) as one
+    CUDA graph: a step's launch cost becomes one graph launch (and up to three
+    tiny copies of its inputs), whatever the number of kernels.
+
+    The step is captured when the same *key* comes twice in a row and replayed
+    while it stays: the key holds everything baked into the launches (the groups'
+    hyperparameters as the kernels take them, the planned ranges, whether a
+    GradScaler hands over found_inf). A change (a scheduler's new lr, an added
+    group, a param sitting a step out) runs that step eager and the next repeat
+    captures again, so a key that changes every step never captures (an lr
+    schedule that moves every step: pass ``lr`` as a tensor on the device, read
+    by the kernels, to keep the graph). The inputs that change every step
+    (1 / loss scale, found_inf) are copied into static buffers first. A capture
+    that fails turns the graphs off for this optimizer with a warning."""
+
+    def __init__(self) -> None:
+        self._last_key: Any = None
+        self._key: Any = None
+        self._handle: Any = None
+        self._stats: torch.Tensor | None = None
+        self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: How many steps were captured and replayed (captures count as replays too).
+        self.captures = 0
+        self.replays = 0
+
+    @staticmethod
+    def _key_of(opt: FusedOptimizer, args: list[dict], found_inf: torch.Tensor | None) -> tuple:
+        def frozen(value: Any) -> Any:
+            return ("tensor", id(value)) if isinstance(value, torch.Tensor) else value
+
+        hyper = tuple(tuple(sorted((k, frozen(v)) for k, v in a.items())) for a in args)
+        plans = tuple(flat.plan_version for flats in opt.flat_buffers for flat in flats)
+        return hyper, plans, found_inf is not None
+
+    def run(self, opt: FusedOptimizer, work: list, args: list[dict], inv_scale, found_inf) -> torch.Tensor:
+        key = self._key_of(opt, args, found_inf)
+        if self._inputs is None:
+            self._inputs = (torch.ones(1, device=opt.device), torch.zeros(1, device=opt.device))
+        inv_static, found_static = self._inputs
+        if key != self._key and key != self._last_key:  # new: eager, capture if it repeats
+            self._last_key, self._key, self._handle = key, None, None
+            opt.graph_fallback = (
+                "the step's launches changed since the last step (it is captured when they repeat)"
+            )
+            return opt._device_step(work, inv_scale, found_inf)
+        inv_static.copy_(inv_scale)
+        if found_inf is not None:
+            found_static.copy_(found_inf)
+        if key != self._key:
+            found = found_static if found_inf is not None else None
+            try:
+                self._handle, self._stats = opt.graph_runner.capture(
+                    lambda: opt._device_step(work, inv_static, found)
+                )
+            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
+                opt.cuda_graph = False
+                opt.graph_fallback = f"capturing the step failed ({type(e).__name__}: {e}); running eager"
+                warnings.warn(f"{type(opt).__name__}: {opt.graph_fallback}", stacklevel=3)
+                self._key = self._handle = None
+                return opt._device_step(work, inv_scale, found_inf)
+            self._key = key
+            self.captures += 1
+        opt.graph_runner.replay(self._handle)
+        self.replays += 1
+        opt.graph_fallback = None
+        return self._stats
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """What FusedSGD/FusedAdam/FusedAdamW share: flat buffers, the two passes,
     the state_dict. Subclasses name their state buffers, validate their
@@ -185,13 +301,23 @@ class FusedOptimizer(torch.optim.Optimizer):
         self,
         params: Iterable,
         defaults: dict[str, Any],
-        process_group=None,
         *,
+        process_group: Any = None,
         master: str = "fp32",
         state_dtype: torch.dtype = torch.float32,
         seed: int | None = None,
+        cuda_graph: bool | None = None,
     ) -> None:
         check_modes(master, state_dtype)
+        if cuda_graph not in (None, True, False):
+            raise TypeError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
+        #: Replay the step as one CUDA graph (None: wherever it can be, i.e. on CUDA).
+        self.cuda_graph = cuda_graph
+        #: Why the last step ran eager instead of as a graph (None if it was graphed).
+        self.graph_fallback: str | None = None
+        #: What captures and replays the step (a :class:`CudaGraphRunner`).
+        self.graph_runner = CudaGraphRunner()
+        self._graph = StepGraph()
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         self._master, self._state_dtype = master, state_dtype
@@ -220,6 +346,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         :mod:`tkern.optim.distributed`); None for an optimizer whose state is
         whole on every rank."""
         return None
+
+    @property
+    def flat_buffers(self) -> list[list[FlatParams]]:
+        """The flat buffers, per param group (see :mod:`tkern.flat`)."""
+        return self._flat
 
     @property
     def master(self) -> str:
@@ -422,13 +553,30 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if plan:
                     work.append((args[gi], plan))
         self._sync_grads()
-        stats = grad_stats([b.grad for _, plan in work for b in plan], inv_scale)
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step
         if found_inf is not None:
-            torch.maximum(stats[:1], found_inf.detach().reshape(1).to(stats), out=stats[:1])
-        stats = self._sync_stats(stats)
-        self.grad_stats = stats
+            found_inf = found_inf.detach().reshape(1).to(torch.float32)
+        reason = self._graph_blocker()
+        if reason is None:
+            self.grad_stats = self._graph.run(self, work, args, inv_scale, found_inf)
+        else:
+            self.graph_fallback = reason
+            self.grad_stats = self._device_step(work, inv_scale, found_inf)
+        self._sync_params()
+        for cache in self._float8_caches:  # the fp8 weights' casts, once per step (not per forward)
+            cache.refresh()
+        return loss
 
+    def _device_step(
+        self, work: list, inv_scale: torch.Tensor, found_inf: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Everything a step does on the device, with no host work between the
+        launches (what a CUDA graph captures): pass 1, the statistics' combination,
+        pass 2 of every planned range, the step counts. Returns the statistics."""
+        stats = grad_stats([b.grad for _, plan in work for b in plan], inv_scale)
+        if found_inf is not None:
+            torch.maximum(stats[:1], found_inf, out=stats[:1])
+        stats = self._sync_stats(stats)
         applied = 1.0 - stats[FOUND_INF : FOUND_INF + 1]
         for group_args, plan in work:
             for buffers in plan:
@@ -437,10 +585,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         for _, plan in work:
             for step in {id(b.step): b.step for b in plan}.values():
                 step.add_(applied)
-        self._sync_params()
-        for cache in self._float8_caches:  # the fp8 weights' casts, once per step (not per forward)
-            cache.refresh()
-        return loss
+        return stats
+
+    def _graph_blocker(self) -> str | None:
+        """Why this step runs eager rather than as a CUDA graph (None: it may be graphed)."""
+        if self.cuda_graph is False:
+            return "cuda_graph=False"
+        if self.shard_group is not None or self._process_group is not None:
+            return "the step's collectives (process_group, ZeRO-2) run eager"
+        return self.graph_runner.blocker(self._device)
 
     # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
     # nothing but agree on the statistics when a process_group was given.
@@ -695,6 +848,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         state["_process_group"] = None  # process groups do not travel
         state["_layout_seen"] = {}
         state["_float8_caches"] = []  # weak references: found again from the params
+        state["_graph"] = StepGraph()  # a graph holds device memory and addresses: captured anew
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -735,6 +889,10 @@ class FusedSGD(FusedOptimizer):
             torch's fp32 format in every mode.
         seed: the stochastic rounding's seed (``master="none"``); default
             ``torch.initial_seed()``, so ``torch.manual_seed`` makes runs repeat.
+        cuda_graph: replay the step as one CUDA graph (see :class:`StepGraph`):
+            None (default) wherever it can be (CUDA params, no collectives, not
+            inside another capture), True the same, False never.
+            ``graph_fallback`` says why the last step ran eager.
     """
 
     _fresh_state_restarts_count = True
@@ -750,10 +908,7 @@ class FusedSGD(FusedOptimizer):
         max_grad_norm: float | None = None,
         *,
         maximize: bool = False,
-        process_group=None,
-        master: str = "fp32",
-        state_dtype: torch.dtype = torch.float32,
-        seed: int | None = None,
+        **options: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -764,7 +919,7 @@ class FusedSGD(FusedOptimizer):
             max_grad_norm=max_grad_norm,
             maximize=maximize,
         )
-        super().__init__(params, defaults, process_group, master=master, state_dtype=state_dtype, seed=seed)
+        super().__init__(params, defaults, **options)
 
     def _group_state_names(self, group: dict) -> tuple[str, ...]:
         return ("momentum_buffer",) if _scalar(group, "momentum", 0) > 0 else ()
@@ -793,7 +948,7 @@ class FusedAdam(FusedOptimizer):
             (``lr`` and each beta may be a 1-element tensor).
         max_grad_norm: clip by the global L2 norm of the unscaled gradients, or None.
         process_group: all-reduce the step's statistics over this group; None for none.
-        master, state_dtype, seed: as :class:`FusedSGD`.
+        master, state_dtype, seed, cuda_graph: as :class:`FusedSGD`.
     """
 
     _decoupled = False
@@ -809,10 +964,7 @@ class FusedAdam(FusedOptimizer):
         max_grad_norm: float | None = None,
         *,
         maximize: bool = False,
-        process_group=None,
-        master: str = "fp32",
-        state_dtype: torch.dtype = torch.float32,
-        seed: int | None = None,
+        **options: Any,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -823,7 +975,7 @@ class FusedAdam(FusedOptimizer):
             max_grad_norm=max_grad_norm,
             maximize=maximize,
         )
-        super().__init__(params, defaults, process_group, master=master, state_dtype=state_dtype, seed=seed)
+        super().__init__(params, defaults, **options)
 
     def _group_state_names(self, group: dict) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -880,3 +1032,8 @@ class FusedAdamW(FusedAdam):
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, **kwargs)
+
+
+for _cls in (FusedSGD, FusedAdam, FusedAdamW):
+    _cls.__signature__ = full_signature(_cls)
+del _cls
