@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -285,3 +286,65 @@ def test_a_write_from_outside_the_optimizer_makes_the_forward_cast_again():
     assert float8_weight_cache(weight).lookup(weight) is None
     fresh = copy.deepcopy(model)  # its own cache, never refreshed: casts in its forward
     assert torch.equal(model(x), fresh(x))
+
+
+# ----------------------------------------------------------------------- GPT-2's Conv1D
+
+
+def test_gpt2_conv1d_layers_become_fp8_layers_on_the_transposed_weight():
+    """issue 17 item 4: a GPT-2 Conv1D (x @ W + b, W stored (in, out)) converted with float8
+    is the Float8Linear of W^T, bit for bit, forward and backward; names, shapes and the
+    state_dict stay the Conv1D's; converting back gives transformers' Conv1D."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(HFConv1D(48, 32)).to(DEVICE)  # nf=48 out, nx=32 in
+    keys = set(conv.state_dict())
+    tkern.convert_network(conv, torch.bfloat16, float8="tensorwise")
+    layer = conv[0]
+    assert type(layer).__name__ == "Float8Conv1D" and isinstance(layer, HFConv1D)
+    assert set(conv.state_dict()) == keys and layer.weight.shape == (32, 48)
+    ref = Float8Linear(32, 48, recipe="tensorwise").to(DEVICE)
+    with torch.no_grad():
+        ref.weight.copy_(layer.weight.t())
+        ref.bias.copy_(layer.bias)
+    x = torch.randn(5, 32, device=DEVICE).to(torch.bfloat16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_ref = conv(x1), ref(x2)
+    assert torch.equal(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.equal(x1.grad, x2.grad)
+    assert torch.equal(layer.weight.grad, ref.weight.grad.t())
+    assert torch.equal(layer.bias.grad, ref.bias.grad)
+    # the optimizer's cast of the stored weight serves the transposed GEMM operand
+    opt = tkern.optim.FusedAdamW(conv.parameters(), lr=1e-2)
+    opt.step()
+    fresh = copy.deepcopy(conv)
+    assert torch.equal(conv(x), fresh(x))
+    tkern.convert_network(conv, torch.float32)
+    assert type(conv[0]) is HFConv1D and conv[0].weight.dtype == torch.float32
+
+
+def test_a_tiny_gpt2_trains_with_fp8_conv1d_layers():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).to(DEVICE)
+    tkern.convert_network(
+        model, torch.bfloat16, float8="tensorwise", float8_filter=lambda n, m: "lm_head" not in n
+    )
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "Float8Conv1D" in kinds
+    opt = tkern.optim.FusedAdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 64, (4, 16), device=DEVICE)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]

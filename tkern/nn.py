@@ -14,7 +14,8 @@ from tkern.functional import float8_linear, float8_weight_cache, linear
 from tkern.kernels._common import HALF_DTYPES
 from tkern.kernels.gemm import check_activation
 
-__all__ = ["Float8Linear", "Float8Recipe", "Linear", "convert_network"]  # and Conv1D, with transformers
+# and Conv1D, Float8Conv1D where transformers is installed
+__all__ = ["Float8Linear", "Float8Recipe", "Linear", "convert_network"]
 
 
 class Linear(nn.Linear):
@@ -116,7 +117,59 @@ class Float8Recipe:
 _HISTORIES = ("fp8_amax_history_input", "fp8_amax_history_weight", "fp8_amax_history_grad_output")
 
 
-class Float8Linear(nn.Linear):
+class _Float8Layer:
+    """What the fp8 layers share (mixed in before their torch class): the recipe
+    and its device state, and the forward on :func:`tkern.functional.float8_linear`."""
+
+    recipe: Float8Recipe
+
+    def _set_recipe(self, recipe: Float8Recipe) -> None:
+        self.recipe = recipe
+        # a tensorwise weight's cast can be written by the optimizer's step (Float8WeightCache)
+        float8_weight_cache(self.weight, register=recipe.scaling == "tensorwise")
+        for name in _HISTORIES:
+            if recipe.scaling == "delayed":
+                if name not in self._buffers:
+                    self.register_buffer(
+                        name, torch.zeros(recipe.history_len, dtype=torch.float32, device=self.weight.device)
+                    )
+            elif name in self._buffers:
+                del self._buffers[name]
+
+    @staticmethod
+    def _gemm_view(weight: torch.Tensor) -> torch.Tensor:
+        """The stored weight as the GEMM's (N, K) operand."""
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self._gemm_view(self.weight)
+        if x.is_floating_point() and x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        delayed = self.recipe.scaling == "delayed"
+        histories = tuple(getattr(self, n) for n in _HISTORIES) if delayed else None
+        cache = None if torch.compiler.is_compiling() else float8_weight_cache(self.weight)
+        cached = None if cache is None else cache.lookup(self.weight)
+        return float8_linear(
+            x, weight, self.bias, scaling=self.recipe.scaling, margin=self.recipe.margin,
+            update=self.training and torch.is_grad_enabled(), histories=histories,
+            weight_fp8=None if cached is None else (self._gemm_view(cached[0]), cached[1]),
+        )  # fmt: skip
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # a copy's weight is a new Parameter: it gets its own fp8 weight cache
+        float8_weight_cache(self.weight, register=self.recipe.scaling == "tensorwise")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args):
+        before = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, *args)
+        # a checkpoint of a plain Linear has no histories: keep ours, load strictly
+        kept = [k for k in missing_keys[before:] if k.removeprefix(prefix) in _HISTORIES]
+        for k in kept:
+            missing_keys.remove(k)
+
+
+class Float8Linear(_Float8Layer, nn.Linear):
     """``nn.Linear`` whose GEMMs run in fp8 with per-tensor (or per-block) scales.
 
     Parameters have ``nn.Linear``'s names, shapes, state_dict keys and
@@ -158,45 +211,6 @@ class Float8Linear(nn.Linear):
         self.to(dtype)
         self._set_recipe(recipe)
 
-    def _set_recipe(self, recipe: Float8Recipe) -> None:
-        self.recipe = recipe
-        # a tensorwise weight's cast can be written by the optimizer's step (Float8WeightCache)
-        float8_weight_cache(self.weight, register=recipe.scaling == "tensorwise")
-        for name in _HISTORIES:
-            if recipe.scaling == "delayed":
-                if name not in self._buffers:
-                    self.register_buffer(
-                        name, torch.zeros(recipe.history_len, dtype=torch.float32, device=self.weight.device)
-                    )
-            elif name in self._buffers:
-                del self._buffers[name]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if x.is_floating_point() and x.dtype != weight.dtype:
-            x = x.to(weight.dtype)
-        delayed = self.recipe.scaling == "delayed"
-        histories = tuple(getattr(self, n) for n in _HISTORIES) if delayed else None
-        cache = None if torch.compiler.is_compiling() else float8_weight_cache(weight)
-        return float8_linear(
-            x, weight, self.bias, scaling=self.recipe.scaling, margin=self.recipe.margin,
-            update=self.training and torch.is_grad_enabled(), histories=histories,
-            weight_fp8=None if cache is None else cache.lookup(weight),
-        )  # fmt: skip
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        # a copy's weight is a new Parameter: it gets its own fp8 weight cache
-        float8_weight_cache(self.weight, register=self.recipe.scaling == "tensorwise")
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, *args):
-        before = len(missing_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, *args)
-        # a checkpoint of a plain Linear has no histories: keep ours, load strictly
-        kept = [k for k in missing_keys[before:] if k.removeprefix(prefix) in _HISTORIES]
-        for k in kept:
-            missing_keys.remove(k)
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, dtype={self.weight.dtype}, recipe={self.recipe}"
 
@@ -220,12 +234,34 @@ def _transformers_conv1d() -> type | None:
 
 
 _CONV1D: type | None = None
+_FLOAT8_CONV1D: type | None = None
 
 
 def __getattr__(name: str):
-    # ``tkern.nn.Conv1D`` subclasses transformers' Conv1D, so it exists only once
-    # transformers is importable; created on first use, and found by pickle by name.
-    global _CONV1D
+    # ``tkern.nn.Conv1D`` and ``Float8Conv1D`` subclass transformers' Conv1D, so they
+    # exist only once transformers is importable; created on first use, found by
+    # pickle by name.
+    global _CONV1D, _FLOAT8_CONV1D
+    if name == "Float8Conv1D":
+        if _FLOAT8_CONV1D is None:
+            from transformers.pytorch_utils import Conv1D as HFConv1D
+
+            _FLOAT8_CONV1D = type(
+                "Float8Conv1D",
+                (_Float8Layer, HFConv1D),
+                {
+                    "__module__": __name__,
+                    "__qualname__": "Float8Conv1D",
+                    "__doc__": "transformers' GPT-2 ``Conv1D`` (weight stored (in, out)) as a "
+                    ":class:`Float8Linear`: the same fp8 GEMMs and recipes on the transposed weight, "
+                    "read in place; same parameters, names, shapes and state_dict keys.",
+                    "_gemm_view": staticmethod(torch.Tensor.t),
+                    "extra_repr": lambda self: (
+                        f"nf={self.nf}, dtype={self.weight.dtype}, recipe={self.recipe}"
+                    ),
+                },
+            )
+        return _FLOAT8_CONV1D
     if name != "Conv1D":
         raise AttributeError(f"module 'tkern.nn' has no attribute {name!r}")
     if _CONV1D is None:
@@ -471,6 +507,11 @@ def _convert_back(module: nn.Module) -> None:
             m.__class__ = nn.Linear
         elif _CONV1D is not None and type(m) is _CONV1D:
             m.__class__ = _CONV1D.__bases__[0]
+        elif _FLOAT8_CONV1D is not None and type(m) is _FLOAT8_CONV1D:
+            m._set_recipe(Float8Recipe())  # drops delayed scaling's histories
+            float8_weight_cache(m.weight, register=False)
+            del m.recipe
+            m.__class__ = _FLOAT8_CONV1D.__bases__[1]
     _cast_tree(module, torch.float32)
 
 
@@ -514,7 +555,9 @@ def convert_network(
     objects, in ``dtype``), unless ``float8_filter(name, module)`` returns False
     for it (as torchao's ``module_filter_fn``: True converts; e.g. keep an LM
     head out). The other Linears become :class:`tkern.nn.Linear` as without it.
-    GPT-2 ``Conv1D`` layers stay :class:`tkern.nn.Conv1D` (not fp8).
+    GPT-2 ``Conv1D`` layers (weight stored (in, out)) become ``tkern.nn.Float8Conv1D``
+    under the same rule: the fp8 GEMMs read the transposed weight in place; same
+    parameters, names and state_dict keys.
 
     With ``fuse_activations`` (the default), an ``nn.Sequential`` (or a subclass
     that keeps its forward) in which a :class:`tkern.nn.Linear` is directly
@@ -567,10 +610,11 @@ def convert_network(
         return model
 
     def to_float8(module: nn.Module, path: str) -> bool:
+        # features from the weight: (out, in) for a Linear, (in, out) for a Conv1D
         return (
             recipe is not None
-            and module.in_features % 16 == 0
-            and module.out_features % 16 == 0
+            and module.weight.shape[0] % 16 == 0
+            and module.weight.shape[1] % 16 == 0
             and (float8_filter is None or bool(float8_filter(path, module)))
         )
 
@@ -590,9 +634,16 @@ def convert_network(
             _cast_own(module, dtype)
         elif isinstance(module, Linear):
             _cast_own(module, dtype)
-        elif _is_hf_conv1d(module) or (_CONV1D is not None and type(module) is _CONV1D):
-            module.__class__ = __getattr__("Conv1D")
-            _cast_own(module, dtype)
+        elif _is_hf_conv1d(module) or type(module) in (_CONV1D, _FLOAT8_CONV1D):
+            if to_float8(module, path):
+                module.__class__ = __getattr__("Float8Conv1D")
+                _cast_own(module, dtype, buffers=False)
+                module._set_recipe(recipe)
+            elif type(module) is not _FLOAT8_CONV1D:
+                module.__class__ = __getattr__("Conv1D")
+                _cast_own(module, dtype)
+            else:
+                _cast_own(module, dtype, buffers=False)
         elif isinstance(module, CASTABLE_TYPES):
             _cast_tree(module, dtype)
             module.register_forward_pre_hook(_CastInputs(dtype), with_kwargs=True)
