@@ -299,12 +299,10 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
 
 def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning)."""
-    from tkern.kernels import gemm
+    from tkern.kernels import gemm_configs
 
-    configs = gemm.tma_configs() if tma else gemm.gemm_configs()
-    if not hasattr(gemm, "prune_configs"):  # an older tkern: all of them
-        return configs
-    return gemm.prune_configs(configs, cc, tma=tma, ragged=ragged)
+    configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
+    return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged)
 
 
 def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
@@ -406,8 +404,8 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
                     Case(
                         name=f"matmul_tma[{cfg_name(kw, cfg)},fp16,{layout},bias+gelu+preact{tag}]",
                         family="gemm",
-                        kernel="tkern.kernels.gemm:_matmul_tma_kernel",
-                        signature=_order(sig, "tkern.kernels.gemm:_matmul_tma_kernel"),
+                        kernel="tkern.kernels.gemm_tma:_matmul_tma_kernel",
+                        signature=_order(sig, "tkern.kernels.gemm_tma:_matmul_tma_kernel"),
                         constexprs=const,
                         aligned=("c_ptr", "bias_ptr", "preact_ptr")
                         + (() if ragged else ("M", "N", "K", "stride_cm")),

@@ -34,7 +34,8 @@ from tkern.kernels._common import (
 )
 from tkern.kernels.activation import activation_grad
 from tkern.kernels.float8 import to_float8, to_float8_delayed
-from tkern.kernels.gemm import check_activation, check_bias, matmul, matmul_prechecked, scaled_mm
+from tkern.kernels.gemm import matmul, matmul_prechecked, scaled_mm
+from tkern.kernels.gemm_epilogue import check_activation, check_bias
 
 __all__ = ["float8_linear", "linear", "matmul"]
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from tkern.functional import float8_linear, linear
 from tkern.kernels._common import HALF_DTYPES
-from tkern.kernels.gemm import check_activation
+from tkern.kernels.gemm_epilogue import check_activation
 
 __all__ = ["Float8Linear", "Float8Recipe", "Linear", "convert_network"]  # and Conv1D, with transformers
 
