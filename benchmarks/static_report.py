@@ -297,6 +297,10 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
     return sig
 
 
+POINTER_KERNEL = "tkern.kernels.gemm:_matmul_kernel"
+TMA_KERNEL = "tkern.kernels.gemm_tma:_matmul_tma_kernel"
+
+
 def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning)."""
     from tkern.kernels import gemm_configs
@@ -305,114 +309,166 @@ def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False) -> list:
     return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged)
 
 
-def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
-    """Pointer GEMM: every offered config on the heaviest epilogue (bias, GELU,
-    pre-activation saved: ``tkern.linear``'s forward with GELU) in fp16 on a
-    transformer layout (x @ W^T: A row-major, B column-major) and every config
-    offered on ragged operands (M, N, K and strides not multiples of 16); with
-    ``full``, the first config on the other epilogues, dtypes and layouts
-    (backward: A^T, B row-major). TMA persistent kernel (sm_90 only): every
-    offered config, and the first on the other layout and on ragged operands."""
-    tl = _tl()
-    cases = []
-    variants = [("fp16", "fp16", "fp16", 2, True, "NT", False, "all")]
-    variants += (
-        []
-        if not full
-        else [
-            ("bf16", "bf16", "fp32", 0, False, "NN", False, "first"),
-            ("fp16", "fp32", None, 1, False, "TN", False, "first"),
-            ("bf16", "bf16", "bf16", 2, True, "NT", False, "first"),
-        ]
+@dataclasses.dataclass(frozen=True)
+class GemmLaunch:
+    """What a GEMM launch specialises on besides its config: operand dtype,
+    output dtype, bias dtype (None: no bias), activation code (0 none, 1 relu,
+    2 gelu), whether the pre-activation is saved, the operand layout (``"NT"``:
+    A row-major, B column-major, i.e. ``x @ W^T``; ``"NN"``, ``"TN"``) and
+    whether the operands are ragged (M, N, K and strides not multiples of 16)."""
+
+    dtype: str = "fp16"
+    out: str = "fp16"
+    bias: str | None = None
+    act: int = 0
+    preact: bool = False
+    layout: str = "NT"
+    ragged: bool = False
+
+    @property
+    def label(self) -> str:
+        epi = ("bias+" if self.bias else "") + {0: "none", 1: "relu", 2: "gelu"}[self.act]
+        epi += "+preact" if self.preact else ""
+        bias = f",{self.bias} bias" if self.bias and self.bias != self.dtype else ""
+        return f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
+
+
+HALF = ("fp16", "bf16")
+
+
+def linear_launches() -> list[GemmLaunch]:
+    """Every GEMM launch ``tkern.linear`` makes (and ``tkern.matmul``'s fp32
+    output beside them), aligned: the forward ``x @ W^T`` (NT) with or without
+    a bias (the operands' dtype or fp32), no activation, ReLU or GELU, the
+    pre-activation saved when training; dgrad ``dZ @ W`` (NN) and wgrad
+    ``dZ^T @ X`` (TN) with a plain epilogue. tests/test_functional.py checks
+    that tkern.linear launches nothing outside this list."""
+    forward = [
+        GemmLaunch(d, out, bias, act, preact, "NT")
+        for d in HALF
+        for out in (d, "fp32")
+        for bias in (None, d, "fp32")
+        for act in (0, 1, 2)
+        for preact in ((False, True) if act else (False,))
+    ]
+    backward = [GemmLaunch(d, d, layout=layout) for d in HALF for layout in ("NN", "TN")]
+    return forward + backward
+
+
+#: The launches the compile gate compiles for every offered config: the most
+#: register-hungry of :func:`linear_launches`, so a config that does not spill on
+#: them does not spill on the lighter ones. Measured (triton 3.9, every offered
+#: config, sm_90 and sm_80): bias + GELU with the pre-activation saved needs the
+#: most registers next to the accumulator; an fp32 output (fp32 bias) needs up to
+#: 30 more than a half one on sm_90 and on the TMA kernel, a bf16 output (bf16 bias)
+#: up to 10 more than fp32 on sm_80's small tiles, so the forward is compiled with
+#: both. On aligned operands the backward GEMMs (plain epilogue) stay below the
+#: forward; on ragged operands the scalar loads dominate and dgrad (NN) or wgrad
+#: (TN) is the heaviest (up to 255 registers), so those get both too.
+FORWARD_HEAVIEST = (
+    GemmLaunch("bf16", "bf16", "bf16", 2, True, "NT"),
+    GemmLaunch("fp16", "fp32", "fp32", 2, True, "NT"),
+)
+BACKWARD = (GemmLaunch("bf16", "bf16", layout="NN"), GemmLaunch("bf16", "bf16", layout="TN"))
+
+
+def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
+    """What the compile gate compiles each offered config for (see :data:`FORWARD_HEAVIEST`)."""
+    launches = FORWARD_HEAVIEST + (BACKWARD if ragged else ())
+    return tuple(dataclasses.replace(v, ragged=ragged) for v in launches)
+
+
+def _gemm_case(name, kernel, cfg, sig, const, aligned, gated=True) -> Case:
+    return Case(
+        name=name,
+        family="gemm",
+        kernel=kernel,
+        signature=_order(sig, kernel),
+        constexprs=const,
+        aligned=tuple(aligned),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        gated=gated,
     )
-    # ragged operands: on Hopper tkern.matmul routes them to the TMA kernel
-    # (below) when descriptors can describe them, else to the pointer kernel
-    variants.append(("fp16", "fp16", "fp16", 2, True, "NT", True, "all"))
-    for dtype, out, bias, act, preact, layout, ragged, which in variants:
-        configs = gemm_configs_for(cc, ragged=ragged)
-        for cfg in configs if which == "all" else configs[:1]:
-            kw = cfg.kwargs
-            sig = _gemm_sig(dtype, out, bias, preact)
-            const = dict(
-                HAS_BIAS=bias is not None, ACTIVATION=act, STORE_PREACT=preact,
-                OUT_DTYPE=getattr(tl, _TL_NAME[out]), PREACT_DTYPE=getattr(tl, _TL_NAME[dtype]),
-                UPCAST=False, EVEN_K=not ragged, SCALE_A=0, SCALE_B=0, **kw,
-            )  # fmt: skip
-            # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
-            strides = {"stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32"}
-            unit = (
-                {"N": "stride_ak", "T": "stride_am"}[layout[0]],
-                {"N": "stride_bn", "T": "stride_bk"}[layout[1]],
-            )
-            for s in strides:
-                if s in unit:
-                    const[s] = 1
-            const.update(stride_cn=1, stride_bias=1)
-            for s in (
-                "stride_am",
-                "stride_ak",
-                "stride_bk",
-                "stride_bn",
-                "stride_cm",
-                "stride_cn",
-                "stride_bias",
-            ):
-                sig[s] = "constexpr" if s in const else "i32"
-            for k in const:
-                sig[k] = "constexpr"
-            aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", "stride_cm"]
-            if not ragged:
-                aligned += ["M", "N", "K"] + [s for s in strides if s not in const]
-            else:
-                aligned += ["M", "N"]
-            name = f"matmul[{cfg_name(kw, cfg)},{dtype}->{out},{layout},{_act_name(act, bias, preact)}"
-            cases.append(
-                Case(
-                    name=name + (",ragged]" if ragged else "]"),
-                    family="gemm",
-                    kernel="tkern.kernels.gemm:_matmul_kernel",
-                    signature=_order(sig, "tkern.kernels.gemm:_matmul_kernel"),
-                    constexprs=const,
-                    aligned=tuple(aligned),
-                    num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages,
-                    gated=not ragged,
-                )
-            )
+
+
+def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
+    """``_matmul_kernel`` under ``cfg`` as the launcher specialises it for ``v``."""
+    tl = _tl()
+    kw = cfg.kwargs
+    sig = _gemm_sig(v.dtype, v.out, v.bias, v.preact)
+    const = dict(
+        HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
+        OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]),
+        UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0, **kw,
+    )  # fmt: skip
+    # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
+    strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
+    unit = (
+        {"N": "stride_ak", "T": "stride_am"}[v.layout[0]],
+        {"N": "stride_bn", "T": "stride_bk"}[v.layout[1]],
+    )
+    const.update({s: 1 for s in unit}, stride_cn=1, stride_bias=1)
+    for s in (*strides, "stride_cm", "stride_cn", "stride_bias"):
+        sig[s] = "constexpr" if s in const else "i32"
+    for k in const:
+        sig[k] = "constexpr"
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", "stride_cm", "M", "N"]
+    if not v.ragged:
+        aligned += ["K"] + [s for s in strides if s not in const]
+    return _gemm_case(
+        f"matmul[{cfg_name(kw, cfg)},{v.label}]", POINTER_KERNEL, cfg, sig, const, aligned, gated
+    )
+
+
+def tma_case(cfg, v: GemmLaunch) -> Case:
+    """``_matmul_tma_kernel`` under ``cfg`` as its launcher specialises it for ``v`` (132 SMs)."""
+    tl = _tl()
+    kw = cfg.kwargs
+    a_t, b_t = v.layout[0] == "T", v.layout[1] == "T"
+    sig = _gemm_sig(
+        v.dtype, v.out, v.bias, v.preact, tma=(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], a_t, b_t)
+    )
+    const = dict(
+        HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
+        OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
+        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, **kw,
+    )  # fmt: skip
+    sig.update(stride_cm="i32")
+    for k in const:
+        sig[k] = "constexpr"
+    aligned = ("c_ptr", "bias_ptr", "preact_ptr") + (() if v.ragged else ("M", "N", "K", "stride_cm"))
+    return _gemm_case(f"matmul_tma[{cfg_name(kw, cfg)},{v.label}]", TMA_KERNEL, cfg, sig, const, aligned)
+
+
+def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
+    """Every config each GEMM autotuner offers on target ``cc`` (after its own
+    pruning), compiled for :func:`gate_launches`: the pointer kernel's aligned
+    configs, its ragged configs on ragged operands, and (sm_90 only) the TMA
+    kernel's configs (which serve ragged operands there), plus the TMA kernel's
+    other layout and ragged operands once. With ``full``, every launch of
+    :func:`linear_launches` on the first aligned config of each kernel."""
+    cases = []
+    for ragged in (False, True):
+        for cfg in gemm_configs_for(cc, ragged=ragged):
+            cases += [pointer_case(cfg, v, gated=not ragged) for v in gate_launches(ragged)]
+    if full:
+        first = gemm_configs_for(cc)[0]
+        cases += [pointer_case(first, v) for v in linear_launches() if v not in gate_launches()]
     if cc >= 89:
         cases += _fp8_gemm_cases(cc)
     if cc >= 90:
-        for i, cfg in enumerate(gemm_configs_for(cc, tma=True)):
-            kw = cfg.kwargs
-            for a_t, b_t, ragged in ((False, True, False),) + (
-                ((True, False, False), (False, True, True)) if i == 0 else ()
-            ):
-                sig = _gemm_sig(
-                    "fp16", "fp16", "fp16", True, tma=(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], a_t, b_t)
-                )
-                const = dict(
-                    HAS_BIAS=True, ACTIVATION=2, STORE_PREACT=True,
-                    OUT_DTYPE=tl.float16, PREACT_DTYPE=tl.float16, UPCAST=False,
-                    A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, **kw,
-                )  # fmt: skip
-                sig.update(stride_cm="i32")
-                for k in const:
-                    sig[k] = "constexpr"
-                layout = ("T" if a_t else "N") + ("T" if b_t else "N")
-                tag = ",ragged" if ragged else ""
-                cases.append(
-                    Case(
-                        name=f"matmul_tma[{cfg_name(kw, cfg)},fp16,{layout},bias+gelu+preact{tag}]",
-                        family="gemm",
-                        kernel="tkern.kernels.gemm_tma:_matmul_tma_kernel",
-                        signature=_order(sig, "tkern.kernels.gemm_tma:_matmul_tma_kernel"),
-                        constexprs=const,
-                        aligned=("c_ptr", "bias_ptr", "preact_ptr")
-                        + (() if ragged else ("M", "N", "K", "stride_cm")),
-                        num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages,
-                    )
-                )
+        configs = gemm_configs_for(cc, tma=True)
+        for cfg in configs:
+            cases += [tma_case(cfg, v) for v in gate_launches()]
+        # the other layout and ragged operands once: they change the loads, not the epilogue
+        heavy = FORWARD_HEAVIEST[0]
+        cases += [
+            tma_case(configs[0], dataclasses.replace(heavy, layout="TN")),
+            tma_case(configs[0], dataclasses.replace(heavy, ragged=True)),
+        ]
+        if full:
+            cases += [tma_case(configs[0], v) for v in linear_launches() if v not in gate_launches()]
     return cases
 
 
@@ -439,7 +495,7 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
             sig[name] = "i32"
         for k in const:
             sig[k] = "constexpr"
-        aligned = [
+        aligned = (
             "a_ptr",
             "b_ptr",
             "c_ptr",
@@ -450,27 +506,12 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
             "stride_am",
             "stride_bn",
             "stride_cm",
-        ]
-        kind = {1: "tensor", 2: "row/col", 3: "block"}[scale_a]
-        cases.append(
-            Case(
-                name=f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{kind} scales,bias]",
-                family="gemm",
-                kernel="tkern.kernels.gemm:_matmul_kernel",
-                signature=_order(sig, "tkern.kernels.gemm:_matmul_kernel"),
-                constexprs=const,
-                aligned=tuple(aligned),
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-                gated=False,  # its own test in test_compiled.py (the fp8 facts)
-            )
         )
+        kind = {1: "tensor", 2: "row/col", 3: "block"}[scale_a]
+        name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{kind} scales,bias]"
+        # gated=False: its own test in test_compiled.py (the fp8 facts)
+        cases.append(_gemm_case(name, POINTER_KERNEL, cfg, sig, const, aligned, gated=False))
     return cases
-
-
-def _act_name(act, bias, preact):
-    s = {0: "none", 1: "relu", 2: "gelu"}[act]
-    return ("bias+" if bias else "") + s + ("+preact" if preact else "")
 
 
 def cfg_name(kw, cfg):
@@ -510,8 +551,9 @@ def all_cases(cc: int, full: bool = True) -> list[Case]:
     """Every case for target ``cc``; ``full=False``: the compile gate's
     representative set (every dtype of every kernel; the plainest, the
     heaviest and the newest flag combinations of the update kernels; every
-    offered GEMM config on the heaviest epilogue and on ragged operands; the
-    other epilogues, dtypes and layouts only in the full report)."""
+    config each GEMM autotuner offers, aligned and ragged, on the most
+    register-hungry launches of tkern.linear (:func:`gate_launches`); every
+    other launch only in the full report)."""
     cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
     return cases + _scale_cases() + _gemm_cases(cc, full)
 

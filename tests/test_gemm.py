@@ -274,10 +274,25 @@ def test_configs_that_cannot_launch_are_pruned_per_device():
 
 
 def test_ragged_operands_get_only_the_tiles_that_do_not_spill():
-    from tkern.kernels.gemm_configs import RAGGED_MAX_TILE, gemm_configs, operands_ragged, prune_configs
+    from tkern.kernels.gemm_configs import (
+        RAGGED_MAX_LOADS,
+        RAGGED_MAX_TILE,
+        gemm_configs,
+        loads_per_thread,
+        operands_ragged,
+        prune_configs,
+    )
 
-    kept = prune_configs(gemm_configs(), 80, ragged=True)
-    assert kept and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE for c in kept)
+    def loads(c):
+        return loads_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+
+    for cc in (90, 80):
+        kept = prune_configs(gemm_configs(), cc, ragged=True)
+        assert kept and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE for c in kept)
+        assert all(loads(c) <= RAGGED_MAX_LOADS for c in kept)
+    # 64x64x64 on 4 warps loads 64 elements a thread per K step: it spilled on ragged wgrad operands
+    assert [c for c in gemm_configs() if loads(c) == 64 and c.kwargs["BLOCK_K"] == 64 and c.num_warps == 4]
+    assert loads_per_thread(64, 64, 64, 4) > RAGGED_MAX_LOADS >= loads_per_thread(128, 64, 32, 4)
     a, b = h(64, 1000), h(1000, 48)
     assert operands_ragged(a, b) and operands_ragged(h(64, 32), h(32, 40))
     assert not operands_ragged(h(64, 32), h(32, 48))

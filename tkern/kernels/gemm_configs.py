@@ -110,6 +110,20 @@ def smem_estimate(cfg: triton.Config, elem_bytes: int = 2) -> int:
 RAGGED_MAX_TILE = 128 * 64
 
 
+#: Operand elements a thread loads per K step (A and B tiles together) above
+#: which the pointer kernel spills on ragged operands: without 16-byte alignment
+#: every element is a scalar load that holds a register until it is written to
+#: shared memory, next to the accumulator. 64x64x64 on 4 warps (64 per thread)
+#: spills 40 B on sm_90 in wgrad's layout (dZ^T @ X, 255 registers, triton 3.9);
+#: 128x64x32, 64x128x32 (48) and 64x32x32 (24) stay at or under 255 without spilling.
+RAGGED_MAX_LOADS = 48
+
+
+def loads_per_thread(block_m: int, block_n: int, block_k: int, num_warps: int) -> int:
+    """Elements of the A (block_m, block_k) and B (block_k, block_n) tiles each thread loads per K step."""
+    return (block_m + block_n) * block_k // (32 * num_warps)
+
+
 #: Accumulator values per thread above which the pointer kernel spills before
 #: Hopper (mma.sync keeps its operand fragments in registers next to the
 #: accumulator): 128x256 and 256x128 on 8 warps spill 40 B on sm_80 under
@@ -117,8 +131,16 @@ RAGGED_MAX_TILE = 128 * 64
 PRE_HOPPER_MAX_ACC = 64
 
 
+def _cfg_tile(c: triton.Config) -> int:
+    return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
+
+
 def _cfg_acc(c: triton.Config) -> int:
     return acc_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
+
+
+def _cfg_loads(c: triton.Config) -> int:
+    return loads_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
 
 
 def prune_configs(
@@ -126,13 +148,14 @@ def prune_configs(
 ) -> list[triton.Config]:
     """The configs worth trying on compute capability ``cc`` (e.g. 90): those
     whose shared memory fits; on ``ragged`` operands (see :func:`operands_ragged`)
-    only the tiles that do not spill there; before Hopper only the tiles whose
-    accumulator leaves room for mma.sync's operands. Never empty: the smallest
-    is kept."""
+    only the tiles whose accumulator and scalar operand loads do not spill
+    there (:data:`RAGGED_MAX_TILE`, :data:`RAGGED_MAX_LOADS`); before Hopper
+    only the tiles whose accumulator leaves room for mma.sync's operands. Never
+    empty: the smallest is kept."""
     limit = smem_limit(cc)
     fits = [c for c in configs if smem_estimate(c) <= limit]
     if ragged and not tma:
-        fits = [c for c in fits if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE]
+        fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c) <= RAGGED_MAX_LOADS]
     if cc < 90:
         fits = [c for c in fits if _cfg_acc(c) <= PRE_HOPPER_MAX_ACC]
     return fits or [min(configs, key=smem_estimate)]
