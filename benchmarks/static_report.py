@@ -400,7 +400,8 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]),
-        UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0, **kw,
+        UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
+        A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -488,7 +489,7 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
         sig.update(a_ptr=_ptr(a_dtype), b_ptr=_ptr(b_dtype))
         const = dict(
             HAS_BIAS=True, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16, PREACT_DTYPE=tl.bfloat16,
-            UPCAST=False, EVEN_K=True, SCALE_A=scale_a, SCALE_B=scale_b,
+            UPCAST=False, EVEN_K=True, SCALE_A=scale_a, SCALE_B=scale_b, A_T=False, B_T=True,
             stride_ak=1, stride_bk=1, stride_cn=1, stride_bias=1, **kw,
         )  # fmt: skip
         for name in ("stride_am", "stride_bn", "stride_cm"):

@@ -304,3 +304,31 @@ def test_every_config_offers_hopper_a_whole_warpgroup():
     from tkern.kernels.gemm_configs import gemm_configs
 
     assert all(c.num_warps >= 4 and c.kwargs["BLOCK_M"] >= 64 for c in gemm_configs())
+
+
+# ----------------------------------------------------------------------- autotune key
+
+
+def test_operand_layout_is_in_both_kernels_autotune_keys(monkeypatch):
+    # a transposed weight (x @ W^T) wants other tiles than a row-major one: the
+    # autotuners must not reuse one's choice for the other
+    from tkern.kernels import gemm, gemm_tma
+
+    for kernel in (gemm._matmul_kernel, gemm_tma._matmul_tma_kernel):
+        assert {"A_T", "B_T"} <= set(kernel.keys)
+    flags = []
+    kernel = gemm._matmul_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                flags.append((meta["A_T"], meta["B_T"]))
+                return kernel[grid](*args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(gemm, "_matmul_kernel", Recorder())
+    a, w = randn(32, 48, dtype=torch.float16), randn(64, 48, dtype=torch.float16)
+    for x, y in ((a, w.t()), (a, w.t().contiguous()), (a.t().contiguous().t(), w.t())):
+        assert rel_err(tkern.matmul(x, y), reference(x, y)) < TOL[torch.float16]
+    assert flags == [(False, True), (False, False), (True, True)]

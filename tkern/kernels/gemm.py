@@ -27,7 +27,7 @@ from tkern.kernels._common import (
     check_same_device,
     check_tensor,
 )
-from tkern.kernels.gemm_configs import gemm_autotune, gemm_configs, operands_ragged
+from tkern.kernels.gemm_configs import gemm_autotune, gemm_configs, operands_ragged, transposed
 from tkern.kernels.gemm_epilogue import (
     OUT_DTYPES,
     bias_stride,
@@ -68,7 +68,10 @@ def _operand_scale(
         )
 
 
-@gemm_autotune(configs=gemm_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "SCALE_A", "SCALE_B"])
+@gemm_autotune(
+    configs=gemm_configs(),
+    key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B"],
+)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _matmul_kernel(
@@ -108,6 +111,8 @@ def _matmul_kernel(
     OUT_DTYPE: tl.constexpr,
     PREACT_DTYPE: tl.constexpr,
     UPCAST: tl.constexpr,  # multiply in fp32 (the interpreter cannot multiply bf16)
+    A_T: tl.constexpr,  # A is not row-major (e.g. a transposed view): for the autotune key
+    B_T: tl.constexpr,  # B is not row-major (x @ W^T reads W^T in place): for the autotune key
     EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask on the K loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -286,6 +291,8 @@ def _launch_matmul(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), bias_stride(bias),
         *scales.args(c),
         **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
+        A_T=transposed(a),
+        B_T=transposed(b),
         SCALE_A=scales.kind_a,
         SCALE_B=scales.kind_b,
     )  # fmt: skip
