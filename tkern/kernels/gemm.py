@@ -33,7 +33,6 @@ from tkern.kernels.gemm_epilogue import (
     bias_stride,
     check_matmul_args,
     epilogue,
-    epilogue_args,
     epilogue_meta,
     tile_coords,
 )
@@ -285,14 +284,14 @@ def _launch_matmul(
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
+    sa, sb = a.stride(), b.stride()
     _matmul_kernel[grid](
-        a, b, *epilogue_args(c, bias, preact),
-        M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1), bias_stride(bias),
+        a, b, c, bias if bias is not None else c, preact if preact is not None else c,
+        M, N, K, *sa, *sb, *c.stride(), bias_stride(bias),
         *scales.args(c),
         **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
-        A_T=transposed(a),
-        B_T=transposed(b),
+        A_T=transposed(sa),
+        B_T=transposed(sb),
         SCALE_A=scales.kind_a,
         SCALE_B=scales.kind_b,
     )  # fmt: skip

@@ -178,11 +178,13 @@ def operands_ragged(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _ragged((*a.shape, b.shape[1], *(s for s in (*a.stride(), *b.stride()) if s != 1)))
 
 
-def transposed(t: torch.Tensor) -> bool:
-    """Whether a 2-D operand is not row-major (no unit stride along dim 1): the
-    layout flag (``A_T``, ``B_T``) in both GEMM kernels' autotune keys, since a
-    transposed operand is read along other strides and wants other tiles."""
-    return t.stride(1) != 1
+def transposed(strides: tuple[int, int]) -> bool:
+    """Whether a 2-D operand of these strides is not row-major (no unit stride
+    along dim 1): the layout flag (``A_T``, ``B_T``) in the pointer kernel's
+    autotune key, since a transposed operand is read along other strides and
+    wants other tiles (the TMA kernel's flags say which dimension its
+    descriptor runs along)."""
+    return strides[1] != 1
 
 
 def _ragged_args(nargs: dict) -> bool:

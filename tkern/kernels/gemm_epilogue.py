@@ -200,12 +200,6 @@ def check_matmul_args(a, b, bias, activation, out_dtype, preact) -> tuple[int, i
     return M, N, K, out_dtype
 
 
-def epilogue_args(c: torch.Tensor, bias: torch.Tensor | None, preact: torch.Tensor | None) -> tuple:
-    """The epilogue's pointer arguments (c, bias, preact) as both kernels take
-    them, the output standing in for an absent bias or pre-activation."""
-    return c, bias if bias is not None else c, preact if preact is not None else c
-
-
 def bias_stride(bias: torch.Tensor | None) -> int:
     """The bias's element stride as the epilogue reads it: a strided view or an
     expanded (stride-0) bias is read in place; 1 (contiguous) is the common case,

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from tkern.kernels._common import INTERPRET
 from tkern.kernels.gemm_configs import gemm_autotune, tma_configs
-from tkern.kernels.gemm_epilogue import bias_stride, epilogue, epilogue_args, epilogue_meta, tile_coords
+from tkern.kernels.gemm_epilogue import bias_stride, epilogue, epilogue_meta, tile_coords
 
 #: Tensor descriptors need 16-byte aligned base addresses and strides.
 TMA_ALIGN_BYTES = 16
@@ -150,7 +150,7 @@ def launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts) -> t
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
     _matmul_tma_kernel[grid](
-        a_desc, b_desc, *epilogue_args(c, bias, preact),
+        a_desc, b_desc, c, bias if bias is not None else c, preact if preact is not None else c,
         M, N, K, c.stride(0), c.stride(1), bias_stride(bias),
         **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
         A_T=a_t,
