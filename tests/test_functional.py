@@ -3,6 +3,9 @@ torch.autocast + F.linear on the GPU."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -243,3 +246,54 @@ def test_linear_on_meta_tensors_checks_dtypes_with_tkern_messages():
         tkern.linear(x, torch.empty(8, 16, device="meta"))
     with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 4\)"):
         tkern.linear(x, torch.empty(8, 4, dtype=torch.float16, device="meta"))
+
+
+# ----------------------------------------------------------------------- what the compile gate covers
+
+
+def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
+    """Every GEMM specialisation tkern.linear launches (forward with each bias,
+    activation and pre-activation choice, dgrad, wgrad) is one of the launches
+    benchmarks/static_report.py compiles for the compile gate
+    (``linear_launches``), and that list holds nothing else but tkern.matmul's
+    fp32 outputs: a new epilogue in tkern.linear cannot escape the spill gate."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import static_report
+
+    from tkern.kernels import gemm
+
+    names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    seen = set()
+    kernel = gemm._matmul_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(a, b, c, bias, preact, *args, **meta):
+                seen.add(
+                    static_report.GemmLaunch(
+                        dtype=names[a.dtype],
+                        out=names[c.dtype],
+                        bias=names[bias.dtype] if meta["HAS_BIAS"] else None,
+                        act=meta["ACTIVATION"],
+                        preact=meta["STORE_PREACT"],
+                        layout=("N" if a.stride(1) == 1 else "T") + ("N" if b.stride(1) == 1 else "T"),
+                    )
+                )
+                return kernel[grid](a, b, c, bias, preact, *args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(gemm, "_matmul_kernel", Recorder())
+    for dtype in (torch.float16, torch.bfloat16):
+        for bias_dtype in (None, dtype, torch.float32):
+            for activation in (None, "relu", "gelu"):
+                for train in (False, True):
+                    has_bias = bias_dtype is not None
+                    x, w, b = make(dtype, shape=(16, 32), n=32, bias=has_bias, bias_dtype=bias_dtype)
+                    if train:
+                        tkern.linear(x, w, b, activation).sum().backward()
+                    else:  # inference: no parameter needs a gradient, no pre-activation is saved
+                        tkern.linear(x.detach(), w.detach(), None if b is None else b.detach(), activation)
+    offered = set(static_report.linear_launches())
+    assert seen <= offered, sorted(map(str, seen - offered))
+    assert {v for v in offered - seen if v.out != "fp32"} == set()

@@ -218,7 +218,8 @@ def test_operands_beyond_int32_offsets_are_refused(a_shape, b_shape, name):
 @pytest.mark.parametrize("b_t", [False, True])
 @pytest.mark.parametrize("activation", [None, "gelu"])
 def test_tma_persistent_matches_float64(dtype, a_t, b_t, activation):
-    from tkern.kernels.gemm import matmul_tma_persistent, tma_eligible
+    from tkern.kernels.gemm import matmul_tma_persistent
+    from tkern.kernels.gemm_tma import tma_eligible
 
     # M, N multiples of 8 so both layouts are describable; ragged against the
     # 128-row tiles; more tiles than programs, so the persistent loop turns.
@@ -232,7 +233,8 @@ def test_tma_persistent_matches_float64(dtype, a_t, b_t, activation):
 
 
 def test_tma_persistent_falls_back_where_descriptors_cannot_go():
-    from tkern.kernels.gemm import matmul_tma_persistent, tma_eligible
+    from tkern.kernels.gemm import matmul_tma_persistent
+    from tkern.kernels.gemm_tma import tma_eligible
 
     a = randn(33, 20, dtype=torch.float16)[:, ::2]  # no unit stride
     b = randn(10, 7, dtype=torch.float16)  # rows of 14 bytes: not 16-byte aligned
@@ -246,7 +248,7 @@ def test_tma_persistent_falls_back_where_descriptors_cannot_go():
 
 
 def test_configs_that_cannot_launch_are_pruned_per_device():
-    from tkern.kernels.gemm import gemm_configs, prune_configs, smem_estimate, smem_limit, tma_configs
+    from tkern.kernels.gemm_configs import gemm_configs, prune_configs, smem_estimate, smem_limit, tma_configs
 
     for cc in (90, 80):
         for tma in (False, True):
@@ -272,17 +274,61 @@ def test_configs_that_cannot_launch_are_pruned_per_device():
 
 
 def test_ragged_operands_get_only_the_tiles_that_do_not_spill():
-    from tkern.kernels.gemm import RAGGED_MAX_TILE, _ragged, gemm_configs, prune_configs
+    from tkern.kernels.gemm_configs import (
+        RAGGED_MAX_LOADS,
+        RAGGED_MAX_TILE,
+        gemm_configs,
+        loads_per_thread,
+        operands_ragged,
+        prune_configs,
+    )
 
-    kept = prune_configs(gemm_configs(), 80, ragged=True)
-    assert kept and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE for c in kept)
+    def loads(c):
+        return loads_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+
+    for cc in (90, 80):
+        kept = prune_configs(gemm_configs(), cc, ragged=True)
+        assert kept and all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= RAGGED_MAX_TILE for c in kept)
+        assert all(loads(c) <= RAGGED_MAX_LOADS for c in kept)
+    # 64x64x64 on 4 warps loads 64 elements a thread per K step: it spilled on ragged wgrad operands
+    assert [c for c in gemm_configs() if loads(c) == 64 and c.kwargs["BLOCK_K"] == 64 and c.num_warps == 4]
+    assert loads_per_thread(64, 64, 64, 4) > RAGGED_MAX_LOADS >= loads_per_thread(128, 64, 32, 4)
     a, b = h(64, 1000), h(1000, 48)
-    assert _ragged(a, b) and _ragged(h(64, 32), h(32, 40)) and not _ragged(h(64, 32), h(32, 48))
-    assert _ragged(h(64, 40)[:, :32], h(32, 48))  # row stride 40
+    assert operands_ragged(a, b) and operands_ragged(h(64, 32), h(32, 40))
+    assert not operands_ragged(h(64, 32), h(32, 48))
+    assert operands_ragged(h(64, 40)[:, :32], h(32, 48))  # row stride 40
 
 
 def test_every_config_offers_hopper_a_whole_warpgroup():
     # wgmma needs 4 warps (one warpgroup) and 64-row tiles
-    from tkern.kernels.gemm import gemm_configs
+    from tkern.kernels.gemm_configs import gemm_configs
 
     assert all(c.num_warps >= 4 and c.kwargs["BLOCK_M"] >= 64 for c in gemm_configs())
+
+
+# ----------------------------------------------------------------------- autotune key
+
+
+def test_operand_layout_is_in_both_kernels_autotune_keys(monkeypatch):
+    # a transposed weight (x @ W^T) wants other tiles than a row-major one: the
+    # autotuners must not reuse one's choice for the other
+    from tkern.kernels import gemm, gemm_tma
+
+    for kernel in (gemm._matmul_kernel, gemm_tma._matmul_tma_kernel):
+        assert {"A_T", "B_T"} <= set(kernel.keys)
+    flags = []
+    kernel = gemm._matmul_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                flags.append((meta["A_T"], meta["B_T"]))
+                return kernel[grid](*args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(gemm, "_matmul_kernel", Recorder())
+    a, w = randn(32, 48, dtype=torch.float16), randn(64, 48, dtype=torch.float16)
+    for x, y in ((a, w.t()), (a, w.t().contiguous()), (a.t().contiguous().t(), w.t())):
+        assert rel_err(tkern.matmul(x, y), reference(x, y)) < TOL[torch.float16]
+    assert flags == [(False, True), (False, False), (True, True)]

@@ -35,7 +35,8 @@ from tkern.kernels._common import (
 )
 from tkern.kernels.activation import activation_grad
 from tkern.kernels.float8 import to_float8, to_float8_delayed
-from tkern.kernels.gemm import check_activation, check_bias, matmul, matmul_prechecked, scaled_mm
+from tkern.kernels.gemm import matmul, matmul_prechecked, scaled_mm
+from tkern.kernels.gemm_epilogue import check_activation, check_bias
 
 __all__ = ["Float8WeightCache", "float8_linear", "float8_weight_cache", "linear", "matmul"]
 

@@ -1,19 +1,27 @@
 """Triton kernels and their launchers. Nothing here knows about nn or optim.
 
-Each family lives in one file: private ``@triton.jit`` kernels (their docstrings
-and argument comments give each pointer's shape and dtype) and the launchers
-that validate their arguments, allocate and launch. The map, from kernel to
+Each family lives in one file (the GEMM family in four, each kernel with its
+launcher, the shared epilogue and the config tables apart): private
+``@triton.jit`` kernels (their docstrings and argument comments give each
+pointer's shape and dtype) and the launchers that validate their arguments,
+allocate and launch. The map, from kernel to
 what a user touches, its tests and its benchmark:
 
-gemm.py
-    kernels: ``_matmul_kernel`` (pointer; fp16/bf16, or fp8 operands with their
-    scales applied to the fp32 accumulator), ``_matmul_tma_kernel`` (persistent,
-    TMA). Launchers: ``matmul``, ``matmul_tma_persistent``, ``scaled_mm``.
+gemm.py, gemm_tma.py (their shared rooms: gemm_epilogue.py, gemm_configs.py)
+    kernels: ``gemm._matmul_kernel`` (pointer; fp16/bf16, or fp8 operands with
+    their scales applied to the fp32 accumulator), ``gemm_tma._matmul_tma_kernel``
+    (persistent, TMA); both end in ``gemm_epilogue.epilogue`` (bias, activation,
+    pre-activation, one cast) and walk tiles in ``gemm_epilogue.tile_coords``
+    order. Launchers: ``gemm.matmul`` / ``matmul_prechecked`` (ragged operands on
+    Hopper go to ``gemm_tma.launch_tma``), ``gemm.matmul_tma_persistent``,
+    ``gemm.scaled_mm``. Configs: ``gemm_configs.gemm_configs`` /
+    ``tma_configs``, pruned per device and operands by ``prune_configs``.
     Above: ``functional.linear`` (``_Linear``; custom ops ``tkern::linear_forward``,
     ``tkern::mm``), ``functional.float8_linear`` (``tkern::scaled_mm``),
     ``nn.Linear``, ``nn.Conv1D``, ``nn.Float8Linear``, ``tkern.matmul``,
     ``tkern.scaled_mm``. Tests: test_gemm.py, test_functional.py, test_float8.py,
-    test_compiled.py. Benchmarks: bench_gemm.py, bench_host.py.
+    test_compiled.py (every offered config compiled, no spills). Benchmarks:
+    bench_gemm.py, bench_host.py, static_report.py.
 float8.py
     kernels: ``_amax_partials_kernel``, ``_cast_tensorwise_kernel``,
     ``_roll_history_kernel``, ``_cast_blocks_kernel`` (jit helpers

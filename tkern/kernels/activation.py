@@ -20,7 +20,7 @@ from tkern.kernels._common import (
     check_tensor,
     tl_dtype,
 )
-from tkern.kernels.gemm import ACTIVATIONS, check_activation
+from tkern.kernels.gemm_epilogue import ACTIVATIONS, check_activation
 
 _RELU: tl.constexpr = tl.constexpr(ACTIVATIONS["relu"])
 _GELU: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu"])

@@ -1,0 +1,213 @@
+"""The GEMM family's tile configurations, the one place they live.
+
+Both GEMM kernels (``_matmul_kernel`` in gemm.py, ``_matmul_tma_kernel`` in
+gemm_tma.py) are autotuned over the tables here; the rules that prune a table
+for a device (shared memory, register pressure, ragged operands) are named
+constants next to the tables, each with the compiler fact it comes from
+(``benchmarks/static_report.py`` measures them; ``tests/test_compiled.py``
+holds every offered config to them on sm_90 and sm_80).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from tkern.kernels._common import AUTOTUNE, INTERPRET, autotune
+
+#: Programs that share a band of A rows (grouped tile order, see gemm_epilogue.tile_coords),
+#: so that band stays in L2.
+GROUP_M = 8
+
+
+def epi_split(block_m: int, block_n: int, num_warps: int) -> int:
+    """Column slices of a GELU epilogue: one per 32 accumulator values a thread
+    holds, at most 4 (128x256 on 8 warps: 128 values, 4 slices of 32)."""
+    return max(1, min(4, acc_per_thread(block_m, block_n, num_warps) // 32))
+
+
+def acc_per_thread(block_m: int, block_n: int, num_warps: int) -> int:
+    """fp32 accumulator values each thread holds for a (block_m, block_n) tile."""
+    return block_m * block_n // (32 * num_warps)
+
+
+def _config(bm: int, bn: int, bk: int, stages: int, warps: int, pre_hook=None) -> triton.Config:
+    meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": GROUP_M}
+    meta["EPI_SPLIT"] = epi_split(bm, bn, warps)
+    return triton.Config(meta, num_stages=stages, num_warps=warps, pre_hook=pre_hook)
+
+
+def gemm_configs() -> list[triton.Config]:
+    """Tiles of the pointer kernel (``_matmul_kernel``).
+
+    The first entry is the only one used under the interpreter, where big tiles
+    matter most (each program costs milliseconds on the CPU, the tile size
+    almost nothing). The rest are the tile shapes of Triton's matmul tutorial
+    for fp16 on Ampere/Hopper plus 64-deep K tiles, which let Hopper's wgmma
+    issue fewer, larger instructions.
+    """
+    return [
+        _config(128, 128, 64, 3, 8) if not INTERPRET else _config(128, 128, 128, 1, 4),
+        _config(128, 256, 64, 3, 8),
+        _config(256, 128, 64, 3, 8),
+        _config(128, 256, 64, 4, 8),
+        _config(128, 128, 64, 4, 4),
+        _config(128, 128, 32, 4, 4),
+        _config(128, 64, 32, 4, 4),
+        _config(64, 128, 32, 4, 4),
+        _config(64, 64, 64, 4, 4),
+        # 4 warps (one warpgroup): with 2 it could not use Hopper's wgmma
+        _config(64, 32, 32, 5, 4),
+    ]
+
+
+def set_tma_block_shapes(nargs: dict) -> None:
+    """Pre-hook of every :func:`tma_configs` entry: the descriptors' block
+    shapes are the config's tiles (of A or A^T, of B or B^T)."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bk, bm] if nargs["A_T"] else [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
+
+
+def tma_configs() -> list[triton.Config]:
+    """Tiles of the persistent tensor-descriptor kernel (``_matmul_tma_kernel``):
+    Triton's persistent matmul tutorial's search space for Hopper, 128-row
+    tiles; the pre-hook gives the descriptors each config's block shape."""
+    return [
+        _config(128, bn, bk, stages, 8, pre_hook=set_tma_block_shapes)
+        for bn in (128, 256)
+        for bk in (64, 128)
+        for stages in (3, 4)
+    ]
+
+
+# --------------------------------------------------------------------------- pruning rules
+
+#: Largest shared memory one program may use, by compute capability (H100/H200
+#: and B200: 227 KB; A100 and Orin: 163 KB; sm_86/89/120: 99 KB).
+SMEM_LIMIT = {90: 232448, 100: 232448, 103: 232448, 80: 166912, 87: 166912}
+_SMEM_DEFAULT = 101376
+
+
+def smem_limit(cc: int) -> int:
+    """:data:`SMEM_LIMIT` for compute capability ``cc`` (e.g. 90)."""
+    return SMEM_LIMIT.get(cc, _SMEM_DEFAULT)
+
+
+def smem_estimate(cfg: triton.Config, elem_bytes: int = 2) -> int:
+    """Shared memory of a config's load pipeline: ``num_stages`` A and B tiles.
+    The compiled kernel adds ~1 KB (pointer kernel) to ~34 KB (the TMA
+    kernel's epilogue staging); tests/test_compiled.py checks every offered
+    config's compiled size against the limit on sm_90 and sm_80."""
+    kw = cfg.kwargs
+    return cfg.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * elem_bytes
+
+
+#: Largest output tile the pointer kernel is offered on ragged operands: without
+#: 16-byte alignment it loads with scalar instructions and no cp.async, and the
+#: 128x128 and larger tiles then spill (56 B to 4.3 KB on sm_80); 128x64,
+#: 64x128, 64x64 and 64x32 do not (see benchmarks/results/static/).
+RAGGED_MAX_TILE = 128 * 64
+
+
+#: Operand elements a thread loads per K step (A and B tiles together) above
+#: which the pointer kernel spills on ragged operands: without 16-byte alignment
+#: every element is a scalar load that holds a register until it is written to
+#: shared memory, next to the accumulator. 64x64x64 on 4 warps (64 per thread)
+#: spills 40 B on sm_90 in wgrad's layout (dZ^T @ X, 255 registers, triton 3.9);
+#: 128x64x32, 64x128x32 (48) and 64x32x32 (24) stay at or under 255 without spilling.
+RAGGED_MAX_LOADS = 48
+
+
+def loads_per_thread(block_m: int, block_n: int, block_k: int, num_warps: int) -> int:
+    """Elements of the A (block_m, block_k) and B (block_k, block_n) tiles each thread loads per K step."""
+    return (block_m + block_n) * block_k // (32 * num_warps)
+
+
+#: Accumulator values per thread above which the pointer kernel spills before
+#: Hopper (mma.sync keeps its operand fragments in registers next to the
+#: accumulator): 128x256 and 256x128 on 8 warps spill 40 B on sm_80 under
+#: triton 3.6 with any epilogue, 16-40 B with GELU even in four column slices.
+PRE_HOPPER_MAX_ACC = 64
+
+
+def _cfg_tile(c: triton.Config) -> int:
+    return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
+
+
+def _cfg_acc(c: triton.Config) -> int:
+    return acc_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
+
+
+def _cfg_loads(c: triton.Config) -> int:
+    return loads_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+
+
+def prune_configs(
+    configs: list[triton.Config], cc: int, *, tma: bool = False, ragged: bool = False
+) -> list[triton.Config]:
+    """The configs worth trying on compute capability ``cc`` (e.g. 90): those
+    whose shared memory fits; on ``ragged`` operands (see :func:`operands_ragged`)
+    only the tiles whose accumulator and scalar operand loads do not spill
+    there (:data:`RAGGED_MAX_TILE`, :data:`RAGGED_MAX_LOADS`); before Hopper
+    only the tiles whose accumulator leaves room for mma.sync's operands. Never
+    empty: the smallest is kept."""
+    limit = smem_limit(cc)
+    fits = [c for c in configs if smem_estimate(c) <= limit]
+    if ragged and not tma:
+        fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c) <= RAGGED_MAX_LOADS]
+    if cc < 90:
+        fits = [c for c in fits if _cfg_acc(c) <= PRE_HOPPER_MAX_ACC]
+    return fits or [min(configs, key=smem_estimate)]
+
+
+# --------------------------------------------------------------------------- operands and devices
+
+#: Elements per 16 bytes of a half-precision operand: the pointer kernel's
+#: vector loads (and cp.async) need every dimension and stride a multiple of it.
+VECTOR_ELEMS = 16
+
+
+def _ragged(dims) -> bool:
+    return any(d % VECTOR_ELEMS for d in dims)
+
+
+def operands_ragged(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the pointer kernel loses its vector loads on ``a`` @ ``b``: a
+    dimension or a non-unit stride that is not a multiple of 16 elements."""
+    return _ragged((*a.shape, b.shape[1], *(s for s in (*a.stride(), *b.stride()) if s != 1)))
+
+
+def transposed(strides: tuple[int, int]) -> bool:
+    """Whether a 2-D operand of these strides is not row-major (no unit stride
+    along dim 1): the layout flag (``A_T``, ``B_T``) in the pointer kernel's
+    autotune key, since a transposed operand is read along other strides and
+    wants other tiles (the TMA kernel's flags say which dimension its
+    descriptor runs along)."""
+    return strides[1] != 1
+
+
+def _ragged_args(nargs: dict) -> bool:
+    """:func:`operands_ragged` from the pointer kernel's arguments."""
+    names = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn")
+    return _ragged(nargs[k] for k in names if nargs[k] != 1)
+
+
+def _device_cc(nargs: dict) -> int:
+    t = next(v for v in nargs.values() if isinstance(v, torch.Tensor))
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return 10 * major + minor
+
+
+def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = False):
+    """:func:`autotune`, and on a GPU the configs are pruned by :func:`prune_configs`
+    for the device and the operands (an autotuner never benchmarks, nor
+    compiles, a config that cannot launch or would spill)."""
+    if INTERPRET or not AUTOTUNE:
+        return autotune(configs, key)
+
+    def prune(configs, nargs, **kwargs):
+        ragged = not tma and _ragged_args(nargs)
+        return prune_configs(configs, _device_cc(nargs), tma=tma, ragged=ragged)
+
+    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})

@@ -1,0 +1,221 @@
+"""What both GEMM kernels share: the grouped tile order and the fused epilogue.
+
+The epilogue runs on a GEMM's fp32 accumulator tile: bias, optional
+pre-activation store, activation, and one cast on the final store, so the only
+rounding to half precision is that store. The jit helpers here are called by
+``_matmul_kernel`` (gemm.py) and ``_matmul_tma_kernel`` (gemm_tma.py); the
+host side (argument checks, the epilogue's constexpr arguments) is shared by
+their launchers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tkern.kernels._common import (
+    HALF_DTYPES,
+    INTERPRET,
+    cast_rne,
+    check_int32_addressable,
+    check_int32_elements,
+    check_same_device,
+    check_tensor,
+    tl_dtype,
+)
+
+#: Activations the epilogue can apply; the integer is the kernel's constexpr code.
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
+_RELU: tl.constexpr = tl.constexpr(1)
+_GELU: tl.constexpr = tl.constexpr(2)
+_INV_SQRT2: tl.constexpr = tl.constexpr(0.7071067811865476)
+
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def tile_coords(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row, column) of output tile ``tile_id`` in grouped order: consecutive
+    tiles walk down GROUP_M rows of tiles before moving right, so the rows of A
+    they share are still in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _column_halves(acc, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """The left and right column halves of a (BLOCK_M, WIDTH) tile."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, WIDTH // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _column_slices(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+    """A (BLOCK_M, BLOCK_N) tile as a tuple of PARTS (1, 2 or 4) column slices, left to right."""
+    if PARTS == 1:
+        return (acc,)
+    elif PARTS == 2:
+        return _column_halves(acc, BLOCK_M, BLOCK_N)
+    else:
+        left, right = _column_halves(acc, BLOCK_M, BLOCK_N)
+        ll, lr = _column_halves(left, BLOCK_M, BLOCK_N // 2)
+        rl, rr = _column_halves(right, BLOCK_M, BLOCK_N // 2)
+        return ll, lr, rl, rr
+
+
+@triton.jit
+def _epilogue_part(
+    acc,  # (BLOCK_M, WIDTH) fp32: columns col0 .. col0 + WIDTH of the tile
+    rows,  # (BLOCK_M,) int32: the tile's output rows
+    col0,
+    M,
+    N,
+    c_ptr,
+    bias_ptr,
+    preact_ptr,
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    """Bias, optional pre-activation store, activation and one masked cast-and-store
+    on WIDTH columns of the fp32 tile."""
+    cols = col0 + tl.arange(0, WIDTH)
+    mask_n = cols < N
+    mask_c = (rows < M)[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    if STORE_PREACT:
+        preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
+    if ACTIVATION == _RELU:
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == _GELU:
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * _INV_SQRT2))
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
+
+
+@triton.jit
+def epilogue(
+    acc,  # (BLOCK_M, BLOCK_N) fp32 accumulator of tile (pid_m, pid_n)
+    pid_m,
+    pid_n,
+    M,
+    N,
+    c_ptr,  # (M, N) OUT_DTYPE, strides (stride_cm, stride_cn)
+    bias_ptr,  # (N,) with stride stride_bias; unused unless HAS_BIAS
+    preact_ptr,  # (M, N) PREACT_DTYPE, c's strides; unused unless STORE_PREACT
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,  # column slices of a GELU epilogue (gemm_configs.epi_split)
+):
+    """Bias, activation and one cast, on the fp32 accumulator; masked stores.
+
+    With GELU the epilogue runs on ``EPI_SPLIT`` (1, 2 or 4) column slices of
+    the tile one after the other: erf's temporaries next to a whole 128x256
+    (or 4-warp 128x128) accumulator spilled registers; on a slice they fit."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    PARTS: tl.constexpr = EPI_SPLIT if ACTIVATION == _GELU else 1
+    WIDTH: tl.constexpr = BLOCK_N // PARTS
+    slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
+    for i in tl.static_range(PARTS):
+        _epilogue_part(
+            slices[i], rows, pid_n * BLOCK_N + i * WIDTH, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm,
+            stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def check_activation(activation: str | None) -> None:
+    """Raise ``ValueError`` unless ``activation`` is one the epilogue knows."""
+    if activation not in ACTIVATIONS:
+        known = ", ".join(repr(a) for a in ACTIVATIONS)
+        raise ValueError(f"activation must be one of {known}, got {activation!r}")
+
+
+def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
+    """Raise unless ``bias`` is None or an (n,) tensor of ``dtype`` or fp32."""
+    if bias is None:
+        return
+    check_tensor("bias", bias, ndim=1, dtypes=(dtype, torch.float32))
+    if bias.shape[0] != n:
+        raise ValueError(f"bias must have shape ({n},), got shape {tuple(bias.shape)}")
+
+
+def check_matmul_args(a, b, bias, activation, out_dtype, preact) -> tuple[int, int, int, torch.dtype]:
+    """Validate :func:`tkern.matmul`'s arguments (see there); return M, N, K and the output dtype."""
+    check_tensor("a", a, ndim=2, dtypes=HALF_DTYPES)
+    check_tensor("b", b, ndim=2, dtypes=HALF_DTYPES)
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
+    (M, K), (Kb, N) = a.shape, b.shape
+    if Kb != K:
+        raise ValueError(
+            f"inner dimensions differ: a has shape {tuple(a.shape)} (M, K) and "
+            f"b has shape {tuple(b.shape)} (K, N); expected b.shape[0] == {K}"
+        )
+    check_bias(bias, N, a.dtype)
+    check_activation(activation)
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if preact is not None:
+        check_tensor("preact", preact, ndim=2, dtypes=(a.dtype,))
+        if preact.shape != (M, N) or not preact.is_contiguous():
+            raise ValueError(
+                f"preact must be a contiguous ({M}, {N}) tensor, got shape {tuple(preact.shape)}"
+            )
+    check_same_device(a=a, b=b, bias=bias, preact=preact)
+    # int32 tile offsets keep the inner loop lean; refuse what they cannot reach
+    check_int32_addressable("a", a)
+    check_int32_addressable("b", b)
+    check_int32_elements("out", (M, N))
+
+    return M, N, K, out_dtype
+
+
+def bias_stride(bias: torch.Tensor | None) -> int:
+    """The bias's element stride as the epilogue reads it: a strided view or an
+    expanded (stride-0) bias is read in place; 1 (contiguous) is the common case,
+    which Triton specialises to a vectorised load."""
+    return 1 if bias is None else bias.stride(0)
+
+
+def epilogue_meta(dtype, bias, activation, out_dtype, preact) -> dict:
+    """The constexpr arguments both GEMM kernels take for their epilogue and operands."""
+    return {
+        "HAS_BIAS": bias is not None,
+        "ACTIVATION": ACTIVATIONS[activation],
+        "STORE_PREACT": preact is not None,
+        "OUT_DTYPE": tl_dtype(out_dtype),
+        # fp8 operands have no pre-activation output (scaled_mm): the field is unused
+        "PREACT_DTYPE": tl_dtype(dtype if dtype in HALF_DTYPES else out_dtype),
+        # the interpreter cannot multiply bf16, and fp8 products are exact in fp32 too
+        "UPCAST": INTERPRET and dtype != torch.float16,
+    }

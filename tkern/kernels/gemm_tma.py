@@ -1,0 +1,160 @@
+"""The persistent GEMM with tensor-descriptor (TMA) loads, the schedule Hopper favours.
+
+The same ``C = act(A @ B + bias)`` and epilogue as the pointer kernel
+(gemm.py), but one program per SM walks the output tiles, and A and B tiles
+are fetched by the tensor memory accelerator, which zero-fills out-of-range
+rows and columns. ``tkern.kernels.gemm.matmul_tma_persistent`` (and, for
+ragged operands on Hopper, ``matmul``) launch it through :func:`launch_tma`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from tkern.kernels._common import INTERPRET
+from tkern.kernels.gemm_configs import gemm_autotune, tma_configs
+from tkern.kernels.gemm_epilogue import bias_stride, epilogue, epilogue_meta, tile_coords
+
+#: Tensor descriptors need 16-byte aligned base addresses and strides.
+TMA_ALIGN_BYTES = 16
+#: Programs of the persistent loop under the interpreter: few, each looping over tiles.
+_INTERPRET_PROGRAMS = 4
+
+
+@gemm_autotune(configs=tma_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"], tma=True)
+@triton.jit
+def _matmul_tma_kernel(
+    # descriptors and pointers
+    a_desc,  # descriptor of A (M, K), or of A^T (K, M) when A_T; fp16/bf16
+    b_desc,  # descriptor of B (K, N), or of B^T (N, K) when B_T; a's dtype
+    c_ptr,  # (M, N) OUT_DTYPE
+    bias_ptr,  # (N,) a's dtype or fp32; unused unless HAS_BIAS
+    preact_ptr,  # (M, N) a's dtype: A @ B + bias before the activation; unused unless STORE_PREACT
+    # dimensions
+    M,
+    N,
+    K,
+    # strides, in elements
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    # meta-parameters; constexpr so the untaken branches are compiled out
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,  # multiply in fp32 (the interpreter cannot multiply bf16)
+    A_T: tl.constexpr,
+    B_T: tl.constexpr,
+    NUM_SMS: tl.constexpr,  # programs launched: each walks tiles NUM_SMS apart
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see gemm_epilogue.epilogue)
+):
+    """C = act(A @ B + bias), fp32 accumulation, persistent (one program per SM
+    walks the tiles) with A and B fetched by the tensor memory accelerator
+    through descriptors. Shapes above."""
+    # Persistent: one program per SM loops over output tiles, so tile start-up
+    # overlaps the previous tile's epilogue. Descriptors zero-fill out-of-range
+    # rows and columns: the ragged edges need no masks until the store.
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = tile_coords(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if A_T:
+                a = a_desc.load([k * BLOCK_K, pid_m * BLOCK_M]).T
+            else:
+                a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            if B_T:
+                b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            else:
+                b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        epilogue(
+            acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
+            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
+        )  # fmt: skip
+
+
+def _tma_layout(t: torch.Tensor) -> str | None:
+    """``"row"`` (unit stride along dim 1), ``"col"`` (unit stride along dim 0)
+    or None when a tensor descriptor cannot describe ``t``."""
+    size = t.element_size()
+    if t.data_ptr() % TMA_ALIGN_BYTES:
+        return None
+    if t.stride(1) == 1 and (t.stride(0) * size) % TMA_ALIGN_BYTES == 0:
+        return "row"
+    if t.stride(0) == 1 and (t.stride(1) * size) % TMA_ALIGN_BYTES == 0:
+        return "col"
+    return None
+
+
+def tma_layouts(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str] | None:
+    """Both operands' descriptor layouts (``"row"`` or ``"col"``), or None when
+    :func:`launch_tma` cannot run on them (a layout missing, or an empty dimension)."""
+    layouts = _tma_layout(a), _tma_layout(b)
+    return None if None in layouts or min(*a.shape, *b.shape) == 0 else layouts
+
+
+def tma_eligible(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``tkern.kernels.gemm.matmul_tma_persistent`` runs the TMA kernel on ``a`` and ``b``."""
+    return tma_layouts(a, b) is not None
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether ``device`` has the tensor memory accelerator (Hopper, sm_90, or newer)."""
+    return not INTERPRET and _major_cc(device) >= 9
+
+
+@functools.cache
+def _major_cc(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def _num_programs(device: torch.device) -> int:
+    if INTERPRET:
+        return _INTERPRET_PROGRAMS  # exercises the persistent loop
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts) -> torch.Tensor:
+    """``act(a @ b + bias)`` on :func:`_matmul_tma_kernel`, for arguments already
+    checked (``gemm_epilogue.check_matmul_args``) and ``layouts`` from
+    :func:`tma_layouts` (not None)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_t, b_t = layouts[0] == "col", layouts[1] == "col"
+    # Descriptors over A (M, K) / B (K, N), or over their transposes; the block
+    # shapes are placeholders that each config's pre-hook replaces.
+    a_desc = TensorDescriptor(
+        a, [K, M] if a_t else [M, K], [a.stride(1), 1] if a_t else [a.stride(0), 1], [16, 16]
+    )
+    b_desc = TensorDescriptor(
+        b, [N, K] if b_t else [K, N], [b.stride(1), 1] if b_t else [b.stride(0), 1], [16, 16]
+    )
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    num_sms = _num_programs(a.device)
+
+    def grid(meta):
+        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    _matmul_tma_kernel[grid](
+        a_desc, b_desc, c, bias if bias is not None else c, preact if preact is not None else c,
+        M, N, K, c.stride(0), c.stride(1), bias_stride(bias),
+        **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
+        A_T=a_t,
+        B_T=b_t,
+        NUM_SMS=num_sms,
+    )  # fmt: skip
+    return c
