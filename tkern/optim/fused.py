@@ -53,7 +53,7 @@ import torch
 
 from tkern.flat import FlatParams, check_modes, describe_param
 from tkern.functional import Float8WeightCache, float8_weight_cache
-from tkern.kernels._common import INTERPRET
+from tkern.kernels import INTERPRET
 from tkern.kernels._update import MIN_8BIT_SIZE, PARAM_DTYPES, UpdateBuffers
 from tkern.kernels.adam import adam_update
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats
