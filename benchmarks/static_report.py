@@ -49,6 +49,10 @@ HW = {
         name="H100/H200", regs=65536, smem_sm=233472, smem_block=232448, reserved=1024, warps=64, blocks=32
     ),
     80: dict(name="A100", regs=65536, smem_sm=167936, smem_block=166912, reserved=1024, warps=64, blocks=32),
+    # Ada (L4, L40, RTX 4090): the fp8 GEMM's mma.sync target (issue 17); CUDA's compute capability table
+    89: dict(
+        name="L40/L4", regs=65536, smem_sm=102400, smem_block=101376, reserved=1024, warps=48, blocks=24
+    ),  # noqa: E501
 }
 
 

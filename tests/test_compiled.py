@@ -198,3 +198,20 @@ def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"
         assert r["spill_bytes"] == 0, f"{_name(r)} spills {r['spill_bytes']} B"
         assert r["wgmma"] > 0 and r["fp8_mma"] > 0, f"{_name(r)}: no fp8 wgmma"
+
+
+def test_fp8_gemm_on_ada_uses_fp8_mma_sync():
+    """sm_89 (Ada: fp8 tensor cores without wgmma): scaled_mm's kernel, on the configs it is
+    offered there, compiles to ``mma.sync`` on e4m3 operands (tensor-wise, block scales and
+    e5m2 x e4m3) with no spills (issue 17)."""
+    import static_report
+
+    cases = static_report._fp8_gemm_cases(89)
+    offered = static_report.gemm_configs_for(89)
+    # the first and the largest offered tile, and the two scale/operand variants
+    picked = [cases[0], cases[len(offered) - 1], *cases[len(offered) :]]
+    for case in picked:
+        r = static_report.compile_case(case, 89, sass=False)
+        assert r["compiled"], f"{case.name}: {r.get('error')}"
+        assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on sm_89"
+        assert r["mma_sync"] > 0 and r["fp8_mma"] > 0 and r["wgmma"] == 0, f"{case.name}: no fp8 mma.sync"
