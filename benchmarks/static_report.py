@@ -547,6 +547,61 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
     return cases
 
 
+def fp8_cast_cases() -> list[Case]:
+    """tkern.to_float8's kernels (issue 17): the amax partials, the per-tensor cast (current
+    and delayed scaling), the history roll and the block cast (DeepSeek-V3's 1x128 tiles and
+    128x128 blocks), from bf16 to e4m3 and e5m2. Compiled for sm_89 and newer, where the
+    fp8 casts are instructions; they are not part of the streaming family's checks (the
+    block cast reads 2-D tiles at any strides)."""
+    import torch
+    import triton
+
+    from tkern.kernels import float8 as f8
+
+    cases = []
+    warps = 4  # triton's default: the launchers pass none
+    for dtype, tag in ((torch.float8_e4m3fn, "e4m3"), (torch.float8_e5m2, "e5m2")):
+        const8 = f8._constants(dtype)
+        sig = {"x_ptr": "*bf16", "n": "i32", "partials_ptr": "*fp32", "BLOCK": "constexpr"}
+        kernel = "tkern.kernels.float8:_amax_partials_kernel"
+        aligned = ("x_ptr", "partials_ptr", "n")
+        cases.append(
+            Case(f"to_float8 amax[bf16->{tag}]", "fp8cast", kernel, sig, {"BLOCK": f8.BLOCK}, aligned, warps)
+        )
+        for delayed in (False, True):
+            sig = {"x_ptr": "*bf16", "n": "i32", "amax_ptr": "*fp32", "count": "i32",
+                   "data_ptr": "*" + _tl_fp8(dtype), "scale_ptr": "*fp32", "partials_ptr": "*fp32",
+                   "margin_factor": "fp32"}  # fmt: skip
+            const = dict(DELAYED=delayed, **const8, BLOCK=f8.BLOCK, PBLOCK=1024)
+            sig.update(dict.fromkeys(const, "constexpr"))
+            cases.append(Case(f"to_float8 cast[bf16->{tag},{'delayed' if delayed else 'current'}]", "fp8cast",
+                              "tkern.kernels.float8:_cast_tensorwise_kernel", sig, const,
+                              ("x_ptr", "data_ptr", "n"), warps))  # fmt: skip
+        for bm, bk in ((1, 128), (128, 128), (1, 4096)):  # DeepSeek-V3's tiles and blocks, rows
+            sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32",
+                   "data_ptr": "*" + _tl_fp8(dtype), "scale_ptr": "*fp32",
+                   "bm": "i32", "bk": "i32"}  # fmt: skip
+            # the tile the launcher picks for (bm, bk) blocks
+            tm = min(triton.next_power_of_2(bm), f8.TILE_M)
+            tk = min(triton.next_power_of_2(bk), f8.TILE_K)
+            const = dict(**const8, TM=tm, TK=tk)
+            sig.update(dict.fromkeys(const, "constexpr"))
+            cases.append(Case(f"to_float8 blocks[bf16->{tag},{bm}x{bk}]", "fp8cast",
+                              "tkern.kernels.float8:_cast_blocks_kernel", sig, const,
+                              ("x_ptr", "data_ptr", "K", "stride_xm"), warps))  # fmt: skip
+    sig = {"history_ptr": "*fp32", "H": "i32", "partials_ptr": "*fp32", "count": "i32",
+           "HBLOCK": "constexpr", "PBLOCK": "constexpr"}  # fmt: skip
+    cases.append(Case("to_float8 roll history", "fp8cast", "tkern.kernels.float8:_roll_history_kernel", sig,
+                      {"HBLOCK": 16, "PBLOCK": 1024}, (), 4))  # fmt: skip
+    return cases
+
+
+def _tl_fp8(dtype) -> str:
+    import torch
+
+    return {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}[dtype]
+
+
 def cfg_name(kw, cfg):
     return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}/s{cfg.num_stages}w{cfg.num_warps}"
 

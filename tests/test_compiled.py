@@ -215,3 +215,16 @@ def test_fp8_gemm_on_ada_uses_fp8_mma_sync():
         assert r["compiled"], f"{case.name}: {r.get('error')}"
         assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on sm_89"
         assert r["mma_sync"] > 0 and r["fp8_mma"] > 0 and r["wgmma"] == 0, f"{case.name}: no fp8 mma.sync"
+
+
+def test_fp8_cast_kernels_compile_without_spills():
+    """tkern.to_float8's kernels (issue 17) for sm_90 and sm_89: bf16 to e4m3 and e5m2,
+    current and delayed scaling, 1x128 tiles and 128x128 blocks, the history roll; every
+    one compiles with no spills, and the casts use the hardware fp8 conversion."""
+    import static_report
+
+    for cc in (90, 89):
+        for case in static_report.fp8_cast_cases():
+            r = static_report.compile_case(case, cc, sass=False)
+            assert r["compiled"], f"{case.name} on sm_{cc}: {r.get('error')}"
+            assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on sm_{cc}"
