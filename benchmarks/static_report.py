@@ -329,12 +329,13 @@ POINTER_KERNEL = "tkern.kernels.gemm:_matmul_kernel"
 TMA_KERNEL = "tkern.kernels.gemm_tma:_matmul_tma_kernel"
 
 
-def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False) -> list:
-    """The configs tkern's autotuner offers on target ``cc`` (after its own pruning)."""
+def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False, gelu: bool = False) -> list:
+    """The configs tkern's autotuner offers on target ``cc`` (after its own pruning),
+    for launches whose epilogue is (``gelu``) or is not GELU."""
     from tkern.kernels import gemm_configs
 
     configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
-    return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged)
+    return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged, gelu=gelu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,6 +403,12 @@ FORWARD_HEAVIEST = (
     GemmLaunch("fp16", "fp32", None, 2, True, "NT"),
 )
 BACKWARD = (GemmLaunch("bf16", "bf16", layout="NN"), GemmLaunch("bf16", "bf16", layout="TN"))
+
+
+def without_gelu(v: GemmLaunch) -> GemmLaunch:
+    """The heaviest launch like ``v`` that a config pruned for GELU
+    (gemm_configs.GELU_MAX_ACC) is still offered to: ReLU in its place."""
+    return dataclasses.replace(v, act=1) if v.act == 2 else v
 
 
 def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
@@ -483,8 +490,12 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     :func:`linear_launches` on the first aligned config of each kernel."""
     cases = []
     for ragged in (False, True):
+        gelu_ok = {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, gelu=True)}
         for cfg in gemm_configs_for(cc, ragged=ragged):
-            cases += [pointer_case(cfg, v, gated=not ragged) for v in gate_launches(ragged)]
+            launches = gate_launches(ragged)
+            if cfg_name(cfg.kwargs, cfg) not in gelu_ok:  # not offered to GELU:
+                launches = [without_gelu(v) for v in launches]  # the next heaviest
+            cases += [pointer_case(cfg, v, gated=not ragged) for v in launches]
     if full:
         first = gemm_configs_for(cc)[0]
         cases += [pointer_case(first, v) for v in linear_launches() if v not in gate_launches()]

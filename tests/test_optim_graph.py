@@ -111,7 +111,9 @@ def test_the_step_runs_eager_where_it_cannot_be_graphed():
 
 
 def test_a_failed_capture_warns_once_and_the_step_is_still_taken():
-    model, opt, _, reasons = _train(RecordingRunner(fail=True), steps=4)
+    with pytest.warns(UserWarning, match="capturing the step failed") as caught:
+        model, opt, _, reasons = _train(RecordingRunner(fail=True), steps=4)
+    assert len(caught) == 1
     eager, _, _, _ = _train(None, steps=4, cuda_graph=False)
     assert opt.cuda_graph is False and reasons[-1] == "cuda_graph=False"
     assert "capturing the step failed" in reasons[1]
