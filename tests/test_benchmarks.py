@@ -162,3 +162,17 @@ def test_distributed_smoke_runs_every_variant_on_two_gloo_ranks():
     assert by[bench_distributed.TKERN]["bytes_per_param"] / by[bench_distributed.DDP]["bytes_per_param"] == (
         pytest.approx(10 / 16, rel=1e-3)
     )
+
+
+def test_memory_smoke_trains_every_tkern_mode():
+    """bench_memory.py (issue 18): three steps of each tkern memory mode on its GPT-2, each
+    reporting the bytes per param memory_report() gives and a finite held-out loss."""
+    pytest.importorskip("transformers")
+    import bench_memory
+
+    result = bench_memory.main(["--smoke", "--only", "tkern"])
+    rows = {r["run"]: r for r in result["rows"]}
+    assert len(rows) == 6
+    assert rows["tkern AdamW, fp32 master"]["bytes_per_param"] == 16.0
+    assert rows["tkern AdamW, split master"]["bytes_per_param"] == 14.0
+    assert all(r["final_loss"] < r["first_loss"] + 1.0 for r in rows.values())
