@@ -125,7 +125,9 @@ def loss_of(net, x, y) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
 
 
-def train(make, steps: int, device: torch.device) -> tuple[list[float], float, float, float]:
+def train(
+    make, data: torch.Tensor, steps: int, device: torch.device
+) -> tuple[list[float], float, float, float]:
     """The training losses, bytes per param, the loss on held-out batches after
     training (the same batches for every run, drawn after the training ones) and
     the seconds it took."""
@@ -133,7 +135,7 @@ def train(make, steps: int, device: torch.device) -> tuple[list[float], float, f
     opt, bytes_per_param = make(net.parameters())
     losses = []
     start = time.perf_counter()
-    all_batches = list(batches(corpus(), steps + EVAL_BATCHES, device))
+    all_batches = list(batches(data, steps + EVAL_BATCHES, device))
     for x, y in all_batches[:steps]:
         opt.zero_grad()
         loss = loss_of(net, x, y)
@@ -154,11 +156,12 @@ def main(argv: list[str] | None = None) -> dict:
     gpu = torch.cuda.is_available() and not tkern.INTERPRET
     device = torch.device("cuda" if gpu else "cpu")
     steps = 3 if args.smoke else args.steps
+    data = corpus()  # read once: every run sees the same bytes even if the tree changes meanwhile
     rows = []
     for name, (kind, make) in RUNS.items():
         if args.only not in name:
             continue
-        losses, bpp, final, seconds = train(make, steps, device)
+        losses, bpp, final, seconds = train(make, data, steps, device)
         rows.append({"run": name, "kind": kind, "bytes_per_param": round(bpp, 3), "final_loss": final,
                      "first_loss": losses[0], "seconds": round(seconds, 1)})  # fmt: skip
         print(
