@@ -284,15 +284,6 @@ class UpdateBuffers:
     offset: int = 0
 
     @property
-    def has_master(self) -> bool:
-        """Whether the param is half precision with a separate fp32 master."""
-        return (
-            self.param.dtype != torch.float32
-            and self.master is not None
-            and self.master.dtype == torch.float32
-        )
-
-    @property
     def master_mode(self) -> int:
         """The ``MASTER`` constexpr: SELF, FP32, SPLIT or NONE."""
         if self.param.dtype == torch.float32:
