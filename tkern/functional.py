@@ -33,10 +33,10 @@ from tkern.kernels._common import (
     check_same_device,
     check_tensor,
 )
-from tkern.kernels.activation import activation_grad
+from tkern.kernels.activation import activation_grad, check_activation
 from tkern.kernels.float8 import to_float8, to_float8_delayed
 from tkern.kernels.gemm import matmul, matmul_prechecked, scaled_mm
-from tkern.kernels.gemm_epilogue import check_activation, check_bias
+from tkern.kernels.gemm_epilogue import check_bias
 
 __all__ = ["Float8WeightCache", "float8_linear", "float8_weight_cache", "linear", "matmul"]
 

@@ -12,7 +12,7 @@ from torch.nn.modules import module as _torch_module
 
 from tkern.functional import float8_linear, float8_weight_cache, linear
 from tkern.kernels._common import HALF_DTYPES
-from tkern.kernels.gemm_epilogue import check_activation
+from tkern.kernels.activation import check_activation
 
 # and Conv1D, Float8Conv1D where transformers is installed
 __all__ = ["Float8Linear", "Float8Recipe", "Linear", "convert_network"]

@@ -1,6 +1,10 @@
-"""Gradient of the GEMM epilogue's activation, applied in fp32.
+"""The activations a GEMM can apply in its epilogue, and their gradients, in fp32.
 
-``dz = dy * act'(z)`` where ``z`` is the pre-activation the forward GEMM saved.
+The formulas live once, as jit helpers: :func:`apply_activation` (called by
+the GEMM epilogue, gemm_epilogue.py) and :func:`activation_grad_f32`
+(``dz = dy * act'(z)``, where ``z`` is the pre-activation the forward GEMM
+saved; called by the standalone kernel here and by any GEMM that applies it
+while loading its operand).
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from tkern.kernels._common import (
     check_tensor,
     tl_dtype,
 )
-from tkern.kernels.gemm_epilogue import ACTIVATIONS, check_activation
 
+#: Activations the epilogue can apply; the integer is the kernels' constexpr code.
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
 _RELU: tl.constexpr = tl.constexpr(ACTIVATIONS["relu"])
 _GELU: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu"])
 _INV_SQRT2: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0))
@@ -31,6 +36,42 @@ _INV_SQRT_2PI: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
 #: milliseconds; 1024 (4 warps x 32 threads x 8 halves = 16-byte loads) on a GPU.
 BLOCK = 65536 if INTERPRET else 1024
 NUM_WARPS = 4
+
+
+def check_activation(activation: str | None) -> None:
+    """Raise ``ValueError`` unless ``activation`` is one the kernels know."""
+    if activation not in ACTIVATIONS:
+        known = ", ".join(repr(a) for a in ACTIVATIONS)
+        raise ValueError(f"activation must be one of {known}, got {activation!r}")
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def apply_activation(z, ACTIVATION: tl.constexpr):
+    """act(z) on an fp32 tensor of any shape (ACTIVATION 0 is the identity)."""
+    if ACTIVATION == _RELU:
+        z = tl.maximum(z, 0.0)
+    elif ACTIVATION == _GELU:
+        z = 0.5 * z * (1.0 + tl.erf(z * _INV_SQRT2))
+    return z
+
+
+@triton.jit
+def activation_grad_f32(dy, z, ACTIVATION: tl.constexpr):
+    """dy * act'(z) on fp32 tensors of one shape (ACTIVATION > 0)."""
+    if ACTIVATION == _RELU:
+        dz = tl.where(z > 0.0, dy, 0.0)
+    else:
+        # d/dz [z * Phi(z)] = Phi(z) + z * phi(z)
+        cdf = 0.5 * (1.0 + tl.erf(z * _INV_SQRT2))
+        pdf = tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
+        dz = dy * (cdf + z * pdf)
+    return dz
+
+
+# --------------------------------------------------------------------------- kernel
 
 
 @triton.jit
@@ -49,13 +90,7 @@ def _activation_grad_kernel(
     mask = offs < n
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == _RELU:
-        dz = tl.where(z > 0.0, dy, 0.0)
-    else:
-        # d/dz [z * Phi(z)] = Phi(z) + z * phi(z)
-        cdf = 0.5 * (1.0 + tl.erf(z * _INV_SQRT2))
-        pdf = tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
-        dz = dy * (cdf + z * pdf)
+    dz = activation_grad_f32(dy, z, ACTIVATION)
     tl.store(dz_ptr + offs, cast_rne(dz, DTYPE), mask=mask)
 
 

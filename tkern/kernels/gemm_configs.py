@@ -14,6 +14,7 @@ import torch
 import triton
 
 from tkern.kernels._common import AUTOTUNE, INTERPRET, autotune
+from tkern.kernels.activation import ACTIVATIONS
 
 #: Programs that share a band of A rows (grouped tile order, see gemm_epilogue.tile_coords),
 #: so that band stays in L2.
@@ -138,8 +139,8 @@ PRE_HOPPER_MAX_ACC = 64
 #: spill 8-24 B (three of five with the pre-activation, all five without it); the 64-value
 #: tiles stay at 122-136 registers. (Triton 3.9 fits them: the rule follows the older compiler.)
 GELU_MAX_ACC = 64
-#: The ``ACTIVATION`` code of GELU (gemm_epilogue.ACTIVATIONS["gelu"]).
-_GELU = 2
+#: The ``ACTIVATION`` code of GELU.
+_GELU = ACTIVATIONS["gelu"]
 
 
 def _cfg_tile(c: triton.Config) -> int:

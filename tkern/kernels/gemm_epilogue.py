@@ -24,12 +24,9 @@ from tkern.kernels._common import (
     check_tensor,
     tl_dtype,
 )
+from tkern.kernels.activation import ACTIVATIONS, apply_activation, check_activation
 
-#: Activations the epilogue can apply; the integer is the kernel's constexpr code.
-ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
-_RELU: tl.constexpr = tl.constexpr(1)
-_GELU: tl.constexpr = tl.constexpr(2)
-_INV_SQRT2: tl.constexpr = tl.constexpr(0.7071067811865476)
+_GELU: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu"])
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -103,10 +100,7 @@ def _epilogue_part(
     if STORE_PREACT:
         preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
-    if ACTIVATION == _RELU:
-        acc = tl.maximum(acc, 0.0)
-    elif ACTIVATION == _GELU:
-        acc = 0.5 * acc * (1.0 + tl.erf(acc * _INV_SQRT2))
+    acc = apply_activation(acc, ACTIVATION)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
 
@@ -150,13 +144,6 @@ def epilogue(
 
 
 # --------------------------------------------------------------------------- host side
-
-
-def check_activation(activation: str | None) -> None:
-    """Raise ``ValueError`` unless ``activation`` is one the epilogue knows."""
-    if activation not in ACTIVATIONS:
-        known = ", ".join(repr(a) for a in ACTIVATIONS)
-        raise ValueError(f"activation must be one of {known}, got {activation!r}")
 
 
 def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
