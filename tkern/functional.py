@@ -28,12 +28,14 @@ import torch.nn.functional as F
 
 from tkern.kernels._common import (
     HALF_DTYPES,
+    INT32_MAX,
+    INTERPRET,
     check_int32_addressable,
     check_int32_elements,
     check_same_device,
     check_tensor,
 )
-from tkern.kernels.activation import activation_grad, check_activation
+from tkern.kernels.activation import ACTIVATIONS, activation_grad, check_activation
 from tkern.kernels.float8 import to_float8, to_float8_delayed
 from tkern.kernels.gemm import matmul, matmul_prechecked, scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
@@ -235,6 +237,47 @@ def _check_meta(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise TypeError(f"x must have dtype in ({weight.dtype}), got dtype {x.dtype}")
 
 
+def linear_args_plainly_valid(x, weight, bias, activation) -> bool:
+    """Whether :func:`linear` may skip its checks: a sufficient condition, cheap to
+    test, that every check it makes passes and that the eager path applies (dense
+    contiguous plain tensors on one device the current mode runs on, matching
+    dtypes and shapes, fewer than 2^31 elements each and in the output). Anything
+    else (None of the fast answers) takes the full checks, which name what is wrong."""
+    if (
+        type(x) is not torch.Tensor
+        or not (activation is None or type(activation) is str)
+        or activation not in ACTIVATIONS
+        or not isinstance(weight, torch.Tensor)
+        or weight.dtype not in HALF_DTYPES
+        or x.dtype is not weight.dtype
+        or weight.dim() != 2
+        or x.dim() == 0
+        or x.shape[-1] != weight.shape[1]
+        or x.layout != torch.strided
+        or weight.layout != torch.strided
+        or not x.is_contiguous()
+        or not weight.is_contiguous()
+        or x.numel() > INT32_MAX
+        or weight.numel() > INT32_MAX
+        or x.device != weight.device
+        or (x.device.type != "cuda" and not INTERPRET)
+        or x.is_meta
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    n = weight.shape[0]
+    if n * (x.numel() // max(weight.shape[1], 1)) > INT32_MAX or weight.shape[1] == 0:
+        return False
+    return bias is None or (
+        isinstance(bias, torch.Tensor)
+        and bias.dim() == 1
+        and bias.shape[0] == n
+        and (bias.dtype is weight.dtype or bias.dtype is torch.float32)
+        and bias.layout == torch.strided
+        and bias.device == x.device
+    )
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -262,6 +305,19 @@ def linear(
         (..., N) tensor of ``x``'s dtype. ``K == 0`` gives ``act(bias)`` (zeros
         without a bias), as ``torch.nn.functional.linear``.
     """
+    if linear_args_plainly_valid(x, weight, bias, activation):  # the common case: every check passes
+        y = _Linear.apply(x, weight, bias, activation)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+    if not check_linear_args(x, weight, bias, activation):
+        return _linear_op(x, weight, bias, activation)
+    y = _Linear.apply(x, weight, bias, activation)  # (M, N)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def check_linear_args(x, weight, bias, activation) -> bool:
+    """Every check :func:`linear` makes, raising ``TypeError``/``ValueError`` that
+    names the argument; returns whether the eager path applies (False: the custom
+    op, for tracing, meta and tensor subclasses)."""
     if x.is_meta and weight.is_meta and (bias is None or bias.is_meta):
         _check_meta(x, weight)  # meta tensors run nowhere: shapes and dtypes only, in either mode
     else:
@@ -272,13 +328,12 @@ def linear(
     check_activation(activation)
     check_same_device(x=x, weight=weight, bias=bias)
     if torch.compiler.is_compiling() or x.is_meta or type(x) is not torch.Tensor:
-        return _linear_op(x, weight, bias, activation)
+        return False
     # int32 offsets: checked here once for the three GEMMs (forward, dgrad, wgrad)
     check_int32_addressable("x", x)
     check_int32_addressable("weight", weight)
     check_int32_elements("output", (math.prod(x.shape[:-1]), weight.shape[0]))
-    y = _Linear.apply(x, weight, bias, activation)  # (M, N)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+    return True
 
 
 # --------------------------------------------------------------------------- fp8 (Float8Linear)
