@@ -594,3 +594,80 @@ def test_the_weight_cache_follows_the_recipe():
             torch.zeros(2, 16, dtype=w.dtype, device=DEVICE), w, scaling="delayed",
             histories=histories, weight_fp8=(data, scale),
         )  # fmt: skip
+
+
+def test_a_deferred_delayed_cast_then_its_roll_is_the_delayed_cast():
+    """The two launches the cache splits to_float8_delayed into: the same data and scale,
+    and the history rolled to the same values, with history entries and an amax the
+    history does not hold yet (x's amax 5 saturates against a history max of 2)."""
+    from tkern.kernels.float8 import roll_amax_history, to_float8_delayed, to_float8_delayed_deferred
+
+    x = torch.randn(37, 24, device=DEVICE).to(torch.bfloat16)
+    x[3, 5] = 5.0
+    h1 = torch.tensor([2.0, 0.5, 1.0], device=DEVICE)
+    h2 = h1.clone()
+    data, scale = to_float8_delayed(x, h1, torch.float8_e4m3fn, margin=1)
+    d2, s2, amax = to_float8_delayed_deferred(x, h2, torch.float8_e4m3fn, margin=1)
+    assert torch.equal(h2, torch.tensor([2.0, 0.5, 1.0], device=DEVICE))  # left as it was
+    assert torch.equal(_bits(d2), _bits(data)) and torch.equal(s2, scale)
+    roll_amax_history(h2, amax)
+    assert (
+        torch.equal(h2, h1) and h1[0] == 5.0 and torch.equal(h1[1:], torch.tensor([2.0, 0.5], device=DEVICE))
+    )
+    with pytest.raises(TypeError, match="amax"):
+        roll_amax_history(h2, amax.double())
+    with pytest.raises(ValueError, match="amax"):
+        roll_amax_history(h2, amax[:0])
+
+
+def test_gpt2_conv1d_delayed_reads_the_step_cast_bit_identically():
+    """A delayed Float8Conv1D (stored weight (in, out)): the step's cast of the stored
+    weight serves the transposed GEMM operand, as casting in the forward would."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+
+    from tkern.functional import float8_weight_cache
+
+    torch.manual_seed(6)
+    cached = nn.Sequential(HFConv1D(48, 32)).to(DEVICE)
+    tkern.convert_network(cached, torch.bfloat16, float8=Float8Recipe("delayed", history_len=2))
+    plain = copy.deepcopy(cached)
+    float8_weight_cache(plain[0].weight, register=False)
+    x = torch.randn(6, 32, device=DEVICE).to(torch.bfloat16)
+    outs = []
+    for model in (cached, plain):
+        opt = tkern.optim.FusedAdamW(model.parameters(), lr=1e-2)
+        for _ in range(3):
+            opt.zero_grad()
+            y = model(x)
+            y.float().square().mean().backward()
+            outs.append((y, model[0].weight.grad.clone()))
+            opt.step()
+        outs.append((model[0].weight, model[0].fp8_amax_history_weight))
+    cache = float8_weight_cache(cached[0].weight)
+    assert cache.scaling == "delayed" and cache.lookup(cached[0].weight, cached[0].fp8_amax_history_weight)
+    half = len(outs) // 2
+    for a, b in zip(outs[:half], outs[half:], strict=True):
+        assert all(torch.equal(_bits(u), _bits(v)) for u, v in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_a_compiled_delayed_forward_casts_its_weight_itself():
+    """Under torch.compile the forward casts the weight (the cache is eager only): with the
+    step's cast made all zeros, the compiled forward still matches casting in the forward,
+    histories included."""
+    from tkern.functional import float8_weight_cache
+
+    torch.manual_seed(7)
+    layer = Float8Linear(32, 16, recipe=Float8Recipe("delayed", history_len=2), device=DEVICE)
+    opt = tkern.optim.FusedSGD(layer.parameters(), lr=0.1)
+    x = torch.randn(4, 32, device=DEVICE).to(torch.bfloat16)
+    layer(x).float().sum().backward()
+    opt.step()
+    float8_weight_cache(layer.weight).data.zero_()
+    plain = copy.deepcopy(layer)
+    float8_weight_cache(plain.weight, register=False)
+    y = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(y, plain(x))
+    for a, b in zip(layer.buffers(), plain.buffers(), strict=True):
+        assert torch.equal(a, b)
