@@ -539,18 +539,25 @@ def test_delayed_run_resumes_bit_exactly_from_a_checkpoint_with_the_step_cast():
             assert torch.equal(_bits(got), _bits(want)), name
 
 
+def _stepped_delayed_layer(seed):
+    """A delayed Float8Linear after one training step of a fused optimizer (so its weight
+    cache holds the step's cast), and the input it trained on."""
+    torch.manual_seed(seed)
+    layer = Float8Linear(32, 16, recipe=Float8Recipe("delayed", history_len=2), device=DEVICE)
+    opt = tkern.optim.FusedSGD(layer.parameters(), lr=0.1)
+    x = torch.randn(4, 32, device=DEVICE).to(torch.bfloat16)
+    layer(x).float().sum().backward()
+    opt.step()
+    return layer, x
+
+
 def test_the_delayed_forward_reads_the_step_cast_and_pushes_its_amax():
     """The cache is really read: a valid cast is what the training forward multiplies
     (made all zeros here, the output is the bias alone), the forward pushes the amax
     the step recorded into the weight history, and an eval forward pushes nothing."""
     from tkern.functional import float8_weight_cache
 
-    torch.manual_seed(4)
-    layer = Float8Linear(32, 16, recipe=Float8Recipe("delayed", history_len=2), device=DEVICE)
-    opt = tkern.optim.FusedSGD(layer.parameters(), lr=0.1)
-    x = torch.randn(4, 32, device=DEVICE).to(torch.bfloat16)
-    layer(x).float().sum().backward()
-    opt.step()
+    layer, x = _stepped_delayed_layer(4)
     cache = float8_weight_cache(layer.weight)
     history = layer.fp8_amax_history_weight
     assert cache.scaling == "delayed" and cache.lookup(layer.weight, history) is not None
@@ -658,12 +665,7 @@ def test_a_compiled_delayed_forward_casts_its_weight_itself():
     histories included."""
     from tkern.functional import float8_weight_cache
 
-    torch.manual_seed(7)
-    layer = Float8Linear(32, 16, recipe=Float8Recipe("delayed", history_len=2), device=DEVICE)
-    opt = tkern.optim.FusedSGD(layer.parameters(), lr=0.1)
-    x = torch.randn(4, 32, device=DEVICE).to(torch.bfloat16)
-    layer(x).float().sum().backward()
-    opt.step()
+    layer, x = _stepped_delayed_layer(7)
     float8_weight_cache(layer.weight).data.zero_()
     plain = copy.deepcopy(layer)
     float8_weight_cache(plain.weight, register=False)
