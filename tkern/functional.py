@@ -495,8 +495,8 @@ class Float8WeightCache:
         Args:
             scaling: ``"tensorwise"`` or ``"delayed"``.
             history: ``"delayed"`` only: returns the weight's (H,) fp32 amax history
-                as it is now (or None: no cast). Hold the module weakly (e.g. a
-                ``weakref.WeakMethod``): the cache lives as long as the weight.
+                as it is now (or None: no cast). It should hold the module only
+                weakly (``weakref.ref``): the cache lives as long as the weight.
             margin: ``"delayed"``'s margin.
         """
         if scaling not in CACHED_SCALINGS:
