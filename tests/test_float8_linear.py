@@ -271,6 +271,33 @@ def test_the_optimizer_writes_the_fp8_weight_and_the_forward_reads_it():
     assert float8_weight_cache(plain[0].weight) is None
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_the_step_cast_stays_in_the_same_tensors_for_a_captured_forward(recipe):
+    """A whole-step CUDA graph (Trainer(cuda_graph=True)) captures the forward reading the
+    cache's tensors: each step's cast must land in those same tensors (not new ones, freed
+    under the graph), holding exactly the cast a forward would make now."""
+    from tkern.functional import float8_weight_cache
+
+    torch.manual_seed(0)
+    layer = tkern.nn.Float8Linear(32, 16, recipe=recipe).to(DEVICE)
+    opt = tkern.optim.FusedAdamW(layer.parameters(), lr=1e-2)
+    x = torch.randn(8, 32, device=DEVICE).to(torch.bfloat16)
+    cache = float8_weight_cache(layer.weight)
+    held = None
+    for _ in range(3):
+        opt.zero_grad()
+        layer(x).float().square().mean().backward()
+        opt.step()
+        now = (cache.data, cache.scale, cache.amax)
+        ptrs = [None if t is None else t.data_ptr() for t in now]
+        assert held is None or ptrs == held
+        held = ptrs
+    if recipe == "tensorwise":
+        ref = tkern.to_float8(layer.weight.detach(), torch.float8_e4m3fn)
+        assert torch.equal(cache.data.view(torch.uint8), ref[0].view(torch.uint8))
+        assert torch.equal(cache.scale, ref[1])
+
+
 def test_a_write_from_outside_the_optimizer_makes_the_forward_cast_again():
     from tkern.functional import float8_weight_cache
 

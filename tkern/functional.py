@@ -532,14 +532,26 @@ class Float8WeightCache:
                 if history is None:  # the module is gone or holds no history
                     self._history_used = None
                     return
-                self.data, self.scale, self.amax = to_float8_delayed_deferred(
-                    weight.detach(), history, E4M3, self.margin
-                )
+                cast = to_float8_delayed_deferred(weight.detach(), history, E4M3, self.margin)
                 self._history_used = history
                 self._history_stamp = (history._version, history.data_ptr())
             else:
-                self.data, self.scale = to_float8(weight.detach(), E4M3, "tensor")
+                cast = to_float8(weight.detach(), E4M3, "tensor")
+            self._keep(cast)
         self._stamp = (weight._version, weight.data_ptr())
+
+    def _keep(self, cast: tuple[torch.Tensor, ...]) -> None:
+        """Hold ``cast`` (data, scale[, amax]) in the same tensors step after step:
+        copied into the previous step's when their shapes match, so a CUDA graph
+        that captured a forward reading them (``Trainer(cuda_graph=True)``) reads
+        each replay's cast, not a buffer freed after the capture."""
+        pairs = list(zip((self.data, self.scale, self.amax)[: len(cast)], cast, strict=True))
+        if all(h is not None and h.shape == c.shape and h.dtype == c.dtype for h, c in pairs):
+            for h, c in pairs:
+                h.copy_(c)
+        else:
+            self.data, self.scale = cast[0], cast[1]
+            self.amax = cast[2] if len(cast) > 2 else None
 
     def lookup(
         self, weight: torch.Tensor, history: torch.Tensor | None = None
