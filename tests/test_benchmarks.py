@@ -176,7 +176,7 @@ def test_memory_smoke_trains_every_tkern_mode():
 
     result = bench_memory.main(["--smoke", "--only", "tkern"])
     rows = {r["run"]: r for r in result["rows"]}
-    assert len(rows) == 6
+    assert len(rows) == 7  # six modes and the noise-floor control
     assert rows["tkern AdamW, fp32 master"]["bytes_per_param"] == 16.0
     assert rows["tkern AdamW, split master"]["bytes_per_param"] == 14.0
     assert all(r["final_loss"] < r["first_loss"] + 1.0 for r in rows.values())
