@@ -35,7 +35,8 @@ _SILU: tl.constexpr = tl.constexpr(ACTIVATIONS["silu"])
 _GELU_TANH: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu_tanh"])
 #: The activations computed with exp/erf (every one but ReLU): the ones whose
 #: temporaries compete with a GEMM's accumulator for registers (gemm_epilogue
-#: applies them in column slices; gemm_configs prunes large tiles for them).
+#: applies them in column slices; gemm_configs.ACT_MAX_ACC_ACTIVATIONS names those
+#: for which large tiles are pruned as well).
 TRANSCENDENTAL = frozenset(ACTIVATIONS[a] for a in ("gelu", "silu", "gelu_tanh"))
 #: :data:`TRANSCENDENTAL` as a bit set for jit code: ``(TRANSCENDENTAL_BITS >> ACTIVATION) & 1``.
 TRANSCENDENTAL_BITS: tl.constexpr = tl.constexpr(sum(1 << code for code in TRANSCENDENTAL))
