@@ -256,7 +256,7 @@ def _activation_cases() -> list[Case]:
     tl = _tl()
     cases = []
     for dtype in ("fp16", "bf16"):
-        for code, aname in ((1, "relu"), (2, "gelu")):
+        for code, aname in ((c, a) for a, c in act.ACTIVATIONS.items() if a is not None):
             for tail in (False, True):
                 if tail and (dtype, aname) != ("fp16", "gelu"):
                     continue
@@ -329,22 +329,37 @@ POINTER_KERNEL = "tkern.kernels.gemm:_matmul_kernel"
 TMA_KERNEL = "tkern.kernels.gemm_tma:_matmul_tma_kernel"
 
 
-def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False, gelu: bool = False) -> list:
+def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False, activation: int = 0) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning),
-    for launches whose epilogue is (``gelu``) or is not GELU."""
+    for launches whose epilogue applies ``activation`` (an ACTIVATIONS code)."""
     from tkern.kernels import gemm_configs
 
     configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
-    return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged, gelu=gelu)
+    return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged, activation=activation)
+
+
+def activation_names() -> dict[int, str]:
+    """ACTIVATIONS code -> name ("none" for 0), as the cases' labels spell them."""
+    from tkern.kernels.activation import ACTIVATIONS
+
+    return {code: name or "none" for name, code in ACTIVATIONS.items()}
+
+
+def transcendental() -> frozenset:
+    """The activation codes computed with exp/erf (activation.TRANSCENDENTAL)."""
+    from tkern.kernels.activation import TRANSCENDENTAL
+
+    return TRANSCENDENTAL
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmLaunch:
     """What a GEMM launch specialises on besides its config: operand dtype,
     output dtype, bias dtype (None: no bias), activation code (0 none, 1 relu,
-    2 gelu), whether the pre-activation is saved, the operand layout (``"NT"``:
-    A row-major, B column-major, i.e. ``x @ W^T``; ``"NN"``, ``"TN"``) and
-    whether the operands are ragged (M, N, K and strides not multiples of 16)."""
+    2 gelu, 3 silu, 4 gelu_tanh: activation.ACTIVATIONS), whether the
+    pre-activation is saved, the operand layout (``"NT"``: A row-major, B
+    column-major, i.e. ``x @ W^T``; ``"NN"``, ``"TN"``) and whether the
+    operands are ragged (M, N, K and strides not multiples of 16)."""
 
     dtype: str = "fp16"
     out: str = "fp16"
@@ -356,7 +371,7 @@ class GemmLaunch:
 
     @property
     def label(self) -> str:
-        epi = ("bias+" if self.bias else "") + {0: "none", 1: "relu", 2: "gelu"}[self.act]
+        epi = ("bias+" if self.bias else "") + activation_names()[self.act]
         epi += "+preact" if self.preact else ""
         bias = f",{self.bias} bias" if self.bias and self.bias != self.dtype else ""
         return f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
@@ -368,8 +383,8 @@ HALF = ("fp16", "bf16")
 def linear_launches() -> list[GemmLaunch]:
     """Every GEMM launch ``tkern.linear`` makes (and ``tkern.matmul``'s fp32
     output beside them), aligned: the forward ``x @ W^T`` (NT) with or without
-    a bias (the operands' dtype or fp32), no activation, ReLU or GELU, the
-    pre-activation saved when training; dgrad ``dZ @ W`` (NN) and wgrad
+    a bias (the operands' dtype or fp32), every activation (none, ReLU, GELU,
+    SiLU, tanh-GELU), the pre-activation saved when training; dgrad ``dZ @ W`` (NN) and wgrad
     ``dZ^T @ X`` (TN) with a plain epilogue. tests/test_functional.py checks
     that tkern.linear launches nothing outside this list."""
     forward = [
@@ -377,7 +392,7 @@ def linear_launches() -> list[GemmLaunch]:
         for d in HALF
         for out in (d, "fp32")
         for bias in (None, d, "fp32")
-        for act in (0, 1, 2)
+        for act in activation_names()
         for preact in ((False, True) if act else (False,))
     ]
     backward = [GemmLaunch(d, d, layout=layout) for d in HALF for layout in ("NN", "TN")]
@@ -392,10 +407,12 @@ def linear_launches() -> list[GemmLaunch]:
 #: on the tile: without a bias, bf16 out reaches 255 registers on sm_90's large
 #: tiles (197 with a bias), fp32 out needs up to 30 more than a half one elsewhere,
 #: a bias adds up to 32 on 128x64 tiles; so the forward is compiled four ways (bf16
-#: or fp32 out, with or without a bias). On aligned operands the backward GEMMs
-#: (plain epilogue) stay below the forward; on ragged operands the scalar loads
-#: dominate and dgrad (NN) or wgrad (TN) is the heaviest (up to 255 registers), so
-#: those get both too.
+#: or fp32 out, with or without a bias), for every activation computed with exp/erf
+#: (GELU here; :func:`gate_launches` adds SiLU and tanh-GELU the same four ways: their
+#: temporaries differ from erf's, so none stands for the others). On aligned operands
+#: the backward GEMMs (plain epilogue) stay below the forward; on ragged operands the
+#: scalar loads dominate and dgrad (NN) or wgrad (TN) is the heaviest (up to 255
+#: registers), so those get both too.
 FORWARD_HEAVIEST = (
     GemmLaunch("bf16", "bf16", "bf16", 2, True, "NT"),
     GemmLaunch("bf16", "bf16", None, 2, True, "NT"),
@@ -405,16 +422,33 @@ FORWARD_HEAVIEST = (
 BACKWARD = (GemmLaunch("bf16", "bf16", layout="NN"), GemmLaunch("bf16", "bf16", layout="TN"))
 
 
-def without_gelu(v: GemmLaunch) -> GemmLaunch:
-    """The heaviest launch like ``v`` that a config pruned for GELU
-    (gemm_configs.GELU_MAX_ACC) is still offered to: ReLU in its place."""
-    return dataclasses.replace(v, act=1) if v.act == 2 else v
+def offered_launch(v: GemmLaunch, offered: bool) -> GemmLaunch:
+    """``v`` if its config is ``offered`` to ``v``'s activation, else the heaviest
+    launch like ``v`` that the config is still offered to (pruned for an activation
+    computed with exp/erf: gemm_configs.ACT_MAX_ACC): ReLU in its place."""
+    return v if offered or v.act not in transcendental() else dataclasses.replace(v, act=1)
 
 
 def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
-    """What the compile gate compiles each offered config for (see :data:`FORWARD_HEAVIEST`)."""
-    launches = FORWARD_HEAVIEST + (BACKWARD if ragged else ())
+    """What the compile gate compiles each offered config for (see :data:`FORWARD_HEAVIEST`):
+    the heaviest forwards for every activation computed with exp/erf."""
+    forward = tuple(
+        dataclasses.replace(v, act=act) for act in sorted(transcendental()) for v in FORWARD_HEAVIEST
+    )
+    launches = forward + (BACKWARD if ragged else ())
     return tuple(dataclasses.replace(v, ragged=ragged) for v in launches)
+
+
+def pointer_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunch]:
+    """:func:`gate_launches` as the pointer kernel's autotuner offers ``cfg`` to them on
+    target ``cc``: each launch whose activation prunes ``cfg`` replaced by
+    :func:`offered_launch`'s (duplicates dropped)."""
+    name = cfg_name(cfg.kwargs, cfg)
+    out = []
+    for v in gate_launches(ragged):
+        offered = {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, activation=v.act)}
+        out.append(offered_launch(v, name in offered))
+    return list(dict.fromkeys(out))
 
 
 def _gemm_case(name, kernel, cfg, sig, const, aligned, gated=True) -> Case:
@@ -490,11 +524,8 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     :func:`linear_launches` on the first aligned config of each kernel."""
     cases = []
     for ragged in (False, True):
-        gelu_ok = {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, gelu=True)}
         for cfg in gemm_configs_for(cc, ragged=ragged):
-            launches = gate_launches(ragged)
-            if cfg_name(cfg.kwargs, cfg) not in gelu_ok:  # not offered to GELU:
-                launches = [without_gelu(v) for v in launches]  # the next heaviest
+            launches = pointer_gate_launches(cc, cfg, ragged)
             cases += [pointer_case(cfg, v, gated=not ragged) for v in launches]
     if full:
         first = gemm_configs_for(cc)[0]

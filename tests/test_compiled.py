@@ -79,18 +79,29 @@ def test_every_kernel_and_target_is_covered(rows):
     for cc in TARGETS:
         expected = set()
         for ragged in (False, True):
-            offered_gelu = static_report.gemm_configs_for(cc, ragged=ragged, gelu=True)
-            gelu_ok = {static_report.cfg_name(c.kwargs, c) for c in offered_gelu}
-            for cfg in static_report.gemm_configs_for(cc, ragged=ragged):
-                for launch in static_report.gate_launches(ragged):
-                    if static_report.cfg_name(cfg.kwargs, cfg) not in gelu_ok:  # not offered to GELU
-                        launch = static_report.without_gelu(launch)
-                    expected.add((static_report.pointer_case(cfg, launch).name, f"sm_{cc}"))
+            for act in static_report.transcendental():  # every activation computed with exp/erf
+                offered_act = static_report.gemm_configs_for(cc, ragged=ragged, activation=act)
+                act_ok = {static_report.cfg_name(c.kwargs, c) for c in offered_act}
+                for cfg in static_report.gemm_configs_for(cc, ragged=ragged):
+                    for launch in static_report.gate_launches(ragged):
+                        if launch.act != act and launch.act in static_report.transcendental():
+                            continue
+                        offered = static_report.cfg_name(cfg.kwargs, cfg) in act_ok
+                        launch = static_report.offered_launch(launch, offered)  # ReLU where pruned
+                        expected.add((static_report.pointer_case(cfg, launch).name, f"sm_{cc}"))
         if cc >= 90:
             for cfg in static_report.gemm_configs_for(cc, tma=True):
                 for launch in static_report.gate_launches():
                     expected.add((static_report.tma_case(cfg, launch).name, f"sm_{cc}"))
         assert expected <= compiled, sorted(expected - compiled)
+        # the new activations' forwards are among them, on the pointer and the TMA kernel
+        names = " ".join(case for case, target in expected if target == f"sm_{cc}")
+        for label in ("bias+silu+preact", "silu+preact", "bias+gelu_tanh+preact", "gelu_tanh+preact"):
+            assert f"matmul[128x64x32/s4w4,bf16->bf16,NT,{label}]" in names
+        assert (cc < 90) == ("matmul_tma[" not in names)
+    activation_grads = {r["case"] for r in rows if r["kernel"] == "_activation_grad_kernel"}
+    for name in ("relu", "gelu", "silu", "gelu_tanh"):
+        assert {f"activation_grad[fp16,{name}]", f"activation_grad[bf16,{name}]"} <= activation_grads
 
 
 def test_everything_compiles(rows):

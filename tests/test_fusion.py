@@ -1,6 +1,7 @@
-"""convert_network(fuse_activations=True): a Linear directly followed by ReLU or
-GELU in an nn.Sequential runs the activation in its GEMM's epilogue, with the
-same results, names, printed structure and hooks as the unfused model."""
+"""convert_network(fuse_activations=True): a Linear directly followed by ReLU,
+GELU (either form) or SiLU in an nn.Sequential runs the activation in its GEMM's
+epilogue, with the same results, names, printed structure and hooks as the
+unfused model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ ACTIVATIONS = {
     "relu": (nn.ReLU, "relu"),
     "relu_inplace": (lambda: nn.ReLU(inplace=True), "relu"),
     "gelu": (nn.GELU, "gelu"),
+    "gelu_tanh": (lambda: nn.GELU(approximate="tanh"), "gelu_tanh"),
+    "silu": (nn.SiLU, "silu"),
+    "silu_inplace": (lambda: nn.SiLU(inplace=True), "silu"),
 }
 
 #: ReLU commutes with the one rounding to fp16/bf16 and its gradient is a mask of
@@ -110,8 +114,8 @@ def test_fused_matches_unfused_and_torch(act, bias, dtype, epilogues):
     if name == "relu":
         _assert_same(got, want, None if EXACT else TOL[dtype])
     else:
-        # GELU: the epilogue applies it to the fp32 accumulator, where the unfused
-        # GELU module sees it rounded to dtype (and torch's erf is not Triton's):
+        # GELU, SiLU: the epilogue applies them to the fp32 accumulator, where the unfused
+        # module sees it rounded to dtype (and torch's erf/exp are not Triton's):
         # not the same numbers, both within 2 * TOL of float64, so 2 * TOL apart
         _assert_same(got, want, 2 * TOL[dtype])
 
@@ -129,8 +133,10 @@ def test_fp32_input_is_cast_as_the_linear_casts_it(epilogues):
 # --------------------------------------------------------------------------- invisible
 
 
-def test_names_state_dict_and_printed_structure_are_unchanged():
-    base = _mlp(nn.GELU)
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_names_state_dict_and_printed_structure_are_unchanged(act):
+    make, _ = ACTIVATIONS[act]
+    base = _mlp(make)
     fused = convert_network(copy.deepcopy(base))
     plain = convert_network(copy.deepcopy(base), fuse_activations=False)
     assert "forward" in vars(fused) and "forward" not in vars(plain)  # fusion is on here
@@ -138,12 +144,15 @@ def test_names_state_dict_and_printed_structure_are_unchanged():
     assert list(fused.state_dict()) == list(plain.state_dict()) == list(base.state_dict())
     names = [(n, type(m)) for n, m in fused.named_modules()]
     assert names == [(n, type(m)) for n, m in plain.named_modules()]
-    assert type(fused) is nn.Sequential and type(fused[1]) is nn.GELU
+    assert type(fused) is nn.Sequential and type(fused[1]) is type(base[1])
+    assert repr(fused[1]) == repr(base[1])  # e.g. GELU(approximate='tanh')
     assert fused[0].activation is None  # the Linear itself is not changed
 
 
-def test_forward_hooks_on_the_activation_fire_with_unfused_values(epilogues):
-    base = _mlp(nn.ReLU)
+@pytest.mark.parametrize("act", ["relu", "gelu_tanh", "silu_inplace"])
+def test_forward_hooks_on_the_activation_fire_with_unfused_values(act, epilogues):
+    make, name = ACTIVATIONS[act]
+    base = _mlp(make)
     fused = convert_network(copy.deepcopy(base))
     plain = convert_network(copy.deepcopy(base), fuse_activations=False)
     x = torch.randn(4, 12, device=DEVICE)
@@ -158,16 +167,21 @@ def test_forward_hooks_on_the_activation_fire_with_unfused_values(epilogues):
     handle = fused[1].register_forward_hook(record("fused"))  # after the conversion
     plain[1].register_forward_hook(record("plain"))
     got, want = _run(fused, x), _run(plain, x)
-    assert epilogues[:3] == [None, "relu", None]  # the hooked pair ran unfused, the other fused
+    assert epilogues[:3] == [None, name, None]  # the hooked pair ran unfused, the other fused
     for a, b in zip(seen["fused"], seen["plain"], strict=True):
         assert torch.equal(a, b)  # the hooked pair ran as in the unfused model
-    assert (seen["fused"][0] < 0).any()  # the hook saw the pre-activation, negatives and all
-    _assert_same(got, want, None if EXACT else TOL[torch.float16])
+    # the hook saw negatives: the pre-activation (after an in-place SiLU, args[0] is its
+    # output, as in the unfused model; SiLU's is negative too)
+    assert (seen["fused"][0] < 0).any()
+    if name == "relu":
+        _assert_same(got, want, None if EXACT else TOL[torch.float16])
+    else:  # the second pair fused: one rounding fewer, see test_fused_matches_unfused_and_torch
+        _assert_same(got, want, 2 * TOL[torch.float16])
 
     handle.remove()  # no hook any more: fused again
     epilogues.clear()
     fused(x)
-    assert epilogues == ["relu", "relu", None]
+    assert epilogues == [name, name, None]
 
 
 def test_pre_hook_on_the_linear_and_backward_hook_on_the_activation_are_honoured(epilogues):
@@ -224,10 +238,11 @@ class Residual(nn.Sequential):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: nn.GELU(approximate="tanh"),  # not in the epilogue
-        nn.SiLU,
-        nn.Tanh,
+        nn.Tanh,  # not in the epilogue
+        nn.Mish,
         type("MyReLU", (nn.ReLU,), {}),  # a subclass may compute something else
+        type("MySiLU", (nn.SiLU,), {}),
+        type("MyGELU", (nn.GELU,), {}),
     ],
 )
 def test_other_activations_are_not_fused(make, epilogues):
@@ -263,8 +278,9 @@ def test_a_linear_shared_with_another_place_is_fused_only_where_it_is_followed(e
 # --------------------------------------------------------------------------- round trips
 
 
-def test_convert_back_and_again():
-    base = _mlp(nn.ReLU)
+@pytest.mark.parametrize("act", ["relu", "gelu_tanh", "silu"])
+def test_convert_back_and_again(act):
+    base = _mlp(ACTIVATIONS[act][0])
     model = convert_network(copy.deepcopy(base))
     assert convert_network(model, torch.float32) is model
     assert "forward" not in vars(model)

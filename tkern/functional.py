@@ -36,7 +36,13 @@ from tkern.kernels._common import (
     check_same_device,
     check_tensor,
 )
-from tkern.kernels.activation import ACTIVATIONS, activation_grad, check_activation
+from tkern.kernels.activation import (
+    ACTIVATIONS,
+    GELU_TANH_COEFF,
+    GELU_TANH_SATURATED,
+    activation_grad,
+    check_activation,
+)
 from tkern.kernels.float8 import roll_amax_history, to_float8, to_float8_delayed, to_float8_delayed_deferred
 from tkern.kernels.gemm import matmul, matmul_prechecked, scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
@@ -62,12 +68,21 @@ def _differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
     dz = _as_2d(dy, n).float()
     if activation is not None:
         z = F.linear(x2d.float(), weight.float(), None if bias is None else bias.float())
+        # the formulas of activation.activation_grad_f32
         if activation == "relu":
             dz = dz * (z > 0)
-        else:  # gelu, erf form: d/dz [z Phi(z)] = Phi(z) + z phi(z)
+        elif activation == "gelu":  # erf form: d/dz [z Phi(z)] = Phi(z) + z phi(z)
             cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
             pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
             dz = dz * (cdf + z * pdf)
+        elif activation == "silu":  # d/dz [z s(z)] = s(z) (1 + z s(-z))
+            dz = dz * (torch.sigmoid(z) * (1.0 + z * torch.sigmoid(-z)))
+        else:  # gelu_tanh: d/dz [z s(2u)] = s(2u) (1 + z s(-2u) 2u'), 2u = c (z + k z^3)
+            c, a = 2.0 * math.sqrt(2.0 / math.pi), GELU_TANH_COEFF
+            zc = z.clamp(-GELU_TANH_SATURATED, GELU_TANH_SATURATED)  # act' is exactly 0 or 1 beyond
+            z2 = zc * zc
+            two_u = c * zc * (1.0 + a * z2)
+            dz = dz * (torch.sigmoid(two_u) * (1.0 + zc * torch.sigmoid(-two_u) * c * (1.0 + 3.0 * a * z2)))
         # the kernels round dz to the activations' dtype before the two GEMMs
         dz = dz.to(dy.dtype).float()
     dx = (dz @ weight.float()).to(x2d.dtype).reshape(*dy.shape[:-1], k) if needs[0] else None
@@ -300,7 +315,8 @@ def linear(
         x: (..., K), fp16 or bf16.
         weight: (N, K), same dtype as ``x``.
         bias: optional (N,), ``x``'s dtype or fp32.
-        activation: None, ``"relu"`` or ``"gelu"``.
+        activation: None, ``"relu"``, ``"gelu"`` (erf form, ``F.gelu``), ``"silu"``
+            (``F.silu``) or ``"gelu_tanh"`` (``F.gelu(approximate="tanh")``).
 
     Returns:
         (..., N) tensor of ``x``'s dtype. ``K == 0`` gives ``act(bias)`` (zeros

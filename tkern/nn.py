@@ -34,7 +34,8 @@ class Linear(nn.Linear):
         in_features: K.
         out_features: N.
         bias: whether to learn an additive bias.
-        activation: None, ``"relu"`` or ``"gelu"``, fused into the epilogue.
+        activation: None, ``"relu"``, ``"gelu"`` (erf form), ``"silu"`` or
+            ``"gelu_tanh"`` (``F.gelu(approximate="tanh")``), fused into the epilogue.
         dtype: fp16 (default) or bf16.
         device: where the parameters live.
     """
@@ -367,17 +368,23 @@ class _CastOutput:
 
 # --------------------------------------------------------------------------- activation fusion
 
+#: ``nn.GELU.approximate`` -> the epilogue's name for that form.
+_GELU_FORMS = {"none": "gelu", "tanh": "gelu_tanh"}
+
 
 def _epilogue_activation(module: nn.Module) -> str | None:
     """The GEMM epilogue's name for the activation ``module`` computes, or None.
 
     Exact types only (a subclass may compute something else). ``ReLU(inplace=True)``
-    too: the Linear's output it would overwrite is a fresh tensor nobody else holds.
-    GELU's tanh form and SiLU are not in the epilogue (yet), so they run unfused."""
+    and ``SiLU(inplace=True)`` too: the Linear's output they would overwrite is a
+    fresh tensor nobody else holds. ``nn.GELU`` in either form (``approximate`` is
+    "none" or "tanh"; anything else is refused by its forward, so left to it)."""
     if type(module) is nn.ReLU:
         return "relu"
-    if type(module) is nn.GELU and module.approximate == "none":
-        return "gelu"
+    if type(module) is nn.SiLU:
+        return "silu"
+    if type(module) is nn.GELU and isinstance(module.approximate, str):
+        return _GELU_FORMS.get(module.approximate)
     return None
 
 
@@ -587,26 +594,25 @@ def convert_network(
 
     With ``fuse_activations`` (the default), an ``nn.Sequential`` (or a subclass
     that keeps its forward) in which a :class:`tkern.nn.Linear` is directly
-    followed by ``nn.ReLU`` (``inplace`` or not) or ``nn.GELU()`` (erf form) runs
-    that activation in the Linear's GEMM epilogue: one kernel, no separate pass
+    followed by ``nn.ReLU``, ``nn.SiLU`` (``inplace`` or not) or ``nn.GELU`` (erf or
+    tanh form) runs that activation in the Linear's GEMM epilogue: one kernel, no separate pass
     over the output, and the activation's gradient taken from the pre-activation
     the GEMM saves. The modules stay as they were (types, names, state_dict keys,
     ``print(model)``); the container gets an instance ``forward`` that decides on
     every call, so a pair where either module has a hook (its own or a global
     one; registered before ``torch.compile``, as compile requires of any hook)
     runs unfused, each hook seeing the values it would see without fusion. ReLU
-    gives the same numbers as unfused; GELU rounds once fewer (the epilogue applies
-    it to the fp32 accumulator, the module to the pre-activation rounded to
-    ``dtype``). A Linear whose output is used in a forward tkern cannot see
-    (any other container or module) is not fused; nor are GELU's tanh form, SiLU,
-    or :class:`Float8Linear`.
+    gives the same numbers as unfused; GELU and SiLU round once fewer (the epilogue
+    applies them to the fp32 accumulator, the module to the pre-activation rounded
+    to ``dtype``). A Linear whose output is used in a forward tkern cannot see
+    (any other container or module) is not fused; nor is :class:`Float8Linear`.
 
     Args:
         model: the model (fp32, or converted before).
         dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
         float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or a Float8Recipe.
         float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
-        fuse_activations: fold ReLU/GELU modules into the preceding Linear's GEMM.
+        fuse_activations: fold ReLU/GELU/SiLU modules into the preceding Linear's GEMM.
 
     Raises:
         TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it

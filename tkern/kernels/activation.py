@@ -26,11 +26,32 @@ from tkern.kernels._common import (
 )
 
 #: Activations the epilogue can apply; the integer is the kernels' constexpr code.
-ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}
+#: "gelu" is the erf form (``F.gelu``), "gelu_tanh" its tanh approximation
+#: (``F.gelu(approximate="tanh")``), "silu" ``x * sigmoid(x)`` (``F.silu``).
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "silu": 3, "gelu_tanh": 4}
 _RELU: tl.constexpr = tl.constexpr(ACTIVATIONS["relu"])
 _GELU: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu"])
+_SILU: tl.constexpr = tl.constexpr(ACTIVATIONS["silu"])
+_GELU_TANH: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu_tanh"])
+#: The activations computed with exp/erf (every one but ReLU): the ones whose
+#: temporaries compete with a GEMM's accumulator for registers (gemm_epilogue
+#: applies them in column slices; gemm_configs.ACT_MAX_ACC_ACTIVATIONS names those
+#: for which large tiles are pruned as well).
+TRANSCENDENTAL = frozenset(ACTIVATIONS[a] for a in ("gelu", "silu", "gelu_tanh"))
+#: :data:`TRANSCENDENTAL` as a bit set for jit code: ``(TRANSCENDENTAL_BITS >> ACTIVATION) & 1``.
+TRANSCENDENTAL_BITS: tl.constexpr = tl.constexpr(sum(1 << code for code in TRANSCENDENTAL))
 _INV_SQRT2: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0))
 _INV_SQRT_2PI: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+#: tanh-GELU's cubic coefficient: gelu_tanh(z) = 0.5 z (1 + tanh(u)) = z * sigmoid(2u),
+#: u = sqrt(2/pi) (z + GELU_TANH_COEFF z^3), as torch's ``F.gelu(approximate="tanh")``.
+GELU_TANH_COEFF = 0.044715
+#: |z| beyond which gelu_tanh'(z) is exactly 1 (z > 0) or 0 (z < 0) in fp32
+#: (sigmoid(2u) rounds to 1 from z ~ 5.5; its complement underflows to 0 from z ~ 11):
+#: the gradient clamps z here so that z^3 cannot overflow (|z| > 7e12) into inf * 0.
+GELU_TANH_SATURATED = 20.0
+_TANH_K: tl.constexpr = tl.constexpr(GELU_TANH_COEFF)
+_TANH_2C: tl.constexpr = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))  # 2u = _TANH_2C (z + _TANH_K z^3)
+_GELU_TANH_SATURATED: tl.constexpr = tl.constexpr(GELU_TANH_SATURATED)
 
 #: Elements per program: large under the interpreter, where each program costs
 #: milliseconds; 1024 (4 warps x 32 threads x 8 halves = 16-byte loads) on a GPU.
@@ -50,11 +71,20 @@ def check_activation(activation: str | None) -> None:
 
 @triton.jit
 def apply_activation(z, ACTIVATION: tl.constexpr):
-    """act(z) on an fp32 tensor of any shape (ACTIVATION 0 is the identity)."""
+    """act(z) on an fp32 tensor of any shape (ACTIVATION 0 is the identity).
+
+    SiLU and tanh-GELU are ``z * sigmoid(v)`` written ``z / (1 + exp(-v))``: for
+    any finite z the exponential is finite or +inf, and z / inf is the exact
+    limit 0 (no inf/inf, no NaN); the fewest temporaries next to an accumulator."""
     if ACTIVATION == _RELU:
         z = tl.maximum(z, 0.0)
     elif ACTIVATION == _GELU:
         z = 0.5 * z * (1.0 + tl.erf(z * _INV_SQRT2))
+    elif ACTIVATION == _SILU:
+        z = z / (1.0 + tl.exp(-z))
+    elif ACTIVATION == _GELU_TANH:
+        # 0.5 (1 + tanh(u)) = sigmoid(2u): no cancellation for negative z
+        z = z / (1.0 + tl.exp((z + z * z * z * _TANH_K) * -_TANH_2C))
     return z
 
 
@@ -63,11 +93,23 @@ def activation_grad_f32(dy, z, ACTIVATION: tl.constexpr):
     """dy * act'(z) on fp32 tensors of one shape (ACTIVATION > 0)."""
     if ACTIVATION == _RELU:
         dz = tl.where(z > 0.0, dy, 0.0)
-    else:
+    elif ACTIVATION == _GELU:
         # d/dz [z * Phi(z)] = Phi(z) + z * phi(z)
         cdf = 0.5 * (1.0 + tl.erf(z * _INV_SQRT2))
         pdf = tl.exp(-0.5 * z * z) * _INV_SQRT_2PI
         dz = dy * (cdf + z * pdf)
+    elif ACTIVATION == _SILU:
+        # d/dz [z s(z)] = s(z) (1 + z (1 - s(z))); s = 1 / (1 + exp(-z)) is 0 (not NaN)
+        # where exp(-z) is inf, and then s * (1 + z) is 0 * finite
+        s = 1.0 / (1.0 + tl.exp(-z))
+        dz = dy * (s * (1.0 + z * (1.0 - s)))
+    else:
+        # d/dz [z s(2u)] = s(2u) (1 + z (1 - s(2u)) 2u'), 2u' = _TANH_2C (1 + 3 _TANH_K z^2);
+        # z clamped where act' is exactly 0 or 1, so z * 2u' stays finite
+        zc = tl.minimum(tl.maximum(z, -_GELU_TANH_SATURATED), _GELU_TANH_SATURATED)
+        z2 = zc * zc
+        s = 1.0 / (1.0 + tl.exp(zc * (1.0 + z2 * _TANH_K) * -_TANH_2C))
+        dz = dy * (s * (1.0 + zc * (1.0 - s) * ((1.0 + z2 * (3.0 * _TANH_K)) * _TANH_2C)))
     return dz
 
 
@@ -80,7 +122,7 @@ def _activation_grad_kernel(
     z_ptr,  # (n,) pre-activation saved by the forward GEMM, same dtype
     dz_ptr,  # (n,) output, same dtype
     n,
-    ACTIVATION: tl.constexpr,  # 1 relu, 2 gelu (erf form)
+    ACTIVATION: tl.constexpr,  # an ACTIVATIONS code other than 0
     DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -100,7 +142,7 @@ def activation_grad(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch
     Args:
         dy: upstream gradient, any shape, fp16/bf16.
         z: pre-activation, same shape and dtype as ``dy``.
-        activation: ``"relu"`` or ``"gelu"``.
+        activation: a name in :data:`ACTIVATIONS` other than None.
     """
     check_activation(activation)
     if activation is None:

@@ -22,7 +22,7 @@ GROUP_M = 8
 
 
 def epi_split(block_m: int, block_n: int, num_warps: int) -> int:
-    """Column slices of a GELU epilogue: one per 32 accumulator values a thread
+    """Column slices of an exp/erf epilogue (GELU, SiLU, tanh-GELU): one per 32 accumulator values a thread
     holds, at most 4 (128x256 on 8 warps: 128 values, 4 slices of 32)."""
     return max(1, min(4, acc_per_thread(block_m, block_n, num_warps) // 32))
 
@@ -132,15 +132,19 @@ def loads_per_thread(block_m: int, block_n: int, block_k: int, num_warps: int) -
 PRE_HOPPER_MAX_ACC = 64
 
 
-#: Hopper, pointer kernel, a GELU epilogue (a fused linear + GELU, with or without the
-#: pre-activation stored for backward): at most this many accumulator values per thread.
-#: Measured (static_report, sm_90, triton 3.6, the GPU machines' version): the tiles holding
-#: 128 (128x256 and 256x128 on 8 warps, 128x128 on 4) reach 255 registers without a bias and
-#: spill 8-24 B (three of five with the pre-activation, all five without it); the 64-value
-#: tiles stay at 122-136 registers. (Triton 3.9 fits them: the rule follows the older compiler.)
-GELU_MAX_ACC = 64
-#: The ``ACTIVATION`` code of GELU.
-_GELU = ACTIVATIONS["gelu"]
+#: Hopper, pointer kernel, an epilogue applying one of :data:`ACT_MAX_ACC_ACTIVATIONS` (a
+#: fused linear + activation, with or without the pre-activation stored for backward): at
+#: most this many accumulator values per thread. Measured for GELU (static_report, sm_90,
+#: triton 3.6, the GPU machines' version): the tiles holding 128 (128x256 and 256x128 on 8
+#: warps, 128x128 on 4) reach 255 registers without a bias and spill 8-24 B (three of five
+#: with the pre-activation, all five without it); the 64-value tiles stay at 122-136
+#: registers. (Triton 3.9 fits them: the rule follows the older compiler.)
+ACT_MAX_ACC = 64
+#: The ``ACTIVATION`` codes :data:`ACT_MAX_ACC` applies to: GELU (erf form) only. SiLU and
+#: tanh-GELU (one exp and one division each, in the same column slices) fit the 128-value
+#: tiles: 168-226 registers and no spills on sm_90 under triton 3.6 and 3.9, with or without
+#: a bias and the pre-activation (static_report, the compile gate's heaviest forwards).
+ACT_MAX_ACC_ACTIVATIONS = frozenset({ACTIVATIONS["gelu"]})
 
 
 def _cfg_tile(c: triton.Config) -> int:
@@ -161,23 +165,24 @@ def prune_configs(
     *,
     tma: bool = False,
     ragged: bool = False,
-    gelu: bool = False,
+    activation: int = 0,
 ) -> list[triton.Config]:
     """The configs worth trying on compute capability ``cc`` (e.g. 90): those
     whose shared memory fits; on ``ragged`` operands (see :func:`operands_ragged`)
     only the tiles whose accumulator and scalar operand loads do not spill
     there (:data:`RAGGED_MAX_TILE`, :data:`RAGGED_MAX_LOADS`); before Hopper
     only the tiles whose accumulator leaves room for mma.sync's operands; for
-    the pointer kernel's GELU epilogue (``gelu``) only :data:`GELU_MAX_ACC`
-    accumulator values per thread on Hopper. Never empty: the smallest is kept."""
+    the pointer kernel's epilogue applying ``activation`` (an ``ACTIVATIONS`` code) in
+    :data:`ACT_MAX_ACC_ACTIVATIONS` only :data:`ACT_MAX_ACC` accumulator values per
+    thread on Hopper. Never empty: the smallest is kept."""
     limit = smem_limit(cc)
     fits = [c for c in configs if smem_estimate(c) <= limit]
     if ragged and not tma:
         fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c) <= RAGGED_MAX_LOADS]
     if cc < 90:
         fits = [c for c in fits if _cfg_acc(c) <= PRE_HOPPER_MAX_ACC]
-    if gelu and not tma:
-        fits = [c for c in fits if _cfg_acc(c) <= GELU_MAX_ACC]
+    if activation in ACT_MAX_ACC_ACTIVATIONS and not tma:
+        fits = [c for c in fits if _cfg_acc(c) <= ACT_MAX_ACC]
     return fits or [min(configs, key=smem_estimate)]
 
 
@@ -228,7 +233,7 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
 
     def prune(configs, nargs, **kwargs):
         ragged = not tma and _ragged_args(nargs)
-        gelu = {**nargs, **kwargs}.get("ACTIVATION") == _GELU
-        return prune_configs(configs, _device_cc(nargs), tma=tma, ragged=ragged, gelu=gelu)
+        activation = {**nargs, **kwargs}.get("ACTIVATION", 0)
+        return prune_configs(configs, _device_cc(nargs), tma=tma, ragged=ragged, activation=activation)
 
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})

@@ -24,9 +24,7 @@ from tkern.kernels._common import (
     check_tensor,
     tl_dtype,
 )
-from tkern.kernels.activation import ACTIVATIONS, apply_activation, check_activation
-
-_GELU: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu"])
+from tkern.kernels.activation import ACTIVATIONS, TRANSCENDENTAL_BITS, apply_activation, check_activation
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -119,21 +117,22 @@ def epilogue(
     stride_cn,
     stride_bias,
     HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
+    ACTIVATION: tl.constexpr,  # an activation.ACTIVATIONS code (0 none)
     STORE_PREACT: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
     PREACT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    EPI_SPLIT: tl.constexpr,  # column slices of a GELU epilogue (gemm_configs.epi_split)
+    EPI_SPLIT: tl.constexpr,  # column slices of an exp/erf epilogue (gemm_configs.epi_split)
 ):
     """Bias, activation and one cast, on the fp32 accumulator; masked stores.
 
-    With GELU the epilogue runs on ``EPI_SPLIT`` (1, 2 or 4) column slices of
-    the tile one after the other: erf's temporaries next to a whole 128x256
+    With an activation computed with exp/erf (activation.TRANSCENDENTAL: GELU,
+    SiLU, tanh-GELU) the epilogue runs on ``EPI_SPLIT`` (1, 2 or 4) column slices
+    of the tile one after the other: erf's temporaries next to a whole 128x256
     (or 4-warp 128x128) accumulator spilled registers; on a slice they fit."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    PARTS: tl.constexpr = EPI_SPLIT if ACTIVATION == _GELU else 1
+    PARTS: tl.constexpr = EPI_SPLIT if (TRANSCENDENTAL_BITS >> ACTIVATION) & 1 else 1
     WIDTH: tl.constexpr = BLOCK_N // PARTS
     slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
     for i in tl.static_range(PARTS):
