@@ -306,7 +306,7 @@ def _scale_cases() -> list[Case]:
     return cases
 
 
-def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
+def _gemm_sig(dtype, out, bias_dtype, preact, tma=None, sum_dtype=None):
     sig = {}
     if tma:
         bm, bn, bk, a_t, b_t = tma
@@ -322,6 +322,8 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
             sig[name] = "i32"
         for name in ("block_am", "block_ak", "block_bk", "block_bn"):
             sig[name] = "i32"
+        # the operand prologue's pointers (unused unless A_ACT / STORE_A / SUM_A)
+        sig.update(z_ptr=_ptr(dtype), a_out_ptr=_ptr(dtype), a_sum_ptr=_ptr(sum_dtype or "fp32"))
     return sig
 
 
@@ -329,13 +331,16 @@ POINTER_KERNEL = "tkern.kernels.gemm:_matmul_kernel"
 TMA_KERNEL = "tkern.kernels.gemm_tma:_matmul_tma_kernel"
 
 
-def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False, gelu: bool = False) -> list:
+def gemm_configs_for(
+    cc: int, tma: bool = False, ragged: bool = False, gelu: bool = False, prologue: int = 0
+) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning),
-    for launches whose epilogue is (``gelu``) or is not GELU."""
+    for launches whose epilogue is (``gelu``) or is not GELU, with the operand
+    ``prologue`` (an ``A_ACT`` code) or none."""
     from tkern.kernels import gemm_configs
 
     configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
-    return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged, gelu=gelu)
+    return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged, gelu=gelu, prologue=prologue)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,13 +358,27 @@ class GemmLaunch:
     preact: bool = False
     layout: str = "NT"
     ragged: bool = False
+    # the operand prologue (the linear backward, gemm.matmul_backward): the activation
+    # code whose gradient multiplies A, A' stored, A' row sums stored in this dtype
+    a_act: int = 0
+    store_a: bool = False
+    sum_a: str | None = None
 
     @property
     def label(self) -> str:
         epi = ("bias+" if self.bias else "") + {0: "none", 1: "relu", 2: "gelu"}[self.act]
         epi += "+preact" if self.preact else ""
         bias = f",{self.bias} bias" if self.bias and self.bias != self.dtype else ""
-        return f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
+        label = f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
+        return label + self.prologue_label
+
+    @property
+    def prologue_label(self) -> str:
+        """``",A'=..."`` naming the operand prologue, empty without one."""
+        act = {1: "relu'", 2: "gelu'"}.get(self.a_act, f"act{self.a_act}'")
+        parts = ([act] if self.a_act else []) + (["store"] if self.store_a else [])
+        parts += [f"sum {self.sum_a}"] if self.sum_a else []
+        return f",A'={'+'.join(parts)}" if parts else ""
 
 
 HALF = ("fp16", "bf16")
@@ -417,6 +436,23 @@ def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
     return tuple(dataclasses.replace(v, ragged=ragged) for v in launches)
 
 
+def prologue_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunch]:
+    """The backward GEMMs with an operand prologue (gemm.matmul_backward) the gate
+    compiles ``cfg`` for on target ``cc``, the heaviest of each kind it is offered
+    to: wgrad summing a stored dZ (no prologue: offered every config); dgrad storing
+    dZ and wgrad summing dbias with ReLU's gradient (a select) and GELU's (erf and
+    exp, the most registers), where gemm_configs' prologue rules offer ``cfg``."""
+    name = cfg_name(cfg.kwargs, cfg)
+    launches = [GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, sum_a="fp32")]
+    for act in (1, 2):
+        if name in {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, prologue=act)}:
+            launches += [
+                GemmLaunch("bf16", "bf16", layout="NN", ragged=ragged, a_act=act, store_a=True),
+                GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, a_act=act, sum_a="bf16"),
+            ]
+    return launches
+
+
 def _gemm_case(name, kernel, cfg, sig, const, aligned, gated=True) -> Case:
     return Case(
         name=name,
@@ -435,12 +471,13 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
     """``_matmul_kernel`` under ``cfg`` as the launcher specialises it for ``v``."""
     tl = _tl()
     kw = cfg.kwargs
-    sig = _gemm_sig(v.dtype, v.out, v.bias, v.preact)
+    sig = _gemm_sig(v.dtype, v.out, v.bias, v.preact, sum_dtype=v.sum_a)
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]),
         UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
+        A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -454,6 +491,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
     for k in const:
         sig[k] = "constexpr"
     aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", "stride_cm", "M", "N"]
+    aligned += ["z_ptr", "a_out_ptr", "a_sum_ptr"]  # new tensors (torch allocates them aligned)
     if not v.ragged:
         aligned += ["K"] + [s for s in strides if s not in const]
     return _gemm_case(
@@ -486,8 +524,9 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     pruning), compiled for :func:`gate_launches`: the pointer kernel's aligned
     configs, its ragged configs on ragged operands, and (sm_90 only) the TMA
     kernel's configs (which serve ragged operands there), plus the TMA kernel's
-    other layout and ragged operands once. With ``full``, every launch of
-    :func:`linear_launches` on the first aligned config of each kernel."""
+    other layout and ragged operands once; the pointer kernel's configs also for
+    :func:`prologue_gate_launches`. With ``full``, every launch of
+    :func:`linear_launches` on the first aligned config of each kernel offered to it."""
     cases = []
     for ragged in (False, True):
         gelu_ok = {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, gelu=True)}
@@ -496,9 +535,13 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
             if cfg_name(cfg.kwargs, cfg) not in gelu_ok:  # not offered to GELU:
                 launches = [without_gelu(v) for v in launches]  # the next heaviest
             cases += [pointer_case(cfg, v, gated=not ragged) for v in launches]
+            cases += [pointer_case(cfg, v, gated=not ragged) for v in prologue_gate_launches(cc, cfg, ragged)]
     if full:
-        first = gemm_configs_for(cc)[0]
-        cases += [pointer_case(first, v) for v in linear_launches() if v not in gate_launches()]
+        cases += [
+            pointer_case(gemm_configs_for(cc, prologue=v.a_act)[0], v)
+            for v in linear_launches()
+            if v not in gate_launches()
+        ]
     if cc >= 89:
         cases += _fp8_gemm_cases(cc)
     if cc >= 90:
@@ -534,6 +577,7 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
             HAS_BIAS=True, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16, PREACT_DTYPE=tl.bfloat16,
             UPCAST=False, EVEN_K=True, SCALE_A=scale_a, SCALE_B=scale_b, A_T=False, B_T=True,
             stride_ak=1, stride_bk=1, stride_cn=1, stride_bias=1, **kw,
+            A_ACT=0, STORE_A=False, SUM_A=False,
         )  # fmt: skip
         for name in ("stride_am", "stride_bn", "stride_cm"):
             sig[name] = "i32"
