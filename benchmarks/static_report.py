@@ -400,7 +400,24 @@ def linear_launches() -> list[GemmLaunch]:
         for preact in ((False, True) if act else (False,))
     ]
     backward = [GemmLaunch(d, d, layout=layout) for d in HALF for layout in ("NN", "TN")]
-    return forward + backward
+    return forward + backward + backward_prologue_launches()
+
+
+def backward_prologue_launches() -> list[GemmLaunch]:
+    """The backward GEMMs of ``tkern.linear`` with an operand prologue
+    (gemm.matmul_backward), aligned: dgrad ``dY @ W`` (NN) applying act'(Z) to dY
+    (for functional.PROLOGUE_ACTIVATIONS), storing dZ when wgrad or dbias needs it;
+    wgrad ``dZ^T @ X`` (TN) summing dbias (the bias's dtype, the operands' or fp32)
+    and, when dX is not needed, applying act'(Z^T) itself."""
+    from tkern.functional import PROLOGUE_ACTIVATIONS
+    from tkern.kernels.activation import ACTIVATIONS
+
+    acts = sorted(ACTIVATIONS[a] for a in PROLOGUE_ACTIVATIONS)
+    dgrad = [GemmLaunch(d, d, layout="NN", a_act=act, store_a=store)
+             for d in HALF for act in acts for store in (False, True)]  # fmt: skip
+    wgrad = [GemmLaunch(d, d, layout="TN", a_act=act, sum_a=sum_a)
+             for d in HALF for act in (0, *acts) for sum_a in (None, d, "fp32") if act or sum_a]  # fmt: skip
+    return dgrad + wgrad
 
 
 #: The launches the compile gate compiles for every offered config: the most
