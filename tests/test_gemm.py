@@ -446,6 +446,7 @@ def test_prologue_configs_are_pruned_by_their_named_rules():
     from tkern.kernels.activation import ACTIVATIONS
     from tkern.kernels.gemm_configs import (
         PROLOGUE_ACT_MAX_A,
+        PROLOGUE_ACT_PRE_HOPPER_MAX_ACC,
         PROLOGUE_MAX_ACC,
         RAGGED_MAX_LOADS,
         acc_per_thread,
@@ -470,6 +471,7 @@ def test_prologue_configs_are_pruned_by_their_named_rules():
         for c in with_gelu:
             bm, bn, bk, w = tiles(c)
             assert bm * bk // (32 * w) <= PROLOGUE_ACT_MAX_A
+            assert cc >= 90 or acc_per_thread(bm, bn, w) <= PROLOGUE_ACT_PRE_HOPPER_MAX_ACC
         # ragged operands: Z's scalar loads count beside A's and B's
         for c in prune_configs(configs, cc, ragged=True, prologue=relu):
             bm, bn, bk, w = tiles(c)

@@ -323,7 +323,8 @@ class OperandPrologue(NamedTuple):
 
     def args(self, dummy: torch.Tensor) -> tuple:
         """The kernel's prologue pointers, ``z_ptr`` to ``a_sum_ptr``."""
-        return tuple(dummy if t is None else t for t in (self.z, self.a_out, self.a_sum))
+        z, out, sums = self.z, self.a_out, self.a_sum
+        return (dummy if z is None else z, dummy if out is None else out, dummy if sums is None else sums)
 
     def meta(self) -> dict:
         """The kernel's prologue constexprs."""

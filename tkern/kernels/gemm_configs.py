@@ -152,14 +152,17 @@ _GELU = ACTIVATIONS["gelu"]
 PROLOGUE_MAX_ACC = 64
 #: The prologue of an activation whose gradient is more than a select (GELU: erf and
 #: exp on every element of A): at most this many elements of A's (BLOCK_M, BLOCK_K)
-#: tile per thread. Measured (triton 3.9, bf16): 64x128x32 and 64x32x32 on 4 warps (16)
-#: stay at or under 239 registers on sm_90 and sm_80 without spilling; the 32-element
+#: tile per thread. Measured (triton 3.9 and 3.6, bf16): 64x128x32 and 64x32x32 on 4 warps
+#: (16) do not spill on sm_90 (96-255 registers, ragged operands too); the 32-element
 #: tiles spill: 128x64x32 on 4 warps and 128x128x64 on 8 (8-24 B on sm_90), 64x64x64 on
 #: 4 (56-496 B on sm_80, where mma.sync holds A's fragments in registers too).
 PROLOGUE_ACT_MAX_A = 16
+#: ... and before Hopper at most this many accumulator values per thread: 64x128x32 on 4
+#: warps (64) spills 8 B on sm_80 under triton 3.6 in dgrad storing dZ; 64x32x32 (16) does not.
+PROLOGUE_ACT_PRE_HOPPER_MAX_ACC = 32
 #: Activation codes whose gradient is a select (``dy`` where ``z > 0``): only
 #: :data:`PROLOGUE_MAX_ACC` holds for them; every other code is held to
-#: :data:`PROLOGUE_ACT_MAX_A` too.
+#: :data:`PROLOGUE_ACT_MAX_A` (and :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`) too.
 PROLOGUE_SELECT = frozenset({ACTIVATIONS["relu"]})
 
 
@@ -199,7 +202,8 @@ def prune_configs(
     the pointer kernel's GELU epilogue (``gelu``) only :data:`GELU_MAX_ACC`
     accumulator values per thread on Hopper; with an operand ``prologue`` (the
     ``A_ACT`` code of gemm.matmul_backward) only the tiles whose accumulator leaves
-    room for A's and Z's tiles (:data:`PROLOGUE_MAX_ACC`, :data:`PROLOGUE_ACT_MAX_A`;
+    room for A's and Z's tiles (:data:`PROLOGUE_MAX_ACC`, :data:`PROLOGUE_ACT_MAX_A`,
+    :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`;
     on ragged operands Z's scalar loads count in :data:`RAGGED_MAX_LOADS`). Never
     empty: the smallest is kept."""
     limit = smem_limit(cc)
@@ -214,6 +218,8 @@ def prune_configs(
         fits = [c for c in fits if _cfg_acc(c) <= PROLOGUE_MAX_ACC]
         if prologue not in PROLOGUE_SELECT:
             fits = [c for c in fits if _cfg_a_values(c) <= PROLOGUE_ACT_MAX_A]
+            if cc < 90:
+                fits = [c for c in fits if _cfg_acc(c) <= PROLOGUE_ACT_PRE_HOPPER_MAX_ACC]
         if ragged:
             fits = [c for c in fits if _cfg_loads(c, prologue=True) <= RAGGED_MAX_LOADS]
     return fits or [min(configs, key=smem_estimate)]
