@@ -107,6 +107,10 @@ def test_host_smoke_times_tkern_with_stubs_and_torch():
     assert all(r["launches"] >= 1 for r in res.rows if "launches" in r)
     assert any("launches" in r for r in res.rows if r["impl"].startswith("tkern"))
     assert res.meta["linear_fwd_us"] > 0 and res.meta["linear_bwd_us"] > 0
+    # tkern's own time is its time minus the floor row's, which is measured beside it
+    floor = {r["case"].split()[1]: r["us"] for r in res.rows if r["impl"] == bench_host.FLOOR}
+    assert res.meta["linear_fwd_own_us"] == round(res.meta["linear_fwd_us"] - floor["forward"], 2)
+    assert res.meta["linear_bwd_own_us"] == round(res.meta["linear_bwd_us"] - floor["backward"], 2)
 
 
 def test_stubbed_launches_run_no_kernel_and_are_restored():

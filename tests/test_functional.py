@@ -125,6 +125,55 @@ def test_linear_dtype_mismatch():
         tkern.linear(x, w)
 
 
+def _linear_arg_cases():
+    """(x, weight, bias, activation) around the common case, one thing changed at a time."""
+    h, bf = torch.float16, torch.bfloat16
+
+    def t(*shape, dtype=h, **kw):
+        return torch.zeros(*shape, dtype=dtype, device=DEVICE, **kw)
+
+    w = t(4, 5)
+    yield t(3, 5), w, t(4), None  # the common case
+    yield t(2, 3, 5), w, None, "relu"
+    yield t(3, 5), w, t(4, dtype=torch.float32), "gelu"
+    yield t(3, 5, dtype=bf), t(4, 5, dtype=bf), t(4, dtype=bf), None
+    yield t(3, 5), torch.nn.Parameter(w), torch.nn.Parameter(t(4)), None
+    yield t(5, 3).t(), w, None, None  # a transposed x
+    yield t(3, 5), t(5, 4).t(), None, None  # a transposed weight
+    yield t(3, 5), w, t(8)[::2], None  # a strided bias
+    yield t(3, 5, dtype=bf), w, None, None  # dtype mismatch
+    yield t(3, 5, dtype=torch.float32), t(4, 5, dtype=torch.float32), None, None
+    yield t(3, 5), w, t(4, dtype=bf), None
+    yield t(3, 6), w, None, None
+    yield t(3, 5), t(4, 5, 1), None, None
+    yield t(3, 5), w, t(5), None
+    yield t(3, 5), w, t(4, 1), None
+    yield t(3, 5), w, None, "swish"
+    yield t(3, 5), w, None, ["relu"]
+    yield t(3, 0), t(4, 0), t(4), "relu"
+    yield t(0, 5), w, None, None
+    yield torch.zeros(3, 5, dtype=h, device="meta"), w, None, None
+    yield t(3, 5), w, "bias", None
+
+
+@pytest.mark.parametrize("case", range(21))
+def test_linear_fast_path_accepts_only_what_the_checks_accept(case):
+    """``linear`` skips its checks when ``linear_args_plainly_valid`` says so: that
+    must imply every check passes and the eager path applies; the common case must
+    take it (else it saves nothing)."""
+    from tkern.functional import check_linear_args, linear_args_plainly_valid
+
+    args = list(_linear_arg_cases())[case]
+    try:
+        eager = check_linear_args(*args)
+    except (TypeError, ValueError, AttributeError):
+        eager = None
+    if linear_args_plainly_valid(*args):
+        assert eager is True
+    if case == 0:
+        assert linear_args_plainly_valid(*args)
+
+
 # --------------------------------------------------------------------------- second order
 
 

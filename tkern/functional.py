@@ -24,19 +24,22 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from tkern.kernels._common import (
     HALF_DTYPES,
+    INT32_MAX,
+    INTERPRET,
     check_int32_addressable,
     check_int32_elements,
     check_same_device,
     check_tensor,
 )
-from tkern.kernels.activation import activation_grad, check_activation
-from tkern.kernels.float8 import to_float8, to_float8_delayed
+from tkern.kernels.activation import ACTIVATIONS, activation_grad, check_activation
+from tkern.kernels.float8 import roll_amax_history, to_float8, to_float8_delayed, to_float8_delayed_deferred
 from tkern.kernels.gemm import (
     matmul,
     matmul_backward,
@@ -323,6 +326,47 @@ def _check_meta(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise TypeError(f"x must have dtype in ({weight.dtype}), got dtype {x.dtype}")
 
 
+def linear_args_plainly_valid(x, weight, bias, activation) -> bool:
+    """Whether :func:`linear` may skip its checks: a sufficient condition, cheap to
+    test, that every check it makes passes and that the eager path applies (dense
+    contiguous plain tensors on one device the current mode runs on, matching
+    dtypes and shapes, fewer than 2^31 elements each and in the output). Anything
+    else (None of the fast answers) takes the full checks, which name what is wrong."""
+    if (
+        type(x) is not torch.Tensor
+        or not (activation is None or type(activation) is str)
+        or activation not in ACTIVATIONS
+        or not isinstance(weight, torch.Tensor)
+        or weight.dtype not in HALF_DTYPES
+        or x.dtype is not weight.dtype
+        or weight.dim() != 2
+        or x.dim() == 0
+        or x.shape[-1] != weight.shape[1]
+        or x.layout != torch.strided
+        or weight.layout != torch.strided
+        or not x.is_contiguous()
+        or not weight.is_contiguous()
+        or x.numel() > INT32_MAX
+        or weight.numel() > INT32_MAX
+        or x.device != weight.device
+        or (x.device.type != "cuda" and not INTERPRET)
+        or x.is_meta
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    n = weight.shape[0]
+    if n * (x.numel() // max(weight.shape[1], 1)) > INT32_MAX or weight.shape[1] == 0:
+        return False
+    return bias is None or (
+        isinstance(bias, torch.Tensor)
+        and bias.dim() == 1
+        and bias.shape[0] == n
+        and (bias.dtype is weight.dtype or bias.dtype is torch.float32)
+        and bias.layout == torch.strided
+        and bias.device == x.device
+    )
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -350,6 +394,19 @@ def linear(
         (..., N) tensor of ``x``'s dtype. ``K == 0`` gives ``act(bias)`` (zeros
         without a bias), as ``torch.nn.functional.linear``.
     """
+    if linear_args_plainly_valid(x, weight, bias, activation):  # the common case: every check passes
+        y = _Linear.apply(x, weight, bias, activation)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+    if not check_linear_args(x, weight, bias, activation):
+        return _linear_op(x, weight, bias, activation)
+    y = _Linear.apply(x, weight, bias, activation)  # (M, N)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def check_linear_args(x, weight, bias, activation) -> bool:
+    """Every check :func:`linear` makes, raising ``TypeError``/``ValueError`` that
+    names the argument; returns whether the eager path applies (False: the custom
+    op, for tracing, meta and tensor subclasses)."""
     if x.is_meta and weight.is_meta and (bias is None or bias.is_meta):
         _check_meta(x, weight)  # meta tensors run nowhere: shapes and dtypes only, in either mode
     else:
@@ -360,13 +417,12 @@ def linear(
     check_activation(activation)
     check_same_device(x=x, weight=weight, bias=bias)
     if torch.compiler.is_compiling() or x.is_meta or type(x) is not torch.Tensor:
-        return _linear_op(x, weight, bias, activation)
+        return False
     # int32 offsets: checked here once for the three GEMMs (forward, dgrad, wgrad)
     check_int32_addressable("x", x)
     check_int32_addressable("weight", weight)
     check_int32_elements("output", (math.prod(x.shape[:-1]), weight.shape[0]))
-    y = _Linear.apply(x, weight, bias, activation)  # (M, N)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+    return True
 
 
 # --------------------------------------------------------------------------- fp8 (Float8Linear)
@@ -406,6 +462,17 @@ def _to_float8_delayed_op(
 @_to_float8_delayed_op.register_fake
 def _(x, history, dtype, margin, update):
     return torch.empty_like(x, dtype=dtype), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("tkern::roll_amax_history", mutates_args=("history",))
+def _roll_amax_history_op(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """:func:`tkern.kernels.float8.roll_amax_history` (max(amax) becomes history[0])."""
+    roll_amax_history(history, amax)
+
+
+@_roll_amax_history_op.register_fake
+def _(history, amax):
+    return None
 
 
 @torch.library.custom_op("tkern::scaled_mm", mutates_args=())
@@ -457,42 +524,133 @@ def _dequantize_tiles(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, 
     return data.float() * full
 
 
-class Float8WeightCache:
-    """The e4m3 copy of a weight and its tensorwise scale, written once per optimizer
-    step instead of once per forward (issue 17).
+#: The recipes whose weight cast a :class:`Float8WeightCache` holds.
+CACHED_SCALINGS = ("tensorwise", "delayed")
 
-    A tensorwise :class:`tkern.nn.Float8Linear` registers its weight
+
+class Float8WeightCache:
+    """The e4m3 copy of a weight and its scale, written once per optimizer step
+    instead of once per forward (issue 17).
+
+    A tensorwise or delayed :class:`tkern.nn.Float8Linear` registers its weight
     (:func:`float8_weight_cache`); a fused optimizer holding that weight calls
     :meth:`refresh` at the end of every ``step()``, after it wrote the new weight,
     so the forward reads the cast instead of casting (with gradient accumulation,
     once per step instead of once per micro-batch; in evaluation, not at all).
-    The copy is the weight's exact ``to_float8`` cast, so results are identical
-    to casting in the forward. It is used only while it is the cast of the
-    weight as it is: a write from outside the optimizer (loading a checkpoint,
-    an in-place edit: it moves the weight's version counter) or new storage
-    (``.data =``) makes the forward cast again until the next step refreshes it.
+    The copy is exactly the cast the forward would make, so results are
+    identical to casting in the forward. It is used only while it is the cast of
+    the weight as it is: a write from outside the optimizer (loading a
+    checkpoint, an in-place edit: it moves the weight's version counter) or new
+    storage (``.data =``) makes the forward cast again until the next step
+    refreshes it.
+
+    ``"tensorwise"``: the cast is ``to_float8(weight)``, which depends on the
+    weight alone.
+
+    ``"delayed"``: the forward's cast takes its scale from the weight's amax
+    history *at the time of the forward* and, in training, rolls the weight's
+    amax into that history. So :meth:`refresh` casts with the history as it is
+    then, without updating it (:func:`~tkern.kernels.float8.to_float8_delayed_deferred`),
+    keeping the cast's amax and a stamp of the history (the tensor, its version
+    counter and storage). A forward that finds the weight *and* the history
+    unchanged since uses the cast; a training forward then makes the update the
+    cast would have made (:func:`~tkern.kernels.float8.roll_amax_history`, one
+    tiny launch, no host sync), which moves the history, so a second forward
+    before the next step (gradient accumulation) casts as without the cache.
+    An eval or ``no_grad`` forward uses the cast too (it is bit-identical to
+    the cast such a forward makes: the same weight and history, no update) and
+    leaves the history, and so the cache, as they were.
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scaling: str = "tensorwise",
+        history: Callable[[], torch.Tensor | None] | None = None,
+        margin: int = 0,
+    ) -> None:
         self._weight = weakref.ref(weight)
-        self.data: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None
+        self.configure(scaling, history, margin)
+
+    def configure(
+        self,
+        scaling: str = "tensorwise",
+        history: Callable[[], torch.Tensor | None] | None = None,
+        margin: int = 0,
+    ) -> None:
+        """Set the recipe the cast follows, dropping any cast made before.
+
+        Args:
+            scaling: ``"tensorwise"`` or ``"delayed"``.
+            history: ``"delayed"`` only: returns the weight's (H,) fp32 amax history
+                as it is now (or None: no cast). It should hold the module only
+                weakly (``weakref.ref``): the cache lives as long as the weight.
+            margin: ``"delayed"``'s margin.
+        """
+        if scaling not in CACHED_SCALINGS:
+            raise ValueError(f"scaling must be one of {CACHED_SCALINGS}, got {scaling!r}")
+        if (scaling == "delayed") != (history is not None) or (history is not None and not callable(history)):
+            raise ValueError(
+                f'history must be a callable returning the amax history for scaling="delayed" '
+                f"and None otherwise, got {history!r} with scaling={scaling!r}"
+            )
+        if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+            raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+        self.scaling, self.margin, self._history = scaling, margin, history
+        self.data: torch.Tensor | None = None  # (N, K) e4m3, the weight's shape
+        self.scale: torch.Tensor | None = None  # 0-dim fp32
+        self.amax: torch.Tensor | None = None  # "delayed": (P,) fp32, the update the cast put off
         self._stamp: tuple[int, int] | None = None
+        self._history_used: torch.Tensor | None = None
+        self._history_stamp: tuple[int, int] | None = None
+
+    def recipe(self) -> tuple[str, Callable[[], torch.Tensor | None] | None, int]:
+        """``(scaling, history, margin)`` as :meth:`configure` took them."""
+        return self.scaling, self._history, self.margin
 
     def refresh(self) -> None:
         """Cast the weight as it is now (e4m3, one scale); no host sync."""
         weight = self._weight()
         if weight is None:
             return
+        self._stamp = None
         with torch.no_grad():
-            self.data, self.scale = to_float8(weight.detach(), E4M3, "tensor")
+            if self.scaling == "delayed":
+                history = self._history()
+                if history is None:  # the module is gone or holds no history
+                    self._history_used = None
+                    return
+                self.data, self.scale, self.amax = to_float8_delayed_deferred(
+                    weight.detach(), history, E4M3, self.margin
+                )
+                self._history_used = history
+                self._history_stamp = (history._version, history.data_ptr())
+            else:
+                self.data, self.scale = to_float8(weight.detach(), E4M3, "tensor")
         self._stamp = (weight._version, weight.data_ptr())
 
-    def lookup(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(data, scale)`` if they are the cast of ``weight`` as it is, else None."""
+    def lookup(
+        self, weight: torch.Tensor, history: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The cast, if it is the one a forward would make of ``weight`` now, else None.
+
+        Args:
+            weight: the weight the forward casts.
+            history: its amax history under ``"delayed"`` (None under ``"tensorwise"``).
+
+        Returns:
+            ``(data, scale)`` (tensorwise) or ``(data, scale, amax)`` (delayed: a
+            training forward rolls ``amax`` into ``history``), or None.
+        """
         if self._stamp is None or self._stamp != (weight._version, weight.data_ptr()):
             return None
-        return self.data, self.scale
+        if self.scaling != "delayed":
+            return None if history is not None else (self.data, self.scale)
+        if history is None or history is not self._history_used:
+            return None
+        if self._history_stamp != (history._version, history.data_ptr()):
+            return None  # the history moved since the cast (a forward pushed an amax, a load)
+        return self.data, self.scale, self.amax
 
 
 #: id(weight) -> its cache, while the weight lives (tensors cannot key a WeakKeyDictionary:
@@ -500,16 +658,29 @@ class Float8WeightCache:
 _FLOAT8_WEIGHTS: dict[int, Float8WeightCache] = {}
 
 
-def float8_weight_cache(weight: torch.Tensor, *, register: bool | None = None) -> Float8WeightCache | None:
+def float8_weight_cache(
+    weight: torch.Tensor,
+    *,
+    register: bool | None = None,
+    scaling: str = "tensorwise",
+    history: Callable[[], torch.Tensor | None] | None = None,
+    margin: int = 0,
+) -> Float8WeightCache | None:
     """The :class:`Float8WeightCache` of ``weight`` (None if it has none). With
-    ``register=True`` one is made if missing; with ``register=False`` it is removed."""
+    ``register=True`` one is made if missing and set to the recipe given by
+    ``scaling``, ``history`` and ``margin`` (see :meth:`Float8WeightCache.configure`;
+    an existing cache keeps its identity, so an optimizer holding it still
+    refreshes it); with ``register=False`` it is removed."""
     key = id(weight)
     cache = _FLOAT8_WEIGHTS.get(key)
     if cache is not None and cache._weight() is not weight:
         cache = None  # a dead weight's entry whose id was reused
-    if register is True and cache is None:
-        cache = _FLOAT8_WEIGHTS[key] = Float8WeightCache(weight)
-        weakref.finalize(weight, _FLOAT8_WEIGHTS.pop, key, None)
+    if register is True:
+        if cache is None:
+            cache = _FLOAT8_WEIGHTS[key] = Float8WeightCache(weight, scaling, history, margin)
+            weakref.finalize(weight, _FLOAT8_WEIGHTS.pop, key, None)
+        elif cache.recipe() != (scaling, history, margin):
+            cache.configure(scaling, history, margin)
     elif register is False:
         if cache is not None:
             del _FLOAT8_WEIGHTS[key]
@@ -528,12 +699,16 @@ class _Float8Linear(torch.autograd.Function):
     (dequantized and cast again), as DeepSeek-V3 does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, margin, update, h_x, h_w, h_g, cached_wq, cached_sw):
+    def forward(
+        ctx, x, weight, bias, recipe, margin, update, h_x, h_w, h_g, cached_wq, cached_sw, cached_amax
+    ):
         n, k = weight.shape
         x2d = _as_2d(x, k)
         xq, sx = _cast(x2d, E4M3, recipe, h_x, margin, update)
         if cached_wq is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
             wq, sw = cached_wq, cached_sw
+            if recipe == "delayed" and update:  # the history update the cast put off
+                _roll_amax_history_op(h_w, cached_amax)
         else:
             wq, sw = _cast(weight, E4M3, recipe, h_w, margin, update, WEIGHT_BLOCK)
         sw_b = sw.t() if recipe == "blockwise" else sw
@@ -565,7 +740,7 @@ class _Float8Linear(torch.autograd.Function):
                 dw = _scaled_mm_op(gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 def float8_linear(
@@ -577,7 +752,7 @@ def float8_linear(
     margin: int = 0,
     update: bool = True,
     histories: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight_fp8: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
@@ -587,9 +762,12 @@ def float8_linear(
         margin, update, histories: delayed scaling's margin, whether to roll this
             step's amaxes into the histories, and the (input, weight, grad_output)
             fp32 amax histories (required for ``"delayed"``).
-        weight_fp8: ``"tensorwise"`` only: ``weight``'s e4m3 cast and its 0-dim fp32
-            scale, already made (a :class:`Float8WeightCache`'s); the forward then
-            does not cast the weight.
+        weight_fp8: ``weight``'s e4m3 cast, already made (a :class:`Float8WeightCache`'s);
+            the forward then does not cast the weight. ``"tensorwise"``: ``(data,
+            scale)``, the cast ``to_float8(weight)``; ``"delayed"``: ``(data, scale,
+            amax)`` from ``to_float8_delayed_deferred(weight, histories[1], margin=margin)``
+            with the weight history unchanged since, and with ``update`` the forward
+            rolls ``amax`` into that history (as its own cast would have).
     """
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
     check_tensor("x", x, dtypes=(weight.dtype,))
@@ -611,22 +789,38 @@ def float8_linear(
                 )
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+    cached = (None, None, None)
     if weight_fp8 is not None:
-        if scaling != "tensorwise":
-            raise ValueError(f'weight_fp8 is a tensorwise cast; scaling is "{scaling}"')
-        wq, sw = weight_fp8
-        check_tensor("weight_fp8 data", wq, dtypes=(E4M3,))
-        check_tensor("weight_fp8 scale", sw, dtypes=(torch.float32,))
-        if wq.shape != weight.shape or sw.numel() != 1 or wq.device != weight.device:
-            raise ValueError(
-                f"weight_fp8 must be the ({tuple(weight.shape)}) e4m3 weight and a one-element scale on "
-                f"{weight.device}, got shapes {tuple(wq.shape)} and {tuple(sw.shape)} on {wq.device}"
-            )
+        _check_weight_fp8(weight_fp8, weight, scaling)
+        cached = (*weight_fp8, None) if scaling == "tensorwise" else tuple(weight_fp8)
     # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
     h = (
         histories
         if histories is not None
         else tuple(weight.new_empty(0, dtype=torch.float32) for _ in range(3))
     )
-    cached = weight_fp8 if weight_fp8 is not None else (None, None)
     return _Float8Linear.apply(x, weight, bias, scaling, margin, update, *h, *cached)
+
+
+def _check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str) -> None:
+    """float8_linear's ``weight_fp8`` against the weight and the scaling."""
+    parts = {"tensorwise": ("data", "scale"), "delayed": ("data", "scale", "amax")}.get(scaling)
+    if parts is None:
+        raise ValueError(f'weight_fp8 is a tensorwise or delayed cast; scaling is "{scaling}"')
+    if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != len(parts):
+        raise ValueError(f'weight_fp8 must be ({", ".join(parts)}) under scaling="{scaling}"')
+    wq, sw, *amax = weight_fp8
+    check_tensor("weight_fp8 data", wq, dtypes=(E4M3,))
+    check_tensor("weight_fp8 scale", sw, dtypes=(torch.float32,))
+    if wq.shape != weight.shape or sw.numel() != 1 or wq.device != weight.device:
+        raise ValueError(
+            f"weight_fp8 must be the ({tuple(weight.shape)}) e4m3 weight and a one-element scale on "
+            f"{weight.device}, got shapes {tuple(wq.shape)} and {tuple(sw.shape)} on {wq.device}"
+        )
+    if amax:
+        check_tensor("weight_fp8 amax", amax[0], ndim=1, dtypes=(torch.float32,))
+        if amax[0].numel() < 1 or not amax[0].is_contiguous() or amax[0].device != weight.device:
+            raise ValueError(
+                f"weight_fp8 amax must be a contiguous (P,) fp32 tensor with P >= 1 on {weight.device}, "
+                f"got shape {tuple(amax[0].shape)} on {amax[0].device}"
+            )

@@ -28,8 +28,10 @@ float8.py
     kernels: ``_amax_partials_kernel``, ``_cast_tensorwise_kernel``,
     ``_roll_history_kernel``, ``_cast_blocks_kernel`` (jit helpers
     ``amax_to_multiplier``, ``to_fp8_saturated``). Launchers: ``to_float8``,
-    ``to_float8_delayed``. Above: ``tkern.to_float8``, ``nn.Float8Linear``
-    (custom ops ``tkern::to_float8``, ``tkern::to_float8_delayed``). Tests:
+    ``to_float8_delayed``, ``to_float8_delayed_deferred``, ``roll_amax_history``.
+    Above: ``tkern.to_float8``, ``nn.Float8Linear`` (custom ops ``tkern::to_float8``,
+    ``tkern::to_float8_delayed``, ``tkern::roll_amax_history``),
+    ``functional.Float8WeightCache`` (refreshed by the fused optimizers' step). Tests:
     test_float8.py, test_float8_linear.py. Benchmark: not yet (needs a GPU).
 activation.py
     kernel: ``_activation_grad_kernel``. Launcher: ``activation_grad``. Above:

@@ -372,6 +372,39 @@ def _cast_blocks(
     return data, scale
 
 
+def _check_delayed(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int) -> None:
+    _check_x(x)
+    check_fp8_dtype(dtype)
+    check_tensor("history", history, ndim=1, dtypes=(torch.float32,))
+    check_same_device(x=x, history=history)
+    if history.numel() < 1 or not history.is_contiguous():
+        raise ValueError(
+            f"history must be a contiguous (H,) tensor with H >= 1, got shape {tuple(history.shape)}"
+        )
+    if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+        raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+
+
+def _cast_delayed(
+    x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    flat, data, scale, programs, partials = _tensorwise_buffers(x, dtype)
+    n, h = flat.numel(), history.numel()
+    _cast_tensorwise_kernel[(programs,)](
+        flat, n, history, h, data.view(-1), scale, partials, 2.0**-margin,
+        DELAYED=True, **_constants(dtype), BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(max(h, programs)),
+    )  # fmt: skip
+    return data, scale, partials
+
+
+def _roll(history: torch.Tensor, amax: torch.Tensor) -> None:
+    h, count = history.numel(), amax.numel()
+    _roll_history_kernel[(1,)](
+        history, h, amax, count,
+        HBLOCK=triton.next_power_of_2(h), PBLOCK=triton.next_power_of_2(count),
+    )  # fmt: skip
+
+
 def to_float8_delayed(
     x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, margin: int = 0,
     *, update: bool = True,
@@ -392,25 +425,48 @@ def to_float8_delayed(
     Returns:
         ``(data, scale)`` as :func:`to_float8` with ``"tensor"`` granularity.
     """
-    _check_x(x)
-    check_fp8_dtype(dtype)
-    check_tensor("history", history, ndim=1, dtypes=(torch.float32,))
-    check_same_device(x=x, history=history)
-    if history.numel() < 1 or not history.is_contiguous():
-        raise ValueError(
-            f"history must be a contiguous (H,) tensor with H >= 1, got shape {tuple(history.shape)}"
-        )
-    if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
-        raise ValueError(f"margin must be an int >= 0, got {margin!r}")
-    flat, data, scale, programs, partials = _tensorwise_buffers(x, dtype)
-    n, h = flat.numel(), history.numel()
-    _cast_tensorwise_kernel[(programs,)](
-        flat, n, history, h, data.view(-1), scale, partials, 2.0**-margin,
-        DELAYED=True, **_constants(dtype), BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(max(h, programs)),
-    )  # fmt: skip
+    _check_delayed(x, history, dtype, margin)
+    data, scale, amax = _cast_delayed(x, history, dtype, margin)
     if update:
-        _roll_history_kernel[(1,)](
-            history, h, partials, programs,
-            HBLOCK=triton.next_power_of_2(h), PBLOCK=triton.next_power_of_2(programs),
-        )  # fmt: skip
+        _roll(history, amax)
     return data, scale
+
+
+def to_float8_delayed_deferred(
+    x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, margin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`to_float8_delayed`'s cast with the history's update put off: the
+    history is left as it is, and the update comes back as ``amax``.
+
+    ``roll_amax_history(history, amax)`` later (with the history unchanged in
+    between) leaves it exactly as ``to_float8_delayed(x, history, update=True)``
+    would have; the data and scale are that call's. This is how the optimizer's
+    step casts a delayed-scaling weight once for the next training forward
+    (:class:`tkern.functional.Float8WeightCache`), which then makes the update.
+
+    Returns:
+        ``(data, scale, amax)``: ``amax`` a (P,) fp32 tensor of partial maxima of
+        |x| (its max is x's amax, 0 for an empty x).
+    """
+    _check_delayed(x, history, dtype, margin)
+    return _cast_delayed(x, history, dtype, margin)
+
+
+def roll_amax_history(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """Delayed scaling's history update on the device, no host sync: ``max(amax)``
+    becomes ``history[0]``, the rest moves one place back (the oldest drops out).
+
+    Args:
+        history: (H,) fp32 contiguous amax history, newest first, updated in place.
+        amax: (P,) fp32 contiguous partial maxima (:func:`to_float8_delayed_deferred`'s),
+            P >= 1, on history's device.
+    """
+    check_tensor("history", history, ndim=1, dtypes=(torch.float32,))
+    check_tensor("amax", amax, ndim=1, dtypes=(torch.float32,))
+    check_same_device(history=history, amax=amax)
+    for name, t in (("history", history), ("amax", amax)):
+        if t.numel() < 1 or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous 1-D tensor with >= 1 element, got shape {tuple(t.shape)}"
+            )
+    _roll(history, amax)

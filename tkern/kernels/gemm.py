@@ -309,6 +309,11 @@ class OperandScales(NamedTuple):
 
 
 NO_SCALES = OperandScales()
+#: :meth:`OperandScales.args` of NO_SCALES after its two (dummy) pointers.
+_NO_SCALE_ARGS = (0, 0, 0, 0, *NO_SCALES.block_a, *NO_SCALES.block_b)
+#: The pointer kernel's constexpr arguments by (operand dtype, bias?, activation, out dtype,
+#: preact?, A_T, B_T, scale kinds): built once per combination, not per launch.
+_KERNEL_META: dict[tuple, dict] = {}
 
 
 class OperandPrologue(NamedTuple):
@@ -373,16 +378,21 @@ def _launch_matmul(
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     sa, sb = a.stride(), b.stride()
+    key = (a.dtype, bias is not None, activation, out_dtype, preact is not None,
+           transposed(sa), transposed(sb), scales.kind_a, scales.kind_b)  # fmt: skip
+    meta = _KERNEL_META.get(key)
+    if meta is None:  # once per combination: the constexprs as a dict the launch unpacks
+        meta = _KERNEL_META[key] = {
+            **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
+            "A_T": key[5], "B_T": key[6], "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
+            **_NO_PROLOGUE_META,  # A_ACT is in the autotune key: passed even when off
+        }  # fmt: skip
     _matmul_kernel[grid](
         a, b, c, bias if bias is not None else c, preact if preact is not None else c,
-        M, N, K, *sa, *sb, *c.stride(), bias_stride(bias),
-        *scales.args(c), *prologue.args(c),
-        **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
-        A_T=transposed(sa),
-        B_T=transposed(sb),
-        SCALE_A=scales.kind_a,
-        SCALE_B=scales.kind_b,
-        **(_NO_PROLOGUE_META if prologue is NO_PROLOGUE else prologue.meta()),
+        M, N, K, *sa, *sb, N, 1, bias_stride(bias),
+        *(scales.args(c) if scales is not NO_SCALES else (c, c, *_NO_SCALE_ARGS)),
+        *(prologue.args(c) if prologue is not NO_PROLOGUE else (c, c, c)),
+        **(meta if prologue is NO_PROLOGUE else {**meta, **prologue.meta()}),
     )  # fmt: skip
     return c
 

@@ -324,7 +324,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         #: The stochastic rounding's seed (master="none"); torch's initial seed by default.
         self.seed = (torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
         self._flat: list[list[FlatParams]] = []
-        #: fp8 weights (tensorwise Float8Linear) whose cast the step writes after updating them
+        #: fp8 weights (tensorwise or delayed Float8Linear) whose cast the step writes after updating them
         self._float8_caches: list[Float8WeightCache] = []
         self._device: torch.device | None = None
         self._one: torch.Tensor | None = None
