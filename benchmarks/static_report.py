@@ -306,7 +306,7 @@ def _scale_cases() -> list[Case]:
     return cases
 
 
-def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
+def _gemm_sig(dtype, out, bias_dtype, preact, tma=None, sum_dtype=None):
     sig = {}
     if tma:
         bm, bn, bk, a_t, b_t = tma
@@ -322,6 +322,8 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None):
             sig[name] = "i32"
         for name in ("block_am", "block_ak", "block_bk", "block_bn"):
             sig[name] = "i32"
+        # the operand prologue's pointers (unused unless A_ACT / STORE_A / SUM_A)
+        sig.update(z_ptr=_ptr(dtype), a_out_ptr=_ptr(dtype), a_sum_ptr=_ptr(sum_dtype or "fp32"))
     return sig
 
 
@@ -329,13 +331,18 @@ POINTER_KERNEL = "tkern.kernels.gemm:_matmul_kernel"
 TMA_KERNEL = "tkern.kernels.gemm_tma:_matmul_tma_kernel"
 
 
-def gemm_configs_for(cc: int, tma: bool = False, ragged: bool = False, activation: int = 0) -> list:
+def gemm_configs_for(
+    cc: int, tma: bool = False, ragged: bool = False, activation: int = 0, prologue: int = 0
+) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning),
-    for launches whose epilogue applies ``activation`` (an ACTIVATIONS code)."""
+    for launches whose epilogue applies ``activation`` (an ACTIVATIONS code), with
+    the operand ``prologue`` (an ``A_ACT`` code) or none."""
     from tkern.kernels import gemm_configs
 
     configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
-    return gemm_configs.prune_configs(configs, cc, tma=tma, ragged=ragged, activation=activation)
+    return gemm_configs.prune_configs(
+        configs, cc, tma=tma, ragged=ragged, activation=activation, prologue=prologue
+    )
 
 
 def activation_names() -> dict[int, str]:
@@ -368,13 +375,27 @@ class GemmLaunch:
     preact: bool = False
     layout: str = "NT"
     ragged: bool = False
+    # the operand prologue (the linear backward, gemm.matmul_backward): the activation
+    # code whose gradient multiplies A, A' stored, A' row sums stored in this dtype
+    a_act: int = 0
+    store_a: bool = False
+    sum_a: str | None = None
 
     @property
     def label(self) -> str:
         epi = ("bias+" if self.bias else "") + activation_names()[self.act]
         epi += "+preact" if self.preact else ""
         bias = f",{self.bias} bias" if self.bias and self.bias != self.dtype else ""
-        return f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
+        label = f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
+        return label + self.prologue_label
+
+    @property
+    def prologue_label(self) -> str:
+        """``",A'=..."`` naming the operand prologue, empty without one."""
+        act = {1: "relu'", 2: "gelu'"}.get(self.a_act, f"act{self.a_act}'")
+        parts = ([act] if self.a_act else []) + (["store"] if self.store_a else [])
+        parts += [f"sum {self.sum_a}"] if self.sum_a else []
+        return f",A'={'+'.join(parts)}" if parts else ""
 
 
 HALF = ("fp16", "bf16")
@@ -396,7 +417,24 @@ def linear_launches() -> list[GemmLaunch]:
         for preact in ((False, True) if act else (False,))
     ]
     backward = [GemmLaunch(d, d, layout=layout) for d in HALF for layout in ("NN", "TN")]
-    return forward + backward
+    return forward + backward + backward_prologue_launches()
+
+
+def backward_prologue_launches() -> list[GemmLaunch]:
+    """The backward GEMMs of ``tkern.linear`` with an operand prologue
+    (gemm.matmul_backward), aligned: dgrad ``dY @ W`` (NN) applying act'(Z) to dY
+    (for functional.PROLOGUE_ACTIVATIONS), storing dZ when wgrad or dbias needs it;
+    wgrad ``dZ^T @ X`` (TN) summing dbias (the bias's dtype, the operands' or fp32)
+    and, when dX is not needed, applying act'(Z^T) itself."""
+    from tkern.functional import PROLOGUE_ACTIVATIONS
+    from tkern.kernels.activation import ACTIVATIONS
+
+    acts = sorted(ACTIVATIONS[a] for a in PROLOGUE_ACTIVATIONS)
+    dgrad = [GemmLaunch(d, d, layout="NN", a_act=act, store_a=store)
+             for d in HALF for act in acts for store in (False, True)]  # fmt: skip
+    wgrad = [GemmLaunch(d, d, layout="TN", a_act=act, sum_a=sum_a)
+             for d in HALF for act in (0, *acts) for sum_a in (None, d, "fp32") if act or sum_a]  # fmt: skip
+    return dgrad + wgrad
 
 
 #: The launches the compile gate compiles for every offered config: the most
@@ -451,6 +489,23 @@ def pointer_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunch
     return list(dict.fromkeys(out))
 
 
+def prologue_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunch]:
+    """The backward GEMMs with an operand prologue (gemm.matmul_backward) the gate
+    compiles ``cfg`` for on target ``cc``, the heaviest of each kind it is offered
+    to: wgrad summing a stored dZ (no prologue: offered every config); dgrad storing
+    dZ and wgrad summing dbias with ReLU's gradient (a select) and GELU's (erf and
+    exp, the most registers), where gemm_configs' prologue rules offer ``cfg``."""
+    name = cfg_name(cfg.kwargs, cfg)
+    launches = [GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, sum_a="fp32")]
+    for act in (1, 2):
+        if name in {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, prologue=act)}:
+            launches += [
+                GemmLaunch("bf16", "bf16", layout="NN", ragged=ragged, a_act=act, store_a=True),
+                GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, a_act=act, sum_a="bf16"),
+            ]
+    return launches
+
+
 def _gemm_case(name, kernel, cfg, sig, const, aligned, gated=True) -> Case:
     return Case(
         name=name,
@@ -469,12 +524,13 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
     """``_matmul_kernel`` under ``cfg`` as the launcher specialises it for ``v``."""
     tl = _tl()
     kw = cfg.kwargs
-    sig = _gemm_sig(v.dtype, v.out, v.bias, v.preact)
+    sig = _gemm_sig(v.dtype, v.out, v.bias, v.preact, sum_dtype=v.sum_a)
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]),
         UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
+        A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -488,6 +544,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
     for k in const:
         sig[k] = "constexpr"
     aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", "stride_cm", "M", "N"]
+    aligned += ["z_ptr", "a_out_ptr", "a_sum_ptr"]  # new tensors (torch allocates them aligned)
     if not v.ragged:
         aligned += ["K"] + [s for s in strides if s not in const]
     return _gemm_case(
@@ -520,16 +577,21 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     pruning), compiled for :func:`gate_launches`: the pointer kernel's aligned
     configs, its ragged configs on ragged operands, and (sm_90 only) the TMA
     kernel's configs (which serve ragged operands there), plus the TMA kernel's
-    other layout and ragged operands once. With ``full``, every launch of
-    :func:`linear_launches` on the first aligned config of each kernel."""
+    other layout and ragged operands once; the pointer kernel's configs also for
+    :func:`prologue_gate_launches`. With ``full``, every launch of
+    :func:`linear_launches` on the first aligned config of each kernel offered to it."""
     cases = []
     for ragged in (False, True):
         for cfg in gemm_configs_for(cc, ragged=ragged):
             launches = pointer_gate_launches(cc, cfg, ragged)
             cases += [pointer_case(cfg, v, gated=not ragged) for v in launches]
+            cases += [pointer_case(cfg, v, gated=not ragged) for v in prologue_gate_launches(cc, cfg, ragged)]
     if full:
-        first = gemm_configs_for(cc)[0]
-        cases += [pointer_case(first, v) for v in linear_launches() if v not in gate_launches()]
+        cases += [
+            pointer_case(gemm_configs_for(cc, activation=v.act, prologue=v.a_act)[0], v)
+            for v in linear_launches()
+            if v not in gate_launches()
+        ]
     if cc >= 89:
         cases += _fp8_gemm_cases(cc)
     if cc >= 90:
@@ -565,6 +627,7 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
             HAS_BIAS=True, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16, PREACT_DTYPE=tl.bfloat16,
             UPCAST=False, EVEN_K=True, SCALE_A=scale_a, SCALE_B=scale_b, A_T=False, B_T=True,
             stride_ak=1, stride_bk=1, stride_cn=1, stride_bias=1, **kw,
+            A_ACT=0, STORE_A=False, SUM_A=False,
         )  # fmt: skip
         for name in ("stride_am", "stride_bn", "stride_cm"):
             sig[name] = "i32"

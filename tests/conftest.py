@@ -45,3 +45,16 @@ def device() -> str:
 
 
 gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (compiled Triton)")
+
+
+# A sum (dbias, summed inside the wgrad GEMM) against torch's sum of the same fp32
+# values: two summation orders over the reduced length L, each within
+# (L - 1) * 2^-24 * sum|v| of the exact sum (Higham's bound), so they differ by at
+# most twice that; a result rounded to half precision may then land one ulp
+# (eps * |ref|) apart.
+def sum_tolerance(values: torch.Tensor, dim: int, out_dtype: torch.dtype) -> torch.Tensor:
+    length = values.shape[dim]
+    tol = 2 * max(length - 1, 1) * 2.0**-24 * values.float().abs().sum(dim)
+    if out_dtype != torch.float32:
+        tol = tol + torch.finfo(out_dtype).eps * values.float().sum(dim).abs()
+    return tol

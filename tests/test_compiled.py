@@ -89,6 +89,10 @@ def test_every_kernel_and_target_is_covered(rows):
                         offered = static_report.cfg_name(cfg.kwargs, cfg) in act_ok
                         launch = static_report.offered_launch(launch, offered)  # ReLU where pruned
                         expected.add((static_report.pointer_case(cfg, launch).name, f"sm_{cc}"))
+            # the backward GEMMs' operand prologue (dZ stored, dbias summed, act' applied)
+            for cfg in static_report.gemm_configs_for(cc, ragged=ragged):
+                for launch in static_report.prologue_gate_launches(cc, cfg, ragged):
+                    expected.add((static_report.pointer_case(cfg, launch).name, f"sm_{cc}"))
         if cc >= 90:
             for cfg in static_report.gemm_configs_for(cc, tma=True):
                 for launch in static_report.gate_launches():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, gpu_only, rel_err
+from conftest import DEVICE, TOL, gpu_only, rel_err, sum_tolerance
 
 import tkern
 
@@ -313,8 +313,9 @@ def test_linear_on_meta_tensors_checks_dtypes_with_tkern_messages():
 
 def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
     """Every GEMM specialisation tkern.linear launches (forward with each bias,
-    activation and pre-activation choice, dgrad, wgrad) is one of the launches
-    benchmarks/static_report.py compiles for the compile gate
+    activation and pre-activation choice, dgrad and wgrad with their operand
+    prologue for each of x, weight and bias needing a gradient or not) is one of
+    the launches benchmarks/static_report.py compiles for the compile gate
     (``linear_launches``), and that list holds nothing else but tkern.matmul's
     fp32 outputs: a new epilogue in tkern.linear cannot escape the spill gate."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -328,32 +329,143 @@ def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
 
     class Recorder:
         def __getitem__(self, grid):
-            def launch(a, b, c, bias, preact, *args, **meta):
+            def launch(*args, **meta):
+                arg = dict(zip(kernel.arg_names, args, strict=False))
+                a, b = arg["a_ptr"], arg["b_ptr"]
                 seen.add(
                     static_report.GemmLaunch(
                         dtype=names[a.dtype],
-                        out=names[c.dtype],
-                        bias=names[bias.dtype] if meta["HAS_BIAS"] else None,
+                        out=names[arg["c_ptr"].dtype],
+                        bias=names[arg["bias_ptr"].dtype] if meta["HAS_BIAS"] else None,
                         act=meta["ACTIVATION"],
                         preact=meta["STORE_PREACT"],
                         layout=("N" if a.stride(1) == 1 else "T") + ("N" if b.stride(1) == 1 else "T"),
+                        a_act=meta["A_ACT"],
+                        store_a=meta["STORE_A"],
+                        sum_a=names[arg["a_sum_ptr"].dtype] if meta["SUM_A"] else None,
                     )
                 )
-                return kernel[grid](a, b, c, bias, preact, *args, **meta)
+                return kernel[grid](*args, **meta)
 
             return launch
 
     monkeypatch.setattr(gemm, "_matmul_kernel", Recorder())
+    # which of x, weight, bias need a gradient: all; a first layer; a frozen weight
+    # with and without a trainable bias; None: inference (no pre-activation saved)
+    needs = [(True, True, True), (False, True, True), (True, False, True), (True, False, False), None]
     for dtype in (torch.float16, torch.bfloat16):
         for bias_dtype in (None, dtype, torch.float32):
             for activation in ACT:
-                for train in (False, True):
-                    has_bias = bias_dtype is not None
-                    x, w, b = make(dtype, shape=(16, 32), n=32, bias=has_bias, bias_dtype=bias_dtype)
-                    if train:
-                        tkern.linear(x, w, b, activation).sum().backward()
-                    else:  # inference: no parameter needs a gradient, no pre-activation is saved
-                        tkern.linear(x.detach(), w.detach(), None if b is None else b.detach(), activation)
+                for need in needs:
+                    x, w, b = make(
+                        dtype, shape=(16, 32), n=32, bias=bias_dtype is not None, bias_dtype=bias_dtype
+                    )
+                    leaves = [t for t in (x, w, b) if t is not None]
+                    for t, wanted in zip(leaves, need or (False,) * 3, strict=False):
+                        t.requires_grad_(wanted)
+                    y = tkern.linear(x, w, b, activation)
+                    if need is not None:
+                        y.sum().backward()
     offered = set(static_report.linear_launches())
     assert seen <= offered, sorted(map(str, seen - offered))
     assert {v for v in offered - seen if v.out != "fp32"} == set()
+
+
+# ----------------------------------------------------------------------- the fused backward
+
+
+#: which of x and weight need a gradient: both, a first layer (x does not), a frozen weight
+NEEDS_IDS = ["all", "first", "frozen"]
+
+
+def unfused_grads(x2d, w, b, activation, dy):
+    """The backward as four passes (main before issue 16 item 3): dZ by the activation
+    kernel, dgrad and wgrad by tkern.matmul on that dZ, dbias by torch in fp32."""
+    from tkern.kernels.activation import activation_grad
+
+    preact = torch.empty(x2d.shape[0], w.shape[0], dtype=x2d.dtype, device=DEVICE)
+    tkern.matmul(x2d, w.t(), bias=b, activation=activation, preact=preact)  # as the forward saves it
+    dz = dy if activation is None else activation_grad(dy, preact, activation)
+    return tkern.matmul(dz, w), tkern.matmul(dz.t(), x2d), dz
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation, prologue", [("relu", True), ("gelu", False), ("gelu", True)])
+@pytest.mark.parametrize("needs", [(True, True), (False, True), (True, False)], ids=NEEDS_IDS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_backward_is_bit_identical_to_the_four_passes(
+    monkeypatch, dtype, activation, prologue, needs, bias
+):
+    # Ragged sizes (37 rows, 140 outputs, 150 inputs): dgrad has two column blocks (only
+    # the first stores dZ), wgrad two row bands (each sums its own dbias rows). GELU runs
+    # both ways: its own pass (the default) and in the GEMMs' prologue.
+    from tkern import functional
+
+    if prologue:
+        monkeypatch.setattr(functional, "PROLOGUE_ACTIVATIONS", frozenset({"relu", activation}))
+    x, w, b = make(dtype, shape=(37, 150), n=140, bias=bias)
+    x.requires_grad_(needs[0])
+    w.requires_grad_(needs[1])
+    y = tkern.linear(x, w, b, activation)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    dx, dw, dz = unfused_grads(x.detach(), w.detach(), None if b is None else b.detach(), activation, dy)
+    assert (x.grad is None) != needs[0] and (w.grad is None) != needs[1]
+    if needs[0]:
+        assert torch.equal(x.grad, dx)  # the same dot on the same rounded dZ
+    if needs[1]:
+        assert torch.equal(w.grad, dw)
+    if bias:  # fp32 sums in another order, rounded once to the bias's dtype
+        ref = dz.float().sum(0)
+        assert b.grad.dtype == dtype
+        assert ((b.grad.float() - ref).abs() <= sum_tolerance(dz, 0, dtype)).all()
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float16, torch.float32])
+def test_fused_backward_of_an_expanded_output_gradient(bias_dtype):
+    # y.sum() hands the backward a stride-0 dY: the prologue reads it beside Z made dense
+    x, w, b = make(torch.float16, shape=(37, 40), n=24, bias_dtype=bias_dtype)
+    y = tkern.linear(x, w, b, "relu")
+    y.sum().backward()
+    dy = torch.ones_like(y)
+    dx, dw, dz = unfused_grads(x.detach(), w.detach(), b.detach(), "relu", dy)
+    assert torch.equal(x.grad, dx) and torch.equal(w.grad, dw)
+    assert b.grad.dtype == bias_dtype
+    assert ((b.grad.float() - dz.float().sum(0)).abs() <= sum_tolerance(dz, 0, bias_dtype)).all()
+
+
+def test_fused_backward_launches_two_gemms_and_nothing_else(monkeypatch):
+    # act' + dbias + dgrad + wgrad: two GEMM launches, no activation pass (four passes before)
+    from tkern.kernels import activation as activation_module
+    from tkern.kernels import gemm
+
+    x, w, b = make(torch.float16, shape=(16, 32), n=24)
+    y = tkern.linear(x, w, b, "relu")
+    launches = []
+    for module, name in ((gemm, "_matmul_kernel"), (activation_module, "_activation_grad_kernel")):
+        kernel = getattr(module, name)
+
+        class Counter:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launches.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(module, name, Counter())
+    y.backward(torch.randn_like(y))
+    assert launches == ["_matmul_kernel", "_matmul_kernel"]
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_custom_op_backward_matches_the_autograd_function(activation):
+    # the traced door (tkern::linear_forward's registered backward through tkern::mm_backward),
+    # run eagerly: the same kernels as the eager door, so identical gradients
+    from tkern import functional
+
+    grads = []
+    for door in (tkern.linear, functional._linear_op):
+        x, w, b = make(torch.bfloat16, shape=(37, 40), n=24)
+        y = door(x, w, b, activation)
+        y.backward(torch.ones_like(y) * 0.5)
+        grads.append((x.grad, w.grad, b.grad))
+    for eager, traced in zip(*grads, strict=True):
+        assert torch.equal(eager, traced)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, rel_err, sum_tolerance
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -372,3 +372,150 @@ def test_operand_layout_is_in_both_kernels_autotune_keys(monkeypatch):
     for x, y in ((a, w.t()), (a, w.t().contiguous()), (a.t().contiguous().t(), w.t())):
         assert rel_err(tkern.matmul(x, y), reference(x, y)) < TOL[torch.float16]
     assert flags == [(False, True), (False, False), (True, True)]
+
+
+# ----------------------------------------------------------------------- the backward's operand prologue
+
+
+def _prologue_reference(a, z, activation):
+    from tkern.kernels.activation import activation_grad
+
+    return a if activation is None else activation_grad(a, z, activation)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("layout", ["dgrad", "wgrad"])
+def test_matmul_backward_prologue_is_bit_identical_to_the_separate_pass(dtype, activation, layout):
+    # dgrad: dY (M, N) @ W; wgrad: dY^T (N, M) @ X with Z^T read in place. Ragged sizes,
+    # two column blocks (only the first stores A' and the sums), three K steps in wgrad.
+    from tkern.kernels.gemm import matmul_backward
+
+    m, n, k = 300, 140, 150
+    dy, z = randn(m, n, dtype=dtype), randn(m, n, dtype=dtype)
+    b = randn(n, k, dtype=dtype) if layout == "dgrad" else randn(m, k, dtype=dtype)
+    if layout == "wgrad":
+        dy, z = dy.t(), z.t()
+    dz = _prologue_reference(dy, z, activation)
+    a_out = torch.full_like(dy, float("nan"))
+    a_sum = torch.empty(dy.shape[0], dtype=torch.float32, device=DEVICE)
+    out = matmul_backward(dy, b, activation=activation, z=z, a_out=a_out, a_sum=a_sum)
+    assert torch.equal(out, tkern.matmul(dz, b))  # the same dot on the same operand
+    assert torch.equal(a_out, dz)  # every element written once, as the pass rounds it
+    ref = dz.float().sum(1)
+    assert ((a_sum - ref).abs() <= sum_tolerance(dz, 1, torch.float32)).all()
+
+
+@pytest.mark.parametrize("sum_dtype", [torch.float32, "same"])
+def test_matmul_backward_sums_a_plain_or_expanded_operand(sum_dtype):
+    # no activation: wgrad of a linear without one, dbias from dY^T; an expanded dY
+    # (from y.sum()) is read in place with stride 0
+    from tkern.kernels.gemm import matmul_backward
+
+    dtype = torch.bfloat16
+    sum_dtype = dtype if sum_dtype == "same" else sum_dtype
+    for dy in (randn(77, 50, dtype=dtype), randn(1, 1, dtype=dtype).expand(77, 50)):
+        x = randn(77, 33, dtype=dtype)
+        a_sum = torch.empty(50, dtype=sum_dtype, device=DEVICE)
+        out = matmul_backward(dy.t(), x, a_sum=a_sum)
+        assert torch.equal(out, tkern.matmul(dy.t(), x))
+        ref = dy.float().sum(0)
+        assert a_sum.dtype == sum_dtype
+        assert ((a_sum.float() - ref).abs() <= sum_tolerance(dy.t(), 1, sum_dtype)).all()
+
+
+@pytest.mark.parametrize("shape", [(5, 8, 0), (0, 8, 6), (5, 0, 6)])
+def test_matmul_backward_without_output_tiles_still_writes_the_operand(shape):
+    # N == 0 (x without features): no program runs, yet dZ and dbias are owed
+    from tkern.kernels.gemm import matmul_backward
+
+    m, k, n = shape
+    dy, z = randn(m, k, dtype=torch.float16), randn(m, k, dtype=torch.float16)
+    a_out, a_sum = torch.full_like(dy, float("nan")), torch.full((m,), float("nan"), device=DEVICE)
+    out = matmul_backward(
+        dy, randn(k, n, dtype=torch.float16), activation="gelu", z=z, a_out=a_out, a_sum=a_sum
+    )
+    dz = _prologue_reference(dy, z, "gelu")
+    assert out.shape == (m, n) and torch.equal(a_out, dz)
+    assert ((a_sum - dz.float().sum(1)).abs() <= sum_tolerance(dz, 1, torch.float32)).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(activation="relu"), ValueError, ["z (the pre-activation)", "'relu'"]),
+        (dict(z=h(4, 5)), ValueError, ["z (the pre-activation)", "None"]),
+        (dict(activation="relu", z=h(5, 4).t()), ValueError, ["z must have a's shape", "strides (1, 4)"]),
+        (dict(activation="relu", z=h(4, 5, dtype=torch.bfloat16)), TypeError, ["z must have dtype"]),
+        (dict(a_out=h(4, 6)), ValueError, ["a_out must have a's shape (4, 5)", "(4, 6)"]),
+        (dict(a_sum=h(5)), ValueError, ["a_sum must be a contiguous (4,) tensor", "(5,)"]),
+        (dict(a_sum=h(4, dtype=torch.bfloat16)), TypeError, ["a_sum must have dtype", "bfloat16"]),
+        (dict(activation="swish", z=h(4, 5)), ValueError, ["activation", "'swish'"]),
+    ],
+)
+def test_matmul_backward_bad_input_raises_before_launch(kwargs, exc, words):
+    from tkern.kernels.gemm import matmul_backward
+
+    with pytest.raises(exc) as info:
+        matmul_backward(h(4, 5), h(5, 3), **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_matmul_backward_refuses_to_overwrite_its_operand():
+    # other programs still read A's tiles while column block 0 writes A'
+    from tkern.kernels.gemm import matmul_backward
+
+    a = h(4, 5)
+    with pytest.raises(ValueError, match="a_out must not share memory with a or z"):
+        matmul_backward(a, h(5, 3), a_out=a)
+
+
+def test_prologue_activation_is_in_the_autotune_key_and_its_outputs_are_not():
+    # A_ACT prunes the configs (gemm_configs.PROLOGUE_MAX_ACC): a config tuned for a plain
+    # launch of the same shape may spill with the prologue, so the two must not share
+    # a choice. STORE_A / SUM_A prune nothing and add work to column block 0 only (one
+    # store or one row sum of a tile already loaded): they leave the ranking alone.
+    from tkern.kernels import gemm
+
+    assert "A_ACT" in gemm._matmul_kernel.keys
+    assert not {"STORE_A", "SUM_A"} & set(gemm._matmul_kernel.keys)
+
+
+def test_prologue_configs_are_pruned_by_their_named_rules():
+    from tkern.kernels.activation import ACTIVATIONS
+    from tkern.kernels.gemm_configs import (
+        PROLOGUE_ACT_MAX_A,
+        PROLOGUE_ACT_PRE_HOPPER_MAX_ACC,
+        PROLOGUE_MAX_ACC,
+        RAGGED_MAX_LOADS,
+        acc_per_thread,
+        gemm_configs,
+        loads_per_thread,
+        prune_configs,
+    )
+
+    def tiles(c):
+        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps
+
+    relu, gelu = ACTIVATIONS["relu"], ACTIVATIONS["gelu"]
+    configs = gemm_configs()
+    for cc in (90, 80):
+        plain = prune_configs(configs, cc)
+        with_relu = prune_configs(configs, cc, prologue=relu)
+        with_gelu = prune_configs(configs, cc, prologue=gelu)
+        assert set(map(id, with_gelu)) <= set(map(id, with_relu)) <= set(map(id, plain))
+        assert with_gelu and all(
+            acc_per_thread(*tiles(c)[:2], c.num_warps) <= PROLOGUE_MAX_ACC for c in with_relu
+        )
+        for c in with_gelu:
+            bm, bn, bk, w = tiles(c)
+            assert bm * bk // (32 * w) <= PROLOGUE_ACT_MAX_A
+            assert cc >= 90 or acc_per_thread(bm, bn, w) <= PROLOGUE_ACT_PRE_HOPPER_MAX_ACC
+        # ragged operands: Z's scalar loads count beside A's and B's
+        for c in prune_configs(configs, cc, ragged=True, prologue=relu):
+            bm, bn, bk, w = tiles(c)
+            assert loads_per_thread(2 * bm, bn, bk, w) <= RAGGED_MAX_LOADS
+    # the 128-value tiles spill with a prologue on Hopper; 128x128 on 8 warps (64) is kept for ReLU
+    big = [c for c in configs if acc_per_thread(*tiles(c)[:2], c.num_warps) > PROLOGUE_MAX_ACC]
+    assert big and not set(map(id, big)) & set(map(id, prune_configs(configs, 90, prologue=relu)))

@@ -6,10 +6,12 @@ Two doors lead to the same kernels:
   (the least host time per call);
 * ``torch.compile``/``torch.export`` tracing, meta tensors and tensor subclasses
   (FakeTensor) go through the custom ops ``tkern::linear_forward``,
-  ``tkern::mm`` and ``tkern::activation_grad``: each has a fake (meta)
+  ``tkern::mm_backward`` (the backward GEMMs with their operand prologue),
+  ``tkern::activation_grad`` and ``tkern::mm``: each has a fake (meta)
   implementation, so Dynamo and AOTAutograd treat tkern's GEMMs as opaque ops
   with known output shapes (no graph break, nothing traced into Triton), and
-  ``tkern::linear_forward`` has its backward registered in terms of the other two.
+  ``tkern::linear_forward`` has its backward registered in terms of
+  ``tkern::mm_backward`` and ``tkern::activation_grad``.
   The op bodies run the same launchers (the interpreter on a CPU).
 
 Second-order gradients (``create_graph=True``, gradient penalties) take a
@@ -44,7 +46,13 @@ from tkern.kernels.activation import (
     check_activation,
 )
 from tkern.kernels.float8 import roll_amax_history, to_float8, to_float8_delayed, to_float8_delayed_deferred
-from tkern.kernels.gemm import matmul, matmul_prechecked, scaled_mm
+from tkern.kernels.gemm import (
+    matmul,
+    matmul_backward,
+    matmul_backward_prechecked,
+    matmul_prechecked,
+    scaled_mm,
+)
 from tkern.kernels.gemm_epilogue import check_bias
 
 __all__ = ["Float8WeightCache", "float8_linear", "float8_weight_cache", "linear", "matmul"]
@@ -91,22 +99,63 @@ def _differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
     return dx, dw, db
 
 
-def _mm_checked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in a's dtype on operands the caller made or checked."""
-    return matmul_prechecked(a, b, None, None, a.dtype, None)
+def _mm_backward_checked(a, b, z, activation, store_a, sum_dtype):
+    """The backward GEMM ``A' @ b`` (``A' = a * act'(z)`` with an ``activation``,
+    else ``a``) on operands the caller made or checked, with ``A'`` (``store_a``)
+    and its fp32 row sums in ``sum_dtype`` (when not None) written on the way:
+    ``(A' @ b, A' or None, sums or None)`` (gemm.matmul_backward)."""
+    a_out = torch.empty_like(a) if store_a else None
+    a_sum = None if sum_dtype is None else torch.empty(a.shape[0], dtype=sum_dtype, device=a.device)
+    return matmul_backward_prechecked(a, b, activation, z, a_out, a_sum), a_out, a_sum
 
 
-def _linear_grads(dz, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad):
-    """The gradients of ``act(x @ W^T + b)`` for both doors of :func:`linear`:
-    ``dz`` (M, N) the output gradient, the activation's gradient applied with
-    ``act_grad`` from the saved pre-activation, then dgrad ``dZ @ W`` and wgrad
-    ``dZ^T @ X`` (dZ^T read in place) with ``mm``, dbias summed in fp32. ``mm``
-    and ``act_grad`` are the launchers (eager) or the custom ops (traced)."""
+#: Activations whose gradient the backward GEMMs apply while loading dY (the operand
+#: prologue, gemm.matmul_backward): ReLU's is a select, a few instructions per element
+#: of dY beside the 2 * BLOCK_N multiply-adds each element feeds, hidden under the
+#: tensor cores. Every other activation keeps its own elementwise pass
+#: (activation.activation_grad), since a prologue evaluates act'(z) once per column
+#: block of the output (N / BLOCK_N times per element): GELU's gradient compiles to
+#: ~41 SASS instructions per element on sm_90 (392 for a thread's 8 elements in the
+#: pass, ReLU's 64), so on an 8192 x 4096 x 4096 dgrad (32 column blocks) the prologue
+#: would issue ~44e9 instructions, ~1.3 ms of an H100's CUDA cores beside a ~0.4 ms
+#: GEMM, where the pass reads dY and Z once (~0.06 ms); its configs are also pruned to
+#: 64-row tiles (gemm_configs.PROLOGUE_ACT_MAX_A). The prologue is bit-identical to the
+#: pass for every activation: the choice is speed only, to be confirmed on a GPU.
+PROLOGUE_ACTIVATIONS = frozenset({"relu"})
+
+
+def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad):
+    """The gradients of ``act(x @ W^T + b)`` for both doors of :func:`linear`, from
+    ``dy`` (M, N) and the saved pre-activation ``preact``: dX = dZ @ W, dW = dZ^T @ X
+    (dZ^T read in place), db = dZ summed over M in fp32, where dZ = dY * act'(Z).
+
+    At most two GEMM launches: dgrad applies act' while loading dY (the operand
+    prologue, for :data:`PROLOGUE_ACTIVATIONS`) and its first column of programs
+    stores dZ; wgrad reads that dZ^T and sums dbias from its tiles; without dgrad,
+    wgrad applies act' to dY^T itself (Z^T read in place). Other activations get dZ
+    from ``act_grad`` first. dbias alone (weight frozen) is a plain reduction.
+    ``mm(a, b, z, activation, store_a, sum_dtype) -> (c, A', sums)`` and
+    ``act_grad`` are the launchers (eager) or the custom ops (traced)."""
+    need_dx, need_dw = needs[0], needs[1]
+    sum_dtype = bias_dtype if needs[2] else None  # None: no bias, or it needs no gradient
+    dz, z, act = dy, None, None  # the GEMMs read dZ, or dY and Z with act' in their prologue
     if activation is not None:
-        dz = act_grad(dz, preact, activation)
-    dx = mm(dz, weight) if needs[0] else None  # (M, N) @ (N, K)
-    dw = mm(dz.t(), x2d) if needs[1] else None  # (N, M) @ (M, K)
-    db = dz.sum(0, dtype=torch.float32).to(bias_dtype) if needs[2] and bias_dtype is not None else None
+        if activation in PROLOGUE_ACTIVATIONS and (need_dx or need_dw):
+            # the prologue reads Z with dY's strides: an expanded or strided dY (y.sum()) is made dense
+            dz, z, act = dy if dy.stride() == preact.stride() else dy.contiguous(), preact, activation
+        else:
+            dz = act_grad(dy, preact, activation)
+    dx = dw = db = None
+    if need_dx:  # (M, N) @ (N, K); dZ stored for wgrad and dbias when act' was applied here
+        store = act is not None and (need_dw or sum_dtype is not None)
+        dx, dz_stored, _ = mm(dz, weight, z, act, store, None)
+        if act is not None:
+            dz, z, act = dz_stored, None, None
+    if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs
+        dw, _, sums = mm(dz.t(), x2d, None if z is None else z.t(), act, False, sum_dtype)
+        db = sums if sum_dtype is not None else None
+    elif sum_dtype is not None:  # dbias alone: dZ is made (above) and reduced
+        db = dz.sum(0, dtype=torch.float32).to(sum_dtype)
     return dx, dw, db
 
 
@@ -147,7 +196,7 @@ class _Linear(torch.autograd.Function):
             ctx.activation,
             needs,
             ctx.bias_dtype,
-            _mm_checked,
+            _mm_backward_checked,
             activation_grad,
         )
         return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
@@ -165,6 +214,37 @@ def _mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @_mm_op.register_fake
 def _(a, b):
     return a.new_empty((a.shape[0], b.shape[1]))
+
+
+@torch.library.custom_op("tkern::mm_backward", mutates_args=())
+def _mm_backward_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    z: torch.Tensor | None,
+    activation: str,
+    store_a: bool,
+    sum_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tkern.kernels.gemm.matmul_backward`: ``(A' @ b, A', A'.sum(1))`` with
+    ``A' = a * act'(z)`` (``a`` for ``activation="none"``); ``A'`` and the sums are
+    empty tensors unless ``store_a`` / ``sum_dtype`` ask for them."""
+    act = None if activation == _NO_ACT else activation
+    a_out = torch.empty_like(a) if store_a else None
+    a_sum = None if sum_dtype is None else a.new_empty(a.shape[0], dtype=sum_dtype)
+    c = matmul_backward(a, b, activation=act, z=z, a_out=a_out, a_sum=a_sum)
+    return c, a.new_empty(0) if a_out is None else a_out, a.new_empty(0) if a_sum is None else a_sum
+
+
+@_mm_backward_op.register_fake
+def _(a, b, z, activation, store_a, sum_dtype):
+    a_out = torch.empty_like(a) if store_a else a.new_empty(0)
+    a_sum = a.new_empty(0) if sum_dtype is None else a.new_empty(a.shape[0], dtype=sum_dtype)
+    return a.new_empty((a.shape[0], b.shape[1])), a_out, a_sum
+
+
+def _mm_backward_traced(a, b, z, activation, store_a, sum_dtype):
+    """:func:`_mm_backward_checked`'s contract through the custom op (traced backward)."""
+    return _mm_backward_op(a, b, z, activation or _NO_ACT, store_a, sum_dtype)
 
 
 @torch.library.custom_op("tkern::activation_grad", mutates_args=())
@@ -210,7 +290,15 @@ def _linear_backward(ctx, dy, _dpreact):
     x2d, weight, preact = ctx.saved_tensors
     act = None if ctx.activation == _NO_ACT else ctx.activation
     dx, dw, db = _linear_grads(
-        dy, x2d, weight, preact, act, ctx.needs_input_grad[:3], ctx.bias_dtype, _mm_op, _activation_grad_op
+        dy,
+        x2d,
+        weight,
+        preact,
+        act,
+        ctx.needs_input_grad[:3],
+        ctx.bias_dtype,
+        _mm_backward_traced,
+        _activation_grad_op,
     )
     return dx, dw, db, None, None
 

@@ -13,11 +13,13 @@ gemm.py, gemm_tma.py (their shared rooms: gemm_epilogue.py, gemm_configs.py)
     (persistent, TMA); both end in ``gemm_epilogue.epilogue`` (bias, activation,
     pre-activation, one cast) and walk tiles in ``gemm_epilogue.tile_coords``
     order. Launchers: ``gemm.matmul`` / ``matmul_prechecked`` (ragged operands on
-    Hopper go to ``gemm_tma.launch_tma``), ``gemm.matmul_tma_persistent``,
+    Hopper go to ``gemm_tma.launch_tma``), ``gemm.matmul_backward`` /
+    ``matmul_backward_prechecked`` (the pointer kernel's operand prologue: an
+    activation's gradient applied to A, A' and its row sums stored), ``gemm.matmul_tma_persistent``,
     ``gemm.scaled_mm``. Configs: ``gemm_configs.gemm_configs`` /
     ``tma_configs``, pruned per device and operands by ``prune_configs``.
     Above: ``functional.linear`` (``_Linear``; custom ops ``tkern::linear_forward``,
-    ``tkern::mm``), ``functional.float8_linear`` (``tkern::scaled_mm``),
+    ``tkern::mm_backward``), ``functional.float8_linear`` (``tkern::scaled_mm``),
     ``nn.Linear``, ``nn.Conv1D``, ``nn.Float8Linear``, ``tkern.matmul``,
     ``tkern.scaled_mm``. Tests: test_gemm.py, test_functional.py, test_float8.py,
     test_compiled.py (every offered config compiled, no spills). Benchmarks:

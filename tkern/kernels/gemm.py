@@ -22,11 +22,13 @@ import triton.language as tl
 
 from tkern.kernels._common import (
     INTERPRET,
+    cast_rne,
     check_int32_addressable,
     check_int32_elements,
     check_same_device,
     check_tensor,
 )
+from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
 from tkern.kernels.gemm_configs import gemm_autotune, gemm_configs, operands_ragged, transposed
 from tkern.kernels.gemm_epilogue import (
     OUT_DTYPES,
@@ -69,7 +71,7 @@ def _operand_scale(
 
 @gemm_autotune(
     configs=gemm_configs(),
-    key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B"],
+    key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT"],
 )
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
@@ -103,6 +105,10 @@ def _matmul_kernel(
     block_ak,
     block_bk,
     block_bn,
+    # the operand prologue (the linear backward); unused unless A_ACT / STORE_A / SUM_A
+    z_ptr,  # (M, K) a's dtype, a's strides: the pre-activation whose act' multiplies A; A_ACT only
+    a_out_ptr,  # (M, K) a's dtype, a's strides: receives A' (the operand fed to the dot); STORE_A only
+    a_sum_ptr,  # (M,) fp32 or a's dtype, contiguous: receives A'.sum(1) summed in fp32; SUM_A only
     # meta-parameters; constexpr so the untaken branches are compiled out
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
@@ -120,10 +126,19 @@ def _matmul_kernel(
     EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see gemm_epilogue.epilogue)
     SCALE_A: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per row) / _BLOCK
     SCALE_B: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per column) / _BLOCK
+    A_ACT: tl.constexpr = 0,  # activation code: A' = A * act'(Z) rounded to a's dtype (0: A' = A)
+    STORE_A: tl.constexpr = False,  # the programs of column block 0 store A' (a_out_ptr)
+    SUM_A: tl.constexpr = False,  # the programs of column block 0 store A'.sum(1) (a_sum_ptr)
 ):
-    """C = act(A @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
+    """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
     accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
-    per tensor/row/column after the K loop, per block inside it. Shapes above."""
+    per tensor/row/column after the K loop, per block inside it. Shapes above.
+
+    The operand prologue serves the linear backward: ``A' = A * act'(Z)`` (dZ from
+    dY and the saved pre-activation, as activation.activation_grad stores it) is
+    built while A's tiles are loaded, and the programs of the first column block
+    (``pid_n == 0``, each of A's row bands has exactly one) store the A' tiles they
+    built and their row sums (dbias): no atomics, every row written once."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -131,20 +146,40 @@ def _matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    a_offs = offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    a_ptrs = a_ptr + a_offs
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    # the prologue's pointers walk K with A's (same strides); only column block 0 stores
+    z_ptrs = z_ptr + a_offs
+    a_out_ptrs = a_out_ptr + a_offs
+    # (BLOCK_M,) rather than a scalar: the interpreter cannot store under a scalar condition
+    first_col = (offs_m * 0 + pid_n) == 0
+    a_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
 
     # Accumulate in fp32: fp16 products are exact in fp32, and the running sum
     # keeps 24 bits where an fp16 sum would keep 11 (4096 ones sum to 2048 in fp16).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            mask_a = mask_m[:, None]
             b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
         else:
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            mask_a = mask_m[:, None] & (offs_k[None, :] < k_left)
             b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=mask_a, other=0.0)
+        if A_ACT != 0:
+            # dZ = dY * act'(Z) in fp32, rounded once to the operand dtype: exactly the
+            # standalone kernel's dZ (zero where masked: dY = 0 there)
+            z = tl.load(z_ptrs, mask=mask_a, other=0.0)
+            a = cast_rne(activation_grad_f32(a.to(tl.float32), z.to(tl.float32), A_ACT), a.dtype)
+            z_ptrs += BLOCK_K * stride_ak
+        if STORE_A:
+            tl.store(a_out_ptrs, a, mask=mask_a & first_col[:, None])
+            a_out_ptrs += BLOCK_K * stride_ak
+        if SUM_A:  # noqa: SIM102 (a compile-time branch around a run-time one)
+            if pid_n == 0:  # only column block 0 stores the sums: the others skip them
+                a_sum += tl.sum(a.to(tl.float32), axis=1)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -193,6 +228,9 @@ def _matmul_kernel(
     if SCALE_B == _SCALE_TENSOR or SCALE_B == _SCALE_VECTOR:  # noqa: SIM109 (jit: no `in`)
         sb = _operand_scale(scale_b_ptr, offs_n, mask_n, 0, stride_sbn, 0, 1, 1, SCALE_B)
         acc = acc * sb[None, :]
+    if SUM_A:
+        sum_dtype: tl.constexpr = a_sum_ptr.dtype.element_ty
+        tl.store(a_sum_ptr + offs_m, cast_rne(a_sum, sum_dtype), mask=mask_m & first_col)
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
@@ -278,12 +316,62 @@ _NO_SCALE_ARGS = (0, 0, 0, 0, *NO_SCALES.block_a, *NO_SCALES.block_b)
 _KERNEL_META: dict[tuple, dict] = {}
 
 
+class OperandPrologue(NamedTuple):
+    """What :func:`matmul_backward`'s kernel does to its A operand (the constexprs
+    ``A_ACT``, ``STORE_A``, ``SUM_A``): ``A' = A * act'(z)`` when ``activation``
+    is set, ``A'`` stored into ``a_out`` and its fp32 row sums into ``a_sum``."""
+
+    activation: str | None = None
+    z: torch.Tensor | None = None  # (M, K), a's strides
+    a_out: torch.Tensor | None = None  # (M, K), a's strides
+    a_sum: torch.Tensor | None = None  # (M,) contiguous
+
+    def args(self, dummy: torch.Tensor) -> tuple:
+        """The kernel's prologue pointers, ``z_ptr`` to ``a_sum_ptr``."""
+        z, out, sums = self.z, self.a_out, self.a_sum
+        return (dummy if z is None else z, dummy if out is None else out, dummy if sums is None else sums)
+
+    def meta(self) -> dict:
+        """The kernel's prologue constexprs."""
+        return {
+            "A_ACT": ACTIVATIONS[self.activation],
+            "STORE_A": self.a_out is not None,
+            "SUM_A": self.a_sum is not None,
+        }
+
+
+NO_PROLOGUE = OperandPrologue()
+_NO_PROLOGUE_META = NO_PROLOGUE.meta()
+
+
+def _prologue_without_gemm(a: torch.Tensor, prologue: OperandPrologue) -> None:
+    """The prologue's outputs when the GEMM has no output tile (N == 0: no
+    program runs) or no row (M == 0): A' by the standalone kernel, its sums by torch."""
+    ap = a if prologue.activation is None else activation_grad(a, prologue.z, prologue.activation)
+    if prologue.a_out is not None:
+        prologue.a_out.copy_(ap)
+    if prologue.a_sum is not None:
+        prologue.a_sum.copy_(ap.sum(1, dtype=torch.float32))
+
+
 def _launch_matmul(
-    a, b, M, N, K, bias, activation, out_dtype, preact, scales: OperandScales = NO_SCALES
+    a,
+    b,
+    M,
+    N,
+    K,
+    bias,
+    activation,
+    out_dtype,
+    preact,
+    scales: OperandScales = NO_SCALES,
+    prologue: OperandPrologue = NO_PROLOGUE,
 ) -> torch.Tensor:
-    """:func:`matmul` (and :func:`scaled_mm`) after its arguments were checked."""
+    """:func:`matmul` (and :func:`scaled_mm`, :func:`matmul_backward`) after its arguments were checked."""
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
+        if prologue is not NO_PROLOGUE:
+            _prologue_without_gemm(a, prologue)
         return c
 
     def grid(meta):
@@ -297,14 +385,105 @@ def _launch_matmul(
         meta = _KERNEL_META[key] = {
             **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
             "A_T": key[5], "B_T": key[6], "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
+            **_NO_PROLOGUE_META,  # A_ACT is in the autotune key: passed even when off
         }  # fmt: skip
     _matmul_kernel[grid](
         a, b, c, bias if bias is not None else c, preact if preact is not None else c,
         M, N, K, *sa, *sb, N, 1, bias_stride(bias),
         *(scales.args(c) if scales is not NO_SCALES else (c, c, *_NO_SCALE_ARGS)),
-        **meta,
+        *(prologue.args(c) if prologue is not NO_PROLOGUE else (c, c, c)),
+        **(meta if prologue is NO_PROLOGUE else {**meta, **prologue.meta()}),
     )  # fmt: skip
     return c
+
+
+def matmul_backward(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    activation: str | None = None,
+    z: torch.Tensor | None = None,
+    a_out: torch.Tensor | None = None,
+    a_sum: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``A' @ b`` with fp32 accumulation, in ``a``'s dtype, where ``A' = a * act'(z)``
+    (computed in fp32, rounded once to ``a``'s dtype) when ``activation`` is set, else
+    ``a``: the linear backward's GEMMs with the activation's gradient applied while
+    the operand is loaded, and optionally ``A'`` and its row sums written on the way.
+
+    ``A'`` is bit-identical to ``activation.activation_grad(a, z, activation)``, and
+    the product to :func:`matmul` on that ``A'``: dgrad ``dY @ W`` reads dY and the
+    saved pre-activation instead of a dZ made by another pass (and stores dZ for
+    wgrad with ``a_out``); wgrad ``dZ^T @ X`` sums dZ^T's rows into dbias with
+    ``a_sum``. Always the pointer kernel (the TMA kernel has no prologue).
+
+    Args:
+        a: (M, K) fp16 or bf16, any strides (dY, dZ, or a transposed view of either).
+        b: (K, N), ``a``'s dtype, any strides.
+        activation: None, or an activation (``"relu"``, ``"gelu"``, ...) whose
+            gradient multiplies ``a``; then ``z`` is required.
+        z: (M, K) pre-activation, ``a``'s dtype and strides (``z^T`` read in place
+            when ``a`` is ``dY^T``).
+        a_out: optional (M, K) tensor of ``a``'s dtype and strides, not sharing
+            memory with ``a`` or ``z``: receives ``A'``.
+        a_sum: optional contiguous (M,) tensor, fp32 or ``a``'s dtype: receives
+            ``A'.sum(1)`` accumulated in fp32 (rounded once to its dtype).
+
+    Returns:
+        A new contiguous (M, N) tensor of ``a``'s dtype.
+
+    Raises:
+        TypeError / ValueError: naming the argument, before anything is launched.
+    """
+    M, _, K, _ = check_matmul_args(a, b, None, None, None, None)
+    check_activation(activation)
+    if (activation is None) != (z is None):
+        raise ValueError(
+            f"z (the pre-activation) is needed exactly when activation is set; got activation="
+            f"{activation!r} and z {'None' if z is None else 'given'}"
+        )
+    for name, t in (("z", z), ("a_out", a_out)):
+        if t is None:
+            continue
+        check_tensor(name, t, ndim=2, dtypes=(a.dtype,))
+        if t.shape != a.shape or t.stride() != a.stride():
+            raise ValueError(
+                f"{name} must have a's shape {tuple(a.shape)} and strides {a.stride()}, "
+                f"got shape {tuple(t.shape)}, strides {t.stride()}"
+            )
+    if a_out is not None and a_out.numel():  # (empty tensors all have address 0)
+        ptr = a_out.untyped_storage().data_ptr()
+        if any(t is not None and t.untyped_storage().data_ptr() == ptr for t in (a, z)):
+            raise ValueError("a_out must not share memory with a or z: other programs still read them")
+    if a_sum is not None:
+        check_tensor("a_sum", a_sum, ndim=1, dtypes=(torch.float32, a.dtype))
+        if a_sum.shape != (M,) or (M > 1 and a_sum.stride(0) != 1):
+            raise ValueError(
+                f"a_sum must be a contiguous ({M},) tensor, got shape {tuple(a_sum.shape)}, "
+                f"strides {a_sum.stride()}"
+            )
+    check_same_device(a=a, z=z, a_out=a_out, a_sum=a_sum)
+    return matmul_backward_prechecked(a, b, activation, z, a_out, a_sum)
+
+
+def matmul_backward_prechecked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    activation: str | None,
+    z: torch.Tensor | None,
+    a_out: torch.Tensor | None,
+    a_sum: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`matmul_backward` for a caller that made or checked its arguments
+    (:func:`tkern.linear`'s backward): the hot path, no checks repeated."""
+    if activation is None and a_out is None and a_sum is None:
+        return matmul_prechecked(a, b, None, None, a.dtype, None)
+    (M, K), N = a.shape, b.shape[1]
+    # The TMA kernel has no prologue: these launches take the pointer kernel on every
+    # GPU, ragged operands on Hopper included (its configs for them are pruned so
+    # that nothing spills); the dot runs on the same A' either way.
+    prologue = OperandPrologue(activation, z, a_out, a_sum)
+    return _launch_matmul(a, b, M, N, K, None, None, a.dtype, None, prologue=prologue)
 
 
 def matmul_tma_persistent(

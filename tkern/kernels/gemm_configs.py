@@ -147,6 +147,29 @@ ACT_MAX_ACC = 64
 ACT_MAX_ACC_ACTIVATIONS = frozenset({ACTIVATIONS["gelu"]})
 
 
+#: Hopper, pointer kernel, an operand prologue (gemm.matmul_backward applying an
+#: activation's gradient to A while loading it): A's and Z's tiles pass through
+#: registers next to the accumulator. At most this many accumulator values per thread.
+#: Measured (static_report, sm_90, triton 3.9, bf16, dgrad NN storing dZ and wgrad TN
+#: summing dbias): with ReLU's gradient the 64-value tiles stay at 128-189 registers;
+#: the 128-value tiles (128x256 and 256x128 on 8 warps, 128x128 on 4) spill 32-328 B.
+PROLOGUE_MAX_ACC = 64
+#: The prologue of an activation whose gradient is more than a select (GELU: erf and
+#: exp on every element of A): at most this many elements of A's (BLOCK_M, BLOCK_K)
+#: tile per thread. Measured (triton 3.9 and 3.6, bf16): 64x128x32 and 64x32x32 on 4 warps
+#: (16) do not spill on sm_90 (96-255 registers, ragged operands too); the 32-element
+#: tiles spill: 128x64x32 on 4 warps and 128x128x64 on 8 (8-24 B on sm_90), 64x64x64 on
+#: 4 (56-496 B on sm_80, where mma.sync holds A's fragments in registers too).
+PROLOGUE_ACT_MAX_A = 16
+#: ... and before Hopper at most this many accumulator values per thread: 64x128x32 on 4
+#: warps (64) spills 8 B on sm_80 under triton 3.6 in dgrad storing dZ; 64x32x32 (16) does not.
+PROLOGUE_ACT_PRE_HOPPER_MAX_ACC = 32
+#: Activation codes whose gradient is a select (``dy`` where ``z > 0``): only
+#: :data:`PROLOGUE_MAX_ACC` holds for them; every other code is held to
+#: :data:`PROLOGUE_ACT_MAX_A` (and :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`) too.
+PROLOGUE_SELECT = frozenset({ACTIVATIONS["relu"]})
+
+
 def _cfg_tile(c: triton.Config) -> int:
     return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
 
@@ -155,8 +178,15 @@ def _cfg_acc(c: triton.Config) -> int:
     return acc_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
 
 
-def _cfg_loads(c: triton.Config) -> int:
-    return loads_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+def _cfg_loads(c: triton.Config, prologue: bool = False) -> int:
+    """Operand elements a thread loads per K step; with a ``prologue`` Z's tile beside A's."""
+    block_m = c.kwargs["BLOCK_M"] * (2 if prologue else 1)
+    return loads_per_thread(block_m, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+
+
+def _cfg_a_values(c: triton.Config) -> int:
+    """Elements of A's (BLOCK_M, BLOCK_K) tile each thread holds."""
+    return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_K"] // (32 * c.num_warps)
 
 
 def prune_configs(
@@ -166,6 +196,7 @@ def prune_configs(
     tma: bool = False,
     ragged: bool = False,
     activation: int = 0,
+    prologue: int = 0,
 ) -> list[triton.Config]:
     """The configs worth trying on compute capability ``cc`` (e.g. 90): those
     whose shared memory fits; on ``ragged`` operands (see :func:`operands_ragged`)
@@ -174,7 +205,11 @@ def prune_configs(
     only the tiles whose accumulator leaves room for mma.sync's operands; for
     the pointer kernel's epilogue applying ``activation`` (an ``ACTIVATIONS`` code) in
     :data:`ACT_MAX_ACC_ACTIVATIONS` only :data:`ACT_MAX_ACC` accumulator values per
-    thread on Hopper. Never empty: the smallest is kept."""
+    thread on Hopper; with an operand ``prologue`` (the ``A_ACT`` code of
+    gemm.matmul_backward) only the tiles whose accumulator leaves room for A's and Z's
+    tiles (:data:`PROLOGUE_MAX_ACC`, :data:`PROLOGUE_ACT_MAX_A`,
+    :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`; on ragged operands Z's scalar loads count
+    in :data:`RAGGED_MAX_LOADS`). Never empty: the smallest is kept."""
     limit = smem_limit(cc)
     fits = [c for c in configs if smem_estimate(c) <= limit]
     if ragged and not tma:
@@ -183,6 +218,14 @@ def prune_configs(
         fits = [c for c in fits if _cfg_acc(c) <= PRE_HOPPER_MAX_ACC]
     if activation in ACT_MAX_ACC_ACTIVATIONS and not tma:
         fits = [c for c in fits if _cfg_acc(c) <= ACT_MAX_ACC]
+    if prologue and not tma:
+        fits = [c for c in fits if _cfg_acc(c) <= PROLOGUE_MAX_ACC]
+        if prologue not in PROLOGUE_SELECT:
+            fits = [c for c in fits if _cfg_a_values(c) <= PROLOGUE_ACT_MAX_A]
+            if cc < 90:
+                fits = [c for c in fits if _cfg_acc(c) <= PROLOGUE_ACT_PRE_HOPPER_MAX_ACC]
+        if ragged:
+            fits = [c for c in fits if _cfg_loads(c, prologue=True) <= RAGGED_MAX_LOADS]
     return fits or [min(configs, key=smem_estimate)]
 
 
@@ -233,7 +276,10 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
 
     def prune(configs, nargs, **kwargs):
         ragged = not tma and _ragged_args(nargs)
-        activation = {**nargs, **kwargs}.get("ACTIVATION", 0)
-        return prune_configs(configs, _device_cc(nargs), tma=tma, ragged=ragged, activation=activation)
+        meta = {**nargs, **kwargs}
+        activation, prologue = meta.get("ACTIVATION", 0), meta.get("A_ACT", 0)
+        return prune_configs(
+            configs, _device_cc(nargs), tma=tma, ragged=ragged, activation=activation, prologue=prologue
+        )
 
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})
