@@ -390,11 +390,13 @@ def linear(
 ) -> torch.Tensor:
     """``act(x @ weight.T + bias)`` like ``torch.nn.functional.linear``, differentiable.
 
-    Forward and backward run on :func:`tkern.matmul` with fp32 accumulation:
-    dgrad ``dY @ W``, wgrad ``dY^T @ X``, dbias summed in fp32, the activation's
-    gradient applied in fp32 from the pre-activation saved by the forward pass.
-    Under ``torch.compile`` the GEMMs are the custom ops ``tkern::linear_forward``
-    and ``tkern::mm`` (no graph break); meta tensors get the right output shape
+    Forward and backward run on tkern's GEMM with fp32 accumulation: dgrad
+    ``dZ @ W``, wgrad ``dZ^T @ X`` with dbias summed in fp32 inside it, the
+    activation's gradient ``dZ = dY * act'(Z)`` applied in fp32 from the
+    pre-activation saved by the forward pass (for ReLU while the backward GEMM
+    loads its operand; for the others in a pass of its own). Under
+    ``torch.compile`` the GEMMs are the custom ops ``tkern::linear_forward``
+    and ``tkern::mm_backward`` (no graph break); meta tensors get the right output shape
     and dtype. With ``create_graph=True`` the backward is itself differentiable
     (computed with torch operations in fp32, so second-order gradients are exact
     to fp32 rounding).
