@@ -6,8 +6,8 @@ Two doors lead to the same kernels:
   (the least host time per call);
 * ``torch.compile``/``torch.export`` tracing, meta tensors and tensor subclasses
   (FakeTensor) go through the custom ops ``tkern::linear_forward``,
-  ``tkern::mm_backward`` (the backward GEMMs with their operand prologue),
-  ``tkern::activation_grad`` and ``tkern::mm``: each has a fake (meta)
+  ``tkern::mm_backward`` (the backward GEMMs with their operand prologue) and
+  ``tkern::activation_grad``: each has a fake (meta)
   implementation, so Dynamo and AOTAutograd treat tkern's GEMMs as opaque ops
   with known output shapes (no graph break, nothing traced into Triton), and
   ``tkern::linear_forward`` has its backward registered in terms of
@@ -104,9 +104,16 @@ def _mm_backward_checked(a, b, z, activation, store_a, sum_dtype):
     else ``a``) on operands the caller made or checked, with ``A'`` (``store_a``)
     and its fp32 row sums in ``sum_dtype`` (when not None) written on the way:
     ``(A' @ b, A' or None, sums or None)`` (gemm.matmul_backward)."""
-    a_out = torch.empty_like(a) if store_a else None
-    a_sum = None if sum_dtype is None else torch.empty(a.shape[0], dtype=sum_dtype, device=a.device)
+    a_out, a_sum = _prologue_outputs(a, store_a, sum_dtype)
     return matmul_backward_prechecked(a, b, activation, z, a_out, a_sum), a_out, a_sum
+
+
+def _prologue_outputs(a, store_a, sum_dtype):
+    """The buffers the backward GEMM writes ``A'`` and its row sums into (None where
+    not asked for): ``(M, K)`` like ``a``, and ``(M,)`` of ``sum_dtype``."""
+    a_out = torch.empty_like(a) if store_a else None
+    a_sum = None if sum_dtype is None else a.new_empty(a.shape[0], dtype=sum_dtype)
+    return a_out, a_sum
 
 
 #: Activations whose gradient the backward GEMMs apply while loading dY (the operand
@@ -207,7 +214,12 @@ class _Linear(torch.autograd.Function):
 
 @torch.library.custom_op("tkern::mm", mutates_args=())
 def _mm_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with fp32 accumulation, in ``a``'s dtype (:func:`tkern.matmul`)."""
+    """``a @ b`` with fp32 accumulation, in ``a``'s dtype (:func:`tkern.matmul`).
+
+    No longer called by tkern.linear's backward (``tkern::mm_backward`` replaced it),
+    but kept registered: torch's on-disk AOTAutograd cache keys a compiled graph on its
+    forward, so a backward compiled by an earlier tkern still names this op and must
+    find it after an upgrade."""
     return matmul(a, b)
 
 
@@ -229,17 +241,17 @@ def _mm_backward_op(
     ``A' = a * act'(z)`` (``a`` for ``activation="none"``); ``A'`` and the sums are
     empty tensors unless ``store_a`` / ``sum_dtype`` ask for them."""
     act = None if activation == _NO_ACT else activation
-    a_out = torch.empty_like(a) if store_a else None
-    a_sum = None if sum_dtype is None else a.new_empty(a.shape[0], dtype=sum_dtype)
+    a_out, a_sum = _prologue_outputs(a, store_a, sum_dtype)
     c = matmul_backward(a, b, activation=act, z=z, a_out=a_out, a_sum=a_sum)
     return c, a.new_empty(0) if a_out is None else a_out, a.new_empty(0) if a_sum is None else a_sum
 
 
 @_mm_backward_op.register_fake
 def _(a, b, z, activation, store_a, sum_dtype):
-    a_out = torch.empty_like(a) if store_a else a.new_empty(0)
-    a_sum = a.new_empty(0) if sum_dtype is None else a.new_empty(a.shape[0], dtype=sum_dtype)
-    return a.new_empty((a.shape[0], b.shape[1])), a_out, a_sum
+    a_out, a_sum = _prologue_outputs(a, store_a, sum_dtype)
+    empty = a.new_empty(0)
+    c = a.new_empty((a.shape[0], b.shape[1]))
+    return c, empty if a_out is None else a_out, empty if a_sum is None else a_sum
 
 
 def _mm_backward_traced(a, b, z, activation, store_a, sum_dtype):
@@ -369,8 +381,8 @@ def linear_args_plainly_valid(x, weight, bias, activation) -> bool:
         or torch.compiler.is_compiling()
     ):
         return False
-    n = weight.shape[0]
-    if n * (x.numel() // max(weight.shape[1], 1)) > INT32_MAX or weight.shape[1] == 0:
+    n, k = weight.shape
+    if k == 0 or n * (x.numel() // k) > INT32_MAX:  # K == 0: act(bias), the checked path
         return False
     return bias is None or (
         isinstance(bias, torch.Tensor)
