@@ -153,6 +153,27 @@ def h(*shape, dtype=torch.float16):
     return torch.zeros(*shape, dtype=dtype, device=DEVICE)
 
 
+@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("shape", [(70, 30, 20), (0, 30, 20), (70, 0, 20), (70, 30, 0)])
+def test_matmul_backward_reads_a_transposed_operand_in_place(activation, shape):
+    # transpose_a (tkern.linear's wgrad dZ^T @ X): a, z and a_out are given as their
+    # transposes and read through swapped strides; the same bits as on the views,
+    # the empty shapes included (they take the views)
+    from tkern.kernels.gemm import matmul_backward, matmul_backward_prechecked
+
+    m, n, k = shape  # dZ (m, n) and X (m, k): dW = dZ^T @ X is (n, k), dbias (n,)
+    dz, z, x = (randn(m, c, dtype=torch.float16) for c in (n, n, k))
+    z = z if activation else None
+    outs = [torch.full_like(dz, float("nan")) for _ in range(2)]
+    sums = [torch.full((n,), float("nan"), device=DEVICE) for _ in range(2)]
+    got = matmul_backward_prechecked(dz, x, activation, z, outs[0], sums[0], transpose_a=True)
+    ref = matmul_backward(
+        dz.t(), x, activation=activation, z=None if z is None else z.t(), a_out=outs[1].t(), a_sum=sums[1]
+    )
+    assert got.shape == (n, k) and torch.equal(got, ref)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(sums[0], sums[1])
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, words",
     [

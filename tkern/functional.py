@@ -47,16 +47,17 @@ from tkern.kernels.activation import (
 )
 from tkern.kernels.float8 import roll_amax_history, to_float8, to_float8_delayed, to_float8_delayed_deferred
 from tkern.kernels.gemm import (
+    linear_prechecked,
     matmul,
     matmul_backward,
     matmul_backward_prechecked,
-    matmul_prechecked,
     scaled_mm,
 )
 from tkern.kernels.gemm_epilogue import check_bias
 
 __all__ = ["Float8WeightCache", "float8_linear", "float8_weight_cache", "linear", "matmul"]
 
+_is_compiling = torch.compiler.is_compiling  # bound once: the fast check runs on every call
 _NO_ACT = "none"  # how the custom ops spell activation=None (their schema takes a str)
 
 
@@ -99,20 +100,23 @@ def _differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
     return dx, dw, db
 
 
-def _mm_backward_checked(a, b, z, activation, store_a, sum_dtype):
+def _mm_backward_checked(a, b, z, activation, store_a, sum_dtype, transpose_a=False):
     """The backward GEMM ``A' @ b`` (``A' = a * act'(z)`` with an ``activation``,
     else ``a``) on operands the caller made or checked, with ``A'`` (``store_a``)
     and its fp32 row sums in ``sum_dtype`` (when not None) written on the way:
-    ``(A' @ b, A' or None, sums or None)`` (gemm.matmul_backward)."""
-    a_out, a_sum = _prologue_outputs(a, store_a, sum_dtype)
-    return matmul_backward_prechecked(a, b, activation, z, a_out, a_sum), a_out, a_sum
+    ``(A' @ b, A' or None, sums or None)`` (gemm.matmul_backward). With
+    ``transpose_a`` the GEMM is ``A'^T @ b``: ``a`` and ``z`` are read transposed in
+    place and ``A'`` is returned in ``a``'s layout."""
+    a_out, a_sum = _prologue_outputs(a, store_a, sum_dtype, transpose_a)
+    return matmul_backward_prechecked(a, b, activation, z, a_out, a_sum, transpose_a), a_out, a_sum
 
 
-def _prologue_outputs(a, store_a, sum_dtype):
+def _prologue_outputs(a, store_a, sum_dtype, transpose_a=False):
     """The buffers the backward GEMM writes ``A'`` and its row sums into (None where
-    not asked for): ``(M, K)`` like ``a``, and ``(M,)`` of ``sum_dtype``."""
+    not asked for): like ``a``, and one per row of the GEMM's A operand (``a``'s
+    rows, or its columns with ``transpose_a``) of ``sum_dtype``."""
     a_out = torch.empty_like(a) if store_a else None
-    a_sum = None if sum_dtype is None else a.new_empty(a.shape[0], dtype=sum_dtype)
+    a_sum = None if sum_dtype is None else a.new_empty(a.shape[transpose_a], dtype=sum_dtype)
     return a_out, a_sum
 
 
@@ -141,7 +145,7 @@ def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
     stores dZ; wgrad reads that dZ^T and sums dbias from its tiles; without dgrad,
     wgrad applies act' to dY^T itself (Z^T read in place). Other activations get dZ
     from ``act_grad`` first. dbias alone (weight frozen) is a plain reduction.
-    ``mm(a, b, z, activation, store_a, sum_dtype) -> (c, A', sums)`` and
+    ``mm(a, b, z, activation, store_a, sum_dtype, transpose_a) -> (c, A', sums)`` and
     ``act_grad`` are the launchers (eager) or the custom ops (traced)."""
     need_dx, need_dw = needs[0], needs[1]
     sum_dtype = bias_dtype if needs[2] else None  # None: no bias, or it needs no gradient
@@ -159,7 +163,7 @@ def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
         if act is not None:
             dz, z, act = dz_stored, None, None
     if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs
-        dw, _, sums = mm(dz.t(), x2d, None if z is None else z.t(), act, False, sum_dtype)
+        dw, _, sums = mm(dz, x2d, z, act, False, sum_dtype, True)  # dZ^T and Z^T read in place
         db = sums if sum_dtype is not None else None
     elif sum_dtype is not None:  # dbias alone: dZ is made (above) and reduced
         db = dz.sum(0, dtype=torch.float32).to(sum_dtype)
@@ -175,16 +179,14 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation):
-        n, k = weight.shape
-        x2d = _as_2d(x, k)
-        needs_grad = any(ctx.needs_input_grad[:3])
+        x2d = x if x.dim() == 2 else _as_2d(x, weight.shape[1])
         preact = None
-        if activation is not None and needs_grad:
-            preact = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
-        y = matmul_prechecked(x2d, weight.t(), bias, activation, x.dtype, preact)  # linear() checked them
+        if activation is not None and any(ctx.needs_input_grad[:3]):
+            preact = torch.empty(x2d.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        y = linear_prechecked(x2d, weight, bias, activation, preact)  # linear() checked them
         ctx.activation = activation
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.x_shape = x.shape
+        ctx.x_shape = x.shape if x2d is not x else None  # None: dx keeps its (M, K) shape
         ctx.save_for_backward(x2d, weight, bias, preact)
         return y
 
@@ -194,7 +196,7 @@ class _Linear(torch.autograd.Function):
         needs = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             dx, dw, db = _differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
-            return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
+            return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
         dx, dw, db = _linear_grads(
             dy,
             x2d,
@@ -206,7 +208,7 @@ class _Linear(torch.autograd.Function):
             _mm_backward_checked,
             activation_grad,
         )
-        return None if dx is None else dx.reshape(ctx.x_shape), dw, db, None
+        return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -254,8 +256,13 @@ def _(a, b, z, activation, store_a, sum_dtype):
     return c, empty if a_out is None else a_out, empty if a_sum is None else a_sum
 
 
-def _mm_backward_traced(a, b, z, activation, store_a, sum_dtype):
+def _mm_backward_traced(a, b, z, activation, store_a, sum_dtype, transpose_a=False):
     """:func:`_mm_backward_checked`'s contract through the custom op (traced backward)."""
+    if transpose_a:  # views are free in a traced graph
+        c, a_out, a_sum = _mm_backward_op(
+            a.t(), b, None if z is None else z.t(), activation or _NO_ACT, store_a, sum_dtype
+        )
+        return c, a_out.t() if store_a else a_out, a_sum
     return _mm_backward_op(a, b, z, activation or _NO_ACT, store_a, sum_dtype)
 
 
@@ -373,16 +380,17 @@ def linear_args_plainly_valid(x, weight, bias, activation) -> bool:
         or weight.layout != torch.strided
         or not x.is_contiguous()
         or not weight.is_contiguous()
-        or x.numel() > INT32_MAX
-        or weight.numel() > INT32_MAX
         or x.device != weight.device
-        or (x.device.type != "cuda" and not INTERPRET)
+        or (not INTERPRET and not x.is_cuda)
         or x.is_meta
-        or torch.compiler.is_compiling()
+        or _is_compiling()
     ):
         return False
     n, k = weight.shape
-    if k == 0 or n * (x.numel() // k) > INT32_MAX:  # K == 0: act(bias), the checked path
+    m_k = x.numel()  # M * K elements; weight's are n * k
+    if (
+        k == 0 or m_k > INT32_MAX or n * k > INT32_MAX or n * (m_k // k) > INT32_MAX
+    ):  # K == 0: act(bias), checked
         return False
     return bias is None or (
         isinstance(bias, torch.Tensor)

@@ -312,7 +312,8 @@ NO_SCALES = OperandScales()
 #: :meth:`OperandScales.args` of NO_SCALES after its two (dummy) pointers.
 _NO_SCALE_ARGS = (0, 0, 0, 0, *NO_SCALES.block_a, *NO_SCALES.block_b)
 #: The pointer kernel's constexpr arguments by (operand dtype, bias?, activation, out dtype,
-#: preact?, A_T, B_T, scale kinds): built once per combination, not per launch.
+#: preact?, A_T, B_T, scale kinds, prologue activation, STORE_A, SUM_A): built once per
+#: combination, not per launch.
 _KERNEL_META: dict[tuple, dict] = {}
 
 
@@ -341,7 +342,6 @@ class OperandPrologue(NamedTuple):
 
 
 NO_PROLOGUE = OperandPrologue()
-_NO_PROLOGUE_META = NO_PROLOGUE.meta()
 
 
 def _prologue_without_gemm(a: torch.Tensor, prologue: OperandPrologue) -> None:
@@ -368,33 +368,68 @@ def _launch_matmul(
     prologue: OperandPrologue = NO_PROLOGUE,
 ) -> torch.Tensor:
     """:func:`matmul` (and :func:`scaled_mm`, :func:`matmul_backward`) after its arguments were checked."""
-    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    return _launch(
+        a, a.stride(), b, b.stride(), M, N, K, bias, activation, out_dtype, preact, scales, prologue
+    )
+
+
+def _kernel_meta(key: tuple, a_dtype, bias, activation, out_dtype, preact, scales, prologue) -> dict:
+    """The pointer kernel's constexprs for one :func:`_launch` ``key``, built once and kept."""
+    meta = _KERNEL_META[key] = {
+        **epilogue_meta(a_dtype, bias, activation, out_dtype, preact),
+        "A_T": key[5], "B_T": key[6], "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
+        **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
+    }  # fmt: skip
+    return meta
+
+
+def _launch(a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue) -> torch.Tensor:
+    """The pointer kernel on ``a`` (M, K) with strides ``sa`` and ``b`` (K, N) with
+    strides ``sb``: explicit strides let a caller pass a tensor for its transpose
+    (``linear`` reads W^T from W) without building a view. The hot path of every
+    eager GEMM: one allocation, one dict lookup for the constexprs, one launch."""
+    c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         if prologue is not NO_PROLOGUE:
-            _prologue_without_gemm(a, prologue)
+            _prologue_without_gemm(a, prologue)  # prologue launches pass a with its own strides
         return c
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-    sa, sb = a.stride(), b.stride()
     key = (a.dtype, bias is not None, activation, out_dtype, preact is not None,
-           transposed(sa), transposed(sb), scales.kind_a, scales.kind_b)  # fmt: skip
-    meta = _KERNEL_META.get(key)
-    if meta is None:  # once per combination: the constexprs as a dict the launch unpacks
-        meta = _KERNEL_META[key] = {
-            **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
-            "A_T": key[5], "B_T": key[6], "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
-            **_NO_PROLOGUE_META,  # A_ACT is in the autotune key: passed even when off
-        }  # fmt: skip
+           transposed(sa), transposed(sb), scales.kind_a, scales.kind_b,
+           prologue.activation, prologue.a_out is not None, prologue.a_sum is not None)  # fmt: skip
+    meta = _KERNEL_META.get(key) or _kernel_meta(
+        key, a.dtype, bias, activation, out_dtype, preact, scales, prologue
+    )
     _matmul_kernel[grid](
-        a, b, c, bias if bias is not None else c, preact if preact is not None else c,
+        a, b, c, c if bias is None else bias, c if preact is None else preact,
         M, N, K, *sa, *sb, N, 1, bias_stride(bias),
         *(scales.args(c) if scales is not NO_SCALES else (c, c, *_NO_SCALE_ARGS)),
         *(prologue.args(c) if prologue is not NO_PROLOGUE else (c, c, c)),
-        **(meta if prologue is NO_PROLOGUE else {**meta, **prologue.meta()}),
+        **meta,
     )  # fmt: skip
     return c
+
+
+def linear_prechecked(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    preact: torch.Tensor | None,
+) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` in ``x``'s dtype for :func:`tkern.linear`, which
+    checked its arguments (x (M, K), weight (N, K)): :func:`matmul_prechecked` on
+    ``weight.T``, which the pointer kernel reads in place through ``weight``'s
+    strides (no view made per call)."""
+    if has_tma(x.device):  # Hopper: matmul_prechecked's routing, on the view
+        return matmul_prechecked(x, weight.t(), bias, activation, x.dtype, preact)
+    (M, K), N = x.shape, weight.shape[0]
+    sw = weight.stride()
+    return _launch(x, x.stride(), weight, (sw[1], sw[0]), M, N, K, bias, activation, x.dtype, preact,
+                   NO_SCALES, NO_PROLOGUE)  # fmt: skip
 
 
 def matmul_backward(
@@ -473,17 +508,32 @@ def matmul_backward_prechecked(
     z: torch.Tensor | None,
     a_out: torch.Tensor | None,
     a_sum: torch.Tensor | None,
+    transpose_a: bool = False,
 ) -> torch.Tensor:
     """:func:`matmul_backward` for a caller that made or checked its arguments
-    (:func:`tkern.linear`'s backward): the hot path, no checks repeated."""
+    (:func:`tkern.linear`'s backward): the hot path, no checks repeated.
+
+    ``transpose_a``: ``a``, ``z`` and ``a_out`` are given as their transposes
+    (K, M), read in place through swapped strides (the wgrad ``dZ^T @ X``
+    without a view per call); ``a_sum`` is still (M,)."""
+    sa = a.stride()
+    if transpose_a:
+        if a.numel() == 0 or b.shape[1] == 0 or has_tma(a.device):  # the rare routes take views
+            t = [None if v is None else v.t() for v in (a, z, a_out)]
+            return matmul_backward_prechecked(t[0], b, activation, t[1], t[2], a_sum)
+        (K, M), sa = a.shape, (sa[1], sa[0])
+    else:
+        M, K = a.shape
+    N = b.shape[1]
     if activation is None and a_out is None and a_sum is None:
-        return matmul_prechecked(a, b, None, None, a.dtype, None)
-    (M, K), N = a.shape, b.shape[1]
+        if has_tma(a.device):  # matmul_prechecked's routing (transpose_a took a view above)
+            return matmul_prechecked(a, b, None, None, a.dtype, None)
+        return _launch(a, sa, b, b.stride(), M, N, K, None, None, a.dtype, None, NO_SCALES, NO_PROLOGUE)
     # The TMA kernel has no prologue: these launches take the pointer kernel on every
     # GPU, ragged operands on Hopper included (its configs for them are pruned so
     # that nothing spills); the dot runs on the same A' either way.
     prologue = OperandPrologue(activation, z, a_out, a_sum)
-    return _launch_matmul(a, b, M, N, K, None, None, a.dtype, None, prologue=prologue)
+    return _launch(a, sa, b, b.stride(), M, N, K, None, None, a.dtype, None, NO_SCALES, prologue)
 
 
 def matmul_tma_persistent(
