@@ -54,7 +54,7 @@ HEADLINES = [
     (
         "gemm",
         "fp16_tma_square_ge2048_vs_cublas",
-        "the same, persistent TMA schedule (not the default)",
+        "the same, persistent TMA schedule (matmul_tma_persistent: every shape)",
         ">= 0.95x",
     ),
     ("gemm", "fp16_tma_transformer_vs_cublas", "transformer shapes, persistent TMA schedule", ">= 0.95x"),

@@ -153,6 +153,34 @@ def h(*shape, dtype=torch.float16):
     return torch.zeros(*shape, dtype=dtype, device=DEVICE)
 
 
+@pytest.mark.parametrize(
+    "mnk, ragged, route",
+    [
+        ((4096, 4096, 4096), False, "tma"),
+        ((8192, 11008, 4096), False, "tma"),
+        ((8192, 4096, 2048), False, "pointer"),  # one dimension below TMA_MIN_DIM
+        ((2048, 2048, 2048), False, "pointer"),
+        ((520, 1000, 264), True, "tma"),  # ragged operands: TMA at any size
+    ],
+)
+def test_hopper_routes_large_and_ragged_gemms_to_the_tma_kernel(monkeypatch, mnk, ragged, route):
+    # the routing on Hopper (has_tma patched on; neither kernel runs): matmul, and
+    # linear's forward and dgrad (x @ W^T, dY @ W) through the same rule
+    from tkern.kernels import gemm
+
+    routes = []
+    monkeypatch.setattr(gemm, "has_tma", lambda device: True)
+    monkeypatch.setattr(gemm, "launch_tma", lambda *args: routes.append("tma"))
+    monkeypatch.setattr(gemm, "_launch_matmul", lambda *args: routes.append("pointer"))
+    m, n, k = mnk
+    a = torch.empty(m, k + 8 if ragged else k, dtype=torch.float16, device=DEVICE)[:, :k]
+    b, w = (torch.empty(*s, dtype=torch.float16, device=DEVICE) for s in ((k, n), (n, k)))
+    gemm.matmul(a, b)
+    gemm.linear_prechecked(a, w, None, None, None)
+    gemm.matmul_backward_prechecked(a, b, None, None, None, None)
+    assert routes == [route] * 3
+
+
 @pytest.mark.parametrize("activation", [None, "relu"])
 @pytest.mark.parametrize("shape", [(70, 30, 20), (0, 30, 20), (70, 0, 20), (70, 30, 0)])
 def test_matmul_backward_reads_a_transposed_operand_in_place(activation, shape):

@@ -12,8 +12,9 @@ gemm.py, gemm_tma.py (their shared rooms: gemm_epilogue.py, gemm_configs.py)
     their scales applied to the fp32 accumulator), ``gemm_tma._matmul_tma_kernel``
     (persistent, TMA); both end in ``gemm_epilogue.epilogue`` (bias, activation,
     pre-activation, one cast) and walk tiles in ``gemm_epilogue.tile_coords``
-    order. Launchers: ``gemm.matmul`` / ``matmul_prechecked`` (ragged operands on
-    Hopper go to ``gemm_tma.launch_tma``), ``gemm.matmul_backward`` /
+    order. Launchers: ``gemm.matmul`` / ``matmul_prechecked`` / ``linear_prechecked``
+    (ragged operands, and those at least ``gemm.TMA_MIN_DIM`` in every dimension, go to
+    ``gemm_tma.launch_tma`` on Hopper), ``gemm.matmul_backward`` /
     ``matmul_backward_prechecked`` (the pointer kernel's operand prologue: an
     activation's gradient applied to A, A' and its row sums stored), ``gemm.matmul_tma_persistent``,
     ``gemm.scaled_mm``. Configs: ``gemm_configs.gemm_configs`` /

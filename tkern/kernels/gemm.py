@@ -9,7 +9,8 @@ rounding to half precision is the final store.
 The family's other rooms: gemm_configs.py (tile tables and the pruning rules),
 gemm_epilogue.py (tile order, epilogue, argument checks), gemm_tma.py (the
 persistent tensor-descriptor kernel, which :func:`matmul` routes ragged
-operands to on Hopper, and :func:`matmul_tma_persistent` routes everything it can).
+operands and large ones (:data:`TMA_MIN_DIM`) to on Hopper, and
+:func:`matmul_tma_persistent` routes everything it can).
 """
 
 from __future__ import annotations
@@ -279,12 +280,28 @@ def matmul_prechecked(
     (:func:`tkern.linear` checks its inputs once; its backward feeds the GEMM
     tensors it made): the hot path, with no checks repeated per call."""
     (M, K), N = a.shape, b.shape[1]
-    if has_tma(a.device) and operands_ragged(a, b) and (layouts := tma_layouts(a, b)) is not None:
-        # The pointer kernel cannot prove 16-byte alignment here: every load is
-        # a 16-bit scalar, without cp.async (255 registers and spills, see the
-        # static report); descriptors zero-fill the edges and keep wgmma fed.
+    if (
+        has_tma(a.device)
+        and (min(M, N, K) >= TMA_MIN_DIM or operands_ragged(a, b))
+        and (layouts := tma_layouts(a, b)) is not None
+    ):
+        # Large: the persistent TMA schedule wins (TMA_MIN_DIM). Ragged: the pointer
+        # kernel cannot prove 16-byte alignment, every load is a 16-bit scalar without
+        # cp.async (255 registers and spills, see the static report); descriptors
+        # zero-fill the edges and keep wgmma fed.
         return launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts)
     return _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact)
+
+
+#: The smallest M, N and K at which Hopper's aligned GEMMs take the persistent TMA
+#: kernel (gemm_tma.py) instead of the pointer kernel. Measured on the H100 (torch
+#: 2.11, triton 3.6; benchmarks/results/nvidia-h100-80gb-hbm3/gemm.csv), the TMA
+#: kernel was faster on every shape with all three >= 4096 (squares 4096 and 8192:
+#: 1.05-1.12x; the M = 8192 transformer shapes: 1.26-1.49x) and slower on every
+#: shape with one <= 2048 (squares 512 to 2048: 0.25-0.58x; it offers only 128 x
+#: 128 and larger tiles and a persistent grid). Between 2048 and 4096 nothing was
+#: measured, so the pointer kernel keeps those shapes.
+TMA_MIN_DIM = 4096
 
 
 class OperandScales(NamedTuple):
@@ -551,9 +568,10 @@ def matmul_tma_persistent(
     Operands a descriptor cannot describe (no unit-stride dimension, or
     addresses and strides not 16-byte aligned), and GPUs before Hopper (no
     TMA), go to :func:`matmul`'s pointer kernel. :func:`matmul` itself routes
-    here on Hopper the shapes its pointer kernel cannot vectorise. Not yet
-    the default: which schedule wins on which shapes is for the GPU
-    benchmark (benchmarks/bench_gemm.py) to measure.
+    here on Hopper the shapes its pointer kernel cannot vectorise and those
+    at least :data:`TMA_MIN_DIM` in every dimension (where the H100 measured
+    it faster); this entry point runs it on every shape it can, for the
+    benchmark (benchmarks/bench_gemm.py) to compare.
     """
     M, N, K, out_dtype = check_matmul_args(a, b, bias, activation, out_dtype, preact)
     layouts = tma_layouts(a, b)
