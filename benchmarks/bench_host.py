@@ -18,7 +18,10 @@ median is recorded too), on one intra-op thread:
 
 tkern's rows stub every launch (``kernel[grid](...)`` is a no-op that counts
 launches), so they hold tkern's Python and the torch ops it issues (views,
-allocations, small tensor ops), not Triton's launcher. The tensors are tiny,
+allocations, small tensor ops), not Triton's launcher. ``tkern.linear`` runs
+once for real before its stubbed rows, as a training loop's first step does:
+its GEMMs' autotuners choose then, and every later launch calls the chosen
+config directly (``_common.resolve_launch``). The tensors are tiny,
 so torch's rows are host cost too (plus a negligible amount of arithmetic on
 a CPU). On a CUDA device the tensors live there and tkern is also timed with
 its real launches (``launches on``): then Triton's launcher is included.
@@ -240,6 +243,9 @@ def linear_cases(device: torch.device, launches_on: bool) -> dict[str, tuple[Cal
         fns["tkern.linear (launches on)"] = (lambda: tkern.linear(x, w, b), False)
     cases = {}
     for impl, (fwd, stubbed) in fns.items():
+        if stubbed:  # one real forward and backward first: the steady state of training,
+            # where the autotuners have chosen and every later launch goes direct
+            torch.autograd.grad(fwd(), (x, w, b), dy)
         with stubbed_launches() if stubbed else contextlib.nullcontext():
             y = fwd()
 

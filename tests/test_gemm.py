@@ -153,6 +153,33 @@ def h(*shape, dtype=torch.float16):
     return torch.zeros(*shape, dtype=dtype, device=DEVICE)
 
 
+def test_later_launches_skip_the_autotuner_and_give_the_same_bits(monkeypatch):
+    # the first launch of a key goes through triton.autotune (which picks the config),
+    # the later ones call the chosen config directly; any change of key (shape, bias
+    # dtype, strides) goes through the autotuner once more
+    from tkern.kernels import gemm
+
+    runs = []
+    autotuner = type(gemm._matmul_kernel)
+    original = autotuner.run
+    monkeypatch.setattr(autotuner, "run", lambda self, *a, **k: runs.append(1) or original(self, *a, **k))
+    monkeypatch.setattr(gemm, "_LAUNCHES", {})  # nothing resolved by earlier tests
+    a, b = randn(37, 48, dtype=torch.float16), randn(48, 24, dtype=torch.float16)
+    bias16, bias32 = randn(24, dtype=torch.float16), randn(24, dtype=torch.float32)
+    for bias in (bias16, bias32):
+        outs = [tkern.matmul(a, b, bias=bias, activation="gelu") for _ in range(3)]
+        ref = (a.double() @ b.double() + bias.double()).float()
+        ref = torch.nn.functional.gelu(ref)
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        torch.testing.assert_close(outs[0].float(), ref, atol=2e-2, rtol=1e-2)
+    assert len(runs) == 2  # once per key
+    runs.clear()
+    at = randn(48, 37, dtype=torch.float16).t()  # a new key: A's strides
+    first, second = tkern.matmul(at, b), tkern.matmul(at, b)
+    assert len(runs) == 1
+    assert torch.equal(first, second) and torch.equal(first, tkern.matmul(at.contiguous(), b))
+
+
 @pytest.mark.parametrize(
     "mnk, ragged, route",
     [

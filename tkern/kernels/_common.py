@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -118,6 +119,44 @@ def autotune(configs: list[triton.Config], key: list[str]):
     alone under the interpreter, which cannot benchmark (so list the one that
     suits small CPU problems first), or when :data:`AUTOTUNE` is off."""
     return triton.autotune(configs=configs if AUTOTUNE and not INTERPRET else configs[:1], key=key)
+
+
+class DirectLaunch(NamedTuple):
+    """How to launch an autotuned kernel's chosen config again without the
+    autotuner: ``jit[grid](*args, **kwargs)``, where ``jit`` is the function under
+    ``triton.autotune`` and ``triton.heuristics`` and ``kwargs`` holds the
+    constexprs, the chosen config's meta-parameters and the heuristics' values.
+    Valid while ``kernel`` (the autotuned object it came from) is the one a
+    launcher would call and for arguments with the same autotune key."""
+
+    kernel: object
+    jit: object
+    grid: tuple
+    kwargs: dict
+
+
+def resolve_launch(kernel, grid, args: tuple, meta: dict) -> DirectLaunch | None:
+    """Launch ``kernel[grid](*args, **meta)`` (an autotuner over heuristics over a jit
+    function) and return how to launch the config it chose directly, or None
+    where that cannot be read off (a patched or stubbed kernel, a config with a
+    pre-hook): Triton's autotuner and heuristics build dicts of every argument
+    on each launch, which costs more host time than the launch itself, and
+    their answer for one key never changes."""
+    if not isinstance(kernel, triton.runtime.Autotuner) or not isinstance(
+        kernel.fn, triton.runtime.Heuristics
+    ):
+        kernel[grid](*args, **meta)
+        return None
+    kernel.best_config = None  # set again by a launch that runs the autotuner (not a stub)
+    kernel[grid](*args, **meta)
+    config = kernel.best_config
+    if config is None or config.pre_hook is not None:
+        return None
+    heuristics = kernel.fn
+    kwargs = {**meta, **config.all_kwargs()}  # what the autotuner passes on (num_warps, ...)
+    named = {**dict(zip(heuristics.arg_names, args, strict=False)), **kwargs}  # args, then meta
+    kwargs.update({name: value(named) for name, value in heuristics.values.items()})
+    return DirectLaunch(kernel, heuristics.fn, tuple(grid(kwargs)), kwargs)
 
 
 # --------------------------------------------------------------------------- checks

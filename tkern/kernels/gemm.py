@@ -23,11 +23,13 @@ import triton.language as tl
 
 from tkern.kernels._common import (
     INTERPRET,
+    DirectLaunch,
     cast_rne,
     check_int32_addressable,
     check_int32_elements,
     check_same_device,
     check_tensor,
+    resolve_launch,
 )
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
 from tkern.kernels.gemm_configs import gemm_autotune, gemm_configs, operands_ragged, transposed
@@ -328,10 +330,12 @@ class OperandScales(NamedTuple):
 NO_SCALES = OperandScales()
 #: :meth:`OperandScales.args` of NO_SCALES after its two (dummy) pointers.
 _NO_SCALE_ARGS = (0, 0, 0, 0, *NO_SCALES.block_a, *NO_SCALES.block_b)
-#: The pointer kernel's constexpr arguments by (operand dtype, bias?, activation, out dtype,
-#: preact?, A_T, B_T, scale kinds, prologue activation, STORE_A, SUM_A): built once per
-#: combination, not per launch.
-_KERNEL_META: dict[tuple, dict] = {}
+#: How each pointer-kernel launch seen so far runs again without the autotuner, by
+#: everything its autotune key holds and more (operand, bias, output and sum dtypes,
+#: activation, pre-activation, M, N, K, both operands' strides, fp8 scale kinds and
+#: the prologue): ``_common.DirectLaunch``. Like the autotuner's own cache it keeps
+#: one entry per shape.
+_LAUNCHES: dict[tuple, DirectLaunch] = {}
 
 
 class OperandPrologue(NamedTuple):
@@ -390,43 +394,50 @@ def _launch_matmul(
     )
 
 
-def _kernel_meta(key: tuple, a_dtype, bias, activation, out_dtype, preact, scales, prologue) -> dict:
-    """The pointer kernel's constexprs for one :func:`_launch` ``key``, built once and kept."""
-    meta = _KERNEL_META[key] = {
+def _kernel_meta(a_dtype, bias, activation, out_dtype, preact, a_t, b_t, scales, prologue) -> dict:
+    """The pointer kernel's constexprs for one launch."""
+    return {
         **epilogue_meta(a_dtype, bias, activation, out_dtype, preact),
-        "A_T": key[5], "B_T": key[6], "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
+        "A_T": a_t, "B_T": b_t, "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
         **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
     }  # fmt: skip
-    return meta
 
 
 def _launch(a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue) -> torch.Tensor:
     """The pointer kernel on ``a`` (M, K) with strides ``sa`` and ``b`` (K, N) with
     strides ``sb``: explicit strides let a caller pass a tensor for its transpose
     (``linear`` reads W^T from W) without building a view. The hot path of every
-    eager GEMM: one allocation, one dict lookup for the constexprs, one launch."""
+    eager GEMM: one allocation, one dict lookup, one launch; the first launch of
+    each :data:`_LAUNCHES` key goes through the autotuner, the later ones call the
+    config it chose directly (``_common.resolve_launch``)."""
     c = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0 or N == 0:
         if prologue is not NO_PROLOGUE:
             _prologue_without_gemm(a, prologue)  # prologue launches pass a with its own strides
         return c
-
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-
-    key = (a.dtype, bias is not None, activation, out_dtype, preact is not None,
-           transposed(sa), transposed(sb), scales.kind_a, scales.kind_b,
-           prologue.activation, prologue.a_out is not None, prologue.a_sum is not None)  # fmt: skip
-    meta = _KERNEL_META.get(key) or _kernel_meta(
-        key, a.dtype, bias, activation, out_dtype, preact, scales, prologue
-    )
-    _matmul_kernel[grid](
+    args = (
         a, b, c, c if bias is None else bias, c if preact is None else preact,
         M, N, K, *sa, *sb, N, 1, bias_stride(bias),
         *(scales.args(c) if scales is not NO_SCALES else (c, c, *_NO_SCALE_ARGS)),
         *(prologue.args(c) if prologue is not NO_PROLOGUE else (c, c, c)),
-        **meta,
     )  # fmt: skip
+    key = (a.dtype, b.dtype, None if bias is None else bias.dtype, activation, out_dtype,
+           preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, prologue.activation,
+           prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype)  # fmt: skip
+    direct = _LAUNCHES.get(key)
+    if direct is not None and direct.kernel is _matmul_kernel:
+        direct.jit[direct.grid](*args, **direct.kwargs)
+        return c
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    meta = _kernel_meta(
+        a.dtype, bias, activation, out_dtype, preact, transposed(sa), transposed(sb), scales, prologue
+    )
+    direct = resolve_launch(_matmul_kernel, grid, args, meta)
+    if direct is not None:
+        _LAUNCHES[key] = direct
     return c
 
 
