@@ -22,14 +22,21 @@ def test_same_parameters_and_init_as_nn_linear(dtype):
     assert mine.weight.dtype == dtype
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu", "gelu_tanh"])
 def test_forward_matches_float64_and_casts_fp32_input(activation):
     torch.manual_seed(0)
     layer = tkern.nn.Linear(32, 16, activation=activation).to(DEVICE)
     x = torch.randn(8, 32, device=DEVICE)  # fp32 input is cast to fp16, as autocast does
     y = layer(x)
     ref = torch.nn.functional.linear(x.half().double(), layer.weight.double(), layer.bias.double())
-    ref = {None: ref, "relu": ref.relu(), "gelu": torch.nn.functional.gelu(ref)}[activation]
+    F = torch.nn.functional
+    ref = {
+        None: ref,
+        "relu": ref.relu(),
+        "gelu": F.gelu(ref),
+        "silu": F.silu(ref),
+        "gelu_tanh": F.gelu(ref, approximate="tanh"),
+    }[activation]
     assert y.dtype == torch.float16
     assert rel_err(y, ref) < TOL[torch.float16]
 

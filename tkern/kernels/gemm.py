@@ -255,7 +255,8 @@ def matmul(
         a: (M, K), fp16 or bf16, any strides (a transposed view is read in place).
         b: (K, N), same dtype as ``a``, any strides.
         bias: optional (N,), ``a``'s dtype or fp32, added to the fp32 accumulator.
-        activation: None, ``"relu"`` or ``"gelu"`` (exact, erf form), applied in fp32.
+        activation: None, ``"relu"``, ``"gelu"`` (exact, erf form), ``"silu"`` or
+            ``"gelu_tanh"`` (``F.gelu(approximate="tanh")``), applied in fp32.
         out_dtype: dtype of the result: fp16, bf16 or fp32; default ``a.dtype``.
         preact: optional (M, N) contiguous tensor of ``a``'s dtype that receives
             ``a @ b + bias`` before the activation (what its gradient needs).
