@@ -180,6 +180,33 @@ def test_later_launches_skip_the_autotuner_and_give_the_same_bits(monkeypatch):
     assert torch.equal(first, second) and torch.equal(first, tkern.matmul(at.contiguous(), b))
 
 
+def test_a_replaced_kernel_sees_every_launch_even_after_one_was_resolved(monkeypatch):
+    # a direct launch is kept for the kernel object it was resolved from: a patched
+    # _matmul_kernel (a recorder, a stub) gets the launch, and a stub resolves nothing
+    from tkern.kernels import gemm
+
+    a, b = randn(20, 32, dtype=torch.float16), randn(32, 16, dtype=torch.float16)
+    want = tkern.matmul(a, b)
+    assert torch.equal(tkern.matmul(a, b), want)  # resolved by now
+    real, seen = gemm._matmul_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                seen.append(args[5:8])  # M, N, K
+                return real[grid](*args, **meta)
+
+            return launch
+
+    monkeypatch.setattr(gemm, "_matmul_kernel", Recorder())
+    assert torch.equal(tkern.matmul(a, b), want) and seen == [(20, 16, 32)]
+    monkeypatch.setattr(gemm, "_matmul_kernel", real)
+    monkeypatch.setattr(type(real), "__getitem__", lambda self, grid: lambda *args, **meta: None)
+    monkeypatch.setattr(gemm, "_LAUNCHES", {})
+    tkern.matmul(a, b)  # a stubbed launch: the autotuner never ran, nothing to keep
+    assert gemm._LAUNCHES == {}
+
+
 @pytest.mark.parametrize(
     "mnk, ragged, route",
     [
