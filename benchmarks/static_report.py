@@ -405,7 +405,8 @@ def linear_launches() -> list[GemmLaunch]:
     """Every GEMM launch ``tkern.linear`` makes (and ``tkern.matmul``'s fp32
     output beside them), aligned: the forward ``x @ W^T`` (NT) with or without
     a bias (the operands' dtype or fp32), every activation (none, ReLU, GELU,
-    SiLU, tanh-GELU), the pre-activation saved when training; dgrad ``dZ @ W`` (NN) and wgrad
+    SiLU, tanh-GELU), the pre-activation saved when training (eager saves ReLU's output
+    instead, activation.GRAD_FROM_OUTPUT; the traced door saves it for all); dgrad ``dZ @ W`` (NN) and wgrad
     ``dZ^T @ X`` (TN) with a plain epilogue. tests/test_functional.py checks
     that tkern.linear launches nothing outside this list."""
     forward = [

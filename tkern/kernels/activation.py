@@ -38,6 +38,13 @@ _GELU_TANH: tl.constexpr = tl.constexpr(ACTIVATIONS["gelu_tanh"])
 #: applies them in column slices; gemm_configs.ACT_MAX_ACC_ACTIVATIONS names those
 #: for which large tiles are pruned as well).
 TRANSCENDENTAL = frozenset(ACTIVATIONS[a] for a in ("gelu", "silu", "gelu_tanh"))
+#: Activations whose gradient can be taken from the stored output instead of the
+#: stored pre-activation, bit for bit: ReLU's act'(z) = [z > 0], and with z and
+#: y = relu(z) both rounded once from the same fp32 value, round(z) > 0 exactly when
+#: round(max(z, 0)) > 0 (a positive z that rounds to 0 gives y = 0 too; NaN and -0
+#: are not > 0 either way). A layer with one of these saves its output for backward
+#: (which the next layer saves as its input anyway) and writes no pre-activation.
+GRAD_FROM_OUTPUT = frozenset({"relu"})
 #: :data:`TRANSCENDENTAL` as a bit set for jit code: ``(TRANSCENDENTAL_BITS >> ACTIVATION) & 1``.
 TRANSCENDENTAL_BITS: tl.constexpr = tl.constexpr(sum(1 << code for code in TRANSCENDENTAL))
 _INV_SQRT2: tl.constexpr = tl.constexpr(1.0 / math.sqrt(2.0))
