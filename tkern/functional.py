@@ -390,10 +390,10 @@ def linear_args_plainly_valid(x, weight, bias, activation) -> bool:
     ):
         return False
     n, k = weight.shape
-    m_k = x.numel()  # M * K elements; weight's are n * k
-    if (
-        k == 0 or m_k > INT32_MAX or n * k > INT32_MAX or n * (m_k // k) > INT32_MAX
-    ):  # K == 0: act(bias), checked
+    if k == 0:  # act(bias): the checked path
+        return False
+    m_k = x.numel()  # M * K elements; the weight's are n * k, the output's n * M
+    if m_k > INT32_MAX or n * k > INT32_MAX or n * (m_k // k) > INT32_MAX:
         return False
     return bias is None or (
         isinstance(bias, torch.Tensor)
