@@ -302,10 +302,13 @@ def _(x2d, weight, bias, activation, save_preact):
 
 
 def _linear_setup_context(ctx, inputs, output):
-    x2d, weight, bias, activation, _ = inputs
+    x2d, weight, bias, activation, save_preact = inputs
     ctx.activation = activation
     ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.save_for_backward(x2d, weight, output[1])
+    # the gradient's z: the pre-activation, or ReLU's output where the caller asked for
+    # none (activation.GRAD_FROM_OUTPUT; graphs traced before that still ask and get it)
+    from_output = not save_preact and activation in GRAD_FROM_OUTPUT
+    ctx.save_for_backward(x2d, weight, output[0] if from_output else output[1])
 
 
 def _linear_backward(ctx, dy, _dpreact):
@@ -333,6 +336,7 @@ def _linear_op(x, weight, bias, activation):
     n, k = weight.shape
     save = (
         activation is not None
+        and activation not in GRAD_FROM_OUTPUT  # its gradient reads the output
         and torch.is_grad_enabled()
         and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     )
