@@ -420,8 +420,9 @@ def linear(
     Forward and backward run on tkern's GEMM with fp32 accumulation: dgrad
     ``dZ @ W``, wgrad ``dZ^T @ X`` with dbias summed in fp32 inside it, the
     activation's gradient ``dZ = dY * act'(Z)`` applied in fp32 from the
-    pre-activation saved by the forward pass (for ReLU while the backward GEMM
-    loads its operand; for the others in a pass of its own). Under
+    pre-activation saved by the forward pass (ReLU saves its output instead, the
+    same mask, as torch's ReLU does; its gradient is applied while the backward
+    GEMM loads its operand, the others' in a pass of its own). Under
     ``torch.compile`` the GEMMs are the custom ops ``tkern::linear_forward``
     and ``tkern::mm_backward`` (no graph break); meta tensors get the right output shape
     and dtype. With ``create_graph=True`` the backward is itself differentiable
