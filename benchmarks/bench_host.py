@@ -14,7 +14,8 @@ median is recorded too), on one intra-op thread:
   on the same tensors in fp32;
 * ``tkern.linear`` forward and backward (bias; bias + GELU) against
   ``F.linear`` (``F.gelu(F.linear)``); backward is ``torch.autograd.grad``
-  with ``retain_graph``, so both include the autograd engine's own cost.
+  with ``retain_graph``, so both include the autograd engine's own cost;
+  ``tkern.nn.Float8Linear`` (tensorwise, bf16, same sizes) beside them.
 
 tkern's rows stub every launch (``kernel[grid](...)`` is a no-op that counts
 launches), so they hold tkern's Python and the torch ops it issues (views,
@@ -232,25 +233,31 @@ def linear_cases(device: torch.device, launches_on: bool) -> dict[str, tuple[Cal
     w = torch.randn(n, k, device=device, dtype=torch.float16, requires_grad=True)
     b = torch.randn(n, device=device, dtype=torch.float16, requires_grad=True)
     dy = torch.randn(m, n, device=device, dtype=torch.float16)
+    fp8 = tkern.nn.Float8Linear(k, n, dtype=torch.bfloat16, device=device)
+    x8 = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    fp8_io = ((x8, fp8.weight, fp8.bias), dy.bfloat16())
+    # impl: (forward, runs under the stubs, (inputs, output gradient))
     fns = {
-        "tkern.linear": (lambda: tkern.linear(x, w, b), True),
-        "tkern.linear gelu": (lambda: tkern.linear(x, w, b, activation="gelu"), True),
-        FLOOR: (lambda: _AllocOnly.apply(x, w, b), False),
-        "F.linear": (lambda: F.linear(x, w, b), False),
-        "F.gelu(F.linear)": (lambda: F.gelu(F.linear(x, w, b)), False),
+        "tkern.linear": (lambda: tkern.linear(x, w, b), True, None),
+        "tkern.linear gelu": (lambda: tkern.linear(x, w, b, activation="gelu"), True, None),
+        "tkern Float8Linear (tensorwise)": (lambda: fp8(x8), True, fp8_io),
+        FLOOR: (lambda: _AllocOnly.apply(x, w, b), False, None),
+        "F.linear": (lambda: F.linear(x, w, b), False, None),
+        "F.gelu(F.linear)": (lambda: F.gelu(F.linear(x, w, b)), False, None),
     }
     if launches_on:
-        fns["tkern.linear (launches on)"] = (lambda: tkern.linear(x, w, b), False)
+        fns["tkern.linear (launches on)"] = (lambda: tkern.linear(x, w, b), False, None)
     cases = {}
-    for impl, (fwd, stubbed) in fns.items():
+    for impl, (fwd, stubbed, io) in fns.items():
+        inputs, grad = io or ((x, w, b), dy)
         if stubbed:  # one real forward and backward first: the steady state of training,
             # where the autotuners have chosen and every later launch goes direct
-            torch.autograd.grad(fwd(), (x, w, b), dy)
+            torch.autograd.grad(fwd(), inputs, grad)
         with stubbed_launches() if stubbed else contextlib.nullcontext():
             y = fwd()
 
-        def bwd(y=y):
-            return torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
+        def bwd(y=y, inputs=inputs, grad=grad):
+            return torch.autograd.grad(y, inputs, grad, retain_graph=True)
 
         cases[impl] = (fwd, bwd, stubbed)
     return cases

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -480,10 +481,14 @@ def check_linear_args(x, weight, bias, activation) -> bool:
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+def _to_float8_impl(x, dtype, bm, bk):
+    return to_float8(x, dtype, "tensor" if bm == 0 else (bm, bk))
+
+
 @torch.library.custom_op("tkern::to_float8", mutates_args=())
 def _to_float8_op(x: torch.Tensor, dtype: torch.dtype, bm: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tkern.to_float8` with ``granularity`` (bm, bk), or "tensor" for (0, 0)."""
-    return to_float8(x, dtype, "tensor" if bm == 0 else (bm, bk))
+    return _to_float8_impl(x, dtype, bm, bk)
 
 
 @_to_float8_op.register_fake
@@ -502,6 +507,10 @@ def _to_float8_delayed_op(
     x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int, update: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tkern.kernels.float8.to_float8_delayed` (rolls ``history`` when ``update``)."""
+    return _to_float8_delayed_impl(x, history, dtype, margin, update)
+
+
+def _to_float8_delayed_impl(x, history, dtype, margin, update):
     return to_float8_delayed(x, history, dtype, margin, update=update)
 
 
@@ -533,6 +542,10 @@ def _scaled_mm_op(
     block_b: list[int],
 ) -> torch.Tensor:
     """:func:`tkern.scaled_mm`; an empty block list means "not block scales"."""
+    return _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b)
+
+
+def _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b):
     return scaled_mm(
         a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
         block_a=tuple(block_a) if block_a else None, block_b=tuple(block_b) if block_b else None,
@@ -554,13 +567,36 @@ def _blocks(recipe: str) -> tuple[list[int], list[int]]:
     return (list(TILE), list(WEIGHT_BLOCK)) if recipe == "blockwise" else ([], [])
 
 
-def _cast(x, dtype, recipe: str, history, margin: int, update: bool, block=TILE):
+class _Fp8Ops(NamedTuple):
+    """The fp8 launchers :class:`_Float8Linear` calls (the custom ops' signatures)."""
+
+    to_float8: Callable
+    to_float8_delayed: Callable
+    roll_amax_history: Callable
+    scaled_mm: Callable
+
+
+#: The custom ops (torch.compile, meta and fake tensors: opaque ops with known shapes) and
+#: the launchers under them (eager: the custom ops' Python dispatch costs tens of us of
+#: host time per call, three to five calls per layer and step).
+_TRACED_FP8 = _Fp8Ops(_to_float8_op, _to_float8_delayed_op, _roll_amax_history_op, _scaled_mm_op)
+_EAGER_FP8 = _Fp8Ops(_to_float8_impl, _to_float8_delayed_impl, roll_amax_history, _scaled_mm_impl)
+
+
+def _fp8_ops(t: torch.Tensor) -> _Fp8Ops:
+    """The launchers for a pass over ``t``: the custom ops while tracing or for
+    anything but a plain tensor on a device that runs, else the launchers."""
+    plain = type(t) is torch.Tensor and not t.is_meta and not _is_compiling()
+    return _EAGER_FP8 if plain else _TRACED_FP8
+
+
+def _cast(ops: _Fp8Ops, x, dtype, recipe: str, history, margin: int, update: bool, block=TILE):
     """``x`` to fp8 as ``recipe`` casts it: (data, scale)."""
     if recipe == "delayed":
-        return _to_float8_delayed_op(x, history, dtype, margin, update)
+        return ops.to_float8_delayed(x, history, dtype, margin, update)
     if recipe == "blockwise":
-        return _to_float8_op(x, dtype, *block)
-    return _to_float8_op(x, dtype, 0, 0)
+        return ops.to_float8(x, dtype, *block)
+    return ops.to_float8(x, dtype, 0, 0)
 
 
 def _dequantize_tiles(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
@@ -762,15 +798,16 @@ class _Float8Linear(torch.autograd.Function):
     ):
         n, k = weight.shape
         x2d = _as_2d(x, k)
-        xq, sx = _cast(x2d, E4M3, recipe, h_x, margin, update)
+        ops = _fp8_ops(x)
+        xq, sx = _cast(ops, x2d, E4M3, recipe, h_x, margin, update)
         if cached_wq is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
             wq, sw = cached_wq, cached_sw
             if recipe == "delayed" and update:  # the history update the cast put off
-                _roll_amax_history_op(h_w, cached_amax)
+                ops.roll_amax_history(h_w, cached_amax)
         else:
-            wq, sw = _cast(weight, E4M3, recipe, h_w, margin, update, WEIGHT_BLOCK)
+            wq, sw = _cast(ops, weight, E4M3, recipe, h_w, margin, update, WEIGHT_BLOCK)
         sw_b = sw.t() if recipe == "blockwise" else sw
-        y = _scaled_mm_op(xq, wq.t(), sx, sw_b, bias, x.dtype, *_blocks(recipe))
+        y = ops.scaled_mm(xq, wq.t(), sx, sw_b, bias, x.dtype, *_blocks(recipe))
         ctx.recipe, ctx.margin, ctx.update = recipe, margin, update
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -784,18 +821,19 @@ class _Float8Linear(torch.autograd.Function):
         recipe = ctx.recipe
         n = wq.shape[0]
         dy2d = _as_2d(dy, n).contiguous()
+        ops = _fp8_ops(dy)
         grad_dtype = E4M3 if recipe == "blockwise" else E5M2
-        gq, sg = _cast(dy2d, grad_dtype, recipe, h_g, ctx.margin, ctx.update)
+        gq, sg = _cast(ops, dy2d, grad_dtype, recipe, h_g, ctx.margin, ctx.update)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K)
-            dx = _scaled_mm_op(gq, wq, sg, sw, None, ctx.x_dtype, *_blocks(recipe)).reshape(ctx.x_shape)
+            dx = ops.scaled_mm(gq, wq, sg, sw, None, ctx.x_dtype, *_blocks(recipe)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
             if recipe == "blockwise":
-                gtq, sgt = _to_float8_op(dy2d.t(), E4M3, *TILE)  # tiles along M
-                xtq, sxt = _to_float8_op(_dequantize_tiles(xq, sx, TILE).t(), E4M3, *TILE)
-                dw = _scaled_mm_op(gtq, xtq.t(), sgt, sxt.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
+                gtq, sgt = ops.to_float8(dy2d.t(), E4M3, *TILE)  # tiles along M
+                xtq, sxt = ops.to_float8(_dequantize_tiles(xq, sx, TILE).t(), E4M3, *TILE)
+                dw = ops.scaled_mm(gtq, xtq.t(), sgt, sxt.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
             else:
-                dw = _scaled_mm_op(gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
+                dw = ops.scaled_mm(gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None

@@ -25,6 +25,7 @@ adapts on the next.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -48,6 +49,7 @@ if _EPS_F32 > EPS:
     _EPS_F32 = math.nextafter(_EPS_F32, 0.0)
 
 
+@functools.cache
 def _multiplier_at_eps(fp8_max: float) -> float:
     """fp8_max / EPS rounded once to fp32, as torchao computes it (in float64)."""
     return float(torch.tensor(fp8_max / EPS, dtype=torch.float64).to(torch.float32))
@@ -403,6 +405,8 @@ def _roll(history: torch.Tensor, amax: torch.Tensor) -> None:
         history, h, amax, count,
         HBLOCK=triton.next_power_of_2(h), PBLOCK=triton.next_power_of_2(count),
     )  # fmt: skip
+    if not history.is_inference():  # an in-place write, as torch's own would count it
+        torch.autograd.graph.increment_version(history)
 
 
 def to_float8_delayed(
