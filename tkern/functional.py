@@ -184,14 +184,15 @@ class _Linear(torch.autograd.Function):
         x2d = x if x.dim() == 2 else _as_2d(x, weight.shape[1])
         preact = None
         save_z = activation is not None and any(ctx.needs_input_grad[:3])
-        if save_z and activation not in GRAD_FROM_OUTPUT:
+        # the gradient's z: the pre-activation, or for ReLU the output (the same mask)
+        from_output = save_z and activation in GRAD_FROM_OUTPUT
+        if save_z and not from_output:
             preact = torch.empty(x2d.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         y = linear_prechecked(x2d, weight, bias, activation, preact)  # linear() checked them
         ctx.activation = activation
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_shape = x.shape if x2d is not x else None  # None: dx keeps its (M, K) shape
-        # the gradient's z: the pre-activation, or for ReLU the output (the same mask)
-        ctx.save_for_backward(x2d, weight, bias, y if save_z and preact is None else preact)
+        ctx.save_for_backward(x2d, weight, bias, y if from_output else preact)
         return y
 
     @staticmethod
