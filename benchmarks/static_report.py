@@ -380,6 +380,8 @@ class GemmLaunch:
     a_act: int = 0
     store_a: bool = False
     sum_a: str | None = None
+    # the epilogue adds the product to C (``ACCUMULATE``: the wgrad into a flat gradient buffer)
+    accumulate: bool = False
 
     @property
     def label(self) -> str:
@@ -387,7 +389,7 @@ class GemmLaunch:
         epi += "+preact" if self.preact else ""
         bias = f",{self.bias} bias" if self.bias and self.bias != self.dtype else ""
         label = f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
-        return label + self.prologue_label
+        return label + self.prologue_label + (",C+=" if self.accumulate else "")
 
     @property
     def prologue_label(self) -> str:
@@ -407,7 +409,8 @@ def linear_launches() -> list[GemmLaunch]:
     a bias (the operands' dtype or fp32), every activation (none, ReLU, GELU,
     SiLU, tanh-GELU), the pre-activation saved when training (eager saves ReLU's output
     instead, activation.GRAD_FROM_OUTPUT; the traced door saves it for all); dgrad ``dZ @ W`` (NN) and wgrad
-    ``dZ^T @ X`` (TN) with a plain epilogue. tests/test_functional.py checks
+    ``dZ^T @ X`` (TN) with a plain epilogue, every wgrad also accumulating into a
+    fused optimizer's flat gradient buffer (``C +=``). tests/test_functional.py checks
     that tkern.linear launches nothing outside this list."""
     forward = [
         GemmLaunch(d, out, bias, act, preact, "NT")
@@ -418,7 +421,9 @@ def linear_launches() -> list[GemmLaunch]:
         for preact in ((False, True) if act else (False,))
     ]
     backward = [GemmLaunch(d, d, layout=layout) for d in HALF for layout in ("NN", "TN")]
-    return forward + backward + backward_prologue_launches()
+    backward += backward_prologue_launches()
+    wgrad_into = [dataclasses.replace(v, accumulate=True) for v in backward if v.layout == "TN"]
+    return forward + backward + wgrad_into
 
 
 def backward_prologue_launches() -> list[GemmLaunch]:
@@ -459,6 +464,9 @@ FORWARD_HEAVIEST = (
     GemmLaunch("fp16", "fp32", None, 2, True, "NT"),
 )
 BACKWARD = (GemmLaunch("bf16", "bf16", layout="NN"), GemmLaunch("bf16", "bf16", layout="TN"))
+#: The TMA kernel's one launch with ``C +=`` (large wgrads into a flat gradient buffer on
+#: Hopper): compiled for every config it is offered, as the forwards are.
+TMA_WGRAD_INTO = GemmLaunch("bf16", "bf16", layout="TN", accumulate=True)
 
 
 def offered_launch(v: GemmLaunch, offered: bool) -> GemmLaunch:
@@ -497,12 +505,15 @@ def prologue_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunc
     dZ and wgrad summing dbias with ReLU's gradient (a select) and GELU's (erf and
     exp, the most registers), where gemm_configs' prologue rules offer ``cfg``."""
     name = cfg_name(cfg.kwargs, cfg)
-    launches = [GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, sum_a="fp32")]
+    wgrad = GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, sum_a="fp32")
+    launches = [wgrad, dataclasses.replace(wgrad, accumulate=True)]
     for act in (1, 2):
         if name in {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, prologue=act)}:
+            wgrad = GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, a_act=act, sum_a="bf16")
             launches += [
                 GemmLaunch("bf16", "bf16", layout="NN", ragged=ragged, a_act=act, store_a=True),
-                GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, a_act=act, sum_a="bf16"),
+                wgrad,
+                dataclasses.replace(wgrad, accumulate=True),
             ]
     return launches
 
@@ -531,7 +542,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]),
         UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
-        A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None,
+        A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -564,7 +575,7 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
-        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, **kw,
+        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, **kw,
     )  # fmt: skip
     sig.update(stride_cm="i32")
     for k in const:
@@ -598,7 +609,7 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     if cc >= 90:
         configs = gemm_configs_for(cc, tma=True)
         for cfg in configs:
-            cases += [tma_case(cfg, v) for v in gate_launches()]
+            cases += [tma_case(cfg, v) for v in (*gate_launches(), TMA_WGRAD_INTO)]
         # the other layout and ragged operands once: they change the loads, not the epilogue
         heavy = FORWARD_HEAVIEST[0]
         cases += [
@@ -613,41 +624,39 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
 def _fp8_gemm_cases(cc: int) -> list[Case]:
     """scaled_mm (sm_89 and newer): every offered config with e4m3 x e4m3 operands
     and per-tensor scales (Float8Linear's forward: x @ W^T, B column-major, bf16
-    out with a bias), and the first config with block scales and e5m2 x e4m3
-    (blockwise recipe, backward operand pair)."""
+    out with a bias) and with e5m2 x e4m3 adding into C (its wgrad dY^T @ X into a
+    fused optimizer's bf16 gradient buffer: A column-major, no bias), and the first
+    config with block scales and e5m2 x e4m3 (blockwise recipe, backward operand pair)."""
     tl = _tl()
     cases = []
     configs = gemm_configs_for(cc)
-    variants = [(cfg, "fp8e4nv", "fp8e4nv", 1, 1) for cfg in configs]
-    variants += [(configs[0], "fp8e4nv", "fp8e4nv", 3, 3), (configs[0], "fp8e5", "fp8e4nv", 2, 2)]
-    for cfg, a_dtype, b_dtype, scale_a, scale_b in variants:
+    variants = [(cfg, "fp8e4nv", "fp8e4nv", 1, 1, False) for cfg in configs]
+    variants += [(cfg, "fp8e5", "fp8e4nv", 1, 1, True) for cfg in configs]
+    variants += [
+        (configs[0], "fp8e4nv", "fp8e4nv", 3, 3, False),
+        (configs[0], "fp8e5", "fp8e4nv", 2, 2, False),
+    ]
+    for cfg, a_dtype, b_dtype, scale_a, scale_b, wgrad_into in variants:
         kw = cfg.kwargs
         sig = _gemm_sig("fp16", "bf16", "bf16", False)
         sig.update(a_ptr=_ptr(a_dtype), b_ptr=_ptr(b_dtype))
+        # the forward reads W^T in place (NT); the wgrad reads dY^T in place (TN)
+        unit = ("stride_am", "stride_bn") if wgrad_into else ("stride_ak", "stride_bk")
         const = dict(
-            HAS_BIAS=True, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16, PREACT_DTYPE=tl.bfloat16,
-            UPCAST=False, EVEN_K=True, SCALE_A=scale_a, SCALE_B=scale_b, A_T=False, B_T=True,
-            stride_ak=1, stride_bk=1, stride_cn=1, stride_bias=1, **kw,
-            A_ACT=0, STORE_A=False, SUM_A=False,
+            HAS_BIAS=not wgrad_into, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16,
+            PREACT_DTYPE=tl.bfloat16, UPCAST=False, EVEN_K=True, SCALE_A=scale_a, SCALE_B=scale_b,
+            A_T=wgrad_into, B_T=not wgrad_into, stride_cn=1, stride_bias=1, **kw,
+            A_ACT=0, STORE_A=False, SUM_A=False, ACCUMULATE=wgrad_into, **dict.fromkeys(unit, 1),
         )  # fmt: skip
-        for name in ("stride_am", "stride_bn", "stride_cm"):
+        strided = [s for s in ("stride_am", "stride_ak", "stride_bk", "stride_bn") if s not in unit]
+        for name in (*strided, "stride_cm"):
             sig[name] = "i32"
         for k in const:
             sig[k] = "constexpr"
-        aligned = (
-            "a_ptr",
-            "b_ptr",
-            "c_ptr",
-            "bias_ptr",
-            "M",
-            "N",
-            "K",
-            "stride_am",
-            "stride_bn",
-            "stride_cm",
-        )
+        aligned = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "M", "N", "K", *strided, "stride_cm")
         kind = {1: "tensor", 2: "row/col", 3: "block"}[scale_a]
-        name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{kind} scales,bias]"
+        epi = "TN,tensor scales,C+=" if wgrad_into else f"NT,{kind} scales,bias"
+        name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,{epi}]"
         # gated=False: its own test in test_compiled.py (the fp8 facts)
         cases.append(_gemm_case(name, POINTER_KERNEL, cfg, sig, const, aligned, gated=False))
     return cases

@@ -95,7 +95,7 @@ def test_every_kernel_and_target_is_covered(rows):
                     expected.add((static_report.pointer_case(cfg, launch).name, f"sm_{cc}"))
         if cc >= 90:
             for cfg in static_report.gemm_configs_for(cc, tma=True):
-                for launch in static_report.gate_launches():
+                for launch in (*static_report.gate_launches(), static_report.TMA_WGRAD_INTO):
                     expected.add((static_report.tma_case(cfg, launch).name, f"sm_{cc}"))
         assert expected <= compiled, sorted(expected - compiled)
         # the new activations' forwards are among them, on the pointer and the TMA kernel
@@ -103,6 +103,9 @@ def test_every_kernel_and_target_is_covered(rows):
         for label in ("bias+silu+preact", "silu+preact", "bias+gelu_tanh+preact", "gelu_tanh+preact"):
             assert f"matmul[128x64x32/s4w4,bf16->bf16,NT,{label}]" in names
         assert (cc < 90) == ("matmul_tma[" not in names)
+        # the wgrad adding into a flat gradient buffer (C +=), with and without its prologue
+        assert "matmul[128x64x32/s4w4,bf16->bf16,TN,none,A'=sum fp32,C+=]" in names
+        assert (cc < 90) == ("matmul_tma[128x128x64/s3w8,bf16->bf16,TN,none,C+=]" not in names)
     activation_grads = {r["case"] for r in rows if r["kernel"] == "_activation_grad_kernel"}
     for name in ("relu", "gelu", "silu", "gelu_tanh"):
         assert {f"activation_grad[fp16,{name}]", f"activation_grad[bf16,{name}]"} <= activation_grads
@@ -209,10 +212,12 @@ def test_streaming_kernels_keep_half_the_warp_slots(rows):
 def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
     """scaled_mm's kernel (the pointer GEMM with fp8 operands; issue 17): wgmma on
     e4m3/e5m2 operands on sm_90 for every offered config, no spills; it is not
-    offered before sm_89 (scaled_mm refuses those GPUs by name)."""
+    offered before sm_89 (scaled_mm refuses those GPUs by name). Float8Linear's wgrad
+    adding into a fused optimizer's gradient buffer (``C +=``) is among them."""
     fp8 = [r for r in rows if r["case"].startswith("scaled_mm")]
     assert {r["target"] for r in fp8} == {"sm_90"}
     assert len(fp8) >= 3
+    assert any(r["case"].endswith("fp8e5xfp8e4nv->bf16,TN,tensor scales,C+=]") for r in fp8)
     for r in fp8:
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"
         assert r["spill_bytes"] == 0, f"{_name(r)} spills {r['spill_bytes']} B"
@@ -221,14 +226,14 @@ def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
 
 def test_fp8_gemm_on_ada_uses_fp8_mma_sync():
     """sm_89 (Ada: fp8 tensor cores without wgmma): scaled_mm's kernel, on the configs it is
-    offered there, compiles to ``mma.sync`` on e4m3 operands (tensor-wise, block scales and
-    e5m2 x e4m3) with no spills (issue 17)."""
+    offered there, compiles to ``mma.sync`` on e4m3 operands (tensor-wise, block scales,
+    e5m2 x e4m3, the wgrad adding into C) with no spills (issue 17)."""
     import static_report
 
     cases = static_report._fp8_gemm_cases(89)
-    offered = static_report.gemm_configs_for(89)
-    # the first and the largest offered tile, and the two scale/operand variants
-    picked = [cases[0], cases[len(offered) - 1], *cases[len(offered) :]]
+    n = len(static_report.gemm_configs_for(89))
+    # the first and the largest offered tile, forward and wgrad, and the two scale/operand variants
+    picked = [cases[0], cases[n - 1], cases[n], cases[2 * n - 1], *cases[2 * n :]]
     for case in picked:
         r = static_report.compile_case(case, 89, sass=False)
         assert r["compiled"], f"{case.name}: {r.get('error')}"

@@ -232,6 +232,38 @@ def test_explicit_block_shapes_and_mixed_granularities():
     assert_gemm_close(out, reference(a, b, sa, sb, (16, 128), None), 256, torch.float32)
 
 
+@pytest.mark.parametrize(("ga", "gb", "block_a", "block_b"), GRANULARITIES)
+def test_scaled_mm_accumulates_into_a_tensor(ga, gb, block_a, block_b):
+    # C += (a * sa) @ (b * sb): the scaled fp32 product plus C read in fp32, rounded once to
+    # C's dtype (bf16: a Float8Linear's wgrad into its optimizer's gradient buffer); into
+    # zeros, the same bits as a fresh product (0 + x == x)
+    M, N, K = 37, 45, 256
+    x, w = sample((M, K), torch.float32, seed=10), sample((K, N), torch.float32, seed=11)
+    a, sa = tkern.to_float8(x, E4M3, ga)
+    b, sb = quantize_b(w, E4M3, gb)
+    c = torch.randn(M, N, device=DEVICE).to(torch.bfloat16) * 100
+    c0 = c.clone()
+    assert tkern.scaled_mm(a, b, sa, sb, accumulate_into=c) is c
+    ref = reference(a, b, sa, sb, block_a, block_b)
+    assert_gemm_close(c, ref + c0.double().cpu(), K, torch.bfloat16)
+    zeros = torch.zeros(M, N, device=DEVICE, dtype=torch.bfloat16)
+    tkern.scaled_mm(a, b, sa, sb, accumulate_into=zeros)
+    fresh = tkern.scaled_mm(a, b, sa, sb)
+    assert torch.equal(zeros, fresh)
+    out = torch.full((N, M), float("nan"), device=DEVICE, dtype=torch.bfloat16).t()  # out=, as torch's
+    assert tkern.scaled_mm(a, b, sa, sb, out=out) is out and torch.equal(out, fresh)
+
+
+def test_scaled_mm_accumulate_into_must_fit_the_output():
+    a, b, sa, sb = fp8_pair()
+    for into, exc, words in [
+        (torch.zeros(8, 16, device=DEVICE), TypeError, "accumulate_into must have dtype"),
+        (torch.zeros(16, 8, device=DEVICE, dtype=torch.bfloat16), ValueError, r"shape \(8, 16\)"),
+    ]:
+        with pytest.raises(exc, match=words):
+            tkern.scaled_mm(a, b, sa, sb, accumulate_into=into)
+
+
 def fp8_pair(M=8, K=128, N=16):
     a, sa = tkern.to_float8(torch.randn(M, K, device=DEVICE), E4M3)
     b, sb = tkern.to_float8(torch.randn(K, N, device=DEVICE), E4M3)

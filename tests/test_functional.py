@@ -326,12 +326,14 @@ def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
 
     names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
     seen = set()
-    kernel = gemm._matmul_kernel
 
     class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
         def __getitem__(self, grid):
             def launch(*args, **meta):
-                arg = dict(zip(kernel.arg_names, args, strict=False))
+                arg = dict(zip(self.kernel.arg_names, args, strict=False))
                 a = arg["a_ptr"]
                 # the strides the kernel reads (linear passes W for W^T, dZ for dZ^T)
                 layout = ("N" if arg["stride_ak"] == 1 else "T") + ("N" if arg["stride_bn"] == 1 else "T")
@@ -346,13 +348,15 @@ def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
                         a_act=meta["A_ACT"],
                         store_a=meta["STORE_A"],
                         sum_a=names[arg["a_sum_ptr"].dtype] if meta["SUM_A"] else None,
+                        accumulate=meta["ACCUMULATE"],
                     )
                 )
-                return kernel[grid](*args, **meta)
+                return self.kernel[grid](*args, **meta)
 
             return launch
 
-    monkeypatch.setattr(gemm, "_matmul_kernel", Recorder())
+    monkeypatch.setattr(gemm, "_matmul_kernel", Recorder(gemm._matmul_kernel))
+    monkeypatch.setattr(gemm, "_matmul_accumulate_kernel", Recorder(gemm._matmul_accumulate_kernel))
     # which of x, weight, bias need a gradient: all; a first layer; a frozen weight
     # with and without a trainable bias; None: inference (no pre-activation saved)
     needs = [(True, True, True), (False, True, True), (True, False, True), (True, False, False), None]
@@ -369,6 +373,9 @@ def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
                     y = tkern.linear(x, w, b, activation)
                     if need is not None:
                         y.sum().backward()
+                    if need is not None and need[1]:  # again, dW added into a fused optimizer's buffer
+                        tkern.optim.FusedSGD([w], lr=0.1)
+                        tkern.linear(x, w, b, activation).sum().backward()
     offered = set(static_report.linear_launches())
     assert seen <= offered, sorted(map(str, seen - offered))
     # ReLU's pre-activation is saved by the traced door only (torch.compile, not driven

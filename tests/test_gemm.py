@@ -219,20 +219,23 @@ def test_a_replaced_kernel_sees_every_launch_even_after_one_was_resolved(monkeyp
 )
 def test_hopper_routes_large_and_ragged_gemms_to_the_tma_kernel(monkeypatch, mnk, ragged, route):
     # the routing on Hopper (has_tma patched on; neither kernel runs): matmul, and
-    # linear's forward and dgrad (x @ W^T, dY @ W) through the same rule
+    # linear's forward and dgrad (x @ W^T, dY @ W) through the same rule, and a
+    # GEMM adding into a gradient buffer (the wgrad's C +=)
     from tkern.kernels import gemm
 
     routes = []
     monkeypatch.setattr(gemm, "has_tma", lambda device: True)
     monkeypatch.setattr(gemm, "launch_tma", lambda *args: routes.append("tma"))
-    monkeypatch.setattr(gemm, "_launch_matmul", lambda *args: routes.append("pointer"))
+    monkeypatch.setattr(gemm, "_launch", lambda *args: routes.append("pointer"))
     m, n, k = mnk
     a = torch.empty(m, k + 8 if ragged else k, dtype=torch.float16, device=DEVICE)[:, :k]
     b, w = (torch.empty(*s, dtype=torch.float16, device=DEVICE) for s in ((k, n), (n, k)))
     gemm.matmul(a, b)
     gemm.linear_prechecked(a, w, None, None, None)
     gemm.matmul_backward_prechecked(a, b, None, None, None, None)
-    assert routes == [route] * 3
+    into = torch.empty(m, n, dtype=torch.float16, device=DEVICE)
+    gemm.matmul_backward_prechecked(a, b, None, None, None, None, False, into)
+    assert routes == [route] * 4
 
 
 @pytest.mark.parametrize("activation", [None, "relu"])
@@ -622,3 +625,93 @@ def test_prologue_configs_are_pruned_by_their_named_rules():
     # the 128-value tiles spill with a prologue on Hopper; 128x128 on 8 warps (64) is kept for ReLU
     big = [c for c in configs if acc_per_thread(*tiles(c)[:2], c.num_warps) > PROLOGUE_MAX_ACC]
     assert big and not set(map(id, big)) & set(map(id, prune_configs(configs, 90, prologue=relu)))
+
+
+# ----------------------------------------------------------------------- C += (the wgrad into a buffer)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_matmul_backward_accumulates_into_a_tensor(dtype, activation, strided):
+    # C += A' @ B in the epilogue: C read in fp32 and the sum rounded once, so against
+    # float64 it is within the GEMM's own tolerance; a strided C (a column slice of a
+    # wider buffer) is written in place and its neighbours are left alone
+    from tkern.kernels.activation import activation_grad
+    from tkern.kernels.gemm import matmul_backward
+
+    m, k, n = 37, 70, 45
+    a, b = randn(m, k, dtype=dtype), randn(k, n, dtype=dtype, scale=0.2)
+    z = randn(m, k, dtype=dtype) if activation else None
+    buf = randn(m, n + 9, dtype=dtype)
+    c = buf[:, 4 : 4 + n] if strided else buf[:, :n].contiguous()
+    c0, buf0 = c.clone(), buf.clone()
+    out = matmul_backward(a, b, activation=activation, z=z, accumulate_into=c)
+    assert out is c
+    ap = a if activation is None else activation_grad(a, z, activation)
+    assert rel_err(c, c0.double() + ap.double() @ b.double()) < TOL[dtype]
+    if strided:
+        assert torch.equal(buf[:, :4], buf0[:, :4]) and torch.equal(buf[:, 4 + n :], buf0[:, 4 + n :])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_accumulating_into_zeros_is_bit_identical_to_a_new_product(dtype):
+    # 0 + x == x in fp32: a zeroed gradient buffer gets exactly the bits of a fresh wgrad
+    # (what training without the fused accumulation would have); dZ^T read in place
+    from tkern.kernels.gemm import matmul_backward_prechecked
+
+    dz, x = randn(50, 33, dtype=dtype), randn(50, 21, dtype=dtype)
+    fresh = matmul_backward_prechecked(dz, x, None, None, None, None, True)
+    into = torch.zeros(33, 21, dtype=dtype, device=DEVICE)
+    assert matmul_backward_prechecked(dz, x, None, None, None, None, True, into) is into
+    assert torch.equal(into, fresh)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_tma_kernel_accumulates_into_a_tensor(dtype):
+    # Hopper's large wgrads take the TMA kernel (gemm.TMA_MIN_DIM): same C += epilogue
+    from tkern.kernels.gemm_tma import launch_tma, tma_layouts
+
+    m, k, n = 264, 96, 200
+    a, b = randn(k, m, dtype=dtype).t(), randn(k, n, dtype=dtype, scale=0.2)  # dZ^T read in place
+    c = randn(m, n, dtype=dtype)
+    c0 = c.clone()
+    out = launch_tma(a, b, m, n, k, None, None, dtype, None, tma_layouts(a, b), c)
+    assert out is c
+    assert rel_err(c, c0.double() + a.double() @ b.double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_matmul_backward_writes_into_out(dtype):
+    # out=: the product written into a given tensor (a strided slice here), the same
+    # bits as a new one; out and accumulate_into together are refused
+    from tkern.kernels.gemm import matmul_backward
+
+    a, b = randn(37, 70, dtype=dtype), randn(70, 45, dtype=dtype, scale=0.2)
+    buf = randn(37, 54, dtype=dtype)
+    out, buf0 = buf[:, 4:49], buf.clone()
+    assert matmul_backward(a, b, out=out) is out
+    assert torch.equal(out, matmul_backward(a, b))
+    assert torch.equal(buf[:, :4], buf0[:, :4]) and torch.equal(buf[:, 49:], buf0[:, 49:])
+    with pytest.raises(ValueError, match="give out or accumulate_into, not both"):
+        matmul_backward(a, b, out=out, accumulate_into=out.clone())
+
+
+def test_accumulate_into_bad_input_raises_before_launch():
+    from tkern.kernels.gemm import matmul_backward
+
+    a, b = h(4, 5), h(5, 3)
+    cases = [
+        (h(3, 4), ValueError, "accumulate_into must have shape (4, 3), got (3, 4)"),
+        (h(4, 3, dtype=torch.bfloat16), TypeError, "accumulate_into must have dtype"),
+        (h(12), ValueError, "accumulate_into must be 2-D"),
+        (h(4, 3).t(), ValueError, "accumulate_into must have shape (4, 3), got (3, 4)"),
+        (a[:, :3], ValueError, "accumulate_into must not share memory"),
+        (b.view(-1)[:12].view(4, 3), ValueError, "accumulate_into must not share memory"),
+    ]
+    for into, exc, words in cases:
+        before = into.clone()
+        with pytest.raises(exc) as info:
+            matmul_backward(a, b, accumulate_into=into)
+        assert words in str(info.value)
+        assert torch.equal(into, before)

@@ -186,6 +186,81 @@ def test_optimizer_built_before_ddp_keeps_ranks_identical(tmp_path):
         assert torch.equal(x, y)
 
 
+def _wgrad_model():
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return nn.Sequential(tkern.nn.Linear(8, 16, activation="relu"), tkern.nn.Linear(16, 4)).to(DEVICE)
+
+
+def _wgrad_batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randn(6, 8, generator=g).to(DEVICE).half() for _ in range(2)]
+
+
+def _wgrad_rank(rank, world, out_dir):
+    # tkern.linear's wgrad added into the flat buffer (tests/test_wgrad_into.py) under
+    # torch DDP with no_sync, and under tkern's ZeRO-2 with its no_sync: two micro-batches
+    from tkern import functional
+    from tkern.optim import DistributedFusedSGD
+
+    used, flat_wgrad = [], functional._flat_wgrad
+
+    def spy(*args):
+        into = flat_wgrad(*args)
+        used.append(into is not None)
+        return into
+
+    functional._flat_wgrad = spy
+    xs, out = _wgrad_batches(rank), {}
+    model = _wgrad_model()
+    opt = FusedSGD(model.parameters(), lr=0.1)  # built before DDP wraps the model
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with ddp.no_sync():
+        ddp(xs[0]).float().square().mean().backward()
+    ddp(xs[1]).float().square().mean().backward()
+    out["ddp_grads"] = [p.grad.detach().cpu().clone() for p in model.parameters()]
+    opt.step()
+    out["ddp_params"] = [p.detach().cpu().clone() for p in model.parameters()]
+    model = _wgrad_model()
+    opt = DistributedFusedSGD(model.parameters(), lr=0.1)
+    with opt.no_sync():
+        model(xs[0]).float().square().mean().backward()
+    model(xs[1]).float().square().mean().backward()
+    opt.step()
+    out["zero_params"] = [p.detach().cpu().clone() for p in model.parameters()]
+    out["used"] = used
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_wgrad_into_the_flat_buffer_under_ddp_and_zero2_with_no_sync(tmp_path):
+    # Reference: each rank's two micro-batches accumulated by plain autograd (a fresh dW
+    # added into .grad), averaged across the ranks in fp32, one SGD step. The fused run
+    # rounds each accumulation once instead of twice and DDP / ZeRO-2 average in fp16:
+    # a few fp16 roundings of the largest gradient apart (2^-11 relative each).
+    run_local_processes(_wgrad_rank, 2, (str(tmp_path),), timeout_s=240)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    acc = []
+    for r in range(2):
+        model = _wgrad_model()
+        for x in _wgrad_batches(r):
+            model(x).float().square().mean().backward()
+        acc.append([p.grad.float() for p in model.parameters()])
+    mean = [(a + b) / 2 for a, b in zip(*acc, strict=True)]
+    start = [p.detach().float() for p in _wgrad_model().parameters()]
+    for res in ranks:
+        assert all(res["used"][:2]) and res["used"].count(True) == 8  # 2 weights x 2 micro x 2 runs
+        for got, want in zip(res["ddp_grads"], mean, strict=True):
+            assert (got.float() - want).abs().max() <= 4 * 2.0**-11 * want.abs().max()
+        for key in ("ddp_params", "zero_params"):
+            for got, p0, g in zip(res[key], start, mean, strict=True):
+                # the step's own rounding to fp16 (half an ulp of |p| <= 2^-11 |p|) on top
+                err = (got.float() - (p0 - 0.1 * g)).abs()
+                assert (err <= 0.1 * 4 * 2.0**-11 * g.abs().max() + 2.0**-11 * p0.abs()).all()
+    for key in ("ddp_grads", "ddp_params", "zero_params"):
+        for a, b in zip(ranks[0][key], ranks[1][key], strict=True):
+            assert torch.equal(a, b), key
+
+
 # ----------------------------------------------------------------- 5. non-finite 1/S
 
 

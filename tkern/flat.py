@@ -38,7 +38,10 @@ Per-param step counts, "no grad, no update"
     ``p.grad.copy_(g)``), or ``.grad`` is another tensor (copied in then).
     ``zero_grad(set_to_none=False)`` makes every param count, as torch's zero
     tensors would. A post-accumulate-grad hook puts the flat view back as
-    ``.grad`` when autograd made a new tensor (after ``model.zero_grad()``). Params that share a history
+    ``.grad`` when autograd made a new tensor (after ``model.zero_grad()``), and
+    without a copy when that tensor is over the view's own memory: a backward
+    that put its gradient into the view in place (:func:`take_grad_view`;
+    ``tkern.linear``'s weight gradient, by its GEMM). Params that share a history
     share a step-count tensor on the device (a *cohort*): normally one per
     buffer, so one launch covers the buffer; a param that sat out a step
     moves to a cohort of its own history, and launches split at cohort
@@ -122,6 +125,75 @@ def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master a bf16 ``param`` and its int16 ``remainder`` hold (a new tensor)."""
     high = param.contiguous().view(torch.int16).to(torch.int32)
     return ((high << 16) + remainder.to(torch.int32)).view(torch.float32)
+
+
+#: Every live gradient view of a :class:`FlatParams`, by ``id``: what
+#: :func:`is_flat_grad` looks up (by identity: tensors compare elementwise).
+_GRAD_VIEWS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+#: ``id(param)`` -> weak references to the param and its gradient view (the view lives
+#: as long as its FlatParams or the param's ``.grad``), for :func:`take_grad_view`
+#: when ``.grad`` is None; an entry leaves with its param. Plain dicts keyed by id and
+#: checked by identity: a lookup costs ~0.1 us, where torch's WeakIdKeyDictionary costs ~0.9.
+_VIEW_OF: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+#: ``id(view)`` -> a weak reference to each view :func:`take_grad_view` handed out whose
+#: hook has not yet adopted it back (a dead reference: a stale entry, not taken).
+_TAKEN: dict[int, weakref.ref] = {}
+
+
+def _register_view(param: torch.Tensor, view: torch.Tensor) -> None:
+    key = id(param)
+
+    def drop(ref: weakref.ref, key: int = key) -> None:
+        entry = _VIEW_OF.get(key)
+        if entry is not None and entry[0] is ref:
+            del _VIEW_OF[key]
+
+    _VIEW_OF[key] = (weakref.ref(param, drop), weakref.ref(view))
+
+
+def _view_of(param: torch.Tensor) -> torch.Tensor | None:
+    entry = _VIEW_OF.get(id(param))
+    return None if entry is None or entry[0]() is not param else entry[1]()
+
+
+def _taken(view: torch.Tensor) -> bool:
+    ref = _TAKEN.get(id(view))
+    return ref is not None and ref() is view
+
+
+def is_flat_grad(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a param's gradient view into a :class:`FlatParams` buffer
+    (the ``.grad`` a fused optimizer keeps)."""
+    return t is not None and _GRAD_VIEWS.get(id(t)) is t
+
+
+def has_grad_view(param: torch.Tensor) -> bool:
+    """Whether a :class:`FlatParams` keeps a gradient view for ``param`` (its
+    params are those of a fused optimizer): a cheap test before :func:`take_grad_view`."""
+    return _view_of(param) is not None
+
+
+def take_grad_view(param: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+    """For a backward that puts ``param``'s gradient straight into its flat view
+    and hands autograd a tensor over that memory (``tkern.linear``'s weight
+    gradient, by its GEMM): ``(view, accumulate)``, or None where it cannot.
+
+    ``accumulate``: ``.grad`` is the view, the gradient is added into it; False:
+    ``.grad`` is None (``model.zero_grad()``), the gradient is written (autograd
+    would start from nothing). None: ``param`` has no view, its ``.grad`` is
+    another tensor, or the view was taken in this backward and not yet adopted
+    back (a second use of a shared weight: it returns its gradient as usual and
+    autograd sums the two). The view counts as taken until the post-accumulate-grad
+    hook adopts the tensor over its memory (no copy) or :meth:`FlatParams.zero_grad`."""
+    g = param.grad
+    if g is None:
+        view, accumulate = _view_of(param), False
+    else:
+        view, accumulate = (g if is_flat_grad(g) else None), True
+    if view is None or _taken(view):
+        return None
+    _TAKEN[id(view)] = weakref.ref(view)
+    return view, accumulate
 
 
 def alias(flat: torch.Tensor, start: int, numel: int, shape: torch.Size) -> torch.Tensor:
@@ -219,6 +291,8 @@ class FlatParams:
                 self.param_views[i].copy_(p)
                 if p.requires_grad:
                     self.grad_views.append(self._alias(self.grad, i))
+                    _GRAD_VIEWS[id(self.grad_views[i])] = self.grad_views[i]
+                    _register_view(p, self.grad_views[i])
                     if p.grad is not None:
                         self.grad_views[i].copy_(p.grad)
                 else:
@@ -390,9 +464,19 @@ class FlatParams:
                 p.grad = self.grad_views[i]
 
     def adopt_grad(self, i: int, p: torch.Tensor) -> None:
-        """Called by the hook after autograd accumulated param ``i``'s gradient."""
-        g = p.grad
-        if g is not self.grad_views[i] and g is not None:
+        """Called by the hook after autograd accumulated param ``i``'s gradient: a
+        tensor over the view's own memory (a backward that put its gradient into
+        the view, see :func:`take_grad_view`) is replaced by the view, anything
+        else copied into it."""
+        g, view = p.grad, self.grad_views[i]
+        if _TAKEN:  # (empty unless a backward is putting gradients into views)
+            _TAKEN.pop(id(view), None)
+        if g is view or g is None:
+            return
+        same = g.data_ptr() == view.data_ptr() and g.stride() == view.stride() and g.shape == view.shape
+        if same and g.dtype == view.dtype:
+            p.grad = view  # the same memory, already holding the gradient
+        else:
             self._adopt_grad(i, g)
 
     def _adopt_grad(self, i: int, g: torch.Tensor) -> None:
@@ -418,6 +502,8 @@ class FlatParams:
         for p, view in zip(self.params, self.grad_views, strict=True):
             if p.grad is not view:
                 p.grad = view
+            if _TAKEN:  # a backward that failed before its hooks ran
+                _TAKEN.pop(id(view), None)
         self._zero_versions = [v._version for v in self._views]
         self._all_active = not set_to_none
 

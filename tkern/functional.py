@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from tkern.flat import has_grad_view, take_grad_view
 from tkern.kernels._common import (
     HALF_DTYPES,
     INT32_MAX,
@@ -61,6 +62,10 @@ __all__ = ["Float8WeightCache", "float8_linear", "float8_weight_cache", "linear"
 
 _is_compiling = torch.compiler.is_compiling  # bound once: the fast check runs on every call
 _NO_ACT = "none"  # how the custom ops spell activation=None (their schema takes a str)
+# Whether the running backward will execute an autograd node; raises for a leaf's
+# AccumulateGrad under autograd.grad(), which captures that gradient instead.
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+_increment_version = torch.autograd.graph.increment_version
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -102,15 +107,19 @@ def _differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
     return dx, dw, db
 
 
-def _mm_backward_checked(a, b, z, activation, store_a, sum_dtype, transpose_a=False):
+def _mm_backward_checked(
+    a, b, z, activation, store_a, sum_dtype, transpose_a=False, into=None, accumulate=True
+):
     """The backward GEMM ``A' @ b`` (``A' = a * act'(z)`` with an ``activation``,
     else ``a``) on operands the caller made or checked, with ``A'`` (``store_a``)
     and its fp32 row sums in ``sum_dtype`` (when not None) written on the way:
     ``(A' @ b, A' or None, sums or None)`` (gemm.matmul_backward). With
     ``transpose_a`` the GEMM is ``A'^T @ b``: ``a`` and ``z`` are read transposed in
-    place and ``A'`` is returned in ``a``'s layout."""
+    place and ``A'`` is returned in ``a``'s layout. ``into``: a tensor the product
+    is added to (``accumulate``) or written into, and returned, instead of a new one."""
     a_out, a_sum = _prologue_outputs(a, store_a, sum_dtype, transpose_a)
-    return matmul_backward_prechecked(a, b, activation, z, a_out, a_sum, transpose_a), a_out, a_sum
+    c = matmul_backward_prechecked(a, b, activation, z, a_out, a_sum, transpose_a, into, accumulate)
+    return c, a_out, a_sum
 
 
 def _prologue_outputs(a, store_a, sum_dtype, transpose_a=False):
@@ -137,7 +146,7 @@ def _prologue_outputs(a, store_a, sum_dtype, transpose_a=False):
 PROLOGUE_ACTIVATIONS = frozenset({"relu"})
 
 
-def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad):
+def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad, dw_target=None):
     """The gradients of ``act(x @ W^T + b)`` for both doors of :func:`linear`, from
     ``dy`` (M, N) and the saved pre-activation ``preact``: dX = dZ @ W, dW = dZ^T @ X
     (dZ^T read in place), db = dZ summed over M in fp32, where dZ = dY * act'(Z).
@@ -148,7 +157,8 @@ def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
     wgrad applies act' to dY^T itself (Z^T read in place). Other activations get dZ
     from ``act_grad`` first. dbias alone (weight frozen) is a plain reduction.
     ``mm(a, b, z, activation, store_a, sum_dtype, transpose_a) -> (c, A', sums)`` and
-    ``act_grad`` are the launchers (eager) or the custom ops (traced)."""
+    ``act_grad`` are the launchers (eager) or the custom ops (traced). ``dw_target``
+    (eager only): where dW goes in place (:func:`_flat_wgrad`)."""
     need_dx, need_dw = needs[0], needs[1]
     sum_dtype = bias_dtype if needs[2] else None  # None: no bias, or it needs no gradient
     dz, z, act = dy, None, None  # the GEMMs read dZ, or dY and Z with act' in their prologue
@@ -165,7 +175,10 @@ def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
         if act is not None:
             dz, z, act = dz_stored, None, None
     if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs
-        dw, _, sums = mm(dz, x2d, z, act, False, sum_dtype, True)  # dZ^T and Z^T read in place
+        if dw_target is None:
+            dw, _, sums = mm(dz, x2d, z, act, False, sum_dtype, True)  # dZ^T and Z^T read in place
+        else:
+            dw, _, sums = mm(dz, x2d, z, act, False, sum_dtype, True, *dw_target[1:])
         db = sums if sum_dtype is not None else None
     elif sum_dtype is not None:  # dbias alone: dZ is made (above) and reduced
         db = dz.sum(0, dtype=torch.float32).to(sum_dtype)
@@ -202,6 +215,7 @@ class _Linear(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             dx, dw, db = _differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
             return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
+        target = _flat_wgrad(ctx, x2d.dtype, weight) if needs[1] else None
         dx, dw, db = _linear_grads(
             dy,
             x2d,
@@ -212,8 +226,58 @@ class _Linear(torch.autograd.Function):
             ctx.bias_dtype,
             _mm_backward_checked,
             activation_grad,
+            target,
         )
+        if target is not None:  # dW is in .grad already: autograd adopts that memory
+            dw = _hand_over(target)
         return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
+
+
+def _flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None) -> tuple | None:
+    """``(weight, view, accumulate)`` when this backward may put dW straight into
+    the weight's gradient view in a fused optimizer's flat buffer (the wgrad
+    GEMM adds into it, ``C +=``, when ``.grad`` is the view, or writes into it
+    when ``.grad`` is None), else None. ``weight``: input 1 of the Function whose
+    backward runs, if the caller has it (a cheap refusal first).
+
+    Autograd's AccumulateGrad adds whatever backward returns into ``.grad``: a
+    fresh (N, K) dW costs that allocation and one more pass over the gradient.
+    Instead the GEMM puts dW into the view and :func:`_hand_over` gives autograd
+    a tensor over the view's memory with ``.grad`` set to None: AccumulateGrad,
+    finding no ``.grad``, adopts it as it is (no copy, no add: nothing else refers
+    to it), its hooks (DDP's, ZeRO-2's, the flat buffer's, the user's
+    post-accumulate ones) fire as before, and the flat buffer's hook puts the
+    view back. A second use of the weight in the same graph (tied weights) finds
+    the view taken (flat.take_grad_view) and returns its share as usual, which
+    autograd sums with the first before accumulating. Only where that is exactly
+    AccumulateGrad's result: a leaf weight of ``dtype`` with a flat view, no tensor
+    hook that would rewrite the gradient before it is accumulated, and a backward
+    that accumulates into ``.grad`` (not ``autograd.grad()``, which captures the
+    gradient, nor one that does not reach this weight)."""
+    if weight is not None and not (weight.is_leaf and has_grad_view(weight)):
+        return None  # the common refusal first, before any autograd lookup (host time)
+    node = ctx.next_functions[1][0]
+    weight = getattr(node, "variable", None)  # AccumulateGrad's leaf; None: not a leaf
+    if weight is None or weight.dtype != dtype or weight._backward_hooks or _will_engine_execute_node is None:
+        return None
+    if _is_compiling():
+        return None
+    try:
+        if not _will_engine_execute_node(node):
+            return None
+    except RuntimeError:  # autograd.grad() captures the gradient: it must not land in .grad
+        return None
+    taken = take_grad_view(weight)
+    return None if taken is None else (weight, *taken)
+
+
+def _hand_over(target: tuple) -> torch.Tensor:
+    """What backward returns for a weight whose dW the GEMM put into its flat
+    view (:func:`_flat_wgrad`'s ``target``): the view's memory, for AccumulateGrad to adopt."""
+    weight, view, _ = target
+    _increment_version(view)  # the kernel wrote it: "has a gradient" (flat.FlatParams)
+    weight.grad = None
+    return view.detach()
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -546,10 +610,13 @@ def _scaled_mm_op(
     return _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b)
 
 
-def _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b):
+def _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, into=None, accumulate=True):
+    """:func:`scaled_mm` with the custom op's arguments (``into``: eager callers
+    only; the result is added to it with ``accumulate``, else written into it)."""
     return scaled_mm(
         a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
         block_a=tuple(block_a) if block_a else None, block_b=tuple(block_b) if block_b else None,
+        out=None if accumulate else into, accumulate_into=into if accumulate else None,
     )  # fmt: skip
 
 
@@ -832,9 +899,15 @@ class _Float8Linear(torch.autograd.Function):
             if recipe == "blockwise":
                 gtq, sgt = ops.to_float8(dy2d.t(), E4M3, *TILE)  # tiles along M
                 xtq, sxt = ops.to_float8(_dequantize_tiles(xq, sx, TILE).t(), E4M3, *TILE)
-                dw = ops.scaled_mm(gtq, xtq.t(), sgt, sxt.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
+                operands = (gtq, xtq.t(), sgt, sxt.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
             else:
-                dw = ops.scaled_mm(gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
+                operands = (gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
+            target = _flat_wgrad(ctx, ctx.w_dtype) if ops is _EAGER_FP8 else None
+            if target is None:
+                dw = ops.scaled_mm(*operands)
+            else:  # dW added into the fused optimizer's flat buffer (_flat_wgrad)
+                _scaled_mm_impl(*operands, into=target[1], accumulate=target[2])
+                dw = _hand_over(target)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None, None

@@ -132,6 +132,7 @@ def _matmul_kernel(
     A_ACT: tl.constexpr = 0,  # activation code: A' = A * act'(Z) rounded to a's dtype (0: A' = A)
     STORE_A: tl.constexpr = False,  # the programs of column block 0 store A' (a_out_ptr)
     SUM_A: tl.constexpr = False,  # the programs of column block 0 store A'.sum(1) (a_sum_ptr)
+    ACCUMULATE: tl.constexpr = False,  # C += A' @ B (C's old value read in the epilogue)
 ):
     """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
     accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
@@ -237,7 +238,18 @@ def _matmul_kernel(
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
+        ACCUMULATE,
     )  # fmt: skip
+
+
+#: The pointer kernel's launches with ``ACCUMULATE`` (C += A' @ B): the same jit
+#: function under an autotuner of its own that restores C after each config it
+#: benchmarks (every benchmark run adds into C).
+_matmul_accumulate_kernel = gemm_autotune(
+    configs=gemm_configs(),
+    key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT"],
+    restore=("c_ptr",),
+)(_matmul_kernel.fn)
 
 
 def matmul(
@@ -278,10 +290,14 @@ def matmul_prechecked(
     activation: str | None,
     out_dtype: torch.dtype,
     preact: torch.Tensor | None,
+    into: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """:func:`matmul` for a caller that has validated the arguments itself
     (:func:`tkern.linear` checks its inputs once; its backward feeds the GEMM
-    tensors it made): the hot path, with no checks repeated per call."""
+    tensors it made): the hot path, with no checks repeated per call. ``into``:
+    an (M, N) tensor of ``out_dtype`` the product is added to (``accumulate``) or
+    written into, and returned."""
     (M, K), N = a.shape, b.shape[1]
     if (
         has_tma(a.device)
@@ -292,8 +308,11 @@ def matmul_prechecked(
         # kernel cannot prove 16-byte alignment, every load is a 16-bit scalar without
         # cp.async (255 registers and spills, see the static report); descriptors
         # zero-fill the edges and keep wgmma fed.
-        return launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts)
-    return _launch_matmul(a, b, M, N, K, bias, activation, out_dtype, preact)
+        return launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into, accumulate)
+    sa, sb, prologue = a.stride(), b.stride(), NO_PROLOGUE
+    return _launch(
+        a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, NO_SCALES, prologue, into, accumulate
+    )
 
 
 #: The smallest M, N and K at which Hopper's aligned GEMMs take the persistent TMA
@@ -388,45 +407,58 @@ def _launch_matmul(
     preact,
     scales: OperandScales = NO_SCALES,
     prologue: OperandPrologue = NO_PROLOGUE,
+    into: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """:func:`matmul` (and :func:`scaled_mm`, :func:`matmul_backward`) after its arguments were checked."""
+    sa, sb = a.stride(), b.stride()
     return _launch(
-        a, a.stride(), b, b.stride(), M, N, K, bias, activation, out_dtype, preact, scales, prologue
+        a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue, into, accumulate
     )
 
 
-def _kernel_meta(a_dtype, bias, activation, out_dtype, preact, a_t, b_t, scales, prologue) -> dict:
+def _kernel_meta(
+    a_dtype, bias, activation, out_dtype, preact, a_t, b_t, scales, prologue, accumulate
+) -> dict:
     """The pointer kernel's constexprs for one launch."""
     return {
-        **epilogue_meta(a_dtype, bias, activation, out_dtype, preact),
+        **epilogue_meta(a_dtype, bias, activation, out_dtype, preact, accumulate),
         "A_T": a_t, "B_T": b_t, "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
         **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
     }  # fmt: skip
 
 
-def _launch(a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue) -> torch.Tensor:
+def _launch(
+    a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue, into=None, accumulate=True
+) -> torch.Tensor:
     """The pointer kernel on ``a`` (M, K) with strides ``sa`` and ``b`` (K, N) with
     strides ``sb``: explicit strides let a caller pass a tensor for its transpose
     (``linear`` reads W^T from W) without building a view. The hot path of every
     eager GEMM: one allocation, one dict lookup, one launch; the first launch of
     each :data:`_LAUNCHES` key goes through the autotuner, the later ones call the
-    config it chose directly (``_common.resolve_launch``)."""
-    c = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    config it chose directly (``_common.resolve_launch``). ``into``: an (M, N)
+    tensor of ``out_dtype`` (any strides) the result is added to (``accumulate``)
+    or written into, and returned, instead of a new one."""
+    c = torch.empty(M, N, dtype=out_dtype, device=a.device) if into is None else into
     if M == 0 or N == 0:
         if prologue is not NO_PROLOGUE:
             _prologue_without_gemm(a, prologue)  # prologue launches pass a with its own strides
         return c
+    sc = (N, 1) if into is None else into.stride()
     args = (
         a, b, c, c if bias is None else bias, c if preact is None else preact,
-        M, N, K, *sa, *sb, N, 1, bias_stride(bias),
+        M, N, K, *sa, *sb, *sc, bias_stride(bias),
         *(scales.args(c) if scales is not NO_SCALES else (c, c, *_NO_SCALE_ARGS)),
         *(prologue.args(c) if prologue is not NO_PROLOGUE else (c, c, c)),
     )  # fmt: skip
     key = (a.dtype, b.dtype, None if bias is None else bias.dtype, activation, out_dtype,
            preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, prologue.activation,
-           prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype)  # fmt: skip
+           prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype,
+           None if into is None else sc, accumulate)  # fmt: skip
+    accumulate = into is not None and accumulate
+    kernel = _matmul_accumulate_kernel if accumulate else _matmul_kernel
     direct = _LAUNCHES.get(key)
-    if direct is not None and direct.kernel is _matmul_kernel:
+    if direct is not None and direct.kernel is kernel:
         direct.jit[direct.grid](*args, **direct.kwargs)
         return c
 
@@ -434,9 +466,10 @@ def _launch(a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, 
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     meta = _kernel_meta(
-        a.dtype, bias, activation, out_dtype, preact, transposed(sa), transposed(sb), scales, prologue
-    )
-    direct = resolve_launch(_matmul_kernel, grid, args, meta)
+        a.dtype, bias, activation, out_dtype, preact, transposed(sa), transposed(sb), scales, prologue,
+        accumulate,
+    )  # fmt: skip
+    direct = resolve_launch(kernel, grid, args, meta)
     if direct is not None:
         _LAUNCHES[key] = direct
     return c
@@ -469,6 +502,8 @@ def matmul_backward(
     z: torch.Tensor | None = None,
     a_out: torch.Tensor | None = None,
     a_sum: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``A' @ b`` with fp32 accumulation, in ``a``'s dtype, where ``A' = a * act'(z)``
     (computed in fp32, rounded once to ``a``'s dtype) when ``activation`` is set, else
@@ -492,9 +527,16 @@ def matmul_backward(
             memory with ``a`` or ``z``: receives ``A'``.
         a_sum: optional contiguous (M,) tensor, fp32 or ``a``'s dtype: receives
             ``A'.sum(1)`` accumulated in fp32 (rounded once to its dtype).
+        out: optional (M, N) tensor of ``a``'s dtype, any strides, not sharing
+            memory with the other tensors: the product is written into it and it
+            is returned (the wgrad written straight into a gradient buffer).
+        accumulate_into: like ``out``, but the product is added to it in place
+            (read in fp32, ``round(C + A' @ b)``: one rounding, where
+            ``C += A' @ b`` in torch rounds the product first): the wgrad
+            accumulated into a gradient buffer. At most one of the two.
 
     Returns:
-        A new contiguous (M, N) tensor of ``a``'s dtype.
+        A new contiguous (M, N) tensor of ``a``'s dtype, or ``out`` / ``accumulate_into``.
 
     Raises:
         TypeError / ValueError: naming the argument, before anything is launched.
@@ -526,8 +568,31 @@ def matmul_backward(
                 f"a_sum must be a contiguous ({M},) tensor, got shape {tuple(a_sum.shape)}, "
                 f"strides {a_sum.stride()}"
             )
-    check_same_device(a=a, z=z, a_out=a_out, a_sum=a_sum)
-    return matmul_backward_prechecked(a, b, activation, z, a_out, a_sum)
+    into, accumulate = _output_into(out, accumulate_into, (M, b.shape[1]), a.dtype, a, b, z, a_out, a_sum)
+    check_same_device(a=a, z=z, a_out=a_out, a_sum=a_sum, out=out, accumulate_into=accumulate_into)
+    return matmul_backward_prechecked(a, b, activation, z, a_out, a_sum, False, into, accumulate)
+
+
+def _output_into(out, accumulate_into, shape: tuple[int, int], dtype: torch.dtype, *others):
+    """``(tensor, accumulate)``: where a GEMM's result of ``shape`` goes (``out``:
+    written; ``accumulate_into``: added; None: a new tensor), after checking it:
+    at most one of the two, 2-D, ``dtype`` and ``shape``, no memory shared with the
+    GEMM's other tensors ``others`` (programs read those while others store C)."""
+    if out is not None and accumulate_into is not None:
+        raise ValueError("give out or accumulate_into, not both")
+    c, name = (out, "out") if accumulate_into is None else (accumulate_into, "accumulate_into")
+    if c is None:
+        return None, False
+    check_tensor(name, c, ndim=2, dtypes=(dtype,))
+    if tuple(c.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(c.shape)}")
+    check_int32_addressable(name, c)
+    if c.numel():
+        ptr = c.untyped_storage().data_ptr()
+        for t in others:
+            if t is not None and t.numel() and t.untyped_storage().data_ptr() == ptr:
+                raise ValueError(f"{name} must not share memory with the GEMM's other tensors")
+    return c, accumulate_into is not None
 
 
 def matmul_backward_prechecked(
@@ -538,31 +603,36 @@ def matmul_backward_prechecked(
     a_out: torch.Tensor | None,
     a_sum: torch.Tensor | None,
     transpose_a: bool = False,
+    into: torch.Tensor | None = None,
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """:func:`matmul_backward` for a caller that made or checked its arguments
     (:func:`tkern.linear`'s backward): the hot path, no checks repeated.
 
     ``transpose_a``: ``a``, ``z`` and ``a_out`` are given as their transposes
     (K, M), read in place through swapped strides (the wgrad ``dZ^T @ X``
-    without a view per call); ``a_sum`` is still (M,)."""
+    without a view per call); ``a_sum`` is still (M,). ``into``: the
+    ``accumulate_into`` (``accumulate``) or ``out`` tensor, or None."""
     sa = a.stride()
     if transpose_a:
         if a.numel() == 0 or b.shape[1] == 0 or has_tma(a.device):  # the rare routes take views
             t = [None if v is None else v.t() for v in (a, z, a_out)]
-            return matmul_backward_prechecked(t[0], b, activation, t[1], t[2], a_sum)
+            return matmul_backward_prechecked(t[0], b, activation, t[1], t[2], a_sum, False, into, accumulate)
         (K, M), sa = a.shape, (sa[1], sa[0])
     else:
         M, K = a.shape
     N = b.shape[1]
     if activation is None and a_out is None and a_sum is None:
         if has_tma(a.device):  # matmul_prechecked's routing (transpose_a took a view above)
-            return matmul_prechecked(a, b, None, None, a.dtype, None)
-        return _launch(a, sa, b, b.stride(), M, N, K, None, None, a.dtype, None, NO_SCALES, NO_PROLOGUE)
-    # The TMA kernel has no prologue: these launches take the pointer kernel on every
-    # GPU, ragged operands on Hopper included (its configs for them are pruned so
-    # that nothing spills); the dot runs on the same A' either way.
-    prologue = OperandPrologue(activation, z, a_out, a_sum)
-    return _launch(a, sa, b, b.stride(), M, N, K, None, None, a.dtype, None, NO_SCALES, prologue)
+            return matmul_prechecked(a, b, None, None, a.dtype, None, into, accumulate)
+        prologue = NO_PROLOGUE
+    else:
+        # The TMA kernel has no prologue: these launches take the pointer kernel on every
+        # GPU, ragged operands on Hopper included (its configs for them are pruned so
+        # that nothing spills); the dot runs on the same A' either way.
+        prologue = OperandPrologue(activation, z, a_out, a_sum)
+    sb = b.stride()
+    return _launch(a, sa, b, sb, M, N, K, None, None, a.dtype, None, NO_SCALES, prologue, into, accumulate)
 
 
 def matmul_tma_persistent(
@@ -669,6 +739,8 @@ def scaled_mm(
     out_dtype: torch.dtype = torch.bfloat16,
     block_a: tuple[int, int] | None = None,
     block_b: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+    accumulate_into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(a.float() * scale_a) @ (b.float() * scale_b) + bias``, accumulated in
     fp32 and rounded once to ``out_dtype``, as ``torch._scaled_mm`` defines its
@@ -689,6 +761,15 @@ def scaled_mm(
             rounded up to a power of two (DeepSeek-V3's (1, 128) and (128, 128)
             blocks are found from their scales). A block's K extent must be a
             multiple of 128: partial sums are promoted to fp32 at least that often.
+        out: optional (M, N) tensor of ``out_dtype``, any strides, not sharing
+            memory with the other tensors: the result is written into it and it is
+            returned, as ``torch._scaled_mm``'s ``out``.
+        accumulate_into: like ``out``, but the result is added to it in place (read
+            in fp32, rounded once): a Float8Linear's wgrad into a fused
+            optimizer's gradient buffer. At most one of the two.
+
+    Returns:
+        A new contiguous (M, N) tensor of ``out_dtype``, or ``out`` / ``accumulate_into``.
 
     Raises:
         TypeError / ValueError: naming the argument, before anything is launched;
@@ -713,7 +794,10 @@ def scaled_mm(
             raise ValueError(f"bias must have shape ({N},), got shape {tuple(bias.shape)}")
     kind_a, blk_a = _check_scale("scale_a", scale_a, M, K, (M, 1), block_a, 1)
     kind_b, blk_b = _check_scale("scale_b", scale_b, K, N, (1, N), block_b, 0)
-    check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    into, accumulate = _output_into(out, accumulate_into, (M, N), out_dtype, a, b, scale_a, scale_b, bias)
+    check_same_device(
+        a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out, accumulate_into=accumulate_into
+    )
     _check_fp8_device(a.device)
     check_int32_addressable("a", a)
     check_int32_addressable("b", b)
@@ -722,4 +806,4 @@ def scaled_mm(
     sa = scale_a.reshape(1, 1) if kind_a == SCALE_TENSOR else scale_a
     sb = scale_b.reshape(1, 1) if kind_b == SCALE_TENSOR else scale_b
     scales = OperandScales(kind_a, kind_b, sa, sb, blk_a, blk_b)
-    return _launch_matmul(a, b, M, N, K, bias, None, out_dtype, None, scales)
+    return _launch_matmul(a, b, M, N, K, bias, None, out_dtype, None, scales, NO_PROLOGUE, into, accumulate)

@@ -267,10 +267,12 @@ def _device_cc(nargs: dict) -> int:
     return 10 * major + minor
 
 
-def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = False):
+def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = False, restore: tuple = ()):
     """:func:`autotune`, and on a GPU the configs are pruned by :func:`prune_configs`
     for the device and the operands (an autotuner never benchmarks, nor
-    compiles, a config that cannot launch or would spill)."""
+    compiles, a config that cannot launch or would spill). ``restore``: the
+    arguments a launch writes in place (``C +=``), put back after each config
+    the autotuner benchmarks."""
     if INTERPRET or not AUTOTUNE:
         return autotune(configs, key)
 
@@ -282,4 +284,9 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
             configs, _device_cc(nargs), tma=tma, ragged=ragged, activation=activation, prologue=prologue
         )
 
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune})
+    return triton.autotune(
+        configs=configs,
+        key=key,
+        prune_configs_by={"early_config_prune": prune},
+        restore_value=list(restore) or None,
+    )

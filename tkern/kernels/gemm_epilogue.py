@@ -86,9 +86,10 @@ def _epilogue_part(
     OUT_DTYPE: tl.constexpr,
     PREACT_DTYPE: tl.constexpr,
     WIDTH: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
-    """Bias, optional pre-activation store, activation and one masked cast-and-store
-    on WIDTH columns of the fp32 tile."""
+    """Bias, optional pre-activation store, activation, C's old value added
+    (ACCUMULATE) and one masked cast-and-store on WIDTH columns of the fp32 tile."""
     cols = col0 + tl.arange(0, WIDTH)
     mask_n = cols < N
     mask_c = (rows < M)[:, None] & mask_n[None, :]
@@ -100,6 +101,8 @@ def _epilogue_part(
         tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
     acc = apply_activation(acc, ACTIVATION)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    if ACCUMULATE:  # C += result: one rounding of the fp32 sum, as an fp32 accumulator would
+        acc = acc + tl.load(c_ptrs, mask=mask_c, other=0.0).to(tl.float32)
     tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
 
 
@@ -124,21 +127,27 @@ def epilogue(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EPI_SPLIT: tl.constexpr,  # column slices of an exp/erf epilogue (gemm_configs.epi_split)
+    ACCUMULATE: tl.constexpr = False,  # C's old value is added to the result (C += ...)
 ):
     """Bias, activation and one cast, on the fp32 accumulator; masked stores.
+    With ``ACCUMULATE`` the store adds the result to what C holds (the wgrad
+    accumulated into a gradient buffer), read in fp32 and rounded once.
 
     With an activation computed with exp/erf (activation.TRANSCENDENTAL: GELU,
     SiLU, tanh-GELU) the epilogue runs on ``EPI_SPLIT`` (1, 2 or 4) column slices
     of the tile one after the other: erf's temporaries next to a whole 128x256
-    (or 4-warp 128x128) accumulator spilled registers; on a slice they fit."""
+    (or 4-warp 128x128) accumulator spilled registers; on a slice they fit. So
+    does ``ACCUMULATE``: C's old tile next to the whole accumulator spilled
+    160-344 B on sm_90 for fp8 operands (the compile gate's scaled_mm C+= cases)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    PARTS: tl.constexpr = EPI_SPLIT if (TRANSCENDENTAL_BITS >> ACTIVATION) & 1 else 1
+    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or (TRANSCENDENTAL_BITS >> ACTIVATION) & 1 else 1
     WIDTH: tl.constexpr = BLOCK_N // PARTS
     slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
     for i in tl.static_range(PARTS):
         _epilogue_part(
             slices[i], rows, pid_n * BLOCK_N + i * WIDTH, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm,
             stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
+            ACCUMULATE,
         )  # fmt: skip
 
 
@@ -193,9 +202,10 @@ def bias_stride(bias: torch.Tensor | None) -> int:
     return 1 if bias is None else bias.stride(0)
 
 
-def epilogue_meta(dtype, bias, activation, out_dtype, preact) -> dict:
+def epilogue_meta(dtype, bias, activation, out_dtype, preact, accumulate=False) -> dict:
     """The constexpr arguments both GEMM kernels take for their epilogue and operands."""
     return {
+        "ACCUMULATE": accumulate,
         "HAS_BIAS": bias is not None,
         "ACTIVATION": ACTIVATIONS[activation],
         "STORE_PREACT": preact is not None,

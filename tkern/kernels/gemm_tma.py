@@ -57,8 +57,9 @@ def _matmul_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see gemm_epilogue.epilogue)
+    ACCUMULATE: tl.constexpr = False,  # C += A @ B (C's old value read in the epilogue)
 ):
-    """C = act(A @ B + bias), fp32 accumulation, persistent (one program per SM
+    """C = act(A @ B + bias) (or C += A @ B), fp32 accumulation, persistent (one program per SM
     walks the tiles) with A and B fetched by the tensor memory accelerator
     through descriptors. Shapes above."""
     # Persistent: one program per SM loops over output tiles, so tile start-up
@@ -84,7 +85,18 @@ def _matmul_tma_kernel(
         epilogue(
             acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
             HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
+            ACCUMULATE,
         )  # fmt: skip
+
+
+#: The TMA kernel's launches with ``ACCUMULATE``: its own autotuner, which restores
+#: C after each config it benchmarks (see gemm._matmul_accumulate_kernel).
+_matmul_tma_accumulate_kernel = gemm_autotune(
+    configs=tma_configs(),
+    key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"],
+    tma=True,
+    restore=("c_ptr",),
+)(_matmul_tma_kernel.fn)
 
 
 def _tma_layout(t: torch.Tensor) -> str | None:
@@ -128,10 +140,14 @@ def _num_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts) -> torch.Tensor:
+def launch_tma(
+    a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into=None, accumulate=True
+) -> torch.Tensor:
     """``act(a @ b + bias)`` on :func:`_matmul_tma_kernel`, for arguments already
     checked (``gemm_epilogue.check_matmul_args``) and ``layouts`` from
-    :func:`tma_layouts` (not None)."""
+    :func:`tma_layouts` (not None); with ``into`` (an (M, N) tensor of
+    ``out_dtype``, any strides), ``into += a @ b`` (``accumulate``, no bias or
+    activation) or the result written into it, returned."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_t, b_t = layouts[0] == "col", layouts[1] == "col"
@@ -143,16 +159,18 @@ def launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts) -> t
     b_desc = TensorDescriptor(
         b, [N, K] if b_t else [K, N], [b.stride(1), 1] if b_t else [b.stride(0), 1], [16, 16]
     )
-    c = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    c = torch.empty((M, N), dtype=out_dtype, device=a.device) if into is None else into
     num_sms = _num_programs(a.device)
+    accumulate = into is not None and accumulate
+    kernel = _matmul_tma_accumulate_kernel if accumulate else _matmul_tma_kernel
 
     def grid(meta):
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    _matmul_tma_kernel[grid](
+    kernel[grid](
         a_desc, b_desc, c, bias if bias is not None else c, preact if preact is not None else c,
         M, N, K, c.stride(0), c.stride(1), bias_stride(bias),
-        **epilogue_meta(a.dtype, bias, activation, out_dtype, preact),
+        **epilogue_meta(a.dtype, bias, activation, out_dtype, preact, accumulate),
         A_T=a_t,
         B_T=b_t,
         NUM_SMS=num_sms,
