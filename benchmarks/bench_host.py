@@ -15,7 +15,10 @@ median is recorded too), on one intra-op thread:
 * ``tkern.linear`` forward and backward (bias; bias + GELU) against
   ``F.linear`` (``F.gelu(F.linear)``); backward is ``torch.autograd.grad``
   with ``retain_graph``, so both include the autograd engine's own cost;
-  ``tkern.nn.Float8Linear`` (tensorwise, bf16, same sizes) beside them.
+  ``tkern.nn.Float8Linear`` (tensorwise, bf16, same sizes) beside them; and
+  ``tkern.linear`` whose weight and bias a ``FusedAdamW`` holds, backward by
+  ``.backward()`` as training runs it: the wgrad then goes into the flat
+  gradient buffer (``functional._flat_wgrad``) and autograd accumulates.
 
 tkern's rows stub every launch (``kernel[grid](...)`` is a no-op that counts
 launches), so they hold tkern's Python and the torch ops it issues (views,
@@ -68,6 +71,8 @@ SMOKE_TENSOR_COUNTS = (10, 30)
 LINEAR = (8, 64, 32)  # M, K, N: tiny, so torch's arithmetic is negligible
 TARGETS = {"step_us_per_tensor_1000": 1.0, "linear_fwd_own_us": 10.0, "linear_bwd_own_us": 20.0}
 FLOOR = "autograd.Function floor"
+#: tkern.linear backward by .backward() with weight and bias in a FusedAdamW (the wgrad into its buffer)
+INTO_FLAT = "tkern.linear (into FusedAdamW buffer, .backward())"
 
 
 class _AllocOnly(torch.autograd.Function):
@@ -236,10 +241,14 @@ def linear_cases(device: torch.device, launches_on: bool) -> dict[str, tuple[Cal
     fp8 = tkern.nn.Float8Linear(k, n, dtype=torch.bfloat16, device=device)
     x8 = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     fp8_io = ((x8, fp8.weight, fp8.bias), dy.bfloat16())
+    # the training path: weight and bias in a fused optimizer's flat buffer, .backward()
+    xt, wt, bt = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    opt = tkern.optim.FusedAdamW([wt, bt], lr=1e-3)
     # impl: (forward, runs under the stubs, (inputs, output gradient))
     fns = {
         "tkern.linear": (lambda: tkern.linear(x, w, b), True, None),
         "tkern.linear gelu": (lambda: tkern.linear(x, w, b, activation="gelu"), True, None),
+        INTO_FLAT: (lambda: tkern.linear(xt, wt, bt), True, ((xt, wt, bt), dy)),
         "tkern Float8Linear (tensorwise)": (lambda: fp8(x8), True, fp8_io),
         FLOOR: (lambda: _AllocOnly.apply(x, w, b), False, None),
         "F.linear": (lambda: F.linear(x, w, b), False, None),
@@ -252,12 +261,20 @@ def linear_cases(device: torch.device, launches_on: bool) -> dict[str, tuple[Cal
         inputs, grad = io or ((x, w, b), dy)
         if stubbed:  # one real forward and backward first: the steady state of training,
             # where the autotuners have chosen and every later launch goes direct
-            torch.autograd.grad(fwd(), inputs, grad)
+            if impl == INTO_FLAT:
+                fwd().backward(grad)  # (as training: into the optimizer's buffer)
+            else:
+                torch.autograd.grad(fwd(), inputs, grad)
         with stubbed_launches() if stubbed else contextlib.nullcontext():
             y = fwd()
 
         def bwd(y=y, inputs=inputs, grad=grad):
             return torch.autograd.grad(y, inputs, grad, retain_graph=True)
+
+        if impl == INTO_FLAT:
+
+            def bwd(y=y, grad=grad, opt=opt):  # opt: kept alive with the case (its hooks)
+                y.backward(grad, retain_graph=True)
 
         cases[impl] = (fwd, bwd, stubbed)
     return cases

@@ -102,6 +102,7 @@ def test_host_smoke_times_tkern_with_stubs_and_torch():
     res = bench_host.main(["--smoke"])
     impls = {r["impl"] for r in res.rows}
     assert {"tkern FusedAdamW.step", "torch AdamW(foreach=True).step", "tkern.linear", "F.linear"} <= impls
+    assert bench_host.INTO_FLAT in impls  # the training path: .backward() into the flat buffer
     assert all(r["us"] > 0 for r in res.rows)
     # the stubbed rows count their launches (a GPU run adds "(launches on)" rows that do not)
     assert all(r["launches"] >= 1 for r in res.rows if "launches" in r)
