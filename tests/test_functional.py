@@ -509,3 +509,33 @@ def test_custom_op_backward_matches_the_autograd_function(activation):
         grads.append((x.grad, w.grad, b.grad))
     for eager, *traced in zip(*grads, strict=True):
         assert all(torch.equal(eager, t) for t in traced)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("needs", [(True, True), (False, True), (True, False)], ids=NEEDS_IDS)
+def test_where_the_gemms_take_the_tma_kernel_the_backward_drops_its_prologue(dtype, needs, monkeypatch):
+    # Hopper, M, N, K >= TMA_MIN_DIM (patched: 16, and has_tma on; the TMA kernel runs through
+    # the interpreter): ReLU's gradient is its own pass and dbias a reduction, so that dgrad
+    # and wgrad take the TMA kernel (functional.PROLOGUE_ON_TMA_SHAPES); same gradients
+    from tkern.kernels import gemm
+
+    routes = []
+    launch_tma, launch = gemm.launch_tma, gemm._launch
+    monkeypatch.setattr(gemm, "has_tma", lambda device: True)
+    monkeypatch.setattr(gemm, "TMA_MIN_DIM", 16)
+    monkeypatch.setattr(gemm, "launch_tma", lambda *args: routes.append("tma") or launch_tma(*args))
+    monkeypatch.setattr(gemm, "_launch", lambda *args: routes.append("pointer") or launch(*args))
+    x, w, b = make(dtype, shape=(64, 32), n=48)
+    x.requires_grad_(needs[0])
+    w.requires_grad_(needs[1])
+    y = tkern.linear(x, w, b, "relu")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert routes == ["tma"] * (1 + sum(needs))  # forward, then each backward GEMM
+    _, rdx, rdw, rdb = float64_reference(x, w, b, "relu", dy)
+    tol = TOL[dtype]
+    assert rel_err(b.grad, rdb) < 2 * tol
+    if needs[0]:
+        assert rel_err(x.grad, rdx) < 2 * tol
+    if needs[1]:
+        assert rel_err(w.grad, rdw) < 2 * tol

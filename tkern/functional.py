@@ -50,6 +50,7 @@ from tkern.kernels.activation import (
 )
 from tkern.kernels.float8 import roll_amax_history, to_float8, to_float8_delayed, to_float8_delayed_deferred
 from tkern.kernels.gemm import (
+    large_on_tma,
     linear_prechecked,
     matmul,
     matmul_backward,
@@ -144,6 +145,16 @@ def _prologue_outputs(a, store_a, sum_dtype, transpose_a=False):
 #: 64-row tiles (gemm_configs.PROLOGUE_ACT_MAX_A). The prologue is bit-identical to the
 #: pass for every activation: the choice is speed only, to be confirmed on a GPU.
 PROLOGUE_ACTIVATIONS = frozenset({"relu"})
+#: Whether the backward GEMMs keep their operand prologue (act', dZ stored, dbias
+#: summed) on the shapes where, without one, they take the TMA kernel (Hopper, M, N
+#: and K >= gemm.TMA_MIN_DIM). False: there act' is its own pass and dbias a
+#: reduction, so the GEMMs run on the TMA kernel. From the H100 run: the TMA kernel
+#: beat the pointer kernel by 1.05-1.49x on those shapes (~0.15 ms of a ~0.6 ms
+#: 8192 x 4096 x 4096 GEMM), and the prologue configs are pruned to the smaller
+#: tiles besides (gemm_configs.PROLOGUE_MAX_ACC); the pass reads dY and Z and writes
+#: dZ (~0.06 ms there), the reduction reads dZ (~0.02 ms). A prediction, to be
+#: measured on a GPU (the 8 x 4096 MLP's step).
+PROLOGUE_ON_TMA_SHAPES = False
 
 
 def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad, dw_target=None):
@@ -155,15 +166,20 @@ def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
     prologue, for :data:`PROLOGUE_ACTIVATIONS`) and its first column of programs
     stores dZ; wgrad reads that dZ^T and sums dbias from its tiles; without dgrad,
     wgrad applies act' to dY^T itself (Z^T read in place). Other activations get dZ
-    from ``act_grad`` first. dbias alone (weight frozen) is a plain reduction.
+    from ``act_grad`` first. dbias alone (weight frozen) is a plain reduction. Where
+    the GEMMs take the TMA kernel (Hopper, M, N and K >= gemm.TMA_MIN_DIM), which has
+    no operand prologue, act' is its own pass and dbias a reduction:
+    :data:`PROLOGUE_ON_TMA_SHAPES`.
     ``mm(a, b, z, activation, store_a, sum_dtype, transpose_a) -> (c, A', sums)`` and
     ``act_grad`` are the launchers (eager) or the custom ops (traced). ``dw_target``
     (eager only): where dW goes in place (:func:`_flat_wgrad`)."""
     need_dx, need_dw = needs[0], needs[1]
     sum_dtype = bias_dtype if needs[2] else None  # None: no bias, or it needs no gradient
+    prologue = PROLOGUE_ON_TMA_SHAPES or not large_on_tma(dy.device, *dy.shape, weight.shape[1])
+    sum_in_gemm = sum_dtype if prologue else None  # dbias from wgrad's tiles (a prologue output)
     dz, z, act = dy, None, None  # the GEMMs read dZ, or dY and Z with act' in their prologue
     if activation is not None:
-        if activation in PROLOGUE_ACTIVATIONS and (need_dx or need_dw):
+        if activation in PROLOGUE_ACTIVATIONS and (need_dx or need_dw) and prologue:
             # the prologue reads Z with dY's strides: an expanded or strided dY (y.sum()) is made dense
             dz, z, act = dy if dy.stride() == preact.stride() else dy.contiguous(), preact, activation
         else:
@@ -176,11 +192,11 @@ def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
             dz, z, act = dz_stored, None, None
     if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs
         if dw_target is None:
-            dw, _, sums = mm(dz, x2d, z, act, False, sum_dtype, True)  # dZ^T and Z^T read in place
+            dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True)  # dZ^T and Z^T read in place
         else:
-            dw, _, sums = mm(dz, x2d, z, act, False, sum_dtype, True, *dw_target[1:])
-        db = sums if sum_dtype is not None else None
-    elif sum_dtype is not None:  # dbias alone: dZ is made (above) and reduced
+            dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True, *dw_target[1:])
+        db = sums if sum_in_gemm is not None else None
+    if sum_dtype is not None and db is None:  # dbias alone or beside a TMA wgrad: dZ reduced
         db = dz.sum(0, dtype=torch.float32).to(sum_dtype)
     return dx, dw, db
 

@@ -326,6 +326,12 @@ def matmul_prechecked(
 TMA_MIN_DIM = 4096
 
 
+def large_on_tma(device: torch.device, m: int, n: int, k: int) -> bool:
+    """Whether an aligned GEMM whose dimensions are ``m``, ``n`` and ``k`` (in any
+    order) takes the TMA kernel on ``device`` by :data:`TMA_MIN_DIM` (Hopper)."""
+    return min(m, n, k) >= TMA_MIN_DIM and has_tma(device)
+
+
 class OperandScales(NamedTuple):
     """The fp8 scales of :func:`tkern.kernels.gemm.scaled_mm`'s operands, as the
     kernel reads them: a kind (``SCALE_*``) per operand, the scale tensors, and
