@@ -60,6 +60,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -136,19 +137,26 @@ _GRAD_VIEWS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueD
 #: checked by identity: a lookup costs ~0.1 us, where torch's WeakIdKeyDictionary costs ~0.9.
 _VIEW_OF: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 #: ``id(view)`` -> a weak reference to each view :func:`take_grad_view` handed out whose
-#: hook has not yet adopted it back (a dead reference: a stale entry, not taken).
+#: hook has not yet adopted it back; an entry leaves with its view (an optimizer dropped
+#: while its view was taken: no hook runs any more).
 _TAKEN: dict[int, weakref.ref] = {}
+
+
+def _dropper(table: dict, key: int, index: int | None = None) -> Callable[[weakref.ref], None]:
+    """A weakref callback removing ``table[key]`` if that entry (or its element
+    ``index``) is still the reference that died (an id can be reused meanwhile)."""
+
+    def drop(ref: weakref.ref) -> None:
+        entry = table.get(key)
+        if entry is not None and (entry if index is None else entry[index]) is ref:
+            del table[key]
+
+    return drop
 
 
 def _register_view(param: torch.Tensor, view: torch.Tensor) -> None:
     key = id(param)
-
-    def drop(ref: weakref.ref, key: int = key) -> None:
-        entry = _VIEW_OF.get(key)
-        if entry is not None and entry[0] is ref:
-            del _VIEW_OF[key]
-
-    _VIEW_OF[key] = (weakref.ref(param, drop), weakref.ref(view))
+    _VIEW_OF[key] = (weakref.ref(param, _dropper(_VIEW_OF, key, 0)), weakref.ref(view))
 
 
 def _view_of(param: torch.Tensor) -> torch.Tensor | None:
@@ -192,7 +200,7 @@ def take_grad_view(param: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
         view, accumulate = (g if is_flat_grad(g) else None), True
     if view is None or _taken(view):
         return None
-    _TAKEN[id(view)] = weakref.ref(view)
+    _TAKEN[id(view)] = weakref.ref(view, _dropper(_TAKEN, id(view)))
     return view, accumulate
 
 
