@@ -278,3 +278,18 @@ def test_float8_linear_adds_its_wgrad_into_the_buffer_too(recipe, counts, monkey
     for (name, p), q in zip(fused.named_parameters(), ref.parameters(), strict=True):
         assert is_flat_grad(p.grad), name
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_view_taken_by_a_failed_backward_is_released_by_zero_grad():
+    from tkern.flat import take_grad_view
+
+    w = nn.Parameter(torch.zeros(4, 3, dtype=torch.float16, device=DEVICE))
+    opt = FusedAdamW([w], lr=1e-3)
+    view, accumulate = take_grad_view(w)  # a backward took it and failed before its hook ran
+    assert view is w.grad and accumulate
+    assert take_grad_view(w) is None  # still taken
+    opt.zero_grad()
+    assert take_grad_view(w) == (view, True)  # released
+    opt.zero_grad()
+    w.grad = None  # as model.zero_grad() leaves it: the gradient is written, not added
+    assert take_grad_view(w) == (view, False)
