@@ -21,7 +21,7 @@ from torch import nn
 
 import tkern
 from tkern import functional
-from tkern.flat import FlatParams, is_flat_grad
+from tkern.flat import FlatParams, grad_is_flat_view
 from tkern.optim import FusedAdamW
 
 HALF = [torch.float16, torch.bfloat16]
@@ -86,7 +86,7 @@ def test_one_micro_batch_gives_the_same_bits_without_a_copy(dtype, activation, b
     with _unfused(monkeypatch):
         _loss(ref, x).backward()
     for (name, p), q in zip(fused.named_parameters(), ref.parameters(), strict=True):
-        assert is_flat_grad(p.grad), name  # .grad is the buffer's view again
+        assert grad_is_flat_view(p), name  # .grad is the buffer's view again
         assert torch.equal(p.grad, q.grad), name
 
 
@@ -99,7 +99,7 @@ def _train(model, batches, micro, zero_model=False):
         (model if zero_model else opt).zero_grad(set_to_none=True)
         for x in batches[s * micro : (s + 1) * micro]:
             (_loss(model, x) / micro).backward()
-        assert all(is_flat_grad(p.grad) for p in model.parameters())
+        assert all(grad_is_flat_view(p) for p in model.parameters())
         grads.append([p.grad.float().clone() for p in model.parameters()])
         opt.step()
     return grads
@@ -157,7 +157,7 @@ def test_autograd_grad_captures_without_touching_dot_grad(counts):
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)  # the captured gradient alone, not .grad + it
     for b, p in zip(before, model.parameters(), strict=True):
-        assert is_flat_grad(p.grad) and torch.equal(p.grad, b)
+        assert grad_is_flat_view(p) and torch.equal(p.grad, b)
     # a backward that does not reach the weights (inputs=[x]) leaves them alone too
     xg = x2.clone().requires_grad_()
     _loss(model, xg).backward(inputs=[xg])
@@ -202,7 +202,7 @@ def test_a_weight_used_twice_sums_both_uses(dtype, counts, monkeypatch):
     with _unfused(monkeypatch):
         run(ref, x)
     for p, q in zip(fused.parameters(), ref.parameters(), strict=True):
-        assert is_flat_grad(p.grad)
+        assert grad_is_flat_view(p)
         # the two uses' sum rounded once in one order or the other
         torch.testing.assert_close(p.grad, q.grad, rtol=2 * HALF_ULP[dtype], atol=1e-6)
 
@@ -243,7 +243,7 @@ def test_a_shared_weight_after_either_zero_grad_sums_both_uses(zero, counts, mon
     with _unfused(monkeypatch):
         run(ref, opts[1], x)
     for p, q in zip(fused.parameters(), ref.parameters(), strict=True):
-        assert is_flat_grad(p.grad)
+        assert grad_is_flat_view(p)
         torch.testing.assert_close(p.grad, q.grad, rtol=2 * HALF_ULP[dtype], atol=1e-6)
 
 
@@ -276,7 +276,7 @@ def test_float8_linear_adds_its_wgrad_into_the_buffer_too(recipe, counts, monkey
     with _unfused(monkeypatch):
         _loss(ref, x).backward()
     for (name, p), q in zip(fused.named_parameters(), ref.parameters(), strict=True):
-        assert is_flat_grad(p.grad), name
+        assert grad_is_flat_view(p), name
         assert torch.equal(p.grad, q.grad), name
 
 

@@ -128,13 +128,11 @@ def join_master(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return ((high << 16) + remainder.to(torch.int32)).view(torch.float32)
 
 
-#: Every live gradient view of a :class:`FlatParams`, by ``id``: what
-#: :func:`is_flat_grad` looks up (by identity: tensors compare elementwise).
-_GRAD_VIEWS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 #: ``id(param)`` -> weak references to the param and its gradient view (the view lives
-#: as long as its FlatParams or the param's ``.grad``), for :func:`take_grad_view`
-#: when ``.grad`` is None; an entry leaves with its param. Plain dicts keyed by id and
-#: checked by identity: a lookup costs ~0.1 us, where torch's WeakIdKeyDictionary costs ~0.9.
+#: as long as its FlatParams or the param's ``.grad``): what :func:`take_grad_view` and
+#: :func:`grad_is_flat_view` look up; an entry leaves with its param. Plain dicts keyed
+#: by id and checked by identity (tensors compare elementwise): a lookup costs ~0.1 us,
+#: where torch's WeakIdKeyDictionary costs ~0.9.
 _VIEW_OF: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 #: ``id(view)`` -> a weak reference to each view :func:`take_grad_view` handed out whose
 #: hook has not yet adopted it back; an entry leaves with its view (an optimizer dropped
@@ -169,10 +167,11 @@ def _taken(view: torch.Tensor) -> bool:
     return ref is not None and ref() is view
 
 
-def is_flat_grad(t: torch.Tensor | None) -> bool:
-    """Whether ``t`` is a param's gradient view into a :class:`FlatParams` buffer
-    (the ``.grad`` a fused optimizer keeps)."""
-    return t is not None and _GRAD_VIEWS.get(id(t)) is t
+def grad_is_flat_view(param: torch.Tensor) -> bool:
+    """Whether ``param.grad`` is its gradient view into a :class:`FlatParams`
+    buffer (the ``.grad`` a fused optimizer keeps)."""
+    g = param.grad
+    return g is not None and g is _view_of(param)
 
 
 def has_grad_view(param: torch.Tensor) -> bool:
@@ -193,13 +192,10 @@ def take_grad_view(param: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
     back (a second use of a shared weight: it returns its gradient as usual and
     autograd sums the two). The view counts as taken until the post-accumulate-grad
     hook adopts the tensor over its memory (no copy) or :meth:`FlatParams.zero_grad`."""
-    g = param.grad
-    if g is None:
-        view, accumulate = _view_of(param), False
-    else:
-        view, accumulate = (g if is_flat_grad(g) else None), True
-    if view is None or _taken(view):
+    view, g = _view_of(param), param.grad
+    if view is None or (g is not None and g is not view) or _taken(view):
         return None
+    accumulate = g is not None
     _TAKEN[id(view)] = weakref.ref(view, _dropper(_TAKEN, id(view)))
     return view, accumulate
 
@@ -299,7 +295,6 @@ class FlatParams:
                 self.param_views[i].copy_(p)
                 if p.requires_grad:
                     self.grad_views.append(self._alias(self.grad, i))
-                    _GRAD_VIEWS[id(self.grad_views[i])] = self.grad_views[i]
                     _register_view(p, self.grad_views[i])
                     if p.grad is not None:
                         self.grad_views[i].copy_(p.grad)
