@@ -268,13 +268,15 @@ def linear_cases(device: torch.device, launches_on: bool) -> dict[str, tuple[Cal
         with stubbed_launches() if stubbed else contextlib.nullcontext():
             y = fwd()
 
-        def bwd(y=y, inputs=inputs, grad=grad):
-            return torch.autograd.grad(y, inputs, grad, retain_graph=True)
-
         if impl == INTO_FLAT:
 
             def bwd(y=y, grad=grad, opt=opt):  # opt: kept alive with the case (its hooks)
                 y.backward(grad, retain_graph=True)
+
+        else:
+
+            def bwd(y=y, inputs=inputs, grad=grad):
+                return torch.autograd.grad(y, inputs, grad, retain_graph=True)
 
         cases[impl] = (fwd, bwd, stubbed)
     return cases

@@ -191,10 +191,8 @@ def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
         if act is not None:
             dz, z, act = dz_stored, None, None
     if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs
-        if dw_target is None:
-            dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True)  # dZ^T and Z^T read in place
-        else:
-            dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True, *dw_target[1:])
+        into = () if dw_target is None else dw_target[1:]  # (view, accumulate)
+        dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True, *into)  # dZ^T and Z^T read in place
         db = sums if sum_in_gemm is not None else None
     if sum_dtype is not None and db is None:  # dbias alone or beside a TMA wgrad: dZ reduced
         db = dz.sum(0, dtype=torch.float32).to(sum_dtype)

@@ -72,10 +72,11 @@ def _operand_scale(
         )
 
 
-@gemm_autotune(
-    configs=gemm_configs(),
-    key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT"],
-)
+#: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
+_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT"]
+
+
+@gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def _matmul_kernel(
@@ -245,11 +246,9 @@ def _matmul_kernel(
 #: The pointer kernel's launches with ``ACCUMULATE`` (C += A' @ B): the same jit
 #: function under an autotuner of its own that restores C after each config it
 #: benchmarks (every benchmark run adds into C).
-_matmul_accumulate_kernel = gemm_autotune(
-    configs=gemm_configs(),
-    key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT"],
-    restore=("c_ptr",),
-)(_matmul_kernel.fn)
+_matmul_accumulate_kernel = gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY, restore=("c_ptr",))(
+    _matmul_kernel.fn
+)
 
 
 def matmul(
@@ -563,10 +562,8 @@ def matmul_backward(
                 f"{name} must have a's shape {tuple(a.shape)} and strides {a.stride()}, "
                 f"got shape {tuple(t.shape)}, strides {t.stride()}"
             )
-    if a_out is not None and a_out.numel():  # (empty tensors all have address 0)
-        ptr = a_out.untyped_storage().data_ptr()
-        if any(t is not None and t.untyped_storage().data_ptr() == ptr for t in (a, z)):
-            raise ValueError("a_out must not share memory with a or z: other programs still read them")
+    if a_out is not None and _shares_memory(a_out, a, z):
+        raise ValueError("a_out must not share memory with a or z: other programs still read them")
     if a_sum is not None:
         check_tensor("a_sum", a_sum, ndim=1, dtypes=(torch.float32, a.dtype))
         if a_sum.shape != (M,) or (M > 1 and a_sum.stride(0) != 1):
@@ -593,12 +590,18 @@ def _output_into(out, accumulate_into, shape: tuple[int, int], dtype: torch.dtyp
     if tuple(c.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(c.shape)}")
     check_int32_addressable(name, c)
-    if c.numel():
-        ptr = c.untyped_storage().data_ptr()
-        for t in others:
-            if t is not None and t.numel() and t.untyped_storage().data_ptr() == ptr:
-                raise ValueError(f"{name} must not share memory with the GEMM's other tensors")
+    if _shares_memory(c, *others):
+        raise ValueError(f"{name} must not share memory with the GEMM's other tensors")
     return c, accumulate_into is not None
+
+
+def _shares_memory(t: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether ``t`` has storage in common with any of ``others`` (None skipped;
+    empty tensors share nothing: they all have address 0)."""
+    if not t.numel():
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    return any(o is not None and o.numel() and o.untyped_storage().data_ptr() == ptr for o in others)
 
 
 def matmul_backward_prechecked(

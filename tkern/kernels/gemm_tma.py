@@ -25,7 +25,11 @@ TMA_ALIGN_BYTES = 16
 _INTERPRET_PROGRAMS = 4
 
 
-@gemm_autotune(configs=tma_configs(), key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"], tma=True)
+#: What the TMA kernel's autotuners choose a config by (both: plain and ``C +=``).
+_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"]
+
+
+@gemm_autotune(configs=tma_configs(), key=_AUTOTUNE_KEY, tma=True)
 @triton.jit
 def _matmul_tma_kernel(
     # descriptors and pointers
@@ -92,10 +96,7 @@ def _matmul_tma_kernel(
 #: The TMA kernel's launches with ``ACCUMULATE``: its own autotuner, which restores
 #: C after each config it benchmarks (see gemm._matmul_accumulate_kernel).
 _matmul_tma_accumulate_kernel = gemm_autotune(
-    configs=tma_configs(),
-    key=["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"],
-    tma=True,
-    restore=("c_ptr",),
+    configs=tma_configs(), key=_AUTOTUNE_KEY, tma=True, restore=("c_ptr",)
 )(_matmul_tma_kernel.fn)
 
 
