@@ -695,6 +695,10 @@ def test_matmul_backward_writes_into_out(dtype):
     assert torch.equal(buf[:, :4], buf0[:, :4]) and torch.equal(buf[:, 49:], buf0[:, 49:])
     with pytest.raises(ValueError, match="give out or accumulate_into, not both"):
         matmul_backward(a, b, out=out, accumulate_into=out.clone())
+    with pytest.raises(ValueError, match=r"out must have shape \(37, 45\), got \(45, 37\)"):
+        matmul_backward(a, b, out=out.t())
+    with pytest.raises(ValueError, match="out must not share memory"):
+        matmul_backward(a, b, out=a[:, :45])
 
 
 def test_accumulate_into_bad_input_raises_before_launch():
