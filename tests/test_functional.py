@@ -173,7 +173,7 @@ def test_linear_fast_path_accepts_only_what_the_checks_accept(case):
     """``linear`` skips its checks when ``linear_args_plainly_valid`` says so: that
     must imply every check passes and the eager path applies; the common case must
     take it (else it saves nothing)."""
-    from tkern.functional import check_linear_args, linear_args_plainly_valid
+    from tkern.ops.linear import check_linear_args, linear_args_plainly_valid
 
     args = list(_linear_arg_cases())[case]
     try:
@@ -414,10 +414,10 @@ def test_fused_backward_is_bit_identical_to_the_four_passes(
     # Ragged sizes (37 rows, 140 outputs, 150 inputs): dgrad has two column blocks (only
     # the first stores dZ), wgrad two row bands (each sums its own dbias rows). GELU runs
     # both ways: its own pass (the default) and in the GEMMs' prologue.
-    from tkern import functional
+    from tkern.ops import linear as ops_linear
 
     if prologue:
-        monkeypatch.setattr(functional, "PROLOGUE_ACTIVATIONS", frozenset({"relu", activation}))
+        monkeypatch.setattr(ops_linear, "PROLOGUE_ACTIVATIONS", frozenset({"relu", activation}))
     x, w, b = make(dtype, shape=(37, 150), n=140, bias=bias)
     x.requires_grad_(needs[0])
     w.requires_grad_(needs[1])
@@ -494,15 +494,15 @@ def test_fused_backward_launches_two_gemms_and_nothing_else(monkeypatch):
 def test_custom_op_backward_matches_the_autograd_function(activation):
     # the traced door (tkern::linear_forward's registered backward through tkern::mm_backward),
     # run eagerly: the same kernels as the eager door, so identical gradients
-    from tkern import functional
+    from tkern.ops import linear as ops_linear
 
     def saved_preact(x, w, b, activation):  # as graphs traced before ReLU saved its output call it
-        y, preact = functional._linear_forward_op(x, w, b, activation, True)
+        y, preact = ops_linear._linear_forward_op(x, w, b, activation, True)
         assert preact.shape == y.shape
         return y
 
     grads = []
-    for door in (tkern.linear, functional._linear_op, saved_preact):
+    for door in (tkern.linear, ops_linear._linear_op, saved_preact):
         x, w, b = make(torch.bfloat16, shape=(37, 40), n=24)
         y = door(x, w, b, activation)
         y.backward(torch.ones_like(y) * 0.5)
@@ -516,7 +516,7 @@ def test_custom_op_backward_matches_the_autograd_function(activation):
 def test_where_the_gemms_take_the_tma_kernel_the_backward_drops_its_prologue(dtype, needs, monkeypatch):
     # Hopper, M, N, K >= TMA_MIN_DIM (patched: 16, and has_tma on; the TMA kernel runs through
     # the interpreter): ReLU's gradient is its own pass and dbias a reduction, so that dgrad
-    # and wgrad take the TMA kernel (functional.PROLOGUE_ON_TMA_SHAPES); same gradients
+    # and wgrad take the TMA kernel (tkern.ops.linear.PROLOGUE_ON_TMA_SHAPES); same gradients
     from tkern.kernels import gemm
 
     routes = []

@@ -199,17 +199,17 @@ def _wgrad_batches(rank):
 def _wgrad_rank(rank, world, out_dir):
     # tkern.linear's wgrad added into the flat buffer (tests/test_wgrad_into.py) under
     # torch DDP with no_sync, and under tkern's ZeRO-2 with its no_sync: two micro-batches
-    from tkern import functional
+    from tkern.ops import common
     from tkern.optim import DistributedFusedSGD
 
-    used, flat_wgrad = [], functional._flat_wgrad
+    used, flat_wgrad = [], common.flat_wgrad
 
     def spy(*args):
         into = flat_wgrad(*args)
         used.append(into is not None)
         return into
 
-    functional._flat_wgrad = spy
+    common.flat_wgrad = spy
     xs, out = _wgrad_batches(rank), {}
     model = _wgrad_model()
     opt = FusedSGD(model.parameters(), lr=0.1)  # built before DDP wraps the model

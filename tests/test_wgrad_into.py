@@ -3,7 +3,7 @@ optimizer's flat gradient buffer (issue 16, item 3): the ``C +=`` epilogue, and
 autograd adopting that memory as ``.grad`` without a copy or an add.
 
 The reference is the same model and optimizer with the fused accumulation
-turned off (``functional._flat_wgrad`` patched to decline): AccumulateGrad then
+turned off (``common.flat_wgrad`` patched to decline): AccumulateGrad then
 adds a fresh dW into ``.grad`` as before. Into a zeroed buffer the two are the
 same bits (0 + x == x in fp32); a second micro-batch is rounded once instead of
 twice (``round(g + dW_fp32)`` against ``round(g + round(dW_fp32))``), so the two
@@ -20,8 +20,8 @@ from conftest import DEVICE
 from torch import nn
 
 import tkern
-from tkern import functional
 from tkern.flat import FlatParams, grad_is_flat_view
+from tkern.ops import common
 from tkern.optim import FusedAdamW
 
 HALF = [torch.float16, torch.bfloat16]
@@ -50,7 +50,7 @@ def _loss(model, x):
 def counts(monkeypatch):
     """How often the fused accumulation ran, and how often a gradient was copied into the buffer."""
     seen = {"into": 0, "copies": 0}
-    flat_wgrad, adopt = functional._flat_wgrad, FlatParams._adopt_grad
+    flat_wgrad, adopt = common.flat_wgrad, FlatParams._adopt_grad
 
     def spy_into(*args):
         into = flat_wgrad(*args)
@@ -61,7 +61,7 @@ def counts(monkeypatch):
         seen["copies"] += 1
         return adopt(self, i, g)
 
-    monkeypatch.setattr(functional, "_flat_wgrad", spy_into)
+    monkeypatch.setattr(common, "flat_wgrad", spy_into)
     monkeypatch.setattr(FlatParams, "_adopt_grad", spy_adopt)
     return seen
 
@@ -70,7 +70,7 @@ def counts(monkeypatch):
 def _unfused(monkeypatch):
     """A context in which every backward declines the fused accumulation (the reference)."""
     with monkeypatch.context() as m:
-        m.setattr(functional, "_flat_wgrad", lambda *args: None)
+        m.setattr(common, "flat_wgrad", lambda *args: None)
         yield
 
 

@@ -2,11 +2,11 @@
 
 from tkern import amp, nn, optim
 from tkern.amp import DynamicLossScaler, LogNormalLossScaler, StaticLossScaler
-from tkern.functional import linear, matmul
 from tkern.kernels import INTERPRET, mode
 from tkern.kernels.float8 import to_float8
 from tkern.kernels.gemm import scaled_mm
 from tkern.nn import Float8Linear, Float8Recipe, convert_network
+from tkern.ops.linear import linear, matmul
 from tkern.trainer import Trainer
 
 __version__ = "0.1.0"

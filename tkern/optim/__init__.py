@@ -4,8 +4,10 @@
 :mod:`tkern.optim.distributed` their sharded (ZeRO-2) versions on torch.distributed.
 """
 
+from tkern.optim.adam import FusedAdam, FusedAdamW
 from tkern.optim.distributed import DistributedFusedAdam, DistributedFusedAdamW, DistributedFusedSGD
-from tkern.optim.fused import FusedAdam, FusedAdamW, FusedOptimizer, FusedSGD
+from tkern.optim.fused import FusedOptimizer
+from tkern.optim.sgd import FusedSGD
 
 __all__ = [
     "DistributedFusedAdam",

@@ -64,7 +64,9 @@ import torch.distributed as dist
 
 from tkern.flat import ALIGN, FlatParams, alias, describe_param
 from tkern.kernels.overflow import combine_stats
-from tkern.optim.fused import FusedAdam, FusedAdamW, FusedOptimizer, FusedSGD, full_signature
+from tkern.optim.adam import FusedAdam, FusedAdamW
+from tkern.optim.fused import FusedOptimizer, full_signature
+from tkern.optim.sgd import FusedSGD
 
 __all__ = [
     "DistributedFusedAdam",

@@ -52,27 +52,31 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes, describe_param
-from tkern.functional import Float8WeightCache, float8_weight_cache
 from tkern.kernels import INTERPRET
 from tkern.kernels._update import MIN_8BIT_SIZE, PARAM_DTYPES, UpdateBuffers
-from tkern.kernels.adam import adam_update
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats
-from tkern.kernels.sgd import sgd_update
-
-__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD"]
-
-#: Group keys torch.optim's own optimizers keep for bookkeeping; a loaded
-#: state_dict may carry them (they do not change tkern's arithmetic).
-_TORCH_BOOKKEEPING = frozenset(
-    {"foreach", "capturable", "differentiable", "fused", "maximize", "param_names", "decoupled_weight_decay"}
-)
-#: Group keys torch's lr schedulers add.
-_SCHEDULER_KEYS = frozenset(
-    {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr", "base_lr"}
+from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
+from tkern.optim.state import (
+    SCHEDULER_KEYS,
+    TORCH_BOOKKEEPING,
+    GroupRules,
+    ParamState,
+    export_state,
+    read_state,
+    write_state,
 )
 
+__all__ = [
+    "OPTIONS_DOC",
+    "FusedOptimizer",
+    "check_nonneg",
+    "document_options",
+    "full_signature",
+    "group_scalar",
+]
 
-def _scalar(group: dict, key: str, index: int, label: str | None = None) -> float:
+
+def group_scalar(group: dict, key: str, index: int, label: str | None = None) -> float:
     """A hyperparameter as a float: Python/numpy scalars and 1-element tensors;
     anything else raises ValueError naming it."""
     value = group[key]
@@ -90,88 +94,11 @@ def _scalar(group: dict, key: str, index: int, label: str | None = None) -> floa
         raise ValueError(f"Invalid {label or key}: {value!r} (param group {index})") from None
 
 
-def _check_nonneg(group: dict, index: int, key: str, label: str) -> float:
-    value = _scalar(group, key, index, label)
+def check_nonneg(group: dict, index: int, key: str, label: str) -> float:
+    value = group_scalar(group, key, index, label)
     if not value >= 0.0:
         raise ValueError(f"Invalid {label}: {value} (param group {index})")
     return value
-
-
-#: What _ParamState stores for an entry it converts when read (a compact buffer).
-_CONVERTED = object()
-
-
-class _ParamState(dict):
-    """``optimizer.state[p]``: p's step count, fp32 master and state. Entries kept
-    in fp32 are live views of the buffers the kernels use; compact ones (a split
-    master, bf16 or uint8 state) read as fp32 copies converted when read.
-    Assigning an entry (``opt.state[p]["exp_avg"] = t``) writes the value into
-    the kernels' buffer, as assigning into torch.optim's state takes effect."""
-
-    def __init__(self, flat: FlatParams, index: int) -> None:
-        super().__init__()
-        self._flat, self._index = flat, index
-        self.refresh()
-
-    def refresh(self) -> None:
-        flat, i = self._flat, self._index
-        dict.clear(self)
-        dict.__setitem__(self, "step", flat.steps[flat.cohort[i]])
-        buffers = dict(flat.state)
-        if flat.keeps_master:
-            buffers = {"master": flat.master, **buffers}
-        for name, buf in buffers.items():
-            view = flat.shard_view(buf, i)
-            if view is not None:
-                dict.__setitem__(self, name, view if buf.dtype == torch.float32 else _CONVERTED)
-
-    def converted(self, key: str) -> bool:
-        """Whether entry ``key`` is a compact buffer read as an fp32 copy."""
-        return dict.get(self, key) is _CONVERTED
-
-    def _read(self, key: str) -> torch.Tensor:
-        flat = self._flat
-        full = flat.master_fp32() if key == "master" else flat.state_fp32(key)
-        return flat.shard_view(full, self._index)
-
-    def __getitem__(self, key: Any) -> Any:
-        value = dict.__getitem__(self, key)
-        return self._read(key) if value is _CONVERTED else value
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self[key] if dict.__contains__(self, key) else default
-
-    def items(self):
-        return [(k, self[k]) for k in self]
-
-    def values(self):
-        return [self[k] for k in self]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key == "step":
-            self._flat.set_param_step(self._index, float(torch.as_tensor(value).reshape(-1)[0]))
-            self.refresh()
-            return
-        dest = self.get(key)
-        if not isinstance(dest, torch.Tensor):
-            dict.__setitem__(self, key, value)
-            return
-        value = torch.as_tensor(value)
-        if value.numel() != dest.numel():
-            raise ValueError(
-                f"state {key!r}: got a tensor of shape {tuple(value.shape)}, expected {tuple(dest.shape)}"
-            )
-        flat = self._flat
-        with torch.no_grad():
-            if not self.converted(key):
-                dest.copy_(value.reshape(dest.shape))
-                return
-            full = flat.master_fp32() if key == "master" else flat.state_fp32(key)
-            flat.copy_into_shard(full, self._index, value)
-            if key == "master":
-                flat.set_master_fp32(full)
-            else:
-                flat.set_state_fp32(key, full)
 
 
 def full_signature(cls: type, extra: tuple[inspect.Parameter, ...] = ()) -> inspect.Signature:
@@ -376,14 +303,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             # Read by the kernel on the device: no host sync, so its value is not checked here.
             lr = lr.detach().reshape(1).to(torch.float32)
         else:
-            lr = _check_nonneg(group, index, "lr", "learning rate")
+            lr = check_nonneg(group, index, "lr", "learning rate")
         args = {
             "lr": lr,
-            "weight_decay": _check_nonneg(group, index, "weight_decay", "weight_decay value"),
+            "weight_decay": check_nonneg(group, index, "weight_decay", "weight_decay value"),
         }
         norm = group.get("max_grad_norm")
         if norm is not None:
-            norm = _scalar(group, "max_grad_norm", index)
+            norm = group_scalar(group, "max_grad_norm", index)
             if not norm > 0:
                 raise ValueError(
                     f"Invalid max_grad_norm value: {norm} (param group {index}); expected > 0 or None"
@@ -483,7 +410,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _refresh_state(self, flat: FlatParams) -> None:
         for i, p in enumerate(flat.params):
-            self.state[p] = _ParamState(flat, i)
+            self.state[p] = ParamState(flat, i)
         self._layout_seen[id(flat)] = flat.layout_version
 
     # ----------------------------------------------------------- the step
@@ -633,29 +560,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         Each param's state holds its own ``step`` (a float32 scalar tensor, as
         torch's), the fp32 ``master`` for half-precision params, and the state
         buffers (views of the live buffers, shaped like the param). It loads
-        into torch.optim.SGD/Adam/AdamW as well as into this class."""
+        into torch.optim.SGD/Adam/AdamW as well as into this class
+        (:mod:`tkern.optim.state`)."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        index: dict[int, int] = {}
-        groups = []
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
-            packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
-            groups.append(packed)
-        state: dict[int, dict[str, Any]] = {}
-        for flats in self._flat:
-            for flat in flats:
-                steps = [s.detach().to("cpu").reshape(()) for s in flat.steps]
-                full = self._export(flat)  # compact buffers in fp32, converted once per buffer
-                for i, p in enumerate(flat.params):
-                    entry = {k: v for k, v in dict.items(self.state[p]) if k not in full}
-                    entry.update((k, self._entry(flat, v, i)) for k, v in full.items())
-                    entry["step"] = steps[flat.cohort[i]].clone()
-                    state[index[id(p)]] = entry
-        # Entries under keys that are not params (a hook's, a user's) travel as
-        # torch.optim.Optimizer.state_dict carries them: under their own key.
-        state.update(self.extra_state())
-        out = {"state": state, "param_groups": groups}
+        out = export_state(self.param_groups, self._flat, self.state, self._export, self._entry)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
@@ -720,7 +629,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         return {k: v for k, v in self.state.items() if not isinstance(k, torch.Tensor)}
 
     def _allowed_group_keys(self, group: dict) -> set[str]:
-        return set(self.defaults) | set(group) | _TORCH_BOOKKEEPING | _SCHEDULER_KEYS
+        return set(self.defaults) | set(group) | TORCH_BOOKKEEPING | SCHEDULER_KEYS
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict of this class, or of torch.optim's counterpart (SGD,
@@ -734,110 +643,34 @@ class FusedOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(groups)} param groups, "
-                f"this optimizer has {len(self.param_groups)}"
-            )
-        saved_state = state_dict["state"]
-        loaded: dict[tuple[int, str, int], torch.Tensor] = {}  # (id(flat), name, index) -> value
-        new_groups = []
-        steps: dict[int, list[float]] = {}  # id(flat) -> step per param
-        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups, strict=True)):
-            if len(mine["params"]) != len(saved["params"]):
-                raise ValueError(
-                    f"param group {gi} has {len(mine['params'])} params, "
-                    f"the loaded one has {len(saved['params'])}"
-                )
-            unknown = sorted(set(saved) - self._allowed_group_keys(mine) - {"params"})
-            if unknown:
-                raise ValueError(
-                    f"loaded param group {gi} has keys {type(self).__name__} does not understand: {unknown} "
-                    "(a state dict of another optimizer?)"
-                )
-            self._check_loaded_group(saved, gi)
-            group = {**mine, **{k: v for k, v in saved.items() if k != "params"}}
-            self._validate_group(group, gi)
-            new_groups.append(group)
-            names = self._group_state_names(group)
-            by_param = dict(zip(mine["params"], saved["params"], strict=True))
-            for flat in self._flat[gi]:
-                flat_steps = []
-                for i, p in enumerate(flat.params):
-                    src = saved_state.get(by_param[p]) or {}
-                    step = self._loaded_step(src, gi, flat.indices[i], p)
-                    if self._fresh_state_restarts_count and src.get("momentum_buffer") is None:
-                        step = 0.0  # SGD: a missing buffer starts as the next gradient
-                    flat_steps.append(step)
-                    for name in (*names, "master"):
-                        if src and name in self._required_state and name not in src:
-                            raise KeyError(
-                                f"loaded state of {describe_param(gi, flat.indices[i], p)} lacks {name!r}"
-                            )
-                        value = src.get(name)
-                        if value is None or (name == "master" and flat.master_mode in ("self", "none")):
-                            continue  # zero state; the master follows the params (or there is none)
-                        value = torch.as_tensor(value)
-                        if value.numel() != p.numel():
-                            raise ValueError(
-                                f"loaded {name!r} of {describe_param(gi, flat.indices[i], p)} has shape "
-                                f"{tuple(value.shape)}, expected {tuple(p.shape)}"
-                            )
-                        loaded[id(flat), name, i] = value
-                steps[id(flat)] = flat_steps
-        param_ids = {i for g in groups for i in g["params"]}
-        extra = {k: v for k, v in saved_state.items() if k not in param_ids}
-        with torch.no_grad():
-            for key in self.extra_state():  # as torch: the loaded state replaces the old
-                del self.state[key]
-            self.state.update(extra)
-            for mine, group in zip(self.param_groups, new_groups, strict=True):
-                mine.update(group)
-            for gi, flats in enumerate(self._flat):
-                names = self._group_state_names(self.param_groups[gi])
-                for flat in flats:
-                    flat.ensure_state(names)
-                    for name in (*names, "master") if flat.keeps_master else names:
-                        # Each param's part of this rank's shard is written once, from the
-                        # loaded value (which may be this very view, as in
-                        # opt.load_state_dict(opt.state_dict())), into an fp32 staging
-                        # shard (the live buffer when it is fp32), stored once per buffer.
-                        full = flat.master_fp32() if name == "master" else flat.state_fp32(name)
-                        for i, p in enumerate(flat.params):
-                            value = loaded.get((id(flat), name, i))
-                            if value is None:  # no master saved: it follows the param; no state: zero
-                                value = (
-                                    p.detach()
-                                    if name == "master"
-                                    else torch.zeros_like(p, dtype=torch.float32)
-                                )
-                            flat.copy_into_shard(full, i, value)
-                        if name == "master":
-                            flat.set_master_fp32(full)
-                        else:
-                            flat.set_state_fp32(name, full)
-                    flat.set_cohorts(steps[id(flat)])
-                    flat.mark_dirty()
-                    self._refresh_state(flat)
+        loaded = read_state(state_dict, self.param_groups, self._flat, self._group_rules())
+        for key in self.extra_state():  # as torch: the loaded state replaces the old
+            del self.state[key]
+        self.state.update(loaded.extra)
+        write_state(loaded, self.param_groups, self._flat, self._group_state_names)
+        for flats in self._flat:
+            for flat in flats:
+                self._refresh_state(flat)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _group_rules(self) -> GroupRules:
+        """This class's facts about its param groups, for :mod:`tkern.optim.state`."""
+        return GroupRules(
+            owner=type(self).__name__,
+            allowed_keys=self._allowed_group_keys,
+            check_group=self._check_loaded_group,
+            validate_group=self._validate_group,
+            state_names=self._group_state_names,
+            required_state=self._required_state,
+            fresh_state_restarts_count=self._fresh_state_restarts_count,
+        )
 
     #: State a loaded param's entry must hold once it holds any (Adam's moments).
     _required_state: tuple[str, ...] = ()
 
     def _check_loaded_group(self, saved: dict, index: int) -> None:
         """Raise if a loaded param group cannot be this optimizer's (a subclass's facts)."""
-
-    @staticmethod
-    def _loaded_step(src: dict, group: int, index: int, p: torch.Tensor) -> float:
-        value = src.get("step", 0.0)
-        try:
-            return float(torch.as_tensor(value).reshape(-1)[0]) if value is not None else 0.0
-        except (TypeError, ValueError, IndexError):
-            raise ValueError(
-                f"loaded 'step' of {describe_param(group, index, p)} is not a number: {value!r}"
-            ) from None
 
     # ----------------------------------------------------------- copies
 
@@ -863,177 +696,36 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._float8_caches = [c for p in params if (c := float8_weight_cache(p)) is not None]
 
 
-class FusedSGD(FusedOptimizer):
-    """SGD with momentum, as ``torch.optim.SGD``, fused on fp32 master weights.
-
-    Args:
-        params: iterable of params, of ``(name, param)`` pairs, or of param-group dicts.
-        lr: learning rate (a float, or a 1-element tensor).
-        momentum, dampening, weight_decay, nesterov, maximize: as ``torch.optim.SGD``.
-        max_grad_norm: clip by the global L2 norm of all unscaled gradients of
-            the optimizer (as ``clip_grad_norm_`` would), or None.
-        process_group: all-reduce the step's statistics over this group (see
-            the module docstring); None (default) for none.
-        master: how the fp32 master is kept (see :mod:`tkern.kernels._update`):
-            ``"fp32"`` (default; 4 B/param), ``"split"`` (bf16 params only: the
-            param is the master rounded to nearest, ties away from zero, plus a
-            16-bit remainder, so the master is rebuilt bit for bit what
-            ``"fp32"`` holds; the forward sees the same round-to-nearest weights
-            except on exact ties, 1 value in 65536; 2 B/param), or ``"none"``
-            (no master: the fp32 update is written to the param with stochastic
-            rounding, unbiased, seeded per step and element; 0 B/param).
-        state_dtype: ``torch.float32`` (default), ``torch.bfloat16`` (rounded to
-            nearest even), or ``torch.uint8`` (8-bit block-wise quantized with
-            bitsandbytes' dynamic code maps, blocks of 256; params under 4096
-            elements keep fp32 state). ``state_dict()`` converts to and from
-            torch's fp32 format in every mode.
+#: The arguments every fused optimizer takes beside its torch counterpart's, as each
+#: class's own docstring lists them (``{options}`` in it; see :func:`document_options`).
+OPTIONS_DOC = """max_grad_norm: clip by the global L2 norm of all unscaled gradients of the
+            optimizer (as ``clip_grad_norm_`` would), or None.
+        process_group: all-reduce the step's statistics over this group, so every rank
+            skips the same steps (needed only where ranks' gradients differ); None
+            (default) for none.
+        master: how the fp32 master of fp16/bf16 params is kept:
+            ``"fp32"`` (default; 4 B/param); ``"split"`` (bf16 params only: the param is
+            the master rounded to nearest, ties away from zero, plus a 16-bit remainder,
+            so the master is rebuilt bit for bit what ``"fp32"`` holds; the forward sees
+            the same round-to-nearest weights except on exact ties, 1 value in 65536;
+            2 B/param); or ``"none"`` (no master: the fp32 update is written to the param
+            with stochastic rounding, unbiased, seeded per step and element; 0 B/param).
+            fp32 params are their own master in every mode.
+        state_dtype: ``torch.float32`` (default), ``torch.bfloat16`` (rounded to nearest
+            even) or ``torch.uint8`` (8-bit block-wise quantized with bitsandbytes'
+            dynamic code maps, blocks of 256; params under 4096 elements keep fp32
+            state). ``state_dict()`` converts to and from torch's fp32 format in every mode.
         seed: the stochastic rounding's seed (``master="none"``); default
             ``torch.initial_seed()``, so ``torch.manual_seed`` makes runs repeat.
-        cuda_graph: replay the step as one CUDA graph (see :class:`StepGraph`):
-            None (default) wherever it can be (CUDA params, no collectives, not
-            inside another capture), True the same, False never.
-            ``graph_fallback`` says why the last step ran eager.
-    """
-
-    _fresh_state_restarts_count = True
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        max_grad_norm: float | None = None,
-        *,
-        maximize: bool = False,
-        **options: Any,
-    ) -> None:
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            weight_decay=weight_decay,
-            nesterov=nesterov,
-            max_grad_norm=max_grad_norm,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults, **options)
-
-    def _group_state_names(self, group: dict) -> tuple[str, ...]:
-        return ("momentum_buffer",) if _scalar(group, "momentum", 0) > 0 else ()
-
-    def _validate_group(self, group: dict, index: int) -> dict[str, Any]:
-        args = super()._validate_group(group, index)
-        args["momentum"] = _check_nonneg(group, index, "momentum", "momentum value")
-        args["dampening"] = _scalar(group, "dampening", index)
-        args["nesterov"] = bool(group["nesterov"])
-        if args["nesterov"] and (args["momentum"] <= 0 or args["dampening"] != 0):
-            raise ValueError(
-                f"Nesterov momentum requires a momentum and zero dampening (param group {index})"
-            )
-        return args
-
-    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
-        sgd_update(buffers, **args)
+        cuda_graph: replay the step as one CUDA graph: None (default) wherever it can be
+            (CUDA params, no collectives, not inside another capture), True the same,
+            False never. ``graph_fallback`` says why the last step ran eager."""
 
 
-class FusedAdam(FusedOptimizer):
-    """Adam with L2 weight decay, as ``torch.optim.Adam``, fused on fp32 master weights.
-
-    Args:
-        params: iterable of params, of ``(name, param)`` pairs, or of param-group dicts.
-        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.Adam``
-            (``lr`` and each beta may be a 1-element tensor).
-        max_grad_norm: clip by the global L2 norm of the unscaled gradients, or None.
-        process_group: all-reduce the step's statistics over this group; None for none.
-        master, state_dtype, seed, cuda_graph: as :class:`FusedSGD`.
-    """
-
-    _decoupled = False
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
-        max_grad_norm: float | None = None,
-        *,
-        maximize: bool = False,
-        **options: Any,
-    ) -> None:
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            amsgrad=amsgrad,
-            max_grad_norm=max_grad_norm,
-            maximize=maximize,
-        )
-        super().__init__(params, defaults, **options)
-
-    def _group_state_names(self, group: dict) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-
-    def _validate_group(self, group: dict, index: int) -> dict[str, Any]:
-        args = super()._validate_group(group, index)
-        args["eps"] = _check_nonneg(group, index, "eps", "epsilon value")
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(
-                f"Invalid betas: {betas!r}; expected a pair (beta1, beta2) (param group {index})"
-            )
-        if isinstance(betas[0], torch.Tensor) != isinstance(betas[1], torch.Tensor):
-            # torch.optim.Adam's check and words
-            raise ValueError(f"betas must be either both floats or both Tensors (param group {index})")
-        for i in range(2):
-            beta = _scalar({"b": betas[i]}, "b", index, f"beta parameter at index {i}")
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta} (param group {index})")
-            args[f"beta{i + 1}"] = beta
-        args["amsgrad"] = bool(group["amsgrad"])
-        args["decoupled"] = self._decoupled
-        return args
-
-    _required_state = ("exp_avg", "exp_avg_sq")
-
-    def _check_loaded_group(self, saved: dict, index: int) -> None:
-        if "decoupled_weight_decay" in saved and bool(saved["decoupled_weight_decay"]) != self._decoupled:
-            raise ValueError(
-                f"loaded param group {index} has decoupled_weight_decay={saved['decoupled_weight_decay']}, "
-                f"but {type(self).__name__} uses {self._decoupled}"
-            )
-
-    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
-        adam_update(buffers, **args)
-
-
-class FusedAdamW(FusedAdam):
-    """AdamW (decoupled weight decay, default 1e-2), as ``torch.optim.AdamW``,
-    fused on fp32 master weights. Arguments (the keyword-only ones too) as
-    :class:`FusedAdam`."""
-
-    _decoupled = True
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        amsgrad: bool = False,
-        max_grad_norm: float | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, **kwargs)
-
-
-for _cls in (FusedSGD, FusedAdam, FusedAdamW):
-    _cls.__signature__ = full_signature(_cls)
-del _cls
+def document_options(cls: type) -> type:
+    """Class decorator: put :data:`OPTIONS_DOC` into ``cls``'s docstring at ``{options}``
+    and give ``cls`` its whole signature (:func:`full_signature`), so ``help(cls)`` names
+    every argument it takes."""
+    cls.__doc__ = cls.__doc__.replace("{options}", OPTIONS_DOC)
+    cls.__signature__ = full_signature(cls)
+    return cls

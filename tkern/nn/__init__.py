@@ -1,0 +1,34 @@
+"""Modules built on tkern's ops, one file per family, and ``convert_network``:
+
+``linear.py``   :class:`Linear` (and transformers' GPT-2 ``Conv1D`` as ``tkern.nn.Conv1D``)
+``float8.py``   :class:`Float8Linear`, :class:`Float8Recipe` (and ``tkern.nn.Float8Conv1D``)
+``fusion.py``   an ``nn.Sequential``'s Linear + activation run as one GEMM
+``convert.py``  :func:`convert_network`, a table of small per-module rules
+"""
+
+from tkern.nn.convert import CASTABLE_TYPES, NORM_TYPES, CastInputs, CastOutput, convert_network
+from tkern.nn.float8 import FLOAT8_SCALINGS, Float8Linear, Float8Recipe, float8_conv1d_class
+from tkern.nn.linear import Linear, conv1d_class
+
+# and Conv1D, Float8Conv1D where transformers is installed
+__all__ = [
+    "CASTABLE_TYPES",
+    "FLOAT8_SCALINGS",
+    "NORM_TYPES",
+    "CastInputs",
+    "CastOutput",
+    "Float8Linear",
+    "Float8Recipe",
+    "Linear",
+    "convert_network",
+]
+
+
+def __getattr__(name: str):
+    # ``tkern.nn.Conv1D`` and ``Float8Conv1D`` subclass transformers' Conv1D, so they
+    # exist only once transformers is importable; made on first use, found by pickle by name.
+    if name == "Conv1D":
+        return conv1d_class()
+    if name == "Float8Conv1D":
+        return float8_conv1d_class()
+    raise AttributeError(f"module 'tkern.nn' has no attribute {name!r}")

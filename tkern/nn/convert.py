@@ -1,0 +1,370 @@
+"""``convert_network``: a model converted in place for mixed-precision training, by a
+table of small per-module rules (:data:`RULES`, :data:`BACK_RULES`).
+
+Each rule looks at one module and either converts it (returns True: its children
+are not visited) or declines (False: the next rule is asked). A module no rule takes
+is a container or a module of unknown kind: its children are converted and, if it
+owns tensors itself, they stay fp32 (one warning per type).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tkern.kernels._common import HALF_DTYPES
+from tkern.nn.float8 import Float8Linear, Float8Recipe, float8_conv1d_class
+from tkern.nn.fusion import FusedSequentialForward, route_fusion
+from tkern.nn.linear import Linear, conv1d_class, hf_conv1d
+from tkern.ops.float8 import float8_weight_cache
+
+__all__ = ["BACK_RULES", "CASTABLE_TYPES", "NORM_TYPES", "RULES", "Conversion", "convert_network"]
+
+#: Normalization layers: kept in fp32 (parameters and running statistics), run
+#: on their input cast to fp32, their output cast back (the apex/fastai rule).
+NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.LayerNorm,
+    nn.GroupNorm,
+) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+#: Modules with parameters or buffers that run correctly once cast to fp16/bf16.
+#: Their floating-point inputs are cast to that dtype first, as autocast would.
+CASTABLE_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.modules.conv._ConvNd,
+    nn.PReLU,
+)
+
+
+# --------------------------------------------------------------------------- casting hooks
+
+
+def _cast_floats(value, dtype: torch.dtype):
+    """``value`` with every floating-point tensor in it (nested in tuples,
+    lists and dicts) cast to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+class CastInputs:
+    """Forward pre-hook: cast the floating-point positional and keyword inputs to
+    ``dtype``. A module-level class, so converted models pickle and deepcopy."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        return _cast_floats(args, self.dtype), _cast_floats(kwargs, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"tkern.nn.CastInputs({self.dtype})"
+
+
+class CastOutput:
+    """Forward hook: cast the floating-point outputs to ``dtype`` (picklable)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        return _cast_floats(output, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"tkern.nn.CastOutput({self.dtype})"
+
+
+def remove_tkern_hooks(module: nn.Module) -> None:
+    """Remove the hooks and the fused forward a previous convert_network put on
+    ``module`` (and only those)."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, h in hooks.items() if isinstance(h, (CastInputs, CastOutput))]:
+            del hooks[key]
+            for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
+                getattr(module, extra, {}).pop(key, None)
+    if isinstance(module.__dict__.get("forward"), FusedSequentialForward):
+        del module.forward
+
+
+def cast_own(module: nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
+    """Cast ``module``'s own floating-point parameters and (with ``buffers``) buffers
+    (not its children's) to ``dtype`` in place: each Parameter stays the same object,
+    so parameters shared with other modules (tied weights) stay shared."""
+    for p in module._parameters.values():
+        if p is not None and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            if p.grad is not None:
+                p.grad = p.grad.to(dtype)
+    for name, b in module._buffers.items() if buffers else ():
+        if b is not None and b.is_floating_point() and b.dtype != dtype:
+            module._buffers[name] = b.to(dtype)
+
+
+def cast_tree(module: nn.Module, dtype: torch.dtype) -> None:
+    """:func:`cast_own` on ``module`` and every module below it."""
+    for m in module.modules():
+        cast_own(m, dtype)
+
+
+def run_in_fp32(module: nn.Module, dtype: torch.dtype) -> None:
+    """Keep ``module`` in fp32: its inputs are cast to fp32 and its outputs to ``dtype``."""
+    cast_tree(module, torch.float32)
+    module.register_forward_pre_hook(CastInputs(torch.float32), with_kwargs=True)
+    module.register_forward_hook(CastOutput(dtype))
+
+
+def _owns_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(
+        True for _ in module.buffers(recurse=False)
+    )
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+@dataclass
+class Conversion:
+    """One :func:`convert_network` call's settings, as the rules see them."""
+
+    dtype: torch.dtype
+    recipe: Float8Recipe | None = None
+    float8_filter: Callable[[str, nn.Module], bool] | None = None
+    fuse_activations: bool = True
+    #: module types kept in fp32 for want of a rule -> their paths (for the warning)
+    kept: dict[type, list[str]] = field(default_factory=dict)
+
+    def wants_float8(self, module: nn.Module, path: str) -> bool:
+        """Whether ``module`` (a Linear or GPT-2 Conv1D) becomes an fp8 layer: a recipe is
+        given, both features are multiples of 16 and the filter (if any) agrees."""
+        # features from the weight: (out, in) for a Linear, (in, out) for a Conv1D
+        return (
+            self.recipe is not None
+            and module.weight.shape[0] % 16 == 0
+            and module.weight.shape[1] % 16 == 0
+            and (self.float8_filter is None or bool(self.float8_filter(path, module)))
+        )
+
+
+#: A rule: ``(module, path, conversion) -> handled``.
+Rule = Callable[[nn.Module, str, Conversion], bool]
+
+
+def _float8_linear_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    if type(module) in (nn.Linear, Float8Linear) and conv.wants_float8(module, path):
+        module.__class__ = Float8Linear
+        cast_own(module, conv.dtype, buffers=False)  # delayed scaling's histories stay fp32
+        module.set_recipe(conv.recipe)
+        return True
+    if isinstance(module, Float8Linear):
+        cast_own(module, conv.dtype, buffers=False)
+        return True
+    return False
+
+
+def _linear_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    if type(module) is nn.Linear:
+        module.__class__ = Linear
+        module.activation = None
+    elif not isinstance(module, Linear):
+        return False
+    cast_own(module, conv.dtype)
+    return True
+
+
+def _conv1d_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    """transformers' GPT-2 ``Conv1D`` -> ``tkern.nn.Conv1D`` or ``Float8Conv1D``."""
+    f8_class = float8_conv1d_class(create=False)
+    if not (type(module) is hf_conv1d() or type(module) in (conv1d_class(create=False), f8_class)):
+        return False
+    if conv.wants_float8(module, path):
+        module.__class__ = float8_conv1d_class()
+        cast_own(module, conv.dtype, buffers=False)
+        module.set_recipe(conv.recipe)
+    elif type(module) is not f8_class:
+        module.__class__ = conv1d_class()
+        cast_own(module, conv.dtype)
+    else:
+        cast_own(module, conv.dtype, buffers=False)
+    return True
+
+
+def _castable_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    if not isinstance(module, CASTABLE_TYPES):
+        return False
+    cast_tree(module, conv.dtype)
+    module.register_forward_pre_hook(CastInputs(conv.dtype), with_kwargs=True)
+    return True
+
+
+def _fp32_norm_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    if not isinstance(module, NORM_TYPES):
+        return False
+    run_in_fp32(module, conv.dtype)
+    return True
+
+
+#: The forward rules, asked in order; the first that returns True converts the module.
+RULES: list[Rule] = [_float8_linear_rule, _linear_rule, _conv1d_rule, _castable_rule, _fp32_norm_rule]
+
+
+def _linear_back(module: nn.Module) -> bool:
+    if type(module) is not Linear:
+        return False
+    del module.activation
+    module.__class__ = nn.Linear
+    return True
+
+
+def _float8_back(module: nn.Module) -> bool:
+    f8_conv1d = float8_conv1d_class(create=False)
+    if type(module) not in (Float8Linear, f8_conv1d):
+        return False
+    module.set_recipe(Float8Recipe())  # drops delayed scaling's histories
+    float8_weight_cache(module.weight, register=False)
+    del module.recipe
+    module.__class__ = nn.Linear if type(module) is Float8Linear else f8_conv1d.__bases__[1]
+    return True
+
+
+def _conv1d_back(module: nn.Module) -> bool:
+    c = conv1d_class(create=False)
+    if c is None or type(module) is not c:
+        return False
+    module.__class__ = c.__bases__[0]
+    return True
+
+
+#: The rules of ``convert_network(model, torch.float32)``: ``module -> handled``.
+BACK_RULES: list[Callable[[nn.Module], bool]] = [_linear_back, _float8_back, _conv1d_back]
+
+
+def _check_convertible_back(model: nn.Module) -> None:
+    for path, m in model.named_modules():
+        if isinstance(m, Linear) and m.activation is not None:
+            raise ValueError(
+                f"convert_network(model, torch.float32): {path or 'the model'} is a tkern.nn.Linear with "
+                f"activation={m.activation!r} fused in, which nn.Linear cannot express; nothing was changed"
+            )
+
+
+def _convert_back(module: nn.Module) -> None:
+    """Undo :func:`convert_network`: plain fp32 modules, tkern's hooks removed."""
+    for m in module.modules():
+        remove_tkern_hooks(m)
+        any(rule(m) for rule in BACK_RULES)
+    cast_tree(module, torch.float32)
+
+
+def _convert(module: nn.Module, path: str, conv: Conversion) -> None:
+    remove_tkern_hooks(module)  # converting again replaces, never stacks, the hooks
+    if any(rule(module, path, conv) for rule in RULES):
+        return
+    children = list(module.named_children())
+    if _owns_tensors(module):
+        conv.kept.setdefault(type(module), []).append(path or "the model")
+        if not children:
+            run_in_fp32(module, conv.dtype)
+            return
+        cast_own(module, torch.float32)
+    for name, child in children:
+        _convert(child, f"{path}.{name}" if path else name, conv)
+    if conv.fuse_activations:
+        route_fusion(module)
+
+
+def _warn_kept(kept: dict[type, list[str]], dtype: torch.dtype) -> None:
+    for cls, paths in kept.items():
+        shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        verb = "is" if len(paths) == 1 else "are"
+        warnings.warn(
+            f"convert_network: {shown} ({cls.__name__}) {verb} not a type tkern knows to run in {dtype}; "
+            "its own parameters and buffers are kept in fp32 (a leaf module runs on its inputs cast "
+            "to fp32, a module with children has its children converted)",
+            stacklevel=3,
+        )
+
+
+def convert_network(
+    model: nn.Module,
+    dtype: torch.dtype = torch.float16,
+    *,
+    float8: str | Float8Recipe | None = None,
+    float8_filter: Callable[[str, nn.Module], bool] | None = None,
+    fuse_activations: bool = True,
+) -> nn.Module:
+    """Convert ``model`` in place for mixed-precision training, and return it.
+
+    * every ``nn.Linear`` becomes a :class:`tkern.nn.Linear` (transformers' GPT-2
+      ``Conv1D`` a ``tkern.nn.Conv1D``) with the same Parameter objects cast in place to
+      ``dtype``: names, shapes, hooks and tied weights stay as they were;
+    * normalization layers (:data:`NORM_TYPES`) keep fp32 parameters and statistics
+      and run on their input cast to fp32, returning ``dtype``;
+    * modules known to run in half precision (:data:`CASTABLE_TYPES`: embeddings,
+      convolutions) are cast to ``dtype`` and get their floating-point inputs cast too,
+      as autocast would; modules that own no tensors need nothing;
+    * any other module that owns tensors keeps them in fp32 (a leaf runs on inputs cast
+      to fp32, its output cast to ``dtype``; a module with children has them converted),
+      with one warning per type.
+
+    Converting twice is converting once; ``dtype=torch.float32`` converts back (plain torch
+    modules in fp32, tkern's hooks removed). Converted models pickle and deep-copy.
+
+    ``float8`` (a recipe name or :class:`Float8Recipe`; bf16 is its natural ``dtype``): every
+    ``nn.Linear`` (and GPT-2 ``Conv1D``) with both features multiples of 16 becomes a
+    :class:`Float8Linear` (``Float8Conv1D``) unless ``float8_filter(name, module)`` returns
+    False (torchao's ``module_filter_fn``).
+
+    ``fuse_activations``: in an ``nn.Sequential`` (or a subclass keeping its forward), a
+    :class:`tkern.nn.Linear` directly followed by ``nn.ReLU``, ``nn.SiLU`` or ``nn.GELU`` runs
+    the activation in its GEMM epilogue; modules, names and state_dict stay as they are, and
+    a pair where either module has a hook runs unfused. ReLU gives the same numbers; GELU
+    and SiLU round once fewer. (docs/api.md has the details.)
+
+    Args:
+        model: the model (fp32, or converted before).
+        dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
+        float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or a Float8Recipe.
+        float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
+        fuse_activations: fold ReLU/GELU/SiLU modules into the preceding Linear's GEMM.
+
+    Raises:
+        TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it cannot be
+            replaced in place; wrap it), or ``dtype`` is another dtype, or
+            ``fuse_activations`` is not a bool.
+        ValueError: converting back a :class:`tkern.nn.Linear` with a fused activation
+            (nothing is changed).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if dtype not in (*HALF_DTYPES, torch.float32):
+        raise TypeError(
+            f"dtype must be torch.float16 or torch.bfloat16 (or torch.float32 to convert back), got {dtype}"
+        )
+    if type(model) is nn.Linear:
+        raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; wrap it in a module")
+    recipe = None if float8 is None else Float8Recipe.of(float8)
+    if not isinstance(fuse_activations, bool):
+        raise TypeError(f"fuse_activations must be True or False, got {fuse_activations!r}")
+    if float8_filter is not None and not callable(float8_filter):
+        raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
+    if dtype == torch.float32:
+        if recipe is not None:
+            raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
+        _check_convertible_back(model)
+        _convert_back(model)
+        return model
+    conv = Conversion(dtype, recipe, float8_filter, fuse_activations)
+    _convert(model, "", conv)
+    _warn_kept(conv.kept, dtype)
+    return model

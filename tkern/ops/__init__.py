@@ -1,0 +1,14 @@
+"""Autograd functions, torch.library custom ops and functional entry points, one file
+per op family, each above the kernels it launches (``tkern/kernels``):
+
+``linear.py``    ``tkern.linear`` / ``tkern.matmul``: the GEMM with fused epilogues, forward and
+                 backward (custom ops ``tkern::linear_forward``, ``tkern::mm_backward``,
+                 ``tkern::activation_grad``)
+``float8.py``    ``float8_linear`` and the fp8 weight cache (custom ops ``tkern::to_float8``,
+                 ``tkern::to_float8_delayed``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``)
+``common.py``    what the linear-like ops share: shapes, and the seam that puts dW into a fused
+                 optimizer's flat gradient buffer
+"""
+
+# The entry points are imported from their files (``tkern.ops.linear.linear``); re-exporting
+# ``linear`` here would shadow the submodule ``tkern.ops.linear``. tkern/__init__.py has them all.

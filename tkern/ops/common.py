@@ -1,0 +1,87 @@
+"""What tkern's linear-like ops share: shapes, and the seam that puts a weight's
+gradient straight into a fused optimizer's flat gradient buffer.
+
+:func:`flat_wgrad` and :func:`hand_over` are the one place that decides whether
+a backward may write dW into the weight's view in the flat buffer (the wgrad
+GEMM's ``C +=``) and hands that memory to autograd's AccumulateGrad. Every op
+with a weight GEMM (``linear``, ``float8_linear``, ``linear_cross_entropy``)
+calls them through this module (``common.flat_wgrad``), so a test can switch the
+path off in one place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tkern.flat import has_grad_view, take_grad_view
+
+__all__ = ["as_2d", "check_in_features", "flat_wgrad", "hand_over", "is_compiling"]
+
+is_compiling = torch.compiler.is_compiling  # bound once: the fast checks run on every call
+# Whether the running backward will execute an autograd node; raises for a leaf's
+# AccumulateGrad under autograd.grad(), which captures that gradient instead.
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+_increment_version = torch.autograd.graph.increment_version
+
+
+def as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` (..., K) as (M, K); also for K == 0, where ``reshape(-1, 0)`` is ambiguous."""
+    return x.reshape(-1, k) if k else x.reshape(math.prod(x.shape[:-1]), 0)
+
+
+def check_in_features(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """x (..., K) against weight (N, K), as both linears take them."""
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"x must have shape (..., {weight.shape[1]}) to match weight of shape "
+            f"{tuple(weight.shape)} (N, K), got shape {tuple(x.shape)}"
+        )
+
+
+def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None) -> tuple | None:
+    """``(weight, view, accumulate)`` when this backward may put dW straight into
+    the weight's gradient view in a fused optimizer's flat buffer (the wgrad
+    GEMM adds into it, ``C +=``, when ``.grad`` is the view, or writes into it
+    when ``.grad`` is None), else None. ``weight``: input 1 of the Function whose
+    backward runs, if the caller has it (a cheap refusal first).
+
+    Autograd's AccumulateGrad adds whatever backward returns into ``.grad``: a
+    fresh (N, K) dW costs that allocation and one more pass over the gradient.
+    Instead the GEMM puts dW into the view and :func:`hand_over` gives autograd
+    a tensor over the view's memory with ``.grad`` set to None: AccumulateGrad,
+    finding no ``.grad``, adopts it as it is (no copy, no add: nothing else refers
+    to it), its hooks (DDP's, ZeRO-2's, the flat buffer's, the user's
+    post-accumulate ones) fire as before, and the flat buffer's hook puts the
+    view back. A second use of the weight in the same graph (tied weights) finds
+    the view taken (flat.take_grad_view) and returns its share as usual, which
+    autograd sums with the first before accumulating. Only where that is exactly
+    AccumulateGrad's result: a leaf weight of ``dtype`` with a flat view, no tensor
+    hook that would rewrite the gradient before it is accumulated, and a backward
+    that accumulates into ``.grad`` (not ``autograd.grad()``, which captures the
+    gradient, nor one that does not reach this weight)."""
+    if weight is not None and not (weight.is_leaf and has_grad_view(weight)):
+        return None  # the common refusal first, before any autograd lookup (host time)
+    node = ctx.next_functions[1][0]
+    weight = getattr(node, "variable", None)  # AccumulateGrad's leaf; None: not a leaf
+    if weight is None or weight.dtype != dtype or weight._backward_hooks or _will_engine_execute_node is None:
+        return None
+    if is_compiling():
+        return None
+    try:
+        if not _will_engine_execute_node(node):
+            return None
+    except RuntimeError:  # autograd.grad() captures the gradient: it must not land in .grad
+        return None
+    taken = take_grad_view(weight)
+    return None if taken is None else (weight, *taken)
+
+
+def hand_over(target: tuple) -> torch.Tensor:
+    """What backward returns for a weight whose dW the GEMM put into its flat
+    view (:func:`flat_wgrad`'s ``target``): the view's memory, for AccumulateGrad to adopt."""
+    weight, view, _ = target
+    _increment_version(view)  # the kernel wrote it: "has a gradient" (flat.FlatParams)
+    weight.grad = None
+    return view.detach()
