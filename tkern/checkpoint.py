@@ -318,6 +318,15 @@ def validate(
     def fail(why: str) -> None:
         raise CheckpointError(f"checkpoint {path!r} {why}")
 
+    _check_envelope(payload, fail)
+    _check_model(payload["model"], model, fail)
+    _check_optimizer(payload, optimizer, fail)
+    _check_scaler_and_scheduler(payload, scaler, scheduler, fail)
+    _check_counters(payload, fail)
+
+
+def _check_envelope(payload: Any, fail: Callable[[str], None]) -> None:
+    """Format, version, digest and every entry present."""
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         fail("is not a tkern Trainer checkpoint (or was written by an older tkern)")
     if payload.get("version") != CHECKPOINT_VERSION:
@@ -332,8 +341,11 @@ def validate(
     missing = [k for k in PAYLOAD_KEYS if k not in payload]
     if missing:
         fail(f"lacks {', '.join(missing)}")
-    # the model: same keys, same shapes
-    mine, saved = model.state_dict(), payload["model"]
+
+
+def _check_model(saved: Any, model: nn.Module, fail: Callable[[str], None]) -> None:
+    """The model's state: same keys, same shapes."""
+    mine = model.state_dict()
     if not isinstance(saved, dict):
         fail("has no model state dict")
     extra, lacking = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
@@ -346,7 +358,10 @@ def validate(
         ):
             got = tuple(other.shape) if isinstance(other, torch.Tensor) else type(other).__name__
             fail(f"does not fit this model: {key} is {got} in the checkpoint, {tuple(value.shape)} here")
-    # the optimizer: same class, same groups
+
+
+def _check_optimizer(payload: dict, optimizer: torch.optim.Optimizer, fail: Callable[[str], None]) -> None:
+    """The optimizer: same kind, same groups of the same sizes."""
     opt_class = type(optimizer).__name__
     if optimizer_kind(payload["optimizer_class"]) != optimizer_kind(opt_class):
         fail(f"holds a {payload['optimizer_class']} optimizer's state, not a {opt_class}'s")
@@ -356,7 +371,12 @@ def validate(
     for gi, (g, h) in enumerate(zip(optimizer.param_groups, groups, strict=True)):
         if not isinstance(h, dict) or len(h.get("params", ())) != len(g["params"]):
             fail(f"does not fit this {opt_class}: param group {gi} has a different number of params")
-    # scaler and scheduler: present in both or neither, same class, loadable contents
+
+
+def _check_scaler_and_scheduler(
+    payload: dict, scaler: Any, scheduler: Any, fail: Callable[[str], None]
+) -> None:
+    """Present in both or neither, of the same class, with loadable contents."""
     for what, obj in (("scaler", scaler), ("scheduler", scheduler)):
         saved_class = payload[f"{what}_class"]
         if (saved_class is None) != (obj is None) or (payload[what] is None) != (obj is None):
@@ -375,6 +395,10 @@ def validate(
         keys, saved_keys = set(obj.state_dict()), payload[what]
         if not isinstance(saved_keys, dict) or (saved_keys and set(saved_keys) != keys):
             fail(f"has a {what} state that does not fit this {type(obj).__name__}")
+
+
+def _check_counters(payload: dict, fail: Callable[[str], None]) -> None:
+    """Epoch and step counts, the history and the RNG states."""
     for key in ("epoch", "step"):
         value = payload[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
