@@ -122,7 +122,7 @@ def test_the_specialization_check_catches_a_misaligned_loss_scale():
     )
 
 
-def test_the_loss_scale_is_16_byte_aligned_wherever_it_lives(tmp_path):
+def test_the_loss_scale_is_16_byte_aligned_wherever_it_lives():
     scaler = tkern.DynamicLossScaler()
     scaler.scale(torch.ones((), device=DEVICE))
     assert scaler.inv_scale.data_ptr() % 16 == 0
