@@ -71,6 +71,7 @@ from tkern.optim.state import (
     GroupRules,
     ParamState,
     export_state,
+    flat_seed,
     read_state,
     write_state,
 )
@@ -335,7 +336,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         names = self._group_state_names(group)
         flats = []
         for (_, state_dtype), idx in by_kind.items():
-            seed = (self.seed + 0x9E3779B1 * sum(map(len, self._flat)) + len(flats)) & 0x7FFFFFFF
+            seed = flat_seed(self.seed, sum(map(len, self._flat)), len(flats))
             modes = {"master": self._master, "state_dtype": state_dtype, "seed": seed}
             flats.append(self._make_flat([group["params"][i] for i in idx], idx, gi, names, modes))
         self._flat.append(flats)
@@ -562,7 +563,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         (:mod:`tkern.optim.state`)."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        out = export_state(self.param_groups, self._flat, self.state, self._export, self._entry)
+        out = export_state(
+            self.param_groups, self._flat, self.state, self._export, self._entry, seed=self.seed
+        )
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
@@ -642,6 +645,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         loaded = read_state(state_dict, self.param_groups, self._flat, self._group_rules())
+        if loaded.seed is not None:  # the rounding stream resumes where it was
+            self.seed = loaded.seed & 0x7FFFFFFF
         for key in self.extra_state():  # as torch: the loaded state replaces the old
             del self.state[key]
         self.state.update(loaded.extra)
