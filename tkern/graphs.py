@@ -173,6 +173,9 @@ class CudaGraphCapture:
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None  # made on first use: none on a CPU
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_stream": None}  # a copy (a pickled optimizer) makes its own stream
+
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
@@ -231,10 +234,6 @@ class StepGraph(Generic[T]):
         self._replay: Callable[[], None] | None = None
         self._out: Any = None
 
-    @property
-    def captured(self) -> bool:
-        return self._replay is not None
-
     def run(self, fn: Callable[..., T], inputs: Sequence[torch.Tensor]) -> tuple[T, str]:
         """``(fn's result, how the step ran)``: a warm-up, a capture (then a replay) or a
         replay. After a replay the result is the captured static output, which the
@@ -280,9 +279,6 @@ class StepGraphs:
         """Drop every graph and static buffer (after a load changed the state they captured)."""
         self._graphs.clear()
         self._stamp = None
-
-    def __len__(self) -> int:
-        return len(self._graphs)
 
     def run(
         self,
