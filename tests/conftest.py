@@ -8,10 +8,16 @@ else through Triton's interpreter on the CPU.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-import tkern
+# A CUDA graph whose capture fails raises in the tests instead of warning and running
+# eager (tkern.graphs): a test that meant to run graphed fails rather than passing eager.
+os.environ.setdefault("TKERN_GRAPH_STRICT", "1")
+
+import tkern  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not tkern.INTERPRET else "cpu"
 

@@ -77,6 +77,53 @@ def test_forward_and_gradients_are_the_linear_within_fp8_precision(recipe):
     assert_within(x1.grad, x2.grad, 0.15)
 
 
+def _dequantized(q, scale, block):
+    """float64 values of fp8 ``q`` (R, C) with a per-tensor ``scale`` (no ``block``) or
+    (bm, bk) block scales: what the scaled GEMM multiplies."""
+    if not block:
+        return q.double() * scale.double().reshape(-1)[0]
+    r, c = q.shape
+    full = scale.double().repeat_interleave(block[0], 0)[:r].repeat_interleave(block[1], 1)[:, :c]
+    return q.double() * full
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_weight_gradient_is_the_product_of_its_quantized_operands(recipe, monkeypatch):
+    """dW for every recipe against a float64 product of the fp8 operands the wgrad GEMM
+    received (dequantized with their scales): the casts are tested in test_float8.py,
+    this is the GEMM, its scales and its operand layout (blockwise re-tiles both)."""
+    calls = []
+    real = tkern.ops.float8.scaled_mm
+
+    def recording(a, b, scale_a, scale_b, **kw):
+        calls.append((a, b, scale_a, scale_b, kw.get("block_a"), kw.get("block_b")))
+        return real(a, b, scale_a, scale_b, **kw)
+
+    monkeypatch.setattr(tkern.ops.float8, "scaled_mm", recording)
+    lin = bf16_linear(seed=2)
+    mine = Float8Linear(256, 64, recipe=recipe, device=DEVICE)
+    mine.load_state_dict(lin.state_dict())
+    x = torch.randn(40, 256, device=DEVICE, dtype=torch.bfloat16)
+    for _ in range(2):  # delayed scaling: the second step casts with the first's amax
+        mine.weight.grad = None
+        calls.clear()
+        y = mine(x)
+        g = torch.randn_like(y)
+        y.backward(g)
+    (a, b, sa, sb, block_a, block_b) = next(c for c in calls if c[0].shape == (64, 40))  # (N, M) @ (M, K)
+    qa, qb = _dequantized(a, sa, block_a), _dequantized(b, sb, block_b)
+    ref = qa @ qb
+    # fp8 x fp8 products are exact in fp32; their fp32 sums over M = 40 (per K block,
+    # then scaled) each err by <= M * 2^-24 * sum |products|, and the result is
+    # rounded once to bf16 (half an ulp, 2^-9 relative): bound both, doubled.
+    tol = 2 * (2.0**-9 * ref.abs() + 40 * 2.0**-24 * (qa.abs() @ qb.abs()))
+    err = (mine.weight.grad.double() - ref).abs()
+    assert (err <= tol).all(), f"max excess {(err - tol).max().item()}"
+    # the bound is tight enough to tell the quantized product from the exact one
+    exact = g.double().t() @ x.double()
+    assert ((mine.weight.grad.double() - exact).abs() > tol).any()
+
+
 def mlp(width=32, seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(

@@ -1,44 +1,24 @@
-"""The optimizer step as one CUDA graph (issue 16): when it is captured, replayed or run
+"""The optimizer step as one CUDA graph: when it is warmed up, captured, replayed or run
 eager, and that a replayed step is the eager step, bit for bit.
 
 A CPU has no CUDA graphs, so the capture goes through the optimizer's seam
-(``graph_runner``) with a stand-in that keeps the captured callable and, on each
-replay, runs it again against the same static tensors, writing the statistics
-into the tensor the capture returned, as a graph replay does. A step that read
-anything but the static buffers (a fresh loss scale, found_inf) would then replay
-stale values and the comparison with eager would fail."""
+(``graph_capture``) with :class:`graph_recorder.RecordingCapture`: the capture records
+the step's launches (Triton kernels and torch ops, with their very arguments) and
+undoes them, and each replay runs exactly those launches again. A step whose capture
+bound anything but the static buffers (a loss scale or found_inf made afresh per
+step, a Python value that changed) replays stale values, and the comparison with
+eager (``cuda_graph=False``) fails."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import DEVICE
+from graph_recorder import RecordingCapture
 
 import tkern
+from tkern.graphs import STRICT_ENV
 from tkern.optim import FusedAdamW, FusedSGD
-
-
-class RecordingRunner:
-    """Capture: keep ``fn``, run nothing. Replay: ``fn()`` into the captured statistics."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.events: list[str] = []
-
-    def blocker(self, device):
-        return None
-
-    def capture(self, fn):
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        self.events.append("capture")
-        stats = torch.full((3,), float("nan"), device=DEVICE)  # unwritten until a replay
-        return (fn, stats), stats
-
-    def replay(self, handle):
-        self.events.append("replay")
-        fn, stats = handle
-        stats.copy_(fn())
 
 
 def _model(seed=0):
@@ -48,13 +28,17 @@ def _model(seed=0):
     )
 
 
-def _train(runner, steps=12, **kw):
-    """A loss-scaled loop with an overflow, an lr change, a param that sits a step out."""
+def _train(capture, steps=12, scaler="tkern", events=True, lr=1e-2, **kw):
+    """A loss-scaled loop; with ``events`` an overflow, a param that sits a step out
+    and an lr change."""
     model = _model()
-    opt = FusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0, **kw)
-    if runner is not None:
-        opt.graph_runner = runner
-    scaler = tkern.DynamicLossScaler(init_scale=2.0**10, growth_interval=3)
+    opt = FusedAdamW(model.parameters(), lr=lr, max_grad_norm=1.0, **kw)
+    if capture is not None:
+        opt.graph_capture = capture
+    if scaler == "tkern":
+        scaler = tkern.DynamicLossScaler(init_scale=2.0**10, growth_interval=3)
+    elif scaler == "torch":
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0**10, growth_interval=3)
     torch.manual_seed(1)
     x, y = torch.randn(steps, 8, 16, device=DEVICE), torch.randn(steps, 8, 4, device=DEVICE)
     reasons = []
@@ -62,38 +46,123 @@ def _train(runner, steps=12, **kw):
         opt.zero_grad()
         out = model(x[t].half()).float()
         loss = (out - y[t]).pow(2).mean()
-        scaler.scale(loss).backward()
-        if t == 4:
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if events and t == 4:
             model[0].weight.grad[0, 0] = float("inf")  # an overflow: skipped on the device
-        if t == 7:
+        if events and t == 7:
             model[2].bias.grad = None  # sits this step out: a new plan
-        if t == 9:
+        if events and t == 9:
             opt.param_groups[0]["lr"] = 5e-3  # a scheduler's change: new hyperparameters
-        scaler.step(opt)
-        scaler.update()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         reasons.append(opt.graph_fallback)
     return model, opt, scaler, reasons
 
 
+def _same_state(a, b):
+    sd_a, sd_b = a.state_dict(), b.state_dict()
+    for i, entry in sd_b["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(sd_a["state"][i][k], v), (i, k)
+
+
 def test_a_replayed_step_is_the_eager_step_bit_for_bit():
-    runner = RecordingRunner()
-    graphed, g_opt, g_scaler, reasons = _train(runner)
+    capture = RecordingCapture()
+    graphed, g_opt, g_scaler, reasons = _train(capture)
     eager, e_opt, e_scaler, _ = _train(None, cuda_graph=False)
     for a, b in zip(graphed.parameters(), eager.parameters(), strict=True):
         assert torch.equal(a, b)
     assert g_scaler.get_scale() == e_scaler.get_scale() and g_scaler.skipped_steps == 1
-    sd_g, sd_e = g_opt.state_dict(), e_opt.state_dict()
-    for i, entry in sd_e["state"].items():
-        for k, v in entry.items():
-            assert torch.equal(sd_g["state"][i][k], v), (i, k)
-    # step 0 eager (new), step 1 captured (the launches repeat), then replays; the overflow
-    # step replays too (the skip is on the device); steps 7 and 8 (a param sits out: a new
-    # plan, then one more with its own step count) and 9 (new lr) run eager; 10 captures
-    # again (9's launches repeat) and 11 replays
-    eager_steps = [t for t, r in enumerate(reasons) if r is not None]
-    assert eager_steps == [0, 7, 8, 9]
-    assert runner.events.count("capture") == 2
-    assert runner.events.count("replay") == 12 - len(eager_steps)
+    _same_state(g_opt, e_opt)
+    # step 0 warms up (a new stamp), step 1 is captured (the stamp repeats), then replays;
+    # the overflow step replays too (the skip is on the device); steps 7 and 8 (a param
+    # sits out: a new plan, then one more with its own step count) and 9 (new lr) warm
+    # up; 10 captures again (9's stamp repeats) and 11 replays
+    assert [t for t, r in enumerate(reasons) if r is not None] == [0, 7, 8, 9]
+    assert g_opt.graph_counts == {"warmup": 4, "capture": 2, "replay": 6}
+    assert capture.log.count("capture") == 2 and capture.log.count("replay") == 8
+    assert e_opt.graph_counts == {"eager": 12} and e_opt.graph_fallback == "cuda_graph=False"
+
+
+@pytest.mark.parametrize("scaler", ["tkern", "torch", None])
+def test_every_captured_launch_was_warmed_up_with_the_same_specialization(scaler):
+    """Triton compiles a kernel per specialization (pointer alignment, divisibility,
+    constexprs, options): a captured launch no warm-up ran would compile inside the
+    capture, which CUDA refuses. Graphed equals eager for each kind of scaler."""
+    capture = RecordingCapture()
+    graphed, g_opt, _, _ = _train(capture, steps=5, scaler=scaler, events=False)
+    eager, e_opt, _, _ = _train(None, steps=5, scaler=scaler, events=False, cuda_graph=False)
+    assert g_opt.graph_counts == {"warmup": 1, "capture": 1, "replay": 3}
+    assert capture.launches["capture"], "the capture launched nothing"
+    assert capture.unseen_launches() == []
+    for a, b in zip(graphed.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(a, b)
+    _same_state(g_opt, e_opt)
+
+
+def test_the_specialization_check_catches_a_misaligned_loss_scale():
+    """The old bug: the eager steps read 1 / S at ``state[1:2]`` (4 bytes past 16-byte
+    alignment), the capture a static copy; the two are different compiles."""
+    capture = RecordingCapture()
+    p = torch.zeros(64, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    opt = FusedSGD([p], lr=0.1, cuda_graph=False)
+    p.grad.fill_(1.0)
+    state = torch.ones(8, device=DEVICE)
+    capture.warmup(lambda: opt.step(inv_scale=state[1:2]))
+    capture.capture(lambda: opt.step(inv_scale=state[4:5]))
+    unseen = capture.unseen_launches()  # the capture's 1 / S is aligned ("D"), the warm-up's not
+    assert unseen and all(
+        dict((k[0], k[1:]) for k in key[1])["inv_scale_ptr"] == ("*fp32", "D") for key in unseen
+    )
+    assert all(
+        k[1:] == ("*fp32", "") for w in capture.launches["warmup"] for k in w[1] if k[0] == "inv_scale_ptr"
+    )
+
+
+def test_the_loss_scale_is_16_byte_aligned_wherever_it_lives():
+    scaler = tkern.DynamicLossScaler()
+    scaler.scale(torch.ones((), device=DEVICE))
+    assert scaler.inv_scale.data_ptr() % 16 == 0
+    loaded = tkern.DynamicLossScaler()
+    loaded.load_state_dict(scaler.state_dict())  # kept on the CPU until its first use
+    assert loaded.inv_scale.data_ptr() % 16 == 0
+    loaded.scale(torch.ones((), device=DEVICE))
+    assert loaded.inv_scale.data_ptr() % 16 == 0
+    assert torch.equal(loaded.state, scaler.state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_device_lr_written_in_place_keeps_one_graph_and_replays_read_it(dtype):
+    """An lr tensor on the params' device is read by the kernels: a schedule that
+    writes it in place keeps the graph, and every replay reads the current value (a
+    replay of a stale copy would differ from eager). Another tensor captures anew."""
+
+    def run(capture, **kw):
+        lr = torch.tensor(1e-2, dtype=dtype, device=DEVICE)
+        model = _model()
+        opt = FusedAdamW(model.parameters(), lr=lr, **kw)
+        if capture is not None:
+            opt.graph_capture = capture
+        torch.manual_seed(1)
+        for t in range(8):
+            opt.zero_grad()
+            model(torch.randn(8, 16, device=DEVICE).half()).float().pow(2).mean().backward()
+            lr.mul_(0.7)  # a schedule on the device
+            if t == 5:
+                opt.param_groups[0]["lr"] = lr.clone()  # another tensor: a new stamp
+            opt.step()
+        return model, opt
+
+    graphed, g_opt = run(RecordingCapture())
+    eager, e_opt = run(None, cuda_graph=False)
+    for a, b in zip(graphed.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(a, b)
+    _same_state(g_opt, e_opt)
+    # 0 warms up, 1 captures, 2-4 replay; 5 brings the new tensor, 6 captures, 7 replays
+    assert g_opt.graph_counts == {"warmup": 2, "capture": 2, "replay": 4}
 
 
 def test_the_step_runs_eager_where_it_cannot_be_graphed():
@@ -102,7 +171,8 @@ def test_the_step_runs_eager_where_it_cannot_be_graphed():
     p.grad.fill_(1.0)
     opt.step()
     if DEVICE == "cpu":
-        assert "not a CUDA device" in opt.graph_fallback
+        assert opt.graph_fallback == "the params are on cpu, and only cuda work can be captured"
+        assert opt.graph_counts == {"eager": 1}
     off = FusedSGD([torch.zeros(8, device=DEVICE, requires_grad=True)], lr=0.1, cuda_graph=False)
     off.step()
     assert off.graph_fallback == "cuda_graph=False"
@@ -110,12 +180,29 @@ def test_the_step_runs_eager_where_it_cannot_be_graphed():
         FusedSGD([torch.zeros(8, device=DEVICE, requires_grad=True)], cuda_graph="yes")
 
 
-def test_a_failed_capture_warns_once_and_the_step_is_still_taken():
+def test_the_former_seam_name_is_the_same_seam():
+    opt = FusedSGD([torch.zeros(8, device=DEVICE, requires_grad=True)], lr=0.1)
+    seam = RecordingCapture()
+    opt.graph_runner = seam
+    assert opt.graph_capture is seam and opt.graph_runner is seam
+
+
+def test_a_failed_capture_warns_once_and_the_step_is_still_taken(monkeypatch):
+    monkeypatch.delenv(STRICT_ENV, raising=False)  # as a user runs
     with pytest.warns(UserWarning, match="capturing the step failed") as caught:
-        model, opt, _, reasons = _train(RecordingRunner(fail=True), steps=4)
+        model, opt, _, reasons = _train(RecordingCapture(fail=True), steps=4)
     assert len(caught) == 1
     eager, _, _, _ = _train(None, steps=4, cuda_graph=False)
     assert opt.cuda_graph is False and reasons[-1] == "cuda_graph=False"
-    assert "capturing the step failed" in reasons[1]
+    assert reasons[1] == (
+        "capturing the step failed (RuntimeError: operation not permitted when stream is capturing); "
+        "running eager"
+    )
     for a, b in zip(model.parameters(), eager.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_failed_capture_raises_under_the_strict_flag(monkeypatch):
+    monkeypatch.setenv(STRICT_ENV, "1")  # as the test suite runs
+    with pytest.raises(RuntimeError, match="^operation not permitted when stream is capturing"):
+        _train(RecordingCapture(fail=True), steps=2)

@@ -144,7 +144,7 @@ class LossScaler:
         state[K.SCALE] = self.init_scale
         state[K.INV_SCALE] = 1.0 / self.init_scale
         state[K.LAST_LOSS] = float("nan")
-        return state.to(device)
+        return _placed(state, device)
 
     def _lazy_state(self, device: torch.device) -> torch.Tensor:
         if self._state is None:
@@ -155,7 +155,7 @@ class LossScaler:
                 raise ValueError(
                     f"the loss is on {device}, but this scaler's state is on {self._state.device}"
                 )
-            self._state = self._state.to(device)
+            self._state = _placed(self._state, device)
             self._mirror = _HostMirror(self._state)
         self._state_movable = False
         return self._state
@@ -422,10 +422,10 @@ class LossScaler:
             self._state, self._mirror, self._state_movable = None, None, False
             return
         if self._state is not None:
-            self._state = saved.to(self._state.device)
+            self._state = _placed(saved, self._state.device)
             self._state_movable = False
         else:
-            self._state = saved
+            self._state = _placed(saved, saved.device)
             self._state_movable = True
         self._mirror = _HostMirror(self._state)
 
@@ -704,6 +704,20 @@ class LogNormalLossScaler(LossScaler):
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def _placed(state: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of the (STATE_SIZE,) state vector on ``device``, placed in its allocation
+    so that ``inv_scale`` (the state at ``INV_SCALE``, which the optimizer's kernels
+    read) starts 16 bytes aligned: Triton specializes a pointer on 16-byte
+    alignment, and a CUDA graph of the step must launch what its eager warm-up
+    compiled (:mod:`tkern.graphs`), whether it reads the scale or a static copy."""
+    floats_per_16_bytes = 4
+    buf = torch.empty(K.STATE_SIZE + floats_per_16_bytes - 1, dtype=torch.float32, device=device)
+    pad = -(buf.data_ptr() // buf.element_size() + K.INV_SCALE) % floats_per_16_bytes
+    out = buf[pad : pad + K.STATE_SIZE]
+    out.copy_(state)
+    return out
 
 
 def _is_real(value: Any) -> bool:

@@ -12,7 +12,7 @@ device tensors and read once per epoch (and every ``log_every`` steps for the
 progress bar).
 
 With ``cuda_graph=True`` a step of one micro-batch is captured as a CUDA graph
-per batch shape and replayed (:class:`StepGraphs`), after warm-up steps; where
+per batch shape and replayed (:class:`tkern.graphs.StepGraphs`), after warm-up steps; where
 :func:`graph_blocker` gives a reason it cannot be, the trainer warns once and
 runs eager.
 """
@@ -25,8 +25,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,18 @@ from torch import nn
 from tkern import checkpoint
 from tkern.amp import LossScaler
 from tkern.checkpoint import CheckpointError
+from tkern.graphs import (
+    CAPTURE,
+    EAGER,
+    REPLAY,
+    CaptureError,
+    CudaGraphCapture,
+    GraphCapture,
+    StepGraphs,
+    capture_failed,
+    device_blocker,
+    key_value,
+)
 from tkern.kernels import INTERPRET
 from tkern.optim import FusedOptimizer
 
@@ -77,53 +88,6 @@ WARMUP_STEPS = 3
 MAX_GRAPHS = 2
 
 
-class GraphCapture(Protocol):
-    """The seam between :class:`StepGraphs`' bookkeeping and the device:
-    :class:`CudaGraphCapture` on a GPU; tests pass one that records and runs eagerly."""
-
-    #: the device type whose work this seam can capture
-    device_type: str
-
-    def warmup(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run ``fn`` eagerly, as a warm-up for a later capture; return its result."""
-        ...
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        """Record ``fn`` without running it: (replay, the static tensor ``fn``
-        returned, which every replay rewrites)."""
-        ...
-
-
-class CudaGraphCapture:
-    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``, as torch's recipe for
-    whole-network capture: warm-up on a side stream, then ``torch.cuda.graph``."""
-
-    device_type = "cuda"
-
-    def __init__(self) -> None:
-        self._stream: torch.cuda.Stream | None = None  # made on first use: none on a CPU
-
-    def warmup(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        # a side stream, as capture uses one: lazy per-stream state (autograd's
-        # stream bookkeeping, cuBLAS handles) is made on a stream that is not the
-        # legacy default one
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            out = fn()
-        torch.cuda.current_stream().wait_stream(self._stream)
-        return out
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a DataLoader's pin-memory thread may call the CUDA API
-        # while this thread captures, which the default ("global") mode forbids
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = fn()
-        return graph.replay, out
-
-
 def graph_blocker(
     *,
     model: nn.Module,
@@ -143,10 +107,9 @@ def graph_blocker(
     while the model is on that device.
     """
     opt = type(optimizer).__name__
-    if device.type != capture_device_type:
-        return f"the model is on {device}, and only {capture_device_type} work can be captured"
-    if interpreted:
-        return "tkern's kernels run in Triton's interpreter (TRITON_INTERPRET=1), on the host"
+    reason = device_blocker(device, "the model is", device_type=capture_device_type, interpreted=interpreted)
+    if reason is not None:
+        return reason
     if accumulation_steps > 1:
         return f"accumulation_steps={accumulation_steps}: only a step of one forward and backward is captured"
     if scheduler is not None:
@@ -175,10 +138,12 @@ def graph_blocker(
     if isinstance(optimizer, FusedOptimizer):
         for i, group in enumerate(optimizer.param_groups):
             for key, value in group.items():
+                if key == "lr" and isinstance(value, torch.Tensor) and value.device == device:
+                    continue  # read by the kernels on the device
                 if key != "params" and isinstance(value, torch.Tensor):
                     return (
                         f"{opt} has a tensor {key} (param group {i}), which its step reads on the host; "
-                        "give it as a number"
+                        f"give it as a number{' or a tensor on ' + str(device) if key == 'lr' else ''}"
                     )
     elif not all(g.get("capturable", False) for g in optimizer.param_groups):
         return f"{opt} is not built with capturable=True, and torch refuses to capture its step without it"
@@ -188,134 +153,19 @@ def graph_blocker(
 def graph_stamp(optimizer: torch.optim.Optimizer, scaler: Any) -> tuple:
     """What a captured step bakes in that may change between steps: each param
     group's hyperparameters (tkern's kernels take them as arguments, so a graph
-    replays the values of its capture) and its number of params, and the address
-    of the loss scaler's state. A different stamp means capturing again."""
+    replays the values of its capture; a tensor lr on the device by identity, read
+    in place: :func:`tkern.graphs.key_value`) and its number of params, and the
+    address of the loss scaler's state. A different stamp means capturing again."""
     groups = tuple(
-        (len(g["params"]), tuple((k, _stamp_value(v)) for k, v in g.items() if k != "params"))
+        (len(g["params"]), tuple((k, key_value(v)) for k, v in g.items() if k != "params"))
         for g in optimizer.param_groups
     )
     state = scaler.state if isinstance(scaler, LossScaler) else None
     return groups, None if state is None else state.data_ptr()
 
 
-def _stamp_value(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):  # a tensor hyperparameter: the same tensor, unwritten
-        return ("tensor", id(value), value._version)
-    try:
-        hash(value)
-    except TypeError:
-        return ("object", id(value))
-    return value
-
-
 def _batch_key(x: torch.Tensor, y: torch.Tensor) -> tuple:
     return tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in (x, y))
-
-
-@dataclass
-class _ShapeGraph:
-    """One batch shape's static input buffers, warm-up count and graph."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    warmups: int = 0
-    replay: Callable[[], None] | None = None
-    loss: torch.Tensor | None = None  # the loss the graph writes on every replay
-
-
-class StepGraphs:
-    """Whole training steps as graphs, one per batch shape (at most ``max_graphs``).
-
-    ``body(x, y, measure)`` is one whole step (zero the gradients in place, forward,
-    loss, scaled backward, scaler step and update or optimizer step) returning its loss.
-    Each batch is copied into its shape's static buffers; the first ``warmup_steps``
-    batches of a shape run eagerly through ``capture.warmup``, the next is captured and
-    replayed, and every later one only replays. Batches of a shape beyond the first
-    ``max_graphs`` run ``body`` eagerly (with a one-time warning). ``stamp()`` says
-    what the graphs bake in (:func:`graph_stamp`): when it changes between steps every
-    graph is dropped and warm-up starts again.
-
-    ``counts`` says how each step ran: ``warmup``, ``capture`` (captured, then
-    replayed), ``replay`` and ``eager``.
-    """
-
-    def __init__(
-        self,
-        body: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
-        capture: GraphCapture,
-        stamp: Callable[[], tuple],
-        *,
-        warmup_steps: int = WARMUP_STEPS,
-        max_graphs: int = MAX_GRAPHS,
-    ) -> None:
-        self.body = body
-        self.capture = capture
-        self.stamp = stamp
-        self.warmup_steps = warmup_steps
-        self.max_graphs = max_graphs
-        self.counts: Counter[str] = Counter()
-        self._graphs: dict[tuple, _ShapeGraph] = {}
-        self._stamp: tuple | None = None
-        self._warned_shapes = False
-
-    def reset(self) -> None:
-        """Drop every graph and static buffer (after a load changed the state they captured)."""
-        self._graphs.clear()
-        self._stamp = None
-
-    def run(self, x: torch.Tensor, y: torch.Tensor, measure: bool = False) -> torch.Tensor:
-        """One step on the batch ``(x, y)`` (on the model's device); its loss."""
-        stamp = self.stamp()
-        if stamp != self._stamp:
-            self.reset()
-            self._stamp = stamp
-        key = _batch_key(x, y)
-        entry = self._graphs.get(key)
-        if entry is not None and entry.replay is not None:
-            return self._replay(entry, x, y, "replay")
-        if entry is None and len(self._graphs) >= self.max_graphs:
-            if not self._warned_shapes:
-                self._warned_shapes = True
-                warnings.warn(
-                    f"Trainer(cuda_graph=True): batches of shape {tuple(x.shape)} run eager; graphs "
-                    f"are kept for the first {self.max_graphs} batch shapes only",
-                    stacklevel=3,
-                )
-            self.counts["eager"] += 1
-            loss = self.body(x, y, measure)
-        else:
-            if entry is None:
-                entry = self._graphs[key] = _ShapeGraph(torch.empty_like(x), torch.empty_like(y))
-            if entry.warmups < self.warmup_steps:
-                entry.warmups += 1
-                self.counts["warmup"] += 1
-                entry.x.copy_(x, non_blocking=True)
-                entry.y.copy_(y, non_blocking=True)
-                loss = self.capture.warmup(lambda: self.body(entry.x, entry.y, measure))
-            else:
-                self._capture(entry)
-                loss = self._replay(entry, x, y, "capture")
-        # Python ran the step and may have built what the stamp looks at (the
-        # scaler's state, on the first step); a replay runs no Python
-        self._stamp = self.stamp()
-        return loss
-
-    def _capture(self, entry: _ShapeGraph) -> None:
-        try:
-            entry.replay, entry.loss = self.capture.capture(lambda: self.body(entry.x, entry.y, False))
-        except Exception as e:
-            first_line = str(e).splitlines()[0] if str(e) else ""
-            raise RuntimeError(
-                f"Trainer(cuda_graph=True): capturing the step for batches of shape {tuple(entry.x.shape)} "
-                f"failed ({type(e).__name__}: {first_line}); train with cuda_graph=False"
-            ) from e
-
-    def _replay(self, entry: _ShapeGraph, x: torch.Tensor, y: torch.Tensor, how: str) -> torch.Tensor:
-        entry.x.copy_(x, non_blocking=True)
-        entry.y.copy_(y, non_blocking=True)
-        entry.replay()
-        self.counts[how] += 1
-        return entry.loss.clone()  # the next replay rewrites the static loss
 
 
 class Trainer:
@@ -403,6 +253,7 @@ class Trainer:
         self.graphs: StepGraphs | None = None
         #: why ``cuda_graph=True`` runs eager (None when it captures, or was not asked for)
         self.graph_fallback: str | None = None
+        self._warned_shapes = False
         if cuda_graph:
             capture = CudaGraphCapture() if graph_capture is None else graph_capture
             self.graph_fallback = graph_blocker(
@@ -416,9 +267,7 @@ class Trainer:
                 interpreted=INTERPRET and self.device.type == "cuda",
             )
             if self.graph_fallback is None:
-                self.graphs = StepGraphs(
-                    self._whole_step, capture, lambda: graph_stamp(self.optimizer, self.scaler)
-                )
+                self.graphs = StepGraphs(capture, warmup_steps=WARMUP_STEPS, max_graphs=MAX_GRAPHS)
             else:
                 warnings.warn(f"Trainer(cuda_graph=True) runs eager: {self.graph_fallback}", stacklevel=2)
 
@@ -472,7 +321,7 @@ class Trainer:
             total = self._steps_through(micro_batches, set_to_none=True, measure=measure)
         elif len(micro_batches) == 1:
             x, y = (t.to(self.device, non_blocking=True) for t in micro_batches[0])
-            total = self.graphs.run(x, y, measure)
+            total = self._graphed_step(x, y, measure)
         else:  # in place, as the graphs: their gradient buffers must stay where they were captured
             total = self._steps_through(micro_batches, set_to_none=False, measure=measure)
         if self.scheduler is not None:
@@ -480,9 +329,35 @@ class Trainer:
         self.step += 1
         return total
 
-    def _whole_step(self, x: torch.Tensor, y: torch.Tensor, measure: bool) -> torch.Tensor:
-        """The step :class:`StepGraphs` warms up, captures and runs eagerly."""
-        return self._steps_through([(x, y)], set_to_none=False, measure=measure)
+    @property
+    def graph_counts(self) -> Counter[str]:
+        """How the steps ran with ``cuda_graph=True``: ``warmup``, ``capture``
+        (captured, then replayed), ``replay``, ``eager`` (empty without graphs)."""
+        return Counter() if self.graphs is None else self.graphs.counts
+
+    def _graphed_step(self, x: torch.Tensor, y: torch.Tensor, measure: bool) -> torch.Tensor:
+        """One whole step through :attr:`graphs`: the batch is copied into its shape's
+        static buffers, then warmed up, captured or replayed (or run eager, for a
+        shape beyond the first ``MAX_GRAPHS``). A failed capture raises: its step
+        ran part of its Python (the scaler's bookkeeping) and cannot be retaken."""
+        try:
+            loss, how = self.graphs.run(
+                lambda sx, sy: self._steps_through([(sx, sy)], set_to_none=False, measure=measure),
+                (x, y),
+                lambda: graph_stamp(self.optimizer, self.scaler),
+                _batch_key(x, y),
+            )
+        except CaptureError as e:
+            why = capture_failed(f"the step for batches of shape {tuple(x.shape)}", e)
+            raise RuntimeError(f"Trainer(cuda_graph=True): {why}; train with cuda_graph=False") from e
+        if how == EAGER and not self._warned_shapes:
+            self._warned_shapes = True
+            warnings.warn(
+                f"Trainer(cuda_graph=True): batches of shape {tuple(x.shape)} run eager; graphs "
+                f"are kept for the first {MAX_GRAPHS} batch shapes only",
+                stacklevel=4,
+            )
+        return loss.clone() if how in (CAPTURE, REPLAY) else loss  # the next replay rewrites it
 
     def _steps_through(
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], set_to_none: bool, measure: bool

@@ -45,14 +45,23 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from tkern.flat import FlatParams, check_modes, describe_param
-from tkern.kernels import INTERPRET
+from tkern.graphs import (
+    EAGER,
+    WARMUP,
+    CaptureError,
+    CudaGraphCapture,
+    GraphCapture,
+    StepGraphs,
+    capture_failed,
+    key_value,
+)
 from tkern.kernels._update import MIN_8BIT_SIZE, PARAM_DTYPES, UpdateBuffers
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats
 from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
@@ -62,6 +71,7 @@ from tkern.optim.state import (
     GroupRules,
     ParamState,
     export_state,
+    flat_seed,
     read_state,
     write_state,
 )
@@ -121,97 +131,25 @@ def full_signature(cls: type, extra: tuple[inspect.Parameter, ...] = ()) -> insp
     return inspect.Signature([*positional, *keyword.values(), *extra])
 
 
-class CudaGraphRunner:
-    """Captures a callable into a ``torch.cuda.CUDAGraph`` and replays it: the
-    seam through which :class:`StepGraph` uses CUDA graphs (tests put a recording
-    stand-in here, since a CPU has none)."""
-
-    def blocker(self, device: torch.device | None) -> str | None:
-        """Why a step on ``device`` cannot be captured now (None if it can)."""
-        if device is None or device.type != "cuda" or INTERPRET:
-            return f"the params are on {device}, not a CUDA device (kernels run through Triton's interpreter)"
-        if torch.cuda.is_current_stream_capturing():
-            return "the step is inside another CUDA graph's capture (e.g. Trainer(cuda_graph=True))"
-        return None
-
-    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
-        """``(graph, fn's result)``: ``fn``'s launches captured, not run."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
-        return graph, out
-
-    def replay(self, graph: Any) -> None:
-        graph.replay()
+#: The optimizer's capture seam under its former name.
+CudaGraphRunner = CudaGraphCapture
 
 
-class StepGraph:
-    """A fused optimizer's device step (:meth:`FusedOptimizer._device_step`) as one
-    CUDA graph: a step's launch cost becomes one graph launch (and up to three
-    tiny copies of its inputs), whatever the number of kernels.
+def _step_stamp(opt: FusedOptimizer, args: list[dict], found_inf: torch.Tensor | None) -> tuple:
+    """What the step's graph bakes in: the groups' hyperparameters as the kernels take
+    them (a device lr by the tensor the group holds, which replays read in place:
+    :func:`tkern.graphs.key_value`), the planned ranges, whether a GradScaler hands
+    over found_inf."""
 
-    The step is captured when the same *key* comes twice in a row and replayed
-    while it stays: the key holds everything baked into the launches (the groups'
-    hyperparameters as the kernels take them, the planned ranges, whether a
-    GradScaler hands over found_inf). A change (a scheduler's new lr, an added
-    group, a param sitting a step out) runs that step eager and the next repeat
-    captures again, so a key that changes every step never captures (an lr
-    schedule that moves every step: pass ``lr`` as a tensor on the device, read
-    by the kernels, to keep the graph). The inputs that change every step
-    (1 / loss scale, found_inf) are copied into static buffers first. A capture
-    that fails turns the graphs off for this optimizer with a warning."""
+    def frozen(group: dict, key: str, value: Any) -> Any:
+        return key_value(group[key] if isinstance(value, torch.Tensor) else value)
 
-    def __init__(self) -> None:
-        self._last_key: Any = None
-        self._key: Any = None
-        self._handle: Any = None
-        self._stats: torch.Tensor | None = None
-        self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None
-        #: How many steps were captured and replayed (captures count as replays too).
-        self.captures = 0
-        self.replays = 0
-
-    @staticmethod
-    def _key_of(opt: FusedOptimizer, args: list[dict], found_inf: torch.Tensor | None) -> tuple:
-        def frozen(value: Any) -> Any:
-            return ("tensor", id(value)) if isinstance(value, torch.Tensor) else value
-
-        hyper = tuple(tuple(sorted((k, frozen(v)) for k, v in a.items())) for a in args)
-        plans = tuple(flat.plan_version for flats in opt.flat_buffers for flat in flats)
-        return hyper, plans, found_inf is not None
-
-    def run(self, opt: FusedOptimizer, work: list, args: list[dict], inv_scale, found_inf) -> torch.Tensor:
-        key = self._key_of(opt, args, found_inf)
-        if self._inputs is None:
-            self._inputs = (torch.ones(1, device=opt.device), torch.zeros(1, device=opt.device))
-        inv_static, found_static = self._inputs
-        if key != self._key and key != self._last_key:  # new: eager, capture if it repeats
-            self._last_key, self._key, self._handle = key, None, None
-            opt.graph_fallback = (
-                "the step's launches changed since the last step (it is captured when they repeat)"
-            )
-            return opt._device_step(work, inv_scale, found_inf)
-        inv_static.copy_(inv_scale)
-        if found_inf is not None:
-            found_static.copy_(found_inf)
-        if key != self._key:
-            found = found_static if found_inf is not None else None
-            try:
-                self._handle, self._stats = opt.graph_runner.capture(
-                    lambda: opt._device_step(work, inv_static, found)
-                )
-            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
-                opt.cuda_graph = False
-                opt.graph_fallback = f"capturing the step failed ({type(e).__name__}: {e}); running eager"
-                warnings.warn(f"{type(opt).__name__}: {opt.graph_fallback}", stacklevel=3)
-                self._key = self._handle = None
-                return opt._device_step(work, inv_scale, found_inf)
-            self._key = key
-            self.captures += 1
-        opt.graph_runner.replay(self._handle)
-        self.replays += 1
-        opt.graph_fallback = None
-        return self._stats
+    hyper = tuple(
+        tuple(sorted((k, frozen(g, k, v)) for k, v in a.items()))
+        for g, a in zip(opt.param_groups, args, strict=True)
+    )
+    plans = tuple(flat.plan_version for flats in opt.flat_buffers for flat in flats)
+    return hyper, plans, found_inf is not None
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -240,11 +178,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
         #: Replay the step as one CUDA graph (None: wherever it can be, i.e. on CUDA).
         self.cuda_graph = cuda_graph
-        #: Why the last step ran eager instead of as a graph (None if it was graphed).
+        #: Why the last step was not a replay of its graph (None if it was).
         self.graph_fallback: str | None = None
-        #: What captures and replays the step (a :class:`CudaGraphRunner`).
-        self.graph_runner = CudaGraphRunner()
-        self._graph = StepGraph()
+        #: What captures and replays the step (:class:`tkern.graphs.CudaGraphCapture`).
+        self.graph_capture: GraphCapture = CudaGraphCapture()
+        self._graph = self._new_graphs()
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         self._master, self._state_dtype = master, state_dtype
@@ -299,9 +237,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _validate_group(self, group: dict, index: int) -> dict[str, Any]:
         """Check ``group``'s hyperparameters; return them as the kernel takes them."""
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.numel() == 1:
-            # Read by the kernel on the device: no host sync, so its value is not checked here.
-            lr = lr.detach().reshape(1).to(torch.float32)
+        if isinstance(lr, torch.Tensor) and lr.device == self._device and lr.numel() == 1:
+            # Read by the kernel where it lies (a view: in-place writes reach the step,
+            # and its graph), with no host sync, so its value is not checked here.
+            lr = lr.detach().reshape(1)
         else:
             lr = check_nonneg(group, index, "lr", "learning rate")
         args = {
@@ -397,7 +336,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         names = self._group_state_names(group)
         flats = []
         for (_, state_dtype), idx in by_kind.items():
-            seed = (self.seed + 0x9E3779B1 * sum(map(len, self._flat)) + len(flats)) & 0x7FFFFFFF
+            seed = flat_seed(self.seed, sum(map(len, self._flat)), len(flats))
             modes = {"master": self._master, "state_dtype": state_dtype, "seed": seed}
             flats.append(self._make_flat([group["params"][i] for i in idx], idx, gi, names, modes))
         self._flat.append(flats)
@@ -485,9 +424,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             found_inf = found_inf.detach().reshape(1).to(torch.float32)
         reason = self._graph_blocker()
         if reason is None:
-            self.grad_stats = self._graph.run(self, work, args, inv_scale, found_inf)
+            self.grad_stats = self._graphed_step(work, args, inv_scale, found_inf)
         else:
             self.graph_fallback = reason
+            self._graph.counts[EAGER] += 1
             self.grad_stats = self._device_step(work, inv_scale, found_inf)
         self._sync_params()
         for cache in self._float8_caches:  # the fp8 weights' casts, once per step (not per forward)
@@ -506,6 +446,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         stats = self._sync_stats(stats)
         applied = 1.0 - stats[FOUND_INF : FOUND_INF + 1]
         for group_args, plan in work:
+            lr = group_args["lr"]
+            if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:  # the kernels read fp32
+                group_args = {**group_args, "lr": lr.to(torch.float32)}
             for buffers in plan:
                 buffers.stats, buffers.inv_scale = stats, inv_scale
                 self._launch(group_args, buffers)
@@ -514,13 +457,69 @@ class FusedOptimizer(torch.optim.Optimizer):
                 step.add_(applied)
         return stats
 
+    # ----------------------------------------------------------- the step's graph
+
+    @staticmethod
+    def _new_graphs() -> StepGraphs:
+        # one graph (a new stamp drops it); one warm-up: the step that first brings a
+        # stamp runs eager, through the static inputs; the next one with it captures
+        return StepGraphs(CudaGraphCapture(), warmup_steps=1, max_graphs=1)
+
+    @property
+    def graph_runner(self) -> GraphCapture:
+        """:attr:`graph_capture` under its former name."""
+        return self.graph_capture
+
+    @graph_runner.setter
+    def graph_runner(self, seam: GraphCapture) -> None:
+        self.graph_capture = seam
+
+    @property
+    def graph_counts(self) -> Counter[str]:
+        """How the steps ran: ``warmup`` (a new stamp: eager, through the graph's static
+        inputs), ``capture`` (captured, then replayed), ``replay``, ``eager`` (not
+        graphed: :attr:`graph_fallback` says why)."""
+        return self._graph.counts
+
     def _graph_blocker(self) -> str | None:
         """Why this step runs eager rather than as a CUDA graph (None: it may be graphed)."""
         if self.cuda_graph is False:
             return "cuda_graph=False"
         if self.shard_group is not None or self._process_group is not None:
             return "the step's collectives (process_group, ZeRO-2) run eager"
-        return self.graph_runner.blocker(self._device)
+        return self.graph_capture.blocker(self._device)
+
+    def _graphed_step(
+        self, work: list, args: list[dict], inv_scale: torch.Tensor, found_inf: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`_device_step` through the step's graph (:class:`tkern.graphs.StepGraphs`):
+        captured when a step's stamp repeats the last one's, replayed while it stays.
+        1 / loss scale and found_inf are copied into static buffers for every step,
+        the eager warm-up included, so the capture launches what the warm-up ran. A
+        capture that fails warns once and turns the graphs off for this optimizer
+        (``TKERN_GRAPH_STRICT=1`` re-raises it)."""
+        inputs = (inv_scale,) if found_inf is None else (inv_scale, found_inf)
+        graphs = self._graph
+        graphs.seam = self.graph_capture
+        try:
+            stats, how = graphs.run(
+                lambda inv, found=None: self._device_step(work, inv, found),
+                inputs,
+                lambda: _step_stamp(self, args, found_inf),
+            )
+        except CaptureError as e:  # any capture failure: eager from now on
+            self.cuda_graph = False
+            self.graph_fallback = f"{capture_failed('the step', e)}; running eager"
+            warnings.warn(f"{type(self).__name__}: {self.graph_fallback}", stacklevel=4)
+            graphs.reset()
+            graphs.counts[EAGER] += 1
+            return self._device_step(work, inv_scale, found_inf)
+        self.graph_fallback = (
+            "the step's launches changed since the last step (it is captured when they repeat)"
+            if how == WARMUP
+            else None
+        )
+        return stats
 
     # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
     # nothing but agree on the statistics when a process_group was given.
@@ -564,7 +563,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         (:mod:`tkern.optim.state`)."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        out = export_state(self.param_groups, self._flat, self.state, self._export, self._entry)
+        out = export_state(
+            self.param_groups, self._flat, self.state, self._export, self._entry, seed=self.seed
+        )
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
@@ -644,6 +645,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         loaded = read_state(state_dict, self.param_groups, self._flat, self._group_rules())
+        if loaded.seed is not None:  # the rounding stream resumes where it was
+            self.seed = loaded.seed & 0x7FFFFFFF
         for key in self.extra_state():  # as torch: the loaded state replaces the old
             del self.state[key]
         self.state.update(loaded.extra)
@@ -681,7 +684,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         state["_process_group"] = None  # process groups do not travel
         state["_layout_seen"] = {}
         state["_float8_caches"] = []  # weak references: found again from the params
-        state["_graph"] = StepGraph()  # a graph holds device memory and addresses: captured anew
+        state["_graph"] = self._new_graphs()  # a graph holds device memory and addresses: captured anew
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -717,9 +720,14 @@ OPTIONS_DOC = """max_grad_norm: clip by the global L2 norm of all unscaled gradi
             state). ``state_dict()`` converts to and from torch's fp32 format in every mode.
         seed: the stochastic rounding's seed (``master="none"``); default
             ``torch.initial_seed()``, so ``torch.manual_seed`` makes runs repeat.
-        cuda_graph: replay the step as one CUDA graph: None (default) wherever it can be
-            (CUDA params, no collectives, not inside another capture), True the same,
-            False never. ``graph_fallback`` says why the last step ran eager."""
+        cuda_graph: replay the step as one CUDA graph (see :mod:`tkern.graphs`): None
+            (default) wherever it can be (CUDA params, no collectives, not inside another
+            graph's warm-up or capture), True the same, False never. A step that brings
+            new hyperparameters or planned ranges runs eager (a warm-up), the next one
+            with the same is captured, the rest replay; an ``lr`` given as a 1-element
+            tensor on the params' device is read by the kernels, so writing into it in
+            place keeps the graph. ``graph_fallback`` says why the last step was not a
+            replay, ``graph_counts`` how the steps ran."""
 
 
 def document_options(cls: type) -> type:

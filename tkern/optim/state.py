@@ -28,6 +28,7 @@ __all__ = [
     "LoadedState",
     "ParamState",
     "export_state",
+    "flat_seed",
     "loaded_step",
     "read_state",
     "write_state",
@@ -42,6 +43,19 @@ TORCH_BOOKKEEPING = frozenset(
 SCHEDULER_KEYS = frozenset(
     {"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr", "base_lr"}
 )
+
+#: The state_dict's key for the stochastic rounding's seed (``master="none"``): with
+#: the step counts it fixes the rounding stream, so a resumed run draws what the
+#: uninterrupted one would. torch.optim ignores it.
+SEED_KEY = "seed"
+
+
+def flat_seed(seed: int, flats_before: int, index: int) -> int:
+    """The rounding seed of a group's ``index``-th flat buffer when ``flats_before``
+    buffers precede the group: the optimizer's ``seed`` spread by a golden-ratio step,
+    so buffers draw independent streams."""
+    return (seed + 0x9E3779B1 * flats_before + index) & 0x7FFFFFFF
+
 
 #: What ParamState stores for an entry it converts when read (a compact buffer).
 _CONVERTED = object()
@@ -129,6 +143,7 @@ def export_state(
     state: dict,
     export: Callable[[FlatParams], dict[str, torch.Tensor]],
     entry: Callable[[FlatParams, torch.Tensor, int], torch.Tensor],
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """torch.optim's state_dict of an optimizer's ``param_groups`` over ``flat_buffers``
     (one list per group). Each param's state holds its own ``step`` (a float32 scalar
@@ -136,7 +151,8 @@ def export_state(
     buffers in fp32 shaped like the param. ``export(flat)`` gives a buffer's master and
     state in fp32 and ``entry(flat, full, i)`` param ``i``'s part of one (the sharded
     optimizers gather there). Entries of ``state`` under keys that are not params (a
-    hook's, a user's) travel under their own key, as torch.optim carries them."""
+    hook's, a user's) travel under their own key, as torch.optim carries them. ``seed``
+    (the stochastic rounding's) travels under :data:`SEED_KEY`."""
     index: dict[int, int] = {}
     groups = []
     for g in param_groups:
@@ -154,7 +170,10 @@ def export_state(
                 item["step"] = steps[flat.cohort[i]].clone()
                 out[index[id(p)]] = item
     out.update((k, v) for k, v in state.items() if not isinstance(k, torch.Tensor))
-    return {"state": out, "param_groups": groups}
+    result: dict[str, Any] = {"state": out, "param_groups": groups}
+    if seed is not None:
+        result[SEED_KEY] = seed
+    return result
 
 
 # --------------------------------------------------------------------------- in
@@ -183,13 +202,15 @@ class GroupRules:
 @dataclass
 class LoadedState:
     """A checked state_dict, ready to write: the new param groups, each param's
-    loaded buffers ``(id(flat), name, i) -> value``, each flat buffer's steps, and the
-    entries under keys that are not params."""
+    loaded buffers ``(id(flat), name, i) -> value``, each flat buffer's steps, the
+    entries under keys that are not params, and the rounding seed (None: not saved,
+    as in torch.optim's state_dicts)."""
 
     groups: list[dict]
     values: dict[tuple[int, str, int], torch.Tensor]
     steps: dict[int, list[float]]
     extra: dict[Any, Any]
+    seed: int | None = None
 
 
 def loaded_step(src: dict, group: int, index: int, p: torch.Tensor) -> float:
@@ -240,6 +261,9 @@ def read_state(
     anything changes."""
     groups = state_dict["param_groups"]
     new_groups = _check_groups(groups, param_groups, rules)
+    seed = state_dict.get(SEED_KEY)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"loaded {SEED_KEY!r} must be an int >= 0, got {seed!r}")
     saved_state = state_dict["state"]
     values: dict[tuple[int, str, int], torch.Tensor] = {}
     steps: dict[int, list[float]] = {}
@@ -271,7 +295,7 @@ def read_state(
             steps[id(flat)] = flat_steps
     param_ids = {i for g in groups for i in g["params"]}
     extra = {k: v for k, v in saved_state.items() if k not in param_ids}
-    return LoadedState(new_groups, values, steps, extra)
+    return LoadedState(new_groups, values, steps, extra, seed)
 
 
 def write_state(
@@ -282,13 +306,17 @@ def write_state(
 ) -> None:
     """Write a :func:`read_state` result into the live groups and flat buffers. The
     params' values are never changed: where no master was saved it follows the param;
-    missing state starts at zero."""
+    missing state starts at zero; a saved seed reseeds every buffer's rounding
+    (:func:`flat_seed`)."""
+    flats_before = 0
     with torch.no_grad():
         for mine, group in zip(param_groups, loaded.groups, strict=True):
             mine.update(group)
         for gi, flats in enumerate(flat_buffers):
             names = state_names(param_groups[gi])
-            for flat in flats:
+            for j, flat in enumerate(flats):
+                if loaded.seed is not None:
+                    flat.seed = flat_seed(loaded.seed, flats_before, j)
                 flat.ensure_state(names)
                 for name in (*names, "master") if flat.keeps_master else names:
                     # Each param's part of this rank's shard is written once, from the loaded
@@ -309,3 +337,4 @@ def write_state(
                         flat.set_state_fp32(name, full)
                 flat.set_cohorts(loaded.steps[id(flat)])
                 flat.mark_dirty()
+            flats_before += len(flats)

@@ -1,0 +1,341 @@
+"""CUDA graphs: a step captured once and replayed as one launch.
+
+Two steps are captured, both through this room:
+
+* the optimizer's device step (:class:`tkern.optim.FusedOptimizer`, ``cuda_graph=None``:
+  on by default on CUDA): the statistics, every update and the step counts;
+* the trainer's whole step (``Trainer(cuda_graph=True)``): zeroing, forward, loss,
+  backward, the scaler's step and update, one graph per batch shape.
+
+The pieces they share, and the one vocabulary they use:
+
+* :class:`GraphCapture`, the seam between the bookkeeping and the device:
+  :class:`CudaGraphCapture` on a GPU; tests pass one that records on a CPU.
+  ``blocker(device)`` says why a step on that device cannot be captured.
+* :class:`StepGraph`: one step's static inputs, its warm-ups, its capture and its
+  replays. The inputs are copied into the static buffers before *every* run, warm-ups
+  included, so a capture records exactly the launches the warm-ups ran, with the same
+  tensors: the same Triton specialization (pointer alignment, divisibility), the same
+  autotuner choice, so nothing is compiled, autotuned or allocated-and-initialised
+  inside a capture.
+* :class:`StepGraphs`: a step's graphs keyed by a *stamp* (what the graphs bake in:
+  a change drops them all) and a *shape* (one graph each, up to ``max_graphs``).
+* How a step ran, counted in ``graph_counts`` by both owners: ``"warmup"``,
+  ``"capture"`` (captured, then replayed), ``"replay"`` and ``"eager"`` (not graphed);
+  why the last step was not a replay: ``graph_fallback`` (None when it was graphed).
+* :func:`key_value`: how a hyperparameter enters a stamp (a tensor by identity).
+* A failed capture: :func:`capture_failed` gives the one-line reason; with the
+  environment variable ``TKERN_GRAPH_STRICT=1`` (the test suite sets it) it re-raises
+  the error instead, so a capture that fails in a test fails the test.
+
+This module sits below :mod:`tkern.optim` and :mod:`tkern.trainer` and imports neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from tkern.kernels import INTERPRET
+
+__all__ = [
+    "CAPTURE",
+    "CaptureError",
+    "EAGER",
+    "REPLAY",
+    "STRICT_ENV",
+    "WARMUP",
+    "CudaGraphCapture",
+    "GraphCapture",
+    "StepGraph",
+    "StepGraphs",
+    "capture_failed",
+    "device_blocker",
+    "in_graph_step",
+    "key_value",
+    "strict",
+]
+
+T = TypeVar("T")
+
+#: How a step ran (the keys of ``graph_counts``).
+WARMUP, CAPTURE, REPLAY, EAGER = "warmup", "capture", "replay", "eager"
+
+#: Set to 1 to re-raise a failed capture instead of warning and running eager.
+STRICT_ENV = "TKERN_GRAPH_STRICT"
+
+
+def strict() -> bool:
+    """Whether a failed capture re-raises (``TKERN_GRAPH_STRICT`` set, and not to 0)."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+class CaptureError(RuntimeError):
+    """A seam's capture raised (the error is the ``__cause__``); the graph stays uncaptured."""
+
+
+def capture_failed(what: str, error: BaseException) -> str:
+    """The one-line reason capturing ``what`` failed with ``error`` (a
+    :class:`CaptureError`: its cause); under ``TKERN_GRAPH_STRICT=1`` raises the
+    cause instead. Call it in the ``except`` block that caught ``error``."""
+    if isinstance(error, CaptureError) and error.__cause__ is not None:
+        error = error.__cause__
+    if strict():
+        raise error
+    text = str(error)
+    first = text.splitlines()[0] if text else ""
+    return f"capturing {what} failed ({type(error).__name__}: {first})"
+
+
+# ---------------------------------------------------------------------- nesting
+
+_local = threading.local()
+
+
+def in_graph_step() -> bool:
+    """Whether this thread is inside a :class:`StepGraph`'s warm-up or capture, or a
+    CUDA stream capture: a graph nested in it (the optimizer's step inside the
+    trainer's whole step) steps aside, in the warm-ups as in the capture, so the
+    outer graph captures the launches its warm-ups ran."""
+    if getattr(_local, "depth", 0) > 0:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def _graph_step() -> Iterator[None]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def device_blocker(
+    device: torch.device | None,
+    what: str,
+    *,
+    device_type: str = "cuda",
+    interpreted: bool | None = None,
+) -> str | None:
+    """Why a step whose ``what`` (``"the params are"``, ``"the model is"``) on
+    ``device`` cannot be captured by a seam for ``device_type``, or None.
+    ``interpreted``: tkern's kernels run in Triton's interpreter (default: as imported)."""
+    if device is None or device.type != device_type:
+        return f"{what} on {device}, and only {device_type} work can be captured"
+    if INTERPRET if interpreted is None else interpreted:
+        return "tkern's kernels run in Triton's interpreter (TRITON_INTERPRET=1), on the host"
+    if in_graph_step():
+        return "the step is part of another graph's warm-up or capture (e.g. Trainer(cuda_graph=True))"
+    return None
+
+
+# ---------------------------------------------------------------------- the seam
+
+
+class GraphCapture(Protocol):
+    """The seam between the graphs' bookkeeping and the device:
+    :class:`CudaGraphCapture` on a GPU; tests pass one that records on a CPU."""
+
+    #: the device type whose work this seam can capture
+    device_type: str
+
+    def blocker(self, device: torch.device | None) -> str | None:
+        """Why a step on ``device`` cannot be captured now (None if it can)."""
+        ...
+
+    def warmup(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` eagerly, as a warm-up for a later capture; return its result."""
+        ...
+
+    def capture(self, fn: Callable[[], T]) -> tuple[Callable[[], None], T]:
+        """Record ``fn`` without running it: (replay, what ``fn`` returned, static
+        tensors that every replay rewrites)."""
+        ...
+
+
+class CudaGraphCapture:
+    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``, as torch's recipe for
+    whole-network capture: warm-ups and capture on a side stream. Everything that
+    waits for the device happens before the capture begins (one synchronize); the
+    captured region frees nothing and runs in the "thread_local" error mode (a
+    DataLoader's pin-memory thread may call the CUDA API meanwhile, which the default
+    "global" mode forbids)."""
+
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        self._stream: torch.cuda.Stream | None = None  # made on first use: none on a CPU
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_stream": None}  # a copy (a pickled optimizer) makes its own stream
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        return self._stream
+
+    def blocker(self, device: torch.device | None) -> str | None:
+        return device_blocker(device, "the params are", device_type=self.device_type)
+
+    def warmup(self, fn: Callable[[], T]) -> T:
+        # a side stream, as capture uses one: lazy per-stream state (autograd's
+        # stream bookkeeping, cuBLAS handles) is made on a stream that is not the
+        # legacy default one
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    def capture(self, fn: Callable[[], T]) -> tuple[Callable[[], None], T]:
+        torch.cuda.synchronize()  # before the capture: nothing pending crosses into it
+        graph = torch.cuda.CUDAGraph()
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):  # the capture is void; fn's error is the news
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return graph.replay, out
+
+
+# ---------------------------------------------------------------------- graphs
+
+
+class StepGraph(Generic[T]):
+    """One step as one graph: ``fn(*static_inputs)`` runs ``warmup_steps`` times
+    through the seam's warm-up, is then captured, and replays from then on.
+
+    ``inputs`` are copied into this graph's static buffers before every run (warm-ups
+    included), and ``fn`` always gets the static buffers: the capture records the
+    launches the warm-ups ran, with the same tensors. A capture that raises leaves
+    the graph uncaptured and raises :class:`CaptureError`; its owner decides what
+    follows (:func:`capture_failed`)."""
+
+    def __init__(self, inputs: Sequence[torch.Tensor], seam: GraphCapture, warmup_steps: int) -> None:
+        #: the static input buffers every run reads
+        self.inputs = tuple(torch.empty_like(t) for t in inputs)
+        self.seam = seam
+        self.warmup_steps = warmup_steps
+        self.warmups = 0
+        self._replay: Callable[[], None] | None = None
+        self._out: Any = None
+
+    def run(self, fn: Callable[..., T], inputs: Sequence[torch.Tensor]) -> tuple[T, str]:
+        """``(fn's result, how the step ran)``: a warm-up, a capture (then a replay) or a
+        replay. After a replay the result is the captured static output, which the
+        next replay rewrites."""
+        for static, value in zip(self.inputs, inputs, strict=True):
+            static.copy_(value, non_blocking=True)
+        if self._replay is None:
+            if self.warmups < self.warmup_steps:
+                self.warmups += 1
+                with _graph_step():
+                    return self.seam.warmup(lambda: fn(*self.inputs)), WARMUP
+            try:
+                with _graph_step():
+                    replay, out = self.seam.capture(lambda: fn(*self.inputs))
+            except Exception as e:
+                raise CaptureError(f"capture failed: {e}") from e
+            self._replay, self._out = replay, out
+            how = CAPTURE
+        else:
+            how = REPLAY
+        self._replay()
+        return self._out, how
+
+
+class StepGraphs:
+    """A step's graphs: one :class:`StepGraph` per *shape* (up to ``max_graphs``),
+    all dropped when the *stamp* (what they bake in) changes.
+
+    The optimizer holds one (its stamp: the groups' hyperparameters and planned
+    ranges; one shape; one warm-up), the trainer one per batch shape (its stamp: the
+    groups' hyperparameters and the scaler's state; three warm-ups). ``counts`` says
+    how each step ran (``warmup``, ``capture``, ``replay``, ``eager``)."""
+
+    def __init__(self, seam: GraphCapture, *, warmup_steps: int, max_graphs: int) -> None:
+        self.seam = seam
+        self.warmup_steps = warmup_steps
+        self.max_graphs = max_graphs
+        self.counts: Counter[str] = Counter()
+        self._graphs: dict[Hashable, StepGraph] = {}
+        self._stamp: Hashable = None
+
+    def reset(self) -> None:
+        """Drop every graph and static buffer (after a load changed the state they captured)."""
+        self._graphs.clear()
+        self._stamp = None
+
+    def run(
+        self,
+        fn: Callable[..., T],
+        inputs: Sequence[torch.Tensor],
+        stamp: Callable[[], Hashable],
+        shape: Hashable = None,
+    ) -> tuple[T, str]:
+        """One step: ``fn(*inputs)`` through the graph of ``shape`` (made if there is
+        room; else run eagerly, reported as ``"eager"``). ``stamp()`` is read before
+        the step and, after a step that ran Python (which may build what the stamp
+        looks at, e.g. the scaler's state on the first step), again after it."""
+        now = stamp()
+        if now != self._stamp:
+            self.reset()
+            self._stamp = now
+        graph = self._graphs.get(shape)
+        if graph is None and len(self._graphs) >= self.max_graphs:
+            out, how = fn(*inputs), EAGER
+        else:
+            if graph is None:
+                graph = self._graphs[shape] = StepGraph(inputs, self.seam, self.warmup_steps)
+            out, how = graph.run(fn, inputs)
+        self.counts[how] += 1
+        if how != REPLAY:
+            self._stamp = stamp()
+        return out, how
+
+
+class _Same:
+    """A key part equal only to the same object (``==`` on tensors is elementwise),
+    holding it alive so that its ``id`` cannot be reused while the key lives."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def key_value(value: Any) -> Hashable:
+    """How a hyperparameter enters a stamp. A number as itself. A tensor by identity
+    and address: a graph reads it where it was captured, so writes into it (a
+    device lr moved in place by a schedule) are seen by every replay and keep the
+    graph, while another tensor, or this one moved (``.data =``), makes another
+    stamp. Anything unhashable by identity."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", _Same(value), value.data_ptr())
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", _Same(value))
+    if isinstance(value, tuple):
+        return tuple(key_value(v) for v in value)
+    return value
