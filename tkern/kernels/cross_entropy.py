@@ -1,6 +1,7 @@
 """Cross-entropy over a vocabulary of any size, in fp32 from 16-bit logits.
 
-One program per row walks the row's vocabulary in chunks of ``BLOCK_V``:
+Each program takes one row (a few under the interpreter) and walks the row's
+vocabulary in chunks of ``BLOCK_V``:
 
 * pass 1 (an online max and sum, in fp32) gives ``lse = logsumexp(x)`` and the
   row's loss terms: ``(1 - eps) * w[t] * (lse - x[t]) + eps / V * sum_c w[c] (lse - x[c])``,
@@ -53,9 +54,20 @@ MAX_BLOCK_V = 32768 if INTERPRET else 4096
 _TANH_TAYLOR: tl.constexpr = tl.constexpr(0.0625)
 
 
+#: Elements of one interpreted tile (rows x chunk), see :func:`rows_per_program`.
+INTERPRET_TILE = 65536
+
+
 def block_v(n_cols: int) -> int:
     """The vocabulary chunk for rows of ``n_cols`` classes: a power of two, at least 16."""
     return max(16, min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_V))
+
+
+def rows_per_program(block: int) -> int:
+    """Rows per program: one on a GPU (a row's chunk fills the program); under the
+    interpreter, whose cost is per operation and program, as many as keep a tile
+    near 64K elements (16 rows of a 123-class vocabulary: ~10x fewer programs)."""
+    return max(1, min(16, INTERPRET_TILE // block)) if INTERPRET else 1
 
 
 def num_warps(block: int) -> int:
@@ -107,6 +119,7 @@ def _cross_entropy_kernel(
     b_ptr,  # (N,) or (1,) fp32: d(objective)/d(lse_i), constant  (WRITE_GRAD and HAS_B)
     q_ptr,  # (N,) or (1,) fp32: d(objective)/d(lse_i) per unit lse (WRITE_GRAD and HAS_Q)
     coef_stride,  # 1: a, b, q per row; 0: one value broadcast to every row
+    n_rows,  # N
     n_cols,  # V
     stride_lr,
     stride_lc,
@@ -124,24 +137,26 @@ def _cross_entropy_kernel(
     HAS_B: tl.constexpr,
     HAS_Q: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program: 1 compiled (rows_per_program), more under the interpreter
     BLOCK_V: tl.constexpr,
 ):
-    """Row ``program_id(0)``'s lse and loss terms, and optionally the gradient of
-    ``a * loss + (b + q * lse) * lse`` with respect to its logits (see the module
-    docstring); flags are constexpr so that the unused passes compile away."""
-    row = tl.program_id(0).to(tl.int64)
+    """Rows ``[program_id(0) * ROWS, ...)``: their lse and loss terms, and optionally the
+    gradient of ``a * loss + (b + q * lse) * lse`` with respect to their logits (see the
+    module docstring); flags are constexpr so that the unused passes compile away."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols0 = tl.arange(0, BLOCK_V)
-    t = tl.load(target_ptr + row).to(tl.int64)
-    ignored = t == ignore_index
+    row_ok = rows < n_rows
+    t = tl.load(target_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    live = t != ignore_index  # rows past the end count as ignored
     in_range = (t >= 0) & (t < n_cols)
     t_safe = tl.where(in_range, t, 0)
-    row_ptr = logits_ptr + row * stride_lr
+    row_ptr = logits_ptr + rows * stride_lr  # (ROWS,)
     vocab = n_cols.to(tl.float32)
-    # ignored rows skip the logits entirely: their loops run zero iterations
-    n_work = tl.where(ignored, 0, n_cols)
+    # a tile whose rows are all ignored reads no logits: its loops run zero iterations
+    n_work = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_cols, 0)
 
     if HAS_WEIGHT:
-        w_t = tl.load(weight_ptr + t_safe)
+        w_t = tl.load(weight_ptr + t_safe, mask=row_ok, other=0.0)
         if SMOOTHING:
             w_all = tl.load(wsum_ptr)
         else:
@@ -151,64 +166,72 @@ def _cross_entropy_kernel(
         w_all = vocab
 
     if COMPUTE_LSE:
-        m = float("-inf")
-        s = 0.0
-        wx = 0.0  # sum_c w[c] x[c], for label smoothing
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        s = tl.zeros([ROWS], tl.float32)
+        wx = tl.zeros([ROWS], tl.float32)  # sum_c w[c] x[c], for label smoothing
         for start in range(0, n_work, BLOCK_V):
             cols = start + cols0
-            mask = cols < n_cols
-            x = _load_logits(row_ptr, cols, stride_lc, mask, softcap, SOFTCAP)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            mask = live[:, None] & (cols < n_cols)[None, :]
+            x = _load_logits(row_ptr[:, None], cols[None, :], stride_lc, mask, softcap, SOFTCAP)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # ignored rows: no inf - inf
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
             m = m_new
             if SMOOTHING:
                 xs = tl.where(mask, x, 0.0)
                 if HAS_WEIGHT:
-                    xs = xs * tl.load(weight_ptr + cols, mask=mask, other=0.0)
-                wx += tl.sum(xs, axis=0)
-        lse = tl.where(ignored, 0.0, m + tl.log(tl.where(ignored, 1.0, s)))
-        tl.store(lse_ptr + row, lse)
+                    xs = xs * tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+                wx += tl.sum(xs, axis=1)
+        lse = tl.where(live, m + tl.log(tl.where(live, s, 1.0)), 0.0)
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
         if WRITE_LOSS:
-            x_t = tl.load(row_ptr + t_safe * stride_lc, mask=in_range & (n_work > 0), other=0.0).to(
-                tl.float32
-            )
+            x_t = tl.load(row_ptr + t_safe * stride_lc, mask=in_range & live, other=0.0).to(tl.float32)
             x_t = _capped(x_t, softcap, SOFTCAP)
             loss = (1.0 - smoothing) * w_t * (lse - x_t)
             if SMOOTHING:
                 loss += smoothing / vocab * (w_all * lse - wx)
             loss = tl.where(in_range, loss, float("nan"))
-            tl.store(loss_ptr + row, tl.where(ignored, 0.0, loss))
+            tl.store(loss_ptr + rows, tl.where(live, loss, 0.0), mask=row_ok)
     else:
-        lse = tl.load(lse_ptr + row)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
 
     if WRITE_GRAD:
         # d/dx_c [a loss + (b + q lse) lse] = p_c * A - [c == t] * B - a eps / V * w_c, with
         # A = a ((1 - eps) w_t + eps W / V) + b + 2 q lse and B = a (1 - eps) w_t: p - 1
         # at the target from the fp32 p, one rounding to the gradient's dtype at the store.
-        a = tl.load(a_ptr + row * coef_stride)
+        # ignored rows' coefficients may be inf (a mean over no rows): never multiplied
+        a = tl.where(live, tl.load(a_ptr + rows * coef_stride, mask=row_ok, other=0.0), 0.0)
         big_b = a * (1.0 - smoothing) * w_t
         big_a = big_b + a * smoothing * w_all / vocab
         if HAS_B:
-            big_a += tl.load(b_ptr + row * coef_stride)
+            big_a += tl.where(live, tl.load(b_ptr + rows * coef_stride, mask=row_ok, other=0.0), 0.0)
         if HAS_Q:
-            big_a += 2.0 * tl.load(q_ptr + row * coef_stride) * lse
-        grad_row = grad_ptr + row * stride_gr
+            big_a += (
+                2.0 * tl.where(live, tl.load(q_ptr + rows * coef_stride, mask=row_ok, other=0.0), 0.0) * lse
+            )
+        smooth_c = a * smoothing / vocab  # times w_c: the smoothing term of every class
+        grad_rows = grad_ptr + rows * stride_gr
         for start in range(0, n_cols, BLOCK_V):
             cols = start + cols0
-            mask = cols < n_cols
-            x = _load_logits(row_ptr, cols, stride_lc, cols < n_work, softcap, SOFTCAP)
-            p = tl.exp(x - lse)
-            d = p * big_a - tl.where(cols == t, big_b, 0.0)
+            col_ok = cols < n_cols
+            mask = live[:, None] & col_ok[None, :]
+            x = _load_logits(row_ptr[:, None], cols[None, :], stride_lc, mask, softcap, SOFTCAP)
+            p = tl.exp(x - lse[:, None])
+            d = p * big_a[:, None] - tl.where(cols[None, :] == t[:, None], big_b[:, None], 0.0)
             if SMOOTHING:
                 if HAS_WEIGHT:
-                    d -= a * smoothing / vocab * tl.load(weight_ptr + cols, mask=mask, other=0.0)
+                    d -= smooth_c[:, None] * tl.load(weight_ptr + cols, mask=col_ok, other=0.0)[None, :]
                 else:
-                    d -= a * smoothing / vocab
+                    d -= smooth_c[:, None]
             if SOFTCAP:
-                th = x / softcap
+                th = tl.where(mask, x, 0.0) / softcap  # tanh(x / c); 0 on masked lanes (no inf * 0)
                 d *= 1.0 - th * th
-            d = tl.where(ignored, 0.0, d)
-            tl.store(grad_row + cols * stride_gc, cast_rne(d, GRAD_DTYPE), mask=mask)
+            d = tl.where(live[:, None], d, 0.0)
+            tl.store(
+                grad_rows[:, None] + cols[None, :] * stride_gc,
+                cast_rne(d, GRAD_DTYPE),
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
 
 
 # --------------------------------------------------------------------------- launchers
@@ -275,18 +298,19 @@ def _launch(
     coef_stride = 1 if a is not None and a.shape[0] == n and n > 1 else 0
     dummy = lse
     block = block_v(v)
-    _cross_entropy_kernel[(n,)](
+    rows = rows_per_program(block)
+    _cross_entropy_kernel[(triton.cdiv(n, rows),)](
         logits, target, dummy if weight is None else weight, dummy if wsum is None else wsum,
         dummy if loss is None else loss, lse, dummy if grad is None else grad,
         dummy if a is None else a, dummy if b is None else b, dummy if q is None else q,
-        coef_stride, v, logits.stride(0), logits.stride(1),
+        coef_stride, n, v, logits.stride(0), logits.stride(1),
         0 if grad is None else grad.stride(0), 1 if grad is None else grad.stride(1),
         ignore_index, float(label_smoothing), float(softcap or 1.0),
         HAS_WEIGHT=weight is not None, SMOOTHING=label_smoothing > 0, SOFTCAP=softcap is not None,
         COMPUTE_LSE=compute_lse, WRITE_LOSS=loss is not None, WRITE_GRAD=grad is not None,
         HAS_B=b is not None, HAS_Q=q is not None,
         GRAD_DTYPE=tl_dtype(logits.dtype if grad is None else grad.dtype),
-        BLOCK_V=block, num_warps=num_warps(block),
+        ROWS=rows, BLOCK_V=block, num_warps=num_warps(block),
     )  # fmt: skip
 
 
