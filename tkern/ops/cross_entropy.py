@@ -30,6 +30,7 @@ from tkern.kernels.cross_entropy import (
     cross_entropy_forward,
 )
 from tkern.kernels.gemm import matmul_prechecked
+from tkern.ops import common
 
 __all__ = ["cross_entropy", "linear_cross_entropy"]
 
@@ -435,17 +436,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        g = grad_out.to(torch.float32)
         if ctx.reduction != "none":
             gx, gw, gb = ctx.saved_tensors
-            g = grad_out.to(torch.float32)
-            return *(None if t is None else (t * g).to(t.dtype) for t in (gx, gw, gb)), *(None,) * 8
+            gx, gb = (None if t is None else (t * g).to(t.dtype) for t in (gx, gb))
+            return gx, _weight_grad(ctx, gw, g), gb, *(None,) * 8
         x, w, b, target, weight, lse = ctx.saved_tensors
         ignore_index, smoothing, chunk = ctx.options
-        g = grad_out.to(torch.float32).contiguous()
+        g = g.contiguous()
         glse = (2.0 * ctx.z_loss) * lse * g if ctx.z_loss else None
         ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, chunk)
         gx, gw32, gb32 = _lce_recompute(ch, lse, g, glse, ctx.needs_input_grad[:3])
-        return gx, _cast(gw32, w), _cast(gb32, b), *(None,) * 8
+        return gx, _weight_grad(ctx, _cast(gw32, w), None), _cast(gb32, b), *(None,) * 8
+
+
+def _weight_grad(ctx, gw: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The weight's gradient ``gw * scale`` (``gw`` alone for None) as backward returns
+    it: written (or added) into the weight's view in a fused optimizer's flat gradient
+    buffer where :func:`common.flat_wgrad` allows it (the view handed to autograd, no
+    fresh tensor and no second add), else a new tensor."""
+    if gw is None:
+        return None
+    target = common.flat_wgrad(ctx, gw.dtype)
+    if target is None:
+        return gw if scale is None else (gw * scale).to(gw.dtype)
+    _, view, accumulate = target
+    if scale is None:
+        view.add_(gw) if accumulate else view.copy_(gw)
+    elif accumulate:
+        view.addcmul_(gw, scale.to(gw.dtype))
+    else:
+        torch.mul(gw, scale.to(gw.dtype), out=view)
+    return common.hand_over(target)
 
 
 def _check_linear_ce_args(x, w, b, target, chunk_size) -> None:
