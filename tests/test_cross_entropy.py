@@ -243,3 +243,16 @@ def test_compile_fullgraph_traces_cross_entropy():
     ref_loss, ref_grad = _reference(logits, target, weight=weight, label_smoothing=0.1, z_loss=1e-3)
     assert rel_err(loss, ref_loss) <= LOSS_TOL
     assert rel_err(x.grad, ref_grad) <= TOL[torch.float16]
+
+
+def test_cross_entropy_loss_module():
+    logits, target, weight = _inputs(torch.bfloat16, n=20)
+    module = tkern.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1, z_loss=1e-3)
+    assert isinstance(module, torch.nn.CrossEntropyLoss)
+    assert list(module.state_dict()) == list(torch.nn.CrossEntropyLoss(weight=weight).state_dict())
+    x = logits.clone().requires_grad_()
+    loss = module(x, target)
+    loss.backward()
+    ref_loss, ref_grad = _reference(logits, target, weight=weight, label_smoothing=0.1, z_loss=1e-3)
+    assert rel_err(loss, ref_loss) <= LOSS_TOL
+    assert rel_err(x.grad, ref_grad) <= TOL[torch.bfloat16]

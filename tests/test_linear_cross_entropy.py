@@ -185,3 +185,21 @@ def test_errors_name_the_argument():
         tkern.linear_cross_entropy(x, w, target, chunk_size=0)
     with pytest.raises(ValueError, match="reduction must be one of"):
         tkern.linear_cross_entropy(x, w, target, reduction="batchmean")
+
+
+def test_linear_cross_entropy_module():
+    torch.manual_seed(3)
+    head = torch.nn.Linear(H, V, device=DEVICE)
+    module = tkern.nn.LinearCrossEntropy(H, V, label_smoothing=0.1, device=DEVICE)
+    assert list(module.state_dict()) == list(head.state_dict())  # a head's state_dict loads into it
+    module.load_state_dict(head.state_dict())
+    assert module.weight.dtype == torch.float32 and module.class_weight is None
+    # convert_network casts the head like a Linear (tkern's GEMM)
+    wrapper = tkern.convert_network(torch.nn.Sequential(module), torch.bfloat16)
+    assert wrapper[0].weight.dtype == torch.bfloat16 and wrapper[0].bias.dtype == torch.bfloat16
+    x, _, _, target, _ = _inputs(torch.float32, n=20)
+    loss = module(x, target)  # an fp32 input is cast to the head's dtype
+    loss.backward()
+    ref = _reference(x.bfloat16(), module.weight, module.bias, target, label_smoothing=0.1)
+    assert rel_err(loss, ref[0]) <= LOSS_TOL
+    assert rel_err(module.weight.grad, ref[2]) <= TOL[torch.bfloat16]
