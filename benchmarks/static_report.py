@@ -766,35 +766,22 @@ def cross_entropy_cases() -> list[Case]:
     block = ce.block_v(50257)  # GPT-2's vocabulary: the largest chunk
     flags = ("HAS_WEIGHT", "SMOOTHING", "SOFTCAP", "COMPUTE_LSE", "WRITE_LOSS", "WRITE_GRAD")
     flags += ("HAS_B", "HAS_Q")
-    launches = []  # (name, logits dtype, grad dtype, flags on)
-    for dtype in ("fp16", "bf16", "fp32"):
-        launches.append((f"cross_entropy_fwd[{dtype}]", dtype, dtype, {"COMPUTE_LSE", "WRITE_LOSS"}))
-        launches.append(
-            (
-                f"cross_entropy_fwd[{dtype},weight,smoothing,softcap]",
-                dtype,
-                dtype,
-                {"COMPUTE_LSE", "WRITE_LOSS", "HAS_WEIGHT", "SMOOTHING", "SOFTCAP"},
-            )
+    passes = {"fwd": {"COMPUTE_LSE", "WRITE_LOSS"}, "bwd,z": {"WRITE_GRAD", "HAS_B"}}
+    options = {"": set(), "weight,smoothing,softcap": {"HAS_WEIGHT", "SMOOTHING", "SOFTCAP"}}
+    launches = [  # (name, logits dtype, grad dtype, flags on)
+        (
+            f"cross_entropy_{p.split(',')[0]}[{','.join(filter(None, (d, o, *p.split(',')[1:])))}]",
+            d,
+            d,
+            on | opt,
         )
-        launches.append((f"cross_entropy_bwd[{dtype},z]", dtype, dtype, {"WRITE_GRAD", "HAS_B"}))
-        launches.append(
-            (
-                f"cross_entropy_bwd[{dtype},weight,smoothing,softcap,z]",
-                dtype,
-                dtype,
-                {"WRITE_GRAD", "HAS_B", "HAS_WEIGHT", "SMOOTHING", "SOFTCAP"},
-            )
-        )
+        for d in ("fp16", "bf16", "fp32")
+        for p, on in passes.items()
+        for o, opt in options.items()
+    ]
+    fused = {"COMPUTE_LSE", "WRITE_LOSS", "WRITE_GRAD", "HAS_WEIGHT", "SMOOTHING", "HAS_Q"}
     for grad in ("fp16", "bf16"):
-        launches.append(
-            (
-                f"linear_cross_entropy[fp32->{grad},weight,smoothing,z]",
-                "fp32",
-                grad,
-                {"COMPUTE_LSE", "WRITE_LOSS", "WRITE_GRAD", "HAS_WEIGHT", "SMOOTHING", "HAS_Q"},
-            )
-        )
+        launches.append((f"linear_cross_entropy[fp32->{grad},weight,smoothing,z]", "fp32", grad, fused))
     cases = []
     for name, dtype, grad, on in launches:
         sig = {}

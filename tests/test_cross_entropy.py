@@ -230,29 +230,30 @@ def test_launcher_refuses_an_in_place_gradient():
         cross_entropy_forward(logits, target, grad=torch.empty_like(logits))
 
 
-def test_compile_fullgraph_traces_cross_entropy():
-    logits, target, weight = _inputs(torch.float16, n=8, v=16)
-
-    def step(x, t):
-        return tkern.cross_entropy(x, t, weight=weight, label_smoothing=0.1, z_loss=1e-3)
-
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+def _check_loss_fn(loss_fn, dtype, **kw):
+    """``loss_fn(logits, target)`` (a compiled function, a module) against the reference with ``kw``."""
+    logits, target, weight = _inputs(dtype, n=20, v=16)
+    kw = {**kw, "weight": weight}
     x = logits.clone().requires_grad_()
-    loss = compiled(x, target)
+    loss = loss_fn(x, target, kw)
     loss.backward()
-    ref_loss, ref_grad = _reference(logits, target, weight=weight, label_smoothing=0.1, z_loss=1e-3)
+    ref_loss, ref_grad = _reference(logits, target, **kw)
     assert rel_err(loss, ref_loss) <= LOSS_TOL
-    assert rel_err(x.grad, ref_grad) <= TOL[torch.float16]
+    assert rel_err(x.grad, ref_grad) <= TOL[dtype]
+
+
+def test_compile_fullgraph_traces_cross_entropy():
+    compiled = torch.compile(
+        lambda x, t, kw: tkern.cross_entropy(x, t, **kw), fullgraph=True, backend="aot_eager"
+    )
+    _check_loss_fn(compiled, torch.float16, label_smoothing=0.1, z_loss=1e-3)
 
 
 def test_cross_entropy_loss_module():
-    logits, target, weight = _inputs(torch.bfloat16, n=20)
-    module = tkern.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1, z_loss=1e-3)
-    assert isinstance(module, torch.nn.CrossEntropyLoss)
-    assert list(module.state_dict()) == list(torch.nn.CrossEntropyLoss(weight=weight).state_dict())
-    x = logits.clone().requires_grad_()
-    loss = module(x, target)
-    loss.backward()
-    ref_loss, ref_grad = _reference(logits, target, weight=weight, label_smoothing=0.1, z_loss=1e-3)
-    assert rel_err(loss, ref_loss) <= LOSS_TOL
-    assert rel_err(x.grad, ref_grad) <= TOL[torch.bfloat16]
+    def module_loss(x, target, kw):
+        module = tkern.nn.CrossEntropyLoss(**kw)
+        assert isinstance(module, torch.nn.CrossEntropyLoss)
+        assert list(module.state_dict()) == list(torch.nn.CrossEntropyLoss(weight=kw["weight"]).state_dict())
+        return module(x, target)
+
+    _check_loss_fn(module_loss, torch.bfloat16, label_smoothing=0.1, z_loss=1e-3, softcap=3.0)

@@ -203,3 +203,35 @@ def test_linear_cross_entropy_module():
     ref = _reference(x.bfloat16(), module.weight, module.bias, target, label_smoothing=0.1)
     assert rel_err(loss, ref[0]) <= LOSS_TOL
     assert rel_err(module.weight.grad, ref[2]) <= TOL[torch.bfloat16]
+
+
+def test_torch_compile_runs_it_eagerly():
+    # a graph break around the chunked loop (torch.compiler.disable), the rest compiled
+    x, w, b, target, _ = _inputs(torch.float16, n=16)
+    step = torch.compile(
+        lambda x, w, b, t: tkern.linear_cross_entropy(x, w, t, linear_bias=b) * 2, backend="aot_eager"
+    )
+    loss, ref = step(x, w, b, target), _reference(x, w, b, target)[0] * 2
+    assert rel_err(loss, ref) <= LOSS_TOL
+
+
+def test_weight_gradient_goes_into_the_fused_optimizers_flat_buffer(monkeypatch):
+    # as tkern.nn.Linear's (test_wgrad_into.py): .grad stays the flat buffer's view, the
+    # gradient added into it by backward (common.flat_wgrad took it), over two backwards
+    from tkern.flat import grad_is_flat_view
+    from tkern.ops import common
+    from tkern.optim import FusedAdamW
+
+    taken = []
+    flat_wgrad = common.flat_wgrad
+    monkeypatch.setattr(common, "flat_wgrad", lambda *a: taken.append(flat_wgrad(*a)) or taken[-1])
+
+    x, w, b, target, _ = _inputs(torch.float16, n=16)
+    head = tkern.nn.LinearCrossEntropy(H, V, dtype=torch.float16, device=DEVICE)
+    opt = FusedAdamW(head.parameters(), lr=1e-3)  # kept alive: it owns the flat buffer
+    ref = [_reference(x, head.weight, head.bias, target)[2] for _ in range(2)]
+    for i in range(2):
+        head(x, target).backward()
+        assert grad_is_flat_view(head.weight) and opt.param_groups
+        assert taken[-1] is not None  # (weight, view, accumulate): backward took the view
+        assert rel_err(head.weight.grad, sum(ref[: i + 1])) <= TOL[torch.float16]

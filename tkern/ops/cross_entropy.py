@@ -495,6 +495,7 @@ def _check_linear_ce_args(x, w, b, target, chunk_size) -> None:
     check_same_device(input=x, linear_weight=w, linear_bias=b, target=target)
 
 
+@torch.compiler.disable  # eager launches (chunks, Triton, the target check): a graph break
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -524,6 +525,9 @@ def linear_cross_entropy(
     chunked option and Liger do) and multiplied by the upstream gradient in
     backward (exact for a power-of-two loss scale; a second rounding otherwise);
     for ``"none"`` backward recomputes the chunks with the per-row upstream gradients.
+    Where a fused optimizer holds ``linear_weight``, its gradient goes into the
+    optimizer's flat gradient buffer (as :func:`tkern.linear`'s). Under
+    ``torch.compile`` the call is a graph break (it runs eagerly).
 
     Args:
         input: (..., H), fp16/bf16 (tkern's GEMM) or fp32 (torch's GEMM).
