@@ -257,3 +257,14 @@ def test_cross_entropy_loss_module():
         return module(x, target)
 
     _check_loss_fn(module_loss, torch.bfloat16, label_smoothing=0.1, z_loss=1e-3, softcap=3.0)
+
+
+def test_custom_ops_pass_opcheck():
+    # schema, fake (meta) implementation, autograd registration and AOT dispatch of both ops
+    logits, target, weight = _inputs(torch.float16, n=6, v=10)
+    x = logits.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.tkern.cross_entropy_rows.default, (x, target, weight, -100, 0.1, 0.0))
+    _, lse = torch.ops.tkern.cross_entropy_rows(logits, target, None, -100, 0.0, 2.0)
+    grad_loss = torch.ones(6, device=DEVICE)
+    args = (logits, target, lse, grad_loss, None, None, -100, 0.0, 2.0)
+    torch.library.opcheck(torch.ops.tkern.cross_entropy_backward.default, args)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
 from tkern.kernels.cross_entropy import (
@@ -289,7 +290,9 @@ def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
     return max(1, min(rows, 1 << max(n_rows - 1, 0).bit_length()))
 
 
-def _mm_into(a: torch.Tensor, b: torch.Tensor, bias, out: torch.Tensor, accumulate: bool) -> None:
+def _mm_into(
+    a: torch.Tensor, b: torch.Tensor, bias: Tensor | None, out: torch.Tensor, accumulate: bool
+) -> None:
     """``out (+)= a @ b (+ bias)`` with fp32 accumulation: tkern's GEMM for fp16/bf16
     operands (out of any of fp16/bf16/fp32), torch's for fp32 operands (tkern's GEMM
     takes 16-bit operands only)."""
@@ -308,7 +311,17 @@ class _Chunks:
     the kernel, and the chunk's dgrad and wgrad from the kernel's gradient (reused
     buffer of the input's dtype)."""
 
-    def __init__(self, x, w, b, target, weight, ignore_index, smoothing, chunk):
+    def __init__(
+        self,
+        x: Tensor,
+        w: Tensor,
+        b: Tensor | None,
+        target: Tensor,
+        weight: Tensor | None,
+        ignore_index: int,
+        smoothing: float,
+        chunk: int,
+    ) -> None:
         self.x, self.w, self.b, self.target, self.weight = x, w, b, target, weight
         self.ignore_index, self.smoothing, self.chunk = ignore_index, smoothing, chunk
         n, v = x.shape[0], w.shape[0]
@@ -316,7 +329,7 @@ class _Chunks:
         self.logits = torch.empty(c, v, dtype=torch.float32, device=x.device)
         self.grad = None
 
-    def spans(self):
+    def spans(self) -> list[tuple[int, int]]:
         n = self.x.shape[0]
         return [(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
 
@@ -330,21 +343,32 @@ class _Chunks:
             self.grad = torch.empty(self.logits.shape, dtype=self.x.dtype, device=self.x.device)
         return self.grad[:rows]
 
-    def backprop(self, g: torch.Tensor, s: int, e: int, gx, gw32, gb32, first: bool) -> None:
+    def backprop(
+        self,
+        g: Tensor,
+        s: int,
+        e: int,
+        gx: Tensor | None,
+        gw32: Tensor | None,
+        gb32: Tensor | None,
+        first: bool,
+    ) -> None:
         """The chunk's share: gx[s:e] = g @ W, gW += g^T @ x (fp32), gb += column sums (fp32)."""
         if gx is not None:
             _mm_into(g, self.w, None, gx[s:e], False)
         if gw32 is not None:
-            if self.x.dtype in HALF_DTYPES:
-                _mm_into(g.t(), self.x[s:e], None, gw32, not first)
-            else:
-                gw32.addmm_(g.t(), self.x[s:e], beta=0.0 if first else 1.0)
+            _mm_into(g.t(), self.x[s:e], None, gw32, not first)
         if gb32 is not None:
             part = g.sum(0, dtype=torch.float32)
-            gb32.copy_(part) if first else gb32.add_(part)
+            if first:
+                gb32.copy_(part)
+            else:
+                gb32.add_(part)
 
 
-def _lce_forward(ch: _Chunks, a, q, needs):
+def _lce_forward(
+    ch: _Chunks, a: Tensor | None, q: Tensor | None, needs: tuple[bool, ...]
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """Loss terms and lse per row; with ``needs`` (x, W, b) the gradients of
     ``sum_i a * loss_i + q * lse_i^2`` (a, q: (1,) fp32 device tensors)."""
     x, w = ch.x, ch.w
@@ -378,12 +402,14 @@ def _lce_forward(ch: _Chunks, a, q, needs):
     return rows, lses, gx, gw32, gb32
 
 
-def _lce_recompute(ch: _Chunks, lse, grad_rows, grad_lse, needs):
+def _lce_recompute(
+    ch: _Chunks, lse: Tensor, grad_rows: Tensor, grad_lse: Tensor | None, needs: tuple[bool, ...]
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``reduction="none"``'s backward: the chunks again, with per-row coefficients."""
     x, w = ch.x, ch.w
     gx = torch.empty_like(x) if needs[0] else None
-    gw32 = torch.zeros(w.shape, dtype=torch.float32, device=x.device) if needs[1] else None
-    gb32 = torch.zeros(w.shape[0], dtype=torch.float32, device=x.device) if needs[2] else None
+    gw32 = torch.empty(w.shape, dtype=torch.float32, device=x.device) if needs[1] else None
+    gb32 = torch.empty(w.shape[0], dtype=torch.float32, device=x.device) if needs[2] else None
     for i, (s, e) in enumerate(ch.spans()):
         logits = ch.logits_of(s, e)
         grad = cross_entropy_backward(
@@ -470,7 +496,9 @@ def _weight_grad(ctx, gw: torch.Tensor | None, scale: torch.Tensor | None) -> to
     return common.hand_over(target)
 
 
-def _check_linear_ce_args(x, w, b, target, chunk_size) -> None:
+def _check_linear_ce_args(
+    x: Tensor, w: Tensor, b: Tensor | None, target: Tensor, chunk_size: int | None
+) -> None:
     check_tensor("linear_weight", w, ndim=2, dtypes=(*HALF_DTYPES, torch.float32))
     check_tensor("input", x, dtypes=(w.dtype,))
     if x.dim() < 1 or x.shape[-1] != w.shape[1]:
