@@ -35,6 +35,7 @@ import triton.language as tl
 from tkern.kernels._common import (
     INTERPRET,
     cast_rne,
+    check_int32_addressable,
     check_same_device,
     check_tensor,
     tl_dtype,
@@ -285,6 +286,14 @@ def check_cross_entropy_args(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be None or > 0, got {softcap}")
     check_same_device(logits=logits, target=target, weight=weight)
+    _check_column_reach("logits", logits)
+
+
+def _check_column_reach(name: str, t: torch.Tensor) -> None:
+    """Rows are addressed with int64 offsets, a row's columns with int32 ones: refuse a
+    column stride that would carry them past 2^31 elements (a transposed view of a huge
+    tensor; ``.contiguous()`` fixes it)."""
+    check_int32_addressable(f"a row of {name}", t[0] if t.shape[0] else t)
 
 
 def _launch(
@@ -318,6 +327,7 @@ def _check_grad_out(grad: torch.Tensor, logits: torch.Tensor) -> None:
     check_tensor("grad", grad, ndim=2, dtypes=LOGIT_DTYPES)
     if grad.shape != logits.shape:
         raise ValueError(f"grad must have the logits' shape {tuple(logits.shape)}, got {tuple(grad.shape)}")
+    _check_column_reach("grad", grad)
     if grad.numel() and grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
         raise ValueError("grad must not share memory with logits: the gradient is never written in place")
 
