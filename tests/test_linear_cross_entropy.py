@@ -235,3 +235,14 @@ def test_weight_gradient_goes_into_the_fused_optimizers_flat_buffer(monkeypatch)
         assert grad_is_flat_view(head.weight) and opt.param_groups
         assert taken[-1] is not None  # (weight, view, accumulate): backward took the view
         assert rel_err(head.weight.grad, sum(ref[: i + 1])) <= TOL[torch.float16]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_all_ignored_batch(reduction):
+    # as torch: mean over no rows is nan, sum is 0; every gradient is zero either way
+    x, w, b, _, _ = _inputs(torch.bfloat16, n=12)
+    target = torch.full((12,), -100, device=DEVICE)
+    loss, *grads = _run(x, w, b, target, reduction=reduction, z_loss=1e-3)
+    ref = _reference(x, w, b, target, reduction=reduction)[0]
+    assert torch.equal(loss.isnan().cpu(), ref.isnan().cpu()) and (reduction == "mean") == bool(loss.isnan())
+    assert all(torch.all(g == 0) for g in grads)
