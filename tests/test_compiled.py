@@ -252,3 +252,25 @@ def test_fp8_cast_kernels_compile_without_spills():
             r = static_report.compile_case(case, cc, sass=False)
             assert r["compiled"], f"{case.name} on sm_{cc}: {r.get('error')}"
             assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on sm_{cc}"
+
+
+# --------------------------------------------------------------------------- cross-entropy (issue 28)
+
+
+def test_cross_entropy_kernel_compiles_without_spills():
+    """tkern.cross_entropy's and linear_cross_entropy's launches (static_report.cross_entropy_cases:
+    fp16/bf16/fp32 logits, the forward, the backward from lse, the fused linear launch, the
+    plainest and every option on) for sm_90 and sm_80: every one compiles with no spills.
+    They are in all_cases too (the report and the fixture's gate set)."""
+    import static_report
+
+    cases = static_report.cross_entropy_cases()
+    assert {c.name for c in cases} >= {
+        "cross_entropy_fwd[bf16]",
+        "linear_cross_entropy[fp32->bf16,weight,smoothing,z]",
+    }
+    for cc in TARGETS:
+        for case in cases:
+            r = static_report.compile_case(case, cc, sass=False)
+            assert r["compiled"], f"{case.name} on sm_{cc}: {r.get('error')}"
+            assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on sm_{cc}"

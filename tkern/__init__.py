@@ -6,6 +6,7 @@ from tkern.kernels import INTERPRET, mode
 from tkern.kernels.float8 import to_float8
 from tkern.kernels.gemm import scaled_mm
 from tkern.nn import Float8Linear, Float8Recipe, convert_network
+from tkern.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from tkern.ops.linear import linear, matmul
 from tkern.trainer import Trainer
 
@@ -22,7 +23,9 @@ __all__ = [
     "__version__",
     "amp",
     "convert_network",
+    "cross_entropy",
     "linear",
+    "linear_cross_entropy",
     "matmul",
     "mode",
     "nn",

@@ -58,6 +58,16 @@ scale.py
     kernel: ``_update_scale_kernel``. Launcher: ``update_scale``. Above:
     ``amp.DynamicLossScaler`` and kin. Tests: test_scale.py, test_amp.py.
     Benchmark: bench_optimizer.py (scaler overhead).
+cross_entropy.py
+    kernel: ``_cross_entropy_kernel`` (online max and sum over vocabulary chunks in
+    fp32; loss terms, lse and the gradient into a separate buffer in one launch).
+    Launchers: ``cross_entropy_forward``, ``cross_entropy_backward``; ``check_targets``.
+    Above: ``ops.cross_entropy.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
+    ``tkern::cross_entropy_backward``), ``ops.cross_entropy.linear_cross_entropy`` (with
+    the GEMMs), ``nn.CrossEntropyLoss``, ``nn.LinearCrossEntropy``, ``convert_network(
+    fused_loss=True)`` (nn/hf_loss.py). Tests: test_cross_entropy.py,
+    test_linear_cross_entropy.py, test_hf_fused_loss.py, test_compiled.py. Benchmarks:
+    bench_loss.py, static_report.py.
 
 ``_common.py`` holds what every family shares: the execution mode (Triton's
 interpreter on a CPU, compiled on a GPU), input checks, and jit helpers whose

@@ -3,12 +3,15 @@
 ``linear.py``   :class:`Linear` (and transformers' GPT-2 ``Conv1D`` as ``tkern.nn.Conv1D``)
 ``float8.py``   :class:`Float8Linear`, :class:`Float8Recipe` (and ``tkern.nn.Float8Conv1D``)
 ``fusion.py``   an ``nn.Sequential``'s Linear + activation run as one GEMM
+``loss.py``     :class:`CrossEntropyLoss`, :class:`LinearCrossEntropy` (tkern's fused cross-entropy)
+``hf_loss.py``  transformers' causal LMs computing their loss without logits (``fused_loss=True``)
 ``convert.py``  :func:`convert_network`, a table of small per-module rules
 """
 
 from tkern.nn.convert import CASTABLE_TYPES, NORM_TYPES, CastInputs, CastOutput, convert_network
 from tkern.nn.float8 import FLOAT8_SCALINGS, Float8Linear, Float8Recipe, float8_conv1d_class
 from tkern.nn.linear import Linear, conv1d_class
+from tkern.nn.loss import CrossEntropyLoss, LinearCrossEntropy
 
 # and Conv1D, Float8Conv1D where transformers is installed
 __all__ = [
@@ -17,9 +20,11 @@ __all__ = [
     "NORM_TYPES",
     "CastInputs",
     "CastOutput",
+    "CrossEntropyLoss",
     "Float8Linear",
     "Float8Recipe",
     "Linear",
+    "LinearCrossEntropy",
     "convert_network",
 ]
 

@@ -19,7 +19,9 @@ from torch import nn
 from tkern.kernels._common import HALF_DTYPES
 from tkern.nn.float8 import Float8Linear, Float8Recipe, float8_conv1d_class
 from tkern.nn.fusion import FusedSequentialForward, route_fusion
+from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss
 from tkern.nn.linear import Linear, conv1d_class, hf_conv1d
+from tkern.nn.loss import LinearCrossEntropy
 from tkern.ops.float8 import float8_weight_cache
 
 __all__ = ["BACK_RULES", "CASTABLE_TYPES", "NORM_TYPES", "RULES", "Conversion", "convert_network"]
@@ -95,6 +97,7 @@ def remove_tkern_hooks(module: nn.Module) -> None:
                 getattr(module, extra, {}).pop(key, None)
     if isinstance(module.__dict__.get("forward"), FusedSequentialForward):
         del module.forward
+    remove_fused_loss(module)
 
 
 def cast_own(module: nn.Module, dtype: torch.dtype, buffers: bool = True) -> None:
@@ -141,6 +144,7 @@ class Conversion:
     recipe: Float8Recipe | None = None
     float8_filter: Callable[[str, nn.Module], bool] | None = None
     fuse_activations: bool = True
+    fused_loss: bool = False
     #: module types kept in fp32 for want of a rule -> their paths (for the warning)
     kept: dict[type, list[str]] = field(default_factory=dict)
 
@@ -199,6 +203,24 @@ def _conv1d_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     return True
 
 
+def _linear_cross_entropy_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    """tkern.nn.LinearCrossEntropy: the head's weight and bias in ``dtype`` (tkern's GEMM),
+    its class weights (a buffer) in fp32."""
+    if not isinstance(module, LinearCrossEntropy):
+        return False
+    cast_own(module, conv.dtype, buffers=False)
+    return True
+
+
+def _fused_loss_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    """With ``fused_loss``: a transformers causal LM (GPT-2, Llama) computes its loss with
+    tkern.linear_cross_entropy (tkern/nn/hf_loss.py). Declines in any case (returns
+    False), so that the model's children are converted by the other rules."""
+    if conv.fused_loss:
+        install_fused_loss(module)
+    return False
+
+
 def _castable_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     if not isinstance(module, CASTABLE_TYPES):
         return False
@@ -215,7 +237,15 @@ def _fp32_norm_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
 
 
 #: The forward rules, asked in order; the first that returns True converts the module.
-RULES: list[Rule] = [_float8_linear_rule, _linear_rule, _conv1d_rule, _castable_rule, _fp32_norm_rule]
+RULES: list[Rule] = [
+    _fused_loss_rule,
+    _float8_linear_rule,
+    _linear_rule,
+    _conv1d_rule,
+    _linear_cross_entropy_rule,
+    _castable_rule,
+    _fp32_norm_rule,
+]
 
 
 def _linear_back(module: nn.Module) -> bool:
@@ -302,6 +332,7 @@ def convert_network(
     float8: str | Float8Recipe | None = None,
     float8_filter: Callable[[str, nn.Module], bool] | None = None,
     fuse_activations: bool = True,
+    fused_loss: bool = False,
 ) -> nn.Module:
     """Convert ``model`` in place for mixed-precision training, and return it.
 
@@ -331,12 +362,18 @@ def convert_network(
     a pair where either module has a hook runs unfused. ReLU gives the same numbers; GELU
     and SiLU round once fewer. (docs/api.md has the details.)
 
+    ``fused_loss``: a transformers ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` called with
+    ``labels`` computes its loss with :func:`tkern.linear_cross_entropy` (HF's shift and
+    ``ignore_index=-100``; no (tokens x vocabulary) logits) and returns ``logits=None``;
+    without labels (and in ``generate()``) it returns its logits as before.
+
     Args:
         model: the model (fp32, or converted before).
         dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
         float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or a Float8Recipe.
         float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
         fuse_activations: fold ReLU/GELU/SiLU modules into the preceding Linear's GEMM.
+        fused_loss: compute a transformers causal LM's loss without its logits (above).
 
     Raises:
         TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it cannot be
@@ -356,6 +393,8 @@ def convert_network(
     recipe = None if float8 is None else Float8Recipe.of(float8)
     if not isinstance(fuse_activations, bool):
         raise TypeError(f"fuse_activations must be True or False, got {fuse_activations!r}")
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"fused_loss must be True or False, got {fused_loss!r}")
     if float8_filter is not None and not callable(float8_filter):
         raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32:
@@ -364,7 +403,7 @@ def convert_network(
         _check_convertible_back(model)
         _convert_back(model)
         return model
-    conv = Conversion(dtype, recipe, float8_filter, fuse_activations)
+    conv = Conversion(dtype, recipe, float8_filter, fuse_activations, fused_loss)
     _convert(model, "", conv)
     _warn_kept(conv.kept, dtype)
     return model

@@ -6,6 +6,9 @@ per op family, each above the kernels it launches (``tkern/kernels``):
                  ``tkern::activation_grad``)
 ``float8.py``    ``float8_linear`` and the fp8 weight cache (custom ops ``tkern::to_float8``,
                  ``tkern::to_float8_delayed``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``)
+``cross_entropy.py``  ``tkern.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
+                 ``tkern::cross_entropy_backward``) and ``tkern.linear_cross_entropy`` (chunked
+                 GEMMs + the fused kernel; the logits never materialized)
 ``common.py``    what the linear-like ops share: shapes, and the seam that puts dW into a fused
                  optimizer's flat gradient buffer
 """

@@ -1,0 +1,248 @@
+"""tkern.linear_cross_entropy against F.linear + F.cross_entropy in float64 on the same
+(rounded) input, weight and bias, and the memory it never uses.
+
+Tolerances (relative Frobenius error, conftest.rel_err):
+* the loss: the chunk's logits are fp32 from tkern's GEMM (16-bit products exact in
+  fp32, an fp32 sum over H = 31 features: ~H * 2^-24 relative), then the fp32
+  cross-entropy (test_cross_entropy.py's LOSS_TOL argument): LOSS_TOL = 1e-5.
+* the gradients: the logits' gradient is rounded once to the input's dtype (unit
+  roundoff u), then dgrad and wgrad accumulate it in fp32 and round once more (u):
+  errors of two independent roundings, ~sqrt(2) u in the Frobenius norm, below the
+  GEMM table's 2u (conftest.TOL); fp32 inputs run torch's fp32 GEMMs: TOL[fp32].
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICE, TOL, rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tkern
+from tkern.ops.cross_entropy import default_chunk_rows
+
+LOSS_TOL = 1e-5
+N, H, V = 188, 31, 123
+
+
+def _inputs(dtype, n=N, h=H, v=V, seed=0, bias_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) * 0.4).to(DEVICE, dtype)
+    b = torch.randn(v, generator=g).to(DEVICE, bias_dtype or dtype)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::9] = -100
+    weight = (torch.rand(v, generator=g) + 0.5).to(DEVICE)
+    return x, w, b, target.to(DEVICE), weight
+
+
+def _reference(x, w, b, target, grad_out=None, weight=None, z_loss=0.0, reduction="mean", **kw):
+    """(loss, dx, dw, db) in float64: F.linear, F.cross_entropy, the z-loss."""
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    logits = F.linear(*leaves)
+    w64 = None if weight is None else weight.double()
+    loss = F.cross_entropy(logits, target, weight=w64, reduction=reduction, **kw)
+    if z_loss:
+        valid = target != kw.get("ignore_index", -100)
+        z = z_loss * torch.logsumexp(logits, -1) ** 2 * valid
+        loss = loss + {"none": z, "sum": z.sum(), "mean": z.sum() / valid.sum()}[reduction]
+    loss.backward(torch.ones_like(loss) if grad_out is None else grad_out.double())
+    return loss.detach(), *(t.grad for t in leaves)
+
+
+def _run(x, w, b, target, grad_out=None, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    loss = tkern.linear_cross_entropy(leaves[0], leaves[1], target, linear_bias=leaves[2], **kw)
+    loss.backward(torch.ones_like(loss) if grad_out is None else grad_out)
+    return loss, *(t.grad for t in leaves)
+
+
+def _check(x, w, b, target, grad_out=None, chunk_size=None, **kw):
+    out = _run(x, w, b, target, grad_out, chunk_size=chunk_size, **kw)
+    ref = _reference(x, w, b, target, grad_out, **kw)
+    assert out[0].dtype == torch.float32 and out[0].shape == ref[0].shape
+    assert rel_err(out[0], ref[0]) <= LOSS_TOL, (rel_err(out[0], ref[0]), kw)
+    for name, got, want, like in zip(("input", "weight", "bias"), out[1:], ref[1:], (x, w, b), strict=True):
+        assert got.dtype == like.dtype and got.shape == like.shape, name
+        assert rel_err(got, want) <= TOL[x.dtype], (name, rel_err(got, want), kw)
+
+
+ALL = {"label_smoothing": 0.1, "z_loss": 1e-3}
+
+
+@pytest.mark.parametrize(
+    "dtype, options",
+    [
+        (torch.bfloat16, "plain"),
+        (torch.bfloat16, "all"),
+        (torch.float16, "all"),
+        (torch.float32, "all"),
+    ],
+)
+def test_matches_float64_reference(dtype, options):
+    x, w, b, target, weight = _inputs(dtype)
+    kw = {} if options == "plain" else {**ALL, "weight": weight}
+    _check(x, w, b, target, **kw)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_reductions_with_upstream_gradient(reduction):
+    x, w, b, target, weight = _inputs(torch.bfloat16, n=60)
+    grad_out = torch.tensor(0.375) if reduction == "sum" else torch.rand(60) + 0.5
+    # a chunk size that does not divide the rows: a ragged last chunk
+    _check(x, w, b, target, grad_out.to(DEVICE), chunk_size=25, weight=weight, reduction=reduction, **ALL)
+
+
+def test_fp32_bias_with_half_input_and_leading_shape():
+    x, w, b, target, _ = _inputs(torch.float16, n=24, bias_dtype=torch.float32)
+    x3, t3 = x.reshape(2, 12, H), target.reshape(2, 12)
+    loss = tkern.linear_cross_entropy(x3, w, t3, linear_bias=b, reduction="none")
+    ref, *_ = _reference(x, w, b, target, reduction="none")
+    assert loss.shape == (2, 12) and rel_err(loss.reshape(-1), ref) <= LOSS_TOL
+
+
+def test_loss_scale_scales_every_gradient_exactly():
+    # loss * S under a loss scaler: S a power of two multiplies every gradient exactly
+    x, w, b, target, _ = _inputs(torch.float16, n=24)
+    _, *plain = _run(x, w, b, target)
+    _, *scaled = _run(x, w, b, target, grad_out=torch.tensor(1024.0, device=DEVICE))
+    for p, s in zip(plain, scaled, strict=True):
+        assert torch.equal(p.float() * 1024, s.float())
+
+
+def test_no_grad_computes_the_loss_only():
+    x, w, b, target, _ = _inputs(torch.bfloat16, n=24)
+    with torch.no_grad():
+        loss = tkern.linear_cross_entropy(x, w.requires_grad_(), target, linear_bias=b)
+    ref, *_ = _reference(x, w, b, target)
+    assert not loss.requires_grad and rel_err(loss, ref) <= LOSS_TOL
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Bytes of the largest tensor any op returns. ``aten.set_`` is skipped: Triton's
+    interpreter views existing storage as bytes through it (no allocation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not torch.ops.aten.set_.source_Storage:
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_never_materializes_the_logits(reduction):
+    # 8 chunks of 4 rows over 512 classes: the largest tensor allowed is a chunk's fp32
+    # logits (C * V * 4 bytes; also the fp32 (V, H) weight-gradient sum), 1/8 of the
+    # (N, V) fp32 logits; nothing the size of the logits is saved for backward.
+    n, h, v, chunk = 32, 4, 512, 4
+    x, w, b, target, _ = _inputs(torch.float16, n=n, h=h, v=v)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _LargestAllocation() as mode:
+        loss = tkern.linear_cross_entropy(
+            leaves[0], leaves[1], target, linear_bias=leaves[2], reduction=reduction, chunk_size=chunk
+        )
+        loss.sum().backward()
+    assert mode.largest <= max(chunk * v * 4, v * h * 4, n * h * 2) == n * v * 4 // 8, mode.largest
+    assert max(saved) <= v * h * 2, saved
+
+
+def test_default_chunk_rows():
+    # as many logits per chunk as the input has elements, a power of two, at most the rows
+    assert default_chunk_rows(8192, 768, 50257) == 128  # 8192 * 768 / 50257 = 125
+    assert default_chunk_rows(188, 31, 123) == 64  # 47.4 -> 2^6
+    assert default_chunk_rows(3, 4096, 16) == 4  # at most the rows, rounded up
+    assert default_chunk_rows(10, 2, 10**6) == 1
+
+
+def test_errors_name_the_argument():
+    x, w, b, target, _ = _inputs(torch.float16, n=8)
+    bad = target.clone()
+    bad[3] = V + 5
+    with pytest.raises(ValueError, match=rf"target\[3\] = {V + 5} is out of range"):
+        tkern.linear_cross_entropy(x, w, bad)
+    with pytest.raises(TypeError, match="input must have dtype"):
+        tkern.linear_cross_entropy(x.bfloat16(), w, target)
+    with pytest.raises(ValueError, match="input must have shape"):
+        tkern.linear_cross_entropy(x[:, :5], w, target)
+    with pytest.raises(ValueError, match="target must have shape"):
+        tkern.linear_cross_entropy(x, w, target[:5])
+    with pytest.raises(ValueError, match="linear_bias must have shape"):
+        tkern.linear_cross_entropy(x, w, target, linear_bias=b[:5])
+    with pytest.raises(ValueError, match="chunk_size must be"):
+        tkern.linear_cross_entropy(x, w, target, chunk_size=0)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        tkern.linear_cross_entropy(x, w, target, reduction="batchmean")
+
+
+def test_linear_cross_entropy_module():
+    torch.manual_seed(3)
+    head = torch.nn.Linear(H, V, device=DEVICE)
+    module = tkern.nn.LinearCrossEntropy(H, V, label_smoothing=0.1, device=DEVICE)
+    assert list(module.state_dict()) == list(head.state_dict())  # a head's state_dict loads into it
+    module.load_state_dict(head.state_dict())
+    assert module.weight.dtype == torch.float32 and module.class_weight is None
+    # convert_network casts the head like a Linear (tkern's GEMM)
+    wrapper = tkern.convert_network(torch.nn.Sequential(module), torch.bfloat16)
+    assert wrapper[0].weight.dtype == torch.bfloat16 and wrapper[0].bias.dtype == torch.bfloat16
+    x, _, _, target, _ = _inputs(torch.float32, n=20)
+    loss = module(x, target)  # an fp32 input is cast to the head's dtype
+    loss.backward()
+    ref = _reference(x.bfloat16(), module.weight, module.bias, target, label_smoothing=0.1)
+    assert rel_err(loss, ref[0]) <= LOSS_TOL
+    assert rel_err(module.weight.grad, ref[2]) <= TOL[torch.bfloat16]
+
+
+def test_torch_compile_runs_it_eagerly():
+    # a graph break around the chunked loop (torch.compiler.disable), the rest compiled
+    x, w, b, target, _ = _inputs(torch.float16, n=16)
+    step = torch.compile(
+        lambda x, w, b, t: tkern.linear_cross_entropy(x, w, t, linear_bias=b) * 2, backend="aot_eager"
+    )
+    loss, ref = step(x, w, b, target), _reference(x, w, b, target)[0] * 2
+    assert rel_err(loss, ref) <= LOSS_TOL
+
+
+def test_weight_gradient_goes_into_the_fused_optimizers_flat_buffer(monkeypatch):
+    # as tkern.nn.Linear's (test_wgrad_into.py): .grad stays the flat buffer's view, the
+    # gradient added into it by backward (common.flat_wgrad took it), over two backwards
+    from tkern.flat import grad_is_flat_view
+    from tkern.ops import common
+    from tkern.optim import FusedAdamW
+
+    taken = []
+    flat_wgrad = common.flat_wgrad
+    monkeypatch.setattr(common, "flat_wgrad", lambda *a: taken.append(flat_wgrad(*a)) or taken[-1])
+
+    x, w, b, target, _ = _inputs(torch.float16, n=16)
+    head = tkern.nn.LinearCrossEntropy(H, V, dtype=torch.float16, device=DEVICE)
+    opt = FusedAdamW(head.parameters(), lr=1e-3)  # kept alive: it owns the flat buffer
+    ref = [_reference(x, head.weight, head.bias, target)[2] for _ in range(2)]
+    for i in range(2):
+        head(x, target).backward()
+        assert grad_is_flat_view(head.weight) and opt.param_groups
+        assert taken[-1] is not None  # (weight, view, accumulate): backward took the view
+        assert rel_err(head.weight.grad, sum(ref[: i + 1])) <= TOL[torch.float16]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_all_ignored_batch(reduction):
+    # as torch: mean over no rows is nan, sum is 0; every gradient is zero either way
+    x, w, b, _, _ = _inputs(torch.bfloat16, n=12)
+    target = torch.full((12,), -100, device=DEVICE)
+    loss, *grads = _run(x, w, b, target, reduction=reduction, z_loss=1e-3)
+    ref = _reference(x, w, b, target, reduction=reduction)[0]
+    assert torch.equal(loss.isnan().cpu(), ref.isnan().cpu()) and (reduction == "mean") == bool(loss.isnan())
+    assert all(torch.all(g == 0) for g in grads)

@@ -1,0 +1,452 @@
+"""Cross-entropy over a vocabulary of any size, in fp32 from 16-bit logits.
+
+Each program takes one row (a few under the interpreter) and walks the row's
+vocabulary in chunks of ``BLOCK_V``:
+
+* pass 1 (an online max and sum, in fp32) gives ``lse = logsumexp(x)`` and the
+  row's loss terms: ``(1 - eps) * w[t] * (lse - x[t]) + eps / V * sum_c w[c] (lse - x[c])``,
+  torch's label-smoothed, class-weighted negative log-likelihood (``w = 1``
+  without class weights), before any reduction;
+* pass 2 (optional, the same launch) writes the gradient of
+  ``a_i * loss_i + (b_i + q_i * lse_i) * lse_i`` -- ``a``, ``b``, ``q`` per-row
+  (or broadcast) fp32 coefficients that the caller derives from the reduction
+  and the upstream gradient -- into a separate buffer, in the logits' dtype:
+  ``p = exp(x - lse)`` stays fp32 and ``p - 1`` is taken from it (rounding ``p``
+  to bf16 first is 20-100% wrong at p = 0.99..0.999, Liger PR 1329), and the
+  logits are never overwritten (other ops may have saved them, Liger issue 272).
+
+``softcap`` applies ``c * tanh(x / c)`` to the logits as they are loaded (Gemma 2);
+the gradient is multiplied by ``1 - tanh(x / c)^2``. A row whose target is
+``ignore_index`` costs no logit reads: its loss and lse are 0 and its gradient
+row is zeros. A target outside ``[0, V)`` gives a NaN loss (never an
+out-of-bounds read); :func:`check_targets` raises on the host before the launch.
+
+Target check: a host-side check (:func:`check_targets`), one reduction over the
+targets and, on a GPU, one device-to-host sync per call; the kernel's NaN is
+the backstop where the check is skipped (under ``torch.compile`` tracing).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tkern.kernels._common import (
+    INTERPRET,
+    cast_rne,
+    check_int32_addressable,
+    check_same_device,
+    check_tensor,
+    tl_dtype,
+)
+
+#: dtypes the logits may have.
+LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: dtypes the targets may have.
+TARGET_DTYPES = (torch.int64, torch.int32)
+#: Largest vocabulary chunk one loop iteration reads. Compiled: 4096 elements is 16
+#: per thread at 8 warps (a few live fp32 vectors, no spills in the compile gate) and
+#: long enough contiguous reads; under the interpreter, where every loop iteration
+#: costs milliseconds, large chunks.
+MAX_BLOCK_V = 32768 if INTERPRET else 4096
+#: |y| below which tanh(y) is its Taylor series y - y^3/3 + 2y^5/15 (error < 2^-24
+#: relative at 1/16): the exp form 1 - 2 / (exp(2y) + 1) cancels there.
+_TANH_TAYLOR: tl.constexpr = tl.constexpr(0.0625)
+
+
+#: Elements of one interpreted tile (rows x chunk), see :func:`rows_per_program`.
+INTERPRET_TILE = 65536
+
+
+def block_v(n_cols: int) -> int:
+    """The vocabulary chunk for rows of ``n_cols`` classes: a power of two, at least 16."""
+    return max(16, min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK_V))
+
+
+def rows_per_program(block: int) -> int:
+    """Rows per program: one on a GPU (a row's chunk fills the program); under the
+    interpreter, whose cost is per operation and program, as many as keep a tile
+    near 64K elements (16 rows of a 123-class vocabulary: ~10x fewer programs)."""
+    return max(1, min(16, INTERPRET_TILE // block)) if INTERPRET else 1
+
+
+def num_warps(block: int) -> int:
+    """Warps per program: 8 for chunks of 2048 and more (16 elements per thread at 4096), else 4."""
+    return 8 if block >= 2048 else 4
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _tanh(y):
+    """tanh of fp32 ``y``: 1 - 2 / (exp(2y) + 1) (saturates to +-1 without inf/inf),
+    its Taylor series where |y| is small and that form would cancel."""
+    big = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+    y2 = y * y
+    small = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0)))
+    return tl.where(tl.abs(y) < _TANH_TAYLOR, small, big)
+
+
+@triton.jit
+def _capped(x, softcap, SOFTCAP: tl.constexpr):
+    """``softcap * tanh(x / softcap)`` when SOFTCAP, else ``x`` (fp32)."""
+    if SOFTCAP:
+        x = softcap * _tanh(x / softcap)
+    return x
+
+
+@triton.jit
+def _load_logits(row_ptr, cols, stride_c, mask, softcap, SOFTCAP: tl.constexpr):
+    """A chunk of one row's logits in fp32 (masked lanes -inf), softcapped if asked."""
+    x = tl.load(row_ptr + cols * stride_c, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, _capped(x, softcap, SOFTCAP), float("-inf"))
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    logits_ptr,  # (N, V) fp16/bf16/fp32, strides (stride_lr, stride_lc): read in place
+    target_ptr,  # (N,) int32/int64, contiguous
+    weight_ptr,  # (V,) fp32 class weights, contiguous (read when HAS_WEIGHT)
+    wsum_ptr,  # (1,) fp32: sum of the class weights (read when HAS_WEIGHT and SMOOTHING)
+    loss_ptr,  # (N,) fp32 out: the row's loss terms (written when WRITE_LOSS)
+    lse_ptr,  # (N,) fp32: logsumexp of the (softcapped) row; written when COMPUTE_LSE, else read
+    grad_ptr,  # (N, V) out, GRAD_DTYPE, strides (stride_gr, stride_gc) (written when WRITE_GRAD)
+    a_ptr,  # (N,) or (1,) fp32: d(objective)/d(loss_i)          (WRITE_GRAD)
+    b_ptr,  # (N,) or (1,) fp32: d(objective)/d(lse_i), constant  (WRITE_GRAD and HAS_B)
+    q_ptr,  # (N,) or (1,) fp32: d(objective)/d(lse_i) per unit lse (WRITE_GRAD and HAS_Q)
+    coef_stride,  # 1: a, b, q per row; 0: one value broadcast to every row
+    n_rows,  # N
+    n_cols,  # V
+    stride_lr,
+    stride_lc,
+    stride_gr,
+    stride_gc,
+    ignore_index,
+    smoothing,  # label smoothing eps in [0, 1]
+    softcap,  # c > 0 (read when SOFTCAP)
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTHING: tl.constexpr,  # eps > 0: the smoothing sum is accumulated (else skipped)
+    SOFTCAP: tl.constexpr,
+    COMPUTE_LSE: tl.constexpr,  # pass 1 runs (else lse is read from lse_ptr)
+    WRITE_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,  # pass 2 runs
+    HAS_B: tl.constexpr,
+    HAS_Q: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program: 1 compiled (rows_per_program), more under the interpreter
+    BLOCK_V: tl.constexpr,
+):
+    """Rows ``[program_id(0) * ROWS, ...)``: their lse and loss terms, and optionally the
+    gradient of ``a * loss + (b + q * lse) * lse`` with respect to their logits (see the
+    module docstring); flags are constexpr so that the unused passes compile away."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols0 = tl.arange(0, BLOCK_V)
+    row_ok = rows < n_rows
+    t = tl.load(target_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    live = t != ignore_index  # rows past the end count as ignored
+    in_range = (t >= 0) & (t < n_cols)
+    t_safe = tl.where(in_range, t, 0)
+    row_ptr = logits_ptr + rows * stride_lr  # (ROWS,)
+    vocab = n_cols.to(tl.float32)
+    # a tile whose rows are all ignored reads no logits: its loops run zero iterations
+    n_work = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_cols, 0)
+
+    if HAS_WEIGHT:
+        w_t = tl.load(weight_ptr + t_safe, mask=row_ok, other=0.0)
+        if SMOOTHING:
+            w_all = tl.load(wsum_ptr)
+        else:
+            w_all = vocab
+    else:
+        w_t = 1.0
+        w_all = vocab
+
+    if COMPUTE_LSE:
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        s = tl.zeros([ROWS], tl.float32)
+        wx = tl.zeros([ROWS], tl.float32)  # sum_c w[c] x[c], for label smoothing
+        for start in range(0, n_work, BLOCK_V):
+            cols = start + cols0
+            mask = live[:, None] & (cols < n_cols)[None, :]
+            x = _load_logits(row_ptr[:, None], cols[None, :], stride_lc, mask, softcap, SOFTCAP)
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # ignored rows: no inf - inf
+            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+            m = m_new
+            if SMOOTHING:
+                xs = tl.where(mask, x, 0.0)
+                if HAS_WEIGHT:
+                    xs = xs * tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+                wx += tl.sum(xs, axis=1)
+        lse = tl.where(live, m + tl.log(tl.where(live, s, 1.0)), 0.0)
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
+        if WRITE_LOSS:
+            x_t = tl.load(row_ptr + t_safe * stride_lc, mask=in_range & live, other=0.0).to(tl.float32)
+            x_t = _capped(x_t, softcap, SOFTCAP)
+            loss = (1.0 - smoothing) * w_t * (lse - x_t)
+            if SMOOTHING:
+                loss += smoothing / vocab * (w_all * lse - wx)
+            loss = tl.where(in_range, loss, float("nan"))
+            tl.store(loss_ptr + rows, tl.where(live, loss, 0.0), mask=row_ok)
+    else:
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+
+    if WRITE_GRAD:
+        # d/dx_c [a loss + (b + q lse) lse] = p_c * A - [c == t] * B - a eps / V * w_c, with
+        # A = a ((1 - eps) w_t + eps W / V) + b + 2 q lse and B = a (1 - eps) w_t: p - 1
+        # at the target from the fp32 p, one rounding to the gradient's dtype at the store.
+        # ignored rows' coefficients may be inf (a mean over no rows): never multiplied
+        a = tl.where(live, tl.load(a_ptr + rows * coef_stride, mask=row_ok, other=0.0), 0.0)
+        big_b = a * (1.0 - smoothing) * w_t
+        big_a = big_b + a * smoothing * w_all / vocab
+        if HAS_B:
+            big_a += tl.where(live, tl.load(b_ptr + rows * coef_stride, mask=row_ok, other=0.0), 0.0)
+        if HAS_Q:
+            big_a += (
+                2.0 * tl.where(live, tl.load(q_ptr + rows * coef_stride, mask=row_ok, other=0.0), 0.0) * lse
+            )
+        smooth_c = a * smoothing / vocab  # times w_c: the smoothing term of every class
+        grad_rows = grad_ptr + rows * stride_gr
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + cols0
+            col_ok = cols < n_cols
+            mask = live[:, None] & col_ok[None, :]
+            x = _load_logits(row_ptr[:, None], cols[None, :], stride_lc, mask, softcap, SOFTCAP)
+            p = tl.exp(x - lse[:, None])
+            d = p * big_a[:, None] - tl.where(cols[None, :] == t[:, None], big_b[:, None], 0.0)
+            if SMOOTHING:
+                if HAS_WEIGHT:
+                    d -= smooth_c[:, None] * tl.load(weight_ptr + cols, mask=col_ok, other=0.0)[None, :]
+                else:
+                    d -= smooth_c[:, None]
+            if SOFTCAP:
+                th = tl.where(mask, x, 0.0) / softcap  # tanh(x / c); 0 on masked lanes (no inf * 0)
+                d *= 1.0 - th * th
+            d = tl.where(live[:, None], d, 0.0)
+            tl.store(
+                grad_rows[:, None] + cols[None, :] * stride_gc,
+                cast_rne(d, GRAD_DTYPE),
+                mask=row_ok[:, None] & col_ok[None, :],
+            )
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Raise ``ValueError`` naming the first target outside ``[0, n_classes)`` that
+    is not ``ignore_index``. One reduction over the targets; on a GPU it waits for
+    the device (reads the answer on the host)."""
+    bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+    if target.numel() and bool(bad.any()):
+        idx = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"target[{idx}] = {int(target[idx])} is out of range: targets must be in [0, {n_classes}) "
+            f"or equal ignore_index ({ignore_index})"
+        )
+
+
+def _check_coef(name: str, c: torch.Tensor, n_rows: int) -> None:
+    check_tensor(name, c, ndim=1, dtypes=(torch.float32,))
+    if c.shape[0] not in (1, n_rows) or not c.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous (1,) or ({n_rows},) fp32 tensor, got shape {tuple(c.shape)}"
+        )
+
+
+def check_cross_entropy_args(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    label_smoothing: float,
+    softcap: float | None,
+) -> None:
+    """Validate what both launchers take (names, shapes, dtypes, ranges), before any launch."""
+    check_tensor("logits", logits, ndim=2, dtypes=LOGIT_DTYPES)
+    check_tensor("target", target, ndim=1, dtypes=TARGET_DTYPES)
+    n, v = logits.shape
+    if target.shape[0] != n:
+        raise ValueError(
+            f"target must have shape ({n},) to match logits of shape {tuple(logits.shape)}, "
+            f"got {tuple(target.shape)}"
+        )
+    if v == 0:
+        raise ValueError(f"logits must have at least one class, got shape {tuple(logits.shape)}")
+    if weight is not None:
+        check_tensor("weight", weight, ndim=1, dtypes=(torch.float32,))
+        if weight.shape[0] != v:
+            raise ValueError(f"weight must have shape ({v},) (one per class), got {tuple(weight.shape)}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    check_same_device(logits=logits, target=target, weight=weight)
+    _check_column_reach("logits", logits)
+
+
+def _check_column_reach(name: str, t: torch.Tensor) -> None:
+    """Rows are addressed with int64 offsets, a row's columns with int32 ones: refuse a
+    column stride that would carry them past 2^31 elements (a transposed view of a huge
+    tensor; ``.contiguous()`` fixes it)."""
+    check_int32_addressable(f"a row of {name}", t[0] if t.shape[0] else t)
+
+
+def _launch(
+    logits, target, weight, lse, loss, grad, a, b, q, ignore_index, label_smoothing, softcap, compute_lse
+) -> None:
+    n, v = logits.shape
+    if n == 0:
+        return
+    target = target.contiguous()
+    wsum = weight.sum().reshape(1) if weight is not None and label_smoothing > 0 else None
+    coef_stride = 1 if a is not None and a.shape[0] == n and n > 1 else 0
+    dummy = lse
+    block = block_v(v)
+    rows = rows_per_program(block)
+    _cross_entropy_kernel[(triton.cdiv(n, rows),)](
+        logits, target, dummy if weight is None else weight, dummy if wsum is None else wsum,
+        dummy if loss is None else loss, lse, dummy if grad is None else grad,
+        dummy if a is None else a, dummy if b is None else b, dummy if q is None else q,
+        coef_stride, n, v, logits.stride(0), logits.stride(1),
+        0 if grad is None else grad.stride(0), 1 if grad is None else grad.stride(1),
+        ignore_index, float(label_smoothing), float(softcap or 1.0),
+        HAS_WEIGHT=weight is not None, SMOOTHING=label_smoothing > 0, SOFTCAP=softcap is not None,
+        COMPUTE_LSE=compute_lse, WRITE_LOSS=loss is not None, WRITE_GRAD=grad is not None,
+        HAS_B=b is not None, HAS_Q=q is not None,
+        GRAD_DTYPE=tl_dtype(logits.dtype if grad is None else grad.dtype),
+        ROWS=rows, BLOCK_V=block, num_warps=num_warps(block),
+    )  # fmt: skip
+
+
+def _check_grad_out(grad: torch.Tensor, logits: torch.Tensor) -> None:
+    check_tensor("grad", grad, ndim=2, dtypes=LOGIT_DTYPES)
+    if grad.shape != logits.shape:
+        raise ValueError(f"grad must have the logits' shape {tuple(logits.shape)}, got {tuple(grad.shape)}")
+    _check_column_reach("grad", grad)
+    if grad.numel() and grad.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr():
+        raise ValueError("grad must not share memory with logits: the gradient is never written in place")
+
+
+def cross_entropy_forward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    grad: torch.Tensor | None = None,
+    a: torch.Tensor | None = None,
+    q: torch.Tensor | None = None,
+    check_target: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss terms and logsumexp, in fp32, in one launch; with ``grad``,
+    the gradient in the same launch.
+
+    Args:
+        logits: (N, V) fp16/bf16/fp32, any strides (read in place, never written).
+        target: (N,) int64/int32 class indices in ``[0, V)`` or ``ignore_index``.
+        weight: optional (V,) fp32 class weights.
+        ignore_index: rows with this target have loss 0, lse 0 and a zero gradient.
+        label_smoothing: eps in [0, 1], torch's formula (see the module docstring).
+        softcap: optional c > 0: the logits become ``c * tanh(x / c)`` first.
+        grad: optional (N, V) fp16/bf16/fp32 tensor (the logits' dtype, or a 16-bit
+            one for fp32 logits made from 16-bit operands), any strides, not sharing
+            memory with ``logits``: receives the gradient of
+            ``sum_i a_i * loss_i + q_i * lse_i^2``.
+        a: (N,) or (1,) fp32, needed with ``grad``: the loss terms' coefficients
+            (1 / the mean's denominator times the upstream gradient, say).
+        q: optional (N,) or (1,) fp32: the coefficients of lse^2 (a z-loss).
+        check_target: run :func:`check_targets` (False where the caller checked).
+
+    Returns:
+        ``(loss, lse)``: two new (N,) fp32 tensors (0 on ignored rows; NaN loss for
+        a target out of range, which the check reports first).
+    """
+    check_cross_entropy_args(logits, target, weight, label_smoothing, softcap)
+    n = logits.shape[0]
+    if grad is not None:
+        _check_grad_out(grad, logits)
+        if a is None:
+            raise ValueError("a (the loss terms' gradient coefficients) is needed with grad")
+        _check_coef("a", a, n)
+        if q is not None:
+            _check_coef("q", q, n)
+            if q.shape != a.shape:
+                raise ValueError(f"q must have a's shape {tuple(a.shape)}, got {tuple(q.shape)}")
+        check_same_device(logits=logits, grad=grad, a=a, q=q)
+    if check_target:
+        check_targets(target, logits.shape[1], ignore_index)
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    _launch(logits, target, weight, lse, loss, grad, a, None, q, ignore_index, label_smoothing, softcap, True)
+    return loss, lse
+
+
+def cross_entropy_backward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_loss: torch.Tensor,
+    grad_lse: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    grad: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gradient of ``sum_i grad_loss_i * loss_i + grad_lse_i * lse_i`` with
+    respect to the logits, from the lse :func:`cross_entropy_forward` returned
+    (one pass over the logits), in the logits' dtype.
+
+    Args:
+        logits, target, weight, ignore_index, label_smoothing, softcap: as given to
+            :func:`cross_entropy_forward` (targets already checked there).
+        lse: (N,) fp32, from :func:`cross_entropy_forward`.
+        grad_loss: (N,) or (1,) fp32: the upstream gradient of the loss terms.
+        grad_lse: optional, same shape: the upstream gradient of lse.
+        grad: optional output (N, V), fp16/bf16/fp32 (as in :func:`cross_entropy_forward`),
+            else a new contiguous one of the logits' dtype.
+
+    Returns:
+        ``grad`` (zero rows where the target is ``ignore_index``).
+    """
+    check_cross_entropy_args(logits, target, weight, label_smoothing, softcap)
+    n = logits.shape[0]
+    check_tensor("lse", lse, ndim=1, dtypes=(torch.float32,))
+    if lse.shape[0] != n or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous ({n},) fp32 tensor, got shape {tuple(lse.shape)}")
+    _check_coef("grad_loss", grad_loss, n)
+    if grad_lse is not None:
+        _check_coef("grad_lse", grad_lse, n)
+        if grad_lse.shape != grad_loss.shape:
+            raise ValueError(
+                f"grad_lse must have grad_loss's shape {tuple(grad_loss.shape)}, got {tuple(grad_lse.shape)}"
+            )
+    if grad is None:
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    else:
+        _check_grad_out(grad, logits)
+    check_same_device(logits=logits, lse=lse, grad_loss=grad_loss, grad_lse=grad_lse, grad=grad)
+    _launch(
+        logits,
+        target,
+        weight,
+        lse,
+        None,
+        grad,
+        grad_loss,
+        grad_lse,
+        None,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        False,
+    )
+    return grad
