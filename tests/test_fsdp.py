@@ -88,12 +88,12 @@ def _mesh(world):
     return init_device_mesh("cpu", (world,))
 
 
-def _train(model, opt, rank, steps=STEPS, inf_at=None, dtype=torch.float32, width=8):
+def _train(model, opt, rank, steps=STEPS, inf_at=None, dtype=torch.float32, width=8, start=0):
     """FSDP2 forward/backward of the loss times SCALE, then the step; returns each step's
     gathered gradients (as the optimizer saw them) and the statistics' norms."""
     grads, norms = [], []
     inv = torch.tensor([1 / SCALE])
-    for t in range(steps):
+    for t in range(start, start + steps):
         opt.zero_grad()
         (model(batch(t, rank, dtype, width)).float().sum() * SCALE).backward()
         if inf_at == t and rank == 1:
@@ -214,12 +214,62 @@ def _scenario_errors(rank, world):
     return out
 
 
+def _scenario_dcp(rank, world, out_dir):
+    """tkern owns the mixed precision (bf16 params, fp32 master): 2 steps, a DCP checkpoint
+    of model and optimizer, 2 more steps; then a fresh model and optimizer (params zeroed,
+    state zero) load the checkpoint and take the same 2 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    mesh, ckpt = _mesh(world), os.path.join(out_dir, "ckpt")
+    model = shard(make_model(torch.bfloat16), mesh)
+    opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(model, opt, rank, steps=2, dtype=torch.bfloat16)
+    osd = get_optimizer_state_dict(model, opt)
+    entries = {f"{k}.{n}": type(v).__name__ for k, e in osd["state"].items() for n, v in e.items()}
+    dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=ckpt)
+    grads, _ = _train(model, opt, rank, steps=2, dtype=torch.bfloat16, start=2)
+    straight = full(model.parameters())
+
+    fresh = shard(make_model(torch.bfloat16), mesh)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh_opt = FusedAdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(fresh, sd["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, sd["optim"])
+    _train(fresh, fresh_opt, rank, steps=2, dtype=torch.bfloat16, start=2)
+    master = [
+        e["master"].full_tensor() if isinstance(e["master"], DTensor) else e["master"]
+        for e in fresh_opt.state_dict()["state"].values()
+    ]
+    return {
+        "entries": entries,
+        "grads": grads,
+        "straight": straight,
+        "resumed": full(fresh.parameters()),
+        "master": master,
+        "ckpt": ckpt,
+    }
+
+
 SCENARIOS = {
     "equivalence": _scenario_equivalence,
     "skip": _scenario_skip,
     "modes": _scenario_modes,
     "errors": _scenario_errors,
+    "dcp": _scenario_dcp,
 }
+#: Scenarios that write files: they take the output folder too.
+WITH_DIR = {"dcp"}
 
 
 def _worker(rank, world, out_dir, names):
@@ -228,7 +278,8 @@ def _worker(rank, world, out_dir, names):
         for name in names:
             start = time.perf_counter()
             try:
-                results[name] = SCENARIOS[name](rank, world)
+                extra = (out_dir,) if name in WITH_DIR else ()
+                results[name] = SCENARIOS[name](rank, world, *extra)
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
             results[name + "_s"] = time.perf_counter() - start
@@ -359,3 +410,49 @@ def test_plain_and_dtensor_param_groups_step_together(world2):
     opt.step()
     _assert_params(ranks[0]["groups"]["params"], [p.detach() for p in params], exact=True)
     assert torch.equal(ranks[1]["groups"]["params"][-1], torch.full((3,), 1 - 0.5 * 2))
+
+
+def test_state_dict_entries_of_dtensor_params_are_dtensors(world2):
+    for res in _result(world2, "dcp"):
+        for key, kind in res["entries"].items():
+            assert kind == ("Tensor" if key.endswith(".step") else "DTensor"), key
+        assert any(k.endswith(".master") for k in res["entries"])  # bf16 params: the fp32 master travels
+
+
+def test_dcp_resume_continues_bit_for_bit(world2):
+    for res in _result(world2, "dcp"):
+        _assert_params(res["resumed"], res["straight"], exact=True)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # loading in one process
+def test_a_dcp_checkpoint_written_on_2_ranks_loads_in_one_process(world2):
+    """One process (no process group, plain params) loads the 2-rank checkpoint and takes the
+    2 steps the ranks took after saving, fed their gathered gradients: the same params, bit
+    for bit (no clipping: the update is elementwise)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    res = _result(world2, "dcp")[0]
+    model = make_model(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=res["ckpt"])
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    assert all(float(e["step"]) == 2 for e in opt.state_dict()["state"].values())
+    inv = torch.tensor([1 / SCALE])
+    for step_grads in res["grads"]:
+        for p, g in zip(model.parameters(), step_grads, strict=True):
+            p.grad.copy_(g)
+        opt.step(inv_scale=inv)
+    _assert_params([p.detach() for p in model.parameters()], res["straight"], exact=True)
+    for have, want in zip(opt.state_dict()["state"].values(), res["master"], strict=True):
+        assert torch.equal(have["master"], want)

@@ -55,7 +55,7 @@ Storage the buffer does not own
     buffer holds a copy of the param's local tensor, :meth:`FlatParams.plan`
     copies it in again whenever the param's version counter moved, and
     :meth:`FlatParams.write_back` copies the updated values out after each step.
-    ``.grad`` is then what :meth:`ParamStorage.wrap_grad` makes of the gradient
+    ``.grad`` is then what :meth:`ParamStorage.wrap` makes of the gradient
     view (a DTensor over it), so that in-place accumulation still lands in
     the flat buffer.
 
@@ -255,13 +255,15 @@ class ParamStorage:
         """The tensor the flat buffer holds for ``param`` (same shape, dtype and values)."""
         return param
 
-    def wrap_grad(self, param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-        """What ``param.grad`` is set to, over the gradient view ``view``."""
-        return view
+    def wrap(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (shaped like :meth:`local`: the gradient view that becomes ``.grad``, a
+        state entry in ``state_dict()``) as a tensor of ``param``'s kind: itself here."""
+        return local
 
-    def unwrap_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The part of a ``.grad`` tensor the gradient view holds (shaped like :meth:`local`)."""
-        return grad
+    def unwrap(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The part of ``value`` (shaped like ``param``: a ``.grad``, a loaded state entry)
+        that the buffer holds, shaped like :meth:`local`: ``value`` itself here."""
+        return value
 
 
 #: The storage of plain params.
@@ -349,7 +351,7 @@ class FlatParams:
                     if storage.owns_storage:
                         _register_view(p, self.grad_views[i])
                     if p.grad is not None:
-                        self.grad_views[i].copy_(storage.unwrap_grad(p.grad))
+                        self.grad_views[i].copy_(storage.unwrap(p, p.grad))
                 else:
                     self.grad_views.append(None)
                 if storage.owns_storage:
@@ -395,7 +397,7 @@ class FlatParams:
     def _wrap_grads(self) -> None:
         #: What each param's ``.grad`` is kept as: its gradient view, or the storage's wrapper of it.
         self.grad_handles = [
-            None if v is None else self.storage.wrap_grad(p, v)
+            None if v is None else self.storage.wrap(p, v)
             for p, v in zip(self.params, self.grad_views, strict=True)
         ]
 
@@ -557,7 +559,7 @@ class FlatParams:
                 f"{self._describe(i)}: .grad has shape {tuple(g.shape)}, expected {tuple(p.shape)}"
             )
         with torch.no_grad():
-            self.grad_views[i].copy_(self.storage.unwrap_grad(g))
+            self.grad_views[i].copy_(self.storage.unwrap(p, g))
         p.grad = self.grad_handles[i]
 
     def zero_grad(self, set_to_none: bool) -> None:

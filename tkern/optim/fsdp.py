@@ -64,9 +64,11 @@ class DTensorShards(ParamStorage):
         with torch.no_grad():
             return param.to_local()
 
-    def wrap_grad(self, param: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    def wrap(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        # as torchao's low-bit optimizers wrap their state: what torch.distributed.checkpoint
+        # (get_optimizer_state_dict, dcp.save) needs to place each shard in the whole
         return DTensor.from_local(
-            view,
+            local,
             param.device_mesh,
             param.placements,
             run_check=False,
@@ -74,11 +76,22 @@ class DTensorShards(ParamStorage):
             stride=param.stride(),
         )
 
-    def unwrap_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        if not isinstance(grad, DTensor):
-            raise TypeError(f"the .grad of a DTensor param must be a DTensor, got a {type(grad).__name__}")
+    def unwrap(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``value``: a DTensor's local tensor (redistributed to the
+        param's layout first if it has another: a collective), or the rows of a whole
+        tensor (one process's state, a torch optimizer's) that ``Shard(0)`` gives this rank."""
         with torch.no_grad():
-            return grad.to_local()
+            if isinstance(value, DTensor):
+                if value.device_mesh != param.device_mesh or value.placements != param.placements:
+                    value = value.redistribute(param.device_mesh, param.placements)
+                return value.to_local()
+            rows = self.local(param).shape[0] if param.dim() else 0
+            if param.dim() == 0 or rows == param.shape[0]:
+                return value.reshape(param.shape)
+            # torch.chunk's split, as FSDP2's: ceil(n / W) rows per rank, the last ones short or empty
+            chunk = -(-param.shape[0] // self.mesh.size())
+            start = min(self.mesh.get_local_rank() * chunk, param.shape[0])
+            return value.reshape(param.shape)[start : start + rows]
 
     def __reduce__(self) -> tuple:
         # device meshes and process groups do not travel: a copy of an optimizer over
