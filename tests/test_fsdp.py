@@ -51,13 +51,13 @@ def batch(step: int, rank: int, dtype: torch.dtype = torch.float32, width: int =
     return (torch.randint(-8, 9, (4, width), generator=g) / 8).to(dtype)
 
 
-def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+def shard(model: torch.nn.Module, mesh, **policy) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **policy)
+    return fully_shard(model, mesh=mesh, **policy)
 
 
 def full(params) -> list[torch.Tensor]:
@@ -261,12 +261,37 @@ def _scenario_dcp(rank, world, out_dir):
     }
 
 
+def _scenario_precision(rank, world):
+    """Mixed precision under FSDP2 with tkern's layers (GEMMs through the interpreter), both
+    ways: (a) tkern owns it: convert_network to bf16, then fully_shard, FusedAdamW keeps the
+    fp32 master of the bf16 shards; (b) FSDP2 owns it: keep_fp32_params=True, then fully_shard
+    with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), FusedAdamW steps the fp32
+    shards as their own master."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh, out = _mesh(world), {}
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for way, keep, kw in (("tkern", False, {}), ("fsdp", True, {"mp_policy": policy})):
+        model = shard(tkern.convert_network(make_model(), torch.bfloat16, keep_fp32_params=keep), mesh, **kw)
+        opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        grads, _ = _train(model, opt, rank, steps=2)
+        out[way] = {
+            "layers": [isinstance(m, tkern.nn.Linear) for m in model],
+            "out_dtype": model(batch(0, rank)).dtype,
+            "grads": grads,
+            "params": full(model.parameters()),
+            "memory": opt.memory_report(),
+        }
+    return out
+
+
 SCENARIOS = {
     "equivalence": _scenario_equivalence,
     "skip": _scenario_skip,
     "modes": _scenario_modes,
     "errors": _scenario_errors,
     "dcp": _scenario_dcp,
+    "precision": _scenario_precision,
 }
 #: Scenarios that write files: they take the output folder too.
 WITH_DIR = {"dcp"}
@@ -456,3 +481,26 @@ def test_a_dcp_checkpoint_written_on_2_ranks_loads_in_one_process(world2):
     _assert_params([p.detach() for p in model.parameters()], res["straight"], exact=True)
     for have, want in zip(opt.state_dict()["state"].values(), res["master"], strict=True):
         assert torch.equal(have["master"], want)
+
+
+@pytest.mark.parametrize("way", ["tkern", "fsdp"])
+def test_mixed_precision_under_fsdp2_both_ways(world2, way):
+    """Both ways compute tkern's GEMMs in bf16 and step as one process fed the gathered
+    gradients, bit for bit: (a) bf16 params with an fp32 master (fp32 master + moments: 12 B per
+    element of the shard), (b) fp32 params that are their own master (no master bytes)."""
+    ranks = _result(world2, "precision")
+    grads = ranks[0][way]["grads"]
+    model = tkern.convert_network(make_model(), torch.bfloat16, keep_fp32_params=way == "fsdp")
+    params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    assert {p.dtype for p in params} == {torch.bfloat16 if way == "tkern" else torch.float32}
+    assert {g.dtype for step in grads for g in step} == {params[0].dtype}  # (b): reduced in fp32
+    opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad.copy_(g)
+        opt.step(inv_scale=torch.tensor([1 / SCALE]))
+    for res in ranks:
+        r = res[way]
+        assert r["layers"] == [True, True] and r["out_dtype"] == torch.bfloat16
+        _assert_params(r["params"], [p.detach() for p in params], exact=True)
+        assert (r["memory"]["master"] > 0) == (way == "tkern")
