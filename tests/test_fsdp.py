@@ -15,16 +15,14 @@ last bit (relative 6e-8), so params agree within 1e-6 over the few steps taken.
 from __future__ import annotations
 
 import os
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
+from scenarios import result, run_scenarios
 
 import tkern
 from tkern.optim import FusedAdamW, FusedSGD
-from tkern.optim.distributed import run_local_processes
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -293,36 +291,13 @@ SCENARIOS = {
     "dcp": _scenario_dcp,
     "precision": _scenario_precision,
 }
-#: Scenarios that write files: they take the output folder too.
-WITH_DIR = {"dcp"}
-
-
-def _worker(rank, world, out_dir, names):
-    results = {}
-    try:
-        for name in names:
-            start = time.perf_counter()
-            try:
-                extra = (out_dir,) if name in WITH_DIR else ()
-                results[name] = SCENARIOS[name](rank, world, *extra)
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-            results[name + "_s"] = time.perf_counter() - start
-    finally:
-        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("fsdp2")
-    run_local_processes(_worker, 2, (str(out_dir), list(SCENARIOS)), timeout_s=TIMEOUT_S, pg_timeout_s=60)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(2)]
-
-
-def _result(ranks, name):
-    for r, res in enumerate(ranks):
-        assert "error" not in res[name], f"rank {r}: {res[name]['error']}"
-    return [res[name] for res in ranks]
+    return run_scenarios(
+        "test_fsdp", 2, list(SCENARIOS), tmp_path_factory.mktemp("fsdp2"), timeout_s=TIMEOUT_S
+    )
 
 
 def _assert_params(got, want, exact: bool) -> None:
@@ -334,14 +309,14 @@ def _assert_params(got, want, exact: bool) -> None:
 
 
 def test_the_shards_are_uneven_and_one_is_empty(world2):
-    r0, r1 = (res[("adamw", "noclip")]["local"] for res in _result(world2, "equivalence"))
+    r0, r1 = (res[("adamw", "noclip")]["local"] for res in result(world2, "equivalence"))
     assert [tuple(s) for s in r0] == [(3, 8), (3,), (1, 5), (1,)]
     assert [tuple(s) for s in r1] == [(2, 8), (2,), (0, 5), (0,)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["-".join(c) for c in CONFIGS])
 def test_sharded_step_matches_one_process_fed_the_gathered_gradients(world2, config):
-    ranks = _result(world2, "equivalence")
+    ranks = result(world2, "equivalence")
     name, clip = config
     grads = ranks[0][config]["grads"]
     for res in ranks[1:]:  # FSDP2 gave every rank the same (averaged) gradient
@@ -355,17 +330,17 @@ def test_sharded_step_matches_one_process_fed_the_gathered_gradients(world2, con
 def test_clipping_uses_the_global_norm_of_the_dtensor_gradients(world2):
     # torch's clip_grad_norm_ over the DTensor grads and tkern's statistics agree up to the
     # order of the fp32 sums (a few ulps); every rank sees the same norm
-    for res in _result(world2, "equivalence"):
+    for res in result(world2, "equivalence"):
         for torch_norm, tkern_norm in res[("adamw", "clip")]["norms"]:
             assert tkern_norm == pytest.approx(torch_norm, rel=1e-6)
             assert tkern_norm > 0.5  # so every step clipped
-    norms = [res[("adamw", "clip")]["norms"] for res in _result(world2, "equivalence")]
+    norms = [res[("adamw", "clip")]["norms"] for res in result(world2, "equivalence")]
     assert norms[0] == norms[1]
 
 
 @pytest.mark.parametrize("case", ["tkern", "grad_scaler", "torch_opt"])
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(world2, case):
-    ranks = _result(world2, "skip")
+    ranks = result(world2, "skip")
     for res in ranks:
         r = res[case]
         assert r["unchanged"] == [False, True, False]
@@ -390,7 +365,7 @@ def test_memory_modes_on_shards(world2, config):
     whole blocks that start where the one-process buffer's do, so a split master with
     8-bit moments matches one process bit for bit. Stochastic rounding draws per position in
     the flat buffer, which differs between a shard and the whole: within a bf16 ulp there."""
-    ranks = _result(world2, "modes")
+    ranks = result(world2, "modes")
     grads = ranks[0][config]["grads"]
     modes = dict(MODE_CONFIGS[config])
     model = {"dtype": torch.bfloat16, "sizes": MODE_SIZES}
@@ -414,7 +389,7 @@ def test_memory_modes_on_shards(world2, config):
 
 
 def test_mixing_dtensor_and_plain_params_in_a_group_and_other_layouts_raise(world2):
-    for res in _result(world2, "errors"):
+    for res in result(world2, "errors"):
         assert "mixes DTensor params" in res["mixed"] and "separate param groups" in res["mixed"]
         assert "Replicate" in res["placement"] and "Shard(dim=0)" in res["placement"]
         assert "2-D device mesh" in res["mesh_2d"]
@@ -426,7 +401,7 @@ def test_mixing_dtensor_and_plain_params_in_a_group_and_other_layouts_raise(worl
 def test_plain_and_dtensor_param_groups_step_together(world2):
     # the plain param's gradient is each rank's own (FSDP2 does not touch it): each rank steps
     # it alone, the DTensor params on the gathered gradient (one process fed rank 0's view)
-    ranks = _result(world2, "errors")
+    ranks = result(world2, "errors")
     params = [p.detach().clone().requires_grad_() for p in make_model().parameters()]
     params.append(torch.ones(3, requires_grad=True))
     opt = FusedSGD([{"params": params[:-1]}, {"params": params[-1:]}], lr=0.5)
@@ -438,14 +413,14 @@ def test_plain_and_dtensor_param_groups_step_together(world2):
 
 
 def test_state_dict_entries_of_dtensor_params_are_dtensors(world2):
-    for res in _result(world2, "dcp"):
+    for res in result(world2, "dcp"):
         for key, kind in res["entries"].items():
             assert kind == ("Tensor" if key.endswith(".step") else "DTensor"), key
         assert any(k.endswith(".master") for k in res["entries"])  # bf16 params: the fp32 master travels
 
 
 def test_dcp_resume_continues_bit_for_bit(world2):
-    for res in _result(world2, "dcp"):
+    for res in result(world2, "dcp"):
         _assert_params(res["resumed"], res["straight"], exact=True)
 
 
@@ -462,7 +437,7 @@ def test_a_dcp_checkpoint_written_on_2_ranks_loads_in_one_process(world2):
         set_optimizer_state_dict,
     )
 
-    res = _result(world2, "dcp")[0]
+    res = result(world2, "dcp")[0]
     model = make_model(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
@@ -488,7 +463,7 @@ def test_mixed_precision_under_fsdp2_both_ways(world2, way):
     """Both ways compute tkern's GEMMs in bf16 and step as one process fed the gathered
     gradients, bit for bit: (a) bf16 params with an fp32 master (fp32 master + moments: 12 B per
     element of the shard), (b) fp32 params that are their own master (no master bytes)."""
-    ranks = _result(world2, "precision")
+    ranks = result(world2, "precision")
     grads = ranks[0][way]["grads"]
     model = tkern.convert_network(make_model(), torch.bfloat16, keep_fp32_params=way == "fsdp")
     params = [p.detach().clone().requires_grad_() for p in model.parameters()]
