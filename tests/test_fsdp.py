@@ -86,13 +86,14 @@ def _mesh(world):
     return init_device_mesh("cpu", (world,))
 
 
-def _train(model, opt, rank, steps=STEPS, inf_at=None, dtype=torch.float32, width=8, start=0):
+def _train(model, opt, rank, steps=STEPS, inf_at=None, dtype=torch.float32, width=8, start=0, zero=None):
     """FSDP2 forward/backward of the loss times SCALE, then the step; returns each step's
-    gathered gradients (as the optimizer saw them) and the statistics' norms."""
+    gathered gradients (as the optimizer saw them) and the statistics' norms. ``zero``:
+    how gradients are cleared (default ``opt.zero_grad``)."""
     grads, norms = [], []
     inv = torch.tensor([1 / SCALE])
     for t in range(start, start + steps):
-        opt.zero_grad()
+        (zero or opt.zero_grad)()
         (model(batch(t, rank, dtype, width)).float().sum() * SCALE).backward()
         if inf_at == t and rank == 1:
             next(model.parameters()).grad.to_local()[0, 0] = float("inf")
@@ -111,7 +112,9 @@ def _scenario_equivalence(rank, world):
         fused, kw = OPTIMIZERS[name]
         model = shard(make_model(), mesh)
         opt = fused(model.parameters(), max_grad_norm=CLIP[clip], **kw)
-        grads, norms = _train(model, opt, rank)
+        # SGD's gradients cleared by the model (to None): FSDP2 then hands over new DTensor grads,
+        # which the optimizer's post-accumulate-grad hooks copy into its flat buffer
+        grads, norms = _train(model, opt, rank, zero=model.zero_grad if name == "sgd" else None)
         out[name, clip] = {
             "grads": grads,
             "norms": norms,

@@ -41,12 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tkern.flat import OWNED, ParamStorage, describe_param
 
-__all__ = ["DTensorShards", "is_dtensor", "param_storage", "split_by_mesh"]
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
-    return isinstance(t, DTensor)
+__all__ = ["DTensorShards", "param_storage", "split_by_mesh"]
 
 
 class DTensorShards(ParamStorage):

@@ -632,6 +632,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         divide by W. Not counted: the step-count tensors (4 B per run of params
         with one step count) and what a step allocates while it runs (the
         statistics; for the sharded optimizers the reduce-scatter's staging).
+        Over FSDP2's DTensor params every buffer covers this rank's local shards
+        (``numel`` counts their elements; ``world_size`` stays 1, tkern shards
+        them no further); FSDP2's own storage of the shards is not counted.
         """
         group = self.shard_group
         report: dict[str, Any] = {
