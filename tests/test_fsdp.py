@@ -158,12 +158,12 @@ def _scenario_skip(rank, world):
 
 
 #: bf16 params with 8-bit state (the first layer's 8192-element weight: 4096 rows-worth per
-#: rank, whole 256-blocks) and a split master; stochastic rounding with bf16 state.
+#: rank, whole 256-blocks) and a split master; stochastic rounding with bf16 state. (An fp32
+#: master on bf16 shards: test_mixed_precision_under_fsdp2_both_ways.)
 MODE_SIZES = (64, 128, 3)
 MODE_CONFIGS = {
     "split-uint8": {"master": "split", "state_dtype": torch.uint8},
     "none-bf16": {"master": "none", "state_dtype": torch.bfloat16, "seed": 5},
-    "fp32-fp32": {"master": "fp32"},
 }
 
 

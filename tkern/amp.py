@@ -133,7 +133,7 @@ class LossScaler:
         self._stats: list[torch.Tensor] = []
         self._last_stats: torch.Tensor | None = None
         self._unscaled: set[int] = set()
-        self._found_by_optimizer: dict[int, torch.Tensor] = {}
+        self._found_by_optimizer: dict[int, dict[Any, torch.Tensor]] = {}  # by split_by_mesh key
         self._stepped: set[int] = set()
         self._updates = 0
         self._mirror: _HostMirror | None = None

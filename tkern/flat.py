@@ -543,7 +543,12 @@ class FlatParams:
             _TAKEN.pop(id(view), None)
         if g is self.grad_handles[i] or g is None:
             return
-        same = g.data_ptr() == view.data_ptr() and g.stride() == view.stride() and g.shape == view.shape
+        same = (  # (a DTensor .grad of a param held elsewhere is never the view's memory)
+            self.storage.owns_storage
+            and g.data_ptr() == view.data_ptr()
+            and g.stride() == view.stride()
+            and g.shape == view.shape
+        )
         if same and g.dtype == view.dtype:
             p.grad = view  # the same memory, already holding the gradient
         else:
