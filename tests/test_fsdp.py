@@ -22,7 +22,7 @@ import torch.distributed as dist
 from scenarios import result, run_scenarios
 
 import tkern
-from tkern.optim import FusedAdamW, FusedSGD
+from tkern.optim import DistributedFusedAdamW, FusedAdamW, FusedSGD
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -201,6 +201,7 @@ def _scenario_errors(rank, world):
     mesh2 = init_device_mesh("cpu", (1, world))
     two_d = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh2, [Replicate(), Shard(0)]))
     attempt("mesh_2d", lambda: FusedAdamW([two_d]))
+    attempt("zero2", lambda: DistributedFusedAdamW([dparams[0]]))
     # a rejected second group leaves the optimizer as it was
     opt = FusedAdamW([plain])
     attempt("added", lambda: opt.add_param_group({"params": [dparams[0], torch.nn.Parameter(torch.ones(2))]}))
@@ -396,8 +397,9 @@ def test_mixing_dtensor_and_plain_params_in_a_group_and_other_layouts_raise(worl
         assert "mixes DTensor params" in res["mixed"] and "separate param groups" in res["mixed"]
         assert "Replicate" in res["placement"] and "Shard(dim=0)" in res["placement"]
         assert "2-D device mesh" in res["mesh_2d"]
+        assert "ZeRO-2 optimizers shard plain params" in res["zero2"]
         assert "mixes DTensor params" in res["added"] and res["groups_after"] == 1
-        for key in ("mixed", "placement", "mesh_2d", "added"):
+        for key in ("mixed", "placement", "mesh_2d", "zero2", "added"):
             assert res[key + "_unchanged"], key
 
 
