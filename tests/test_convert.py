@@ -250,3 +250,45 @@ def test_convert_back_refuses_a_fused_activation_before_changing_anything():
     with pytest.raises(ValueError, match=r"1 is a tkern.nn.Linear with activation='relu'"):
         convert_network(model, torch.float32)
     assert model[0].weight.dtype == torch.float16 and isinstance(model[0], tkern.nn.Linear)
+
+
+def test_keep_fp32_params_computes_in_the_16_bit_dtype_on_fp32_weights():
+    """FSDP2 owns the precision: params stay fp32, tkern's GEMMs run on the weight cast per
+    forward (as autocast would) and the gradients arrive in fp32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4), nn.Embedding(3, 2))
+    convert_network(model, torch.bfloat16, keep_fp32_params=True)
+    assert isinstance(model[0], tkern.nn.Linear) and model[0].compute_dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    x = torch.randn(5, 8, device=DEVICE)
+    model.to(DEVICE)
+    y = model[:3](x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert {p.grad.dtype for p in model[:3].parameters()} == {torch.float32}
+    # float64 reference on the bf16-rounded operands (bias fp32, added before the one rounding)
+    w0, w2 = (m.weight.detach().to(torch.bfloat16).double() for m in (model[0], model[2]))
+    h = torch.relu(x.to(torch.bfloat16).double() @ w0.t() + model[0].bias.double()).to(torch.bfloat16)
+    ref = h.double() @ w2.t() + model[2].bias.double()
+    assert rel_err(y, ref) < 2 * 8e-3  # two bf16 roundings in a row (tests/conftest.py: 8e-3 each)
+    assert model[4].weight.dtype == torch.float32 and not model[4]._forward_pre_hooks  # left as it was
+    convert_network(model, torch.float32)
+    assert type(model[0]) is nn.Linear and not hasattr(model[0], "compute_dtype")
+
+
+def test_keep_fp32_params_bad_arguments():
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(ValueError, match="keep_fp32_params"):
+        convert_network(model, torch.bfloat16, float8="tensorwise", keep_fp32_params=True)
+    with pytest.raises(ValueError, match="keep_fp32_params"):
+        convert_network(model, torch.float32, keep_fp32_params=True)
+    with pytest.raises(TypeError, match="keep_fp32_params"):
+        convert_network(model, torch.bfloat16, keep_fp32_params=1)
+    assert type(model[0]) is nn.Linear  # nothing changed
+    with pytest.raises(TypeError, match="compute_dtype"):
+        tkern.nn.Linear(4, 4, dtype=torch.float32)
+    layer = tkern.nn.Linear(4, 4, dtype=torch.float32, compute_dtype=torch.float16)
+    assert (
+        layer.weight.dtype == torch.float32
+        and layer(torch.ones(2, 4, device=layer.weight.device)).dtype == torch.float16
+    )

@@ -15,13 +15,11 @@ of one factor, 6e-8, times a handful of steps).
 
 from __future__ import annotations
 
-import os
-import time
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
+from scenarios import result as _result
+from scenarios import run_scenarios
 
 import tkern
 from tkern.optim import (
@@ -32,7 +30,6 @@ from tkern.optim import (
     FusedAdamW,
     FusedSGD,
 )
-from tkern.optim.distributed import run_local_processes
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -396,24 +393,8 @@ SCENARIOS = {
 }
 
 
-def _worker(rank, world, out_dir, names):
-    results = {}
-    try:
-        for name in names:
-            start = time.perf_counter()
-            try:
-                results[name] = SCENARIOS[name](rank, world)
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-            results[name + "_s"] = time.perf_counter() - start
-    finally:
-        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-
-
 def _spawn(world, names, out_dir):
-    # gloo's own timeout (60 s) turns a hang into an error first; the whole spawn is bounded too
-    run_local_processes(_worker, world, (str(out_dir), names), timeout_s=TIMEOUT_S, pg_timeout_s=60)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
+    return run_scenarios("test_distributed", world, names, out_dir, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -428,12 +409,6 @@ def world2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world3(tmp_path_factory):
     return _spawn(3, ["equivalence", "memory", "reshard"], tmp_path_factory.mktemp("w3"))
-
-
-def _result(ranks, name):
-    for r, res in enumerate(ranks):
-        assert "error" not in res[name], f"rank {r}: {res[name]['error']}"
-    return [res[name] for res in ranks]
 
 
 def _assert_states_match(got: dict, ref: dict, exact: bool) -> None:

@@ -48,8 +48,12 @@ def test_no_bias_and_repr():
 
 
 def test_bad_arguments():
-    with pytest.raises(TypeError, match="dtype must be torch.float16 or torch.bfloat16"):
+    with pytest.raises(TypeError, match="dtype must be torch.float16, torch.bfloat16 or torch.float32"):
+        tkern.nn.Linear(4, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="fp32 parameters need a compute_dtype"):
         tkern.nn.Linear(4, 3, dtype=torch.float32)
+    with pytest.raises(TypeError, match="compute_dtype must be"):
+        tkern.nn.Linear(4, 3, compute_dtype=torch.float32)
     with pytest.raises(ValueError, match="activation"):
         tkern.nn.Linear(4, 3, activation="tanh")
 

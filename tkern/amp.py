@@ -38,6 +38,10 @@ gradients, hence the decisions, are already identical on every rank). Pass
 ranks' gradients differ: with a plain torch optimizer every rank then skips
 the same steps, and with any optimizer every rank updates S from the same
 statistics. A tkern fused optimizer decides the skip inside its own ``step``.
+Gradients that are FSDP2 DTensors (``fully_shard``) are checked on their local
+shards (empty ones included) and their statistics summed over their mesh by
+every rank (found_inf and max |g| by max, as GradScaler reduces found_inf for
+DTensors), whatever ``process_group`` says.
 
 Safety: if ``max_overflows_at_min`` consecutive steps overflow while S is
 already at its minimum, ``update`` raises ``RuntimeError`` naming the step and
@@ -58,8 +62,9 @@ from typing import Any
 import torch
 
 from tkern.kernels import scale as K
-from tkern.kernels.overflow import AMAX, FOUND_INF, N_STATS, SUMSQ, combine_stats
+from tkern.kernels.overflow import AMAX, FOUND_INF, N_STATS, SUMSQ, combine_stats, reduce_stats
 from tkern.optim import FusedOptimizer
+from tkern.optim.fsdp import split_by_mesh
 
 __all__ = ["DynamicLossScaler", "LogNormalLossScaler", "LossScaler", "StaticLossScaler"]
 
@@ -128,7 +133,7 @@ class LossScaler:
         self._stats: list[torch.Tensor] = []
         self._last_stats: torch.Tensor | None = None
         self._unscaled: set[int] = set()
-        self._found_by_optimizer: dict[int, torch.Tensor] = {}
+        self._found_by_optimizer: dict[int, dict[Any, torch.Tensor]] = {}  # by split_by_mesh key
         self._stepped: set[int] = set()
         self._updates = 0
         self._mirror: _HostMirror | None = None
@@ -277,9 +282,9 @@ class LossScaler:
         if not params:
             raise ValueError("unscale_(): the optimizer has no gradients")
         state = self._lazy_state(params[0].grad.device)
-        found = torch.zeros(1, dtype=torch.float32, device=state.device)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        found: dict[Any, torch.Tensor] = {}  # the group a found_inf is combined over -> found_inf
         with torch.no_grad():
+            grads = []
             for p in params:
                 g = p.grad
                 if g.is_sparse:
@@ -288,9 +293,14 @@ class LossScaler:
                     if not g.is_coalesced():
                         p.grad = g = g.coalesce()
                     g = g._values()
-                by_dtype.setdefault(g.dtype, []).append(g)
-            for group in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found, self.inv_scale)
+                grads.append(g)
+            for key, local in split_by_mesh(grads).items():  # FSDP2's DTensors: their local shards
+                found[key] = torch.zeros(1, dtype=torch.float32, device=state.device)
+                by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+                for g in local:
+                    by_dtype.setdefault(g.dtype, []).append(g)
+                for group in by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, found[key], self.inv_scale)
         self._unscaled.add(id(optimizer))
         self._found_by_optimizer[id(optimizer)] = found
 
@@ -326,21 +336,17 @@ class LossScaler:
                 self.unscale_(optimizer)
             grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
             values = [g._values() if g.is_sparse else g for g in grads]
-            values = [v for v in values if v.numel() > 0]
             found = self._found_by_optimizer[id(optimizer)]
             with torch.no_grad():
-                # max |g| and sum g^2 of the unscaled grads, accumulated in fp32
-                # without copies (on an overflowing step they are inf/nan, but
-                # that step is skipped and the scalers do not read them then)
-                stats = torch.zeros(N_STATS, dtype=torch.float32, device=found.device)
-                stats[FOUND_INF] = found[0]
-                if values:
-                    norm = torch.linalg.vector_norm
-                    stats[AMAX] = torch.stack(
-                        [norm(v, float("inf"), dtype=torch.float32) for v in values]
-                    ).max()
-                    stats[SUMSQ] = torch.stack([norm(v, 2, dtype=torch.float32) ** 2 for v in values]).sum()
-                stats = combine_stats(stats, self.process_group)
+                # whole gradients combined over process_group (max); FSDP2's shards
+                # summed over their mesh, by every rank, empty shards included
+                parts = [
+                    combine_stats(_local_stats(local, found[key]), self.process_group)
+                    if key is None
+                    else combine_stats(_local_stats(local, found[key]), key, sharded=True)
+                    for key, local in split_by_mesh(values).items()
+                ]
+                stats = parts[0] if len(parts) == 1 else reduce_stats(torch.stack(parts))
             result = None
             if stats[FOUND_INF].item() == 0.0:  # the fallback's one host sync
                 result = optimizer.step(*args, **kwargs)
@@ -718,6 +724,20 @@ def _placed(state: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     out = buf[pad : pad + K.STATE_SIZE]
     out.copy_(state)
     return out
+
+
+def _local_stats(values: list[torch.Tensor], found: torch.Tensor) -> torch.Tensor:
+    """(N_STATS,) fp32 ``[found, sum of squares, max |g|]`` of unscaled gradients, accumulated
+    in fp32 without copies (on an overflowing step they are inf/nan, but that step is skipped
+    and the scalers do not read them then); empty tensors count for nothing."""
+    stats = torch.zeros(N_STATS, dtype=torch.float32, device=found.device)
+    stats[FOUND_INF] = found[0]
+    values = [v for v in values if v.numel() > 0]
+    if values:
+        norm = torch.linalg.vector_norm
+        stats[AMAX] = torch.stack([norm(v, float("inf"), dtype=torch.float32) for v in values]).max()
+        stats[SUMSQ] = torch.stack([norm(v, 2, dtype=torch.float32) ** 2 for v in values]).sum()
+    return stats
 
 
 def _is_real(value: Any) -> bool:

@@ -48,6 +48,17 @@ Per-param step counts, "no grad, no update"
     boundaries. In the steady state :meth:`plan` costs three C-speed list
     scans per step and returns a cached plan.
 
+Storage the buffer does not own
+    A param whose memory belongs to someone else (FSDP2's local shard of a
+    DTensor param, which FSDP2 all-gathers from its own padded buffer) is
+    described by a :class:`ParamStorage` with ``owns_storage = False``: the
+    buffer holds a copy of the param's local tensor, :meth:`FlatParams.plan`
+    copies it in again whenever the param's version counter moved, and
+    :meth:`FlatParams.write_back` copies the updated values out after each step.
+    ``.grad`` is then what :meth:`ParamStorage.wrap` makes of the gradient
+    view (a DTensor over it), so that in-place accumulation still lands in
+    the flat buffer.
+
 Shards
     With ``world_size = W`` the buffer splits into W equal shards of
     ``len / W`` elements (multiples of 16); rank r's fp32 master and state
@@ -224,6 +235,41 @@ class _AdoptGrad:
             flat.adopt_grad(self.index, p)
 
 
+class ParamStorage:
+    """How a :class:`FlatParams` holds its params: this default makes each
+    param's ``.data`` its view of the flat buffer (the buffer owns the memory)
+    and its ``.grad`` the gradient view itself. A subclass describes params
+    whose memory stays elsewhere (see "Storage the buffer does not own" above).
+
+    Attributes:
+        owns_storage: whether ``param.data`` becomes the flat view.
+        stats_group: the process group over which the step's statistics of
+            these params' gradients are summed (each rank holds a shard of
+            them), or None (the gradients are whole on every rank).
+    """
+
+    owns_storage: bool = True
+    stats_group: object = None
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the flat buffer holds for ``param`` (same shape, dtype and values)."""
+        return param
+
+    def wrap(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (shaped like :meth:`local`: the gradient view that becomes ``.grad``, a
+        state entry in ``state_dict()``) as a tensor of ``param``'s kind: itself here."""
+        return local
+
+    def unwrap(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The part of ``value`` (shaped like ``param``: a ``.grad``, a loaded state entry)
+        that the buffer holds, shaped like :meth:`local`: ``value`` itself here."""
+        return value
+
+
+#: The storage of plain params.
+OWNED = ParamStorage()
+
+
 class FlatParams:
     """The parameters of one param group on one device with one dtype.
 
@@ -239,6 +285,8 @@ class FlatParams:
         state_dtype: the state buffers' dtype: fp32, bf16, or uint8 (block-quantized;
             params then start on 256-element boundaries).
         seed: the stochastic rounding's seed (``master="none"``).
+        storage: how the params are held (:class:`ParamStorage`); default: the
+            buffer owns them.
 
     Attributes:
         param, grad: the flat param and gradient buffers (the params' dtype).
@@ -263,6 +311,7 @@ class FlatParams:
         master: str = "fp32",
         state_dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        storage: ParamStorage = OWNED,
     ) -> None:
         first = params[0]
         if first.dtype not in PARAM_DTYPES:
@@ -278,7 +327,11 @@ class FlatParams:
         self.indices = indices
         self.group = group
         self.dtype, self.device = first.dtype, first.device
-        self.numels = [p.numel() for p in params]
+        self.storage = storage
+        local = [storage.local(p) for p in params]
+        #: Each param's shape in the buffer (its local shard's, for params held elsewhere).
+        self.shapes = [t.shape for t in local]
+        self.numels = [t.numel() for t in local]
         self.offsets = [0, *itertools.accumulate(round_up(n, align) for n in self.numels)]
         self.world_size, self.rank = world_size, rank
         total = round_up(self.offsets[-1], align * world_size)
@@ -292,15 +345,18 @@ class FlatParams:
         with torch.no_grad():
             for i, p in enumerate(params):
                 self.param_views.append(self._alias(self.param, i))
-                self.param_views[i].copy_(p)
+                self.param_views[i].copy_(local[i])
                 if p.requires_grad:
                     self.grad_views.append(self._alias(self.grad, i))
-                    _register_view(p, self.grad_views[i])
+                    if storage.owns_storage:
+                        _register_view(p, self.grad_views[i])
                     if p.grad is not None:
-                        self.grad_views[i].copy_(p.grad)
+                        self.grad_views[i].copy_(storage.unwrap(p, p.grad))
                 else:
                     self.grad_views.append(None)
-                p.data = self.param_views[i]
+                if storage.owns_storage:
+                    p.data = self.param_views[i]
+        self._wrap_grads()
         shard = self.param[self.lo : self.hi]
         self.master: torch.Tensor | None = None  # "none"
         if self.master_mode == "self":
@@ -329,14 +385,25 @@ class FlatParams:
         #: cohort[i]: index into steps of param i's step-count tensor.
         self.cohort = [0] * len(params)
         self.steps = [torch.zeros(1, dtype=torch.float32, device=self.device)]
-        self._ptrs = [p.data_ptr() for p in params]
+        self._ptrs = [p.data_ptr() for p in params] if storage.owns_storage else []
         self._versions: list[int] | None = [p._version for p in params]
         self._attach()
 
     # ------------------------------------------------------------- layout
 
     def _alias(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        return alias(flat, self.offsets[i], self.numels[i], self.params[i].shape)
+        return alias(flat, self.offsets[i], self.numels[i], self.shapes[i])
+
+    def _wrap_grads(self) -> None:
+        #: What each param's ``.grad`` is kept as: its gradient view, or the storage's wrapper of it.
+        self.grad_handles = [
+            None if v is None else self.storage.wrap(p, v)
+            for p, v in zip(self.params, self.grad_views, strict=True)
+        ]
+
+    def local(self, i: int) -> torch.Tensor:
+        """Param ``i`` as the buffer holds it: the param, or its local shard (see :class:`ParamStorage`)."""
+        return self.storage.local(self.params[i])
 
     def shard_view(self, buf: torch.Tensor, i: int) -> torch.Tensor | None:
         """Param ``i``'s part of a shard-sized buffer (master or state), shaped
@@ -344,7 +411,7 @@ class FlatParams:
         s = self.offsets[i]
         if s < self.lo or s + self.numels[i] > self.hi:
             return None
-        return buf[s - self.lo : s - self.lo + self.numels[i]].view(self.params[i].shape)
+        return buf[s - self.lo : s - self.lo + self.numels[i]].view(self.shapes[i])
 
     def copy_into_shard(self, buf: torch.Tensor, i: int, value: torch.Tensor) -> None:
         """Copy the part of param ``i``'s full-size ``value`` that lies in this rank's
@@ -464,7 +531,7 @@ class FlatParams:
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_AdoptGrad(self, i))
-                p.grad = self.grad_views[i]
+                p.grad = self.grad_handles[i]
 
     def adopt_grad(self, i: int, p: torch.Tensor) -> None:
         """Called by the hook after autograd accumulated param ``i``'s gradient: a
@@ -474,9 +541,14 @@ class FlatParams:
         g, view = p.grad, self.grad_views[i]
         if _TAKEN:  # (empty unless a backward is putting gradients into views)
             _TAKEN.pop(id(view), None)
-        if g is view or g is None:
+        if g is self.grad_handles[i] or g is None:
             return
-        same = g.data_ptr() == view.data_ptr() and g.stride() == view.stride() and g.shape == view.shape
+        same = (  # (a DTensor .grad of a param held elsewhere is never the view's memory)
+            self.storage.owns_storage
+            and g.data_ptr() == view.data_ptr()
+            and g.stride() == view.stride()
+            and g.shape == view.shape
+        )
         if same and g.dtype == view.dtype:
             p.grad = view  # the same memory, already holding the gradient
         else:
@@ -491,10 +563,9 @@ class FlatParams:
             raise ValueError(
                 f"{self._describe(i)}: .grad has shape {tuple(g.shape)}, expected {tuple(p.shape)}"
             )
-        view = self.grad_views[i]
         with torch.no_grad():
-            view.copy_(g)
-        p.grad = view
+            self.grad_views[i].copy_(self.storage.unwrap(p, g))
+        p.grad = self.grad_handles[i]
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Zero the flat gradient buffer in place and put the views back as ``.grad``.
@@ -502,9 +573,9 @@ class FlatParams:
         gives it one (its ``.grad`` still reads zeros)."""
         self.check_storage()
         self.grad.zero_()
-        for p, view in zip(self.params, self.grad_views, strict=True):
-            if p.grad is not view:
-                p.grad = view
+        for p, view, handle in zip(self.params, self.grad_views, self.grad_handles, strict=True):
+            if p.grad is not handle:
+                p.grad = handle
             if _TAKEN:  # a backward that failed before its hooks ran
                 _TAKEN.pop(id(view), None)
         self._zero_versions = [v._version for v in self._views]
@@ -513,8 +584,9 @@ class FlatParams:
     # ------------------------------------------------------------- the step's plan
 
     def check_storage(self) -> None:
-        """Raise if a param's ``.data`` was replaced (``.to()``, ``.float()``, assignment)."""
-        if list(map(torch.Tensor.data_ptr, self.params)) != self._ptrs:
+        """Raise if a param's ``.data`` was replaced (``.to()``, ``.float()``, assignment);
+        nothing for params held elsewhere (their current local tensor is copied in and out)."""
+        if self.storage.owns_storage and list(map(torch.Tensor.data_ptr, self.params)) != self._ptrs:
             for i, p in enumerate(self.params):
                 if p.data_ptr() != self._ptrs[i]:
                     raise RuntimeError(
@@ -541,7 +613,7 @@ class FlatParams:
             self._versions = versions
         if (
             self._plan is not None
-            and all(map(operator.is_, map(_GRAD, params), self.grad_views))
+            and all(map(operator.is_, map(_GRAD, params), self.grad_handles))
             and (self._all_active or all(map(operator.ne, map(_VERSION, self._views), self._zero_versions)))
         ):
             return self._plan  # the steady state: nothing changed since the last step
@@ -550,7 +622,7 @@ class FlatParams:
             g, view = params[i].grad, self._views[k]
             if g is None:
                 continue
-            if g is not view:
+            if g is not self.grad_handles[i]:
                 self._adopt_grad(i, g)
                 self._zero_versions[k] = -1
             active[i] = self._all_active or view._version != self._zero_versions[k]
@@ -607,7 +679,9 @@ class FlatParams:
         out = []
         for start, end, c in runs:
             s, e = max(start, self.lo), min(end, self.hi)
-            if e > s:
+            # an empty run of an unsharded buffer (params whose local shards are empty on this
+            # rank) still counts the step: no launch, but every rank's step counts agree
+            if e > s or (self.world_size == 1 and e == s):
                 out.append((s, e, self.steps[c]))
         return out
 
@@ -637,17 +711,32 @@ class FlatParams:
     def reconcile(self) -> None:
         """Where a param differs from its rounded master, the master takes the
         param's value; elsewhere the master keeps its extra bits. (A split master
-        always rounds to its param, and there is nothing to reconcile without one.)"""
+        always rounds to its param, and there is nothing to reconcile without one.)
+        Params held elsewhere are first copied into the buffer."""
+        if not self.storage.owns_storage:
+            with torch.no_grad():
+                torch._foreach_copy_(self.param_views, [self.local(i) for i in range(len(self.params))])
         if self.master_mode != "fp32":
             return
         with torch.no_grad():
             p = self.param[self.lo : self.hi]
             torch.where(self.master.to(self.dtype) == p, self.master, p.float(), out=self.master)
 
+    def write_back(self) -> None:
+        """After a step: copy the updated params into storage the buffer does not own
+        (FSDP2's local shards, which its next all-gather reads); nothing otherwise."""
+        if self.storage.owns_storage:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([self.local(i) for i in range(len(self.params))], self.param_views)
+        self._versions = list(map(_VERSION, self.params))
+
     # ------------------------------------------------------------- copies
 
     def __getstate__(self) -> dict:
-        state = {k: v for k, v in self.__dict__.items() if k not in ("param_views", "grad_views")}
+        state = {
+            k: v for k, v in self.__dict__.items() if k not in ("param_views", "grad_views", "grad_handles")
+        }
         state["_plan"] = None
         return state
 
@@ -659,7 +748,9 @@ class FlatParams:
         for i, p in enumerate(self.params):
             self.param_views.append(self._alias(self.param, i))
             self.grad_views.append(self._alias(self.grad, i) if p.requires_grad else None)
-            p.data = self.param_views[i]
-        self._ptrs = [p.data_ptr() for p in self.params]
+            if self.storage.owns_storage:
+                p.data = self.param_views[i]
+        self._wrap_grads()
+        self._ptrs = [p.data_ptr() for p in self.params] if self.storage.owns_storage else []
         self._versions = [p._version for p in self.params]
         self._attach()

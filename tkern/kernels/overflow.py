@@ -203,7 +203,15 @@ def combine_stats(stats: torch.Tensor, group=None, *, sharded: bool = False) -> 
     rows = torch.empty((world, N_STATS), dtype=torch.float32, device=stats.device)
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     all_gather(rows.view(-1), stats, group=group)
-    out = torch.empty_like(stats)
+    return reduce_stats(rows)
+
+
+def reduce_stats(rows: torch.Tensor) -> torch.Tensor:
+    """The statistics of the union of the gradients whose statistics are the rows of
+    ``rows`` ((k, N_STATS) fp32; disjoint sets of gradients: ranks' shards, or sharded
+    and whole params), reduced in row order: found_inf and max|g| by max, the sum of
+    squares summed. A new (N_STATS,) tensor, no host synchronization."""
+    out = torch.empty(N_STATS, dtype=torch.float32, device=rows.device)
     out[FOUND_INF] = rows[:, FOUND_INF].amax()
     out[SUMSQ] = rows[:, SUMSQ].sum()
     out[AMAX] = rows[:, AMAX].amax()

@@ -145,6 +145,8 @@ class Conversion:
     float8_filter: Callable[[str, nn.Module], bool] | None = None
     fuse_activations: bool = True
     fused_loss: bool = False
+    #: keep every param fp32; tkern's layers compute in ``dtype`` (FSDP2's mixed precision)
+    keep_fp32_params: bool = False
     #: module types kept in fp32 for want of a rule -> their paths (for the warning)
     kept: dict[type, list[str]] = field(default_factory=dict)
 
@@ -176,13 +178,20 @@ def _float8_linear_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     return False
 
 
+def _set_precision(module: nn.Module, conv: Conversion) -> None:
+    """A GEMM layer's params in ``conv.dtype``, or kept fp32 and cast per forward
+    (``keep_fp32_params``: its ``compute_dtype``)."""
+    cast_own(module, torch.float32 if conv.keep_fp32_params else conv.dtype)
+    module.compute_dtype = conv.dtype if conv.keep_fp32_params else None
+
+
 def _linear_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     if type(module) is nn.Linear:
         module.__class__ = Linear
         module.activation = None
     elif not isinstance(module, Linear):
         return False
-    cast_own(module, conv.dtype)
+    _set_precision(module, conv)
     return True
 
 
@@ -197,7 +206,7 @@ def _conv1d_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
         module.set_recipe(conv.recipe)
     elif type(module) is not f8_class:
         module.__class__ = conv1d_class()
-        cast_own(module, conv.dtype)
+        _set_precision(module, conv)
     else:
         cast_own(module, conv.dtype, buffers=False)
     return True
@@ -224,6 +233,8 @@ def _fused_loss_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
 def _castable_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     if not isinstance(module, CASTABLE_TYPES):
         return False
+    if conv.keep_fp32_params:  # left as it is: it runs in whatever dtype its params arrive in
+        return True
     cast_tree(module, conv.dtype)
     module.register_forward_pre_hook(CastInputs(conv.dtype), with_kwargs=True)
     return True
@@ -252,6 +263,7 @@ def _linear_back(module: nn.Module) -> bool:
     if type(module) is not Linear:
         return False
     del module.activation
+    module.__dict__.pop("compute_dtype", None)
     module.__class__ = nn.Linear
     return True
 
@@ -271,6 +283,7 @@ def _conv1d_back(module: nn.Module) -> bool:
     c = conv1d_class(create=False)
     if c is None or type(module) is not c:
         return False
+    module.__dict__.pop("compute_dtype", None)
     module.__class__ = c.__bases__[0]
     return True
 
@@ -333,6 +346,7 @@ def convert_network(
     float8_filter: Callable[[str, nn.Module], bool] | None = None,
     fuse_activations: bool = True,
     fused_loss: bool = False,
+    keep_fp32_params: bool = False,
 ) -> nn.Module:
     """Convert ``model`` in place for mixed-precision training, and return it.
 
@@ -366,6 +380,12 @@ def convert_network(
     ``labels`` computes its loss with :func:`tkern.linear_cross_entropy` (HF's shift and
     ``ignore_index=-100``; no (tokens x vocabulary) logits) and returns ``logits=None``;
     without labels (and in ``generate()``) it returns its logits as before.
+    ``keep_fp32_params=True`` leaves precision to FSDP2 (``fully_shard`` with
+    ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)``): the GEMM layers
+    become tkern's with their params kept fp32 and ``compute_dtype=dtype``; they compute in
+    the ``dtype`` weights FSDP2 all-gathers, and outside FSDP2 an fp32 weight is cast per
+    forward, as autocast would. The castable modules keep their fp32 params and inputs
+    (FSDP2's policy casts them); norms run in fp32 as above. See docs/fsdp.md.
 
     Args:
         model: the model (fp32, or converted before).
@@ -374,13 +394,14 @@ def convert_network(
         float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
         fuse_activations: fold ReLU/GELU/SiLU modules into the preceding Linear's GEMM.
         fused_loss: compute a transformers causal LM's loss without its logits (above).
+        keep_fp32_params: keep the params fp32 (FSDP2's mixed precision owns the casts).
 
     Raises:
         TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it cannot be
             replaced in place; wrap it), or ``dtype`` is another dtype, or
             ``fuse_activations`` is not a bool.
         ValueError: converting back a :class:`tkern.nn.Linear` with a fused activation
-            (nothing is changed).
+            (nothing is changed), or ``keep_fp32_params`` with ``float8`` or ``torch.float32``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -395,6 +416,13 @@ def convert_network(
         raise TypeError(f"fuse_activations must be True or False, got {fuse_activations!r}")
     if not isinstance(fused_loss, bool):
         raise TypeError(f"fused_loss must be True or False, got {fused_loss!r}")
+    if not isinstance(keep_fp32_params, bool):
+        raise TypeError(f"keep_fp32_params must be True or False, got {keep_fp32_params!r}")
+    if keep_fp32_params and (recipe is not None or dtype == torch.float32):
+        raise ValueError(
+            "keep_fp32_params=True keeps fp32 params for a 16-bit compute dtype: it takes dtype "
+            "torch.float16 or torch.bfloat16 and no float8 recipe"
+        )
     if float8_filter is not None and not callable(float8_filter):
         raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32:
@@ -403,7 +431,14 @@ def convert_network(
         _check_convertible_back(model)
         _convert_back(model)
         return model
-    conv = Conversion(dtype, recipe, float8_filter, fuse_activations, fused_loss)
+    conv = Conversion(
+        dtype,
+        recipe,
+        float8_filter,
+        fuse_activations,
+        fused_loss=fused_loss,
+        keep_fp32_params=keep_fp32_params,
+    )
     _convert(model, "", conv)
     _warn_kept(conv.kept, dtype)
     return model

@@ -38,7 +38,9 @@ Semantics as torch.optim, with these differences worth knowing:
   in either load order) and follows the params elsewhere;
 * no collective by default under ``torch.distributed`` (under DDP the
   gradients are already identical); ``process_group=`` all-reduces the
-  statistics (max) so every rank skips the same steps.
+  statistics (max) so every rank skips the same steps;
+* params that ``fully_shard`` (FSDP2) made DTensors are stepped on their local
+  shards, with the statistics summed over their mesh (see :mod:`tkern.optim.fsdp`).
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ from tkern.graphs import (
     key_value,
 )
 from tkern.kernels._update import MIN_8BIT_SIZE, PARAM_DTYPES, UpdateBuffers
-from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats
+from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats, reduce_stats
 from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
+from tkern.optim.fsdp import DTensorShards, param_storage
 from tkern.optim.state import (
     SCHEDULER_KEYS,
     TORCH_BOOKKEEPING,
@@ -197,6 +200,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         #: (3,) fp32 statistics of the last step's gradients, on the device.
         self.grad_stats: torch.Tensor | None = None
         self._layout_seen: dict[int, int] = {}
+        #: How FSDP2's DTensor params are held (None while there are none), and the flat
+        #: buffers over them (their updated params are copied out after each step).
+        self._dtensor_storage: DTensorShards | None = None
+        self._held_elsewhere: list[FlatParams] = []
         super().__init__(params, defaults)
 
     @property
@@ -319,6 +326,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{name} is on {p.device}, but earlier params are on {device}; "
                     "a tkern optimizer keeps all its params on one device"
                 )
+        storage = param_storage(params, gi, self._dtensor_storage, zero=self.shard_group is not None)
         for key, default in self.defaults.items():
             param_group.setdefault(key, default)
         self._validate_group(param_group, gi)
@@ -337,9 +345,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         flats = []
         for (_, state_dtype), idx in by_kind.items():
             seed = flat_seed(self.seed, sum(map(len, self._flat)), len(flats))
-            modes = {"master": self._master, "state_dtype": state_dtype, "seed": seed}
+            modes = {"master": self._master, "state_dtype": state_dtype, "seed": seed, "storage": storage}
             flats.append(self._make_flat([group["params"][i] for i in idx], idx, gi, names, modes))
         self._flat.append(flats)
+        if isinstance(storage, DTensorShards):
+            self._dtensor_storage = storage
+            self._held_elsewhere += flats
         for flat in flats:
             self._refresh_state(flat)
         self._float8_caches += [c for p in group["params"] if (c := float8_weight_cache(p)) is not None]
@@ -407,7 +418,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         inv_scale = self._inv_scale(inv_scale)
         args = [self._validate_group(g, gi) for gi, g in enumerate(self.param_groups)]
 
-        work = []  # (args, plan)
+        work = []  # (args, plan, the group its statistics are summed over or None)
         for gi, flats in enumerate(self._flat):
             names = self._group_state_names(self.param_groups[gi])
             for flat in flats:
@@ -417,7 +428,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if self._layout_seen.get(id(flat)) != flat.layout_version:
                     self._refresh_state(flat)
                 if plan:
-                    work.append((args[gi], plan))
+                    work.append((args[gi], plan, flat.storage.stats_group))
         self._sync_grads()
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step
         if found_inf is not None:
@@ -430,6 +441,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._graph.counts[EAGER] += 1
             self.grad_stats = self._device_step(work, inv_scale, found_inf)
         self._sync_params()
+        for flat in self._held_elsewhere:  # FSDP2's local shards: its next all-gather reads them
+            flat.write_back()
         for cache in self._float8_caches:  # the fp8 weights' casts, once per step (not per forward)
             cache.refresh()
         return loss
@@ -440,21 +453,41 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Everything a step does on the device, with no host work between the
         launches (what a CUDA graph captures): pass 1, the statistics' combination,
         pass 2 of every planned range, the step counts. Returns the statistics."""
-        stats = grad_stats([b.grad for _, plan in work for b in plan], inv_scale)
-        if found_inf is not None:
-            torch.maximum(stats[:1], found_inf, out=stats[:1])
-        stats = self._sync_stats(stats)
+        stats = self._step_stats(work, inv_scale, found_inf)
         applied = 1.0 - stats[FOUND_INF : FOUND_INF + 1]
-        for group_args, plan in work:
+        for group_args, plan, _ in work:
             lr = group_args["lr"]
             if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:  # the kernels read fp32
                 group_args = {**group_args, "lr": lr.to(torch.float32)}
             for buffers in plan:
                 buffers.stats, buffers.inv_scale = stats, inv_scale
-                self._launch(group_args, buffers)
-        for _, plan in work:
+                if buffers.param.numel():  # (empty: local shards empty on this rank; the step counts)
+                    self._launch(group_args, buffers)
+        for _, plan, _ in work:
             for step in {id(b.step): b.step for b in plan}.values():
                 step.add_(applied)
+        return stats
+
+    def _step_stats(
+        self, work: list, inv_scale: torch.Tensor, found_inf: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Pass 1 and the statistics every rank steps with: those of whole gradients
+        (agreed on by :meth:`_sync_stats`) joined with those of FSDP2's shards (summed
+        over their mesh by every rank, whether or not it holds gradients this step)."""
+        whole = [b.grad for _, plan, group in work if group is None for b in plan]
+        stats = None
+        if whole or self._dtensor_storage is None:
+            stats = grad_stats(whole, inv_scale)
+            if found_inf is not None:
+                torch.maximum(stats[:1], found_inf, out=stats[:1])
+            stats = self._sync_stats(stats)
+        if self._dtensor_storage is not None:
+            shards = [b.grad for _, plan, group in work if group is not None for b in plan]
+            sharded = grad_stats(shards, inv_scale)
+            if found_inf is not None and stats is None:
+                torch.maximum(sharded[:1], found_inf, out=sharded[:1])
+            sharded = combine_stats(sharded, self._dtensor_storage.stats_group, sharded=True)
+            stats = sharded if stats is None else reduce_stats(torch.stack([stats, sharded]))
         return stats
 
     # ----------------------------------------------------------- the step's graph
@@ -485,6 +518,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Why this step runs eager rather than as a CUDA graph (None: it may be graphed)."""
         if self.cuda_graph is False:
             return "cuda_graph=False"
+        collectives = (self.shard_group, self._process_group, self._dtensor_storage)
+        if any(c is not None for c in collectives):
+            return "the step's collectives (process_group, ZeRO-2, FSDP2's mesh) run eager"
+        return self.graph_runner.blocker(self._device)
+
         if self.shard_group is not None or self._process_group is not None:
             return "the step's collectives (process_group, ZeRO-2) run eager"
         return self.graph_capture.blocker(self._device)
@@ -599,6 +637,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         divide by W. Not counted: the step-count tensors (4 B per run of params
         with one step count) and what a step allocates while it runs (the
         statistics; for the sharded optimizers the reduce-scatter's staging).
+        Over FSDP2's DTensor params every buffer covers this rank's local shards
+        (``numel`` counts their elements; ``world_size`` stays 1, tkern shards
+        them no further); FSDP2's own storage of the shards is not counted.
         """
         group = self.shard_group
         report: dict[str, Any] = {

@@ -166,7 +166,8 @@ def export_state(
             full = export(flat)  # compact buffers in fp32, converted once per buffer
             for i, p in enumerate(flat.params):
                 item = {k: v for k, v in dict.items(state[p]) if k not in full}
-                item.update((k, entry(flat, v, i)) for k, v in full.items())
+                # (FSDP2's params: each entry a DTensor of the param's layout, for DCP)
+                item.update((k, flat.storage.wrap(p, entry(flat, v, i))) for k, v in full.items())
                 item["step"] = steps[flat.cohort[i]].clone()
                 out[index[id(p)]] = item
     out.update((k, v) for k, v in state.items() if not isinstance(k, torch.Tensor))
@@ -291,7 +292,7 @@ def read_state(
                             f"loaded {name!r} of {where} has shape {tuple(value.shape)}, "
                             f"expected {tuple(p.shape)}"
                         )
-                    values[id(flat), name, i] = value
+                    values[id(flat), name, i] = flat.storage.unwrap(p, value)  # (FSDP2: this rank's part)
             steps[id(flat)] = flat_steps
     param_ids = {i for g in groups for i in g["params"]}
     extra = {k: v for k, v in saved_state.items() if k not in param_ids}
@@ -324,9 +325,10 @@ def write_state(
                     # opt.load_state_dict(opt.state_dict())), into an fp32 staging shard (the
                     # live buffer when it is fp32), stored once per buffer.
                     full = flat.master_fp32() if name == "master" else flat.state_fp32(name)
-                    for i, p in enumerate(flat.params):
+                    for i in range(len(flat.params)):
                         value = loaded.values.get((id(flat), name, i))
                         if value is None:  # no master saved: it follows the param; no state: zero
+                            p = flat.local(i)
                             value = (
                                 p.detach() if name == "master" else torch.zeros_like(p, dtype=torch.float32)
                             )

@@ -1,0 +1,164 @@
+"""tkern's fused optimizers and loss scalers on FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+``fully_shard`` turns each param into a DTensor sharded on dim 0 over a 1-D
+device mesh: ``p.to_local()`` is this rank's rows (uneven shards are allowed;
+a rank's shard may be empty), and after backward ``p.grad`` is a DTensor of the
+same layout holding this rank's rows of the averaged gradient. What that
+changes for a fused optimizer (see :mod:`tkern.flat` for the buffers):
+
+Where the buffers' memory comes from
+    The flat buffers are built over the local shards. FSDP2 all-gathers from its
+    own padded copy of each shard (the local tensor is a view of it), so the
+    flat buffer cannot take that memory over (a param whose local storage is
+    replaced is all-gathered from the old storage): the buffer holds a copy,
+    and each step copies its updated params into FSDP2's local shards (2 + 2
+    B/param for 16-bit params, beside the step's 30). Writes to the params from
+    outside (``set_model_state_dict``, ``model.load_state_dict``) move the
+    DTensor's version counter and are copied in before the next step, as for
+    plain params. ``.grad`` stays a DTensor over the flat gradient view: FSDP2
+    accumulates its reduce-scattered gradient into it in place.
+
+Who reduces the statistics
+    Each rank reads only its shard's gradients, so the step's statistics of the
+    DTensor params are combined over the params' mesh (found_inf and max |g| by
+    max, the sum of squares summed: :func:`tkern.kernels.overflow.combine_stats`
+    with ``sharded=True``), on the device, with no host sync. ``max_grad_norm``
+    then clips by the norm of the whole gradient (what ``clip_grad_norm_`` over
+    the DTensor grads gives) and every rank skips the same steps.
+
+Limits (a ``ValueError`` before anything changes): a param group holds DTensor
+params or plain ones, not both; DTensor params are ``Shard(0)`` on a 1-D mesh
+(no HSDP's 2-D mesh, no tensor parallelism), all on one mesh; tkern's ZeRO-2
+optimizers take plain params only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from tkern.flat import OWNED, ParamStorage, describe_param
+
+__all__ = ["DTensorShards", "param_storage", "split_by_mesh"]
+
+
+class DTensorShards(ParamStorage):
+    """FSDP2's DTensor params, ``Shard(0)`` on the 1-D ``mesh``: the flat buffer holds
+    a copy of each local shard (see the module docstring), ``.grad`` is a DTensor
+    over the gradient view, and the statistics are summed over the mesh's group."""
+
+    owns_storage = False
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+        self.stats_group = mesh.get_group()
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return param.to_local()
+
+    def wrap(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        # as torchao's low-bit optimizers wrap their state: what torch.distributed.checkpoint
+        # (get_optimizer_state_dict, dcp.save) needs to place each shard in the whole
+        return DTensor.from_local(
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+
+    def unwrap(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``value``: a DTensor's local tensor (redistributed to the
+        param's layout first if it has another: a collective), or the rows of a whole
+        tensor (one process's state, a torch optimizer's) that ``Shard(0)`` gives this rank."""
+        with torch.no_grad():
+            if isinstance(value, DTensor):
+                if value.device_mesh != param.device_mesh or value.placements != param.placements:
+                    value = value.redistribute(param.device_mesh, param.placements)
+                return value.to_local()
+            rows = self.local(param).shape[0] if param.dim() else 0
+            if param.dim() == 0 or rows == param.shape[0]:
+                return value.reshape(param.shape)
+            # torch.chunk's split, as FSDP2's: ceil(n / W) rows per rank, the last ones short or empty
+            chunk = -(-param.shape[0] // self.mesh.size())
+            start = min(self.mesh.get_local_rank() * chunk, param.shape[0])
+            return value.reshape(param.shape)[start : start + rows]
+
+    def __reduce__(self) -> tuple:
+        # device meshes and process groups do not travel: a copy of an optimizer over
+        # DTensor params (deepcopy, pickle) is refused, as for the ZeRO-2 optimizers' groups
+        raise TypeError("an optimizer over FSDP2's DTensor params cannot be copied or pickled")
+
+
+def _check_dtensor(p: DTensor, name: str) -> None:
+    mesh = p.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"{name} is a DTensor on a {mesh.ndim}-D device mesh (HSDP or tensor parallelism): "
+            "tkern's fused optimizers take FSDP2 params sharded on a 1-D mesh"
+        )
+    if tuple(p.placements) != (Shard(0),):
+        raise ValueError(
+            f"{name} is a DTensor with placements {tuple(p.placements)}: tkern's fused optimizers take "
+            "FSDP2 params sharded on dim 0, placements (Shard(dim=0),) (fully_shard's default)"
+        )
+
+
+def param_storage(
+    params: list[torch.Tensor], group: int, current: DTensorShards | None, *, zero: bool = False
+) -> ParamStorage:
+    """How a fused optimizer holds param group ``group``'s ``params``: :data:`tkern.flat.OWNED`
+    for plain tensors, a :class:`DTensorShards` for FSDP2's DTensor params (``current``, the
+    optimizer's existing one, if it has one). Raises ``ValueError`` for a group that mixes
+    the two, a DTensor that is not ``Shard(0)`` on a 1-D mesh, a second mesh, or DTensor
+    params given to a ZeRO-2 optimizer (``zero``); nothing is changed."""
+    kinds = [isinstance(p, DTensor) for p in params]
+    if not any(kinds):
+        return OWNED
+    if not all(kinds):
+        d, t = kinds.index(True), kinds.index(False)
+        raise ValueError(
+            f"param group {group} mixes DTensor params ({describe_param(group, d, params[d])}) with plain "
+            f"tensors ({describe_param(group, t, params[t])}): put FSDP2's sharded params and plain params "
+            "in separate param groups"
+        )
+    if zero:
+        raise ValueError(
+            f"param group {group} holds DTensor params: tkern's ZeRO-2 optimizers shard plain params "
+            "themselves; under fully_shard use FusedSGD, FusedAdam or FusedAdamW"
+        )
+    mesh = current.mesh if current is not None else params[0].device_mesh
+    for i, p in enumerate(params):
+        name = describe_param(group, i, p)
+        _check_dtensor(p, name)
+        if p.device_mesh != mesh:
+            raise ValueError(
+                f"{name} is on device mesh {p.device_mesh}, but earlier params are on {mesh}: "
+                "a tkern optimizer takes DTensor params of one mesh"
+            )
+    return current if current is not None else DTensorShards(mesh)
+
+
+def split_by_mesh(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """Gradients by the process group their statistics are summed over: the local
+    shards of ``Shard(0)`` DTensors on a 1-D mesh under that mesh's group, every
+    other tensor (a plain one, or a replicated DTensor's local copy) under None.
+    Raises ``ValueError`` for other DTensor layouts (a loss scaler cannot tell how
+    to combine their statistics)."""
+    out: dict[Any, list[torch.Tensor]] = {}
+    for i, t in enumerate(tensors):
+        key = None
+        if isinstance(t, DTensor):
+            if all(p.is_replicate() for p in t.placements):
+                pass
+            else:
+                _check_dtensor(t, f"gradient {i} (shape {tuple(t.shape)}, dtype {t.dtype})")
+                key = t.device_mesh.get_group()
+            with torch.no_grad():
+                t = t.to_local()
+        out.setdefault(key, []).append(t)
+    return out
