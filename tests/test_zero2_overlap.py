@@ -11,31 +11,27 @@ order is checked by logging every reduce-scatter against a hook on the FIRST
 layer's weight, whose gradient backward produces last: with the overlap on, the
 later layers' buckets must already be issued when it fires.
 
-As tests/test_distributed.py, each world size is ONE spawn running every scenario.
+Each world size is ONE spawn running every scenario (tests/scenarios.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
+from scenarios import result, run_scenarios
 from torch import nn
 
 import tkern
 import tkern.optim.distributed as zero2
-from tkern import functional
 from tkern.flat import grad_is_flat_view
+from tkern.ops import common
 from tkern.optim import DistributedFusedAdamW, DistributedFusedSGD
-from tkern.optim.distributed import run_local_processes
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-TIMEOUT_S = 240
 STEPS = 2
 #: 256 B of fp32 per bucket: each Linear(8, 8)'s weight (64 elements) is a bucket of its own
 TINY_BUCKET_MB = 256 / 2**20
@@ -134,14 +130,14 @@ def _scenario_order(rank, world):
 
 def _wgrad_run(rank: int, overlap: bool) -> dict:
     taken = []
-    flat_wgrad = functional._flat_wgrad
+    flat_wgrad = common.flat_wgrad
 
     def spy(*args):
         into = flat_wgrad(*args)
         taken.append(into is not None)
         return into
 
-    functional._flat_wgrad = spy
+    common.flat_wgrad = spy
     try:
         torch.manual_seed(4)
         model = tkern.convert_network(
@@ -152,7 +148,7 @@ def _wgrad_run(rank: int, overlap: bool) -> dict:
         res = _train(model, opt, rank, torch.float16, "no_sync", scale=256.0)
         res["views"] = all(grad_is_flat_view(m.weight) for m in model if isinstance(m, tkern.nn.Linear))
     finally:
-        functional._flat_wgrad = flat_wgrad
+        common.flat_wgrad = flat_wgrad
     res["into"] = sum(taken)
     return res
 
@@ -181,39 +177,16 @@ SCENARIOS = {
 }
 
 
-def _worker(rank, world, out_dir, names):
-    results = {}
-    try:
-        for name in names:
-            start = time.perf_counter()
-            try:
-                results[name] = SCENARIOS[name](rank, world)
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-            results[name + "_s"] = time.perf_counter() - start
-    finally:
-        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
-
-
-def _spawn(world, names, out_dir):
-    run_local_processes(_worker, world, (str(out_dir), names), timeout_s=TIMEOUT_S, pg_timeout_s=60)
-    return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world)]
-
-
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    return _spawn(2, ["order", "identity", "wgrad"], tmp_path_factory.mktemp("w2"))
+    return run_scenarios(
+        __name__, 2, ["order", "identity", "wgrad"], tmp_path_factory.mktemp("w2"), timeout_s=240
+    )
 
 
 @pytest.fixture(scope="module")
 def world3(tmp_path_factory):
-    return _spawn(3, ["identity", "staging"], tmp_path_factory.mktemp("w3"))
-
-
-def _result(ranks, name):
-    for r, res in enumerate(ranks):
-        assert "error" not in res[name], f"rank {r}: {res[name]['error']}"
-    return [res[name] for res in ranks]
+    return run_scenarios(__name__, 3, ["identity", "staging"], tmp_path_factory.mktemp("w3"), timeout_s=240)
 
 
 def _assert_same_run(got: dict, ref: dict) -> None:
@@ -227,7 +200,7 @@ def _assert_same_run(got: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_overlap_gives_the_bits_of_the_sync_in_step(request, world):
-    for res in _result(request.getfixturevalue(f"world{world}"), "identity"):
+    for res in result(request.getfixturevalue(f"world{world}"), "identity"):
         for dtype, sync in IDENTITY:
             on, off = res[(str(dtype), str(sync), True)], res[(str(dtype), str(sync), False)]
             assert on["buckets"] == off["buckets"] >= 4  # several buckets: several collectives
@@ -239,7 +212,7 @@ def test_micro_batches_without_no_sync(request, world):
     """Overlap off: two plain backwards accumulate and step() reduces once, the bits of the
     no_sync run (the same local sums). Overlap on: the second backward finds its buckets
     reduced already and raises, naming the way out."""
-    for res in _result(request.getfixturevalue(f"world{world}"), "identity"):
+    for res in result(request.getfixturevalue(f"world{world}"), "identity"):
         for dtype, sync in IDENTITY:
             _assert_same_run(res[(str(dtype), str(sync), "plain")], res[(str(dtype), str(sync), False)])
         msg = res["plain_overlap_error"]
@@ -247,7 +220,7 @@ def test_micro_batches_without_no_sync(request, world):
 
 
 def test_buckets_are_reduce_scattered_while_backward_runs(world2):
-    for res in _result(world2, "order"):
+    for res in result(world2, "order"):
         on, off = res[True], res[False]
         n = on["buckets"]
         assert n >= 4  # one bucket per weight at least
@@ -265,12 +238,12 @@ def test_buckets_are_reduce_scattered_while_backward_runs(world2):
 
 
 def test_the_weight_gradient_written_into_the_flat_buffer_is_reduced_by_the_hooks(world2):
-    for res in _result(world2, "wgrad"):
+    for res in result(world2, "wgrad"):
         on, off = res[True], res[False]
         assert on["into"] == off["into"] > 0  # tkern.linear put dW into the buffer
         assert on["views"] and off["views"]
         _assert_same_run(on, off)
-    ranks = _result(world2, "wgrad")
+    ranks = result(world2, "wgrad")
     assert all(
         torch.equal(a, b) for a, b in zip(ranks[0][True]["params"], ranks[1][True]["params"], strict=True)
     )
@@ -279,6 +252,6 @@ def test_the_weight_gradient_written_into_the_flat_buffer_is_reduced_by_the_hook
 def test_fp32_staging_from_the_hooks_sums_without_overflow(world3):
     # sum 30000 + 31000 + 32000 = 93000 overflows fp16 (max 65504); the fp32 sum / 3 = 31000 is
     # exact in fp16 (a multiple of 8 below 32768), so SGD with lr 1 gives exactly -31000
-    for res in _result(world3, "staging"):
+    for res in result(world3, "staging"):
         assert res["found_inf"] == 0.0
         assert torch.equal(res["param"], torch.full((40,), -31000.0, dtype=torch.float16))

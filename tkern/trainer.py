@@ -700,7 +700,7 @@ class Trainer:
         """What ``torch.distributed.checkpoint`` saves for an FSDP2 model: the model's
         and the optimizer's sharded state dicts (``get_state_dict``: DTensors, each
         rank its shards) and the trainer's own state (one pickled object: scaler,
-        scheduler, epoch, step, history, every rank's RNG state). A collective."""
+        scheduler, epoch, step, rank 0's history, every rank's RNG state). A collective."""
         import io
 
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -714,8 +714,10 @@ class Trainer:
             "epoch": self.epoch, "step": self.step, "history": self.history, "epochs": self.epochs,
             "rng_ranks": rng,
         }  # fmt: skip
+        shared = [own]
+        dist.broadcast_object_list(shared, src=0)  # one object for DCP to keep: rank 0's history
         buffer = io.BytesIO()
-        torch.save(own, buffer)
+        torch.save(shared[0], buffer)
         buffer.seek(0)
         return {"model": model, "optimizer": optimizer, "trainer": buffer}
 
@@ -789,6 +791,11 @@ class Trainer:
         resumes at another: ``FusedAdamW`` and ``DistributedFusedAdamW``
         checkpoints load into each other). Each rank restores its own RNG state
         when the checkpoint was saved by as many ranks, else rank 0's.
+
+        With an FSDP2 model ``path`` is the folder :meth:`save_checkpoint` wrote
+        through ``torch.distributed.checkpoint`` (``dcp.load``, then
+        ``set_state_dict``); every rank calls it. That path does not pre-validate:
+        a folder that does not fit the model raises DCP's own error.
         """
         if _is_fsdp2(self.model):
             self._load_distributed(os.fspath(path))
