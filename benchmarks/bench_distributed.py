@@ -178,16 +178,17 @@ def _make_training(impl: str, stack: tuple[int, int, int], device: torch.device,
         else:
             opt = DistributedFusedAdamW(model.parameters(), lr=LR, overlap_grad_sync=impl == ZERO2_OVERLAP)
 
-    def step():
+    def step(zero_grad: bool = True):
         model(x).float().square().mean().backward()
         opt.step()
-        opt.zero_grad()
+        if zero_grad:
+            opt.zero_grad()
 
     def values() -> torch.Tensor:
         return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().flatten()
                           for p in model.parameters()])  # fmt: skip
 
-    step()  # the optimizer's state exists from here
+    step(zero_grad=False)  # the optimizer's state exists from here; counted with the gradients
     params = list(model.parameters())
     if isinstance(opt, FusedAdamW):  # flat buffers: params (a copy under FSDP2), grads, master, state
         nbytes = opt.memory_report()["total"] + (_local_bytes(params) if impl == FSDP2_TKERN else 0)
@@ -195,6 +196,7 @@ def _make_training(impl: str, stack: tuple[int, int, int], device: torch.device,
         state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
         nbytes = _local_bytes(params) + _local_bytes(p.grad for p in params if p.grad is not None)
         nbytes += _local_bytes(state)
+    opt.zero_grad()
     return step, nbytes, values
 
 
