@@ -161,8 +161,17 @@ def test_distributed_smoke_runs_every_variant_on_two_gloo_ranks():
 
     res = bench_distributed.main(["--smoke"])
     by = {r["impl"]: r for r in res.rows}
-    assert set(by) == {bench_distributed.TKERN, bench_distributed.DDP, bench_distributed.ZERO1}
+    bd = bench_distributed
+    assert set(by) == {bd.TKERN, bd.DDP, bd.ZERO1, *bd.TRAINING}
     assert all(r["ms"] > 0 and r["world"] == 2 for r in res.rows)
+    # whole training steps: the overlap changes when the gradients are reduced, not their bits
+    assert by[bd.ZERO2_OVERLAP]["bit_identical_to_no_overlap"] is True
+    # per rank, bf16 params: ZeRO-2 2 + 2 + 12 / 2 = 10 B/param; FSDP2 + tkern (2 + 2 + 2 + 12) / 2 = 9
+    # (FSDP2's shard, the flat buffer's copy, the grad, master and moments); FSDP2 + torch's AdamW on fp32
+    # params (4 + 4 + 8) / 2 = 8. Padding (16 elements per param and per buffer) is < 1% at 64 x 64.
+    assert by[bd.ZERO2_OVERLAP]["bytes_per_param"] == pytest.approx(10, rel=0.01)
+    assert by[bd.FSDP2_TKERN]["bytes_per_param"] == pytest.approx(9, rel=0.01)
+    assert by[bd.FSDP2_TORCH]["bytes_per_param"] == pytest.approx(8, rel=0.01)
     # AdamW on fp16 params: 2 + 2 + 12 / W B/param sharded, 16 unsharded (the same padding for both)
     assert by[bench_distributed.TKERN]["bytes_per_param"] / by[bench_distributed.DDP]["bytes_per_param"] == (
         pytest.approx(10 / 16, rel=1e-3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dp_reference import trainer_loader, trainer_model, trainer_reference
 from scenarios import result as _result
 from scenarios import run_scenarios
 
@@ -309,24 +310,11 @@ def _scenario_reshard(rank, world):
     return out
 
 
-def _trainer_data():
-    g = torch.Generator().manual_seed(5)
-    return torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g)
-
-
-def _trainer_model():
-    torch.manual_seed(11)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
 def _scenario_trainer(rank, world):
     """The Trainer with the sharded optimizer and tkern's scaler; each rank its half of the
     data (as DistributedSampler splits it), two micro-batches accumulated per step."""
-    x, y = _trainer_data()
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x[rank::world], y[rank::world]), batch_size=4
-    )
-    model = _trainer_model()
+    loader = trainer_loader(rank, world)
+    model = trainer_model()
     opt = DistributedFusedAdamW(model.parameters(), lr=1e-2)
     trainer = tkern.Trainer(
         model, opt, torch.nn.functional.cross_entropy, tkern.DynamicLossScaler(), accumulation_steps=2,
@@ -574,19 +562,7 @@ def test_the_trainer_trains_data_parallel_with_the_sharded_optimizer(world2):
     # the loss averaged over all of them: the same mean gradient up to the order of the sums in
     # backward (fp32 roundoff, ~1e-7 relative), over 4 steps of lr 1e-2: params within 1e-6.
     ranks = _result(world2, "trainer")
-    x, y = _trainer_data()
-    model = _trainer_model()
-    opt = FusedAdamW(model.parameters(), lr=1e-2)
-    parts = [(x[r::2], y[r::2]) for r in range(2)]
-    for _epoch in range(2):
-        for step in range(2):
-            opt.zero_grad()
-            for micro in range(2):
-                rows = slice(8 * step + 4 * micro, 8 * step + 4 * micro + 4)
-                xb = torch.cat([px[rows] for px, _ in parts])
-                yb = torch.cat([py[rows] for _, py in parts])
-                (torch.nn.functional.cross_entropy(model(xb), yb) / 2).backward()
-            opt.step()
+    model = trainer_reference(FusedAdamW, lr=1e-2)
     for res in ranks:
         assert res["steps"] == 4
         for have, want in zip(res["params"], model.parameters(), strict=True):

@@ -24,6 +24,7 @@ EXAMPLES = ROOT / "examples"
     "script, args, package",
     [
         ("custom_loop.py", ["--steps", "12"], None),
+        ("fsdp.py", ["--steps", "12"], None),  # 2 local gloo processes (FSDP2 on CPUs)
         ("hf_trainer.py", ["--steps", "4"], "transformers"),
         ("lightning.py", ["--steps", "8"], "lightning"),
         ("lightning.py", ["--steps", "8", "--manual"], "lightning"),

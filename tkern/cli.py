@@ -119,14 +119,25 @@ def _train(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--plot: {args.plot!r} is not an image file name; end it in {', '.join(PLOT_FORMATS)}"
             )
-    if args.resume:
+    if args.resume and args.fsdp:
+        if not Path(args.resume).is_dir():
+            raise UsageError(
+                f"--resume: with --fsdp a checkpoint is a torch.distributed.checkpoint folder; "
+                f"{args.resume!r} is not one"
+            )
+    elif args.resume:
         if Path(args.resume).is_dir():
             raise UsageError(f"--resume: {args.resume!r} is a directory, expected a checkpoint file")
         if not Path(args.resume).is_file():
             raise UsageError(f"--resume: checkpoint {args.resume!r} does not exist")
         if args.only and args.only != "tkern":
             raise UsageError(f"--resume applies to the tkern run, but --only {args.only} leaves it out")
-    if args.checkpoint:
+    if args.checkpoint and args.fsdp:  # each rank writes its shards into a folder
+        if Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
+            raise UsageError(
+                f"--checkpoint: with --fsdp a checkpoint is a folder; {args.checkpoint!r} is a file"
+            )
+    elif args.checkpoint:
         _check_writable("--checkpoint", args.checkpoint)
         if args.only and args.only != "tkern":
             raise UsageError(f"--checkpoint applies to the tkern run, but --only {args.only} leaves it out")
@@ -137,6 +148,8 @@ def _train(args: argparse.Namespace) -> int:
             f"--nproc: {args.nproc} processes split each batch of --batch-size {args.batch_size}; "
             f"use a --batch-size of at least {args.nproc}"
         )
+    if args.fsdp and args.nproc < 2:
+        raise UsageError("--fsdp shards the tkern run over --nproc processes: give --nproc 2 or more")
     if args.nproc > 1 and "tkern" not in ((args.only,) if args.only else demo.RUNS):
         raise UsageError(f"--nproc applies to the tkern run, but --only {args.only} leaves it out")
     runs = (args.only,) if args.only else demo.RUNS
@@ -153,6 +166,7 @@ def _train(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         resume=args.resume,
         nproc=args.nproc,
+        fsdp=args.fsdp,
         float8=args.float8,
         cuda_graph=args.cuda_graph,
     )
@@ -160,8 +174,11 @@ def _train(args: argparse.Namespace) -> int:
         results = demo.compare(cfg)
         if args.nproc > 1:
             how = "NCCL" if demo.default_device().type == "cuda" else "gloo"
+            what = (
+                f"FSDP2 (fully_shard), fused {args.optimizer}" if args.fsdp else f"sharded {args.optimizer}"
+            )
             print(
-                f"tkern run: data-parallel on {args.nproc} processes ({how}), sharded {args.optimizer}, "
+                f"tkern run: data-parallel on {args.nproc} processes ({how}), {what}, "
                 f"batch {args.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
             )
         for r in results:
@@ -249,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with the sharded optimizer: each process trains on every N-th sample with a batch of "
         "batch-size // N, so a step still sees batch-size samples; the fp32 and autocast runs stay "
         "in one process; 1: no processes started",
+    )
+    train.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --nproc N: the tkern run under FSDP2 (torch's fully_shard: each Linear and the root), "
+        "tkern's fused optimizer on the sharded params, instead of ZeRO-2's sharded optimizer; "
+        "--checkpoint/--resume then name a torch.distributed.checkpoint folder",
     )
     train.add_argument(
         "--float8",

@@ -9,7 +9,9 @@ same initial weights, with a side-by-side table:
 
 With ``Config.nproc`` = N > 1 the ``tkern`` run is data-parallel on N local
 processes (gloo on the CPU, NCCL on N GPUs) with the sharded optimizer
-(:mod:`tkern.optim.distributed`): each rank trains on every N-th training
+(:mod:`tkern.optim.distributed`), or with ``Config.fsdp`` under FSDP2
+(``fully_shard``, see :func:`shard_fully`) with the fused optimizer on its
+sharded params: each rank trains on every N-th training
 sample with a batch of ``batch_size // N``, so one optimizer step still sees
 ``batch_size`` samples; rank 0 evaluates, prints and writes files. The fp32 and
 autocast runs stay in this process.
@@ -89,6 +91,7 @@ class Config:
     checkpoint: str | None = None  # the tkern run saves a checkpoint here after each epoch
     resume: str | None = None  # the tkern run starts from this checkpoint
     nproc: int = 1  # > 1: the tkern run is data-parallel on this many local processes
+    fsdp: bool = False  # with nproc > 1: the tkern run under FSDP2 (fully_shard) instead of ZeRO-2
     float8: str | None = None  # a Float8Recipe name: the tkern run in bf16 with fp8 GEMMs
     cuda_graph: bool = False  # the tkern run's whole step captured as a CUDA graph (Trainer's cuda_graph)
 
@@ -139,13 +142,30 @@ def _loader(x, y, batch_size, shuffle):
     )
 
 
+def shard_fully(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` under FSDP2 over every rank of the default process group: each
+    Linear (tkern's after :func:`tkern.convert_network`) one all-gather unit, then
+    the root; its params become DTensors holding this rank's rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def build(name: str, base: nn.Module, cfg: Config, device: torch.device, sharded: bool = False):
     """(model, optimizer, scaler, autocast dtype) for one of the three runs; with
-    ``sharded`` (a process group is initialised) the tkern run's optimizer is the
-    sharded one."""
+    ``sharded`` (a process group is initialised) the tkern run is data-parallel:
+    with the sharded optimizer (ZeRO-2), or with ``cfg.fsdp`` under FSDP2 with the
+    fused one on its sharded params."""
     model = copy.deepcopy(base)
     fused_cls, torch_cls = OPTIMIZERS[cfg.optimizer]
-    if sharded:
+    if sharded and not cfg.fsdp:
         fused_cls = SHARDED[cfg.optimizer]
     hyper = dict(OPTIMIZER_DEFAULTS[cfg.optimizer])
     if cfg.lr is not None:
@@ -155,6 +175,8 @@ def build(name: str, base: nn.Module, cfg: Config, device: torch.device, sharded
             tkern.convert_network(model)
         else:  # bf16 is fp8's partner: the layers fp8 cannot take run in bf16
             tkern.convert_network(model, torch.bfloat16, float8=cfg.float8)
+        if sharded and cfg.fsdp:
+            shard_fully(model, device)  # before the optimizer: it steps on the DTensor shards
         return model, fused_cls(model.parameters(), **hyper), SCALERS[cfg.scaler](), None
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
     opt = torch_cls(model.parameters(), **hyper, **extra)
@@ -205,9 +227,10 @@ def run_one(
         losses = (mean / world).tolist()
         last = [x for x, h in zip(losses, trainer.history, strict=True) if h["epoch"] == trainer.epoch]
         train_loss = sum(last) / max(len(last), 1)
-        if rank != 0:
-            return None
-    metrics = trainer.evaluate(_loader(xv, yv, 512, False))
+    # under FSDP2 a forward all-gathers each layer from every rank: all of them evaluate
+    metrics = trainer.evaluate(_loader(xv, yv, 512, False)) if rank == 0 or cfg.fsdp else None
+    if rank != 0:
+        return None
     mem = trainer.memory_report()
     scales = [h["scale"] for h in trainer.history if h["scale"] is not None]
     return Result(

@@ -62,11 +62,26 @@ __all__ = [
 ]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: an FSDP2 (DTensor) param's local shard, else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return t if to_local is None else to_local()
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``torch.distributed.fsdp.fully_shard`` wrapped ``model`` or a submodule."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes held by ``tensors``, counting each storage once."""
+    """Bytes held by ``tensors`` on this rank, counting each storage once."""
     seen, total = set(), 0
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = _local(t).untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
@@ -306,7 +321,7 @@ class Trainer:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        params = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
         self._activation_bytes = _tensor_bytes(
             t for t in saved if t.untyped_storage().data_ptr() not in params
         )
@@ -371,7 +386,10 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self._measure_activations() if measure and i == 0 else nullcontext():
                 loss = self.loss_fn(self._forward(x).float(), y) / k
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            # a sharded optimizer reduces the gradients once, after the last micro-batch
+            no_sync = getattr(self.optimizer, "no_sync", None)
+            with no_sync() if no_sync is not None and i < k - 1 else nullcontext():
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             total += loss.detach()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -539,10 +557,67 @@ class Trainer:
         no rank returns before the file is complete; a failed write raises on
         every rank (``OSError`` naming ``path``). The history saved is rank 0's
         (each rank's losses are those of its own micro-batches).
+
+        With an FSDP2 model (``fully_shard``) ``path`` is a folder written by
+        ``torch.distributed.checkpoint`` (see :meth:`_distributed_state`): every
+        rank calls it and writes its own shards, and it loads at another world size.
         """
+        if _is_fsdp2(self.model):
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(self._distributed_state(), checkpoint_id=os.fspath(path))
+            return
         group, _, world = checkpoint.shard_group_of(self.optimizer)
         payload = self._payload(group, world)  # a collective with a sharded optimizer
         checkpoint.save(payload, path, group, self._write_checkpoint)
+
+    def _distributed_state(self) -> dict[str, Any]:
+        """What ``torch.distributed.checkpoint`` saves for an FSDP2 model: the model's
+        and the optimizer's sharded state dicts (``get_state_dict``: DTensors, each
+        rank its shards) and the trainer's own state (one pickled object: scaler,
+        scheduler, epoch, step, rank 0's history, every rank's RNG state). A collective."""
+        import io
+
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        rng: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rng, checkpoint.rng_state())
+        own = {
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "epoch": self.epoch, "step": self.step, "history": self.history, "epochs": self.epochs,
+            "rng_ranks": rng,
+        }  # fmt: skip
+        shared = [own]
+        dist.broadcast_object_list(shared, src=0)  # one object for DCP to keep: rank 0's history
+        buffer = io.BytesIO()
+        torch.save(shared[0], buffer)
+        buffer.seek(0)
+        return {"model": model, "optimizer": optimizer, "trainer": buffer}
+
+    def _load_distributed(self, path: str) -> None:
+        """:meth:`load_checkpoint` of an FSDP2 model (a collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._distributed_state()
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        buffer = state["trainer"]
+        buffer.seek(0)
+        own = torch.load(buffer, weights_only=True)
+        if self.scaler is not None and own["scaler"] is not None:
+            self.scaler.load_state_dict(own["scaler"])
+        if self.scheduler is not None and own["scheduler"] is not None:
+            self.scheduler.load_state_dict(own["scheduler"])
+        self.epoch, self.step = own["epoch"], own["step"]
+        self.history, self.epochs = own["history"], own["epochs"]
+        ranks = own["rng_ranks"]
+        rank = dist.get_rank()
+        checkpoint.set_rng_state(ranks[rank] if len(ranks) == dist.get_world_size() else ranks[0])
 
     def _write_checkpoint(self, payload: dict[str, Any], path: str) -> None:
         checkpoint.write_atomic(payload, path)
@@ -591,7 +666,15 @@ class Trainer:
         resumes at another: ``FusedAdamW`` and ``DistributedFusedAdamW``
         checkpoints load into each other). Each rank restores its own RNG state
         when the checkpoint was saved by as many ranks, else rank 0's.
+
+        With an FSDP2 model ``path`` is the folder :meth:`save_checkpoint` wrote
+        through ``torch.distributed.checkpoint`` (``dcp.load``, then
+        ``set_state_dict``); every rank calls it. That path does not pre-validate:
+        a folder that does not fit the model raises DCP's own error.
         """
+        if _is_fsdp2(self.model):
+            self._load_distributed(os.fspath(path))
+            return
         payload = checkpoint.read(path, map_location=self.device)
         checkpoint.validate(
             payload,

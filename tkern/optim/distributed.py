@@ -10,19 +10,34 @@ the optimizer owns gradient synchronisation. Every rank keeps the full fp16/bf16
 on half-precision params, ``2 + 2 + 12 / W`` bytes per parameter instead of 16
 (see :meth:`memory_report`).
 
+Gradients are reduced in **buckets**: each param group's params are kept in flat
+buffers of at most ``bucket_mb`` MiB of fp32 each (consecutive params; a bigger
+param alone), each buffer padded to ``16 * W`` elements and split W ways, so that
+a bucket's reduce-scatter is one contiguous collective whose output is this
+rank's shard of it. With ``overlap_grad_sync=True`` (the default) a bucket is
+reduce-scattered (``async_op=True``) as soon as backward has produced the
+gradients of all its params, from their post-accumulate-grad hooks, while
+backward goes on with the earlier layers (DDP's buckets, DeepSpeed's
+``overlap_comm``, apex's ``overlap_grad_sync``), in one fixed order on every
+rank, the last params' first; when backward ends they are waited for and the
+shards hold the mean gradient (as DDP's ``.grad`` after backward; what is done
+to ``.grad`` before the step acts on it). The results are bit for bit those of
+``overlap_grad_sync=False``, which issues the same collectives inside ``step()``.
+
 One ``step()``, all on the device, no host synchronisation:
 
-1. reduce-scatter the flat gradient buffer so this rank's shard holds the mean
-   gradient over the ranks. By default the sum is taken in **fp32** (fp16/bf16
-   gradients are staged in fp32 buckets of ``bucket_mb`` MiB, the sum divided
-   by W in fp32 and rounded once to the gradients' dtype): an fp16 sum of W
-   finite, loss-scaled gradients can overflow, and pre-dividing each rank's
-   gradient by W rounds every share (and flushes the smallest to zero) before
-   the sum. The price is twice the bytes of the reduce-scatter for 16-bit
-   gradients; ``grad_sync_dtype=None`` pre-divides instead and reduces in the
-   gradients' own dtype (no overflow either: each share is at most max / W).
-   Outside its shard, a rank's ``.grad`` is left holding its local gradient
-   (divided by W with ``grad_sync_dtype=None``);
+1. finish the reduce-scatter of every bucket, so this rank's shard holds the
+   mean gradient over the ranks. By default the sum is taken in **fp32**
+   (fp16/bf16 gradients are staged in fp32, the sum divided by W in fp32 and
+   rounded once to the gradients' dtype): an fp16 sum of W finite, loss-scaled
+   gradients can overflow, and pre-dividing each rank's gradient by W rounds
+   every share (and flushes the smallest to zero) before the sum. The price is
+   twice the bytes of the reduce-scatter for 16-bit gradients;
+   ``grad_sync_dtype=None`` pre-divides instead (into a temporary) and reduces
+   in the gradients' own dtype (no overflow either: each share is at most
+   max / W). Outside its shard, a rank's ``.grad`` is left holding its local
+   gradient. While a bucket is in flight its send buffer (the bucket, staged in
+   fp32) and the received shard are alive;
 2. pass 1 (``grad_stats``) on the shard, then ONE all-gather of the three
    statistics (W x 3 floats), reduced the same way on every rank: found_inf
    max, sum of squares summed (so ``max_grad_norm`` clips by the global norm of
@@ -36,8 +51,11 @@ Requirements as for DDP without ``find_unused_parameters``: every rank calls
 ``step()``, ``zero_grad()``, ``state_dict()`` and ``add_param_group()`` in the
 same order, and every rank's backward gives gradients to the same params.
 Gradient accumulation: ``with opt.no_sync():`` around all but the last
-micro-batch (the gradients simply accumulate in the flat buffer; the reduction
-happens in ``step()``, which must not be called inside ``no_sync``).
+micro-batch (the gradients accumulate in the flat buffer and nothing is
+reduced; ``step()`` must not be called inside ``no_sync``). With the overlap on,
+a second backward before the step without ``no_sync`` raises ``RuntimeError``
+(its buckets were reduced when the first ended); with ``overlap_grad_sync=False``
+it is right and reduces once, in ``step()``.
 
 Checkpoints: :meth:`state_dict` is a collective that returns the **full**,
 unsharded state in exactly :class:`~tkern.optim.FusedAdamW`'s format on
@@ -56,13 +74,15 @@ import datetime
 import gc
 import inspect
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tkern.flat import ALIGN, FlatParams, alias, describe_param
+from tkern.flat import ALIGN, FlatParams, alias, describe_param, round_up
+from tkern.kernels._update import QBLOCK
 from tkern.kernels.overflow import combine_stats
 from tkern.optim.adam import FusedAdam, FusedAdamW
 from tkern.optim.fused import FusedOptimizer, full_signature
@@ -203,6 +223,210 @@ def _local_problem(groups: list[list], first_group: int) -> str | None:
     return None
 
 
+def _check_ranks_agree(
+    opt: Any, groups: list[list], first_group: int = 0, error: Exception | None = None
+) -> None:
+    """For a sharded optimizer ``opt`` being built or given a param group: one
+    all_gather_object of every rank's param shapes/dtypes/devices and of
+    its local ``error``; a mismatch or an error on any rank raises on every
+    rank (the rank that had the error raises it; the others a ValueError
+    naming that rank)."""
+    problem = _local_problem(groups, first_group)
+    if problem is None and error is not None:
+        problem = f"{type(error).__name__}: {error}"
+    mine = {"params": [[_describe_entry(p) for p in g] for g in groups], "problem": problem}
+    everyone: list[Any] = [None] * opt._world
+    dist.all_gather_object(everyone, mine, group=opt._zero_group)
+    name = type(opt).__name__
+    if error is not None:
+        raise error
+    for r, theirs in enumerate(everyone):
+        if theirs["problem"] is not None:
+            raise ValueError(f"{name}: on rank {r}: {theirs['problem']}")
+    ref = everyone[0]["params"]
+    for r, theirs in enumerate(everyone[1:], start=1):
+        sig = theirs["params"]
+        if len(sig) != len(ref):
+            raise ValueError(
+                f"{name}: ranks disagree on the number of param groups: rank 0 passed {len(ref)}, "
+                f"rank {r} passed {len(sig)}"
+            )
+        for gi, (a, b) in enumerate(zip(ref, sig, strict=True), start=first_group):
+            for pi in range(max(len(a), len(b))):
+                x = a[pi] if pi < len(a) else "nothing"
+                y = b[pi] if pi < len(b) else "nothing"
+                if x != y:
+                    raise ValueError(
+                        f"{name}: ranks disagree on param {pi} of param group {gi}: rank 0 passed "
+                        f"{_fmt(x)}, rank {r} passed {_fmt(y)}; every rank must pass the same params "
+                        "in the same order"
+                    )
+
+
+def bucket_runs(sizes: list[int], capacity: int) -> list[tuple[int, int]]:
+    """Consecutive runs ``[a, b)`` of ``sizes`` whose sum stays within ``capacity``
+    (a single size above it is a run of its own)."""
+    runs, start, filled = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and filled + n > capacity:
+            runs.append((start, i))
+            start, filled = i, 0
+        filled += n
+    runs.append((start, len(sizes)))
+    return runs
+
+
+class _BucketHook:
+    """Post-accumulate-grad hook of param ``index`` of a bucket: tells the
+    :class:`_GradSync` (held weakly: a hook never keeps an optimizer alive)."""
+
+    __slots__ = ("sync", "flat", "index")
+
+    def __init__(self, sync: _GradSync, flat: FlatParams, index: int) -> None:
+        self.sync, self.flat, self.index = weakref.ref(sync), weakref.ref(flat), index
+
+    def __call__(self, p: torch.Tensor) -> None:
+        sync, flat = self.sync(), self.flat()
+        if sync is not None and flat is not None:
+            sync.grad_ready(flat, self.index)
+
+
+class _GradSync:
+    """The gradient reduce-scatter of a sharded optimizer, one bucket (one flat
+    buffer) at a time, so that this rank's shard of each bucket ends up holding
+    the mean gradient over the ranks.
+
+    With ``overlap`` a bucket's collective is issued (``async_op=True``) from the
+    post-accumulate-grad hook of the last of its params to get its gradient, while
+    backward goes on with the earlier layers; buckets are issued in one fixed
+    order (the last params' first, as backward reaches them) on every rank, a
+    bucket waiting for the ones before it. At the end of that backward (a callback
+    queued on autograd's engine, as DDP's) every collective is waited for and its
+    result written into this rank's shard: when backward returns the shards hold
+    the mean, as DDP's gradients do, so what is done to ``.grad`` between
+    backward and step (``GradScaler.unscale_``, an edit) acts on the mean.
+    :meth:`finish` (at the start of ``step()``) reduces what the hooks did not
+    (buckets with a param that got no gradient; gradients written by hand).
+    Without ``overlap`` every bucket is issued in :meth:`finish`: the same
+    collectives on the same data, so the same bits.
+    """
+
+    def __init__(self, group: Any, world: int, bucket_bytes: int, sync_fp32: bool, overlap: bool) -> None:
+        self.group, self.world = group, world
+        self.bucket_bytes, self.sync_fp32, self.overlap = bucket_bytes, sync_fp32, overlap
+        #: ``no_sync()`` depth: backward hooks only accumulate while it is positive
+        self.paused = 0
+        #: the buckets in the order they are reduced: the last-built (the last params) first
+        self.buckets: list[FlatParams] = []
+        self._index: dict[int, int] = {}
+        self._members: list[int] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._seen: list[set[int]] = [set() for _ in self.buckets]
+        self._next = 0  # buckets[:_next] are reduced (or in flight) for this step
+        self._pending: list[tuple[FlatParams, list]] = []
+        self._queued = False  # the end-of-backward callback of this backward
+
+    def add(self, flats: list[FlatParams]) -> None:
+        """Take the buckets of a new param group (between steps) and hook their params."""
+        self.discard()
+        self.buckets = flats[::-1] + self.buckets
+        self._index = {id(f): k for k, f in enumerate(self.buckets)}
+        self._members = [sum(p.requires_grad for p in f.params) for f in self.buckets]
+        self._reset()
+        if self.overlap and self.world > 1:
+            for flat in flats:  # after the flat buffer's own hooks, which put .grad back as the view
+                for i, p in enumerate(flat.params):
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(_BucketHook(self, flat, i))
+
+    def grad_ready(self, flat: FlatParams, i: int) -> None:
+        """Param ``i`` of ``flat`` has its gradient of this backward."""
+        k = self._index.get(id(flat))
+        if k is None:
+            return
+        if k < self._next:
+            raise RuntimeError(
+                f"{describe_param(flat.group, flat.indices[i], flat.params[i])}: a second backward reached "
+                "gradients that were reduce-scattered when the first one ended (overlap_grad_sync=True); "
+                "accumulate micro-batches with `with opt.no_sync():` around all but the last backward, or "
+                "pass overlap_grad_sync=False"
+            )
+        if self.paused:
+            return
+        if not self._queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._complete)
+            self._queued = True
+        self._seen[k].add(i)
+        while self._next < len(self.buckets) and len(self._seen[self._next]) == self._members[self._next]:
+            self._issue(self._next)
+
+    def _issue(self, k: int) -> None:
+        with torch.no_grad():
+            self._pending.append((self.buckets[k], self._start(self.buckets[k])))
+        self._next = k + 1
+
+    def _start(self, flat: FlatParams) -> list[tuple[Any, torch.Tensor, int, int]]:
+        """Issue ``flat``'s reduce-scatter (async): ``(work, received, a, b)`` per piece,
+        ``received`` the sum of the ranks' shards for ``[lo + a, lo + b)`` (already
+        divided by W where each rank's gradient was). The gradient buffer is only read."""
+        w, size = self.world, flat.shard_size
+        if not self.sync_fp32 or flat.dtype == torch.float32:
+            # 16-bit gradients summed in their own dtype are divided by W first: each share
+            # <= max / W, so the sum cannot overflow where they are finite
+            send = flat.grad if flat.dtype == torch.float32 else flat.grad / w
+            recv = torch.empty(size, dtype=flat.dtype, device=flat.device)
+            work = _reduce_scatter(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            return [(work, recv, 0, size)]
+        rows = flat.grad.view(w, size)
+        chunk = max(ALIGN, self.bucket_bytes // (4 * w) // ALIGN * ALIGN)
+        pieces = []
+        for a in range(0, size, chunk):
+            b = min(size, a + chunk)
+            send = torch.empty((w, b - a), dtype=torch.float32, device=flat.device)
+            send.copy_(rows[:, a:b])
+            recv = torch.empty(b - a, dtype=torch.float32, device=flat.device)
+            work = _reduce_scatter(recv, send.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            pieces.append((work, recv, a, b))
+        return pieces
+
+    def discard(self) -> None:
+        """Wait for what is in flight and drop it (``zero_grad``, a new param group)."""
+        for _, pieces in self._pending:
+            for work, *_ in pieces:
+                work.wait()
+        self._reset()
+
+    def _complete(self) -> None:
+        """Wait for the collectives in flight and write each rank's shard of the mean
+        into the gradient buffers."""
+        self._queued = False
+        with torch.no_grad():
+            for flat, pieces in self._pending:
+                for work, recv, a, b in pieces:
+                    work.wait()
+                    if recv.dtype == torch.float32:
+                        recv.div_(self.world)
+                    flat.grad[flat.lo + a : flat.lo + b].copy_(recv)
+        self._pending = []
+
+    def finish(self) -> None:
+        """Reduce every bucket the hooks did not and wait (a collective)."""
+        if self.world == 1:
+            return
+        while self._next < len(self.buckets):
+            self._issue(self._next)
+        self._complete()
+        self._reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy is inert: its params carry no hooks and process groups do not travel."""
+        state = dict(self.__dict__)
+        state.update(group=None, world=1, _pending=[])
+        return state
+
+
 class _Sharded:
     """The ZeRO-2 machinery, mixed in before a fused optimizer class (so its hooks
     override the fused optimizer's). The sharded class takes the fused class's
@@ -215,11 +439,16 @@ class _Sharded:
         process_group: Any = None,
         bucket_mb: float = 32.0,
         grad_sync_dtype: torch.dtype | None = torch.float32,
+        overlap_grad_sync: bool = True,
         **kwargs: Any,
     ) -> None:
         fused = _fused_class(type(self))
         probe = lambda p: fused(p, *args, **kwargs)  # noqa: E731
+        if not isinstance(overlap_grad_sync, bool):
+            raise TypeError(f"overlap_grad_sync must be a bool, got {overlap_grad_sync!r}")
         params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        self._grads = _GradSync(self._zero_group, self._world, self._bucket_bytes, self._sync_fp32,
+                                overlap_grad_sync)  # fmt: skip
         fused.__init__(self, params, *args, **kwargs)
         self._finish_setup()
 
@@ -258,7 +487,7 @@ class _Sharded:
             raise ValueError(f"Invalid grad_sync_dtype: {grad_sync_dtype}; expected torch.float32 or None")
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._sync_fp32 = grad_sync_dtype is not None
-        self._no_sync_depth = 0
+        self._more_buckets: dict[int, list[FlatParams]] = {}
         self._constructed = False
 
         if isinstance(params, torch.Tensor):
@@ -283,49 +512,34 @@ class _Sharded:
             probe([{**g, "params": stand_in()} for g in params] if grouped else stand_in())
         except Exception as e:  # raised on every rank below, after the one collective
             error = e
-        self._check_ranks_agree(lists, error=error)
+        _check_ranks_agree(self, lists, error=error)
         return params
 
-    def _check_ranks_agree(
-        self, groups: list[list], first_group: int = 0, error: Exception | None = None
-    ) -> None:
-        """One all_gather_object of every rank's param shapes/dtypes/devices and of
-        its local ``error``; a mismatch or an error on any rank raises on every
-        rank (the rank that had the error raises it; the others a ValueError
-        naming that rank)."""
-        problem = _local_problem(groups, first_group)
-        if problem is None and error is not None:
-            problem = f"{type(error).__name__}: {error}"
-        mine = {"params": [[_describe_entry(p) for p in g] for g in groups], "problem": problem}
-        everyone: list[Any] = [None] * self._world
-        dist.all_gather_object(everyone, mine, group=self._zero_group)
-        name = type(self).__name__
-        if error is not None:
-            raise error
-        for r, theirs in enumerate(everyone):
-            if theirs["problem"] is not None:
-                raise ValueError(f"{name}: on rank {r}: {theirs['problem']}")
-        ref = everyone[0]["params"]
-        for r, theirs in enumerate(everyone[1:], start=1):
-            sig = theirs["params"]
-            if len(sig) != len(ref):
-                raise ValueError(
-                    f"{name}: ranks disagree on the number of param groups: rank 0 passed {len(ref)}, "
-                    f"rank {r} passed {len(sig)}"
-                )
-            for gi, (a, b) in enumerate(zip(ref, sig, strict=True), start=first_group):
-                for pi in range(max(len(a), len(b))):
-                    x = a[pi] if pi < len(a) else "nothing"
-                    y = b[pi] if pi < len(b) else "nothing"
-                    if x != y:
-                        raise ValueError(
-                            f"{name}: ranks disagree on param {pi} of param group {gi}: rank 0 passed "
-                            f"{_fmt(x)}, rank {r} passed {_fmt(y)}; every rank must pass the same params "
-                            "in the same order"
-                        )
-
     def _make_flat(self, params, indices, group, names, modes) -> FlatParams:
-        return FlatParams(params, indices, group, names, world_size=self._world, rank=self._rank, **modes)
+        """The fused optimizer asks for one flat buffer per kind of param; the sharded one
+        keeps one per bucket of consecutive params (at most ``bucket_mb`` of fp32, a bigger
+        param alone), so that a bucket's reduce-scatter is one contiguous collective whose
+        pieces land in each rank's shard of it. The first is returned; the others wait in
+        ``_more_buckets`` until :meth:`add_param_group` puts them after it."""
+        align = QBLOCK if modes["state_dtype"] == torch.uint8 else ALIGN
+        runs = bucket_runs([round_up(p.numel(), align) for p in params], self._bucket_bytes // 4)
+        flats = [
+            FlatParams(params[a:b], indices[a:b], group, names, world_size=self._world, rank=self._rank,
+                       **{**modes, "seed": (modes["seed"] + 0x9E3779B1 * j) & 0x7FFFFFFF})
+            for j, (a, b) in enumerate(runs)
+        ]  # fmt: skip
+        self._more_buckets[id(flats[0])] = flats[1:]
+        return flats[0]
+
+    def _place_buckets(self) -> None:
+        """Put the last param group's extra buckets after their first, and hand them all to
+        the gradient sync."""
+        firsts = self._flat[-1]
+        self._flat[-1] = [f for first in firsts for f in (first, *self._more_buckets.pop(id(first)))]
+        for flat in self._flat[-1]:
+            if all(flat is not f for f in firsts):
+                self._refresh_state(flat)
+        self._grads.add(self._flat[-1])
 
     def _finish_setup(self) -> None:
         for flats in self._flat:
@@ -346,6 +560,7 @@ class _Sharded:
         same params; rank 0's values are broadcast)."""
         if not getattr(self, "_constructed", False):
             super().add_param_group(param_group)
+            self._place_buckets()
             return
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
@@ -355,8 +570,9 @@ class _Sharded:
             self._validate_group({**self.defaults, **param_group}, len(self.param_groups))
         except Exception as e:
             error = e
-        self._check_ranks_agree([param_group["params"]], first_group=len(self.param_groups), error=error)
+        _check_ranks_agree(self, [param_group["params"]], first_group=len(self.param_groups), error=error)
         super().add_param_group(param_group)
+        self._place_buckets()
         for flat in self._flat[-1]:
             self._broadcast(flat)
 
@@ -367,17 +583,17 @@ class _Sharded:
         """Accumulate gradients over micro-batches without synchronising, as
         ``DistributedDataParallel.no_sync``: use it around the backward of every
         micro-batch but the last. ``step()`` inside it raises."""
-        self._no_sync_depth += 1
+        self._grads.paused += 1
         try:
             yield
         finally:
-            self._no_sync_depth -= 1
+            self._grads.paused -= 1
 
     @torch.no_grad()
     def step(self, closure=None, *, inv_scale: torch.Tensor | None = None):
         """One sharded step (see the module docstring); a collective: every rank
         calls it. Arguments as :meth:`tkern.optim.FusedAdamW.step`."""
-        if self._no_sync_depth:
+        if self._grads.paused:
             raise RuntimeError(
                 f"{type(self).__name__}.step() was called inside no_sync(): the gradients of the "
                 "micro-batches would never be averaged across ranks; leave no_sync() for the last "
@@ -390,35 +606,15 @@ class _Sharded:
     # ----------------------------------------------------------- the step's collectives
 
     def _sync_grads(self) -> None:
-        """Reduce-scatter every flat gradient buffer: this rank's shard gets the mean
-        (see the module docstring for the dtype of the sum)."""
-        if self._world == 1:
-            return
-        for flats in self._flat:
-            for flat in flats:
-                self._reduce_scatter_flat(flat)
+        """Reduce-scatter every flat gradient buffer not yet reduced while backward ran,
+        and wait: this rank's shard gets the mean (see the module docstring)."""
+        self._grads.finish()
 
-    def _reduce_scatter_flat(self, flat: FlatParams) -> None:
-        w, size = self._world, flat.shard_size
-        if not self._sync_fp32 or flat.dtype == torch.float32:
-            if flat.dtype != torch.float32:
-                flat.grad.div_(w)  # each share <= max / W: the sum cannot overflow where they are finite
-            recv = torch.empty(size, dtype=flat.dtype, device=flat.device)
-            _reduce_scatter(recv, flat.grad, op=dist.ReduceOp.SUM, group=self._zero_group)
-            if flat.dtype == torch.float32:
-                recv.div_(w)
-            flat.grad[flat.lo : flat.hi].copy_(recv)
-            return
-        rows = flat.grad.view(w, size)
-        chunk = max(ALIGN, self._bucket_bytes // (4 * w) // ALIGN * ALIGN)
-        for a in range(0, size, chunk):
-            b = min(size, a + chunk)
-            send = torch.empty((w, b - a), dtype=torch.float32, device=flat.device)
-            send.copy_(rows[:, a:b])
-            recv = torch.empty(b - a, dtype=torch.float32, device=flat.device)
-            _reduce_scatter(recv, send.view(-1), op=dist.ReduceOp.SUM, group=self._zero_group)
-            recv.div_(w)
-            flat.grad[flat.lo + a : flat.lo + b].copy_(recv)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As :meth:`tkern.optim.FusedAdamW.zero_grad`; reductions of the gradients
+        being zeroed that are still in flight are waited for and dropped."""
+        self._grads.discard()
+        super().zero_grad(set_to_none)
 
     def _sync_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """Each rank read its own shard: combine the ranks' rows in rank order."""
@@ -583,7 +779,8 @@ def _sharded_signature(cls: type) -> inspect.Signature:
     """The fused class's whole signature with the sharding's own keyword-only arguments."""
     own = inspect.signature(_Sharded.__init__).parameters
     return full_signature(
-        _fused_class(cls), tuple(own[n] for n in ("process_group", "bucket_mb", "grad_sync_dtype"))
+        _fused_class(cls),
+        tuple(own[n] for n in ("process_group", "bucket_mb", "grad_sync_dtype", "overlap_grad_sync")),
     )
 
 
@@ -606,11 +803,16 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
             (``max_grad_norm`` clips by the global norm of the mean gradient;
             the shards hold the compact master and state).
         process_group: the ranks to shard over; None (default) for the default group.
-        bucket_mb: size of the fp32 staging buffer of the gradient reduce-scatter, in MiB.
+        bucket_mb: the gradient buckets' size: at most this many MiB of fp32 (a param
+            bigger than that is a bucket of its own, reduced in pieces of this size).
         grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
             None: in their own dtype, each pre-divided by W (half the bytes on the wire
             for fp16/bf16; each rank's share is rounded once, and shares below the
             dtype's smallest subnormal times W flush to zero).
+        overlap_grad_sync: True (default): reduce-scatter each bucket from the backward
+            hooks as soon as its gradients are complete, overlapping the communication
+            with the rest of backward; False: every bucket inside ``step()``. The same
+            results, bit for bit.
     """
 
 
@@ -618,7 +820,8 @@ class DistributedFusedAdam(_Sharded, FusedAdam):
     """:class:`~tkern.optim.FusedAdam` sharded across the ranks of a process group
     (ZeRO-2; see :mod:`tkern.optim.distributed`). Arguments: those of
     :class:`~tkern.optim.FusedAdam` and the sharding's own, ``process_group``,
-    ``bucket_mb`` and ``grad_sync_dtype``, as :class:`DistributedFusedSGD`."""
+    ``bucket_mb``, ``grad_sync_dtype`` and ``overlap_grad_sync``, as
+    :class:`DistributedFusedSGD`."""
 
 
 class DistributedFusedAdamW(_Sharded, FusedAdamW):
