@@ -85,7 +85,8 @@ class Case:
     """One kernel specialisation: what ``triton.compile`` needs and what the gate checks."""
 
     name: str
-    family: str  # "streaming" (per-element kernels), "scalar" (one program, a few values), "gemm"
+    family: str  # "streaming" (per-element kernels), "rowwise" (a row per program: norms),
+    # "scalar" (one program, a few values), "gemm"
     kernel: str  # "module:function"
     signature: dict  # argument -> triton type string, or "constexpr"
     constexprs: dict  # constexpr argument -> value
@@ -276,6 +277,61 @@ def _activation_cases() -> list[Case]:
                         gated=not tail,
                     )
                 )
+    return cases
+
+
+def _norm_cases(full: bool = True) -> list[Case]:
+    """LayerNorm / RMSNorm forward and backward (tkern/kernels/norm.py) as the launchers
+    launch them: a 1024-wide row (hidden 768 to 1024), the widest one-block row
+    (``MAX_BLOCK``) and chunked rows; with every optional input present (residual,
+    weight, bias, the gradient of h, dweight and dbias: the most registers).
+    The gate's set: every dtype at ``MAX_BLOCK`` in one block and chunked; the
+    full report adds the 1024-wide rows and the plain (no residual, no dh) flags."""
+    from tkern.kernels import norm
+
+    tl = _tl()
+    cases = []
+    widths = [(norm.MAX_BLOCK, False), (norm.MAX_BLOCK, True)] + ([(1024, False)] if full else [])
+    for kernel in ("fwd", "bwd"):
+        fn = norm._norm_fwd_kernel if kernel == "fwd" else norm._norm_bwd_kernel
+        for dtype in ("fp16", "bf16", "fp32"):
+            for rms in (False, True):
+                for extra in (True, False) if full else (True,):
+                    for block, chunked in widths:
+                        sig = {}
+                        for name in fn.arg_names:
+                            if name in ("w_ptr", "b_ptr"):
+                                sig[name] = "*fp32"
+                            elif name.endswith("_ptr"):
+                                fp32 = name.startswith(("mean", "rstd", "dw", "db"))
+                                sig[name] = "*fp32" if fp32 else _ptr(dtype)
+                            elif name.isupper() and name not in ("M", "N"):
+                                sig[name] = "constexpr"
+                            else:
+                                sig[name] = "fp32" if name == "eps" else "i32"
+                        const = dict(IS_RMS=rms, HAS_WEIGHT=True, DTYPE=getattr(tl, _TL_NAME[dtype]))
+                        const.update(BLOCK=block, CHUNKED=chunked)
+                        if kernel == "fwd":
+                            const.update(HAS_RESIDUAL=extra, HAS_BIAS=not rms)
+                        else:
+                            const.update(HAS_DH=extra, HAS_DW=True, HAS_DB=not rms)
+                        flags = ("rms" if rms else "ln") + (",res" if extra and kernel == "fwd" else "")
+                        flags += ",dh" if extra and kernel == "bwd" else ""
+                        width = f"chunks of {block}" if chunked else f"{block}"
+                        cases.append(
+                            Case(
+                                name=f"norm_{kernel}[{dtype},{flags},{width}]",
+                                family="rowwise",
+                                kernel=f"tkern.kernels.norm:{fn.__name__}",
+                                signature=sig,
+                                constexprs=const,
+                                # rows of a multiple of 16 elements, 16-byte aligned
+                                aligned=tuple(
+                                    k for k in sig if k.endswith("_ptr") or k.startswith(("N", "stride"))
+                                ),
+                                num_warps=norm.num_warps(block),
+                            )
+                        )
     return cases
 
 
@@ -826,7 +882,7 @@ def all_cases(cc: int, full: bool = True) -> list[Case]:
     other launch only in the full report)."""
     cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
     cases += cross_entropy_cases()
-    return cases + _scale_cases() + _gemm_cases(cc, full)
+    return cases + _norm_cases(full) + _scale_cases() + _gemm_cases(cc, full)
 
 
 # --------------------------------------------------------------------------- compile and read

@@ -68,6 +68,7 @@ def test_every_kernel_and_target_is_covered(rows):
     expected = {
         "_sgd_kernel", "_adam_kernel", "_grad_stats_kernel", "_finalize_stats_kernel",
         "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
+        "_norm_fwd_kernel", "_norm_bwd_kernel",
     }  # fmt: skip
     for cc in TARGETS:
         assert {k for k, t in kernels if t == f"sm_{cc}"} >= expected
@@ -109,6 +110,23 @@ def test_every_kernel_and_target_is_covered(rows):
     activation_grads = {r["case"] for r in rows if r["kernel"] == "_activation_grad_kernel"}
     for name in ("relu", "gelu", "silu", "gelu_tanh"):
         assert {f"activation_grad[fp16,{name}]", f"activation_grad[bf16,{name}]"} <= activation_grads
+
+
+def test_norm_kernels_compile_for_every_dtype_without_spills(rows):
+    # LayerNorm and RMSNorm, forward (with the residual) and backward (with dh, dweight
+    # and dbias): the widest one-block row (MAX_BLOCK over 16 warps) and chunked rows
+    from tkern.kernels.norm import MAX_BLOCK
+
+    norms = [r for r in rows if r["kernel"] in ("_norm_fwd_kernel", "_norm_bwd_kernel")]
+    for cc in TARGETS:
+        names = {
+            r["case"] for r in norms if r["target"] == f"sm_{cc}" and r["compiled"] and not r["spill_bytes"]
+        }
+        for kernel, extra in (("fwd", ",res"), ("bwd", ",dh")):
+            for dtype in ("fp16", "bf16", "fp32"):
+                for norm in ("ln", "rms"):
+                    for width in (f"{MAX_BLOCK}", f"chunks of {MAX_BLOCK}"):
+                        assert f"norm_{kernel}[{dtype},{norm}{extra},{width}]" in names, (cc, names)
 
 
 def test_everything_compiles(rows):

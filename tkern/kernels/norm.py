@@ -162,7 +162,8 @@ def _norm_fwd_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DTYPE: tl.constexpr,  # x's Triton dtype
-    BLOCK: tl.constexpr,  # a power of two; >= N for one-block rows, else the chunk
+    BLOCK: tl.constexpr,  # a power of two: >= N (one-block rows), else the chunk
+    CHUNKED: tl.constexpr,  # N > BLOCK: the row is walked in chunks of BLOCK
 ):
     """One row per program: statistics in fp32, then the normalized row, rounded once."""
     row = tl.program_id(0).to(tl.int64)
@@ -171,7 +172,7 @@ def _norm_fwd_kernel(
     h_ptr += row * N
     y_ptr += row * N
     offs = tl.arange(0, BLOCK)
-    if BLOCK >= N:  # the whole row in registers: one read
+    if not CHUNKED:  # the whole row in registers: one read
         mask = offs < N
         x = _load_input(x_ptr, res_ptr, h_ptr, offs, mask, HAS_RESIDUAL, DTYPE)
         if IS_RMS:
@@ -242,7 +243,8 @@ def _norm_bwd_kernel(
     HAS_DW: tl.constexpr,
     HAS_DB: tl.constexpr,
     DTYPE: tl.constexpr,  # x's Triton dtype
-    BLOCK: tl.constexpr,  # a power of two; >= N for one-block rows, else the chunk
+    BLOCK: tl.constexpr,  # a power of two: >= N (one-block rows), else the chunk
+    CHUNKED: tl.constexpr,  # N > BLOCK: the row is walked in chunks of BLOCK
 ):
     """Rows ``[pid * rows_per_program, ...)`` of dx, and their dweight / dbias sums.
 
@@ -259,7 +261,7 @@ def _norm_bwd_kernel(
     offs = tl.arange(0, BLOCK)
     dw_ptr += pid.to(tl.int64) * N
     db_ptr += pid.to(tl.int64) * N
-    if BLOCK >= N:
+    if not CHUNKED:
         mask = offs < N
         dw_acc = tl.zeros((BLOCK,), tl.float32)
         db_acc = tl.zeros((BLOCK,), tl.float32)
@@ -421,7 +423,8 @@ def norm_forward(
             mean if mean is not None else rstd, rstd,
             N, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps),
             IS_RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, DTYPE=tl_dtype(x.dtype), BLOCK=block, num_warps=num_warps(block),
+            HAS_BIAS=bias is not None, DTYPE=tl_dtype(x.dtype), BLOCK=block, CHUNKED=block < N,
+            num_warps=num_warps(block),
         )  # fmt: skip
     elif M:  # N == 0: nothing to normalize (torch gives an empty output too)
         rstd.zero_()
@@ -503,7 +506,7 @@ def norm_backward(
             M, N, dy.stride(0), dh.stride(0) if dh is not None else 0, x.stride(0), rows,
             IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_DH=dh is not None,
             HAS_DW=need_weight, HAS_DB=bias_dtype is not None, DTYPE=tl_dtype(x.dtype), BLOCK=block,
-            num_warps=num_warps(block),
+            CHUNKED=block < N, num_warps=num_warps(block),
         )  # fmt: skip
     dweight = None if dw_part is None else dw_part.sum(0).to(weight.dtype)
     dbias = None if db_part is None else db_part.sum(0).to(bias_dtype)
