@@ -12,10 +12,13 @@ LayerNorm of one element), so their error is measured against that scale.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICE, TOL
+from torch import nn
 
 import tkern
 from tkern.kernels.norm import MAX_BLOCK
@@ -289,3 +292,108 @@ def test_bad_arguments_raise_clear_errors(call, error, match):
     w = torch.ones(16, device=DEVICE)
     with pytest.raises(error, match=match):
         call(x, w)
+
+
+# ----------------------------------------------------------------------- modules
+
+
+def test_modules_have_torchs_parameters_and_stay_fp32_in_a_16_bit_model():
+    for ours, theirs in (
+        (tkern.nn.LayerNorm(16), nn.LayerNorm(16)),
+        (tkern.nn.LayerNorm((2, 8), bias=False), nn.LayerNorm((2, 8), bias=False)),
+        (tkern.nn.LayerNorm(16, elementwise_affine=False), nn.LayerNorm(16, elementwise_affine=False)),
+        (tkern.nn.RMSNorm(16), nn.RMSNorm(16)),
+        (tkern.nn.RMSNorm(16, eps=1e-6, dtype=torch.float16), nn.RMSNorm(16, eps=1e-6)),
+    ):
+        assert isinstance(ours, type(theirs))
+        assert ours.state_dict().keys() == theirs.state_dict().keys()
+        torch.nn.init.normal_(theirs.weight) if theirs.weight is not None else None
+        ours.load_state_dict(theirs.state_dict())
+        ours.to(DEVICE).half()  # a 16-bit model: the norm's parameters stay fp32
+        assert all(p.dtype == torch.float32 and p.device.type == DEVICE for p in ours.parameters())
+        x = torch.randn(3, *theirs.normalized_shape, device=DEVICE).half()
+        y = ours(x)
+        ref = theirs.to(DEVICE).double()(x.double())
+        assert y.dtype == torch.float16 and rel(y, ref) < TOL[torch.float16]
+
+
+def _norm_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.RMSNorm(16, eps=1e-6)).to(
+        DEVICE
+    )
+
+
+def test_convert_network_replaces_norms_keeping_parameters_and_back():
+    model = _norm_model()
+    params = list(model.parameters())
+    keys = model.state_dict().keys()
+    tkern.convert_network(model)
+    assert type(model[1]) is tkern.nn.LayerNorm and type(model[3]) is tkern.nn.RMSNorm
+    assert list(model.parameters()) == params and model.state_dict().keys() == keys
+    assert model[1].weight.dtype == model[3].weight.dtype == torch.float32 and model[3].eps == 1e-6
+    assert not model[1]._forward_hooks and not model[1]._forward_pre_hooks  # reads 16-bit input itself
+    assert model(torch.randn(2, 8, device=DEVICE)).dtype == torch.float16
+    tkern.convert_network(model, torch.float32)
+    assert type(model[1]) is nn.LayerNorm and type(model[3]) is nn.RMSNorm
+    assert (
+        list(model.parameters()) == params and model(torch.randn(2, 8, device=DEVICE)).dtype == torch.float32
+    )
+
+
+def test_convert_network_norms_false_keeps_torchs_norms_in_fp32():
+    model = tkern.convert_network(_norm_model(), norms=False)
+    assert type(model[1]) is nn.LayerNorm and type(model[3]) is nn.RMSNorm
+    assert model[1]._forward_hooks  # run on an fp32 copy of the input, cast back
+    tkern.convert_network(model)
+    assert type(model[1]) is tkern.nn.LayerNorm
+    tkern.convert_network(model, norms=False)  # converting again switches back
+    assert type(model[1]) is nn.LayerNorm
+    with pytest.raises(TypeError, match="norms must be True or False"):
+        tkern.convert_network(model, norms=1)
+
+
+def _tiny_hf(kind: str):
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+        return transformers.GPT2LMHeadModel(config).to(DEVICE)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).to(DEVICE)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_convert_network_on_tiny_hf_models(kind):
+    model = _tiny_hf(kind).eval()  # GPT-2's dropout off: the same loss twice
+    ids = torch.randint(0, 64, (2, 12), device=DEVICE)
+    with torch.no_grad():
+        expected = model(ids, labels=ids).loss.item()
+    keys = model.state_dict().keys()
+    norm_names = [n for n, m in model.named_modules() if type(m).__name__.endswith(("LayerNorm", "RMSNorm"))]
+    norm_params = {n: model.get_submodule(n).weight for n in norm_names}
+    eps = {n: getattr(model.get_submodule(n), "variance_epsilon", None) for n in norm_names}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Llama's rotary embedding's buffers are kept fp32, with a warning
+        tkern.convert_network(model)
+    expected_type = tkern.nn.LayerNorm if kind == "gpt2" else tkern.nn.RMSNorm
+    for n in norm_names:
+        m = model.get_submodule(n)
+        assert type(m) is expected_type and m.weight is norm_params[n] and m.weight.dtype == torch.float32
+        assert eps[n] is None or m.eps == eps[n]
+    assert model.state_dict().keys() == keys
+    # fp16 weights and activations against fp32 through one block, the existing GPT-2
+    # integration test's bound: a few fp16 roundings (u = 4.9e-4) of a loss near ln(64)
+    loss = model(ids, labels=ids).loss
+    assert abs(loss.item() - expected) < 5e-3
+    before = {n: p.detach().clone() for n, p in norm_params.items()}
+    loss.backward()
+    tkern.optim.FusedAdamW(model.parameters(), lr=1e-2).step()  # a training step moves the norms
+    for n, p in norm_params.items():
+        assert torch.isfinite(p).all() and not torch.equal(p, before[n]), n
