@@ -33,10 +33,9 @@ import torch.nn.functional as F
 
 from tkern.kernels._common import INTERPRET
 from tkern.kernels.norm import INPUT_DTYPES, norm_backward, norm_forward
+from tkern.ops.common import is_compiling
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "rms_norm_eps"]
-
-_is_compiling = torch.compiler.is_compiling
 
 
 def rms_norm_eps(eps: float | None) -> float:
@@ -267,7 +266,7 @@ def _check_norm_args(
 
 def _eager(x: torch.Tensor) -> bool:
     """Whether the eager Function applies (else the custom op: tracing, meta, subclasses)."""
-    return type(x) is torch.Tensor and not x.is_meta and not _is_compiling() and (INTERPRET or x.is_cuda)
+    return type(x) is torch.Tensor and not x.is_meta and not is_compiling() and (INTERPRET or x.is_cuda)
 
 
 def _norm(x, residual, normalized_shape, weight, bias, eps, rms):
