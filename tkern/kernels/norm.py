@@ -28,6 +28,8 @@ read mostly from L2).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -324,32 +326,21 @@ def _norm_bwd_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-class NormForward(tuple):
-    """``(y, h, mean, rstd)`` from :func:`norm_forward`; ``h`` is None without a
-    residual, ``mean`` None for RMSNorm."""
+class NormForward(NamedTuple):
+    """What :func:`norm_forward` returns."""
 
-    __slots__ = ()
-
-    def __new__(cls, y, h, mean, rstd):
-        return super().__new__(cls, (y, h, mean, rstd))
-
-    y = property(lambda self: self[0])
-    h = property(lambda self: self[1])
-    mean = property(lambda self: self[2])
-    rstd = property(lambda self: self[3])
+    y: torch.Tensor  # (M, N), x's dtype
+    h: torch.Tensor | None  # (M, N) x + residual, x's dtype; None without a residual
+    mean: torch.Tensor | None  # (M,) fp32; None for RMSNorm
+    rstd: torch.Tensor  # (M,) fp32
 
 
-class NormBackward(tuple):
-    """``(dx, dweight, dbias)`` from :func:`norm_backward` (None where not asked)."""
+class NormBackward(NamedTuple):
+    """What :func:`norm_backward` returns (None where not asked for)."""
 
-    __slots__ = ()
-
-    def __new__(cls, dx, dweight, dbias):
-        return super().__new__(cls, (dx, dweight, dbias))
-
-    dx = property(lambda self: self[0])
-    dweight = property(lambda self: self[1])
-    dbias = property(lambda self: self[2])
+    dx: torch.Tensor  # (M, N), x's dtype
+    dweight: torch.Tensor | None  # (N,), the weight's dtype
+    dbias: torch.Tensor | None  # (N,), bias_dtype
 
 
 def rows_view(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ norm kernels (fp32 statistics and parameters, 16-bit input and output)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -12,7 +14,7 @@ from tkern.ops.norm import layer_norm, rms_norm
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
-def _fp32_kept(fn):
+def _fp32_kept(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """``fn`` for ``module._apply(fn)``, with the module's fp32 parameters kept fp32 where ``fn`` would
     make them 16-bit (``model.half()``, ``model.to(torch.bfloat16)``); a device move
     still applies. The mixed-precision rule: norm layers keep fp32 parameters."""
@@ -53,7 +55,7 @@ class LayerNorm(nn.LayerNorm):
         _check_dtype(dtype)
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=torch.float32)
 
-    def _apply(self, fn, recurse: bool = True):
+    def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
         return super()._apply(_fp32_kept(fn), recurse)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ class RMSNorm(nn.RMSNorm):
         _check_dtype(dtype)
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=torch.float32)
 
-    def _apply(self, fn, recurse: bool = True):
+    def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
         return super()._apply(_fp32_kept(fn), recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ through it).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,10 @@ from tkern.kernels.norm import INPUT_DTYPES, norm_backward, norm_forward
 from tkern.ops.common import is_compiling
 
 __all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "rms_norm_eps"]
+
+Tensor = torch.Tensor
+#: (d input, dweight, dbias), None where not needed
+Grads = tuple[Tensor | None, Tensor | None, Tensor | None]
 
 
 def rms_norm_eps(eps: float | None) -> float:
@@ -48,7 +52,16 @@ def rms_norm_eps(eps: float | None) -> float:
 # --------------------------------------------------------------------------- gradients
 
 
-def _differentiable_grads(dy, dh, saved, weight, bias, eps, rms, needs):
+def _differentiable_grads(
+    dy: Tensor,
+    dh: Tensor | None,
+    saved: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    needs: tuple[bool, bool, bool],
+) -> Grads:
     """(d saved, dweight, dbias) as torch operations in fp32, differentiable again
     (``create_graph=True``); ``saved`` is the (M, N) input, or h, in autograd's graph."""
     n = saved.shape[-1]
@@ -68,13 +81,34 @@ def _differentiable_grads(dy, dh, saved, weight, bias, eps, rms, needs):
     return dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
 
 
-def _kernel_backward(dy, saved, weight, mean, rstd, rms, need_weight, bias_dtype, dh):
+def _kernel_backward(
+    dy: Tensor,
+    saved: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    rms: bool,
+    need_weight: bool,
+    bias_dtype: torch.dtype | None,
+    dh: Tensor | None,
+) -> Grads:
     return norm_backward(
         dy, saved, weight, mean, rstd, rms, need_weight=need_weight, bias_dtype=bias_dtype, dh=dh
     )
 
 
-def _norm_grads(dy, dh, saved, weight, mean, rstd, rms, needs, bias_dtype, backward=_kernel_backward):
+def _norm_grads(
+    dy: Tensor | None,
+    dh: Tensor | None,
+    saved: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    rms: bool,
+    needs: tuple[bool, bool, bool],
+    bias_dtype: torch.dtype | None,
+    backward: Callable[..., Grads] = _kernel_backward,
+) -> Grads:
     """(d saved, dweight, dbias) from the kernels (None where not needed). ``dy``
     or ``dh`` may be None (an output not used in the loss); ``needs``: whether the
     input, weight and bias need gradients; ``weight`` is 1-D."""
@@ -184,12 +218,22 @@ def _(dy, dh, saved, weight, mean, rstd, rms, need_weight, bias_dtype):
     return saved.new_empty(saved.shape), dw, db
 
 
-def _traced_backward(dy, saved, weight, mean, rstd, rms, need_weight, bias_dtype, dh):
+def _traced_backward(
+    dy: Tensor,
+    saved: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    rms: bool,
+    need_weight: bool,
+    bias_dtype: torch.dtype | None,
+    dh: Tensor | None,
+) -> Grads:
     dx, dw, db = _norm_backward_op(dy, dh, saved, weight, mean, rstd, rms, need_weight, bias_dtype)
     return dx, dw if need_weight else None, db if bias_dtype is not None else None
 
 
-def _norm_setup_context(ctx, inputs, output):
+def _norm_setup_context(ctx, inputs: tuple, output: tuple) -> None:
     x, residual, weight, bias, eps, rms = inputs
     y, h, mean, rstd = output
     ctx.rms, ctx.has_residual = rms, residual is not None
@@ -197,7 +241,7 @@ def _norm_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x if residual is None else h, weight, None if rms else mean, rstd)
 
 
-def _norm_forward_backward(ctx, dy, dh, _dmean, _drstd):
+def _norm_forward_backward(ctx, dy: Tensor | None, dh: Tensor | None, _dmean, _drstd) -> tuple:
     saved, weight, mean, rstd = ctx.saved_tensors
     need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
     needs = (need_x, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
@@ -269,7 +313,15 @@ def _eager(x: torch.Tensor) -> bool:
     return type(x) is torch.Tensor and not x.is_meta and not is_compiling() and (INTERPRET or x.is_cuda)
 
 
-def _norm(x, residual, normalized_shape, weight, bias, eps, rms):
+def _norm(
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
     n = _check_norm_args(x, residual, normalized_shape, weight, bias)
     x2d = x.reshape(-1, n)
     r2d = None if residual is None else residual.reshape(-1, n)
