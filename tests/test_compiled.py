@@ -114,7 +114,8 @@ def test_every_kernel_and_target_is_covered(rows):
 
 def test_norm_kernels_compile_for_every_dtype_without_spills(rows):
     # LayerNorm and RMSNorm, forward (with the residual) and backward (with dh, dweight
-    # and dbias): the widest one-block row (MAX_BLOCK over 16 warps) and chunked rows
+    # and dbias): a 1024-wide row, the widest one-block row (MAX_BLOCK over 16 warps) and
+    # chunked rows
     from tkern.kernels.norm import MAX_BLOCK
 
     norms = [r for r in rows if r["kernel"] in ("_norm_fwd_kernel", "_norm_bwd_kernel")]
@@ -125,7 +126,7 @@ def test_norm_kernels_compile_for_every_dtype_without_spills(rows):
         for kernel, extra in (("fwd", ",res"), ("bwd", ",dh")):
             for dtype in ("fp16", "bf16", "fp32"):
                 for norm in ("ln", "rms"):
-                    for width in (f"{MAX_BLOCK}", f"chunks of {MAX_BLOCK}"):
+                    for width in ("1024", f"{MAX_BLOCK}", f"chunks of {MAX_BLOCK}"):
                         assert f"norm_{kernel}[{dtype},{norm}{extra},{width}]" in names, (cc, names)
 
 
