@@ -85,7 +85,8 @@ class Case:
     """One kernel specialisation: what ``triton.compile`` needs and what the gate checks."""
 
     name: str
-    family: str  # "streaming" (per-element kernels), "scalar" (one program, a few values), "gemm"
+    family: str  # "streaming" (per-element kernels), "rowwise" (a row per program: norms),
+    # "scalar" (one program, a few values), "gemm"
     kernel: str  # "module:function"
     signature: dict  # argument -> triton type string, or "constexpr"
     constexprs: dict  # constexpr argument -> value
@@ -279,6 +280,62 @@ def _activation_cases() -> list[Case]:
     return cases
 
 
+def _norm_cases(full: bool = True) -> list[Case]:
+    """LayerNorm / RMSNorm forward and backward (tkern/kernels/norm.py) as the launchers
+    launch them: a 1024-wide row (hidden 768 to 1024), the widest one-block row
+    (``MAX_BLOCK``) and chunked rows; with every optional input present (residual,
+    weight, bias, the gradient of h, dweight and dbias: the most registers).
+    The gate's set: every dtype at each width with every optional input; the full
+    report adds the plain flags (no residual, no dh)."""
+    from tkern.kernels import norm
+
+    tl = _tl()
+    cases = []
+    # 1024: the backward's widest row on few warps (it spilled at 4 warps before)
+    widths = [(norm.MAX_BLOCK, False), (norm.MAX_BLOCK, True), (1024, False)]
+    for kernel in ("fwd", "bwd"):
+        fn = norm._norm_fwd_kernel if kernel == "fwd" else norm._norm_bwd_kernel
+        for dtype in ("fp16", "bf16", "fp32"):
+            for rms in (False, True):
+                for extra in (True, False) if full else (True,):
+                    for block, chunked in widths:
+                        sig = {}
+                        for name in fn.arg_names:
+                            if name in ("w_ptr", "b_ptr"):
+                                sig[name] = "*fp32"
+                            elif name.endswith("_ptr"):
+                                fp32 = name.startswith(("mean", "rstd", "dw", "db"))
+                                sig[name] = "*fp32" if fp32 else _ptr(dtype)
+                            elif name.isupper() and name not in ("M", "N"):
+                                sig[name] = "constexpr"
+                            else:
+                                sig[name] = "fp32" if name == "eps" else "i32"
+                        const = dict(IS_RMS=rms, HAS_WEIGHT=True, DTYPE=getattr(tl, _TL_NAME[dtype]))
+                        const.update(BLOCK=block, CHUNKED=chunked)
+                        if kernel == "fwd":
+                            const.update(HAS_RESIDUAL=extra, HAS_BIAS=not rms)
+                        else:
+                            const.update(HAS_DH=extra, HAS_DW=True, HAS_DB=not rms)
+                        flags = ("rms" if rms else "ln") + (",res" if extra and kernel == "fwd" else "")
+                        flags += ",dh" if extra and kernel == "bwd" else ""
+                        width = f"chunks of {block}" if chunked else f"{block}"
+                        cases.append(
+                            Case(
+                                name=f"norm_{kernel}[{dtype},{flags},{width}]",
+                                family="rowwise",
+                                kernel=f"tkern.kernels.norm:{fn.__name__}",
+                                signature=sig,
+                                constexprs=const,
+                                # rows of a multiple of 16 elements, 16-byte aligned
+                                aligned=tuple(
+                                    k for k in sig if k.endswith("_ptr") or k.startswith(("N", "stride"))
+                                ),
+                                num_warps=norm.num_warps(block, backward=kernel == "bwd"),
+                            )
+                        )
+    return cases
+
+
 def _scale_cases() -> list[Case]:
     from tkern.kernels import scale
 
@@ -464,6 +521,13 @@ FORWARD_HEAVIEST = (
     GemmLaunch("fp16", "fp32", None, 2, True, "NT"),
 )
 BACKWARD = (GemmLaunch("bf16", "bf16", layout="NN"), GemmLaunch("bf16", "bf16", layout="TN"))
+#: The TMA kernel's GELU forwards compiled on a ragged output for every config offered
+#: there: tkern.linear's (half outputs). tkern.matmul's fp32 output with an fp32 bias is
+#: left out: under triton 3.6 it spills 160-168 B on sm_90 even at 128x128 (the smallest
+#: TMA tile; triton 3.9 does not), a known gap of the raw matmul, not of tkern.linear.
+TMA_RAGGED_GATE_LAUNCHES = tuple(
+    dataclasses.replace(v, ragged=True) for v in FORWARD_HEAVIEST if v.out == v.dtype
+)
 #: The TMA kernel's one launch with ``C +=`` (large wgrads into a flat gradient buffer on
 #: Hopper): compiled for every config it is offered, as the forwards are.
 TMA_WGRAD_INTO = GemmLaunch("bf16", "bf16", layout="TN", accumulate=True)
@@ -610,12 +674,14 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
         configs = gemm_configs_for(cc, tma=True)
         for cfg in configs:
             cases += [tma_case(cfg, v) for v in (*gate_launches(), TMA_WGRAD_INTO)]
-        # the other layout and ragged operands once: they change the loads, not the epilogue
+        # the other layout once: it changes the loads, not the epilogue
         heavy = FORWARD_HEAVIEST[0]
-        cases += [
-            tma_case(configs[0], dataclasses.replace(heavy, layout="TN")),
-            tma_case(configs[0], dataclasses.replace(heavy, ragged=True)),
-        ]
+        cases.append(tma_case(configs[0], dataclasses.replace(heavy, layout="TN")))
+        # a ragged output (scalar stores of C and the pre-activation): every config offered
+        # to GELU there (gemm_configs.prune_configs drops the 128x256 tiles that spill), on
+        # tkern.linear's forwards (half outputs; TMA_RAGGED_GATE_LAUNCHES says why not fp32)
+        for cfg in gemm_configs_for(cc, tma=True, ragged=True, activation=heavy.act):  # GELU
+            cases += [tma_case(cfg, v) for v in TMA_RAGGED_GATE_LAUNCHES]
         if full:
             cases += [tma_case(configs[0], v) for v in linear_launches() if v not in gate_launches()]
     return cases
@@ -826,7 +892,7 @@ def all_cases(cc: int, full: bool = True) -> list[Case]:
     other launch only in the full report)."""
     cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
     cases += cross_entropy_cases()
-    return cases + _scale_cases() + _gemm_cases(cc, full)
+    return cases + _norm_cases(full) + _scale_cases() + _gemm_cases(cc, full)
 
 
 # --------------------------------------------------------------------------- compile and read

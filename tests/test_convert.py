@@ -45,6 +45,9 @@ def test_layer_norm_and_group_norm_stay_fp32_and_return_half():
         nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.GroupNorm(4, 16)
     )
     convert_network(model.to(DEVICE), dtype=torch.bfloat16)
+    # LayerNorm runs on tkern's norm kernel (fp32 statistics on the bf16 input), GroupNorm
+    # on an fp32 copy of its input; both keep fp32 parameters (tests/test_norm.py: the rest)
+    assert type(model[1]) is tkern.nn.LayerNorm and type(model[4]) is nn.GroupNorm
     assert model[1].weight.dtype == model[4].weight.dtype == torch.float32
     assert model[0].weight.dtype == model[3].weight.dtype == torch.bfloat16
     assert model(torch.randn(3, 8, device=DEVICE)).dtype == torch.bfloat16

@@ -8,6 +8,7 @@ from tkern.kernels.gemm import scaled_mm
 from tkern.nn import Float8Linear, Float8Recipe, convert_network
 from tkern.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from tkern.ops.linear import linear, matmul
+from tkern.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from tkern.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -21,15 +22,19 @@ __all__ = [
     "StaticLossScaler",
     "Trainer",
     "__version__",
+    "add_layer_norm",
+    "add_rms_norm",
     "amp",
     "convert_network",
     "cross_entropy",
+    "layer_norm",
     "linear",
     "linear_cross_entropy",
     "matmul",
     "mode",
     "nn",
     "optim",
+    "rms_norm",
     "scaled_mm",
     "to_float8",
 ]

@@ -38,6 +38,15 @@ activation.py
     kernel: ``_activation_grad_kernel``. Launcher: ``activation_grad``. Above:
     ``functional.linear``'s backward (``tkern::activation_grad``). Tests:
     test_activation.py, test_functional.py. Benchmark: bench_gemm.py (fused GELU).
+norm.py
+    kernels: ``_norm_fwd_kernel`` (LayerNorm / RMSNorm of a row per program, fp32
+    statistics, optional fused residual ``h = x + residual``), ``_norm_bwd_kernel``
+    (dx, and dweight / dbias as fp32 partial sums per program). Launchers:
+    ``norm_forward``, ``norm_backward`` (rows up to ``MAX_BLOCK`` in one block, longer
+    ones in chunks). Above: ``ops.norm.layer_norm`` / ``rms_norm`` / ``add_layer_norm`` /
+    ``add_rms_norm`` (``_Norm``; custom ops ``tkern::norm_forward``,
+    ``tkern::norm_backward``), ``nn.LayerNorm``, ``nn.RMSNorm`` (and ``convert_network``'s
+    norm rule). Tests: test_norm.py, test_compiled.py. Benchmark: bench_norm.py.
 overflow.py
     kernels: ``_grad_stats_kernel``, ``_finalize_stats_kernel``. Launchers:
     ``grad_stats``; ``combine_stats`` combines the ranks' statistics. Above:

@@ -145,6 +145,13 @@ ACT_MAX_ACC = 64
 #: tiles: 168-226 registers and no spills on sm_90 under triton 3.6 and 3.9, with or without
 #: a bias and the pre-activation (static_report, the compile gate's heaviest forwards).
 ACT_MAX_ACC_ACTIVATIONS = frozenset({ACTIVATIONS["gelu"]})
+#: The TMA kernel is held to :data:`ACT_MAX_ACC` for those activations too on a ragged
+#: output (N or C's row stride not a multiple of 16: C and the pre-activation are stored
+#: with scalar instructions, each holding its registers): measured (aot_report's public
+#: cases, sm_90, triton 3.6) on the demo's 512 x 784 -> 1000 GELU layer, 128x256x64 on
+#: 8 warps (s3 and s4, 128 accumulator values a thread) spills 772-776 B with the
+#: pre-activation, in bf16 and fp16; the 128x128 tiles (64 values) stay at 255 registers
+#: without spilling. Aligned outputs (16-byte vector stores) fit every TMA config.
 
 
 #: Hopper, pointer kernel, an operand prologue (gemm.matmul_backward applying an
@@ -205,7 +212,8 @@ def prune_configs(
     only the tiles whose accumulator leaves room for mma.sync's operands; for
     the pointer kernel's epilogue applying ``activation`` (an ``ACTIVATIONS`` code) in
     :data:`ACT_MAX_ACC_ACTIVATIONS` only :data:`ACT_MAX_ACC` accumulator values per
-    thread on Hopper; with an operand ``prologue`` (the ``A_ACT`` code of
+    thread on Hopper (the TMA kernel's too where its output is ``ragged``: see
+    :func:`tma_output_ragged`); with an operand ``prologue`` (the ``A_ACT`` code of
     gemm.matmul_backward) only the tiles whose accumulator leaves room for A's and Z's
     tiles (:data:`PROLOGUE_MAX_ACC`, :data:`PROLOGUE_ACT_MAX_A`,
     :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`; on ragged operands Z's scalar loads count
@@ -216,7 +224,7 @@ def prune_configs(
         fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c) <= RAGGED_MAX_LOADS]
     if cc < 90:
         fits = [c for c in fits if _cfg_acc(c) <= PRE_HOPPER_MAX_ACC]
-    if activation in ACT_MAX_ACC_ACTIVATIONS and not tma:
+    if activation in ACT_MAX_ACC_ACTIVATIONS and (ragged or not tma):
         fits = [c for c in fits if _cfg_acc(c) <= ACT_MAX_ACC]
     if prologue and not tma:
         fits = [c for c in fits if _cfg_acc(c) <= PROLOGUE_MAX_ACC]
@@ -261,6 +269,13 @@ def _ragged_args(nargs: dict) -> bool:
     return _ragged(nargs[k] for k in names if nargs[k] != 1)
 
 
+def tma_output_ragged(nargs: dict) -> bool:
+    """Whether the TMA kernel stores C (and the pre-activation) without 16-byte vectors:
+    N or C's row stride not a multiple of 16 elements (its ``ragged`` for
+    :func:`prune_configs`; the operands themselves are read through descriptors)."""
+    return _ragged((nargs["N"], nargs["stride_cm"]))
+
+
 def _device_cc(nargs: dict) -> int:
     t = next(v for v in nargs.values() if isinstance(v, torch.Tensor))
     major, minor = torch.cuda.get_device_capability(t.device)
@@ -277,7 +292,7 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
         return autotune(configs, key)
 
     def prune(configs, nargs, **kwargs):
-        ragged = not tma and _ragged_args(nargs)
+        ragged = tma_output_ragged(nargs) if tma else _ragged_args(nargs)
         meta = {**nargs, **kwargs}
         activation, prologue = meta.get("ACTIVATION", 0), meta.get("A_ACT", 0)
         return prune_configs(

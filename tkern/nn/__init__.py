@@ -2,6 +2,7 @@
 
 ``linear.py``   :class:`Linear` (and transformers' GPT-2 ``Conv1D`` as ``tkern.nn.Conv1D``)
 ``float8.py``   :class:`Float8Linear`, :class:`Float8Recipe` (and ``tkern.nn.Float8Conv1D``)
+``norm.py``     :class:`LayerNorm`, :class:`RMSNorm` (fp32 statistics and parameters, 16-bit input)
 ``fusion.py``   an ``nn.Sequential``'s Linear + activation run as one GEMM
 ``loss.py``     :class:`CrossEntropyLoss`, :class:`LinearCrossEntropy` (tkern's fused cross-entropy)
 ``hf_loss.py``  transformers' causal LMs computing their loss without logits (``fused_loss=True``)
@@ -12,6 +13,7 @@ from tkern.nn.convert import CASTABLE_TYPES, NORM_TYPES, CastInputs, CastOutput,
 from tkern.nn.float8 import FLOAT8_SCALINGS, Float8Linear, Float8Recipe, float8_conv1d_class
 from tkern.nn.linear import Linear, conv1d_class
 from tkern.nn.loss import CrossEntropyLoss, LinearCrossEntropy
+from tkern.nn.norm import LayerNorm, RMSNorm
 
 # and Conv1D, Float8Conv1D where transformers is installed
 __all__ = [
@@ -23,8 +25,10 @@ __all__ = [
     "CrossEntropyLoss",
     "Float8Linear",
     "Float8Recipe",
+    "LayerNorm",
     "Linear",
     "LinearCrossEntropy",
+    "RMSNorm",
     "convert_network",
 ]
 

@@ -22,6 +22,7 @@ from tkern.nn.fusion import FusedSequentialForward, route_fusion
 from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss
 from tkern.nn.linear import Linear, conv1d_class, hf_conv1d
 from tkern.nn.loss import LinearCrossEntropy
+from tkern.nn.norm import LayerNorm, RMSNorm
 from tkern.ops.float8 import float8_weight_cache
 
 __all__ = ["BACK_RULES", "CASTABLE_TYPES", "NORM_TYPES", "RULES", "Conversion", "convert_network"]
@@ -147,6 +148,8 @@ class Conversion:
     fused_loss: bool = False
     #: keep every param fp32; tkern's layers compute in ``dtype`` (FSDP2's mixed precision)
     keep_fp32_params: bool = False
+    #: nn.LayerNorm / nn.RMSNorm / transformers' RMSNorms -> tkern's norm modules
+    norms: bool = True
     #: module types kept in fp32 for want of a rule -> their paths (for the warning)
     kept: dict[type, list[str]] = field(default_factory=dict)
 
@@ -240,6 +243,45 @@ def _castable_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     return True
 
 
+def is_hf_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers-style RMSNorm (``LlamaRMSNorm`` and kin:
+    a class named ``...RMSNorm`` with a 1-D ``weight`` Parameter and a float
+    ``variance_epsilon``), computing ``weight * x / sqrt(mean(x^2) + eps)`` over the
+    last dimension. Gemma's ``(1 + weight)`` form has ``eps``, not ``variance_epsilon``."""
+    weight = module._parameters.get("weight")
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and not isinstance(module, nn.RMSNorm)
+        and isinstance(weight, nn.Parameter)
+        and weight.dim() == 1
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and not any(True for _ in module.children())
+    )
+
+
+def _norm_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    """``nn.LayerNorm`` / ``nn.RMSNorm`` / a transformers RMSNorm -> ``tkern.nn.LayerNorm``
+    / ``RMSNorm``: the same Parameter objects (kept fp32), names and eps; the norm then
+    reads its 16-bit input directly (fp32 statistics inside the kernel)."""
+    if not conv.norms:  # a norm converted earlier goes back to torch's (then run in fp32)
+        _norm_back(module)
+        return False
+    if type(module) is nn.LayerNorm:
+        module.__class__ = LayerNorm
+    elif type(module) is nn.RMSNorm:
+        module.__class__ = RMSNorm
+    elif is_hf_rms_norm(module):
+        eps = module.__dict__.pop("variance_epsilon")
+        module.__class__ = RMSNorm
+        module.normalized_shape = tuple(module.weight.shape)
+        module.eps = eps
+        module.elementwise_affine = True
+    elif not isinstance(module, (LayerNorm, RMSNorm)):
+        return False
+    cast_own(module, torch.float32)
+    return True
+
+
 def _fp32_norm_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     if not isinstance(module, NORM_TYPES):
         return False
@@ -255,6 +297,7 @@ RULES: list[Rule] = [
     _conv1d_rule,
     _linear_cross_entropy_rule,
     _castable_rule,
+    _norm_rule,
     _fp32_norm_rule,
 ]
 
@@ -288,8 +331,15 @@ def _conv1d_back(module: nn.Module) -> bool:
     return True
 
 
+def _norm_back(module: nn.Module) -> bool:
+    if type(module) not in (LayerNorm, RMSNorm):
+        return False
+    module.__class__ = nn.LayerNorm if type(module) is LayerNorm else nn.RMSNorm
+    return True
+
+
 #: The rules of ``convert_network(model, torch.float32)``: ``module -> handled``.
-BACK_RULES: list[Callable[[nn.Module], bool]] = [_linear_back, _float8_back, _conv1d_back]
+BACK_RULES: list[Callable[[nn.Module], bool]] = [_linear_back, _float8_back, _conv1d_back, _norm_back]
 
 
 def _check_convertible_back(model: nn.Module) -> None:
@@ -347,14 +397,22 @@ def convert_network(
     fuse_activations: bool = True,
     fused_loss: bool = False,
     keep_fp32_params: bool = False,
+    norms: bool = True,
 ) -> nn.Module:
     """Convert ``model`` in place for mixed-precision training, and return it.
 
     * every ``nn.Linear`` becomes a :class:`tkern.nn.Linear` (transformers' GPT-2
       ``Conv1D`` a ``tkern.nn.Conv1D``) with the same Parameter objects cast in place to
       ``dtype``: names, shapes, hooks and tied weights stay as they were;
-    * normalization layers (:data:`NORM_TYPES`) keep fp32 parameters and statistics
-      and run on their input cast to fp32, returning ``dtype``;
+    * with ``norms`` (the default), ``nn.LayerNorm`` and ``nn.RMSNorm`` become
+      :class:`tkern.nn.LayerNorm` / :class:`tkern.nn.RMSNorm`, and transformers' RMSNorms
+      (``LlamaRMSNorm`` and kin: ``weight`` and ``variance_epsilon``) a ``tkern.nn.RMSNorm``,
+      keeping their Parameter objects in fp32, names and eps: they read the 16-bit input
+      as it is (fp32 statistics in the kernel) and save it for backward instead of an
+      fp32 copy;
+    * other normalization layers (:data:`NORM_TYPES`, and the above with ``norms=False``)
+      keep fp32 parameters and statistics and run on their input cast to fp32, returning
+      ``dtype``;
     * modules known to run in half precision (:data:`CASTABLE_TYPES`: embeddings,
       convolutions) are cast to ``dtype`` and get their floating-point inputs cast too,
       as autocast would; modules that own no tensors need nothing;
@@ -395,11 +453,12 @@ def convert_network(
         fuse_activations: fold ReLU/GELU/SiLU modules into the preceding Linear's GEMM.
         fused_loss: compute a transformers causal LM's loss without its logits (above).
         keep_fp32_params: keep the params fp32 (FSDP2's mixed precision owns the casts).
+        norms: replace LayerNorm / RMSNorm layers by tkern's (False: run torch's in fp32).
 
     Raises:
         TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it cannot be
             replaced in place; wrap it), or ``dtype`` is another dtype, or
-            ``fuse_activations`` is not a bool.
+            ``fuse_activations`` or ``norms`` is not a bool.
         ValueError: converting back a :class:`tkern.nn.Linear` with a fused activation
             (nothing is changed), or ``keep_fp32_params`` with ``float8`` or ``torch.float32``.
     """
@@ -423,6 +482,8 @@ def convert_network(
             "keep_fp32_params=True keeps fp32 params for a 16-bit compute dtype: it takes dtype "
             "torch.float16 or torch.bfloat16 and no float8 recipe"
         )
+    if not isinstance(norms, bool):
+        raise TypeError(f"norms must be True or False, got {norms!r}")
     if float8_filter is not None and not callable(float8_filter):
         raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32:
@@ -438,6 +499,7 @@ def convert_network(
         fuse_activations,
         fused_loss=fused_loss,
         keep_fp32_params=keep_fp32_params,
+        norms=norms,
     )
     _convert(model, "", conv)
     _warn_kept(conv.kept, dtype)

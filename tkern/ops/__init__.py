@@ -9,6 +9,9 @@ per op family, each above the kernels it launches (``tkern/kernels``):
 ``cross_entropy.py``  ``tkern.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
                  ``tkern::cross_entropy_backward``) and ``tkern.linear_cross_entropy`` (chunked
                  GEMMs + the fused kernel; the logits never materialized)
+``norm.py``      ``tkern.layer_norm``, ``tkern.rms_norm``, ``tkern.add_layer_norm``,
+                 ``tkern.add_rms_norm``: LayerNorm / RMSNorm with fp32 statistics, forward and
+                 backward (custom ops ``tkern::norm_forward``, ``tkern::norm_backward``)
 ``common.py``    what the linear-like ops share: shapes, and the seam that puts dW into a fused
                  optimizer's flat gradient buffer
 """

@@ -1,0 +1,405 @@
+"""The norm family: ``tkern.layer_norm``, ``tkern.rms_norm`` and their fused residual
+forms ``tkern.add_layer_norm`` / ``tkern.add_rms_norm``, with autograd and
+torch.library custom ops.
+
+Statistics and normalization run in fp32 on the 16-bit input (kernels/norm.py);
+the output is in the input's dtype. Backward saves the input (for the residual
+forms, the 16-bit sum ``x + residual`` they return) and the fp32 mean / rstd per
+row: never an fp32 copy of the input, which is what torch's norm on an upcast
+input (``convert_network``'s old rule, autocast) saves.
+
+Two doors lead to the same kernels, as for ``tkern.linear``:
+
+* eager calls go through :class:`_Norm`, a plain ``torch.autograd.Function``;
+* ``torch.compile`` tracing, meta tensors and tensor subclasses go through the
+  custom ops ``tkern::norm_forward`` and ``tkern::norm_backward`` (each with a
+  fake implementation; the forward's backward is registered in terms of the
+  backward op).
+
+Second-order gradients (``create_graph=True``): the eager door recomputes the
+norm with torch operations in fp32 from the saved tensors and differentiates
+that, so autograd can differentiate the gradients again. The traced door's
+backward op has no derivative of its own (torch raises on a second backward
+through it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tkern.kernels._common import INTERPRET
+from tkern.kernels.norm import INPUT_DTYPES, norm_backward, norm_forward
+from tkern.ops.common import is_compiling
+
+__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "rms_norm_eps"]
+
+Tensor = torch.Tensor
+#: (d input, dweight, dbias), None where not needed
+Grads = tuple[Tensor | None, Tensor | None, Tensor | None]
+
+
+def rms_norm_eps(eps: float | None) -> float:
+    """The eps :func:`rms_norm` uses: ``eps``, or for None the machine epsilon of
+    fp32, the type torch's ``F.rms_norm`` computes in for fp16, bf16 and fp32
+    input alike (checked by the tests against ``F.rms_norm``)."""
+    return torch.finfo(torch.float32).eps if eps is None else float(eps)
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+def _differentiable_grads(
+    dy: Tensor,
+    dh: Tensor | None,
+    saved: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    needs: tuple[bool, bool, bool],
+) -> Grads:
+    """(d saved, dweight, dbias) as torch operations in fp32, differentiable again
+    (``create_graph=True``); ``saved`` is the (M, N) input, or h, in autograd's graph."""
+    n = saved.shape[-1]
+    with torch.enable_grad():
+        w = None if weight is None else weight.reshape(n).float()
+        if rms:
+            y = F.rms_norm(saved.float(), (n,), w, eps)
+        else:
+            y = F.layer_norm(saved.float(), (n,), w, None if bias is None else bias.reshape(n).float(), eps)
+        asked = [need and t is not None for t, need in zip((saved, weight, bias), needs, strict=True)]
+        wanted = [t for t, ask in zip((saved, weight, bias), asked, strict=True) if ask]
+        grads = iter(torch.autograd.grad(y, wanted, dy.float(), create_graph=True, allow_unused=True))
+    dx, dw, db = (next(grads) if ask else None for ask in asked)
+    if dx is not None:
+        dx = dx if dh is None else dx + dh.float()
+        dx = dx.to(saved.dtype)
+    return dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
+
+
+def _kernel_backward(
+    dy: Tensor,
+    saved: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    rms: bool,
+    need_weight: bool,
+    bias_dtype: torch.dtype | None,
+    dh: Tensor | None,
+) -> Grads:
+    return norm_backward(
+        dy, saved, weight, mean, rstd, rms, need_weight=need_weight, bias_dtype=bias_dtype, dh=dh
+    )
+
+
+def _norm_grads(
+    dy: Tensor | None,
+    dh: Tensor | None,
+    saved: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    rms: bool,
+    needs: tuple[bool, bool, bool],
+    bias_dtype: torch.dtype | None,
+    backward: Callable[..., Grads] = _kernel_backward,
+) -> Grads:
+    """(d saved, dweight, dbias) from the kernels (None where not needed). ``dy``
+    or ``dh`` may be None (an output not used in the loss); ``needs``: whether the
+    input, weight and bias need gradients; ``weight`` is 1-D."""
+    need_x, need_w, need_b = needs
+    if dy is None:  # y unused: its gradient is zero
+        dx = dh if need_x else None
+        if dx is None and need_x:
+            dx = torch.zeros_like(saved)
+        zero = saved.new_zeros(saved.shape[-1], dtype=torch.float32)
+        return dx, zero.to(weight.dtype) if need_w else None, zero.to(bias_dtype) if need_b else None
+    return backward(dy, saved, weight, mean, rstd, rms, need_w, bias_dtype if need_b else None, dh)
+
+
+class _Norm(torch.autograd.Function):
+    """y = norm(x) (and, with a residual, h = x + residual) on (M, N) tensors.
+
+    Outputs keep their 2-D shape here; the public functions give them the input's
+    shape outside the Function (a view made inside one cannot be written in place)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms):
+        w = None if weight is None else weight.reshape(-1)
+        b = None if bias is None else bias.reshape(-1)
+        y, h, mean, rstd = norm_forward(x, w, b, eps, rms, residual)
+        ctx.set_materialize_grads(False)
+        ctx.eps, ctx.rms, ctx.has_residual = eps, rms, residual is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        # bias: a reference, for its dtype, shape and the create_graph=True path
+        ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd)
+        return y if h is None else (y, h)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        saved, weight, bias, mean, rstd = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        needs = (need_x, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+        if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
+            if dy is None:
+                dy = torch.zeros_like(saved)
+            dx, dw, db = _differentiable_grads(dy, dh, saved, weight, bias, ctx.eps, ctx.rms, needs)
+        else:
+            w = None if weight is None else weight.reshape(-1)
+            dx, dw, db = _norm_grads(dy, dh, saved, w, mean, rstd, ctx.rms, needs, ctx.bias_dtype)
+            dw = None if dw is None else dw.reshape(weight.shape)
+            db = None if db is None else db.reshape(bias.shape)
+        dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
+        return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("tkern::norm_forward", mutates_args=())
+def _norm_forward_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tkern.kernels.norm.norm_forward` on (M, N) ``x``: ``(y, h, mean, rstd)``,
+    with ``h`` (no residual) and ``mean`` (RMSNorm) empty tensors when absent."""
+    y, h, mean, rstd = norm_forward(x, weight, bias, eps, rms, residual)
+    empty = rstd.new_empty(0)
+    return y, x.new_empty(0) if h is None else h, empty if mean is None else mean, rstd
+
+
+@_norm_forward_op.register_fake
+def _(x, residual, weight, bias, eps, rms):
+    m = x.shape[0]
+    stat = x.new_empty(m, dtype=torch.float32)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(0 if residual is None else x.shape),
+        x.new_empty(0 if rms else m, dtype=torch.float32),
+        stat,
+    )
+
+
+@torch.library.custom_op("tkern::norm_backward", mutates_args=())
+def _norm_backward_op(
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    saved: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    rms: bool,
+    need_weight: bool,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tkern.kernels.norm.norm_backward`: ``(dx, dweight, dbias)``, the last
+    two empty tensors where not asked for."""
+    dx, dw, db = norm_backward(
+        dy, saved, weight, mean, rstd, rms, need_weight=need_weight, bias_dtype=bias_dtype, dh=dh
+    )
+    empty = rstd.new_empty(0)
+    return dx, empty if dw is None else dw, empty if db is None else db
+
+
+@_norm_backward_op.register_fake
+def _(dy, dh, saved, weight, mean, rstd, rms, need_weight, bias_dtype):
+    n = saved.shape[1]
+    dw = weight.new_empty(n) if need_weight else rstd.new_empty(0)
+    db = rstd.new_empty(n, dtype=bias_dtype) if bias_dtype is not None else rstd.new_empty(0)
+    return saved.new_empty(saved.shape), dw, db
+
+
+def _traced_backward(
+    dy: Tensor,
+    saved: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    rms: bool,
+    need_weight: bool,
+    bias_dtype: torch.dtype | None,
+    dh: Tensor | None,
+) -> Grads:
+    dx, dw, db = _norm_backward_op(dy, dh, saved, weight, mean, rstd, rms, need_weight, bias_dtype)
+    return dx, dw if need_weight else None, db if bias_dtype is not None else None
+
+
+def _norm_setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    x, residual, weight, bias, eps, rms = inputs
+    y, h, mean, rstd = output
+    ctx.rms, ctx.has_residual = rms, residual is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(x if residual is None else h, weight, None if rms else mean, rstd)
+
+
+def _norm_forward_backward(ctx, dy: Tensor | None, dh: Tensor | None, _dmean, _drstd) -> tuple:
+    saved, weight, mean, rstd = ctx.saved_tensors
+    need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    needs = (need_x, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+    dh = dh if ctx.has_residual else None
+    dx, dw, db = _norm_grads(
+        dy, dh, saved, weight, mean, rstd, ctx.rms, needs, ctx.bias_dtype, _traced_backward
+    )
+    dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
+    return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
+
+
+_norm_forward_op.register_autograd(_norm_forward_backward, setup_context=_norm_setup_context)
+
+
+# --------------------------------------------------------------------------- public
+
+
+def _check_norm_args(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> int:
+    """Every check the public functions make, raising ``TypeError`` / ``ValueError``
+    that names the argument; returns N, the product of ``normalized_shape``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"input must be a float16, bfloat16 or float32 tensor, got dtype {x.dtype}")
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or any(not isinstance(s, int) for s in shape):
+        raise ValueError(
+            f"normalized_shape must be an int or a non-empty sequence of ints, got {normalized_shape!r}"
+        )
+    if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
+        raise ValueError(
+            f"normalized_shape {shape} must match the trailing dimensions of input, "
+            f"got input shape {tuple(x.shape)}"
+        )
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual must have x's shape {tuple(x.shape)} and dtype {x.dtype}, "
+                f"got shape {tuple(residual.shape)}, dtype {residual.dtype}"
+            )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (normalized_shape), got {tuple(p.shape)}")
+        if p.dtype not in (torch.float32, x.dtype):
+            raise TypeError(f"{name} must be float32 or input's dtype {x.dtype}, got {p.dtype}")
+    named = [(n, t) for n, t in (("residual", residual), ("weight", weight), ("bias", bias)) if t is not None]
+    for name, t in named:
+        if t.device != x.device:
+            raise ValueError(
+                f"{name} is on {t.device} but input is on {x.device}; all tensors must be on one device"
+            )
+    return math.prod(shape)
+
+
+def _eager(x: torch.Tensor) -> bool:
+    """Whether the eager Function applies (else the custom op: tracing, meta, subclasses)."""
+    return type(x) is torch.Tensor and not x.is_meta and not is_compiling() and (INTERPRET or x.is_cuda)
+
+
+def _norm(
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    n = _check_norm_args(x, residual, normalized_shape, weight, bias)
+    x2d = x.reshape(-1, n)
+    r2d = None if residual is None else residual.reshape(-1, n)
+    if _eager(x):
+        out = _Norm.apply(x2d, r2d, weight, bias, eps, rms)
+        y, h = out if residual is not None else (out, None)
+    else:
+        w = None if weight is None else weight.reshape(n)
+        b = None if bias is None else bias.reshape(n)
+        y, h, _, _ = _norm_forward_op(x2d, r2d, w, b, eps, rms)
+    y = y.view(x.shape)
+    return y if residual is None else (y, h.view(x.shape))
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm`` with fp32 statistics on 16-bit input.
+
+    Mean and variance (two-pass, exact for inputs with a large offset) and the
+    normalization run in fp32; the output is rounded once to the input's dtype.
+    Backward saves the input as it is and the fp32 mean and rstd per row.
+
+    Args:
+        input: (..., *normalized_shape), fp16, bf16 or fp32, any leading shape.
+        normalized_shape: the trailing dimensions normalized over (an int or a sequence).
+        weight, bias: optional, of shape ``normalized_shape``, fp32 (the mixed-precision
+            rule) or the input's dtype; their gradients are summed in fp32.
+        eps: added to the variance.
+
+    Returns:
+        A tensor of the input's shape and dtype.
+    """
+    return _norm(input, None, normalized_shape, weight, bias, float(eps), False)
+
+
+def rms_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """``torch.nn.functional.rms_norm`` with fp32 statistics on 16-bit input:
+    ``x / sqrt(mean(x^2) + eps) * weight`` computed in fp32, rounded once to the
+    input's dtype. ``eps=None`` is fp32's machine epsilon, as torch's
+    (:func:`rms_norm_eps`). Arguments as :func:`layer_norm` (no bias)."""
+    return _norm(input, None, normalized_shape, weight, None, rms_norm_eps(eps), True)
+
+
+def add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer_norm(h), h)`` with ``h = x + residual``, in one pass.
+
+    ``h`` is added in fp32 and rounded once to the inputs' dtype (as ``x + residual``
+    in that dtype); the norm is that of the rounded ``h``, so the pair is exactly
+    ``(layer_norm(h), h)``. Both outputs are differentiable; backward saves ``h``
+    (16-bit) and the fp32 statistics. ``x`` and ``residual``: same shape and dtype.
+    Other arguments as :func:`layer_norm`."""
+    return _norm(x, residual, normalized_shape, weight, bias, float(eps), False)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(h), h)`` with ``h = x + residual``, in one pass; as
+    :func:`add_layer_norm` for :func:`rms_norm`."""
+    return _norm(x, residual, normalized_shape, weight, None, rms_norm_eps(eps), True)
