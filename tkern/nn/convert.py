@@ -388,6 +388,48 @@ def _warn_kept(kept: dict[type, list[str]], dtype: torch.dtype) -> None:
         )
 
 
+def _checked_conversion(
+    model: nn.Module,
+    dtype: torch.dtype,
+    float8: str | Float8Recipe | None,
+    float8_filter: Callable[[str, nn.Module], bool] | None,
+    fuse_activations: bool,
+    fused_loss: bool,
+    keep_fp32_params: bool,
+    norms: bool,
+) -> Conversion:
+    """:func:`convert_network`'s arguments checked (TypeError / ValueError naming the
+    argument, before anything changes) and gathered as the rules see them."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if dtype not in (*HALF_DTYPES, torch.float32):
+        raise TypeError(
+            f"dtype must be torch.float16 or torch.bfloat16 (or torch.float32 to convert back), got {dtype}"
+        )
+    if type(model) is nn.Linear:
+        raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; wrap it in a module")
+    recipe = None if float8 is None else Float8Recipe.of(float8)
+    flags = {
+        "fuse_activations": fuse_activations,
+        "fused_loss": fused_loss,
+        "keep_fp32_params": keep_fp32_params,
+        "norms": norms,
+    }
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if keep_fp32_params and (recipe is not None or dtype == torch.float32):
+        raise ValueError(
+            "keep_fp32_params=True keeps fp32 params for a 16-bit compute dtype: it takes dtype "
+            "torch.float16 or torch.bfloat16 and no float8 recipe"
+        )
+    if float8_filter is not None and not callable(float8_filter):
+        raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
+    if dtype == torch.float32 and recipe is not None:
+        raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
+    return Conversion(dtype, recipe, float8_filter, **flags)
+
+
 def convert_network(
     model: nn.Module,
     dtype: torch.dtype = torch.float16,
@@ -421,29 +463,22 @@ def convert_network(
       with one warning per type.
 
     Converting twice is converting once; ``dtype=torch.float32`` converts back (plain torch
-    modules in fp32, tkern's hooks removed). Converted models pickle and deep-copy.
+    modules in fp32, tkern's hooks removed). Converted models pickle and deep-copy. The
+    options below are detailed in docs/api.md.
 
     ``float8`` (a recipe name or :class:`Float8Recipe`; bf16 is its natural ``dtype``): every
     ``nn.Linear`` (and GPT-2 ``Conv1D``) with both features multiples of 16 becomes a
     :class:`Float8Linear` (``Float8Conv1D``) unless ``float8_filter(name, module)`` returns
     False (torchao's ``module_filter_fn``).
 
-    ``fuse_activations``: in an ``nn.Sequential`` (or a subclass keeping its forward), a
-    :class:`tkern.nn.Linear` directly followed by ``nn.ReLU``, ``nn.SiLU`` or ``nn.GELU`` runs
-    the activation in its GEMM epilogue; modules, names and state_dict stay as they are, and
-    a pair where either module has a hook runs unfused. ReLU gives the same numbers; GELU
-    and SiLU round once fewer. (docs/api.md has the details.)
-
-    ``fused_loss``: a transformers ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` called with
-    ``labels`` computes its loss with :func:`tkern.linear_cross_entropy` (HF's shift and
-    ``ignore_index=-100``; no (tokens x vocabulary) logits) and returns ``logits=None``;
-    without labels (and in ``generate()``) it returns its logits as before.
-    ``keep_fp32_params=True`` leaves precision to FSDP2 (``fully_shard`` with
-    ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)``): the GEMM layers
-    become tkern's with their params kept fp32 and ``compute_dtype=dtype``; they compute in
-    the ``dtype`` weights FSDP2 all-gathers, and outside FSDP2 an fp32 weight is cast per
-    forward, as autocast would. The castable modules keep their fp32 params and inputs
-    (FSDP2's policy casts them); norms run in fp32 as above. See docs/fsdp.md.
+    ``fuse_activations``: in an ``nn.Sequential``, a :class:`tkern.nn.Linear` directly followed
+    by ``nn.ReLU``, ``nn.SiLU`` or ``nn.GELU`` runs the activation in its GEMM epilogue (a pair
+    where either module has a hook runs unfused; GELU and SiLU round once fewer).
+    ``fused_loss``: a transformers ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` called with
+    ``labels`` computes its loss with :func:`tkern.linear_cross_entropy` (no logits tensor) and
+    returns ``logits=None``; without labels, and in ``generate()``, logits as before.
+    ``keep_fp32_params``: FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype)`` owns the casts:
+    tkern's GEMM layers keep fp32 params and compute in ``dtype`` (docs/fsdp.md).
 
     Args:
         model: the model (fp32, or converted before).
@@ -462,45 +497,13 @@ def convert_network(
         ValueError: converting back a :class:`tkern.nn.Linear` with a fused activation
             (nothing is changed), or ``keep_fp32_params`` with ``float8`` or ``torch.float32``.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if dtype not in (*HALF_DTYPES, torch.float32):
-        raise TypeError(
-            f"dtype must be torch.float16 or torch.bfloat16 (or torch.float32 to convert back), got {dtype}"
-        )
-    if type(model) is nn.Linear:
-        raise TypeError("model is a bare nn.Linear, which cannot be replaced in place; wrap it in a module")
-    recipe = None if float8 is None else Float8Recipe.of(float8)
-    if not isinstance(fuse_activations, bool):
-        raise TypeError(f"fuse_activations must be True or False, got {fuse_activations!r}")
-    if not isinstance(fused_loss, bool):
-        raise TypeError(f"fused_loss must be True or False, got {fused_loss!r}")
-    if not isinstance(keep_fp32_params, bool):
-        raise TypeError(f"keep_fp32_params must be True or False, got {keep_fp32_params!r}")
-    if keep_fp32_params and (recipe is not None or dtype == torch.float32):
-        raise ValueError(
-            "keep_fp32_params=True keeps fp32 params for a 16-bit compute dtype: it takes dtype "
-            "torch.float16 or torch.bfloat16 and no float8 recipe"
-        )
-    if not isinstance(norms, bool):
-        raise TypeError(f"norms must be True or False, got {norms!r}")
-    if float8_filter is not None and not callable(float8_filter):
-        raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
+    conv = _checked_conversion(
+        model, dtype, float8, float8_filter, fuse_activations, fused_loss, keep_fp32_params, norms
+    )
     if dtype == torch.float32:
-        if recipe is not None:
-            raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
         _check_convertible_back(model)
         _convert_back(model)
         return model
-    conv = Conversion(
-        dtype,
-        recipe,
-        float8_filter,
-        fuse_activations,
-        fused_loss=fused_loss,
-        keep_fp32_params=keep_fp32_params,
-        norms=norms,
-    )
     _convert(model, "", conv)
     _warn_kept(conv.kept, dtype)
     return model
