@@ -54,11 +54,10 @@ INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: gate). A longer row is processed in chunks of this size.
 MAX_BLOCK = 8192
 #: Elements of a row per warp (a block gets one more warp per this many, up to
-#: :data:`MAX_WARPS`): 8 per thread in forward, one 16-byte load of fp16 / bf16; 4 per
-#: thread in backward, which holds more row-sized tensors (at 8 per thread, 1024-wide rows
-#: on 4 warps spilled 8 B on sm_80 in the fp16 RMSNorm backward with dh, triton 3.9).
-ELEMENTS_PER_WARP = 256
-ELEMENTS_PER_WARP_BACKWARD = 128
+#: :data:`MAX_WARPS`): 4 per thread. At 8 per thread (one 16-byte load of fp16 / bf16)
+#: 1024-wide rows on 4 warps spilled 8 B on sm_80: the fp16 RMSNorm backward with dh
+#: (triton 3.9) and the fp16 / bf16 LayerNorm forward (triton 3.6).
+ELEMENTS_PER_WARP = 128
 MAX_WARPS = 16
 #: Backward programs per SM: each sums its rows' dweight / dbias in registers and
 #: writes one (N,) partial row; two per SM keep every SM busy while the (P, N)
@@ -75,11 +74,9 @@ def block_size(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), MAX_BLOCK)
 
 
-def num_warps(block: int, backward: bool = False) -> int:
-    """Warps for a BLOCK-wide row: one per :data:`ELEMENTS_PER_WARP` (backward:
-    :data:`ELEMENTS_PER_WARP_BACKWARD`), 1 to :data:`MAX_WARPS`."""
-    per_warp = ELEMENTS_PER_WARP_BACKWARD if backward else ELEMENTS_PER_WARP
-    return min(max(block // per_warp, 1), MAX_WARPS)
+def num_warps(block: int) -> int:
+    """Warps for a BLOCK-wide row: one per :data:`ELEMENTS_PER_WARP`, 1 to :data:`MAX_WARPS`."""
+    return min(max(block // ELEMENTS_PER_WARP, 1), MAX_WARPS)
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -502,7 +499,7 @@ def norm_backward(
             M, N, dy.stride(0), dh.stride(0) if dh is not None else 0, x.stride(0), rows,
             IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_DH=dh is not None,
             HAS_DW=need_weight, HAS_DB=bias_dtype is not None, DTYPE=tl_dtype(x.dtype), BLOCK=block,
-            CHUNKED=block < N, num_warps=num_warps(block, backward=True),
+            CHUNKED=block < N, num_warps=num_warps(block),
         )  # fmt: skip
     dweight = None if dw_part is None else dw_part.sum(0).to(weight.dtype)
     dbias = None if db_part is None else db_part.sum(0).to(bias_dtype)
