@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> float:
 
     # --- the README's quick start, from here
     model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 10)).to(device)
-    tkern.convert_network(model)  # Linear -> tkern fp16 Linear; LayerNorm stays fp32
+    tkern.convert_network(model)  # Linear -> tkern fp16 Linear, LayerNorm -> tkern LayerNorm (fp32)
     opt = tkern.optim.FusedAdamW(model.parameters(), lr=3e-3, max_grad_norm=1.0)  # after moving the model
     scaler = tkern.DynamicLossScaler()
 

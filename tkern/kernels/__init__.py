@@ -19,8 +19,8 @@ gemm.py, gemm_tma.py (their shared rooms: gemm_epilogue.py, gemm_configs.py)
     activation's gradient applied to A, A' and its row sums stored), ``gemm.matmul_tma_persistent``,
     ``gemm.scaled_mm``. Configs: ``gemm_configs.gemm_configs`` /
     ``tma_configs``, pruned per device and operands by ``prune_configs``.
-    Above: ``functional.linear`` (``_Linear``; custom ops ``tkern::linear_forward``,
-    ``tkern::mm_backward``), ``functional.float8_linear`` (``tkern::scaled_mm``),
+    Above: ``ops.linear.linear`` (``_Linear``; custom ops ``tkern::linear_forward``,
+    ``tkern::mm_backward``), ``ops.float8.float8_linear`` (``tkern::scaled_mm``),
     ``nn.Linear``, ``nn.Conv1D``, ``nn.Float8Linear``, ``tkern.matmul``,
     ``tkern.scaled_mm``. Tests: test_gemm.py, test_functional.py, test_float8.py,
     test_compiled.py (every offered config compiled, no spills). Benchmarks:
@@ -32,11 +32,11 @@ float8.py
     ``to_float8_delayed``, ``to_float8_delayed_deferred``, ``roll_amax_history``.
     Above: ``tkern.to_float8``, ``nn.Float8Linear`` (custom ops ``tkern::to_float8``,
     ``tkern::to_float8_delayed``, ``tkern::roll_amax_history``),
-    ``functional.Float8WeightCache`` (refreshed by the fused optimizers' step). Tests:
+    ``ops.float8.Float8WeightCache`` (refreshed by the fused optimizers' step). Tests:
     test_float8.py, test_float8_linear.py. Benchmark: not yet (needs a GPU).
 activation.py
     kernel: ``_activation_grad_kernel``. Launcher: ``activation_grad``. Above:
-    ``functional.linear``'s backward (``tkern::activation_grad``). Tests:
+    ``ops.linear.linear``'s backward (``tkern::activation_grad``). Tests:
     test_activation.py, test_functional.py. Benchmark: bench_gemm.py (fused GELU).
 norm.py
     kernels: ``_norm_fwd_kernel`` (LayerNorm / RMSNorm of a row per program, fp32
