@@ -1,0 +1,368 @@
+"""The flat buffer of one param group: :class:`FlatParams` (the layout, the views,
+the step's plan and the master's reconciliation; see :mod:`tkern.flat`)."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from tkern.flat.fp32 import Fp32Views
+from tkern.flat.layout import ALIGN, FlatLayout, check_modes, describe_param
+from tkern.flat.storage import OWNED, ParamStorage
+from tkern.flat.views import GradViews, register_view, release_views
+from tkern.kernels._update import (
+    ABSMAX_EPS,
+    PARAM_DTYPES,
+    QBLOCK,
+    SIGNED_STATE,
+    UpdateBuffers,
+    zero_code,
+)
+
+# C-speed getters for the per-step scans over every param.
+_VERSION = operator.attrgetter("_version")
+_GRAD = operator.attrgetter("grad")
+
+
+class FlatParams(FlatLayout, GradViews, Fp32Views):
+    """The parameters of one param group on one device with one dtype.
+
+    Args:
+        params: the parameters, in order; each a leaf tensor.
+        indices: each param's index within its param group (for messages).
+        group: the param group's index (for messages).
+        state_names: names of the state buffers to allocate, zeroed.
+        world_size, rank: shard the master and state (ZeRO); 1, 0 for none.
+        master: ``"fp32"``, ``"split"`` (bf16 params) or ``"none"``: how the
+            master is kept (see :mod:`tkern.kernels._update`); fp32 params are
+            their own master whatever it says.
+        state_dtype: the state buffers' dtype: fp32, bf16, or uint8 (block-quantized;
+            params then start on 256-element boundaries).
+        seed: the stochastic rounding's seed (``master="none"``).
+        storage: how the params are held (:class:`ParamStorage`); default: the
+            buffer owns them.
+
+    Attributes:
+        param, grad: the flat param and gradient buffers (the params' dtype).
+        master: this rank's shard of the master: fp32 (for fp32 params, the
+            shard of ``param`` itself), the int16 remainders of a split master,
+            or None.
+        state: name -> buffer of this rank's shard (``state_dtype``).
+        absmax: name -> fp32 block absmax of each uint8 state buffer.
+        offsets: ``offsets[i]`` is where param i starts in ``param``/``grad``.
+        lo, hi: this rank's shard, ``[lo, hi)`` in ``param``/``grad``.
+
+    Built from three parts, each its own concern: :class:`~tkern.flat.FlatLayout` (where
+    each param lies, the shard), :class:`~tkern.flat.GradViews` (``.grad`` kept as the
+    gradient view) and :class:`~tkern.flat.Fp32Views` (master and state read and
+    written in fp32).
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        indices: list[int],
+        group: int,
+        state_names: tuple[str, ...],
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        master: str = "fp32",
+        state_dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        storage: ParamStorage = OWNED,
+    ) -> None:
+        first = params[0]
+        if first.dtype not in PARAM_DTYPES:
+            raise TypeError(
+                f"{describe_param(group, indices[0], first)}: dtype must be one of {PARAM_DTYPES}"
+            )
+        check_modes(master, state_dtype, first.dtype)
+        self.master_mode = "self" if first.dtype == torch.float32 else master
+        self.state_dtype = state_dtype
+        self.seed = seed & 0x7FFFFFFF
+        self.params = params
+        self.indices = indices
+        self.group = group
+        self.dtype, self.device = first.dtype, first.device
+        self.storage = storage
+        local = [storage.local(p) for p in params]
+        align = QBLOCK if state_dtype == torch.uint8 else ALIGN
+        FlatLayout.__init__(self, [t.shape for t in local], align, world_size, rank)
+        self.param = torch.zeros(self.total, dtype=self.dtype, device=self.device)
+        self.grad = torch.zeros(self.total, dtype=self.dtype, device=self.device)
+        self._make_views(local)
+        self.wrap_grads()
+        self._make_master()
+        self._plan: list[UpdateBuffers] | None = None
+        #: Bumped whenever :meth:`plan` hands out new launches (views, step counts).
+        self.plan_version = 0
+        #: Bumped whenever state buffers or step-count tensors are added or replaced.
+        self.layout_version = 0
+        self.state: dict[str, torch.Tensor] = {}
+        self.absmax: dict[str, torch.Tensor] = {}
+        self.ensure_state(state_names)
+        self._start_counting()
+        self._ptrs = [p.data_ptr() for p in params] if storage.owns_storage else []
+        self._versions: list[int] | None = [p._version for p in params]
+        self.attach_grads()
+
+    def _make_views(self, local: list[torch.Tensor]) -> None:
+        """Copy the params (and any gradients they have) into the flat buffers and make
+        their views: ``param.data`` (when the buffer owns the storage) and the gradient views."""
+        self.param_views: list[torch.Tensor] = []
+        self.grad_views: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                self.param_views.append(self.param_alias(self.param, i))
+                self.param_views[i].copy_(local[i])
+                if p.requires_grad:
+                    self.grad_views.append(self.param_alias(self.grad, i))
+                    if self.storage.owns_storage:
+                        register_view(p, self.grad_views[i])
+                    if p.grad is not None:
+                        self.grad_views[i].copy_(self.storage.unwrap(p, p.grad))
+                else:
+                    self.grad_views.append(None)
+                if self.storage.owns_storage:
+                    p.data = self.param_views[i]
+
+    def _make_master(self) -> None:
+        """This shard's master, as :attr:`master_mode` keeps it."""
+        shard = self.param[self.lo : self.hi]
+        self.master: torch.Tensor | None = None  # "none"
+        if self.master_mode == "self":
+            self.master = shard
+        elif self.master_mode == "fp32":
+            self.master = shard.float()
+        elif self.master_mode == "split":  # remainders 0: the master is the param
+            self.master = torch.zeros(self.shard_size, dtype=torch.int16, device=self.device)
+
+    def _start_counting(self) -> None:
+        """The per-param "has a gradient" bookkeeping and one cohort of step count 0."""
+        params = self.params
+        # The gradient views' versions at the last zero_grad(set_to_none=True); a view
+        # whose version moved since has a gradient. -1: counts from the start.
+        self._trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self._views = [self.grad_views[i] for i in self._trainable]
+        self._zero_versions = [
+            -1 if params[i].grad is not None else v._version
+            for i, v in zip(self._trainable, self._views, strict=True)
+        ]
+        self._all_active = False
+        #: cohort[i]: index into steps of param i's step-count tensor.
+        self.cohort = [0] * len(params)
+        self.steps = [torch.zeros(1, dtype=torch.float32, device=self.device)]
+
+    # ------------------------------------------------------------- layout and state
+
+    def local(self, i: int) -> torch.Tensor:
+        """Param ``i`` as the buffer holds it: the param, or its local shard (see :class:`ParamStorage`)."""
+        return self.storage.local(self.params[i])
+
+    def ensure_state(self, names: tuple[str, ...]) -> bool:
+        """Allocate (zeroed) any of the state buffers ``names`` not there yet;
+        True if one was added."""
+        added = False
+        for name in names:
+            if name not in self.state:
+                self.state[name] = torch.zeros(self.shard_size, dtype=self.state_dtype, device=self.device)
+                if self.state_dtype == torch.uint8:
+                    # zero state as the kernel stores it: every block's absmax clamped to
+                    # ABSMAX_EPS and the code of 0.0 (not code 0, which is -1 in the signed map)
+                    self.state[name].fill_(zero_code(name in SIGNED_STATE))
+                    self.absmax[name] = torch.full(
+                        (self.shard_size // QBLOCK,), ABSMAX_EPS, dtype=torch.float32, device=self.device
+                    )
+                added = True
+        if added:
+            self._changed()
+        return added
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of each kind of buffer: ``param``, ``grad`` (full size), ``master`` and
+        ``state`` (this shard; block absmax included; 0 for fp32 params' master)."""
+        state = sum(b.numel() * b.element_size() for b in (*self.state.values(), *self.absmax.values()))
+        master = 0 if self.master is None or self.master_mode == "self" else self.master.numel()
+        return {
+            "param": self.param.numel() * self.param.element_size(),
+            "grad": self.grad.numel() * self.grad.element_size(),
+            "master": master * (self.master.element_size() if master else 0),
+            "state": state,
+        }
+
+    def _changed(self) -> None:
+        self._plan = None
+        self.layout_version += 1
+
+    def _describe(self, i: int) -> str:
+        return describe_param(self.group, self.indices[i], self.params[i])
+
+    # ------------------------------------------------------------- gradients
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Zero the flat gradient buffer in place and put the views back as ``.grad``.
+        With ``set_to_none`` no param counts as having a gradient until backward
+        gives it one (its ``.grad`` still reads zeros)."""
+        self.check_storage()
+        self.grad.zero_()
+        for p, handle in zip(self.params, self.grad_handles, strict=True):
+            if p.grad is not handle:
+                p.grad = handle
+        release_views(self.grad_views)  # a backward that failed before its hooks ran
+        self._zero_versions = [v._version for v in self._views]
+        self._all_active = not set_to_none
+
+    # ------------------------------------------------------------- the step's plan
+
+    def check_storage(self) -> None:
+        """Raise if a param's ``.data`` was replaced (``.to()``, ``.float()``, assignment);
+        nothing for params held elsewhere (their current local tensor is copied in and out)."""
+        if self.storage.owns_storage and list(map(torch.Tensor.data_ptr, self.params)) != self._ptrs:
+            for i, p in enumerate(self.params):
+                if p.data_ptr() != self._ptrs[i]:
+                    raise RuntimeError(
+                        f"{self._describe(i)} no longer lives in the optimizer's flat buffer: its .data "
+                        "was replaced (by .to(), .float(), .half() or an assignment) after the optimizer "
+                        "was built; build the optimizer after moving or casting the model"
+                    )
+
+    def plan(self) -> list[UpdateBuffers]:
+        """The launches of this step: the :class:`UpdateBuffers` (views of every
+        buffer, the step count, the random stream's offset; ``stats`` and
+        ``inv_scale`` left for the step to set) of each range of params that have
+        a gradient, clipped to this rank's shard, split where the step counts differ.
+
+        Also brings the master up to date with params written from outside
+        (see the module docstring), copies in gradients that are not the flat
+        views, and moves params that sit this step out into cohorts of their own.
+        """
+        params = self.params
+        self.check_storage()
+        versions = list(map(_VERSION, params))
+        if versions != self._versions:
+            self.reconcile()
+            self._versions = versions
+        if (
+            self._plan is not None
+            and all(map(operator.is_, map(_GRAD, params), self.grad_handles))
+            and (self._all_active or all(map(operator.ne, map(_VERSION, self._views), self._zero_versions)))
+        ):
+            return self._plan  # the steady state: nothing changed since the last step
+        active = [False] * len(params)
+        for k, i in enumerate(self._trainable):
+            g, view = params[i].grad, self._views[k]
+            if g is None:
+                continue
+            if g is not self.grad_handles[i]:
+                self._adopt_grad(i, g)
+                self._zero_versions[k] = -1
+            active[i] = self._all_active or view._version != self._zero_versions[k]
+        self._split_cohorts(active)
+        launches = [self._buffers(s, e, self.steps[c]) for s, e, c in self.ranges(active, self.cohort)]
+        self.plan_version += 1  # new launches: a captured step (tkern.optim.fused.StepGraph) is stale
+        if all(active[i] for i in self._trainable):
+            self._plan = launches
+        return launches
+
+    def _buffers(self, s: int, e: int, step: torch.Tensor) -> UpdateBuffers:
+        """The views of ``[s, e)`` (in ``param`` coordinates, within this shard)."""
+        a, b = s - self.lo, e - self.lo
+        return UpdateBuffers(
+            param=self.param[s:e],
+            grad=self.grad[s:e],
+            master=None if self.master is None else self.master[a:b],
+            stats=None,
+            inv_scale=None,
+            step=step,
+            state={k: v[a:b] for k, v in self.state.items()},
+            absmax={k: v[a // QBLOCK : b // QBLOCK] for k, v in self.absmax.items()},
+            seed=self.seed,
+            offset=s,
+        )
+
+    def _split_cohorts(self, active: list[bool]) -> None:
+        """Give the active members of a cohort that also has inactive members a
+        new cohort (a copy of the step count), so only they count this step."""
+        members: dict[int, list[int]] = {}
+        for i, c in enumerate(self.cohort):
+            if self.grad_views[i] is not None:
+                members.setdefault(c, []).append(i)
+        for c, idx in members.items():
+            on = [i for i in idx if active[i]]
+            if on and len(on) < len(idx):
+                self.steps.append(self.steps[c].clone())
+                for i in on:
+                    self.cohort[i] = len(self.steps) - 1
+                self._changed()
+
+    def set_cohorts(self, steps: list[float]) -> None:
+        """Set each param's step count (from a loaded state): params with equal
+        counts share one step tensor."""
+        by_value: dict[float, int] = {}
+        cohort = []
+        for value in steps:
+            cohort.append(by_value.setdefault(value, len(by_value)))
+        self.steps = [torch.full((1,), v, dtype=torch.float32, device=self.device) for v in by_value]
+        self.cohort = cohort
+        self._changed()
+
+    def set_param_step(self, i: int, value: float) -> None:
+        """Give param ``i`` a step count of its own."""
+        self.steps.append(torch.full((1,), value, dtype=torch.float32, device=self.device))
+        self.cohort[i] = len(self.steps) - 1
+        self._changed()
+
+    # ------------------------------------------------------------- master and params
+
+    def mark_dirty(self) -> None:
+        """Reconcile master and params before the next step (after loading a master)."""
+        self._versions = None
+
+    def reconcile(self) -> None:
+        """Where a param differs from its rounded master, the master takes the
+        param's value; elsewhere the master keeps its extra bits. (A split master
+        always rounds to its param, and there is nothing to reconcile without one.)
+        Params held elsewhere are first copied into the buffer."""
+        if not self.storage.owns_storage:
+            with torch.no_grad():
+                torch._foreach_copy_(self.param_views, [self.local(i) for i in range(len(self.params))])
+        if self.master_mode != "fp32":
+            return
+        with torch.no_grad():
+            p = self.param[self.lo : self.hi]
+            torch.where(self.master.to(self.dtype) == p, self.master, p.float(), out=self.master)
+
+    def write_back(self) -> None:
+        """After a step: copy the updated params into storage the buffer does not own
+        (FSDP2's local shards, which its next all-gather reads); nothing otherwise."""
+        if self.storage.owns_storage:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([self.local(i) for i in range(len(self.params))], self.param_views)
+        self._versions = list(map(_VERSION, self.params))
+
+    # ------------------------------------------------------------- copies
+
+    def __getstate__(self) -> dict:
+        state = {
+            k: v for k, v in self.__dict__.items() if k not in ("param_views", "grad_views", "grad_handles")
+        }
+        state["_plan"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """After a deep copy or unpickling: the (copied) params become views of the
+        (copied) buffers again, with their hooks."""
+        self.__dict__.update(state)
+        self.param_views, self.grad_views = [], []
+        for i, p in enumerate(self.params):
+            self.param_views.append(self.param_alias(self.param, i))
+            self.grad_views.append(self.param_alias(self.grad, i) if p.requires_grad else None)
+            if self.storage.owns_storage:
+                p.data = self.param_views[i]
+        self.wrap_grads()
+        self._ptrs = [p.data_ptr() for p in self.params] if self.storage.owns_storage else []
+        self._versions = [p._version for p in self.params]
+        self.attach_grads()
