@@ -12,7 +12,7 @@ timings: they say what the GPU would run, not how fast.
 The cases mirror what the launchers pass (the same block sizes, warps, configs
 and constexpr flags, read from the kernel modules): the signatures Triton
 would specialise for tkern's flat layout (every buffer 16-byte aligned, every
-length a multiple of 16 elements, see tkern/flat.py) and for the tails and
+length a multiple of 16 elements, see tkern/flat/) and for the tails and
 ragged GEMMs the launchers also produce. ``tests/test_compiled.py`` asserts on
 the same records (the compile gate); this script writes them to
 ``benchmarks/results/static/`` as JSON and a Markdown table.

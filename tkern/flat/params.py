@@ -261,7 +261,7 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
             active[i] = self._all_active or view._version != self._zero_versions[k]
         self._split_cohorts(active)
         launches = [self._buffers(s, e, self.steps[c]) for s, e, c in self.ranges(active, self.cohort)]
-        self.plan_version += 1  # new launches: a captured step (tkern.optim.fused.StepGraph) is stale
+        self.plan_version += 1  # new launches: a captured step (tkern.graphs.StepGraphs) is stale
         if all(active[i] for i in self._trainable):
             self._plan = launches
         return launches
