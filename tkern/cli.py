@@ -109,9 +109,10 @@ def _check_writable(option: str, path: str) -> None:
         raise UsageError(f"{option}: {path!r} is not writable")
 
 
-def _train(args: argparse.Namespace) -> int:
+def _check_train_args(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` for ``tkern train`` options that cannot work together
+    or name files that cannot be read or written, before anything trains."""
     from tkern import demo
-    from tkern.checkpoint import CheckpointError
 
     if args.plot:
         _check_writable("--plot", args.plot)
@@ -152,6 +153,13 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError("--fsdp shards the tkern run over --nproc processes: give --nproc 2 or more")
     if args.nproc > 1 and "tkern" not in ((args.only,) if args.only else demo.RUNS):
         raise UsageError(f"--nproc applies to the tkern run, but --only {args.only} leaves it out")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tkern import demo
+    from tkern.checkpoint import CheckpointError
+
+    _check_train_args(args)
     runs = (args.only,) if args.only else demo.RUNS
     cfg = demo.Config(
         epochs=args.epochs,
@@ -224,14 +232,26 @@ def build_parser() -> argparse.ArgumentParser:
         func=_info
     )
 
-    from tkern.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, RUNS, SCALERS, Config
-
-    d = Config()
     train = sub.add_parser(
         "train",
         help="train the digits MLP with tkern, torch fp32 and torch autocast; compare",
         formatter_class=_Help,
     )
+    _add_train_options(train)
+    train.set_defaults(func=_train)
+
+    bench = sub.add_parser("bench", help="run the benchmark scripts (GPU)", formatter_class=_Help)
+    bench.add_argument("which", nargs="?", choices=(*BENCHES, "all"), default="all", help="which benchmark")
+    bench.add_argument("extra", nargs=argparse.REMAINDER, help="passed on to the scripts")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def _add_train_options(train: argparse.ArgumentParser) -> None:
+    """The options of ``tkern train`` (defaults from :class:`tkern.demo.Config`)."""
+    from tkern.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, RUNS, SCALERS, Config
+
+    d = Config()
     lrs = ", ".join(f"{k} {v['lr']:g}" for k, v in OPTIMIZER_DEFAULTS.items())
     train.add_argument("--epochs", type=_positive, default=d.epochs, help="epochs to train")
     train.add_argument("--batch-size", type=_positive, default=d.batch_size, help="samples per step")
@@ -290,13 +310,6 @@ def build_parser() -> argparse.ArgumentParser:
         "once with the reason and trains eager",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
-    train.set_defaults(func=_train)
-
-    bench = sub.add_parser("bench", help="run the benchmark scripts (GPU)", formatter_class=_Help)
-    bench.add_argument("which", nargs="?", choices=(*BENCHES, "all"), default="all", help="which benchmark")
-    bench.add_argument("extra", nargs=argparse.REMAINDER, help="passed on to the scripts")
-    bench.set_defaults(func=_bench)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
