@@ -82,7 +82,7 @@ from tkern.kernels._update import QBLOCK
 from tkern.kernels.overflow import combine_stats
 from tkern.optim.adam import FusedAdam, FusedAdamW
 from tkern.optim.distributed_sync import GradSync, all_gather, bucket_runs
-from tkern.optim.fused import FusedOptimizer, full_signature
+from tkern.optim.fused import FusedOptimizer, document_options, full_signature
 from tkern.optim.local_processes import run_local_processes, teardown_process_group
 from tkern.optim.sgd import FusedSGD
 
@@ -229,7 +229,6 @@ class _Sharded:
             raise ValueError(f"Invalid grad_sync_dtype: {grad_sync_dtype}; expected torch.float32 or None")
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._sync_fp32 = grad_sync_dtype is not None
-        self._more_buckets: dict[int, list[FlatParams]] = {}
         self._constructed = False
 
         if isinstance(params, torch.Tensor):
@@ -257,31 +256,19 @@ class _Sharded:
         _check_ranks_agree(self, lists, error=error)
         return params
 
-    def _make_flat(self, params, indices, group, names, modes) -> FlatParams:
-        """The fused optimizer asks for one flat buffer per kind of param; the sharded one
-        keeps one per bucket of consecutive params (at most ``bucket_mb`` of fp32, a bigger
-        param alone), so that a bucket's reduce-scatter is one contiguous collective whose
-        pieces land in each rank's shard of it. The first is returned; the others wait in
-        ``_more_buckets`` until :meth:`add_param_group` puts them after it."""
+    def _make_flats(
+        self, params: list[torch.Tensor], indices: list[int], group: int, names: tuple[str, ...], modes: dict
+    ) -> list[FlatParams]:
+        """One flat buffer per bucket of consecutive params (at most ``bucket_mb`` of fp32,
+        a bigger param alone), so that a bucket's reduce-scatter is one contiguous
+        collective whose pieces land in each rank's shard of it."""
         align = QBLOCK if modes["state_dtype"] == torch.uint8 else ALIGN
         runs = bucket_runs([round_up(p.numel(), align) for p in params], self._bucket_bytes // 4)
-        flats = [
+        return [
             FlatParams(params[a:b], indices[a:b], group, names, world_size=self._world, rank=self._rank,
                        **{**modes, "seed": (modes["seed"] + 0x9E3779B1 * j) & 0x7FFFFFFF})
             for j, (a, b) in enumerate(runs)
         ]  # fmt: skip
-        self._more_buckets[id(flats[0])] = flats[1:]
-        return flats[0]
-
-    def _place_buckets(self) -> None:
-        """Put the last param group's extra buckets after their first, and hand them all to
-        the gradient sync."""
-        firsts = self._flat[-1]
-        self._flat[-1] = [f for first in firsts for f in (first, *self._more_buckets.pop(id(first)))]
-        for flat in self._flat[-1]:
-            if all(flat is not f for f in firsts):
-                self._refresh_state(flat)
-        self._grads.add(self._flat[-1])
 
     def _finish_setup(self) -> None:
         for flats in self._flat:
@@ -302,7 +289,7 @@ class _Sharded:
         same params; rank 0's values are broadcast)."""
         if not getattr(self, "_constructed", False):
             super().add_param_group(param_group)
-            self._place_buckets()
+            self._grads.add(self._flat[-1])
             return
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
@@ -314,7 +301,7 @@ class _Sharded:
             error = e
         _check_ranks_agree(self, [param_group["params"]], first_group=len(self.param_groups), error=error)
         super().add_param_group(param_group)
-        self._place_buckets()
+        self._grads.add(self._flat[-1])
         for flat in self._flat[-1]:
             self._broadcast(flat)
 
@@ -541,37 +528,42 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
 
     Args:
         params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm,
-            maximize, master, state_dtype, seed: as :class:`~tkern.optim.FusedSGD`
+            maximize, master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedSGD`
             (``max_grad_norm`` clips by the global norm of the mean gradient;
-            the shards hold the compact master and state).
-        process_group: the ranks to shard over; None (default) for the default group.
-        bucket_mb: the gradient buckets' size: at most this many MiB of fp32 (a param
-            bigger than that is a bucket of its own, reduced in pieces of this size).
-        grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
-            None: in their own dtype, each pre-divided by W (half the bytes on the wire
-            for fp16/bf16; each rank's share is rounded once, and shares below the
-            dtype's smallest subnormal times W flush to zero).
-        overlap_grad_sync: True (default): reduce-scatter each bucket from the backward
-            hooks as soon as its gradients are complete, overlapping the communication
-            with the rest of backward; False: every bucket inside ``step()``. The same
-            results, bit for bit.
+            the shards hold the compact master and state; the step's collectives
+            run eager, never as a CUDA graph).
+        {sharding_options}
     """
 
 
 class DistributedFusedAdam(_Sharded, FusedAdam):
     """:class:`~tkern.optim.FusedAdam` sharded across the ranks of a process group
-    (ZeRO-2; see :mod:`tkern.optim.distributed`). Arguments: those of
-    :class:`~tkern.optim.FusedAdam` and the sharding's own, ``process_group``,
-    ``bucket_mb``, ``grad_sync_dtype`` and ``overlap_grad_sync``, as
-    :class:`DistributedFusedSGD`."""
+    (ZeRO-2; see :mod:`tkern.optim.distributed`).
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize,
+            master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedAdam`
+            (``max_grad_norm`` clips by the global norm of the mean gradient;
+            the shards hold the compact master and state; the step's collectives
+            run eager, never as a CUDA graph).
+        {sharding_options}
+    """
 
 
 class DistributedFusedAdamW(_Sharded, FusedAdamW):
     """:class:`~tkern.optim.FusedAdamW` sharded across the ranks of a process group
-    (ZeRO-2; see :mod:`tkern.optim.distributed`). Arguments as
-    :class:`DistributedFusedAdam` (``weight_decay`` defaults to 1e-2)."""
+    (ZeRO-2; see :mod:`tkern.optim.distributed`).
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize,
+            master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedAdamW`
+            (``weight_decay`` defaults to 1e-2; ``max_grad_norm`` clips by the
+            global norm of the mean gradient; the shards hold the compact master
+            and state; the step's collectives run eager, never as a CUDA graph).
+        {sharding_options}
+    """
 
 
 for _cls in (DistributedFusedSGD, DistributedFusedAdam, DistributedFusedAdamW):
-    _cls.__signature__ = _sharded_signature(_cls)
+    document_options(_cls, _sharded_signature(_cls))
 del _cls
