@@ -57,7 +57,6 @@ from tkern.graphs import CudaGraphCapture
 from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats, reduce_stats
 from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
-from tkern.optim.state_io import TorchStateDict
 from tkern.optim.fsdp import DTensorShards, param_storage
 from tkern.optim.graph_step import GraphedStep, step_stamp
 from tkern.optim.hparams import (
@@ -71,6 +70,7 @@ from tkern.optim.hparams import (
 )
 from tkern.optim.report import memory_report
 from tkern.optim.state import ParamState, flat_seed
+from tkern.optim.state_io import TorchStateDict
 
 __all__ = [
     "OPTIONS_DOC",
