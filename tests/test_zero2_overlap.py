@@ -25,7 +25,7 @@ from scenarios import result, run_scenarios
 from torch import nn
 
 import tkern
-import tkern.optim.distributed as zero2
+import tkern.optim.distributed_sync as zero2
 from tkern.flat import grad_is_flat_view
 from tkern.ops import common
 from tkern.optim import DistributedFusedAdamW, DistributedFusedSGD
@@ -101,13 +101,13 @@ def _scenario_identity(rank, world):
 
 def _order_run(rank: int, overlap: bool) -> dict:
     log: list[str] = []
-    issue = zero2._reduce_scatter
+    issue = zero2.reduce_scatter
 
     def logged(*args, **kwargs):
         log.append("reduce_scatter")
         return issue(*args, **kwargs)
 
-    zero2._reduce_scatter = logged
+    zero2.reduce_scatter = logged
     try:
         model = _mlp(torch.float32)
         # registered first, so it runs before the optimizer's hooks on that weight
@@ -119,7 +119,7 @@ def _order_run(rank: int, overlap: bool) -> dict:
         opt.step()
         log.append("step returned")
     finally:
-        zero2._reduce_scatter = issue
+        zero2.reduce_scatter = issue
     return {"log": log, "buckets": sum(map(len, opt.flat_buffers))}
 
 

@@ -70,11 +70,7 @@ this rank's shard (same world size) for models too large to gather.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import gc
 import inspect
-import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -85,7 +81,9 @@ from tkern.flat import ALIGN, FlatParams, alias, describe_param, round_up
 from tkern.kernels._update import QBLOCK
 from tkern.kernels.overflow import combine_stats
 from tkern.optim.adam import FusedAdam, FusedAdamW
-from tkern.optim.fused import FusedOptimizer, full_signature
+from tkern.optim.distributed_sync import GradSync, all_gather, bucket_runs
+from tkern.optim.fused import FusedOptimizer, document_options, full_signature
+from tkern.optim.local_processes import run_local_processes, teardown_process_group
 from tkern.optim.sgd import FusedSGD
 
 __all__ = [
@@ -95,98 +93,6 @@ __all__ = [
     "run_local_processes",
     "teardown_process_group",
 ]
-
-# torch renamed the tensor collectives (all_gather_into_tensor -> all_gather_single); take
-# whichever this torch has.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def teardown_process_group() -> None:
-    """Leave the default process group on every rank, cleanly.
-
-    Garbage that still holds the group (an optimizer or DDP wrapper in a
-    reference cycle) is collected first, the ranks wait for each other, the group
-    is destroyed, and garbage is collected again. So gloo's C++ objects (its
-    worker threads and the work they hold) are destroyed now, while the
-    interpreter is alive: left to the interpreter's finalization, gloo can abort
-    the process with "terminate called without an active exception", depending
-    on when the collector happened to run (about one run in five on a 2-core
-    machine). Call it once per process, after the last collective."""
-    gc.collect()
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-        gc.collect()
-
-
-def _local_process(
-    rank: int, world: int, port: int, backend: str, pg_timeout_s: float, fn: Callable, args: tuple
-) -> None:
-    """One process of :func:`run_local_processes`: join the group through the
-    parent's store, run ``fn``, leave the group cleanly."""
-    timeout = datetime.timedelta(seconds=pg_timeout_s)
-    if backend == "nccl":
-        import torch.cuda
-
-        torch.cuda.set_device(rank)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    del store  # the process group holds it
-    try:
-        fn(rank, world, *args)
-    finally:
-        teardown_process_group()
-
-
-def run_local_processes(
-    fn: Callable,
-    nprocs: int,
-    args: tuple = (),
-    *,
-    backend: str = "gloo",
-    timeout_s: float | None = None,
-    pg_timeout_s: float = 600.0,
-) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``nprocs`` spawned local processes,
-    each a member of one default process group (``backend``: ``"gloo"``, or
-    ``"nccl"`` with one GPU per rank).
-
-    The parent hosts the group's TCPStore on a port the OS assigns when it
-    binds (no free-port guess another process could take first) and keeps it
-    until every process has exited, so no rank ever outlives the store it tears
-    down through. Each process leaves the group with
-    :func:`teardown_process_group`. ``fn`` must be picklable (a module-level
-    function). Every process is joined; with ``timeout_s``, one still alive
-    after it is killed by PID and :class:`TimeoutError` raised. ``pg_timeout_s``
-    is the group's own timeout for a collective. A process that raised or
-    died raises here (torch.multiprocessing's ``ProcessRaisedException`` /
-    ``ProcessExitedException``) after the others are stopped."""
-    import torch.multiprocessing as mp
-
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    timeout = datetime.timedelta(seconds=pg_timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timeout)
-    ctx = mp.start_processes(
-        _local_process,
-        args=(nprocs, store.port, backend, pg_timeout_s, fn, tuple(args)),
-        nprocs=nprocs,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"{nprocs} local processes still running after {timeout_s:.0f} s")
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=10)
-        del store  # only now: every process has exited
 
 
 def _param_list(params: Any) -> list:
@@ -263,170 +169,6 @@ def _check_ranks_agree(
                     )
 
 
-def bucket_runs(sizes: list[int], capacity: int) -> list[tuple[int, int]]:
-    """Consecutive runs ``[a, b)`` of ``sizes`` whose sum stays within ``capacity``
-    (a single size above it is a run of its own)."""
-    runs, start, filled = [], 0, 0
-    for i, n in enumerate(sizes):
-        if i > start and filled + n > capacity:
-            runs.append((start, i))
-            start, filled = i, 0
-        filled += n
-    runs.append((start, len(sizes)))
-    return runs
-
-
-class _BucketHook:
-    """Post-accumulate-grad hook of param ``index`` of a bucket: tells the
-    :class:`_GradSync` (held weakly: a hook never keeps an optimizer alive)."""
-
-    __slots__ = ("sync", "flat", "index")
-
-    def __init__(self, sync: _GradSync, flat: FlatParams, index: int) -> None:
-        self.sync, self.flat, self.index = weakref.ref(sync), weakref.ref(flat), index
-
-    def __call__(self, p: torch.Tensor) -> None:
-        sync, flat = self.sync(), self.flat()
-        if sync is not None and flat is not None:
-            sync.grad_ready(flat, self.index)
-
-
-class _GradSync:
-    """The gradient reduce-scatter of a sharded optimizer, one bucket (one flat
-    buffer) at a time, so that this rank's shard of each bucket ends up holding
-    the mean gradient over the ranks.
-
-    With ``overlap`` a bucket's collective is issued (``async_op=True``) from the
-    post-accumulate-grad hook of the last of its params to get its gradient, while
-    backward goes on with the earlier layers; buckets are issued in one fixed
-    order (the last params' first, as backward reaches them) on every rank, a
-    bucket waiting for the ones before it. At the end of that backward (a callback
-    queued on autograd's engine, as DDP's) every collective is waited for and its
-    result written into this rank's shard: when backward returns the shards hold
-    the mean, as DDP's gradients do, so what is done to ``.grad`` between
-    backward and step (``GradScaler.unscale_``, an edit) acts on the mean.
-    :meth:`finish` (at the start of ``step()``) reduces what the hooks did not
-    (buckets with a param that got no gradient; gradients written by hand).
-    Without ``overlap`` every bucket is issued in :meth:`finish`: the same
-    collectives on the same data, so the same bits.
-    """
-
-    def __init__(self, group: Any, world: int, bucket_bytes: int, sync_fp32: bool, overlap: bool) -> None:
-        self.group, self.world = group, world
-        self.bucket_bytes, self.sync_fp32, self.overlap = bucket_bytes, sync_fp32, overlap
-        #: ``no_sync()`` depth: backward hooks only accumulate while it is positive
-        self.paused = 0
-        #: the buckets in the order they are reduced: the last-built (the last params) first
-        self.buckets: list[FlatParams] = []
-        self._index: dict[int, int] = {}
-        self._members: list[int] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        self._seen: list[set[int]] = [set() for _ in self.buckets]
-        self._next = 0  # buckets[:_next] are reduced (or in flight) for this step
-        self._pending: list[tuple[FlatParams, list]] = []
-        self._queued = False  # the end-of-backward callback of this backward
-
-    def add(self, flats: list[FlatParams]) -> None:
-        """Take the buckets of a new param group (between steps) and hook their params."""
-        self.discard()
-        self.buckets = flats[::-1] + self.buckets
-        self._index = {id(f): k for k, f in enumerate(self.buckets)}
-        self._members = [sum(p.requires_grad for p in f.params) for f in self.buckets]
-        self._reset()
-        if self.overlap and self.world > 1:
-            for flat in flats:  # after the flat buffer's own hooks, which put .grad back as the view
-                for i, p in enumerate(flat.params):
-                    if p.requires_grad:
-                        p.register_post_accumulate_grad_hook(_BucketHook(self, flat, i))
-
-    def grad_ready(self, flat: FlatParams, i: int) -> None:
-        """Param ``i`` of ``flat`` has its gradient of this backward."""
-        k = self._index.get(id(flat))
-        if k is None:
-            return
-        if k < self._next:
-            raise RuntimeError(
-                f"{describe_param(flat.group, flat.indices[i], flat.params[i])}: a second backward reached "
-                "gradients that were reduce-scattered when the first one ended (overlap_grad_sync=True); "
-                "accumulate micro-batches with `with opt.no_sync():` around all but the last backward, or "
-                "pass overlap_grad_sync=False"
-            )
-        if self.paused:
-            return
-        if not self._queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._complete)
-            self._queued = True
-        self._seen[k].add(i)
-        while self._next < len(self.buckets) and len(self._seen[self._next]) == self._members[self._next]:
-            self._issue(self._next)
-
-    def _issue(self, k: int) -> None:
-        with torch.no_grad():
-            self._pending.append((self.buckets[k], self._start(self.buckets[k])))
-        self._next = k + 1
-
-    def _start(self, flat: FlatParams) -> list[tuple[Any, torch.Tensor, int, int]]:
-        """Issue ``flat``'s reduce-scatter (async): ``(work, received, a, b)`` per piece,
-        ``received`` the sum of the ranks' shards for ``[lo + a, lo + b)`` (already
-        divided by W where each rank's gradient was). The gradient buffer is only read."""
-        w, size = self.world, flat.shard_size
-        if not self.sync_fp32 or flat.dtype == torch.float32:
-            # 16-bit gradients summed in their own dtype are divided by W first: each share
-            # <= max / W, so the sum cannot overflow where they are finite
-            send = flat.grad if flat.dtype == torch.float32 else flat.grad / w
-            recv = torch.empty(size, dtype=flat.dtype, device=flat.device)
-            work = _reduce_scatter(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            return [(work, recv, 0, size)]
-        rows = flat.grad.view(w, size)
-        chunk = max(ALIGN, self.bucket_bytes // (4 * w) // ALIGN * ALIGN)
-        pieces = []
-        for a in range(0, size, chunk):
-            b = min(size, a + chunk)
-            send = torch.empty((w, b - a), dtype=torch.float32, device=flat.device)
-            send.copy_(rows[:, a:b])
-            recv = torch.empty(b - a, dtype=torch.float32, device=flat.device)
-            work = _reduce_scatter(recv, send.view(-1), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            pieces.append((work, recv, a, b))
-        return pieces
-
-    def discard(self) -> None:
-        """Wait for what is in flight and drop it (``zero_grad``, a new param group)."""
-        for _, pieces in self._pending:
-            for work, *_ in pieces:
-                work.wait()
-        self._reset()
-
-    def _complete(self) -> None:
-        """Wait for the collectives in flight and write each rank's shard of the mean
-        into the gradient buffers."""
-        self._queued = False
-        with torch.no_grad():
-            for flat, pieces in self._pending:
-                for work, recv, a, b in pieces:
-                    work.wait()
-                    if recv.dtype == torch.float32:
-                        recv.div_(self.world)
-                    flat.grad[flat.lo + a : flat.lo + b].copy_(recv)
-        self._pending = []
-
-    def finish(self) -> None:
-        """Reduce every bucket the hooks did not and wait (a collective)."""
-        if self.world == 1:
-            return
-        while self._next < len(self.buckets):
-            self._issue(self._next)
-        self._complete()
-        self._reset()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A copy is inert: its params carry no hooks and process groups do not travel."""
-        state = dict(self.__dict__)
-        state.update(group=None, world=1, _pending=[])
-        return state
-
-
 class _Sharded:
     """The ZeRO-2 machinery, mixed in before a fused optimizer class (so its hooks
     override the fused optimizer's). The sharded class takes the fused class's
@@ -447,7 +189,7 @@ class _Sharded:
         if not isinstance(overlap_grad_sync, bool):
             raise TypeError(f"overlap_grad_sync must be a bool, got {overlap_grad_sync!r}")
         params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
-        self._grads = _GradSync(self._zero_group, self._world, self._bucket_bytes, self._sync_fp32,
+        self._grads = GradSync(self._zero_group, self._world, self._bucket_bytes, self._sync_fp32,
                                 overlap_grad_sync)  # fmt: skip
         fused.__init__(self, params, *args, **kwargs)
         self._finish_setup()
@@ -487,7 +229,6 @@ class _Sharded:
             raise ValueError(f"Invalid grad_sync_dtype: {grad_sync_dtype}; expected torch.float32 or None")
         self._bucket_bytes = int(bucket_mb * 2**20)
         self._sync_fp32 = grad_sync_dtype is not None
-        self._more_buckets: dict[int, list[FlatParams]] = {}
         self._constructed = False
 
         if isinstance(params, torch.Tensor):
@@ -515,31 +256,19 @@ class _Sharded:
         _check_ranks_agree(self, lists, error=error)
         return params
 
-    def _make_flat(self, params, indices, group, names, modes) -> FlatParams:
-        """The fused optimizer asks for one flat buffer per kind of param; the sharded one
-        keeps one per bucket of consecutive params (at most ``bucket_mb`` of fp32, a bigger
-        param alone), so that a bucket's reduce-scatter is one contiguous collective whose
-        pieces land in each rank's shard of it. The first is returned; the others wait in
-        ``_more_buckets`` until :meth:`add_param_group` puts them after it."""
+    def _make_flats(
+        self, params: list[torch.Tensor], indices: list[int], group: int, names: tuple[str, ...], modes: dict
+    ) -> list[FlatParams]:
+        """One flat buffer per bucket of consecutive params (at most ``bucket_mb`` of fp32,
+        a bigger param alone), so that a bucket's reduce-scatter is one contiguous
+        collective whose pieces land in each rank's shard of it."""
         align = QBLOCK if modes["state_dtype"] == torch.uint8 else ALIGN
         runs = bucket_runs([round_up(p.numel(), align) for p in params], self._bucket_bytes // 4)
-        flats = [
+        return [
             FlatParams(params[a:b], indices[a:b], group, names, world_size=self._world, rank=self._rank,
                        **{**modes, "seed": (modes["seed"] + 0x9E3779B1 * j) & 0x7FFFFFFF})
             for j, (a, b) in enumerate(runs)
         ]  # fmt: skip
-        self._more_buckets[id(flats[0])] = flats[1:]
-        return flats[0]
-
-    def _place_buckets(self) -> None:
-        """Put the last param group's extra buckets after their first, and hand them all to
-        the gradient sync."""
-        firsts = self._flat[-1]
-        self._flat[-1] = [f for first in firsts for f in (first, *self._more_buckets.pop(id(first)))]
-        for flat in self._flat[-1]:
-            if all(flat is not f for f in firsts):
-                self._refresh_state(flat)
-        self._grads.add(self._flat[-1])
 
     def _finish_setup(self) -> None:
         for flats in self._flat:
@@ -560,7 +289,7 @@ class _Sharded:
         same params; rank 0's values are broadcast)."""
         if not getattr(self, "_constructed", False):
             super().add_param_group(param_group)
-            self._place_buckets()
+            self._grads.add(self._flat[-1])
             return
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
@@ -572,7 +301,7 @@ class _Sharded:
             error = e
         _check_ranks_agree(self, [param_group["params"]], first_group=len(self.param_groups), error=error)
         super().add_param_group(param_group)
-        self._place_buckets()
+        self._grads.add(self._flat[-1])
         for flat in self._flat[-1]:
             self._broadcast(flat)
 
@@ -628,7 +357,7 @@ class _Sharded:
             return
         for flats in self._flat:
             for flat in flats:
-                _all_gather(flat.param, flat.param[flat.lo : flat.hi], group=self._zero_group)
+                all_gather(flat.param, flat.param[flat.lo : flat.hi], group=self._zero_group)
 
     # ----------------------------------------------------------- checkpoints
 
@@ -638,7 +367,7 @@ class _Sharded:
             return buf
         send = buf if buf.is_floating_point() else buf.view(torch.uint8)
         full = torch.empty(send.numel() * self._world, dtype=send.dtype, device=buf.device)
-        _all_gather(full, send, group=self._zero_group)
+        all_gather(full, send, group=self._zero_group)
         return full.view(buf.dtype)
 
     def _export(self, flat: FlatParams) -> dict[str, torch.Tensor]:
@@ -799,37 +528,42 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
 
     Args:
         params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm,
-            maximize, master, state_dtype, seed: as :class:`~tkern.optim.FusedSGD`
+            maximize, master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedSGD`
             (``max_grad_norm`` clips by the global norm of the mean gradient;
-            the shards hold the compact master and state).
-        process_group: the ranks to shard over; None (default) for the default group.
-        bucket_mb: the gradient buckets' size: at most this many MiB of fp32 (a param
-            bigger than that is a bucket of its own, reduced in pieces of this size).
-        grad_sync_dtype: ``torch.float32`` (default): the gradients are summed in fp32;
-            None: in their own dtype, each pre-divided by W (half the bytes on the wire
-            for fp16/bf16; each rank's share is rounded once, and shares below the
-            dtype's smallest subnormal times W flush to zero).
-        overlap_grad_sync: True (default): reduce-scatter each bucket from the backward
-            hooks as soon as its gradients are complete, overlapping the communication
-            with the rest of backward; False: every bucket inside ``step()``. The same
-            results, bit for bit.
+            the shards hold the compact master and state; the step's collectives
+            run eager, never as a CUDA graph).
+        {sharding_options}
     """
 
 
 class DistributedFusedAdam(_Sharded, FusedAdam):
     """:class:`~tkern.optim.FusedAdam` sharded across the ranks of a process group
-    (ZeRO-2; see :mod:`tkern.optim.distributed`). Arguments: those of
-    :class:`~tkern.optim.FusedAdam` and the sharding's own, ``process_group``,
-    ``bucket_mb``, ``grad_sync_dtype`` and ``overlap_grad_sync``, as
-    :class:`DistributedFusedSGD`."""
+    (ZeRO-2; see :mod:`tkern.optim.distributed`).
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize,
+            master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedAdam`
+            (``max_grad_norm`` clips by the global norm of the mean gradient;
+            the shards hold the compact master and state; the step's collectives
+            run eager, never as a CUDA graph).
+        {sharding_options}
+    """
 
 
 class DistributedFusedAdamW(_Sharded, FusedAdamW):
     """:class:`~tkern.optim.FusedAdamW` sharded across the ranks of a process group
-    (ZeRO-2; see :mod:`tkern.optim.distributed`). Arguments as
-    :class:`DistributedFusedAdam` (``weight_decay`` defaults to 1e-2)."""
+    (ZeRO-2; see :mod:`tkern.optim.distributed`).
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize,
+            master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedAdamW`
+            (``weight_decay`` defaults to 1e-2; ``max_grad_norm`` clips by the
+            global norm of the mean gradient; the shards hold the compact master
+            and state; the step's collectives run eager, never as a CUDA graph).
+        {sharding_options}
+    """
 
 
 for _cls in (DistributedFusedSGD, DistributedFusedAdam, DistributedFusedAdamW):
-    _cls.__signature__ = _sharded_signature(_cls)
+    document_options(_cls, _sharded_signature(_cls))
 del _cls

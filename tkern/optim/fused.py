@@ -46,38 +46,31 @@ Semantics as torch.optim, with these differences worth knowing:
 from __future__ import annotations
 
 import inspect
-import warnings
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from tkern.flat import FlatParams, check_modes, describe_param
-from tkern.graphs import (
-    EAGER,
-    WARMUP,
-    CaptureError,
-    CudaGraphCapture,
-    GraphCapture,
-    StepGraphs,
-    capture_failed,
-    key_value,
-)
-from tkern.kernels._update import MIN_8BIT_SIZE, PARAM_DTYPES, UpdateBuffers
+from tkern.flat import FlatParams, check_modes
+from tkern.graphs import CudaGraphCapture
+from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats, reduce_stats
 from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
 from tkern.optim.fsdp import DTensorShards, param_storage
-from tkern.optim.state import (
-    SCHEDULER_KEYS,
-    TORCH_BOOKKEEPING,
-    GroupRules,
-    ParamState,
-    export_state,
-    flat_seed,
-    read_state,
-    write_state,
+from tkern.optim.graph_step import GraphedStep, step_stamp
+from tkern.optim.hparams import (
+    OPTIONS_DOC,
+    SHARDING_OPTIONS_DOC,
+    check_nonneg,
+    check_params,
+    common_args,
+    group_scalar,
+    param_group_dict,
 )
+from tkern.optim.report import memory_report
+from tkern.optim.state import ParamState, flat_seed
+from tkern.optim.state_io import TorchStateDict
 
 __all__ = [
     "OPTIONS_DOC",
@@ -87,31 +80,6 @@ __all__ = [
     "full_signature",
     "group_scalar",
 ]
-
-
-def group_scalar(group: dict, key: str, index: int, label: str | None = None) -> float:
-    """A hyperparameter as a float: Python/numpy scalars and 1-element tensors;
-    anything else raises ValueError naming it."""
-    value = group[key]
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            # torch's own words first (torch.optim.Adam: "Tensor lr must be 1-element")
-            raise ValueError(
-                f"Tensor {key} must be 1-element: got shape {tuple(value.shape)} "
-                f"({label or key}, param group {index})"
-            )
-        return float(value.item())
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"Invalid {label or key}: {value!r} (param group {index})") from None
-
-
-def check_nonneg(group: dict, index: int, key: str, label: str) -> float:
-    value = group_scalar(group, key, index, label)
-    if not value >= 0.0:
-        raise ValueError(f"Invalid {label}: {value} (param group {index})")
-    return value
 
 
 def full_signature(cls: type, extra: tuple[inspect.Parameter, ...] = ()) -> inspect.Signature:
@@ -138,27 +106,12 @@ def full_signature(cls: type, extra: tuple[inspect.Parameter, ...] = ()) -> insp
 CudaGraphRunner = CudaGraphCapture
 
 
-def _step_stamp(opt: FusedOptimizer, args: list[dict], found_inf: torch.Tensor | None) -> tuple:
-    """What the step's graph bakes in: the groups' hyperparameters as the kernels take
-    them (a device lr by the tensor the group holds, which replays read in place:
-    :func:`tkern.graphs.key_value`), the planned ranges, whether a GradScaler hands
-    over found_inf."""
-
-    def frozen(group: dict, key: str, value: Any) -> Any:
-        return key_value(group[key] if isinstance(value, torch.Tensor) else value)
-
-    hyper = tuple(
-        tuple(sorted((k, frozen(g, k, v)) for k, v in a.items()))
-        for g, a in zip(opt.param_groups, args, strict=True)
-    )
-    plans = tuple(flat.plan_version for flats in opt.flat_buffers for flat in flats)
-    return hyper, plans, found_inf is not None
-
-
-class FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
     """What FusedSGD/FusedAdam/FusedAdamW share: flat buffers, the two passes,
-    the state_dict. Subclasses name their state buffers, validate their
-    hyperparameters and launch their update kernel."""
+    the state_dict (:class:`~tkern.optim.state_io.TorchStateDict`; the step's CUDA
+    graph: :class:`~tkern.optim.graph_step.GraphedStep`).
+    Subclasses name their state buffers, validate their hyperparameters and launch
+    their update kernel."""
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands over grad_scale and found_inf
     #: SGD's only use of the step count is "first step: the buffer starts as the gradient",
@@ -177,15 +130,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         cuda_graph: bool | None = None,
     ) -> None:
         check_modes(master, state_dtype)
-        if cuda_graph not in (None, True, False):
-            raise TypeError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
-        #: Replay the step as one CUDA graph (None: wherever it can be, i.e. on CUDA).
-        self.cuda_graph = cuda_graph
-        #: Why the last step was not a replay of its graph (None if it was).
-        self.graph_fallback: str | None = None
-        #: What captures and replays the step (:class:`tkern.graphs.CudaGraphCapture`).
-        self.graph_capture: GraphCapture = CudaGraphCapture()
-        self._graph = self._new_graphs()
+        self._init_graphs(cuda_graph)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         self._master, self._state_dtype = master, state_dtype
@@ -243,89 +188,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _validate_group(self, group: dict, index: int) -> dict[str, Any]:
         """Check ``group``'s hyperparameters; return them as the kernel takes them."""
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and lr.device == self._device and lr.numel() == 1:
-            # Read by the kernel where it lies (a view: in-place writes reach the step,
-            # and its graph), with no host sync, so its value is not checked here.
-            lr = lr.detach().reshape(1)
-        else:
-            lr = check_nonneg(group, index, "lr", "learning rate")
-        args = {
-            "lr": lr,
-            "weight_decay": check_nonneg(group, index, "weight_decay", "weight_decay value"),
-        }
-        norm = group.get("max_grad_norm")
-        if norm is not None:
-            norm = group_scalar(group, "max_grad_norm", index)
-            if not norm > 0:
-                raise ValueError(
-                    f"Invalid max_grad_norm value: {norm} (param group {index}); expected > 0 or None"
-                )
-        args["max_grad_norm"] = norm
-        if group.get("maximize", False):
-            args["maximize"] = True
-        return args
+        return common_args(group, index, self._device)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group, moving its params into flat buffers (one per dtype).
         Everything is checked first: a rejected group leaves nothing behind."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         gi = len(self.param_groups)
-        param_group = dict(param_group)
+        param_group = param_group_dict(param_group, self.param_groups)
         params = param_group["params"]
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        elif isinstance(params, set):
-            raise TypeError("optimizer parameters need to be organized in ordered collections, not a set")
-        params = list(params)
-        named = [isinstance(p, tuple) and len(p) == 2 for p in params]
-        if params and all(named):  # named_parameters()
-            param_group["param_names"] = [name for name, _ in params]
-            params = [p for _, p in params]
-        elif any(named):  # torch.optim.Optimizer.add_param_group's check and words
-            raise ValueError(
-                "all optimizer params should be with/without names. Some param names are missing "
-                f"(param group {gi})"
-            )
-        if self.param_groups and ("param_names" in param_group) != ("param_names" in self.param_groups[0]):
-            raise ValueError(
-                "all optimizer param groups should be with/without names. cannot add param group "
-                f"{'with' if 'param_names' in param_group else 'without'} names to the optimizer"
-            )
-        param_group["params"] = params
         seen = {id(p) for g in self.param_groups for p in g["params"]}
-        group_ids: set[int] = set()
-        for pi, p in enumerate(params):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"param {pi} of param group {gi} is a {type(p).__name__}, not a Tensor")
-            name = describe_param(gi, pi, p)
-            if not p.is_leaf:
-                raise ValueError(f"{name} is not a leaf tensor; can't optimize a non-leaf Tensor")
-            if p.is_sparse:
-                raise TypeError(f"{name} is sparse; sparse params are not supported")
-            if p.is_meta:
-                raise ValueError(
-                    f"{name} is on meta: materialize the model (to_empty() and initialise it) "
-                    "before building the optimizer"
-                )
-            if p.dtype not in PARAM_DTYPES:
-                raise TypeError(f"{name}: dtype must be one of {PARAM_DTYPES}")
-            try:
-                check_modes(self._master, self._state_dtype, p.dtype)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-            if id(p) in group_ids:
-                raise ValueError(f"{name} is passed more than once")
-            if id(p) in seen:
-                raise ValueError(f"{name} already belongs to another param group")
-            group_ids.add(id(p))
-            device = self._device if self._device is not None else params[0].device
-            if p.device != device:
-                raise ValueError(
-                    f"{name} is on {p.device}, but earlier params are on {device}; "
-                    "a tkern optimizer keeps all its params on one device"
-                )
+        check_params(params, gi, seen, self._device, self._master, self._state_dtype)
         storage = param_storage(params, gi, self._dtensor_storage, zero=self.shard_group is not None)
         for key, default in self.defaults.items():
             param_group.setdefault(key, default)
@@ -342,11 +214,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             small = self._state_dtype == torch.uint8 and p.numel() < MIN_8BIT_SIZE
             by_kind.setdefault((p.dtype, torch.float32 if small else self._state_dtype), []).append(pi)
         names = self._group_state_names(group)
-        flats = []
-        for (_, state_dtype), idx in by_kind.items():
-            seed = flat_seed(self.seed, sum(map(len, self._flat)), len(flats))
+        flats: list[FlatParams] = []
+        for kind, ((_, state_dtype), idx) in enumerate(by_kind.items()):
+            seed = flat_seed(self.seed, sum(map(len, self._flat)), kind)
             modes = {"master": self._master, "state_dtype": state_dtype, "seed": seed, "storage": storage}
-            flats.append(self._make_flat([group["params"][i] for i in idx], idx, gi, names, modes))
+            flats += self._make_flats([group["params"][i] for i in idx], idx, gi, names, modes)
         self._flat.append(flats)
         if isinstance(storage, DTensorShards):
             self._dtensor_storage = storage
@@ -355,8 +227,12 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._refresh_state(flat)
         self._float8_caches += [c for p in group["params"] if (c := float8_weight_cache(p)) is not None]
 
-    def _make_flat(self, params, indices, group, names, modes) -> FlatParams:
-        return FlatParams(params, indices, group, names, **modes)
+    def _make_flats(
+        self, params: list[torch.Tensor], indices: list[int], group: int, names: tuple[str, ...], modes: dict
+    ) -> list[FlatParams]:
+        """The flat buffers of one kind of param (one dtype and state dtype) of param
+        group ``group``: one here; the sharded optimizers keep one per gradient bucket."""
+        return [FlatParams(params, indices, group, names, **modes)]
 
     def _refresh_state(self, flat: FlatParams) -> None:
         for i, p in enumerate(flat.params):
@@ -433,13 +309,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step
         if found_inf is not None:
             found_inf = found_inf.detach().reshape(1).to(torch.float32)
-        reason = self._graph_blocker()
-        if reason is None:
-            self.grad_stats = self._graphed_step(work, args, inv_scale, found_inf)
-        else:
-            self.graph_fallback = reason
-            self._graph.counts[EAGER] += 1
-            self.grad_stats = self._device_step(work, inv_scale, found_inf)
+        collectives = (self.shard_group, self._process_group, self._dtensor_storage)
+        self.grad_stats = self._run_step(
+            lambda inv, found=None: self._device_step(work, inv, found),
+            inv_scale,
+            found_inf,
+            lambda: step_stamp(self, args, found_inf),
+            self._graph_blocker(any(c is not None for c in collectives), self._device),
+        )
         self._sync_params()
         for flat in self._held_elsewhere:  # FSDP2's local shards: its next all-gather reads them
             flat.write_back()
@@ -490,75 +367,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             stats = sharded if stats is None else reduce_stats(torch.stack([stats, sharded]))
         return stats
 
-    # ----------------------------------------------------------- the step's graph
-
-    @staticmethod
-    def _new_graphs() -> StepGraphs:
-        # one graph (a new stamp drops it); one warm-up: the step that first brings a
-        # stamp runs eager, through the static inputs; the next one with it captures
-        return StepGraphs(CudaGraphCapture(), warmup_steps=1, max_graphs=1)
-
-    @property
-    def graph_runner(self) -> GraphCapture:
-        """:attr:`graph_capture` under its former name."""
-        return self.graph_capture
-
-    @graph_runner.setter
-    def graph_runner(self, seam: GraphCapture) -> None:
-        self.graph_capture = seam
-
-    @property
-    def graph_counts(self) -> Counter[str]:
-        """How the steps ran: ``warmup`` (a new stamp: eager, through the graph's static
-        inputs), ``capture`` (captured, then replayed), ``replay``, ``eager`` (not
-        graphed: :attr:`graph_fallback` says why)."""
-        return self._graph.counts
-
-    def _graph_blocker(self) -> str | None:
-        """Why this step runs eager rather than as a CUDA graph (None: it may be graphed)."""
-        if self.cuda_graph is False:
-            return "cuda_graph=False"
-        collectives = (self.shard_group, self._process_group, self._dtensor_storage)
-        if any(c is not None for c in collectives):
-            return "the step's collectives (process_group, ZeRO-2, FSDP2's mesh) run eager"
-        return self.graph_runner.blocker(self._device)
-
-        if self.shard_group is not None or self._process_group is not None:
-            return "the step's collectives (process_group, ZeRO-2) run eager"
-        return self.graph_capture.blocker(self._device)
-
-    def _graphed_step(
-        self, work: list, args: list[dict], inv_scale: torch.Tensor, found_inf: torch.Tensor | None
-    ) -> torch.Tensor:
-        """:meth:`_device_step` through the step's graph (:class:`tkern.graphs.StepGraphs`):
-        captured when a step's stamp repeats the last one's, replayed while it stays.
-        1 / loss scale and found_inf are copied into static buffers for every step,
-        the eager warm-up included, so the capture launches what the warm-up ran. A
-        capture that fails warns once and turns the graphs off for this optimizer
-        (``TKERN_GRAPH_STRICT=1`` re-raises it)."""
-        inputs = (inv_scale,) if found_inf is None else (inv_scale, found_inf)
-        graphs = self._graph
-        graphs.seam = self.graph_capture
-        try:
-            stats, how = graphs.run(
-                lambda inv, found=None: self._device_step(work, inv, found),
-                inputs,
-                lambda: _step_stamp(self, args, found_inf),
-            )
-        except CaptureError as e:  # any capture failure: eager from now on
-            self.cuda_graph = False
-            self.graph_fallback = f"{capture_failed('the step', e)}; running eager"
-            warnings.warn(f"{type(self).__name__}: {self.graph_fallback}", stacklevel=4)
-            graphs.reset()
-            graphs.counts[EAGER] += 1
-            return self._device_step(work, inv_scale, found_inf)
-        self.graph_fallback = (
-            "the step's launches changed since the last step (it is captured when they repeat)"
-            if how == WARMUP
-            else None
-        )
-        return stats
-
     # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
     # nothing but agree on the statistics when a process_group was given.
 
@@ -592,129 +400,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                 flat.check_storage()
                 flat.reconcile()
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's format: ``{"state": {index: {...}}, "param_groups": [...]}``.
-        Each param's state holds its own ``step`` (a float32 scalar tensor, as
-        torch's), the fp32 ``master`` for half-precision params, and the state
-        buffers (views of the live buffers, shaped like the param). It loads
-        into torch.optim.SGD/Adam/AdamW as well as into this class
-        (:mod:`tkern.optim.state`)."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        out = export_state(
-            self.param_groups, self._flat, self.state, self._export, self._entry, seed=self.seed
-        )
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            result = hook(self, out)
-            if result is not None:
-                out = result
-        return out
-
-    def _export(self, flat: FlatParams) -> dict[str, torch.Tensor]:
-        """``flat``'s master (unless fp32 params or none) and state in fp32, shard-sized
-        (live views of buffers kept in fp32)."""
-        return flat.export_fp32()
-
-    def _entry(self, flat: FlatParams, full: torch.Tensor, i: int) -> torch.Tensor:
-        """Param ``i``'s part of an exported buffer, shaped like it."""
-        return flat.shard_view(full, i)
-
     def memory_report(self) -> dict[str, Any]:
-        """What the optimizer allocates (on this rank), in bytes.
-
-        ``param`` and ``grad`` are the flat buffers the model's params and
-        gradients live in (full size on every rank); ``master`` (half-precision
-        params only: fp32 params are their own master; 2 B/param for a split
-        master, 0 for none) and ``state`` (with the 8-bit state's block absmax)
-        cover this rank's shard. ``numel`` counts the params' elements;
-        ``padded_numel`` the flat buffers' slots: each param is padded to a
-        multiple of 16 elements (256 with uint8 state) and each buffer to a
-        multiple of that times ``world_size``. ``bytes_per_param`` is
-        ``total / numel`` and ``per_param`` each buffer's share: for AdamW on
-        bf16 params 16 (fp32 master and state), 14 (split master), 10 (uint8
-        moments), 8 (split + uint8), 6 (none + uint8), plus padding and 4/256 B
-        of absmax per 8-bit element; sharded over W ranks, master and state
-        divide by W. Not counted: the step-count tensors (4 B per run of params
-        with one step count) and what a step allocates while it runs (the
-        statistics; for the sharded optimizers the reduce-scatter's staging).
-        Over FSDP2's DTensor params every buffer covers this rank's local shards
-        (``numel`` counts their elements; ``world_size`` stays 1, tkern shards
-        them no further); FSDP2's own storage of the shards is not counted.
-        """
-        group = self.shard_group
-        report: dict[str, Any] = {
-            "world_size": 1 if group is None else torch.distributed.get_world_size(group),
-            "rank": 0 if group is None else torch.distributed.get_rank(group),
-            "master_mode": self._master,
-            "state_dtype": self._state_dtype,
-            "numel": 0,
-            "padded_numel": 0,
-        }
-        sizes = dict.fromkeys(("param", "grad", "master", "state"), 0)
-        for flats in self._flat:
-            for flat in flats:
-                report["numel"] += sum(flat.numels)
-                report["padded_numel"] += flat.param.numel()
-                for k, v in flat.nbytes().items():
-                    sizes[k] += v
-        report.update(sizes)
-        report["total"] = sum(sizes.values())
-        numel = report["numel"]
-        report["bytes_per_param"] = report["total"] / numel if numel else 0.0
-        report["per_param"] = {k: v / numel if numel else 0.0 for k, v in sizes.items()}
-        return report
-
-    def extra_state(self) -> dict[Any, Any]:
-        """The entries of ``optimizer.state`` whose key is not a param (put there
-        by a hook or a user): ``state_dict()`` carries them under their own key
-        and ``load_state_dict`` restores them, as torch.optim does."""
-        return {k: v for k, v in self.state.items() if not isinstance(k, torch.Tensor)}
-
-    def _allowed_group_keys(self, group: dict) -> set[str]:
-        return set(self.defaults) | set(group) | TORCH_BOOKKEEPING | SCHEDULER_KEYS
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state_dict of this class, or of torch.optim's counterpart (SGD,
-        Adam, AdamW), over the same params. Everything is checked before
-        anything changes. The params' values are never changed: the loaded
-        master is kept where a param equals it rounded and follows the param
-        elsewhere (so model-then-optimizer and optimizer-then-model both resume
-        bit-exactly). State a torch optimizer never created (a param it never
-        stepped) starts at zero with step 0."""
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        loaded = read_state(state_dict, self.param_groups, self._flat, self._group_rules())
-        if loaded.seed is not None:  # the rounding stream resumes where it was
-            self.seed = loaded.seed & 0x7FFFFFFF
-        for key in self.extra_state():  # as torch: the loaded state replaces the old
-            del self.state[key]
-        self.state.update(loaded.extra)
-        write_state(loaded, self.param_groups, self._flat, self._group_state_names)
-        for flats in self._flat:
-            for flat in flats:
-                self._refresh_state(flat)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-
-    def _group_rules(self) -> GroupRules:
-        """This class's facts about its param groups, for :mod:`tkern.optim.state`."""
-        return GroupRules(
-            owner=type(self).__name__,
-            allowed_keys=self._allowed_group_keys,
-            check_group=self._check_loaded_group,
-            validate_group=self._validate_group,
-            state_names=self._group_state_names,
-            required_state=self._required_state,
-            fresh_state_restarts_count=self._fresh_state_restarts_count,
-        )
-
-    #: State a loaded param's entry must hold once it holds any (Adam's moments).
-    _required_state: tuple[str, ...] = ()
-
-    def _check_loaded_group(self, saved: dict, index: int) -> None:
-        """Raise if a loaded param group cannot be this optimizer's (a subclass's facts)."""
+        """What the optimizer allocates (on this rank), in bytes: the flat buffers'
+        param, grad, master and state bytes, their total and per-param shares
+        (:func:`tkern.optim.report.memory_report` says what each counts)."""
+        return memory_report(self)
 
     # ----------------------------------------------------------- copies
 
@@ -740,41 +430,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._float8_caches = [c for p in params if (c := float8_weight_cache(p)) is not None]
 
 
-#: The arguments every fused optimizer takes beside its torch counterpart's, as each
-#: class's own docstring lists them (``{options}`` in it; see :func:`document_options`).
-OPTIONS_DOC = """max_grad_norm: clip by the global L2 norm of all unscaled gradients of the
-            optimizer (as ``clip_grad_norm_`` would), or None.
-        process_group: all-reduce the step's statistics over this group, so every rank
-            skips the same steps (needed only where ranks' gradients differ); None
-            (default) for none.
-        master: how the fp32 master of fp16/bf16 params is kept:
-            ``"fp32"`` (default; 4 B/param); ``"split"`` (bf16 params only: the param is
-            the master rounded to nearest, ties away from zero, plus a 16-bit remainder,
-            so the master is rebuilt bit for bit what ``"fp32"`` holds; the forward sees
-            the same round-to-nearest weights except on exact ties, 1 value in 65536;
-            2 B/param); or ``"none"`` (no master: the fp32 update is written to the param
-            with stochastic rounding, unbiased, seeded per step and element; 0 B/param).
-            fp32 params are their own master in every mode.
-        state_dtype: ``torch.float32`` (default), ``torch.bfloat16`` (rounded to nearest
-            even) or ``torch.uint8`` (8-bit block-wise quantized with bitsandbytes'
-            dynamic code maps, blocks of 256; params under 4096 elements keep fp32
-            state). ``state_dict()`` converts to and from torch's fp32 format in every mode.
-        seed: the stochastic rounding's seed (``master="none"``); default
-            ``torch.initial_seed()``, so ``torch.manual_seed`` makes runs repeat.
-        cuda_graph: replay the step as one CUDA graph (see :mod:`tkern.graphs`): None
-            (default) wherever it can be (CUDA params, no collectives, not inside another
-            graph's warm-up or capture), True the same, False never. A step that brings
-            new hyperparameters or planned ranges runs eager (a warm-up), the next one
-            with the same is captured, the rest replay; an ``lr`` given as a 1-element
-            tensor on the params' device is read by the kernels, so writing into it in
-            place keeps the graph. ``graph_fallback`` says why the last step was not a
-            replay, ``graph_counts`` how the steps ran."""
-
-
-def document_options(cls: type) -> type:
+def document_options(cls: type, signature: inspect.Signature | None = None) -> type:
     """Class decorator: put :data:`OPTIONS_DOC` into ``cls``'s docstring at ``{options}``
-    and give ``cls`` its whole signature (:func:`full_signature`), so ``help(cls)`` names
-    every argument it takes."""
-    cls.__doc__ = cls.__doc__.replace("{options}", OPTIONS_DOC)
-    cls.__signature__ = full_signature(cls)
+    (and :data:`SHARDING_OPTIONS_DOC`, the sharded optimizers' own arguments, at
+    ``{sharding_options}``) and give ``cls`` its whole signature (``signature``, by
+    default :func:`full_signature`), so ``help(cls)`` names every argument it takes."""
+    doc = cls.__doc__.replace("{options}", OPTIONS_DOC)
+    cls.__doc__ = doc.replace("{sharding_options}", SHARDING_OPTIONS_DOC)
+    cls.__signature__ = full_signature(cls) if signature is None else signature
     return cls
