@@ -3,8 +3,15 @@
 * :func:`setup` parses the common flags and decides the mode: on a CUDA device
   the real sizes are timed and written under ``benchmarks/results/<device>/``;
   with ``--smoke`` tiny sizes run anywhere (through Triton's interpreter on a
-  CPU) to check the code paths, and nothing is written; on a CPU without
-  ``--smoke`` the script says so and exits cleanly.
+  CPU) to check the code paths, and nothing is written unless ``--out`` names a
+  folder (``gpu_check.sh --dry-run`` writes its smoke results to a temporary
+  one); on a CPU without ``--smoke`` the script says so and exits cleanly.
+* :func:`commit` names the code measured: ``$TKERN_COMMIT``, else the file
+  ``.tkern-commit`` at the repository root (``gpu_check.sh stamp`` writes it
+  before a device call, where the copy of the tree has no ``.git``), else git.
+* :class:`GraphCount` counts a fused optimizer's CUDA-graph captures and
+  replays through its public ``graph_runner`` seam; :func:`graph_fields` is
+  what a row records of it (``cuda_graph``, ``graph_fallback``, the counts).
 * :func:`bench` times a callable: median (and 20th/80th percentiles) of
   ``triton.testing.do_bench`` on the GPU.
 * :class:`Results` collects rows, writes ``<name>.json`` (``{"device",
@@ -66,7 +73,9 @@ def setup(
     parser = argparse.ArgumentParser(prog=f"bench_{name}.py", description=description)
     if add_arguments is not None:
         add_arguments(parser)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device, nothing written")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, any device; nothing written unless --out is given"
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="results folder (default benchmarks/results/<device>)"
     )
@@ -79,7 +88,7 @@ def setup(
         )
         sys.exit(0)
     device = torch.device("cuda" if gpu else "cpu")
-    out_dir = None if args.smoke else (args.out or RESULTS / device_slug())
+    out_dir = args.out if args.smoke else (args.out or RESULTS / device_slug())
     return Mode(args.smoke, device, out_dir), args
 
 
@@ -112,11 +121,22 @@ def cublas_tflops(mode: Mode, n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+#: Where ``gpu_check.sh stamp`` writes the commit for a device call (whose copy
+#: of the tree has no ``.git``); untracked and not ignored, so it travels.
+COMMIT_FILE = Path(__file__).resolve().parents[1] / ".tkern-commit"
+
+
 def commit() -> str:
-    """The checkout's commit (short hash, ``+dirty`` with uncommitted changes), or
-    ``unknown`` outside a git checkout: every results file names the code it measured."""
+    """The commit measured (short hash, ``+dirty`` with uncommitted changes):
+    ``$TKERN_COMMIT`` if set, else :data:`COMMIT_FILE` if present, else git; or
+    ``unknown``. Every results file names the code it measured."""
+    import os
     import subprocess
 
+    if os.environ.get("TKERN_COMMIT"):
+        return os.environ["TKERN_COMMIT"].strip()
+    if COMMIT_FILE.is_file() and COMMIT_FILE.read_text().strip():
+        return COMMIT_FILE.read_text().strip()
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(
@@ -128,6 +148,44 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+class GraphCount:
+    """Wraps a fused optimizer's ``graph_runner`` (its documented seam for CUDA
+    graphs) to count the captures and replays of its step: whether a row's
+    step really ran as a graph, beside ``cuda_graph`` and ``graph_fallback``."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.captures = self.replays = 0
+        self._inner = getattr(opt, "graph_runner", None)
+        if self._inner is not None:
+            opt.graph_runner = self
+
+    def blocker(self, device):
+        return self._inner.blocker(device)
+
+    def capture(self, fn):
+        out = self._inner.capture(fn)
+        self.captures += 1
+        return out
+
+    def replay(self, graph) -> None:
+        self._inner.replay(graph)
+        self.replays += 1
+
+
+def graph_fields(owner: object, count: GraphCount | None = None) -> dict:
+    """What a row records of a step's CUDA graph: the ``cuda_graph`` setting of
+    ``owner`` (a fused optimizer or a Trainer; None for torch's), why its last
+    step ran eager (``graph_fallback``, None when it replayed), and with a
+    :class:`GraphCount` the captures and replays so far."""
+    fields = {
+        "cuda_graph": getattr(owner, "cuda_graph", None),
+        "graph_fallback": getattr(owner, "graph_fallback", None),
+    }
+    if count is not None:
+        fields.update(graph_captures=count.captures, graph_replays=count.replays)
+    return fields
 
 
 def geomean(values: list[float]) -> float:
@@ -149,8 +207,9 @@ class Results:
         self.rows: list[dict] = []
         self.meta: dict = {}
 
-    def add(self, case: str, impl: str, ms: float, **extra) -> dict:
-        row = {"case": case, "impl": impl, "ms": round(ms, 5), **extra}
+    def add(self, case: str, impl: str, ms: float | None, **extra) -> dict:
+        """One row; ``ms`` None for a row that was not timed (its ``skipped`` says why)."""
+        row = {"case": case, "impl": impl, "ms": None if ms is None else round(ms, 5), **extra}
         self.rows.append(row)
         return row
 
@@ -165,10 +224,15 @@ class Results:
             "rows": self.rows,
         }
 
-    def ratio(self, case: str, impl: str, baseline: str) -> float:
-        """Speed of ``impl`` relative to ``baseline`` on ``case`` (baseline ms / impl ms)."""
-        ms = {r["impl"]: r["ms"] for r in self.rows if r["case"] == case}
-        return ms[baseline] / ms[impl] if impl in ms and baseline in ms else float("nan")
+    def ms_of(self, case: str, impl: str) -> float:
+        """The ms of ``impl`` on ``case``; nan when it was not timed."""
+        ms = next((r["ms"] for r in self.rows if r["case"] == case and r["impl"] == impl), None)
+        return float("nan") if ms is None else ms
+
+    def ratio(self, case: str, impl: str, baseline: str, baseline_case: str | None = None) -> float:
+        """Speed of ``impl`` relative to ``baseline`` on ``case`` (baseline ms / impl ms;
+        the baseline's row from ``baseline_case`` if given); nan if either is missing."""
+        return self.ms_of(baseline_case or case, baseline) / self.ms_of(case, impl)
 
     def save(self, plot: Callable[[dict, Path], None] | None = None) -> None:
         if self.mode.out_dir is None:
