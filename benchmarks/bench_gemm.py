@@ -188,17 +188,13 @@ def fp8_summary(res: Results, tokens: int, shapes) -> list[str]:
             vs_torch = geomean(
                 [res.ratio(f"fp8 {fmt} {scaling} {tokens}x{n}x{k}", "tkern", "torch") for n, k in shapes]
             )
-            ms = {r["case"]: r["ms"] for r in res.rows if r["impl"] == "torch bf16"}
             vs_bf16 = geomean(
                 [
-                    ms.get(f"fp8 bf16 baseline {tokens}x{n}x{k}", float("nan"))
-                    / next(
-                        (
-                            r["ms"]
-                            for r in res.rows
-                            if r["case"] == f"fp8 {fmt} {scaling} {tokens}x{n}x{k}" and r["impl"] == "tkern"
-                        ),
-                        float("nan"),
+                    res.ratio(
+                        f"fp8 {fmt} {scaling} {tokens}x{n}x{k}",
+                        "tkern",
+                        "torch bf16",
+                        baseline_case=f"fp8 bf16 baseline {tokens}x{n}x{k}",
                     )
                     for n, k in shapes
                 ]
