@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, bar_plot, bench, geomean, setup  # noqa: E402
+from harness import Results, bar_plot, bench, error_line, geomean, setup  # noqa: E402
 
 import tkern  # noqa: E402
 from tkern.kernels.gemm import matmul_tma_persistent  # noqa: E402
@@ -132,7 +132,7 @@ def torch_fp8_mm(scaling: str, a, b, sa, sb) -> Callable[[], torch.Tensor]:
         try:
             fn(output_dtype=torch.bfloat16)
         except Exception as exc:  # noqa: BLE001 - the next layout, then the row's recorded reason
-            errors.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120]}")
+            errors.append(error_line(exc, 120))
             continue
         return functools.partial(fn, output_dtype=torch.bfloat16)
     raise RuntimeError("torch's blockwise scaled_mm refused every scale layout: " + " | ".join(errors))
@@ -172,8 +172,7 @@ def bench_fp8(res: Results, record, mode, tokens: int, shapes) -> None:
                     if not err < FP8_TOL:
                         raise RuntimeError(f"torch's result differs from the reference: rel error {err:.3g}")
                 except Exception as exc:  # noqa: BLE001 - the baseline is missing, say why
-                    reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
-                    res.add(case, "torch", None, fmt=fmt, scaling=scaling, skipped=reason)
+                    res.add(case, "torch", None, fmt=fmt, scaling=scaling, skipped=error_line(exc))
                     continue
                 record(case, "torch", theirs, flops, fmt=fmt, scaling=scaling)
         res.save()

@@ -315,12 +315,16 @@ def markdown(res: Results) -> str:
 
 def main(argv: list[str] | None = None) -> Results:
     parser = argparse.ArgumentParser(prog="bench_host.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="fewer tensors and repeats, nothing written")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="fewer tensors and repeats; nothing written unless --out is given",
+    )
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: see the docstring)")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available() and not tkern.INTERPRET
     device = torch.device("cuda" if gpu else "cpu")
-    out_dir = None if args.smoke else (args.out or RESULTS / (device_slug() if gpu else "host"))
+    out_dir = args.out if args.smoke else (args.out or RESULTS / (device_slug() if gpu else "host"))
     mode = Mode(args.smoke, device, out_dir)
     repeats, loop_s = (3, 0.01) if args.smoke else (7, 0.1)
     # One intra-op thread: the host cost of issuing work, not a CPU's parallel

@@ -58,7 +58,17 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import GraphCount, Mode, Results, bar_plot, bench, copy_bandwidth, graph_fields, setup  # noqa: E402
+from harness import (  # noqa: E402
+    GraphCount,
+    Mode,
+    Results,
+    bar_plot,
+    bench,
+    copy_bandwidth,
+    error_line,
+    graph_fields,
+    setup,
+)  # noqa: E402
 
 import tkern  # noqa: E402
 
@@ -266,8 +276,7 @@ def count_syncs(step, mode, steps: int = SYNC_STEPS) -> float | None:
 
 def _record_failure(failed: list[dict], case: str, impl: str, exc: Exception) -> None:
     traceback.print_exc()
-    lines = str(exc).strip().splitlines()
-    error = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+    error = error_line(exc)
     failed.append({"case": case, "impl": impl, "error": error})
     print(f"{case} {impl}: FAILED ({error}); the other variants go on")
 

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import GraphCount, Results, bar_plot, graph_fields, setup  # noqa: E402
+from harness import GraphCount, Results, bar_plot, error_line, graph_fields, setup  # noqa: E402
 
 import tkern  # noqa: E402
 from tkern import demo  # noqa: E402
@@ -381,10 +381,10 @@ def main(argv: list[str] | None = None) -> Results:
                 res.add(case, recipe, None, skipped="out of memory")
                 continue
             except ImportError as exc:  # an optional peer (torchao) that is not installed
-                res.add(case, recipe, None, skipped=f"{type(exc).__name__}: {exc}")
+                res.add(case, recipe, None, skipped=error_line(exc))
                 continue
             except Exception as exc:  # record it, keep the other recipes' numbers
-                error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}"
+                error = error_line(exc)
                 res.meta["failed"].append({"case": case, "impl": recipe, "error": error})
                 print(f"{case} {recipe}: FAILED ({error}); the other recipes go on")
                 continue

@@ -103,6 +103,41 @@ def bench(fn: Callable[[], object], mode: Mode, rep_ms: int = 100) -> tuple[floa
     return tuple(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, quantiles=list(QUANTILES)))
 
 
+def peak_mib(fn: Callable[[], object], mode: Mode) -> float | None:
+    """MiB that one call of ``fn`` allocates at its peak beyond what was allocated
+    before it (CUDA's caching-allocator statistics); None on a CPU."""
+    if mode.device.type != "cuda":
+        return None
+    fn()  # warm: workspaces, autotuning and caches are not the call's own memory
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
+
+
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` of ``exc``, at most ``limit`` characters:
+    how a row or a ``failed`` entry names what went wrong."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:limit]
+
+
+def missing_api(module: object, names: list[str]) -> list[str]:
+    """The ``names`` that ``module`` lacks (public API a benchmark needs that has
+    not landed), spelled as ``tkern.<name>``."""
+    prefix = getattr(module, "__name__", "?")
+    missing = []
+    for name in names:
+        obj = module
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            missing.append(f"{prefix}.{name}")
+    return missing
+
+
 def copy_bandwidth(mode: Mode, n_bytes: int = 2 << 30) -> float:
     """Device-to-device copy in GB/s, counting the bytes read and written."""
     n = (n_bytes // 4) if not mode.smoke else 1 << 16
