@@ -19,9 +19,10 @@
 # `gpu_check.sh bench NAME` in another call for it.
 #
 # The commit: the device gets a copy of the working tree without .git, so every
-# results file takes its commit from $TKERN_COMMIT, else from .tkern-commit at the
-# repository root (`gpu_check.sh stamp` writes it here; untracked and not ignored,
-# so it travels with the tree), else git (benchmarks/harness.py:commit).
+# results file takes its commit from $TKERN_COMMIT, else git (a checkout), else
+# .tkern-commit at the repository root, which `gpu_check.sh stamp` writes here
+# before the call (untracked and not ignored, so it travels with the tree;
+# benchmarks/harness.py:commit).
 #
 # Packages: the GPU image has torch, triton, pytest, xdist, hypothesis, transformers,
 # matplotlib. torchao (bench_optimizer's AdamW8bit / _AdamW rows, bench_train's

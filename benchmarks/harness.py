@@ -6,9 +6,9 @@
   CPU) to check the code paths, and nothing is written unless ``--out`` names a
   folder (``gpu_check.sh --dry-run`` writes its smoke results to a temporary
   one); on a CPU without ``--smoke`` the script says so and exits cleanly.
-* :func:`commit` names the code measured: ``$TKERN_COMMIT``, else the file
-  ``.tkern-commit`` at the repository root (``gpu_check.sh stamp`` writes it
-  before a device call, where the copy of the tree has no ``.git``), else git.
+* :func:`commit` names the code measured: ``$TKERN_COMMIT``, else git, else
+  (the device's copy of the tree has no ``.git``) the file ``.tkern-commit``
+  that ``gpu_check.sh stamp`` writes at the repository root before the call.
 * :class:`GraphCount` counts a fused optimizer's CUDA-graph captures and
   replays through its public ``graph_runner`` seam; :func:`graph_fields` is
   what a row records of it (``cuda_graph``, ``graph_fallback``, the counts).
@@ -156,32 +156,34 @@ def cublas_tflops(mode: Mode, n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+#: The checkout whose commit :func:`commit` names.
+ROOT = Path(__file__).resolve().parents[1]
 #: Where ``gpu_check.sh stamp`` writes the commit for a device call (whose copy
 #: of the tree has no ``.git``); untracked and not ignored, so it travels.
-COMMIT_FILE = Path(__file__).resolve().parents[1] / ".tkern-commit"
+COMMIT_FILE = ROOT / ".tkern-commit"
 
 
 def commit() -> str:
     """The commit measured (short hash, ``+dirty`` with uncommitted changes):
-    ``$TKERN_COMMIT`` if set, else :data:`COMMIT_FILE` if present, else git; or
-    ``unknown``. Every results file names the code it measured."""
+    ``$TKERN_COMMIT`` if set, else git's answer for :data:`ROOT`, else (no git or
+    no ``.git``: the device's copy of the tree) :data:`COMMIT_FILE`'s, else
+    ``unknown``. Git comes before the file, so a stamp left behind never names
+    a later checkout. Every results file names the code it measured."""
     import os
     import subprocess
 
     if os.environ.get("TKERN_COMMIT"):
         return os.environ["TKERN_COMMIT"].strip()
-    if COMMIT_FILE.is_file() and COMMIT_FILE.read_text().strip():
-        return COMMIT_FILE.read_text().strip()
-    root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        stamp = COMMIT_FILE.read_text().strip() if COMMIT_FILE.is_file() else ""
+        return stamp or "unknown"
     return head + ("+dirty" if dirty else "")
 
 

@@ -207,7 +207,7 @@ def test_graph_count_counts_captures_and_replays_through_the_seam():
     assert count.replays == 3
 
 
-def test_commit_comes_from_the_env_then_the_stamp_file(tmp_path, monkeypatch):
+def test_commit_comes_from_the_env_then_git_then_the_stamp_file(tmp_path, monkeypatch):
     import harness
 
     monkeypatch.setenv("TKERN_COMMIT", "abc1234")
@@ -216,7 +216,12 @@ def test_commit_comes_from_the_env_then_the_stamp_file(tmp_path, monkeypatch):
     stamp = tmp_path / ".tkern-commit"
     stamp.write_text("def5678+dirty\n")
     monkeypatch.setattr(harness, "COMMIT_FILE", stamp)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH, capture_output=True, text=True)
+    assert harness.commit().startswith(head.stdout.strip())  # a checkout: git, not a stale stamp
+    monkeypatch.setattr(harness, "ROOT", tmp_path)  # a copy of the tree without .git, as on the device
     assert harness.commit() == "def5678+dirty"
+    stamp.unlink()
+    assert harness.commit() == "unknown"
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the script measures")
