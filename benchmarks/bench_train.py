@@ -150,10 +150,27 @@ def _torch(
     return Built(torch.compile(model) if compiled else model, opt, scaler, autocast, tf32=allow_tf32)
 
 
+def conv1d_as_linear(model: nn.Module) -> nn.Module:
+    """transformers' GPT-2 ``Conv1D`` layers (weight (in, out)) replaced in place by
+    ``nn.Linear`` layers computing the same function, so that converters that
+    only know ``nn.Linear`` (torchao's) reach GPT-2's GEMMs as tkern's does."""
+    for name, child in list(model.named_children()):
+        if type(child).__name__ == "Conv1D":
+            n_in, n_out = child.weight.shape
+            linear = nn.Linear(n_in, n_out, device=child.weight.device, dtype=child.weight.dtype)
+            with torch.no_grad():
+                linear.weight.copy_(child.weight.t())
+                linear.bias.copy_(child.bias)
+            setattr(model, name, linear)
+        else:
+            conv1d_as_linear(child)
+    return model
+
+
 def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool) -> Built:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    model = copy.deepcopy(base).to(torch.bfloat16)
+    model = conv1d_as_linear(copy.deepcopy(base)).to(torch.bfloat16)
     convert_to_float8_training(
         model, config=Float8LinearConfig(emulate=smoke), module_filter_fn=lambda m, name: fp8_filter(name, m)
     )
@@ -277,6 +294,8 @@ def time_steps(
     return {
         "ms": ms,
         "ms_synced": synced[len(synced) // 2],
+        # layers running fp8 GEMMs (tkern's Float8Linear / Float8Conv1D, torchao's Float8Linear)
+        "fp8_layers": sum("Float8" in type(m).__name__ for m in built.model.modules()),
         "peak_mib": round(peak / 2**20, 1),
         "loss": loss,
         "cuda_graph": built.cuda_graph,

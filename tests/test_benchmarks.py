@@ -117,8 +117,27 @@ def test_dry_run_train_rows_cover_every_recipe_and_record_the_graph(dry_run):
     whole = mlp["tkern whole-step graph"]
     assert whole["cuda_graph"] is True and "cpu" in whole["graph_fallback"]  # on a CPU: eager, and why
     assert mlp["tkern opt eager"]["opt_cuda_graph"] is False
-    gpt2 = {r["impl"] for r in rows if r["case"].startswith("gpt2")}
-    assert gpt2 == set(bench_train.SMOKE_GPT2_RECIPES)
+    gpt2 = {r["impl"]: r for r in rows if r["case"].startswith("gpt2")}
+    assert set(gpt2) == set(bench_train.SMOKE_GPT2_RECIPES)
+    # both fp8 recipes reach GPT-2's GEMMs (tkern's Conv1D, torchao's through conv1d_as_linear)
+    assert gpt2["tkern fp8 tensorwise"]["fp8_layers"] >= 8
+    assert gpt2["torchao float8 tensorwise compiled"]["fp8_layers"] >= 8
+
+
+def test_conv1d_as_linear_computes_the_same_gpt2():
+    """torchao's fp8 recipe converts only nn.Linear: GPT-2's Conv1D layers become
+    Linears with the transposed weight, the same function exactly (the same
+    products and sums: x @ W and x @ (W^T)^T)."""
+    pytest.importorskip("transformers")
+    import bench_train
+
+    torch.manual_seed(0)
+    model = bench_train.GPT2LM(bench_train.GPT2_SMOKE)
+    ids = torch.randint(0, bench_train.GPT2_SMOKE["vocab_size"], (2, 16))
+    ref = model(ids)
+    converted = bench_train.conv1d_as_linear(model)
+    assert not [m for m in converted.modules() if type(m).__name__ == "Conv1D"]
+    torch.testing.assert_close(converted(ids), ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["norm", "loss"])
