@@ -53,7 +53,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS, Mode, Results, commit  # noqa: E402
+from harness import RESULTS, Mode, Results, commit, targets_markdown  # noqa: E402
 
 import tkern  # noqa: E402
 
@@ -246,11 +246,7 @@ def markdown(res: Results, meta: dict) -> str:
             lines.append(f"| {r['impl']} | {r['skipped']} |" + " |" * (len(cols) - 1))
             continue
         lines.append(f"| {r['impl']} | " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
-    lines += ["", "| target | value | bound | met |", "| --- | --- | --- | --- |"]
-    for key, bound in TARGETS.items():
-        value = meta.get(key)
-        met = "not measured" if value is None else ("met" if value <= bound else "missed")
-        lines.append(f"| {key} | {'' if value is None else value} | <= {bound:g} | {met} |")
+    lines += ["", *targets_markdown(meta, TARGETS)]
     return "\n".join(lines) + "\n"
 
 

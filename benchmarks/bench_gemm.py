@@ -211,19 +211,7 @@ def fp8_summary(res: Results, tokens: int, shapes) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> Results:
-    def add_arguments(parser):
-        parser.add_argument(
-            "--sections",
-            default=",".join(SECTIONS),
-            help=f"comma-separated, run in this order (default {','.join(SECTIONS)})",
-        )
-
-    mode, args = setup("gemm", __doc__, argv, add_arguments)
-    sections = [x for x in args.sections.split(",") if x]
-    if set(sections) - set(SECTIONS):
-        raise SystemExit(
-            f"bench_gemm: unknown sections {sorted(set(sections) - set(SECTIONS))}; choose from {SECTIONS}"
-        )
+    mode, args = setup("gemm", __doc__, argv, sections=SECTIONS)
     dev = mode.device
     res = Results("gemm", mode, metric="tflops")
     res.meta["failed"] = []
@@ -254,7 +242,7 @@ def main(argv: list[str] | None = None) -> Results:
         if not mode.smoke:  # cuBLAS; the CPU has no fp16/bf16 matmul worth timing
             record(case, "torch", lambda: a @ b, flops)
 
-    for section in sections:
+    for section in args.sections:
         if section == "fp8":
             bench_fp8(res, record, mode, tokens, fp8_shapes)
         elif section == "square":

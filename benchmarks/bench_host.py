@@ -18,7 +18,7 @@ median is recorded too), on one intra-op thread:
   ``tkern.nn.Float8Linear`` (tensorwise, bf16, same sizes) beside them; and
   ``tkern.linear`` whose weight and bias a ``FusedAdamW`` holds, backward by
   ``.backward()`` as training runs it: the wgrad then goes into the flat
-  gradient buffer (``functional._flat_wgrad``) and autograd accumulates.
+  gradient buffer (``tkern.ops.common.flat_wgrad``) and autograd accumulates.
 
 tkern's rows stub every launch (``kernel[grid](...)`` is a no-op that counts
 launches), so they hold tkern's Python and the torch ops it issues (views,
@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS, Mode, Results, device_name, device_slug  # noqa: E402
+from harness import RESULTS, Mode, Results, device_name, device_slug, targets_markdown  # noqa: E402
 
 import tkern  # noqa: E402
 import tkern.kernels  # noqa: E402
@@ -303,13 +303,8 @@ def markdown(res: Results) -> str:
         f"`own`: tkern.linear minus the `{FLOOR}` row (an autograd.Function that only saves its inputs "
         "and allocates its outputs: what torch charges any custom op).",
         "",
-        "| target (issues 11, 16) | measured | limit | met |",
-        "| --- | --- | --- | --- |",
+        *targets_markdown(meta, TARGETS, "target (issues 11, 16)"),
     ]
-    for key, limit in TARGETS.items():
-        value = meta.get(key)
-        met = "" if value is None else ("yes" if value <= limit else "no")
-        lines.append(f"| {key} | {value} | <= {limit} | {met} |")
     return "\n".join(lines) + "\n"
 
 

@@ -285,10 +285,31 @@ def _finite_or_none(x: float, digits: int = 3) -> float | None:
     return round(x, digits) if x == x and abs(x) != float("inf") else None
 
 
-def _timed(step, mode: Mode) -> tuple[float, float, float, float | None]:
-    """(median, p20, p80 ms, host syncs per step) of ``step``."""
-    ms, lo, hi = bench(step, mode, rep_ms=200)
-    return ms, lo, hi, count_syncs(step, mode)
+def _measure(res: Results, mode: Mode, case: str, impl: str, make: Callable[[], Callable]) -> dict | None:
+    """Build ``make()``'s step, time it and count its host syncs: the row's fields
+    (``ms``, percentiles, syncs, and a tkern step's CUDA-graph fields), or None when
+    it ran out of memory (printed) or raised (listed under ``failed``)."""
+    step = None
+    try:
+        step = make()
+        ms, lo, hi = bench(step, mode, rep_ms=200)
+        fields = {
+            "ms": ms,
+            "syncs_per_step": count_syncs(step, mode),
+            "ms_p20": round(lo, 5),
+            "ms_p80": round(hi, 5),
+        }
+        if isinstance(step, TkernStep):
+            fields.update(step.fields())
+        return fields
+    except torch.OutOfMemoryError:
+        print(f"{case} {impl}: out of memory, skipped")
+    except Exception as exc:  # record it, keep the other variants' numbers
+        _record_failure(res.meta["failed"], case, impl, exc)
+    finally:
+        step = None
+        _release(mode)
+    return None
 
 
 def _release(mode: Mode) -> None:
@@ -300,7 +321,6 @@ def _release(mode: Mode) -> None:
 def run_modes(res: Results, mode: Mode, copy_gbps: float) -> None:
     """Every master= x state_dtype= mode at 100M and 1B params against its byte
     floor, and torchao's 8-bit and stochastic-rounding AdamW beside them."""
-    failed = res.meta["failed"]
     variants: dict[str, tuple[Callable, float, dict]] = {}
     for master in MASTER_MODES:
         for tag, state_dtype in STATE_DTYPES.items():
@@ -330,20 +350,10 @@ def run_modes(res: Results, mode: Mode, copy_gbps: float) -> None:
     for case, n in (SMOKE_MODE_SIZES if mode.smoke else MODE_SIZES).items():
         case = f"modes {case}"
         for impl, (make, floor_bpp, extra) in variants.items():
-            step = None
-            try:
-                step = make([n], mode.device)
-                ms, lo, hi, syncs = _timed(step, mode)
-                graph = step.fields() if isinstance(step, TkernStep) else {}
-            except torch.OutOfMemoryError:
-                print(f"{case} {impl}: out of memory, skipped")
+            row = _measure(res, mode, case, impl, functools.partial(make, [n], mode.device))
+            if row is None:
                 continue
-            except Exception as exc:
-                _record_failure(failed, case, impl, exc)
-                continue
-            finally:
-                step = None
-                _release(mode)
+            ms = row.pop("ms")
             floor_ms = n * floor_bpp / (copy_gbps * 1e9) * 1e3
             gbps = n * floor_bpp / (ms * 1e-3) / 1e9
             res.add(
@@ -356,10 +366,7 @@ def run_modes(res: Results, mode: Mode, copy_gbps: float) -> None:
                 vs_floor=round(ms / floor_ms, 3),
                 gbps=round(gbps, 1),
                 pct_copy=round(100 * gbps / copy_gbps, 1),
-                syncs_per_step=syncs,
-                ms_p20=round(lo, 5),
-                ms_p80=round(hi, 5),
-                **graph,
+                **row,
             )
         res.save()
 
@@ -367,7 +374,6 @@ def run_modes(res: Results, mode: Mode, copy_gbps: float) -> None:
 def run_sizes(res: Results, mode: Mode, copy_gbps: float) -> None:
     """The headline step (fp16 params, scaled) at 1M-1B params and 1000 x 10k
     against torch's (a)-(d); at 1M and 10M tkern with cuda_graph=False beside it."""
-    failed = res.meta["failed"]
     # Real compiles on the GPU; in smoke mode Dynamo's tracing and guards alone
     # (where torch 2.11 crashed), without minutes of Inductor codegen on a CPU.
     backend = "eager" if mode.smoke else "inductor"
@@ -390,38 +396,17 @@ def run_sizes(res: Results, mode: Mode, copy_gbps: float) -> None:
                 # Inductor takes minutes on a 1000-tensor graph; no target needs it.
                 print(f"{case} {impl}: not timed (compile time of a {len(sizes)}-tensor graph)")
                 continue
-            step = None
-            try:
-                step = make(sizes, mode.device)
-                ms, lo, hi, syncs = _timed(step, mode)
-                graph = step.fields() if isinstance(step, TkernStep) else {}
-            except torch.OutOfMemoryError:
-                print(f"{case} {impl}: out of memory, skipped")
+            row = _measure(res, mode, case, impl, functools.partial(make, sizes, mode.device))
+            if row is None:
                 continue
-            except Exception as exc:  # record it, keep the other variants' numbers
-                _record_failure(failed, case, impl, exc)
-                continue
-            finally:
-                step = None
-                _release(mode)
+            ms = row.pop("ms")
             gbps = n * BYTES_PER_PARAM / (ms * 1e-3) / 1e9
-            res.add(
-                case,
-                impl,
-                ms,
-                gbps=round(gbps, 1),
-                pct_copy=round(100 * gbps / copy_gbps, 1),
-                syncs_per_step=syncs,
-                ms_p20=round(lo, 5),
-                ms_p80=round(hi, 5),
-                **graph,
-            )
+            res.add(case, impl, ms, gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1), **row)
         res.save()  # after every case: a later crash or a timeout loses nothing measured
 
 
 def run_overhead(res: Results, mode: Mode) -> None:
     """What loss scaling adds to a step (check + unscale + scale update), and its host syncs."""
-    failed = res.meta["failed"]
     overhead_case = "4k" if mode.smoke else "10M"
     overhead = {
         "tkern": (lambda s, d: tkern_step(s, d, scaled=False), tkern_step),
@@ -439,24 +424,14 @@ def run_overhead(res: Results, mode: Mode) -> None:
     for impl, (bare, scaled) in overhead.items():
         case = f"scaler overhead {overhead_case}"
         label = f"{impl} + {'tkern scaler' if impl == 'tkern' else 'GradScaler'}"
-        try:
-            ms_bare, _, _ = bench(bare(sizes, mode.device), mode)
-            step = scaled(sizes, mode.device)
-            ms_scaled, lo, hi, syncs = _timed(step, mode)
-            graph = step.fields() if isinstance(step, TkernStep) else {}
-        except Exception as exc:
-            _record_failure(failed, case, label, exc)
-            continue
-        res.add(
-            case,
-            label,
-            ms_scaled,
-            overhead_ms=round(ms_scaled - ms_bare, 5),
-            syncs_per_step=syncs,
-            ms_p20=round(lo, 5),
-            ms_p80=round(hi, 5),
-            **graph,
+        row_bare = _measure(
+            res, mode, case, f"{impl} (no scaler)", functools.partial(bare, sizes, mode.device)
         )
+        row = _measure(res, mode, case, label, functools.partial(scaled, sizes, mode.device))
+        if row_bare is None or row is None:
+            continue
+        ms = row.pop("ms")
+        res.add(case, label, ms, overhead_ms=round(ms - row_bare["ms"], 5), **row)
     res.save()
 
 
@@ -517,24 +492,13 @@ def summarize(res: Results, copy_gbps: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> Results:
-    def add_arguments(parser):
-        parser.add_argument(
-            "--sections",
-            default=",".join(SECTIONS),
-            help=f"comma-separated, run in this order (default {','.join(SECTIONS)})",
-        )
-
-    mode, args = setup("optimizer", __doc__, argv, add_arguments)
-    sections = [x for x in args.sections.split(",") if x]
-    unknown = set(sections) - set(SECTIONS)
-    if unknown:
-        raise SystemExit(f"bench_optimizer: unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    mode, args = setup("optimizer", __doc__, argv, sections=SECTIONS)
     res = Results("optimizer", mode, metric="gbps")
     res.meta["failed"] = []  # (case, impl, error) of every variant that raised
     copy_gbps = copy_bandwidth(mode)
     res.meta["copy_gbps"] = round(copy_gbps, 1)
     res.meta["floor_margin"] = FLOOR_MARGIN
-    for section in sections:
+    for section in args.sections:
         if section == "modes":
             run_modes(res, mode, copy_gbps)
         elif section == "sizes":

@@ -67,12 +67,20 @@ def setup(
     description: str,
     argv: list[str] | None = None,
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    sections: tuple[str, ...] = (),
 ) -> tuple[Mode, argparse.Namespace]:
-    """Parse the common flags (and the script's own, from ``add_arguments``);
-    exit cleanly on a CPU without ``--smoke``."""
+    """Parse the common flags (and the script's own, from ``add_arguments``; with
+    ``sections``, ``--sections``: which to run, in order, as a list in
+    ``args.sections``); exit cleanly on a CPU without ``--smoke``."""
     parser = argparse.ArgumentParser(prog=f"bench_{name}.py", description=description)
     if add_arguments is not None:
         add_arguments(parser)
+    if sections:
+        parser.add_argument(
+            "--sections",
+            default=",".join(sections),
+            help=f"comma-separated, run in this order (default {','.join(sections)})",
+        )
     parser.add_argument(
         "--smoke", action="store_true", help="tiny sizes, any device; nothing written unless --out is given"
     )
@@ -80,6 +88,11 @@ def setup(
         "--out", type=Path, default=None, help="results folder (default benchmarks/results/<device>)"
     )
     args = parser.parse_args(argv)
+    if sections:
+        args.sections = [x for x in args.sections.split(",") if x]
+        unknown = sorted(set(args.sections) - set(sections))
+        if unknown:
+            parser.error(f"unknown sections {unknown}; choose from {list(sections)}")
     gpu = torch.cuda.is_available() and not tkern.INTERPRET
     if not gpu and not args.smoke:
         print(
@@ -115,6 +128,17 @@ def peak_mib(fn: Callable[[], object], mode: Mode) -> float | None:
     fn()
     torch.cuda.synchronize()
     return round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
+
+
+def targets_markdown(meta: dict, targets: dict[str, float], title: str = "target") -> list[str]:
+    """Markdown rows of ``value <= bound`` targets read from ``meta``: met, missed
+    or not measured."""
+    lines = [f"| {title} | value | bound | status |", "| --- | --- | --- | --- |"]
+    for key, bound in targets.items():
+        value = meta.get(key)
+        status = "not measured" if value is None else ("met" if value <= bound else "missed")
+        lines.append(f"| {key} | {'' if value is None else value} | <= {bound:g} | {status} |")
+    return lines
 
 
 def error_line(exc: BaseException, limit: int = 300) -> str:
