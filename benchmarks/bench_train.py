@@ -124,10 +124,12 @@ class Built:
     tf32: bool = False
 
 
-def _tkern(base: nn.Module, device: torch.device, *, cuda_graph: bool = False, **opt_options) -> Built:
+def _tkern(base: nn.Module, device: torch.device, *, whole_step: bool = False, **opt_options) -> Built:
+    """tkern's fp16 recipe; ``whole_step``: Trainer(cuda_graph=True); ``opt_options``
+    go to FusedAdamW (``cuda_graph=False``: its step eager)."""
     model = tkern.convert_network(copy.deepcopy(base))
     opt = tkern.optim.FusedAdamW(model.parameters(), lr=LR, **opt_options)
-    return Built(model, opt, tkern.DynamicLossScaler(), cuda_graph=cuda_graph)
+    return Built(model, opt, tkern.DynamicLossScaler(), cuda_graph=whole_step)
 
 
 def _tkern_fp8(base: nn.Module, device: torch.device, recipe: str) -> Built:
@@ -184,7 +186,7 @@ def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool) -> Built
 RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     "tkern": lambda b, d, s: _tkern(b, d),
     "tkern opt eager": lambda b, d, s: _tkern(b, d, cuda_graph=False),
-    "tkern whole-step graph": lambda b, d, s: _tkern(b, d, cuda_graph=True),
+    "tkern whole-step graph": lambda b, d, s: _tkern(b, d, whole_step=True),
     **{f"tkern fp8 {r}": (lambda b, d, s, r=r: _tkern_fp8(b, d, r)) for r in FP8_RECIPES},
     "torch autocast": lambda b, d, s: _torch(b, d, autocast=torch.float16),
     "torch autocast compiled": lambda b, d, s: _torch(b, d, autocast=torch.float16, compiled=True),
