@@ -213,8 +213,9 @@ def commit() -> str:
 
 class GraphCount:
     """Wraps a fused optimizer's ``graph_runner`` (its documented seam for CUDA
-    graphs) to count the captures and replays of its step: whether a row's
-    step really ran as a graph, beside ``cuda_graph`` and ``graph_fallback``."""
+    graphs, a :class:`tkern.graphs.GraphCapture`) to count the captures and replays
+    of its step: whether a row's step really ran as a graph, beside ``cuda_graph``
+    and ``graph_fallback``. Everything else is the wrapped seam's."""
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
         self.captures = self.replays = 0
@@ -222,17 +223,19 @@ class GraphCount:
         if self._inner is not None:
             opt.graph_runner = self
 
-    def blocker(self, device):
-        return self._inner.blocker(device)
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
 
     def capture(self, fn):
-        out = self._inner.capture(fn)
+        """The seam's capture, its replay counted: ``(replay, result)``."""
+        replay, out = self._inner.capture(fn)
         self.captures += 1
-        return out
 
-    def replay(self, graph) -> None:
-        self._inner.replay(graph)
-        self.replays += 1
+        def counted() -> None:
+            self.replays += 1
+            replay()
+
+        return counted, out
 
 
 def graph_fields(owner: object, count: GraphCount | None = None) -> dict:

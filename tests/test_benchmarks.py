@@ -201,16 +201,19 @@ def test_floor_bytes_per_param_of_each_memory_mode():
 
 
 class _StandInRunner:
-    """A CUDA-graph seam that runs the step on capture and on every replay."""
+    """A CUDA-graph seam (tkern.graphs.GraphCapture) that runs the step on warm-up,
+    on capture and on every replay."""
+
+    device_type = DEVICE
 
     def blocker(self, device):
         return None
 
+    def warmup(self, fn):
+        return fn()
+
     def capture(self, fn):
         return fn, fn()
-
-    def replay(self, graph):
-        graph()
 
 
 def test_graph_count_counts_captures_and_replays_through_the_seam():
@@ -222,16 +225,11 @@ def test_graph_count_counts_captures_and_replays_through_the_seam():
     count = harness.GraphCount(opt)
     assert opt.graph_runner is count
     p.grad = torch.ones_like(p)
-    for _ in range(4):  # eager, then the repeat is captured (and replayed), then replays
+    for _ in range(8):  # warm-ups, then one capture, then replays
         opt.step()
     fields = harness.graph_fields(opt, count)
-    assert fields == {
-        "cuda_graph": None,
-        "graph_fallback": None,
-        "graph_captures": 1,
-        "graph_replays": count.replays,
-    }
-    assert count.replays == 3
+    assert fields["graph_fallback"] is None and fields["graph_captures"] == 1
+    assert 1 <= fields["graph_replays"] == count.replays < 8
 
 
 def test_commit_comes_from_the_env_then_git_then_the_stamp_file(tmp_path, monkeypatch):
