@@ -7,18 +7,31 @@ torch's unfused ``F.gelu(F.linear(...))`` under autocast. Each case is checked
 against torch before it is timed. Targets on H100/H200: geometric-mean ratio
 to cuBLAS >= 0.95 over square sizes >= 2048 and over the transformer shapes;
 fused bias+GELU >= 1.1x the unfused path.
+
+fp8 (section ``fp8``, issue 30): ``tkern.scaled_mm`` on the transformer shapes,
+x (tokens, K) times W^T (W (N, K) read in place), for e4m3 x e4m3 and e5m2 x
+e4m3 operands cast by ``tkern.to_float8``, with tensorwise, rowwise and
+DeepSeek-V3 block scales (1x128 for x, 128x128 for W), against
+``torch._scaled_mm`` (tensorwise, rowwise) or ``torch.nn.functional.scaled_mm``
+(``BlockWise1x128`` x ``BlockWise128x128``, where the installed torch takes it:
+a refusal is recorded as the row's ``skipped`` reason) and against a bf16 cuBLAS
+GEMM of the same shape. Each result is checked against the dequantized operands'
+fp32 product first (``FP8_TOL``). Target: >= 0.95x torch's fp8 GEMM.
+``--sections`` picks what runs (default: fp8, transformer, square, linear).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, bar_plot, bench, geomean, setup  # noqa: E402
+from harness import Results, bar_plot, bench, error_line, geomean, setup  # noqa: E402
 
 import tkern  # noqa: E402
 from tkern.kernels.gemm import matmul_tma_persistent  # noqa: E402
@@ -33,6 +46,22 @@ CHECK_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # tkern's two GEMM schedules: the default (one tile per program, pointer loads)
 # and the persistent one with tensor-descriptor (TMA) loads, not yet the default
 GEMMS = {"tkern": tkern.matmul, "tkern tma": matmul_tma_persistent}
+SECTIONS = ("fp8", "transformer", "square", "linear")
+#: (a's dtype, b's dtype) of the fp8 rows: forward (e4m3 x e4m3) and dgrad (e5m2 gradient x e4m3 weight)
+FP8_FORMATS = {
+    "e4m3xe4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
+    "e5m2xe4m3": (torch.float8_e5m2, torch.float8_e4m3fn),
+}
+#: scale granularity -> (x's, W's) as tkern.to_float8 takes it
+FP8_SCALINGS = {
+    "tensorwise": ("tensor", "tensor"),
+    "rowwise": ("row", "row"),
+    "blockwise": ((1, 128), (128, 128)),
+}
+#: max relative error of an fp8 GEMM against the fp32 product of its dequantized
+#: operands: both accumulate in fp32 and round once to bf16 (2^-8 relative), so
+#: the norm-wise error is well under one bf16 rounding
+FP8_TOL = 8e-3
 
 
 def rel(a, b):
@@ -72,15 +101,126 @@ def bench_linear(record, mode, tokens: int, n: int, k: int) -> None:
         record(f"bias+gelu fwd+bwd {shape}", impl, fwd_bwd(gelu), 3 * flops)
 
 
+def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``data.float() * scale`` with any of to_float8's scales (0-dim, per row,
+    per block) expanded to data's shape."""
+    if scale.dim() == 0:
+        return data.float() * scale
+    (m, k), (sm, sk) = data.shape, scale.shape
+    bm, bk = -(-m // sm), -(-k // sk)
+    full = scale.repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
+    return data.float() * full
+
+
+def torch_fp8_mm(scaling: str, a, b, sa, sb) -> Callable[[], torch.Tensor]:
+    """torch's fp8 GEMM for ``scaling`` as a callable: ``torch._scaled_mm`` for
+    tensorwise and rowwise scales; for blocks ``F.scaled_mm`` with BlockWise1x128 /
+    BlockWise128x128, whose scale layouts are tried in the forms torch documents
+    (as given, or outer-dimension-major). Raises what torch raises if none works."""
+    if scaling != "blockwise":
+        return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    def outer_major(t):
+        return t.t().contiguous().t()
+
+    errors = []
+    for sa_, sb_ in ((sa, sb), (outer_major(sa), sb), (outer_major(sa), sb.t().contiguous())):
+        fn = functools.partial(
+            scaled_mm, a, b, sa_, ScalingType.BlockWise1x128, sb_, ScalingType.BlockWise128x128
+        )
+        try:
+            fn(output_dtype=torch.bfloat16)
+        except Exception as exc:  # noqa: BLE001 - the next layout, then the row's recorded reason
+            errors.append(error_line(exc, 120))
+            continue
+        return functools.partial(fn, output_dtype=torch.bfloat16)
+    raise RuntimeError("torch's blockwise scaled_mm refused every scale layout: " + " | ".join(errors))
+
+
+def bench_fp8(res: Results, record, mode, tokens: int, shapes) -> None:
+    """tkern.scaled_mm against torch's fp8 GEMM and a bf16 cuBLAS GEMM, every
+    format and scaling, on x (tokens, K) @ W^T."""
+    dev = mode.device
+    for n, k in shapes:
+        x = torch.randn(tokens, k, device=dev)
+        w = torch.randn(n, k, device=dev) / k**0.5
+        flops = 2 * tokens * n * k
+        shape = f"{tokens}x{n}x{k}"
+        xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+        if not mode.smoke:  # cuBLAS bf16; the CPU has no bf16 matmul worth timing
+            record(f"fp8 bf16 baseline {shape}", "torch bf16", lambda xb=xb, wb=wb: xb @ wb.t(), flops)
+        for fmt, (dtype_a, dtype_b) in FP8_FORMATS.items():
+            for scaling, (gran_a, gran_b) in FP8_SCALINGS.items():
+                case = f"fp8 {fmt} {scaling} {shape}"
+                a, sa = tkern.to_float8(x, dtype_a, gran_a)
+                wq, sw = tkern.to_float8(w, dtype_b, gran_b)
+                b = wq.t()  # (K, N), column-major: W read in place, as torch._scaled_mm wants
+                sb = sw if sw.dim() == 0 else sw.t()
+                ref = dequantize(a, sa) @ dequantize(wq, sw).t()
+                mine = functools.partial(tkern.scaled_mm, a, b, sa, sb, out_dtype=torch.bfloat16)
+                err = rel(mine(), ref)
+                if not err < FP8_TOL:
+                    res.meta["failed"].append(
+                        {"case": case, "impl": "tkern", "error": f"rel error {err:.3g}"}
+                    )
+                    continue
+                record(case, "tkern", mine, flops, fmt=fmt, scaling=scaling)
+                try:
+                    theirs = torch_fp8_mm(scaling, a, b, sa, sb)
+                    err = rel(theirs(), ref)
+                    if not err < FP8_TOL:
+                        raise RuntimeError(f"torch's result differs from the reference: rel error {err:.3g}")
+                except Exception as exc:  # noqa: BLE001 - the baseline is missing, say why
+                    res.add(case, "torch", None, fmt=fmt, scaling=scaling, skipped=error_line(exc))
+                    continue
+                record(case, "torch", theirs, flops, fmt=fmt, scaling=scaling)
+        res.save()
+
+
+def fp8_summary(res: Results, tokens: int, shapes) -> list[str]:
+    """Geomean over the shapes of tkern's speed against torch's fp8 GEMM and
+    against bf16 cuBLAS, per format and scaling, into ``res.meta``."""
+    lines = []
+    for fmt in FP8_FORMATS:
+        for scaling in FP8_SCALINGS:
+            vs_torch = geomean(
+                [res.ratio(f"fp8 {fmt} {scaling} {tokens}x{n}x{k}", "tkern", "torch") for n, k in shapes]
+            )
+            vs_bf16 = geomean(
+                [
+                    res.ratio(
+                        f"fp8 {fmt} {scaling} {tokens}x{n}x{k}",
+                        "tkern",
+                        "torch bf16",
+                        baseline_case=f"fp8 bf16 baseline {tokens}x{n}x{k}",
+                    )
+                    for n, k in shapes
+                ]
+            )
+            for key, value in (
+                (f"fp8_{fmt}_{scaling}_vs_torch", vs_torch),
+                (f"fp8_{fmt}_{scaling}_vs_bf16", vs_bf16),
+            ):
+                res.meta[key] = round(value, 3) if value == value else None
+            lines.append(
+                f"fp8 {fmt} {scaling}: {vs_torch:.3f}x torch's fp8 GEMM (target >= 0.95), "
+                f"{vs_bf16:.3f}x bf16 cuBLAS"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> Results:
-    mode, _ = setup("gemm", __doc__, argv)
+    mode, args = setup("gemm", __doc__, argv, sections=SECTIONS)
     dev = mode.device
     res = Results("gemm", mode, metric="tflops")
-    square = (64, 96) if mode.smoke else SQUARE
+    res.meta["failed"] = []
+    square = (64,) if mode.smoke else SQUARE
     shapes = ((96, 64),) if mode.smoke else TRANSFORMER
+    fp8_shapes = ((128, 128),) if mode.smoke else TRANSFORMER  # a block's K extent is a multiple of 128
     tokens = 32 if mode.smoke else TOKENS
 
-    def record(case, impl, fn, flops):
+    def record(case, impl, fn, flops, **extra):
         ms, lo, hi = bench(fn, mode)
         res.add(
             case,
@@ -89,6 +229,7 @@ def main(argv: list[str] | None = None) -> Results:
             tflops=round(flops / (ms * 1e-3) / 1e12, 2),
             ms_p20=round(lo, 5),
             ms_p80=round(hi, 5),
+            **extra,
         )
 
     def record_mm(case, a, b):
@@ -101,23 +242,29 @@ def main(argv: list[str] | None = None) -> Results:
         if not mode.smoke:  # cuBLAS; the CPU has no fp16/bf16 matmul worth timing
             record(case, "torch", lambda: a @ b, flops)
 
-    for tag, dtype in DTYPES.items():
-        for n in square:
-            record_mm(
-                f"{tag} square {n}",
-                torch.randn(n, n, device=dev).to(dtype),
-                torch.randn(n, n, device=dev).to(dtype),
-            )
-        for n, k in shapes:
-            x = torch.randn(tokens, k, device=dev).to(dtype)
-            w = (torch.randn(n, k, device=dev) / k**0.5).to(dtype)
-            record_mm(f"{tag} mm {tokens}x{n}x{k}", x, w.t())  # x @ W^T, W read in place
+    for section in args.sections:
+        if section == "fp8":
+            bench_fp8(res, record, mode, tokens, fp8_shapes)
+        elif section == "square":
+            for tag, dtype in DTYPES.items():
+                for n in square:
+                    record_mm(
+                        f"{tag} square {n}",
+                        torch.randn(n, n, device=dev).to(dtype),
+                        torch.randn(n, n, device=dev).to(dtype),
+                    )
+        elif section == "transformer":
+            for tag, dtype in DTYPES.items():
+                for n, k in shapes:
+                    x = torch.randn(tokens, k, device=dev).to(dtype)
+                    w = (torch.randn(n, k, device=dev) / k**0.5).to(dtype)
+                    record_mm(f"{tag} mm {tokens}x{n}x{k}", x, w.t())  # x @ W^T, W read in place
+        else:  # linear forward / forward+backward and the fused bias+GELU epilogue, fp16
+            for n, k in shapes:
+                bench_linear(record, mode, tokens, n, k)
+        res.save()  # after every section: a timeout loses only the section in progress
 
-    # linear forward / forward+backward and the fused bias+GELU epilogue, fp16
-    for n, k in shapes:
-        bench_linear(record, mode, tokens, n, k)
-
-    summary = []
+    summary = fp8_summary(res, tokens, fp8_shapes)
     if not mode.smoke:
         for tag in DTYPES:
             for impl in GEMMS:
@@ -140,6 +287,7 @@ def main(argv: list[str] | None = None) -> Results:
             f"fused bias+GELU vs unfused autocast: forward {gelu:.3f}x, "
             f"forward+backward {gelu_bwd:.3f}x (target >= 1.1)"
         )
+    summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]
     res.save(lambda p, path: bar_plot(p, path, "tflops", "TFLOP/s", "tkern GEMM vs cuBLAS"))
     res.print_table(["ms", "tflops"], summary)
     return res

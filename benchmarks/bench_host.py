@@ -18,7 +18,7 @@ median is recorded too), on one intra-op thread:
   ``tkern.nn.Float8Linear`` (tensorwise, bf16, same sizes) beside them; and
   ``tkern.linear`` whose weight and bias a ``FusedAdamW`` holds, backward by
   ``.backward()`` as training runs it: the wgrad then goes into the flat
-  gradient buffer (``functional._flat_wgrad``) and autograd accumulates.
+  gradient buffer (``tkern.ops.common.flat_wgrad``) and autograd accumulates.
 
 tkern's rows stub every launch (``kernel[grid](...)`` is a no-op that counts
 launches), so they hold tkern's Python and the torch ops it issues (views,
@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS, Mode, Results, device_name, device_slug  # noqa: E402
+from harness import RESULTS, Mode, Results, device_name, device_slug, targets_markdown  # noqa: E402
 
 import tkern  # noqa: E402
 import tkern.kernels  # noqa: E402
@@ -303,24 +303,23 @@ def markdown(res: Results) -> str:
         f"`own`: tkern.linear minus the `{FLOOR}` row (an autograd.Function that only saves its inputs "
         "and allocates its outputs: what torch charges any custom op).",
         "",
-        "| target (issues 11, 16) | measured | limit | met |",
-        "| --- | --- | --- | --- |",
+        *targets_markdown(meta, TARGETS, "target (issues 11, 16)"),
     ]
-    for key, limit in TARGETS.items():
-        value = meta.get(key)
-        met = "" if value is None else ("yes" if value <= limit else "no")
-        lines.append(f"| {key} | {value} | <= {limit} | {met} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> Results:
     parser = argparse.ArgumentParser(prog="bench_host.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="fewer tensors and repeats, nothing written")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="fewer tensors and repeats; nothing written unless --out is given",
+    )
     parser.add_argument("--out", type=Path, default=None, help="results folder (default: see the docstring)")
     args = parser.parse_args(argv)
     gpu = torch.cuda.is_available() and not tkern.INTERPRET
     device = torch.device("cuda" if gpu else "cpu")
-    out_dir = None if args.smoke else (args.out or RESULTS / (device_slug() if gpu else "host"))
+    out_dir = args.out if args.smoke else (args.out or RESULTS / (device_slug() if gpu else "host"))
     mode = Mode(args.smoke, device, out_dir)
     repeats, loop_s = (3, 0.01) if args.smoke else (7, 0.1)
     # One intra-op thread: the host cost of issuing work, not a CPU's parallel

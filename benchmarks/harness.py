@@ -3,8 +3,15 @@
 * :func:`setup` parses the common flags and decides the mode: on a CUDA device
   the real sizes are timed and written under ``benchmarks/results/<device>/``;
   with ``--smoke`` tiny sizes run anywhere (through Triton's interpreter on a
-  CPU) to check the code paths, and nothing is written; on a CPU without
-  ``--smoke`` the script says so and exits cleanly.
+  CPU) to check the code paths, and nothing is written unless ``--out`` names a
+  folder (``gpu_check.sh --dry-run`` writes its smoke results to a temporary
+  one); on a CPU without ``--smoke`` the script says so and exits cleanly.
+* :func:`commit` names the code measured: ``$TKERN_COMMIT``, else git, else
+  (the device's copy of the tree has no ``.git``) the file ``.tkern-commit``
+  that ``gpu_check.sh stamp`` writes at the repository root before the call.
+* :class:`GraphCount` counts a fused optimizer's CUDA-graph captures and
+  replays through its public ``graph_runner`` seam; :func:`graph_fields` is
+  what a row records of it (``cuda_graph``, ``graph_fallback``, the counts).
 * :func:`bench` times a callable: median (and 20th/80th percentiles) of
   ``triton.testing.do_bench`` on the GPU.
 * :class:`Results` collects rows, writes ``<name>.json`` (``{"device",
@@ -60,17 +67,32 @@ def setup(
     description: str,
     argv: list[str] | None = None,
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    sections: tuple[str, ...] = (),
 ) -> tuple[Mode, argparse.Namespace]:
-    """Parse the common flags (and the script's own, from ``add_arguments``);
-    exit cleanly on a CPU without ``--smoke``."""
+    """Parse the common flags (and the script's own, from ``add_arguments``; with
+    ``sections``, ``--sections``: which to run, in order, as a list in
+    ``args.sections``); exit cleanly on a CPU without ``--smoke``."""
     parser = argparse.ArgumentParser(prog=f"bench_{name}.py", description=description)
     if add_arguments is not None:
         add_arguments(parser)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any device, nothing written")
+    if sections:
+        parser.add_argument(
+            "--sections",
+            default=",".join(sections),
+            help=f"comma-separated, run in this order (default {','.join(sections)})",
+        )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny sizes, any device; nothing written unless --out is given"
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="results folder (default benchmarks/results/<device>)"
     )
     args = parser.parse_args(argv)
+    if sections:
+        args.sections = [x for x in args.sections.split(",") if x]
+        unknown = sorted(set(args.sections) - set(sections))
+        if unknown:
+            parser.error(f"unknown sections {unknown}; choose from {list(sections)}")
     gpu = torch.cuda.is_available() and not tkern.INTERPRET
     if not gpu and not args.smoke:
         print(
@@ -79,7 +101,7 @@ def setup(
         )
         sys.exit(0)
     device = torch.device("cuda" if gpu else "cpu")
-    out_dir = None if args.smoke else (args.out or RESULTS / device_slug())
+    out_dir = args.out if args.smoke else (args.out or RESULTS / device_slug())
     return Mode(args.smoke, device, out_dir), args
 
 
@@ -92,6 +114,52 @@ def bench(fn: Callable[[], object], mode: Mode, rep_ms: int = 100) -> tuple[floa
         ms = 1e3 * (time.perf_counter() - start)
         return ms, ms, ms
     return tuple(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, quantiles=list(QUANTILES)))
+
+
+def peak_mib(fn: Callable[[], object], mode: Mode) -> float | None:
+    """MiB that one call of ``fn`` allocates at its peak beyond what was allocated
+    before it (CUDA's caching-allocator statistics); None on a CPU."""
+    if mode.device.type != "cuda":
+        return None
+    fn()  # warm: workspaces, autotuning and caches are not the call's own memory
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
+
+
+def targets_markdown(meta: dict, targets: dict[str, float], title: str = "target") -> list[str]:
+    """Markdown rows of ``value <= bound`` targets read from ``meta``: met, missed
+    or not measured."""
+    lines = [f"| {title} | value | bound | status |", "| --- | --- | --- | --- |"]
+    for key, bound in targets.items():
+        value = meta.get(key)
+        status = "not measured" if value is None else ("met" if value <= bound else "missed")
+        lines.append(f"| {key} | {'' if value is None else value} | <= {bound:g} | {status} |")
+    return lines
+
+
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` of ``exc``, at most ``limit`` characters:
+    how a row or a ``failed`` entry names what went wrong."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:limit]
+
+
+def missing_api(module: object, names: list[str]) -> list[str]:
+    """The ``names`` that ``module`` lacks (public API a benchmark needs that has
+    not landed), spelled as ``tkern.<name>``."""
+    prefix = getattr(module, "__name__", "?")
+    missing = []
+    for name in names:
+        obj = module
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            missing.append(f"{prefix}.{name}")
+    return missing
 
 
 def copy_bandwidth(mode: Mode, n_bytes: int = 2 << 30) -> float:
@@ -112,22 +180,76 @@ def cublas_tflops(mode: Mode, n: int = 8192) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+#: The checkout whose commit :func:`commit` names.
+ROOT = Path(__file__).resolve().parents[1]
+#: Where ``gpu_check.sh stamp`` writes the commit for a device call (whose copy
+#: of the tree has no ``.git``); untracked and not ignored, so it travels.
+COMMIT_FILE = ROOT / ".tkern-commit"
+
+
 def commit() -> str:
-    """The checkout's commit (short hash, ``+dirty`` with uncommitted changes), or
-    ``unknown`` outside a git checkout: every results file names the code it measured."""
+    """The commit measured (short hash, ``+dirty`` with uncommitted changes):
+    ``$TKERN_COMMIT`` if set, else git's answer for :data:`ROOT`, else (no git or
+    no ``.git``: the device's copy of the tree) :data:`COMMIT_FILE`'s, else
+    ``unknown``. Git comes before the file, so a stamp left behind never names
+    a later checkout. Every results file names the code it measured."""
+    import os
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
+    if os.environ.get("TKERN_COMMIT"):
+        return os.environ["TKERN_COMMIT"].strip()
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        stamp = COMMIT_FILE.read_text().strip() if COMMIT_FILE.is_file() else ""
+        return stamp or "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+class GraphCount:
+    """Wraps a fused optimizer's ``graph_runner`` (its documented seam for CUDA
+    graphs, a :class:`tkern.graphs.GraphCapture`) to count the captures and replays
+    of its step: whether a row's step really ran as a graph, beside ``cuda_graph``
+    and ``graph_fallback``. Everything else is the wrapped seam's."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.captures = self.replays = 0
+        self._inner = getattr(opt, "graph_runner", None)
+        if self._inner is not None:
+            opt.graph_runner = self
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def capture(self, fn):
+        """The seam's capture, its replay counted: ``(replay, result)``."""
+        replay, out = self._inner.capture(fn)
+        self.captures += 1
+
+        def counted() -> None:
+            self.replays += 1
+            replay()
+
+        return counted, out
+
+
+def graph_fields(owner: object, count: GraphCount | None = None) -> dict:
+    """What a row records of a step's CUDA graph: the ``cuda_graph`` setting of
+    ``owner`` (a fused optimizer or a Trainer; None for torch's), why its last
+    step ran eager (``graph_fallback``, None when it replayed), and with a
+    :class:`GraphCount` the captures and replays so far."""
+    fields = {
+        "cuda_graph": getattr(owner, "cuda_graph", None),
+        "graph_fallback": getattr(owner, "graph_fallback", None),
+    }
+    if count is not None:
+        fields.update(graph_captures=count.captures, graph_replays=count.replays)
+    return fields
 
 
 def geomean(values: list[float]) -> float:
@@ -149,8 +271,9 @@ class Results:
         self.rows: list[dict] = []
         self.meta: dict = {}
 
-    def add(self, case: str, impl: str, ms: float, **extra) -> dict:
-        row = {"case": case, "impl": impl, "ms": round(ms, 5), **extra}
+    def add(self, case: str, impl: str, ms: float | None, **extra) -> dict:
+        """One row; ``ms`` None for a row that was not timed (its ``skipped`` says why)."""
+        row = {"case": case, "impl": impl, "ms": None if ms is None else round(ms, 5), **extra}
         self.rows.append(row)
         return row
 
@@ -165,10 +288,15 @@ class Results:
             "rows": self.rows,
         }
 
-    def ratio(self, case: str, impl: str, baseline: str) -> float:
-        """Speed of ``impl`` relative to ``baseline`` on ``case`` (baseline ms / impl ms)."""
-        ms = {r["impl"]: r["ms"] for r in self.rows if r["case"] == case}
-        return ms[baseline] / ms[impl] if impl in ms and baseline in ms else float("nan")
+    def ms_of(self, case: str, impl: str) -> float:
+        """The ms of ``impl`` on ``case``; nan when it was not timed."""
+        ms = next((r["ms"] for r in self.rows if r["case"] == case and r["impl"] == impl), None)
+        return float("nan") if ms is None else ms
+
+    def ratio(self, case: str, impl: str, baseline: str, baseline_case: str | None = None) -> float:
+        """Speed of ``impl`` relative to ``baseline`` on ``case`` (baseline ms / impl ms;
+        the baseline's row from ``baseline_case`` if given); nan if either is missing."""
+        return self.ms_of(baseline_case or case, baseline) / self.ms_of(case, impl)
 
     def save(self, plot: Callable[[dict, Path], None] | None = None) -> None:
         if self.mode.out_dir is None:

@@ -1,172 +1,382 @@
-"""Render the README's GPU results table from benchmarks/results/<device>/*.json.
+"""The README's results table and the full list of targets, from
+``benchmarks/results/<folder>/*.json`` alone.
 
-    python benchmarks/report.py           # print the table
-    python benchmarks/report.py --write   # replace it in README.md, between the markers
+    python benchmarks/report.py                  # print the README table and the targets list
+    python benchmarks/report.py --write          # README.md (between the markers) and TARGETS.md
+    python benchmarks/report.py --write-targets  # TARGETS.md only
+    python benchmarks/report.py --results DIR    # read another results folder (the dry run's)
 
-Only recorded figures appear; a device folder without a file leaves its cells empty.
+Every target of the project is one :class:`Target` in :data:`TARGETS`: the file
+and key its figure is read from, the bound, and whether it is one of the few
+the README shows. Each is reported as ``met``, ``missed`` or ``not measured``
+(its file or key absent) per device folder; figures without a bound (the
+ceilings, comparisons no target names) are shown as ``figure``. Every value
+names the run it came from (its file's date and commit). GPU folders are those
+holding a file only a GPU run writes; ``results/host/`` holds the CPU-measured
+ones (host time, activation memory).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import operator
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+#: the full met / missed / not-measured list that the README links to
+TARGETS_FILE = RESULTS / "TARGETS.md"
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+#: files only a GPU run writes: a folder holding one is a device's
+GPU_STEMS = frozenset({"ceilings", "gemm", "optimizer", "train", "norm", "loss"})
+CPU_FOLDER = "host"
+OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt}
+MET, MISSED, NOT_MEASURED, FIGURE = "met", "missed", "not measured", "figure"
 
-# (file, key in its JSON, what it is, target). The ceilings come from
-# ceilings.json (benchmarks/harness.py), the one file that measures them.
+
+@dataclass(frozen=True)
+class Target:
+    """One figure of a results file and what it should be.
+
+    Args:
+        stem: the results file (``<stem>.json`` in a results folder).
+        key: the key in that file's top level; a tuple gives older names after
+            the current one (the first present is read).
+        label: what it is, as the tables print it.
+        op, bound: the target (``value op bound``); ``op`` "" for a figure shown
+            without one (a ceiling, a comparison no issue sets a bound on).
+        headline: one of the few rows of the README's table.
+        where: ``"gpu"`` (read in each GPU folder), ``"cpu"`` (in ``results/host``) or both.
+    """
+
+    stem: str
+    key: str | tuple[str, ...]
+    label: str
+    op: str = ""
+    bound: float | None = None
+    headline: bool = False
+    where: tuple[str, ...] = ("gpu",)
+
+    def names(self) -> tuple[str, ...]:
+        return self.key if isinstance(self.key, tuple) else (self.key,)
+
+    def goal(self) -> str:
+        return "" if not self.op else f"{self.op} {self.bound:g}"
+
+    def judge(self, value: float | None) -> str:
+        if not self.op:
+            return FIGURE if value is not None else NOT_MEASURED
+        if value is None:
+            return NOT_MEASURED
+        return MET if OPS[self.op](value, self.bound) else MISSED
+
+
 # The models bench_train.py times: (case as it names it, label here).
 TRAIN_MODELS = [
-    ("mlp 784-4096-10, batch 8192", "2-layer MLP"),
-    ("mlp 8x4096, batch 8192", "8 x 4096 MLP"),
     ("gpt2-small, seq 1024, batch 16", "GPT-2 small"),
+    ("mlp 8x4096, batch 8192", "8 x 4096 MLP"),
+    ("mlp 784-4096-10, batch 8192", "2-layer MLP"),
 ]
+FP8_FORMATS = ("e4m3xe4m3", "e5m2xe4m3")
+FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+OPT_MODES = [(m, s) for m in ("fp32", "split", "none") for s in ("fp32", "bf16", "uint8")]
 
-HEADLINES = [
-    (
+#: Every target (issue 30 item 4, and the earlier issues' that still stand), in one place.
+TARGETS: list[Target] = [
+    Target("ceilings", "copy_gbps", "device copy bandwidth, GB/s (read + write)", headline=True),
+    Target("ceilings", "cublas_fp16_8192_tflops", "cuBLAS fp16 8192^3, TFLOP/s", headline=True),
+    # GEMM
+    Target(
         "gemm",
         "fp16_square_ge2048_vs_cublas",
-        "GEMM fp16 / cuBLAS, geomean of square sizes >= 2048",
-        ">= 0.95x",
+        "GEMM fp16 / cuBLAS, squares >= 2048 (geomean)",
+        ">=",
+        0.95,
+        True,
     ),
-    (
+    Target(
         "gemm",
         "fp16_transformer_vs_cublas",
-        "GEMM fp16 / cuBLAS, geomean of the transformer shapes (M = 8192)",
-        ">= 0.95x",
+        "GEMM fp16 / cuBLAS, transformer shapes (geomean)",
+        ">=",
+        0.95,
+        True,
     ),
-    (
-        "gemm",
-        "bf16_square_ge2048_vs_cublas",
-        "GEMM bf16 / cuBLAS, geomean of square sizes >= 2048",
-        ">= 0.95x",
+    Target("gemm", "bf16_square_ge2048_vs_cublas", "GEMM bf16 / cuBLAS, squares >= 2048", ">=", 0.95),
+    Target("gemm", "bf16_transformer_vs_cublas", "GEMM bf16 / cuBLAS, transformer shapes", ">=", 0.95),
+    Target(
+        "gemm", "fp16_tma_square_ge2048_vs_cublas", "the persistent TMA kernel alone, fp16 squares >= 2048"
     ),
-    (
-        "gemm",
-        "bf16_transformer_vs_cublas",
-        "GEMM bf16 / cuBLAS, geomean of the transformer shapes",
-        ">= 0.95x",
+    Target(
+        "gemm", "fp16_tma_transformer_vs_cublas", "the persistent TMA kernel alone, fp16 transformer shapes"
     ),
-    (
-        "gemm",
-        "fp16_tma_square_ge2048_vs_cublas",
-        "the same, persistent TMA schedule (matmul_tma_persistent: every shape)",
-        ">= 0.95x",
-    ),
-    ("gemm", "fp16_tma_transformer_vs_cublas", "transformer shapes, persistent TMA schedule", ">= 0.95x"),
-    (
+    *[
+        Target(
+            "gemm",
+            f"fp8_{fmt}_{scaling}_vs_torch",
+            f"fp8 scaled_mm {fmt} {scaling} / torch's fp8 GEMM, transformer shapes",
+            ">=",
+            0.95,
+            headline=(fmt, scaling) == ("e4m3xe4m3", "tensorwise"),
+        )
+        for fmt in FP8_FORMATS
+        for scaling in FP8_SCALINGS
+    ],
+    *[
+        Target("gemm", f"fp8_{fmt}_{scaling}_vs_bf16", f"fp8 scaled_mm {fmt} {scaling} / bf16 cuBLAS")
+        for fmt in FP8_FORMATS
+        for scaling in FP8_SCALINGS
+    ],
+    Target(
         "gemm",
         "fused_bias_gelu_fwd_speedup",
-        "linear + bias + GELU fused vs torch unfused (autocast), forward",
-        ">= 1.1x",
+        "linear + bias + GELU fused / torch unfused, forward",
+        ">=",
+        1.1,
+        True,
     ),
-    ("gemm", "fused_bias_gelu_fwd_bwd_speedup", "the same, forward + backward", ""),
-    ("ceilings", "copy_gbps", "device copy bandwidth, GB/s (read + write)", "ceiling"),
-    ("ceilings", "cublas_fp16_8192_tflops", "cuBLAS fp16 8192^3, TFLOP/s", "ceiling"),
-    ("optimizer", "100M_pct_copy", "AdamW step at 100M params, % of copy bandwidth (30 B/param)", ">= 85%"),
-    ("optimizer", "1B_pct_copy", "AdamW step at 1B params, % of copy bandwidth", ">= 85%"),
-    ("optimizer", "1M_vs_a", "optimizer + scaler step at 1M vs GradScaler + AdamW(fused=True)", ">= 1.0x"),
-    ("optimizer", "10M_vs_a", "the same at 10M", ">= 1.0x"),
-    ("optimizer", "100M_vs_a", "the same at 100M", ">= 1.5x"),
-    ("optimizer", "1B_vs_a", "the same at 1B", ">= 1.5x"),
-    ("optimizer", "100M_vs_d", "step at 100M vs torch.compile'd master-weights recipe", "> 1x"),
-    ("optimizer", "many_small_vs_a", "1000 tensors of 10k vs GradScaler + AdamW(fused=True)", ""),
-    ("optimizer", "many_small_vs_b", "1000 tensors of 10k vs GradScaler + AdamW(foreach=True)", ">= 3x"),
-    (
+    Target("gemm", "fused_bias_gelu_fwd_bwd_speedup", "the same, forward + backward"),
+    # optimizer
+    *[
+        Target(
+            "optimizer",
+            f"{size}_vs_a",
+            f"optimizer + scaler step at {size} / GradScaler + AdamW(fused=True)",
+            ">=",
+            1.5 if size in ("100M", "1B") else 1.0,
+            headline=size in ("1M", "1B"),
+        )
+        for size in ("1M", "10M", "100M", "1B")
+    ],
+    Target("optimizer", "many_small_vs_a", "1000 tensors of 10k / GradScaler + AdamW(fused=True)", ">=", 1.0),
+    Target(
+        "optimizer", "many_small_vs_b", "1000 tensors of 10k / GradScaler + AdamW(foreach=True)", ">=", 3.0
+    ),
+    Target("optimizer", "100M_pct_copy", "AdamW step at 100M, % of copy bandwidth (30 B/param)", ">=", 85),
+    Target("optimizer", "1B_pct_copy", "AdamW step at 1B, % of copy bandwidth", ">=", 85),
+    Target("optimizer", "100M_vs_d", "step at 100M / torch.compile'd master-weights recipe", ">", 1.0),
+    Target("optimizer", "1M_graph_vs_eager", "graphed step / cuda_graph=False at 1M"),
+    Target("optimizer", "10M_graph_vs_eager", "graphed step / cuda_graph=False at 10M"),
+    *[
+        Target(
+            "optimizer",
+            f"{size}_{master}_{state}_vs_floor",
+            f"master={master} state={state} at {size}: time / its byte floor",
+            "<=",
+            1.1,
+        )
+        for size in ("100M", "1B")
+        for master, state in OPT_MODES
+    ],
+    *[
+        Target(
+            "optimizer",
+            f"{size}_none_vs_torchao_{tag}",
+            f"master=none state={state} at {size} / torchao {peer}",
+        )
+        for size in ("100M", "1B")
+        for tag, state, peer in (
+            ("adamw8bit", "uint8", "AdamW8bit"),
+            ("adamw_sr", "bf16", "_AdamW(bf16_stochastic_round=True)"),
+        )
+    ],
+    # host time (bench_host: on a GPU machine with CUDA tensors, on a CPU machine with CPU tensors)
+    Target(
         "host",
         "step_us_per_tensor_1000",
-        "FusedAdamW.step host time per param tensor at 1000 tensors, us (launches stubbed)",
-        "<= 1",
+        "FusedAdamW.step host time per tensor at 1000 tensors, us (launches stubbed)",
+        "<=",
+        1.0,
+        where=("gpu", "cpu"),
     ),
-    (
+    Target(
         "host",
         "linear_fwd_own_us",
-        "tkern.linear forward: its own host time, us (launches stubbed; beyond an autograd.Function's)",
-        "<= 10",
+        "tkern.linear forward, own host time, us",
+        "<=",
+        10.0,
+        where=("gpu", "cpu"),
     ),
-    (
+    Target(
         "host",
         "linear_bwd_own_us",
-        "tkern.linear backward: its own host time, us (launches stubbed; beyond an autograd.Function's)",
-        "<= 20",
+        "tkern.linear backward, own host time, us",
+        "<=",
+        20.0,
+        where=("gpu", "cpu"),
     ),
+    # training step
     *[
         row
         for model, label in TRAIN_MODELS
         for row in (
-            (
+            Target(
                 "train",
                 # the key before bench_train named its recipes "torch ...": "vs autocast"
                 (f"{model}: vs torch autocast", f"{model}: vs autocast"),
-                f"training step, {label}, vs autocast + GradScaler",
-                ">= 1.2x",
+                f"training step, {label} / autocast + GradScaler",
+                ">=",
+                1.2,
+                headline=True,
             ),
-            (
+            Target(
                 "train",
                 f"{model}: vs torch autocast compiled",
-                "the same vs autocast under torch.compile",
-                ">= 1.0x",
+                f"training step, {label} / autocast under torch.compile",
+                ">=",
+                1.0,
+                headline=label == "GPT-2 small",
             ),
-            ("train", f"{model}: peak vs autocast", "peak memory vs autocast's", "<= 0.9x"),
+            Target(
+                "train", f"{model}: peak vs autocast", f"peak memory, {label} / autocast's", "<=", 0.9, True
+            ),
+            Target(
+                "train", f"{model}: whole-step graph vs tkern", f"{label}: Trainer(cuda_graph=True) / tkern"
+            ),
         )
     ],
+    *[
+        Target(
+            "train",
+            f"gpt2-small, seq 1024, batch 16: fp8 {r} vs autocast bf16",
+            f"fp8 {r} training step, GPT-2 small / bf16 autocast",
+            ">=",
+            1.4,
+            headline=r == "tensorwise",
+        )
+        for r in FP8_RECIPES
+    ],
+    Target(
+        "train",
+        "gpt2-small, seq 1024, batch 16: fp8 tensorwise vs torchao float8",
+        "fp8 tensorwise, GPT-2 small / torchao Float8Linear compiled",
+    ),
+    # norms and loss (issue 28): figures until an issue sets bounds
+    Target("norm", "layer_norm_fwd_bwd_vs_torch", "layer_norm fwd + bwd / torch (autocast path)"),
+    Target("norm", "rms_norm_fwd_bwd_vs_torch", "rms_norm fwd + bwd / torch (autocast path)"),
+    Target("loss", "cross_entropy_fwd_bwd_vs_torch", "cross_entropy fwd + bwd / torch on logits.float()"),
+    Target("loss", "linear_cross_entropy_fwd_bwd_vs_torch", "linear_cross_entropy fwd + bwd / torch unfused"),
+    Target("loss", "linear_cross_entropy_peak_vs_torch", "linear_cross_entropy peak memory / torch unfused"),
+    # activation memory, measured on a CPU (bench_activation_memory.py)
+    Target(
+        "activation_memory",
+        "norms_saved_vs_autocast",
+        "GPT-2 norm layers' saved bytes, tkern + norms / autocast",
+        "<=",
+        0.55,
+        True,
+        where=("cpu",),
+    ),
+    Target(
+        "activation_memory",
+        "loss_largest_vs_fp32_logits",
+        "largest tensor of the fused loss / the fp32 logits",
+        "<=",
+        0.125,
+        True,
+        where=("cpu",),
+    ),
 ]
 
 
 def load(results: Path) -> dict[str, dict[str, dict]]:
-    """{device folder: {file stem: payload}}; a folder is a device's when it holds
-    a file that only a GPU run writes (``results/host/`` and ``results/static/`` do not)."""
-    stems = {"ceilings", "gemm", "optimizer", "train"}  # what only a GPU run writes
+    """{folder: {file stem: payload}} for every GPU folder and the CPU folder."""
     out: dict[str, dict[str, dict]] = {}
     if results.is_dir():
         for path in sorted(results.glob("*/*.json")):
             out.setdefault(path.parent.name, {})[path.stem] = json.loads(path.read_text())
-    return {folder: files for folder, files in out.items() if stems & files.keys()}
+    return {f: files for f, files in out.items() if f == CPU_FOLDER or GPU_STEMS & files.keys()}
 
 
-def run_of(payload: dict, value) -> str:
-    """Which run a row's figure came from: its file's date and commit."""
-    if value is None:
-        return ""
+def run_of(payload: dict) -> str:
+    """Which run a figure came from: its file's date and commit."""
     return f"{payload.get('date', '?')}, commit {payload.get('commit', 'not recorded')}"
 
 
-def render(results: Path = RESULTS) -> str:
+def evaluate(files: dict[str, dict], where: str) -> list[tuple[Target, float | None, str, str]]:
+    """(target, value, status, run) of every target read in a folder of kind ``where``."""
+    rows = []
+    for t in TARGETS:
+        if where not in t.where:
+            continue
+        payload = files.get(t.stem, {})
+        value = next((payload[k] for k in t.names() if payload.get(k) is not None), None)
+        rows.append((t, value, t.judge(value), run_of(payload) if value is not None else ""))
+    return rows
+
+
+def _counts(rows) -> str:
+    statuses = [s for _, _, s, _ in rows if s != FIGURE]
+    return ", ".join(f"{statuses.count(s)} {s}" for s in (MET, MISSED, NOT_MEASURED))
+
+
+def _folders(results: Path) -> list[tuple[str, str, dict]]:
+    """(folder, "gpu" or "cpu", files), GPU folders first; an empty GPU entry
+    when no GPU run has been recorded, so every GPU target shows as not measured."""
     data = load(results)
-    if not data:
-        return (
-            "No GPU results have been measured yet: `benchmarks/results/` holds none. A session with an\n"
-            "H100 or H200 runs `benchmarks/gpu_check.sh`, commits what it writes, and regenerates this\n"
-            "table with `python benchmarks/report.py --write`."
-        )
+    gpu = [(f, "gpu", files) for f, files in data.items() if f != CPU_FOLDER]
+    if not gpu:
+        gpu = [("(no GPU run)", "gpu", {})]
+    return gpu + [(CPU_FOLDER, "cpu", data.get(CPU_FOLDER, {}))]
+
+
+def _heading(folder: str, files: dict) -> str:
+    if not files:
+        return f"**{folder}**: nothing measured yet (a GPU session runs `benchmarks/gpu_check.sh`)."
+    p = next(iter(files.values()))
+    commits = sorted({f.get("commit", "not recorded") for f in files.values()})
+    return (
+        f"**{p.get('device', folder)}** (`benchmarks/results/{folder}/`; torch {p.get('torch')}, "
+        f"triton {p.get('triton')}; commit{'s' if len(commits) > 1 else ''} {', '.join(commits)})"
+    )
+
+
+def _table(rows, with_status: bool = True) -> list[str]:
+    lines = ["| measure | value | target | status | run |", "| --- | --- | --- | --- | --- |"]
+    for t, value, status, run in rows:
+        lines.append(f"| {t.label} | {'' if value is None else value} | {t.goal()} | {status} | {run} |")
+    return lines
+
+
+def render(results: Path = RESULTS, targets_link: str = "benchmarks/results/TARGETS.md") -> str:
+    """The README's table: per folder its headline rows and the count of targets
+    met / missed / not measured, the full list linked."""
     lines = []
-    for folder, files in data.items():
-        any_payload = next(iter(files.values()))
-        lines.append(
-            f"**{any_payload['device']}** (torch {any_payload['torch']}, triton {any_payload['triton']}, "
-            f"{any_payload['date']}; `benchmarks/results/{folder}/`). fp16 unless named; "
-            "ratios are speed (higher is better)."
-        )
+    for folder, where, files in _folders(results):
+        rows = evaluate(files, where)
+        lines.append(f"{_heading(folder, files)} Targets: {_counts(rows)} ([all]({targets_link})).")
         lines.append("")
-        lines.append("| measure | value | target | run |")
-        lines.append("| --- | --- | --- | --- |")
-        for stem, key, label, target in HEADLINES:
-            payload = files.get(stem, {})
-            keys = key if isinstance(key, tuple) else (key,)
-            value = next((payload[k] for k in keys if payload.get(k) is not None), None)
-            lines.append(
-                f"| {label} | {'' if value is None else value} | {target} | {run_of(payload, value)} |"
-            )
+        headline = [r for r in rows if r[0].headline]
+        if files and headline:
+            lines += _table(headline)
+            lines.append("")
         for stem, payload in files.items():
             for f in payload.get("failed", []):
-                lines.append("")
                 lines.append(f"`bench_{stem}.py` failed on {f['case']}, {f['impl']}: `{f['error']}`")
-        lines.append("")
+                lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def render_targets(results: Path = RESULTS) -> str:
+    """Every target of every folder, met / missed / not measured (TARGETS.md)."""
+    lines = [
+        "# Targets: met, missed, not measured",
+        "",
+        "Generated by `python benchmarks/report.py --write` from `benchmarks/results/*/*.json` alone;",
+        "the targets are `TARGETS` in `benchmarks/report.py`. Ratios are speed (higher is better)",
+        "unless the measure says time or memory; `figure` rows have no bound.",
+        "",
+    ]
+    for folder, where, files in _folders(results):
+        rows = evaluate(files, where)
+        lines += [f"## {folder}", "", f"{_heading(folder, files)} Targets: {_counts(rows)}.", ""]
+        lines += _table(rows)
+        lines.append("")
+    return "\n".join(lines)
 
 
 def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
@@ -177,16 +387,28 @@ def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
     readme.write_text(pattern.sub(lambda _: f"{START}\n{text}\n{END}", content))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
-    args = parser.parse_args()
-    text = render()
+    parser.add_argument(
+        "--write", action="store_true", help="replace the table in README.md and write TARGETS.md"
+    )
+    parser.add_argument("--write-targets", action="store_true", help="write TARGETS.md only")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder to read")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the README --write rewrites")
+    parser.add_argument("--targets-file", type=Path, default=None, help="default: <results>/TARGETS.md")
+    args = parser.parse_args(argv)
+    table, targets = render(args.results), render_targets(args.results)
+    targets_file = args.targets_file or args.results / TARGETS_FILE.name
     if args.write:
-        write_readme(text)
-    print(text)
+        write_readme(table, args.readme)
+    if args.write or args.write_targets:
+        targets_file.write_text(targets + "\n")
+        print(f"wrote {targets_file}")
+    print(table)
+    print()
+    print(targets)
 
 
 if __name__ == "__main__":
