@@ -45,11 +45,12 @@ from tkern.kernels._common import (
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: dtypes the targets may have.
 TARGET_DTYPES = (torch.int64, torch.int32)
-#: Largest vocabulary chunk one loop iteration reads. Compiled: 4096 elements is 16
-#: per thread at 8 warps (a few live fp32 vectors, no spills in the compile gate) and
-#: long enough contiguous reads; under the interpreter, where every loop iteration
-#: costs milliseconds, large chunks.
-MAX_BLOCK_V = 32768 if INTERPRET else 4096
+#: Largest vocabulary chunk one loop iteration reads. Compiled: 2048 elements is 8
+#: per thread at 8 warps: with class weights, label smoothing and softcap all on, the
+#: forward keeps several live fp32 vectors, and at 4096 (16 per thread) it spilled 8 B
+#: under triton 3.6 (the compile gate); 2048 still gives long contiguous reads. Under
+#: the interpreter, where every loop iteration costs milliseconds, large chunks.
+MAX_BLOCK_V = 32768 if INTERPRET else 2048
 #: |y| below which tanh(y) is its Taylor series y - y^3/3 + 2y^5/15 (error < 2^-24
 #: relative at 1/16): the exp form 1 - 2 / (exp(2y) + 1) cancels there.
 _TANH_TAYLOR: tl.constexpr = tl.constexpr(0.0625)
@@ -72,7 +73,7 @@ def rows_per_program(block: int) -> int:
 
 
 def num_warps(block: int) -> int:
-    """Warps per program: 8 for chunks of 2048 and more (16 elements per thread at 4096), else 4."""
+    """Warps per program: 8 for chunks of 2048 (8 elements per thread), else 4."""
     return 8 if block >= 2048 else 4
 
 
