@@ -878,6 +878,7 @@ def cross_entropy_cases() -> list[Case]:
                 constexprs=const,
                 aligned=tuple(k for k in sig if k.endswith("_ptr")),
                 num_warps=ce.num_warps(block),
+                num_stages=ce.NUM_STAGES,
             )
         )
     return cases
