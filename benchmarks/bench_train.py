@@ -46,7 +46,9 @@ a faster recipe.
 Targets on H100/H200 (issues 16, 30): tkern >= 1.2x torch autocast and >= 1.0x the
 compiled autocast recipe on every model; tkern's peak memory <= 0.9x autocast's;
 the fp8 recipes >= 1.4x bf16 autocast on GPT-2 small.
-``--models`` and ``--recipes`` (comma-separated prefixes) pick a subset.
+``--models`` and ``--recipes`` (comma-separated prefixes; ``=NAME`` one exact
+name) pick a subset. Within a case the baselines run first, so a run cut by its
+time limit has what tkern's rows are compared with.
 """
 
 from __future__ import annotations
@@ -182,18 +184,19 @@ def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool) -> Built
     )
 
 
-#: recipe -> builder(base, device, smoke); each makes its own copy of ``base``
+#: recipe -> builder(base, device, smoke); each makes its own copy of ``base``.
+#: Baselines first: a run cut by its time limit keeps what tkern is compared with.
 RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
-    "tkern": lambda b, d, s: _tkern(b, d),
-    "tkern opt eager": lambda b, d, s: _tkern(b, d, cuda_graph=False),
-    "tkern whole-step graph": lambda b, d, s: _tkern(b, d, whole_step=True),
-    **{f"tkern fp8 {r}": (lambda b, d, s, r=r: _tkern_fp8(b, d, r)) for r in FP8_RECIPES},
+    BASELINE: lambda b, d, s: _torch(b, d),
     "torch autocast": lambda b, d, s: _torch(b, d, autocast=torch.float16),
     "torch autocast compiled": lambda b, d, s: _torch(b, d, autocast=torch.float16, compiled=True),
     "torch autocast bf16": lambda b, d, s: _torch(b, d, autocast=torch.bfloat16),
     "torchao float8 tensorwise compiled": lambda b, d, s: _torchao_fp8(b, d, smoke=s),
     "torch fp32 tf32": lambda b, d, s: _torch(b, d, allow_tf32=True),
-    BASELINE: lambda b, d, s: _torch(b, d),
+    "tkern": lambda b, d, s: _tkern(b, d),
+    "tkern opt eager": lambda b, d, s: _tkern(b, d, cuda_graph=False),
+    "tkern whole-step graph": lambda b, d, s: _tkern(b, d, whole_step=True),
+    **{f"tkern fp8 {r}": (lambda b, d, s, r=r: _tkern_fp8(b, d, r)) for r in FP8_RECIPES},
 }
 #: what a smoke run leaves out: torch.compile of a whole model takes minutes on a CPU
 SMOKE_SKIPS = ("torch autocast compiled",)
@@ -338,7 +341,11 @@ def cases(smoke: bool, device: torch.device, gpt2_batch: int):
 
 
 def _picked(name: str, prefixes: str | None) -> bool:
-    return prefixes is None or any(name.startswith(p.strip()) for p in prefixes.split(",") if p.strip())
+    """Whether ``name`` is among ``prefixes`` (comma-separated; ``=NAME`` is one exact name)."""
+    if prefixes is None:
+        return True
+    items = [p.strip() for p in prefixes.split(",") if p.strip()]
+    return any(name == p[1:] if p.startswith("=") else name.startswith(p) for p in items)
 
 
 def summarize(res: Results, case: str, smoke: bool) -> str:
@@ -348,7 +355,7 @@ def summarize(res: Results, case: str, smoke: bool) -> str:
         value = res.ratio(case, impl, baseline)
         return round(value, 3) if value == value else None
 
-    mem = {r["impl"]: r["peak_mib"] for r in res.rows if r["case"] == case}
+    mem = {r["impl"]: r.get("peak_mib") for r in res.rows if r["case"] == case}  # a skipped row has none
     for b in ("torch autocast", "torch autocast compiled", "torch fp32 tf32"):
         res.meta[f"{case}: vs {b}"] = ratio("tkern", b)
     res.meta[f"{case}: whole-step graph vs tkern"] = ratio("tkern whole-step graph", "tkern")

@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
-# Everything a GPU session checks and measures, in two device calls of <= 10 minutes:
+# What a GPU session measures, planned for a 15-minute device budget (the machine's
+# start and idle waits included): ONE command of at most 420 s, and an optional second.
 #
-#   bash benchmarks/gpu_check.sh stamp           # HERE, before the calls: writes .tkern-commit
-#   bash benchmarks/gpu_check.sh tests           # device call 1
-#   bash benchmarks/gpu_check.sh bench [NAME...] # device call 2 (NAMEs: a subset, to finish a cut run)
-#   bash benchmarks/gpu_check.sh --dry-run       # on a CPU: both phases at smoke sizes, into a temp dir
+#   bash benchmarks/gpu_check.sh stamp            # HERE, before the call: writes .tkern-commit
+#   bash benchmarks/gpu_check.sh quick            # device call 1 (timeout_s 480): what matters most
+#   bash benchmarks/gpu_check.sh more             # device call 2, optional (timeout_s 560): the rest
+#   bash benchmarks/gpu_check.sh bench NAME...    # single benchmarks, to finish a cut phase
+#   bash benchmarks/gpu_check.sh --dry-run [quick|more]  # on a CPU: the phases at smoke sizes
 #
-# tests: the GPU-only tests first (tests/test_gpu.py, autotuned: real CUDA-graph
-#        captures of the optimizer step and the trainer's whole step, fp8 GEMMs, the
-#        wgrad path, no host sync), then the whole suite compiled with one config per
-#        kernel (TKERN_AUTOTUNE=0), then bench_host (host time, launches stubbed).
-# bench: the two ceilings (harness.py), then bench_gemm (fp8 first), bench_optimizer
-#        (memory modes first), bench_train (GPT-2 first), bench_norm, bench_loss; each
-#        writes benchmarks/results/<device>/ after every case, so a phase stopped by its
-#        time limit keeps what it measured. Then report.py prints the table and targets.
-# Each phase has its own cap (`timeout`) and all share the call's BUDGET (580 s of the
-# 600 a call may run); a phase with under 20 s left is skipped and says so: run
-# `gpu_check.sh bench NAME` in another call for it.
+# quick (BUDGET 420 s): the device stamp; tests/test_gpu.py (real CUDA-graph captures of
+#        the optimizer step and of the trainer's whole step against eager, fp8 GEMMs,
+#        the wgrad path, no host sync); then the headline benchmarks, baselines first in
+#        each case: the optimizer at 1M / 10M / 100M / 1B and the 1000-tensor case, the
+#        MLP training steps (autocast, compiled autocast, tkern with and without the
+#        graph), GEMM on the transformer shapes with the fused bias+GELU, GPT-2 small if
+#        time remains; then report.py.
+# more (BUDGET 540 s): fp8 GEMMs, the optimizer's memory modes, GPT-2 with the fp8
+#        recipes, norms, losses, the ceilings, host cost, square GEMMs.
+# Every phase has its own cap (`timeout`) inside the call's BUDGET; a phase with
+# under 20 s left is skipped and says so. Every benchmark writes
+# benchmarks/results/<device>/ after every case, so a cut loses only the case running.
+# Everything runs with TKERN_GRAPH_STRICT=1: a CUDA-graph capture that fails is a
+# FAILED row with its reason, never an eager figure under a graphed name.
+# The compile gate (tests/test_compiled.py) is CI's, never run here.
 #
 # The commit: the device gets a copy of the working tree without .git, so every
 # results file takes its commit from $TKERN_COMMIT, else git (a checkout), else
@@ -28,18 +34,17 @@
 # matplotlib. torchao (bench_optimizer's AdamW8bit / _AdamW rows, bench_train's
 # Float8Linear row) and Liger-Kernel (bench_norm / bench_loss rows) are not in it:
 # they travel as wheels in .whl/ (device README), made here with
-#   echo /.whl/ >> .git/info/exclude   # (.gitignore already has /.whl/)
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl torchao==0.18.0 liger-kernel
-# and the call names `.whl` in `carry`; this script installs them into /tmp/site
-# (--no-deps) and puts that on PYTHONPATH. Without them those rows are recorded as
-# skipped with the ImportError.
+# (.gitignore has /.whl/) and the call names `.whl` in `carry`; this script installs
+# them into /tmp/site (--no-deps) and puts that on PYTHONPATH. Without them those
+# rows are recorded as skipped with the ImportError.
 #
-# Output: logs, summary.txt and results.tgz (benchmarks/results) go to $OUT (the
-# device tool brings back at most 8 files). Back here: `tar xzf results.tgz`, then
-# `python benchmarks/report.py --write` regenerates the README table and
-# benchmarks/results/TARGETS.md from the result files alone.
+# Output: at most 6 files in $OUT (the device tool brings back at most 8):
+# summary.txt, pytest_gpu.log, bench.log, report.log, results.tgz (benchmarks/results).
+# Back here: `tar xzf results.tgz`, then `python benchmarks/report.py --write`
+# regenerates the README table and benchmarks/results/TARGETS.md from the result files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -54,9 +59,19 @@ stamp)
     echo "wrote .tkern-commit: $commit"
     exit 0
     ;;
-tests | bench | --dry-run) ;;
+quick | more | bench) ;;
+--dry-run)
+    plans=("$@")
+    ((${#plans[@]})) || plans=(quick more)
+    for p in "${plans[@]}"; do
+        [[ $p == quick || $p == more ]] || {
+            echo "--dry-run takes quick and/or more, not $p" >&2
+            exit 2
+        }
+    done
+    ;;
 *)
-    echo "usage: gpu_check.sh stamp | tests | bench [gemm optimizer train norm loss ...] | --dry-run" >&2
+    echo "usage: gpu_check.sh stamp | quick | more | bench NAME... | --dry-run [quick] [more]" >&2
     exit 2
     ;;
 esac
@@ -74,6 +89,7 @@ else
     OUT=${OUT:-$PWD/gpu-out}
     RES=
     SMOKE=()
+    plans=("$phase")
     unset TRITON_INTERPRET
     if compgen -G ".whl/*.whl" >/dev/null; then
         $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -81,33 +97,38 @@ else
     fi
 fi
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TKERN_GRAPH_STRICT=1
 summary="$OUT/summary.txt"
 : >"$summary"
 failed=()
 
-BUDGET=${BUDGET:-$((580 * SCALE))}
+# The call's budget: quick 420 s (its device call gets timeout_s 480), more 540 s.
+case $phase in
+quick) BUDGET=${BUDGET:-420} ;;
+*) BUDGET=${BUDGET:-540} ;;
+esac
+((DRY)) && BUDGET=$((BUDGET * SCALE * ${#plans[@]}))
 limit() { # limit CAP -> seconds this phase may use
     local left=$((BUDGET - SECONDS))
     if ((left < 20)); then echo 0; elif ((left < $1)); then echo "$left"; else echo "$1"; fi
 }
-run_phase() { # run_phase NAME CAP CMD... ; output appended to $OUT/NAME.log
-    local name=$1 cap=$2 t rc
-    shift 2
+run_phase() { # run_phase NAME LOG CAP CMD... ; output appended to $OUT/LOG.log
+    local name=$1 log=$2 cap=$3 t rc
+    shift 3
     t=$(limit $((cap * SCALE)))
     if ((t == 0)); then
-        echo "$name: skipped, the call's time is spent (run \`gpu_check.sh bench $name\` in another call)" |
-            tee -a "$summary"
+        echo "$name: skipped, the call's time is spent (run it in another call)" | tee -a "$summary"
         return 0
     fi
     local start=$SECONDS
-    timeout "$t" "$@" 2>&1 | tee -a "$OUT/$name.log"
+    echo "======== $name (cap ${t}s): $*" >>"$OUT/$log.log"
+    timeout "$t" "$@" 2>&1 | tee -a "$OUT/$log.log"
     rc=${PIPESTATUS[0]}
     if ((rc == 124)); then
         echo "$name: stopped after ${t}s (its results so far are written)" | tee -a "$summary"
         failed+=("$name (time)")
     elif ((rc != 0)); then
-        echo "$name: FAILED, exit status $rc (see $name.log)" | tee -a "$summary"
+        echo "$name: FAILED, exit status $rc (see $log.log)" | tee -a "$summary"
         failed+=("$name")
     else
         echo "$name: ok in $((SECONDS - start)) s" | tee -a "$summary"
@@ -116,6 +137,39 @@ run_phase() { # run_phase NAME CAP CMD... ; output appended to $OUT/NAME.log
 pytest_line() { # the last "N passed / failed" line of a log
     grep -E '[0-9]+ (passed|failed|skipped|errors?|tests? collected)' "$OUT/$1.log" 2>/dev/null | tail -1
 }
+bench() { # bench NAME: one benchmark (its cap, its arguments), output into bench.log
+    local py=$PYTHON b=benchmarks
+    case $1 in
+    ceilings) run_phase ceilings bench 25 $py $b/harness.py "${SMOKE[@]}" ;;
+    optimizer) run_phase bench_optimizer bench 140 $py $b/bench_optimizer.py "${SMOKE[@]}" ;;
+    optimizer_sizes) run_phase bench_optimizer_sizes bench 75 $py $b/bench_optimizer.py \
+        --sections sizes,overhead "${SMOKE[@]}" ;;
+    optimizer_modes) run_phase bench_optimizer_modes bench 90 $py $b/bench_optimizer.py \
+        --sections modes "${SMOKE[@]}" ;;
+    train) run_phase bench_train bench 170 $py $b/bench_train.py "${SMOKE[@]}" ;;
+    train_mlp) run_phase bench_train_mlp bench 130 $py $b/bench_train.py --models mlp "${SMOKE[@]}" ;;
+    train_gpt2) run_phase bench_train_gpt2 bench 120 $py $b/bench_train.py --models gpt2 \
+        --recipes "$GPT2_QUICK" "${SMOKE[@]}" ;;
+    train_gpt2_fp8) run_phase bench_train_gpt2_fp8 bench 150 $py $b/bench_train.py --models gpt2 \
+        --recipes "tkern fp8,torchao,torch autocast bf16" "${SMOKE[@]}" ;;
+    gemm) run_phase bench_gemm bench 150 $py $b/bench_gemm.py "${SMOKE[@]}" ;;
+    gemm_transformer) run_phase bench_gemm_transformer bench 60 $py $b/bench_gemm.py \
+        --sections transformer,linear "${SMOKE[@]}" ;;
+    gemm_rest) run_phase bench_gemm_rest bench 100 $py $b/bench_gemm.py --sections fp8,square "${SMOKE[@]}" ;;
+    norm) run_phase bench_norm bench 40 $py $b/bench_norm.py "${SMOKE[@]}" ;;
+    loss) run_phase bench_loss bench 40 $py $b/bench_loss.py "${SMOKE[@]}" ;;
+    host) TKERN_AUTOTUNE=0 run_phase bench_host bench 75 $py $b/bench_host.py "${SMOKE[@]}" ;;
+    *)
+        echo "unknown benchmark $1 (${ALL_BENCH[*]})" | tee -a "$summary"
+        failed+=("$1")
+        ;;
+    esac
+}
+ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes train train_mlp train_gpt2 train_gpt2_fp8
+    gemm gemm_transformer gemm_rest norm loss host)
+# GPT-2 in the quick call: the fp32 reference, autocast and tkern (with and without the
+# whole-step graph); the compiled and fp8 recipes are the second call's.
+GPT2_QUICK="=torch fp32 (no tf32),=torch autocast,=tkern,=tkern whole-step graph"
 
 $PYTHON -m tkern info 2>&1 | tee -a "$summary"
 ((DRY)) || nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv |
@@ -123,51 +177,38 @@ $PYTHON -m tkern info 2>&1 | tee -a "$summary"
 echo "commit: $($PYTHON -c 'import sys; sys.path.insert(0, "benchmarks"); import harness; print(harness.commit())')" |
     tee -a "$summary"
 
-if [[ $phase == tests || $phase == --dry-run ]]; then
-    run_phase pytest_gpu 200 $PYTHON -m pytest -q -p no:cacheprovider tests/test_gpu.py
-    echo "tests/test_gpu.py (autotuned): $(pytest_line pytest_gpu)" | tee -a "$summary"
-    if ((DRY)); then # the whole suite is CI's; here only that it collects
-        run_phase pytest 120 $PYTHON -m pytest -q -p no:cacheprovider --collect-only tests
-    else
-        TKERN_AUTOTUNE=0 run_phase pytest 280 $PYTHON -m pytest -q -n 8 -p no:cacheprovider tests
-    fi
-    echo "the whole suite (compiled, first config): $(pytest_line pytest)" | tee -a "$summary"
-    # Host time does not depend on the tile chosen: one config per GEMM shape.
-    TKERN_AUTOTUNE=0 run_phase bench_host 75 $PYTHON benchmarks/bench_host.py "${SMOKE[@]}"
-fi
+for plan in "${plans[@]}"; do
+    case $plan in
+    quick)
+        # the GPU-only tests, autotuned, strict captures; the whole suite is CI's
+        run_phase pytest_gpu pytest_gpu 110 $PYTHON -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu.py
+        echo "tests/test_gpu.py: $(pytest_line pytest_gpu)" | tee -a "$summary"
+        for name in optimizer_sizes train_mlp gemm_transformer train_gpt2; do bench $name; done
+        ;;
+    more)
+        for name in gemm_rest optimizer_modes train_gpt2_fp8 norm loss ceilings host; do bench $name; done
+        ;;
+    bench)
+        (($#)) || set -- "${ALL_BENCH[@]}"
+        for name in "$@"; do bench "$name"; done
+        ;;
+    esac
+done
 
-if [[ $phase == bench || $phase == --dry-run ]]; then
-    names=("$@")
-    ((${#names[@]})) || names=(ceilings gemm optimizer train norm loss)
-    for name in "${names[@]}"; do
-        case $name in
-        ceilings) run_phase ceilings 25 $PYTHON benchmarks/harness.py "${SMOKE[@]}" ;;
-        gemm) run_phase bench_gemm 150 $PYTHON benchmarks/bench_gemm.py "${SMOKE[@]}" ;;
-        optimizer) run_phase bench_optimizer 140 $PYTHON benchmarks/bench_optimizer.py "${SMOKE[@]}" ;;
-        train) run_phase bench_train 170 $PYTHON benchmarks/bench_train.py "${SMOKE[@]}" ;;
-        norm) run_phase bench_norm 40 $PYTHON benchmarks/bench_norm.py "${SMOKE[@]}" ;;
-        loss) run_phase bench_loss 40 $PYTHON benchmarks/bench_loss.py "${SMOKE[@]}" ;;
-        host) TKERN_AUTOTUNE=0 run_phase bench_host 75 $PYTHON benchmarks/bench_host.py "${SMOKE[@]}" ;;
-        *)
-            echo "unknown benchmark $name (ceilings gemm optimizer train norm loss host)" | tee -a "$summary"
-            failed+=("$name")
-            ;;
-        esac
-    done
-    if ((DRY)); then # the CPU benchmark (results/host/ in a real run), at its smoke size
-        run_phase bench_activation_memory 90 $PYTHON benchmarks/bench_activation_memory.py --smoke \
-            --launches stubbed --out "$OUT/results/host"
-        cp README.md "$OUT/README.md"
-        run_phase report 30 $PYTHON benchmarks/report.py --write --results "$OUT/results" --readme "$OUT/README.md"
-    else
-        tar czf "$OUT/results.tgz" benchmarks/results
-        run_phase report 30 $PYTHON benchmarks/report.py
-    fi
+if ((DRY)); then # the CPU benchmark (results/host/ in a real run), at its smoke size
+    run_phase bench_activation_memory bench 90 $PYTHON benchmarks/bench_activation_memory.py --smoke \
+        --launches stubbed --out "$OUT/results/host"
+    cp README.md "$OUT/README.md"
+    run_phase report report 30 $PYTHON benchmarks/report.py --write --results "$OUT/results" --readme "$OUT/README.md"
+else
+    tar czf "$OUT/results.tgz" benchmarks/results
+    run_phase report report 30 $PYTHON benchmarks/report.py
 fi
 
 echo
 echo "================ summary ================"
 cat "$summary"
+echo "files in \$OUT: $(find "$OUT" -maxdepth 1 -type f | wc -l) (at most 6)"
 if ((${#failed[@]})); then
     echo "FAILED: ${failed[*]}"
     exit 1
