@@ -213,7 +213,8 @@ def fp8_summary(res: Results, tokens: int, shapes) -> list[str]:
 def main(argv: list[str] | None = None) -> Results:
     mode, args = setup("gemm", __doc__, argv, sections=SECTIONS)
     dev = mode.device
-    res = Results("gemm", mode, metric="tflops")
+    # a subset of the sections adds its rows to the file (a GPU session splits them across calls)
+    res = Results("gemm", mode, metric="tflops", merge=tuple(args.sections) != SECTIONS)
     res.meta["failed"] = []
     square = (64,) if mode.smoke else SQUARE
     shapes = ((96, 64),) if mode.smoke else TRANSFORMER

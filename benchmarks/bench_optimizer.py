@@ -519,7 +519,8 @@ def summarize(res: Results, copy_gbps: float) -> list[str]:
 
 def main(argv: list[str] | None = None) -> Results:
     mode, args = setup("optimizer", __doc__, argv, sections=SECTIONS)
-    res = Results("optimizer", mode, metric="gbps")
+    # a subset of the sections adds its rows to the file (a GPU session splits them across calls)
+    res = Results("optimizer", mode, metric="gbps", merge=tuple(args.sections) != SECTIONS)
     res.meta["failed"] = []  # (case, impl, error) of every variant that raised
     copy_gbps = copy_bandwidth(mode)
     res.meta["copy_gbps"] = round(copy_gbps, 1)

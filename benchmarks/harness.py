@@ -187,6 +187,10 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMIT_FILE = ROOT / ".tkern-commit"
 
 
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def commit() -> str:
     """The commit measured (short hash, ``+dirty`` with uncommitted changes):
     ``$TKERN_COMMIT`` if set, else git's answer for :data:`ROOT`, else (no git or
@@ -264,26 +268,44 @@ class Results:
         name: file stem (``gemm``, ``optimizer``, ``train``).
         mode: from :func:`setup`.
         metric: the throughput column, ``"tflops"`` or ``"gbps"`` (or None).
+        merge: keep the rows already in the results folder's ``<name>.json`` (same
+            device) that this run does not measure again: a run of a subset
+            (``--models``, ``--sections``) adds to the file instead of replacing it.
+            Every row names its run (``commit``, ``date``), so a merged file says
+            which run each figure came from.
     """
 
-    def __init__(self, name: str, mode: Mode, metric: str | None) -> None:
+    def __init__(self, name: str, mode: Mode, metric: str | None, merge: bool = False) -> None:
         self.name, self.mode, self.metric = name, mode, metric
         self.rows: list[dict] = []
         self.meta: dict = {}
+        self.stamp = {"commit": commit(), "date": _now()}
+        if merge and mode.out_dir is not None and (mode.out_dir / f"{name}.json").is_file():
+            old = json.loads((mode.out_dir / f"{name}.json").read_text())
+            if old.get("device") == device_name():
+                run = {"commit": old.get("commit", "not recorded"), "date": old.get("date", "?")}
+                self.rows = [{**row, **{k: v for k, v in run.items() if k not in row}} for row in old["rows"]]
+                self.meta = {k: v for k, v in old.items() if k not in (*self.payload_keys, "rows")}
+
+    payload_keys = ("device", "torch", "triton", "date", "commit")
 
     def add(self, case: str, impl: str, ms: float | None, **extra) -> dict:
-        """One row; ``ms`` None for a row that was not timed (its ``skipped`` says why)."""
-        row = {"case": case, "impl": impl, "ms": None if ms is None else round(ms, 5), **extra}
+        """One row; ``ms`` None for a row that was not timed (its ``skipped`` says why).
+        It replaces a merged row of the same case and impl."""
+        row = {"case": case, "impl": impl, "ms": None if ms is None else round(ms, 5), **extra, **self.stamp}
+        self.rows = [r for r in self.rows if (r["case"], r["impl"]) != (case, impl)]
         self.rows.append(row)
         return row
 
     def payload(self) -> dict:
+        runs = sorted({r["commit"] for r in self.rows if "commit" in r} | {self.stamp["commit"]})
         return {
             "device": device_name(),
             "torch": torch.__version__,
             "triton": triton.__version__,
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit(),
+            "date": self.stamp["date"],
+            # one commit, or the runs merged into this file (each row names its own)
+            "commit": self.stamp["commit"] if len(runs) == 1 else " + ".join(runs) + " (rows name theirs)",
             **self.meta,
             "rows": self.rows,
         }
