@@ -3,6 +3,9 @@
 # (TORCH_SPEC) so that pip never resolves `torch` to the multi-GB CUDA build on
 # a machine without a GPU; on a GPU machine, install tkern into an environment
 # that already has CUDA torch instead.
+# The environment holds everything the suite uses (the integrations extra too:
+# transformers, accelerate, lightning, safetensors, CPU wheels that reuse the
+# installed torch), so `make test` on a fresh clone runs the suite as CI does.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -14,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,demo]"
+	$(PY) -m pip install -q -e ".[test,demo,integrations]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -2,7 +2,7 @@
 
 Each runs in a fresh interpreter with a few steps; the script prints
 ``loss A -> B`` and B must be below A. Examples that need an optional package
-are skipped, naming it, when it is absent (CI installs ``.[integrations]``).
+are skipped, naming it, when it is absent (`make test` installs ``.[integrations]``).
 """
 
 from __future__ import annotations

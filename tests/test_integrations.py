@@ -2,7 +2,7 @@
 Conv1D, tied embeddings, save_pretrained/from_pretrained, generate); Lightning is
 exercised by examples/lightning.py (tests/test_examples.py).
 
-The optional packages come with ``pip install -e '.[integrations]'`` (CI installs
+The optional packages come with ``pip install -e '.[integrations]'`` (`make test` installs
 them); a test that needs one is skipped, naming it, when it is absent.
 """
 
