@@ -1,0 +1,140 @@
+"""Nothing silently differs across ranks (issue 36), on 2 gloo ranks.
+
+* One rounding seed: ranks that seed torch differently (``torch.manual_seed(rank)``)
+  still agree on the default seed of stochastic rounding, so ZeRO-2's and FSDP2's
+  ``state_dict()`` are one and DDP replicas stepped with ``master="none"`` stay equal
+  bit for bit.
+
+ONE spawn runs every scenario (tests/scenarios.py); the tests check what each rank saved.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from scenarios import result, run_scenarios
+from torch import nn
+
+from tkern.optim import DistributedFusedAdamW, FusedAdamW
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+TIMEOUT_S = 300
+
+
+def _mlp(dtype: torch.dtype = torch.float32, sizes: tuple[int, ...] = (8, 8, 4)) -> nn.Sequential:
+    torch.manual_seed(0)  # one start on every rank
+    layers = [nn.Linear(a, b) for a, b in zip(sizes, sizes[1:], strict=False)]
+    return nn.Sequential(*layers).to(dtype)
+
+
+def _batch(step: int, rank: int, dtype: torch.dtype = torch.float32, width: int = 8) -> torch.Tensor:
+    """Multiples of 1/8: products and sums in the gradients stay exact in bf16 and fp32."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return (torch.randint(-8, 9, (4, width), generator=g) / 8).to(dtype)
+
+
+def _mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _shard(model: nn.Sequential, mesh) -> nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _full(tensors) -> list[torch.Tensor]:
+    return [t.full_tensor().detach().clone() for t in tensors]
+
+
+# ----------------------------------------------------------------------- the ranks' side
+
+
+def _scenario_seed(rank, world):
+    """Each rank seeds torch with its rank before building the optimizers."""
+    out = {}
+    # ZeRO-2 with stochastic rounding: one state_dict on every rank
+    g = torch.Generator().manual_seed(1)
+    params = [torch.randn(300, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2)]
+    torch.manual_seed(rank)
+    opt = DistributedFusedAdamW(params, lr=1e-3, master="none")
+    for t in range(2):
+        for i, p in enumerate(params):
+            p.grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * t + i)))
+        opt.step()
+    weights = [p.detach().clone() for p in params]
+    out["zero2"] = {"seed": opt.seed, "state": opt.state_dict(), "params": weights}
+
+    # DDP with master="none": each replica rounds its own update; they must round alike
+    model = _mlp(torch.bfloat16, (16, 16, 4))
+    torch.manual_seed(rank)
+    opt = FusedAdamW(model.parameters(), lr=1e-3, master="none")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    for t in range(3):
+        opt.zero_grad()
+        ddp(_batch(t, rank, torch.bfloat16, 16)).float().square().mean().backward()
+        opt.step()
+    out["ddp"] = {"seed": opt.seed, "params": [p.detach().clone() for p in model.parameters()]}
+
+    # FSDP2 (fp32 master: the seed only travels in the state_dict, which must be one)
+    model = _shard(_mlp(), _mesh(world))
+    torch.manual_seed(rank)
+    opt = FusedAdamW(model.parameters(), lr=1e-3)
+    out["fsdp"] = {"seed": opt.seed, "saved": opt.state_dict()["seed"]}
+
+    # a seed given is kept as it is (no collective: any rank may build such an optimizer)
+    if rank == 1:
+        out["given"] = FusedAdamW([torch.ones(4, requires_grad=True)], master="none", seed=7).seed
+    return out
+
+
+SCENARIOS = {
+    "seed": _scenario_seed,
+}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    return run_scenarios(__name__, 2, list(SCENARIOS), tmp_path_factory.mktemp("agree"), timeout_s=TIMEOUT_S)
+
+
+# ----------------------------------------------------------------------- item 8: one seed
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys() or a["param_groups"] != b["param_groups"] or a.get("seed") != b.get("seed"):
+        return False
+    return all(
+        torch.equal(torch.as_tensor(x), torch.as_tensor(b["state"][k][n]))
+        for k, entry in a["state"].items()
+        for n, x in entry.items()
+    )
+
+
+def test_zero2_ranks_seeded_differently_agree_on_rank_0s_seed(world2):
+    ranks = result(world2, "seed")
+    assert _equal_states(ranks[0]["zero2"]["state"], ranks[1]["zero2"]["state"])
+    assert [r["zero2"]["seed"] for r in ranks] == [0, 0]  # torch.manual_seed(0) on rank 0
+    for a, b in zip(ranks[0]["zero2"]["params"], ranks[1]["zero2"]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_ddp_replicas_with_stochastic_rounding_stay_equal_bit_for_bit(world2):
+    ranks = result(world2, "seed")
+    start = list(_mlp(torch.bfloat16, (16, 16, 4)).parameters())
+    for a, b, s in zip(ranks[0]["ddp"]["params"], ranks[1]["ddp"]["params"], start, strict=True):
+        assert not torch.equal(a, s)  # they moved (so rounding was drawn)
+        assert torch.equal(a, b)
+    assert [r["ddp"]["seed"] for r in ranks] == [0, 0]
+
+
+def test_fsdp2_ranks_seeded_differently_save_one_seed(world2):
+    ranks = result(world2, "seed")
+    assert [(r["fsdp"]["seed"], r["fsdp"]["saved"]) for r in ranks] == [(0, 0), (0, 0)]
+    assert ranks[1]["given"] == 7
