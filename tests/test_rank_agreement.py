@@ -4,6 +4,8 @@
   still agree on the default seed of stochastic rounding, so ZeRO-2's and FSDP2's
   ``state_dict()`` are one and DDP replicas stepped with ``master="none"`` stay equal
   bit for bit.
+* One decision: a plain param group beside FSDP2's DTensor groups (each rank its own
+  gradient) cannot make ranks clip by different norms or one rank skip alone.
 
 ONE spawn runs every scenario (tests/scenarios.py); the tests check what each rank saved.
 """
@@ -94,8 +96,37 @@ def _scenario_seed(rank, world):
     return out
 
 
+def _scenario_mixed_groups(rank, world):
+    """FSDP2's params beside a plain param whose gradient is each rank's own: step 0 clips,
+    step 1 has an inf in the plain gradient of rank 1 only."""
+    model = _shard(_mlp(), _mesh(world))
+    extra = nn.Parameter(torch.ones(3))
+    opt = FusedAdamW([{"params": model.parameters()}, {"params": [extra]}], lr=1e-2, max_grad_norm=0.5)
+    steps = []
+    for t in range(2):
+        opt.zero_grad()
+        (model(_batch(t, rank)).sum() + (extra * (rank + 1) * 4.0).sum()).backward()
+        if t == 1 and rank == 1:
+            extra.grad[0] = float("inf")
+        before = _full(model.parameters()) + [extra.detach().clone()]
+        sharded_sumsq = sum(float(g.square().sum()) for g in _full(p.grad for p in model.parameters()))
+        plain_sumsq = float(extra.grad.square().sum())
+        opt.step()
+        after = _full(model.parameters()) + [extra.detach().clone()]
+        steps.append(
+            {
+                "stats": opt.grad_stats.clone(),
+                "sharded_sumsq": sharded_sumsq,
+                "plain_sumsq": plain_sumsq,
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+            }
+        )
+    return steps
+
+
 SCENARIOS = {
     "seed": _scenario_seed,
+    "mixed_groups": _scenario_mixed_groups,
 }
 
 
@@ -138,3 +169,23 @@ def test_fsdp2_ranks_seeded_differently_save_one_seed(world2):
     ranks = result(world2, "seed")
     assert [(r["fsdp"]["seed"], r["fsdp"]["saved"]) for r in ranks] == [(0, 0), (0, 0)]
     assert ranks[1]["given"] == 7
+
+
+# ----------------------------------------------------------------------- item 2: one decision
+
+
+def test_plain_group_beside_dtensor_groups_cannot_split_the_ranks_decision(world2):
+    ranks = result(world2, "mixed_groups")
+    for t in range(2):
+        a, b = (r[t]["stats"] for r in ranks)
+        assert torch.equal(a, b), t  # one clip norm, one skip flag
+    # step 0: the plain gradients differ (x1 and x2 per rank); the ranks clip by the norm of
+    # the DTensor gradients joined with the largest plain one (max: as for replicas)
+    plain = max(r[0]["plain_sumsq"] for r in ranks)
+    assert ranks[0][0]["plain_sumsq"] != ranks[1][0]["plain_sumsq"]
+    norm = (ranks[0][0]["sharded_sumsq"] + plain) ** 0.5
+    assert float(ranks[0][0]["stats"][1].sqrt()) == pytest.approx(norm, rel=1e-6)
+    assert norm > 0.5 and not ranks[0][0]["unchanged"] and not ranks[1][0]["unchanged"]
+    # step 1: the inf on rank 1 alone skips the step on both
+    assert [float(r[1]["stats"][0]) for r in ranks] == [1.0, 1.0]
+    assert ranks[0][1]["unchanged"] and ranks[1][1]["unchanged"]

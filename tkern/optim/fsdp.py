@@ -24,7 +24,11 @@ Who reduces the statistics
     max, the sum of squares summed: :func:`tkern.kernels.overflow.combine_stats`
     with ``sharded=True``), on the device, with no host sync. ``max_grad_norm``
     then clips by the norm of the whole gradient (what ``clip_grad_norm_`` over
-    the DTensor grads gives) and every rank skips the same steps.
+    the DTensor grads gives) and every rank skips the same steps. A plain param
+    group beside them (params FSDP2 left whole, their gradients each rank's own)
+    has its statistics agreed on over the mesh first (the ranks' max, as for
+    replicas: one more all-reduce per step, only then), so its gradients cannot
+    make ranks clip by different norms or one rank skip alone.
 
 Limits (a ``ValueError`` before anything changes): a param group holds DTensor
 params or plain ones, not both; DTensor params are ``Shard(0)`` on a 1-D mesh

@@ -40,7 +40,8 @@ Semantics as torch.optim, with these differences worth knowing:
   gradients are already identical); ``process_group=`` all-reduces the
   statistics (max) so every rank skips the same steps;
 * params that ``fully_shard`` (FSDP2) made DTensors are stepped on their local
-  shards, with the statistics summed over their mesh (see :mod:`tkern.optim.fsdp`).
+  shards, with the statistics summed over their mesh (see :mod:`tkern.optim.fsdp`);
+  the statistics of plain groups beside them are agreed on over the mesh (max).
 """
 
 from __future__ import annotations
@@ -374,11 +375,18 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         over their mesh by every rank, whether or not it holds gradients this step)."""
         whole = [b.grad for _, plan, group in work if group is None for b in plan]
         stats = None
-        if whole or self._dtensor_storage is None:
+        # plain groups beside FSDP2's: held on every rank of the mesh, whether or not planned
+        mixed = self._dtensor_storage is not None and len(self._held_elsewhere) < sum(map(len, self._flat))
+        if mixed or self._dtensor_storage is None:
             stats = grad_stats(whole, inv_scale)
             if found_inf is not None:
                 torch.maximum(stats[:1], found_inf, out=stats[:1])
             stats = self._sync_stats(stats)
+            mesh = self._dtensor_storage.stats_group if mixed else None
+            if mesh is not None and mesh is not self._process_group:
+                # each rank's own plain gradients: the ranks agree on their max, as for replicas,
+                # so every rank clips by one norm and skips the same steps
+                stats = combine_stats(stats, mesh)
         if self._dtensor_storage is not None:
             shards = [b.grad for _, plan, group in work if group is not None for b in plan]
             sharded = grad_stats(shards, inv_scale)
