@@ -6,6 +6,10 @@
   bit for bit.
 * One decision: a plain param group beside FSDP2's DTensor groups (each rank its own
   gradient) cannot make ranks clip by different norms or one rank skip alone.
+* Each rank loads its own rows of a whole (unsharded) state tensor, and ZeRO-2's
+  overlapped reduce-scatter gives the mean gradient: both against references that do
+  not run the code under test (the saved whole tensor; one process stepped on the mean
+  of the ranks' autograd gradients).
 
 ONE spawn runs every scenario (tests/scenarios.py); the tests check what each rank saved.
 """
@@ -18,11 +22,14 @@ import torch.distributed as dist
 from scenarios import result, run_scenarios
 from torch import nn
 
-from tkern.optim import DistributedFusedAdamW, FusedAdamW
+from tkern.optim import DistributedFusedAdamW, DistributedFusedSGD, FusedAdamW, FusedSGD
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 TIMEOUT_S = 300
+#: 256 B of fp32 per bucket: each Linear(8, 8)'s weight is a bucket of its own, so the
+#: overlap issues reduce-scatters from the backward hooks while backward goes on
+TINY_BUCKET_MB = 256 / 2**20
 
 
 def _mlp(dtype: torch.dtype = torch.float32, sizes: tuple[int, ...] = (8, 8, 4)) -> nn.Sequential:
@@ -124,9 +131,64 @@ def _scenario_mixed_groups(rank, world):
     return steps
 
 
+#: The single-process run whose whole state the sharded optimizer loads.
+LOAD_STEPS = 2
+
+
+def whole_state() -> dict:
+    """One process's AdamW state over the unsharded model (exp_avg and exp_avg_sq differ
+    row by row, so a rank that takes another rank's rows is seen)."""
+    params = [p.detach().clone().requires_grad_() for p in _mlp(sizes=(8, 5, 3)).parameters()]
+    opt = FusedAdamW(params, lr=1e-2)
+    for t in range(LOAD_STEPS):
+        g = torch.Generator().manual_seed(t)
+        for p in params:
+            p.grad.copy_(torch.randn(p.shape, generator=g))
+        opt.step()
+    return opt.state_dict()
+
+
+def _scenario_whole_load(rank, world):
+    """Load one process's whole state into the optimizer over FSDP2's shards (uneven: the
+    first layer's 5 rows split 3 + 2, the second's 3 split 2 + 1)."""
+    model = _shard(_mlp(sizes=(8, 5, 3)), _mesh(world))
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(whole_state())
+    state = opt.state_dict()["state"]
+    return {k: {n: v.full_tensor() for n, v in entry.items() if n != "step"} for k, entry in state.items()}
+
+
+#: ZeRO-2's overlapped gradient sync: (params' dtype, grad_sync_dtype)
+OVERLAP_CASES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16-fp32-sum": (torch.bfloat16, torch.float32),
+    "bf16-own-sum": (torch.bfloat16, None),
+}
+
+
+def _scenario_overlap_mean(rank, world):
+    out = {}
+    for case, (dtype, sync) in OVERLAP_CASES.items():
+        model = _mlp(dtype, (8, 8, 8, 4))
+        opt = DistributedFusedSGD(
+            model.parameters(), lr=0.5, bucket_mb=TINY_BUCKET_MB, grad_sync_dtype=sync, overlap_grad_sync=True
+        )
+        for t in range(2):
+            opt.zero_grad()
+            model(_batch(t, rank, dtype)).float().sum().backward()
+            opt.step()
+        out[case] = {
+            "buckets": sum(map(len, opt.flat_buffers)),
+            "params": [p.detach().clone() for p in model.parameters()],
+        }
+    return out
+
+
 SCENARIOS = {
     "seed": _scenario_seed,
     "mixed_groups": _scenario_mixed_groups,
+    "whole_load": _scenario_whole_load,
+    "overlap_mean": _scenario_overlap_mean,
 }
 
 
@@ -189,3 +251,42 @@ def test_plain_group_beside_dtensor_groups_cannot_split_the_ranks_decision(world
     # step 1: the inf on rank 1 alone skips the step on both
     assert [float(r[1]["stats"][0]) for r in ranks] == [1.0, 1.0]
     assert ranks[0][1]["unchanged"] and ranks[1][1]["unchanged"]
+
+
+# ----------------------------------------------------------------------- item 9: references
+
+
+def test_each_rank_loads_its_own_rows_of_a_whole_state(world2):
+    # the reference is the saved whole tensor itself: the ranks' shards, gathered, are it
+    whole = whole_state()["state"]
+    for res in result(world2, "whole_load"):
+        assert res.keys() == whole.keys()
+        for k, entry in res.items():
+            for name, got in entry.items():
+                assert torch.equal(got, whole[k][name]), (k, name)
+
+
+def test_overlapped_reduce_scatter_gives_the_mean_gradient(world2):
+    # the reference: one process stepped on the mean of the two ranks' autograd gradients
+    # (multiples of 1/8 summed and halved: exact, so the bits must match)
+    ranks = result(world2, "overlap_mean")
+    for case, (dtype, _) in OVERLAP_CASES.items():
+        assert ranks[0][case]["buckets"] > 1
+        model = _mlp(dtype, (8, 8, 8, 4))
+        params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        opt = FusedSGD(params, lr=0.5)
+        for t in range(2):
+            grads = []
+            for r in range(2):
+                replica = _mlp(dtype, (8, 8, 8, 4))
+                with torch.no_grad():
+                    for q, p in zip(replica.parameters(), params, strict=True):
+                        q.copy_(p)
+                replica(_batch(t, r, dtype)).float().sum().backward()
+                grads.append([q.grad.float() for q in replica.parameters()])
+            for p, g0, g1 in zip(params, *grads, strict=True):
+                p.grad.copy_(((g0 + g1) / 2).to(dtype))
+            opt.step()
+        for res in ranks:
+            for i, (got, want) in enumerate(zip(res[case]["params"], params, strict=True)):
+                assert torch.equal(got, want.detach()), (case, i)
