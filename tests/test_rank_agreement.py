@@ -10,6 +10,8 @@
   overlapped reduce-scatter gives the mean gradient: both against references that do
   not run the code under test (the saved whole tensor; one process stepped on the mean
   of the ranks' autograd gradients).
+* A write through ``p.to_local()`` is kept by the next step (against one process that
+  makes the same write to the whole param).
 
 ONE spawn runs every scenario (tests/scenarios.py); the tests check what each rank saved.
 """
@@ -184,11 +186,29 @@ def _scenario_overlap_mean(rank, world):
     return out
 
 
+def _scenario_to_local_write(rank, world):
+    """Step, double every param through ``p.to_local()``, step again."""
+    model = _shard(_mlp(), _mesh(world))
+    opt = FusedSGD(model.parameters(), lr=0.5)
+    grads = []
+    for t in range(2):
+        if t == 1:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.to_local().mul_(2)
+        opt.zero_grad()
+        model(_batch(t, rank)).sum().backward()
+        grads.append(_full(p.grad for p in model.parameters()))
+        opt.step()
+    return {"grads": grads, "params": _full(model.parameters())}
+
+
 SCENARIOS = {
     "seed": _scenario_seed,
     "mixed_groups": _scenario_mixed_groups,
     "whole_load": _scenario_whole_load,
     "overlap_mean": _scenario_overlap_mean,
+    "to_local_write": _scenario_to_local_write,
 }
 
 
@@ -290,3 +310,24 @@ def test_overlapped_reduce_scatter_gives_the_mean_gradient(world2):
         for res in ranks:
             for i, (got, want) in enumerate(zip(res[case]["params"], params, strict=True)):
                 assert torch.equal(got, want.detach()), (case, i)
+
+
+# ----------------------------------------------------------------------- item 3: to_local writes
+
+
+def test_a_write_through_to_local_is_kept_by_the_next_step(world2):
+    # one process: the same steps on the gathered gradients, the whole params doubled between
+    ranks = result(world2, "to_local_write")
+    params = [p.detach().clone().requires_grad_() for p in _mlp().parameters()]
+    opt = FusedSGD(params, lr=0.5)
+    for t, grads in enumerate(ranks[0]["grads"]):
+        if t == 1:
+            with torch.no_grad():
+                for p in params:
+                    p.mul_(2)
+        for p, g in zip(params, grads, strict=True):
+            p.grad.copy_(g)
+        opt.step()
+    for res in ranks:
+        for got, want in zip(res["params"], params, strict=True):
+            assert torch.equal(got, want.detach())
