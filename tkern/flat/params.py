@@ -105,7 +105,7 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         self.ensure_state(state_names)
         self._start_counting()
         self._ptrs = [p.data_ptr() for p in params] if storage.owns_storage else []
-        self._versions: list[int] | None = [p._version for p in params]
+        self._versions: list | None = storage.versions(params)
         self.attach_grads()
 
     def _make_views(self, local: list[torch.Tensor]) -> None:
@@ -240,7 +240,7 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         """
         params = self.params
         self.check_storage()
-        versions = list(map(_VERSION, params))
+        versions = self.storage.versions(params)
         if versions != self._versions:
             self.reconcile()
             self._versions = versions
@@ -341,7 +341,7 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
             return
         with torch.no_grad():
             torch._foreach_copy_([self.local(i) for i in range(len(self.params))], self.param_views)
-        self._versions = list(map(_VERSION, self.params))
+        self._versions = self.storage.versions(self.params)
 
     # ------------------------------------------------------------- copies
 
@@ -364,5 +364,5 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
                 p.data = self.param_views[i]
         self.wrap_grads()
         self._ptrs = [p.data_ptr() for p in self.params] if self.storage.owns_storage else []
-        self._versions = [p._version for p in self.params]
+        self._versions = self.storage.versions(self.params)
         self.attach_grads()

@@ -4,7 +4,11 @@ or as a copy of memory that belongs to someone else (FSDP2's local shards; see
 
 from __future__ import annotations
 
+import operator
+
 import torch
+
+_VERSION = operator.attrgetter("_version")
 
 
 class ParamStorage:
@@ -36,6 +40,11 @@ class ParamStorage:
         """The part of ``value`` (shaped like ``param``: a ``.grad``, a loaded state entry)
         that the buffer holds, shaped like :meth:`local`: ``value`` itself here."""
         return value
+
+    def versions(self, params: list[torch.Tensor]) -> list:
+        """What moves when ``params`` are written in place (the next step then copies
+        them in and reconciles the master): their version counters here."""
+        return list(map(_VERSION, params))
 
 
 #: The storage of plain params.

@@ -64,7 +64,9 @@ unsharded state in exactly :class:`~tkern.optim.FusedAdamW`'s format on
 single-process tkern or torch optimizer) without communicating: train on 2
 ranks, resume on 3, or on one process with the plain optimizer, and back.
 :meth:`sharded_state_dict` / :meth:`load_sharded_state_dict` save and load only
-this rank's shard (same world size) for models too large to gather.
+this rank's shard (same world size) for models too large to gather. Without
+``seed=``, every rank takes rank 0's default rounding seed (agreed on in the
+construction's collective), so the state dict is one on every rank.
 """
 
 from __future__ import annotations
@@ -131,16 +133,21 @@ def _local_problem(groups: list[list], first_group: int) -> str | None:
 
 def _check_ranks_agree(
     opt: Any, groups: list[list], first_group: int = 0, error: Exception | None = None
-) -> None:
+) -> int:
     """For a sharded optimizer ``opt`` being built or given a param group: one
-    all_gather_object of every rank's param shapes/dtypes/devices and of
-    its local ``error``; a mismatch or an error on any rank raises on every
-    rank (the rank that had the error raises it; the others a ValueError
-    naming that rank)."""
+    all_gather_object of every rank's param shapes/dtypes/devices, of
+    its local ``error`` and of its default rounding seed; a mismatch or an error on any rank
+    raises on every rank (the rank that had the error raises it; the others a ValueError
+    naming that rank). Returns rank 0's default seed (``torch.initial_seed()``), the
+    one every rank takes when no ``seed`` is given."""
     problem = _local_problem(groups, first_group)
     if problem is None and error is not None:
         problem = f"{type(error).__name__}: {error}"
-    mine = {"params": [[_describe_entry(p) for p in g] for g in groups], "problem": problem}
+    mine = {
+        "params": [[_describe_entry(p) for p in g] for g in groups],
+        "problem": problem,
+        "seed": torch.initial_seed() & 0x7FFFFFFF,
+    }
     everyone: list[Any] = [None] * opt._world
     dist.all_gather_object(everyone, mine, group=opt._zero_group)
     name = type(opt).__name__
@@ -167,6 +174,7 @@ def _check_ranks_agree(
                         f"{_fmt(x)}, rank {r} passed {_fmt(y)}; every rank must pass the same params "
                         "in the same order"
                     )
+    return everyone[0]["seed"]
 
 
 class _Sharded:
@@ -185,16 +193,21 @@ class _Sharded:
         **kwargs: Any,
     ) -> None:
         fused = _fused_class(type(self))
-        probe = lambda p: fused(p, *args, **kwargs)  # noqa: E731
+        # the stand-in gets a seed: it must not agree on one (that is _setup's collective)
+        stand_in_seed = {"seed": 0} if kwargs.get("seed") is None else {}
+        probe = lambda p: fused(p, *args, **{**kwargs, **stand_in_seed})  # noqa: E731
         if not isinstance(overlap_grad_sync, bool):
             raise TypeError(f"overlap_grad_sync must be a bool, got {overlap_grad_sync!r}")
         params = self._setup(params, process_group, bucket_mb, grad_sync_dtype, probe)
+        if kwargs.get("seed") is None:  # one seed on every rank: one state_dict, one rounding
+            kwargs = {**kwargs, "seed": self._rank0_seed}
         self._grads = GradSync(self._zero_group, self._world, self._bucket_bytes, self._sync_fp32,
                                 overlap_grad_sync)  # fmt: skip
         fused.__init__(self, params, *args, **kwargs)
         self._finish_setup()
 
     # Set by _setup before the fused optimizer's constructor runs.
+    _rank0_seed: int
     _zero_group: Any
     _world: int
     _rank: int
@@ -253,7 +266,7 @@ class _Sharded:
             probe([{**g, "params": stand_in()} for g in params] if grouped else stand_in())
         except Exception as e:  # raised on every rank below, after the one collective
             error = e
-        _check_ranks_agree(self, lists, error=error)
+        self._rank0_seed = _check_ranks_agree(self, lists, error=error)
         return params
 
     def _make_flats(

@@ -13,12 +13,29 @@ import torch.distributed as dist
 
 from tkern.flat import ALIGN, FlatParams, describe_param
 
-__all__ = ["BucketHook", "GradSync", "all_gather", "bucket_runs", "reduce_scatter"]
+__all__ = ["BucketHook", "GradSync", "all_gather", "bucket_runs", "reduce_scatter", "shared_seed"]
 
 # torch renamed the tensor collectives (all_gather_into_tensor -> all_gather_single); take
 # whichever this torch has.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def shared_seed(seed: int, group: Any = None) -> int:
+    """Rank 0's ``seed`` on every rank of ``group`` (None: the default group), by one
+    broadcast: a collective every rank of the group calls. ``seed`` itself where
+    torch.distributed is not initialized or the group has one rank.
+
+    Stochastic rounding draws from the seed: ranks that seed torch differently would
+    otherwise round their replicas (DDP) differently and save different state dicts."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return seed
+    group = group if group is not None else dist.group.WORLD
+    cuda = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    value = torch.tensor([seed], dtype=torch.int64, device=device)
+    dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    return int(value.item())
 
 
 def bucket_runs(sizes: list[int], capacity: int) -> list[tuple[int, int]]:

@@ -14,9 +14,10 @@ Where the buffers' memory comes from
     and each step copies its updated params into FSDP2's local shards (2 + 2
     B/param for 16-bit params, beside the step's 30). Writes to the params from
     outside (``set_model_state_dict``, ``model.load_state_dict``) move the
-    DTensor's version counter and are copied in before the next step, as for
-    plain params. ``.grad`` stays a DTensor over the flat gradient view: FSDP2
-    accumulates its reduce-scattered gradient into it in place.
+    DTensor's version counter, writes through ``p.to_local()`` its local tensor's,
+    and either is copied in before the next step, as for plain params. ``.grad``
+    stays a DTensor over the flat gradient view: FSDP2 accumulates its
+    reduce-scattered gradient into it in place.
 
 Who reduces the statistics
     Each rank reads only its shard's gradients, so the step's statistics of the
@@ -24,7 +25,11 @@ Who reduces the statistics
     max, the sum of squares summed: :func:`tkern.kernels.overflow.combine_stats`
     with ``sharded=True``), on the device, with no host sync. ``max_grad_norm``
     then clips by the norm of the whole gradient (what ``clip_grad_norm_`` over
-    the DTensor grads gives) and every rank skips the same steps.
+    the DTensor grads gives) and every rank skips the same steps. A plain param
+    group beside them (params FSDP2 left whole, their gradients each rank's own)
+    has its statistics agreed on over the mesh first (the ranks' max, as for
+    replicas: one more all-reduce per step, only then), so its gradients cannot
+    make ranks clip by different norms or one rank skip alone.
 
 Limits (a ``ValueError`` before anything changes): a param group holds DTensor
 params or plain ones, not both; DTensor params are ``Shard(0)`` on a 1-D mesh
@@ -87,6 +92,13 @@ class DTensorShards(ParamStorage):
             chunk = -(-param.shape[0] // self.mesh.size())
             start = min(self.mesh.get_local_rank() * chunk, param.shape[0])
             return value.reshape(param.shape)[start : start + rows]
+
+    def versions(self, params: list[torch.Tensor]) -> list:
+        """Each DTensor's version counter and its local tensor's: writes through the
+        DTensor (``load_state_dict``) move the first, writes through ``p.to_local()``
+        only the second, and either is copied in by the next step, never overwritten."""
+        with torch.no_grad():  # to_local() is then the local tensor itself, no autograd node
+            return [(p._version, p.to_local()._version) for p in params]
 
     def __reduce__(self) -> tuple:
         # device meshes and process groups do not travel: a copy of an optimizer over

@@ -40,7 +40,8 @@ Semantics as torch.optim, with these differences worth knowing:
   gradients are already identical); ``process_group=`` all-reduces the
   statistics (max) so every rank skips the same steps;
 * params that ``fully_shard`` (FSDP2) made DTensors are stepped on their local
-  shards, with the statistics summed over their mesh (see :mod:`tkern.optim.fsdp`).
+  shards, with the statistics summed over their mesh (see :mod:`tkern.optim.fsdp`);
+  the statistics of plain groups beside them are agreed on over the mesh (max).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from tkern.graphs import CudaGraphCapture
 from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
 from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats, reduce_stats
 from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
+from tkern.optim.distributed_sync import shared_seed
 from tkern.optim.fsdp import DTensorShards, param_storage
 from tkern.optim.graph_step import GraphedStep, step_stamp
 from tkern.optim.hparams import (
@@ -134,8 +136,10 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
         self._master, self._state_dtype = master, state_dtype
-        #: The stochastic rounding's seed (master="none"); torch's initial seed by default.
+        #: The stochastic rounding's seed (master="none"); by default torch's initial seed,
+        #: rank 0's on every rank (see :meth:`_share_seed`).
         self.seed = (torch.initial_seed() if seed is None else seed) & 0x7FFFFFFF
+        self._seed_shared = seed is not None
         self._flat: list[list[FlatParams]] = []
         #: fp8 weights (tensorwise or delayed Float8Linear) whose cast the step writes after updating them
         self._float8_caches: list[Float8WeightCache] = []
@@ -149,6 +153,8 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         #: buffers over them (their updated params are copied out after each step).
         self._dtensor_storage: DTensorShards | None = None
         self._held_elsewhere: list[FlatParams] = []
+        if master == "none":  # DDP's replicas round alike: one broadcast, at construction
+            self._share_seed(process_group)
         super().__init__(params, defaults)
 
     @property
@@ -202,6 +208,8 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         for key, default in self.defaults.items():
             param_group.setdefault(key, default)
         self._validate_group(param_group, gi)
+        if isinstance(storage, DTensorShards):  # FSDP2's ranks: one seed, one state_dict
+            self._share_seed(storage.stats_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if params:
@@ -226,6 +234,20 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         for flat in flats:
             self._refresh_state(flat)
         self._float8_caches += [c for p in group["params"] if (c := float8_weight_cache(p)) is not None]
+
+    def _share_seed(self, group: Any) -> None:
+        """A default seed becomes rank 0's of ``group`` (None: the default group) on every
+        rank, once (one broadcast; nothing without torch.distributed): with
+        ``master="none"`` at construction, and for FSDP2's DTensor params when their
+        first group is added. Buffers already built are reseeded as a loaded seed
+        reseeds them. A seed given to the constructor is kept as it is."""
+        if self._seed_shared:
+            return
+        self.seed = shared_seed(self.seed, group)
+        self._seed_shared = True
+        for before, flats in enumerate(self._flat):
+            for j, flat in enumerate(flats):
+                flat.seed = flat_seed(self.seed, sum(map(len, self._flat[:before])), j)
 
     def _make_flats(
         self, params: list[torch.Tensor], indices: list[int], group: int, names: tuple[str, ...], modes: dict
@@ -353,11 +375,18 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         over their mesh by every rank, whether or not it holds gradients this step)."""
         whole = [b.grad for _, plan, group in work if group is None for b in plan]
         stats = None
-        if whole or self._dtensor_storage is None:
+        # plain groups beside FSDP2's: held on every rank of the mesh, whether or not planned
+        mixed = self._dtensor_storage is not None and len(self._held_elsewhere) < sum(map(len, self._flat))
+        if mixed or self._dtensor_storage is None:
             stats = grad_stats(whole, inv_scale)
             if found_inf is not None:
                 torch.maximum(stats[:1], found_inf, out=stats[:1])
             stats = self._sync_stats(stats)
+            mesh = self._dtensor_storage.stats_group if mixed else None
+            if mesh is not None and mesh is not self._process_group:
+                # each rank's own plain gradients: the ranks agree on their max, as for replicas,
+                # so every rank clips by one norm and skips the same steps
+                stats = combine_stats(stats, mesh)
         if self._dtensor_storage is not None:
             shards = [b.grad for _, plan, group in work if group is not None for b in plan]
             sharded = grad_stats(shards, inv_scale)

@@ -171,7 +171,13 @@ OPTIONS_DOC = """max_grad_norm: clip by the global L2 norm of all unscaled gradi
             dynamic code maps, blocks of 256; params under 4096 elements keep fp32
             state). ``state_dict()`` converts to and from torch's fp32 format in every mode.
         seed: the stochastic rounding's seed (``master="none"``); default
-            ``torch.initial_seed()``, so ``torch.manual_seed`` makes runs repeat.
+            ``torch.initial_seed()``, so ``torch.manual_seed`` makes runs repeat. Under
+            ``torch.distributed`` the default is rank 0's on every rank, so replicas
+            round alike and every rank saves one state_dict: the ZeRO-2 optimizers
+            agree on it in their construction collective, FSDP2's DTensor params and
+            ``master="none"`` (DDP) by one broadcast at construction, which every rank
+            of the group (``process_group``, else the default one) then joins; pass
+            ``seed=`` to build one on some ranks only.
         cuda_graph: replay the step as one CUDA graph (see :mod:`tkern.graphs`): None
             (default) wherever it can be (CUDA params, no collectives, not inside another
             graph's warm-up or capture), True the same, False never. A step that brings
