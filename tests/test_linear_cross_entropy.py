@@ -37,10 +37,12 @@ def _inputs(dtype, n=N, h=H, v=V, seed=0, bias_dtype=None):
     return x, w, b, target.to(DEVICE), weight
 
 
-def _reference(x, w, b, target, grad_out=None, weight=None, z_loss=0.0, reduction="mean", **kw):
-    """(loss, dx, dw, db) in float64: F.linear, F.cross_entropy, the z-loss."""
+def _reference(x, w, b, target, grad_out=None, weight=None, z_loss=0.0, reduction="mean", softcap=None, **kw):
+    """(loss, dx, dw, db) in float64: F.linear, the softcap, F.cross_entropy, the z-loss."""
     leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
     logits = F.linear(*leaves)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     w64 = None if weight is None else weight.double()
     loss = F.cross_entropy(logits, target, weight=w64, reduction=reduction, **kw)
     if z_loss:
@@ -68,7 +70,8 @@ def _check(x, w, b, target, grad_out=None, chunk_size=None, **kw):
         assert rel_err(got, want) <= TOL[x.dtype], (name, rel_err(got, want), kw)
 
 
-ALL = {"label_smoothing": 0.1, "z_loss": 1e-3}
+# softcap 3: the logits (std ~2.5) are capped hard at the tails, barely near 0
+ALL = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 3.0}
 
 
 @pytest.mark.parametrize(
@@ -181,6 +184,8 @@ def test_errors_name_the_argument():
         tkern.linear_cross_entropy(x, w, target[:5])
     with pytest.raises(ValueError, match="linear_bias must have shape"):
         tkern.linear_cross_entropy(x, w, target, linear_bias=b[:5])
+    with pytest.raises(ValueError, match="softcap must be None or > 0"):
+        tkern.linear_cross_entropy(x, w, target, softcap=0.0)
     with pytest.raises(ValueError, match="chunk_size must be"):
         tkern.linear_cross_entropy(x, w, target, chunk_size=0)
     with pytest.raises(ValueError, match="reduction must be one of"):
@@ -190,7 +195,7 @@ def test_errors_name_the_argument():
 def test_linear_cross_entropy_module():
     torch.manual_seed(3)
     head = torch.nn.Linear(H, V, device=DEVICE)
-    module = tkern.nn.LinearCrossEntropy(H, V, label_smoothing=0.1, device=DEVICE)
+    module = tkern.nn.LinearCrossEntropy(H, V, label_smoothing=0.1, softcap=2.0, device=DEVICE)
     assert list(module.state_dict()) == list(head.state_dict())  # a head's state_dict loads into it
     module.load_state_dict(head.state_dict())
     assert module.weight.dtype == torch.float32 and module.class_weight is None
@@ -200,7 +205,7 @@ def test_linear_cross_entropy_module():
     x, _, _, target, _ = _inputs(torch.float32, n=20)
     loss = module(x, target)  # an fp32 input is cast to the head's dtype
     loss.backward()
-    ref = _reference(x.bfloat16(), module.weight, module.bias, target, label_smoothing=0.1)
+    ref = _reference(x.bfloat16(), module.weight, module.bias, target, label_smoothing=0.1, softcap=2.0)
     assert rel_err(loss, ref[0]) <= LOSS_TOL
     assert rel_err(module.weight.grad, ref[2]) <= TOL[torch.bfloat16]
 

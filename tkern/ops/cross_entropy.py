@@ -140,6 +140,15 @@ def _check_options(label_smoothing: float, z_loss: float, ignore_index: int) -> 
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
+def _check_softcap(softcap: float | None) -> None:
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be None or a number > 0, got {type(softcap).__name__}")
+    if not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+
+
 def _class_weight(weight: torch.Tensor | None, n_classes: int, device: torch.device) -> torch.Tensor | None:
     """``weight`` as the kernel takes it: (V,) fp32 contiguous (a copy only where it is not)."""
     if weight is None:
@@ -266,8 +275,7 @@ def cross_entropy(
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dtype not in LOGIT_DTYPES:
         raise TypeError(f"logits must have dtype in {LOGIT_DTYPES}, got {logits.dtype}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    _check_softcap(softcap)
     shape = target.shape if isinstance(target, torch.Tensor) else None
     rows_logits, rows_target = _as_rows(logits, target)
     w = _class_weight(weight, rows_logits.shape[1], logits.device)
@@ -320,10 +328,11 @@ class _Chunks:
         weight: Tensor | None,
         ignore_index: int,
         smoothing: float,
+        softcap: float | None,
         chunk: int,
     ) -> None:
         self.x, self.w, self.b, self.target, self.weight = x, w, b, target, weight
-        self.ignore_index, self.smoothing, self.chunk = ignore_index, smoothing, chunk
+        self.ignore_index, self.smoothing, self.softcap, self.chunk = ignore_index, smoothing, softcap, chunk
         n, v = x.shape[0], w.shape[0]
         c = min(chunk, n)
         self.logits = torch.empty(c, v, dtype=torch.float32, device=x.device)
@@ -387,6 +396,7 @@ def _lce_forward(
             ch.weight,
             ignore_index=ch.ignore_index,
             label_smoothing=ch.smoothing,
+            softcap=ch.softcap,
             grad=grad,
             a=a if want else None,
             q=q if want else None,
@@ -421,6 +431,7 @@ def _lce_recompute(
             ch.weight,
             ignore_index=ch.ignore_index,
             label_smoothing=ch.smoothing,
+            softcap=ch.softcap,
             grad=ch.grad_buffer(e - s),
         )
         ch.backprop(grad, s, e, gx, gw32, gb32, i == 0)
@@ -437,15 +448,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     for "none" backward recomputes the chunks with the per-row upstream gradients."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, weight, ignore_index, smoothing, z_loss, reduction, chunk, grad_mode):
+    def forward(
+        ctx, x, w, b, target, weight, ignore_index, smoothing, softcap, z_loss, reduction, chunk, grad_mode
+    ):
         # needs_input_grad says True under no_grad too: grad_mode (the caller's) decides
         needs = ctx.needs_input_grad[:3] if grad_mode else (False, False, False)
-        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, chunk)
+        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, softcap, chunk)
         ctx.reduction, ctx.z_loss = reduction, z_loss
         if reduction == "none":
             rows, lse, *_ = _lce_forward(ch, None, None, (False, False, False))
             ctx.save_for_backward(x, w, b, target, weight, lse)
-            ctx.options = (ignore_index, smoothing, chunk)
+            ctx.options = (ignore_index, smoothing, softcap, chunk)
             return rows + z_loss * lse * lse if z_loss else rows
         denom, count = _denominators(target, weight, ignore_index)
         if reduction == "mean":
@@ -466,14 +479,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.reduction != "none":
             gx, gw, gb = ctx.saved_tensors
             gx, gb = (None if t is None else (t * g).to(t.dtype) for t in (gx, gb))
-            return gx, _weight_grad(ctx, gw, g), gb, *(None,) * 8
+            return gx, _weight_grad(ctx, gw, g), gb, *(None,) * 9
         x, w, b, target, weight, lse = ctx.saved_tensors
-        ignore_index, smoothing, chunk = ctx.options
+        ignore_index, smoothing, softcap, chunk = ctx.options
         g = g.contiguous()
         glse = (2.0 * ctx.z_loss) * lse * g if ctx.z_loss else None
-        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, chunk)
+        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, softcap, chunk)
         gx, gw32, gb32 = _lce_recompute(ch, lse, g, glse, ctx.needs_input_grad[:3])
-        return gx, _weight_grad(ctx, _cast(gw32, w), None), _cast(gb32, b), *(None,) * 8
+        return gx, _weight_grad(ctx, _cast(gw32, w), None), _cast(gb32, b), *(None,) * 9
 
 
 def _weight_grad(ctx, gw: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -535,11 +548,12 @@ def linear_cross_entropy(
     ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)``
     without the (tokens x classes) logits: torch 2.13's ``F.linear_cross_entropy``
-    plus tkern's ``z_loss`` and ``chunk_size``.
+    plus tkern's ``z_loss``, ``softcap`` and ``chunk_size``.
 
     The rows go in chunks of ``chunk_size``; per chunk, tkern's GEMM computes the
     chunk's logits in fp32 (fp32 accumulation), the cross-entropy kernel its
@@ -563,6 +577,9 @@ def linear_cross_entropy(
         target: (...) class indices, int64/int32, in ``[0, V)`` or ``ignore_index``.
         linear_bias: optional (V,), ``input``'s dtype or fp32.
         weight, reduction, label_smoothing, z_loss: as :func:`cross_entropy`.
+        softcap: optional c > 0: the logits become ``c * tanh(logits / c)`` before the
+            loss (Gemma 2's ``final_logit_softcapping``), as :func:`cross_entropy`'s;
+            applied to each chunk's fp32 logits in the kernel, never materialized.
         ignore_index: as :func:`cross_entropy`; None means -100 (torch's convention).
         chunk_size: rows per chunk; default :func:`default_chunk_rows` (as many
             logits per chunk as the input has elements, a power of two).
@@ -573,6 +590,7 @@ def linear_cross_entropy(
     ignore_index = -100 if ignore_index is None else ignore_index
     _check_reduction(reduction)
     _check_options(label_smoothing, z_loss, ignore_index)
+    _check_softcap(softcap)
     _check_linear_ce_args(input, linear_weight, linear_bias, target, chunk_size)
     v, h = linear_weight.shape
     x2d, t = input.reshape(-1, h), target.reshape(-1)
@@ -587,6 +605,7 @@ def linear_cross_entropy(
         w,
         ignore_index,
         float(label_smoothing),
+        None if softcap is None else float(softcap),
         float(z_loss),
         reduction,
         chunk,
