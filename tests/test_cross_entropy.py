@@ -18,9 +18,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, count_syncs, rel_err
 
 import tkern
+import tkern.kernels.cross_entropy as ce_kernels
 from tkern.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
 
 LOSS_TOL = 1e-5
@@ -261,13 +262,17 @@ def test_torch_shapes():
 
 def test_errors_name_the_argument():
     logits, target, _ = _inputs(torch.float16, n=4, v=10, ignore_every=100)
-    bad = target.clone()
+    # out-of-range targets on the CPU: a ValueError naming the value, the range and
+    # ignore_index, before any launch (on a GPU the check is a device-side assert, which
+    # would end the process's CUDA context: test_out_of_range_target_on_the_device_path)
+    bad = target.clone().cpu()
     bad[2] = 10
-    with pytest.raises(ValueError, match=r"target\[2\] = 10 is out of range"):
-        tkern.cross_entropy(logits, bad)
-    bad[2] = -3
-    with pytest.raises(ValueError, match=r"target\[2\] = -3"):
-        tkern.cross_entropy(logits, bad)
+    msg = r"target\[2\] = 10 is out of range: targets must be in \[0, 10\) or equal ignore_index \(-100\)"
+    with pytest.raises(ValueError, match=msg):
+        tkern.cross_entropy(logits.cpu(), bad)
+    bad[2], bad[0] = -3, 7  # 7 is then ignore_index, -100 a class out of range
+    with pytest.raises(ValueError, match=r"target\[2\] = -3 .* ignore_index \(7\)"):
+        tkern.cross_entropy(logits.cpu(), bad, ignore_index=7)
     with pytest.raises(ValueError, match="target must have shape"):
         tkern.cross_entropy(logits, target[:3])
     with pytest.raises(TypeError, match="class-probability targets"):
@@ -284,6 +289,40 @@ def test_errors_name_the_argument():
         tkern.cross_entropy(logits, target, softcap=0.0)
     with pytest.raises(ValueError, match="z_loss must be"):
         tkern.cross_entropy(logits, target, z_loss=-1.0)
+
+
+@pytest.fixture
+def device_path_check(monkeypatch):
+    """The device-side target check on this machine's device too (the CPU reads its
+    targets on the host, which costs nothing there)."""
+    monkeypatch.setattr(ce_kernels, "HOST_CHECK_DEVICES", ())
+
+
+def test_no_host_sync_per_call(device_path_check):
+    # the target check on the device path, the launches and the reduction: no value read
+    # on the host in forward or backward (the counter does see a host check)
+    logits, target, weight = _inputs(torch.bfloat16, n=24)
+    x = logits.clone().requires_grad_()
+    with count_syncs() as calls:
+        loss = tkern.cross_entropy(x, target, weight=weight, label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
+        loss.backward()
+    assert calls == [] and x.grad is not None
+    ref_loss, ref_grad = _reference(
+        logits, target, weight=weight, label_smoothing=0.1, z_loss=1e-3, softcap=5.0
+    )
+    assert rel_err(loss, ref_loss) <= LOSS_TOL and rel_err(x.grad, ref_grad) <= TOL[torch.bfloat16]
+    with count_syncs() as calls:
+        ce_kernels.HOST_CHECK_DEVICES = (DEVICE,)
+        ce_kernels.check_targets(target, V, -100)
+    assert calls, "the counter must see the host-side check's read"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a failed device-side assert ends the CUDA context")
+def test_out_of_range_target_on_the_device_path(device_path_check):
+    logits, target, _ = _inputs(torch.float32, n=6, v=10, ignore_every=100)
+    target[4] = 10
+    with pytest.raises(RuntimeError, match=r"must be in \[0, 10\) or equal ignore_index \(-100\)"):
+        tkern.cross_entropy(logits, target)
 
 
 def test_launcher_refuses_an_in_place_gradient():

@@ -16,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, count_syncs, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
+import tkern.kernels.cross_entropy as ce_kernels
 from tkern.ops.cross_entropy import default_chunk_rows
 
 LOSS_TOL = 1e-5
@@ -172,10 +173,10 @@ def test_default_chunk_rows():
 
 def test_errors_name_the_argument():
     x, w, b, target, _ = _inputs(torch.float16, n=8)
-    bad = target.clone()
+    bad = target.clone().cpu()  # on the CPU: a GPU's check is a device-side assert
     bad[3] = V + 5
-    with pytest.raises(ValueError, match=rf"target\[3\] = {V + 5} is out of range"):
-        tkern.linear_cross_entropy(x, w, bad)
+    with pytest.raises(ValueError, match=rf"target\[3\] = {V + 5} is out of range: .* ignore_index"):
+        tkern.linear_cross_entropy(x.cpu(), w.cpu(), bad)
     with pytest.raises(TypeError, match="input must have dtype"):
         tkern.linear_cross_entropy(x.bfloat16(), w, target)
     with pytest.raises(ValueError, match="input must have shape"):
@@ -251,3 +252,16 @@ def test_all_ignored_batch(reduction):
     ref = _reference(x, w, b, target, reduction=reduction)[0]
     assert torch.equal(loss.isnan().cpu(), ref.isnan().cpu()) and (reduction == "mean") == bool(loss.isnan())
     assert all(torch.all(g == 0) for g in grads)
+
+
+def test_no_host_sync_per_call(monkeypatch):
+    # the target check on the device path (as on a GPU), the chunks, the reduction: no value
+    # read on the host in forward or backward
+    monkeypatch.setattr(ce_kernels, "HOST_CHECK_DEVICES", ())
+    x, w, b, target, weight = _inputs(torch.bfloat16, n=40)
+    kw = {**ALL, "weight": weight}
+    with count_syncs() as calls:
+        out = _run(x, w, b, target, chunk_size=16, **kw)
+    assert calls == []
+    ref = _reference(x, w, b, target, **kw)
+    assert rel_err(out[0], ref[0]) <= LOSS_TOL and rel_err(out[2], ref[2]) <= TOL[torch.bfloat16]

@@ -20,11 +20,14 @@ the gradient is multiplied by ``1 - tanh(x / c)^2``; both from :func:`_tanh_part
 to a few ulp relative for every ``x / c`` (torch's own fp32 accuracy). A row whose target is
 ``ignore_index`` costs no logit reads: its loss and lse are 0 and its gradient
 row is zeros. A target outside ``[0, V)`` gives a NaN loss (never an
-out-of-bounds read); :func:`check_targets` raises on the host before the launch.
+out-of-bounds read); :func:`check_targets` reports it first.
 
-Target check: a host-side check (:func:`check_targets`), one reduction over the
-targets and, on a GPU, one device-to-host sync per call; the kernel's NaN is
-the backstop where the check is skipped (under ``torch.compile`` tracing).
+Target check (:func:`check_targets`), one reduction over the targets and never a
+device-to-host sync: on the CPU (``HOST_CHECK_DEVICES``) a ``ValueError`` naming the
+first bad target, raised before the launch; on a GPU a device-side assert
+(``torch._assert_async``) queued before the launch, which fails the stream (a
+device-side assert error at the next sync) instead of letting a wrong target
+train silently. The kernel's NaN is the backstop where the check is skipped.
 """
 
 from __future__ import annotations
@@ -274,12 +277,28 @@ def _cross_entropy_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
+#: Devices whose targets :func:`check_targets` reads on the host (no device to wait
+#: for there); on any other device the check is a device-side assert (no sync).
+HOST_CHECK_DEVICES = ("cpu",)
+
+
 def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Raise ``ValueError`` naming the first target outside ``[0, n_classes)`` that
-    is not ``ignore_index``. One reduction over the targets; on a GPU it waits for
-    the device (reads the answer on the host)."""
+    """Check that every target is in ``[0, n_classes)`` or ``ignore_index``, without a
+    device-to-host sync: one reduction over the targets, then on a device of
+    ``HOST_CHECK_DEVICES`` a ``ValueError`` naming the first bad target, elsewhere
+    ``torch._assert_async`` (queued on the device: a failure surfaces as a
+    device-side assert at the next sync, with this message where the backend keeps it)."""
+    if not target.numel():
+        return
     bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
-    if target.numel() and bool(bad.any()):
+    if target.device.type not in HOST_CHECK_DEVICES:
+        torch._assert_async(
+            ~bad.any(),
+            f"tkern cross-entropy: a target is out of range: targets must be in [0, {n_classes}) "
+            f"or equal ignore_index ({ignore_index})",
+        )
+        return
+    if bool(bad.any()):
         idx = int(bad.nonzero()[0, 0])
         raise ValueError(
             f"target[{idx}] = {int(target[idx])} is out of range: targets must be in [0, {n_classes}) "

@@ -252,8 +252,9 @@ def cross_entropy(
         logits: (C,), (N, C) or (N, C, d1, ...), fp16/bf16/fp32 (torch's layouts:
             the classes in dimension 1, or 0 for a 1-D input).
         target: class indices, int64/int32, of shape (), (N,) or (N, d1, ...);
-            each in ``[0, C)`` or ``ignore_index``, else ``ValueError`` naming it
-            (checked on the host before the launch: one sync on a GPU).
+            each in ``[0, C)`` or ``ignore_index``, checked without a host sync: on
+            the CPU a ``ValueError`` naming it before the launch, on a GPU a
+            device-side assert (``torch._assert_async``) queued before the launch.
             Class-probability targets are not supported (``TypeError``).
         weight: optional (C,) class weights (any float dtype; used in fp32; no
             gradient flows to them).
@@ -574,7 +575,8 @@ def linear_cross_entropy(
     Args:
         input: (..., H), fp16/bf16 (tkern's GEMM) or fp32 (torch's GEMM).
         linear_weight: (V, H), ``input``'s dtype.
-        target: (...) class indices, int64/int32, in ``[0, V)`` or ``ignore_index``.
+        target: (...) class indices, int64/int32, in ``[0, V)`` or ``ignore_index``
+            (checked as :func:`cross_entropy`'s, without a host sync).
         linear_bias: optional (V,), ``input``'s dtype or fp32.
         weight, reduction, label_smoothing, z_loss: as :func:`cross_entropy`.
         softcap: optional c > 0: the logits become ``c * tanh(logits / c)`` before the
