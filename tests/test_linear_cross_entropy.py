@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
 import tkern.kernels.cross_entropy as ce_kernels
-from tkern.ops.cross_entropy import default_chunk_rows
+from tkern.ops.cross_entropy import MIN_CHUNK_ROWS, default_chunk_rows
 
 LOSS_TOL = 1e-5
 N, H, V = 188, 31, 123
@@ -164,11 +164,25 @@ def test_never_materializes_the_logits(reduction):
 
 
 def test_default_chunk_rows():
-    # as many logits per chunk as the input has elements, a power of two, at most the rows
+    # the bytes rule (as many logits per chunk as the input has elements, a power of two)
+    # where it gives at least MIN_CHUNK_ROWS, at most the rows rounded up to a power of two
+    assert MIN_CHUNK_ROWS == 128
     assert default_chunk_rows(8192, 768, 50257) == 128  # 8192 * 768 / 50257 = 125
-    assert default_chunk_rows(188, 31, 123) == 64  # 47.4 -> 2^6
+    assert default_chunk_rows(8192, 4096, 128256) == 256  # 261.6: the bytes rule, above the floor
+    assert default_chunk_rows(65536, 4096, 32000) == 8192  # 8388.6
     assert default_chunk_rows(3, 4096, 16) == 4  # at most the rows, rounded up
-    assert default_chunk_rows(10, 2, 10**6) == 1
+    # the floor: never tiny GEMMs (issue 37: 32 rows of 32 into 1501 classes took 32 chunks)
+    assert default_chunk_rows(32, 32, 1501) == 32  # one chunk, not 32 of one row
+    assert default_chunk_rows(10, 2, 10**6) == 16
+    assert default_chunk_rows(188, 31, 123) == 128  # bytes rule 47.4 -> 64, floored: 2 chunks
+    assert default_chunk_rows(8192, 2304, 256000) == 128  # Gemma 2's vocabulary: 73.7 -> 64, floored
+    for n in (1, 7, 100, 129, 1000, 5000, 70000):
+        for h, v in ((32, 1501), (768, 50257), (4096, 16), (2304, 256000)):
+            rows = default_chunk_rows(n, h, v)
+            assert rows & (rows - 1) == 0 and rows >= min(n, MIN_CHUNK_ROWS)
+            # above the floor and below all the rows: the bytes rule, within a factor sqrt(2)
+            if MIN_CHUNK_ROWS < rows < n:
+                assert 0.7 <= rows * v / (n * h) <= 1.42, (n, h, v, rows)
 
 
 def test_errors_name_the_argument():

@@ -290,12 +290,24 @@ def cross_entropy(
 # --------------------------------------------------------------------------- linear_cross_entropy
 
 
+#: The fewest rows a default chunk has (all the rows where there are fewer): each chunk
+#: runs three GEMMs whose row count is the chunk's (the logits' and dgrad's M, the weight
+#: gradient's K), plus a kernel launch; below ~128 rows they are launch-bound and the
+#: weight gradient's K too short to fill a 128-wide tile (1-row chunks: one launch per token).
+MIN_CHUNK_ROWS = 128
+
+
 def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
-    """Rows per chunk: a power of two whose chunk of logits (rows x classes) holds
-    about as many elements as the input (rows x features), at most ``n_rows``
-    rounded up to a power of two, at least 1."""
+    """Rows per chunk, a power of two: the bytes rule -- the chunk's logits (rows x
+    classes) about as many elements as the input (rows x features), so that the
+    chunk's fp32 logits cost no more memory than the activations -- raised to
+    :data:`MIN_CHUNK_ROWS` (GEMMs large enough to keep a GPU busy) and capped at
+    ``n_rows`` rounded up to a power of two (one chunk holds every row). The bytes
+    rule decides for large vocabularies against the rows' width only above the floor
+    (8192 x 4096 rows into 128256 classes: 256 rows; GPT-2's 8192 x 768 into 50257:
+    128); below it the floor wins (at most 128 x V fp32 logits per chunk)."""
     target = max(1, n_rows * in_features // max(n_classes, 1))
-    rows = 1 << round(math.log2(target))
+    rows = max(1 << round(math.log2(target)), MIN_CHUNK_ROWS)
     return max(1, min(rows, 1 << max(n_rows - 1, 0).bit_length()))
 
 
@@ -584,7 +596,8 @@ def linear_cross_entropy(
             applied to each chunk's fp32 logits in the kernel, never materialized.
         ignore_index: as :func:`cross_entropy`; None means -100 (torch's convention).
         chunk_size: rows per chunk; default :func:`default_chunk_rows` (as many
-            logits per chunk as the input has elements, a power of two).
+            logits per chunk as the input has elements, a power of two, at least
+            ``MIN_CHUNK_ROWS`` = 128 rows or all of them).
 
     Returns:
         fp32: a 0-d tensor, or the per-row losses in the target's shape for ``"none"``.
