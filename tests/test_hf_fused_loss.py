@@ -34,17 +34,20 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config).to(DEVICE).eval()
 
 
+#: One small decoder layer, as Llama-like configs spell it.
+_DECODER = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+}
+
+
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = transformers.LlamaConfig(**_DECODER, tie_word_embeddings=False)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(DEVICE).eval()
 
@@ -53,16 +56,7 @@ def _gemma2(softcap=2.0):
     # weights drawn 15x wider than HF's default (logits up to ~10 instead of ~0.1) and a
     # small final-logit softcap (Gemma 2's is 30), so that the softcap bites
     config = transformers.Gemma2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=32,
-        final_logit_softcapping=softcap,
-        initializer_range=0.3,
+        **_DECODER, head_dim=16, final_logit_softcapping=softcap, initializer_range=0.3
     )
     torch.manual_seed(0)
     return transformers.Gemma2ForCausalLM(config).to(DEVICE).eval()
