@@ -8,7 +8,9 @@ else through Triton's interpreter on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -64,3 +66,30 @@ def sum_tolerance(values: torch.Tensor, dim: int, out_dtype: torch.dtype) -> tor
     if out_dtype != torch.float32:
         tol = tol + torch.finfo(out_dtype).eps * values.float().sum(dim).abs()
     return tol
+
+
+SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+@contextlib.contextmanager
+def count_syncs():
+    """Counts the calls that read a tensor's value on the host (each a device-to-host sync
+    on a GPU: Tensor.item, tolist, bool/int/float, nonzero) and torch.cuda.synchronize."""
+    calls = []
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    with contextlib.ExitStack() as stack:
+        for name in SYNCING:
+            stack.enter_context(
+                mock.patch.object(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+            )
+        stack.enter_context(
+            mock.patch.object(torch.cuda, "synchronize", counted("synchronize", torch.cuda.synchronize))
+        )
+        yield calls

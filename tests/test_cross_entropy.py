@@ -13,12 +13,16 @@ Tolerances (relative Frobenius error, conftest.rel_err):
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, count_syncs, rel_err
 
 import tkern
+import tkern.kernels.cross_entropy as ce_kernels
+from tkern.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
 
 LOSS_TOL = 1e-5
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -167,6 +171,69 @@ def test_confident_predictions_keep_p_minus_one():
     assert rel_err(grad, ref) <= TOL[torch.bfloat16]
 
 
+ULP32 = 2.0**-24
+
+
+def _softcap_probe(c, n=400):
+    """fp32 logits ``c * y`` with |y| geometric in [1e-4, 30], both signs, as (2n, 1)."""
+    mag = torch.logspace(-4, math.log10(30.0), n, dtype=torch.float64)
+    return (torch.cat([mag, -mag]) * c).float()[:, None].to(DEVICE)
+
+
+@pytest.mark.parametrize("c", [1.0, 1.5, 30.0])
+def test_softcap_keeps_relative_precision_for_every_logit(c):
+    # One class per row: the kernel's lse is the capped logit c tanh(x / c) itself, and the
+    # gradient of lse (grad_loss 0, grad_lse 1) is the cap's slope 1 - tanh(x / c)^2, so
+    # both are compared element by element with float64 on the same fp32 x. Bounds: the
+    # forward within 4 fp32 ulp (tanh to < 3 ulp, then x / c and c * t rounded once each);
+    # the slope within (4 + 2|y|) ulp: y = x / c is rounded (half an ulp) and sech^2's
+    # condition number is 2 |y| tanh|y|. torch's own fp32 c * tanh(x / c) is measured in the
+    # same test: the forward within 3x its error; its 1 - t^2 slope loses every digit for
+    # large |y| (t rounds to 1), so only its |y| < 1 error is a reference for the slope.
+    x = _softcap_probe(c)
+    target = torch.zeros(x.shape[0], dtype=torch.long, device=DEVICE)
+    y = x.double().cpu()[:, 0] / c
+    ref_cap, ref_slope = c * torch.tanh(y), torch.cosh(y) ** -2
+    _, lse = cross_entropy_forward(x, target, softcap=c)
+    one, zero = torch.ones(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+    slope = cross_entropy_backward(x, target, lse, zero, one, softcap=c)[:, 0]
+    xt = x.clone().requires_grad_()
+    torch_cap = c * torch.tanh(xt / c)
+    torch_cap.sum().backward()
+
+    def rel(out, ref):
+        return (out.double().cpu().reshape(-1) - ref).abs() / ref.abs()
+
+    cap_err, torch_cap_err = rel(lse, ref_cap), rel(torch_cap.detach(), ref_cap)
+    assert cap_err.max() <= max(4 * ULP32, 3 * torch_cap_err.max()), (cap_err.max(), torch_cap_err.max())
+    slope_err = rel(slope, ref_slope)
+    assert torch.all(slope_err <= (4 + 2 * y.abs()) * ULP32), (slope_err.max(), y[slope_err.argmax()])
+    near = y.abs() < 1
+    torch_near = rel(xt.grad, ref_slope)[near].max()
+    assert slope_err[near].max() <= 3 * torch_near, (slope_err[near].max(), torch_near)
+
+
+def test_softcap_cross_entropy_gradient_at_torchs_accuracy():
+    # Rows [c y, 0] with the target 0, |y| in [1e-4, 30]: the loss and gradient against a
+    # float64 reference whose slope is 1 / cosh(y)^2 (float64 autograd's 1 - tanh^2 rounds
+    # to 0 past |y| = 19), relative Frobenius error within 2x torch's fp32 error measured here.
+    c = 1.5
+    x = _softcap_probe(c)
+    x = torch.cat([x, torch.zeros_like(x)], 1)
+    target = torch.zeros(x.shape[0], dtype=torch.long, device=DEVICE)
+    y = x.double().cpu() / c
+    cap = c * torch.tanh(y)
+    ref_loss = torch.logsumexp(cap, 1) - cap[:, 0]
+    ref_grad = (torch.softmax(cap, 1) - F.one_hot(target.cpu(), 2)) / torch.cosh(y) ** 2
+    loss, grad = _run(x, target, reduction="none", softcap=c)
+    xt = x.clone().requires_grad_()
+    t_loss = F.cross_entropy(c * torch.tanh(xt / c), target, reduction="none")
+    t_loss.sum().backward()
+    for out, ref, torch_out in ((loss, ref_loss, t_loss.detach()), (grad, ref_grad, xt.grad)):
+        err, torch_err = rel_err(out, ref), rel_err(torch_out, ref)
+        assert err <= 2 * torch_err, (err, torch_err)
+
+
 @pytest.mark.parametrize("reduction, expected", [("mean", float("nan")), ("sum", 0.0), ("none", 0.0)])
 def test_all_ignored_batch(reduction, expected):
     logits, _, weight = _inputs(torch.float16, n=8)
@@ -195,13 +262,17 @@ def test_torch_shapes():
 
 def test_errors_name_the_argument():
     logits, target, _ = _inputs(torch.float16, n=4, v=10, ignore_every=100)
-    bad = target.clone()
+    # out-of-range targets on the CPU: a ValueError naming the value, the range and
+    # ignore_index, before any launch (on a GPU the check is a device-side assert, which
+    # would end the process's CUDA context: test_out_of_range_target_on_the_device_path)
+    bad = target.clone().cpu()
     bad[2] = 10
-    with pytest.raises(ValueError, match=r"target\[2\] = 10 is out of range"):
-        tkern.cross_entropy(logits, bad)
-    bad[2] = -3
-    with pytest.raises(ValueError, match=r"target\[2\] = -3"):
-        tkern.cross_entropy(logits, bad)
+    msg = r"target\[2\] = 10 is out of range: targets must be in \[0, 10\) or equal ignore_index \(-100\)"
+    with pytest.raises(ValueError, match=msg):
+        tkern.cross_entropy(logits.cpu(), bad)
+    bad[2], bad[0] = -3, 7  # 7 is then ignore_index, -100 a class out of range
+    with pytest.raises(ValueError, match=r"target\[2\] = -3 .* ignore_index \(7\)"):
+        tkern.cross_entropy(logits.cpu(), bad, ignore_index=7)
     with pytest.raises(ValueError, match="target must have shape"):
         tkern.cross_entropy(logits, target[:3])
     with pytest.raises(TypeError, match="class-probability targets"):
@@ -218,6 +289,40 @@ def test_errors_name_the_argument():
         tkern.cross_entropy(logits, target, softcap=0.0)
     with pytest.raises(ValueError, match="z_loss must be"):
         tkern.cross_entropy(logits, target, z_loss=-1.0)
+
+
+@pytest.fixture
+def device_path_check(monkeypatch):
+    """The device-side target check on this machine's device too (the CPU reads its
+    targets on the host, which costs nothing there)."""
+    monkeypatch.setattr(ce_kernels, "HOST_CHECK_DEVICES", ())
+
+
+def test_no_host_sync_per_call(device_path_check):
+    # the target check on the device path, the launches and the reduction: no value read
+    # on the host in forward or backward (the counter does see a host check)
+    logits, target, weight = _inputs(torch.bfloat16, n=24)
+    x = logits.clone().requires_grad_()
+    with count_syncs() as calls:
+        loss = tkern.cross_entropy(x, target, weight=weight, label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
+        loss.backward()
+    assert calls == [] and x.grad is not None
+    ref_loss, ref_grad = _reference(
+        logits, target, weight=weight, label_smoothing=0.1, z_loss=1e-3, softcap=5.0
+    )
+    assert rel_err(loss, ref_loss) <= LOSS_TOL and rel_err(x.grad, ref_grad) <= TOL[torch.bfloat16]
+    with count_syncs() as calls:
+        ce_kernels.HOST_CHECK_DEVICES = (DEVICE,)
+        ce_kernels.check_targets(target, V, -100)
+    assert calls, "the counter must see the host-side check's read"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="a failed device-side assert ends the CUDA context")
+def test_out_of_range_target_on_the_device_path(device_path_check):
+    logits, target, _ = _inputs(torch.float32, n=6, v=10, ignore_every=100)
+    target[4] = 10
+    with pytest.raises(RuntimeError, match=r"must be in \[0, 10\) or equal ignore_index \(-100\)"):
+        tkern.cross_entropy(logits, target)
 
 
 def test_launcher_refuses_an_in_place_gradient():

@@ -34,19 +34,32 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config).to(DEVICE).eval()
 
 
+#: One small decoder layer, as Llama-like configs spell it.
+_DECODER = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+}
+
+
 def _llama():
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = transformers.LlamaConfig(**_DECODER, tie_word_embeddings=False)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(DEVICE).eval()
+
+
+def _gemma2(softcap=2.0):
+    # weights drawn 15x wider than HF's default (logits up to ~10 instead of ~0.1) and a
+    # small final-logit softcap (Gemma 2's is 30), so that the softcap bites
+    config = transformers.Gemma2Config(
+        **_DECODER, head_dim=16, final_logit_softcapping=softcap, initializer_range=0.3
+    )
+    torch.manual_seed(0)
+    return transformers.Gemma2ForCausalLM(config).to(DEVICE).eval()
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +68,7 @@ def _quiet():
 
 
 @pytest.mark.filterwarnings("ignore:convert_network")  # Llama's RMSNorm and rotary embedding stay fp32
-@pytest.mark.parametrize("make", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("make", [_gpt2, _llama, _gemma2], ids=["gpt2", "llama", "gemma2"])
 def test_fused_loss_matches_hf(make):
     ref = make()
     ids = torch.randint(0, 64, (2, 12), device=DEVICE)
@@ -83,6 +96,22 @@ def test_fused_loss_matches_hf(make):
     prompt = ids[:1, :4]
     kw = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
     assert torch.equal(fused.generate(prompt, **kw), plain.generate(prompt, **kw))
+
+
+@pytest.mark.filterwarnings("ignore:convert_network")
+def test_gemma2_final_logit_softcapping_is_honoured():
+    # the softcap moves HF's fp32 loss far more than the 5e-3 tolerance: without it the
+    # fused loss would miss, with it it matches HF's own softcapped logits' loss
+    ref, uncapped = _gemma2(), _gemma2(softcap=None)
+    ids = torch.randint(0, 64, (2, 12), device=DEVICE)
+    with torch.no_grad():
+        expected, plain = ref(ids, labels=ids), uncapped(ids, labels=ids)
+        logits = ref(ids).logits
+    assert abs(expected.loss.item() - plain.loss.item()) > 0.1
+    assert logits.abs().max() < 2.0 and (logits - uncapped(ids).logits).abs().max() > 0.1
+    fused = tkern.convert_network(copy.deepcopy(ref), torch.float16, fused_loss=True)
+    with torch.no_grad():
+        assert abs(fused(ids, labels=ids).loss.item() - expected.loss.item()) < 5e-3
 
 
 def test_num_items_in_batch_and_tuple_output():

@@ -16,11 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, count_syncs, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
-from tkern.ops.cross_entropy import default_chunk_rows
+import tkern.kernels.cross_entropy as ce_kernels
+from tkern.ops.cross_entropy import MIN_CHUNK_ROWS, default_chunk_rows
 
 LOSS_TOL = 1e-5
 N, H, V = 188, 31, 123
@@ -37,10 +38,12 @@ def _inputs(dtype, n=N, h=H, v=V, seed=0, bias_dtype=None):
     return x, w, b, target.to(DEVICE), weight
 
 
-def _reference(x, w, b, target, grad_out=None, weight=None, z_loss=0.0, reduction="mean", **kw):
-    """(loss, dx, dw, db) in float64: F.linear, F.cross_entropy, the z-loss."""
+def _reference(x, w, b, target, grad_out=None, weight=None, z_loss=0.0, reduction="mean", softcap=None, **kw):
+    """(loss, dx, dw, db) in float64: F.linear, the softcap, F.cross_entropy, the z-loss."""
     leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
     logits = F.linear(*leaves)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     w64 = None if weight is None else weight.double()
     loss = F.cross_entropy(logits, target, weight=w64, reduction=reduction, **kw)
     if z_loss:
@@ -68,7 +71,8 @@ def _check(x, w, b, target, grad_out=None, chunk_size=None, **kw):
         assert rel_err(got, want) <= TOL[x.dtype], (name, rel_err(got, want), kw)
 
 
-ALL = {"label_smoothing": 0.1, "z_loss": 1e-3}
+# softcap 3: the logits (std ~2.5) are capped hard at the tails, barely near 0
+ALL = {"label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 3.0}
 
 
 @pytest.mark.parametrize(
@@ -160,19 +164,33 @@ def test_never_materializes_the_logits(reduction):
 
 
 def test_default_chunk_rows():
-    # as many logits per chunk as the input has elements, a power of two, at most the rows
+    # the bytes rule (as many logits per chunk as the input has elements, a power of two)
+    # where it gives at least MIN_CHUNK_ROWS, at most the rows rounded up to a power of two
+    assert MIN_CHUNK_ROWS == 128
     assert default_chunk_rows(8192, 768, 50257) == 128  # 8192 * 768 / 50257 = 125
-    assert default_chunk_rows(188, 31, 123) == 64  # 47.4 -> 2^6
+    assert default_chunk_rows(8192, 4096, 128256) == 256  # 261.6: the bytes rule, above the floor
+    assert default_chunk_rows(65536, 4096, 32000) == 8192  # 8388.6
     assert default_chunk_rows(3, 4096, 16) == 4  # at most the rows, rounded up
-    assert default_chunk_rows(10, 2, 10**6) == 1
+    # the floor: never tiny GEMMs (issue 37: 32 rows of 32 into 1501 classes took 32 chunks)
+    assert default_chunk_rows(32, 32, 1501) == 32  # one chunk, not 32 of one row
+    assert default_chunk_rows(10, 2, 10**6) == 16
+    assert default_chunk_rows(188, 31, 123) == 128  # bytes rule 47.4 -> 64, floored: 2 chunks
+    assert default_chunk_rows(8192, 2304, 256000) == 128  # Gemma 2's vocabulary: 73.7 -> 64, floored
+    for n in (1, 7, 100, 129, 1000, 5000, 70000):
+        for h, v in ((32, 1501), (768, 50257), (4096, 16), (2304, 256000)):
+            rows = default_chunk_rows(n, h, v)
+            assert rows & (rows - 1) == 0 and rows >= min(n, MIN_CHUNK_ROWS)
+            # above the floor and below all the rows: the bytes rule, within a factor sqrt(2)
+            if MIN_CHUNK_ROWS < rows < n:
+                assert 0.7 <= rows * v / (n * h) <= 1.42, (n, h, v, rows)
 
 
 def test_errors_name_the_argument():
     x, w, b, target, _ = _inputs(torch.float16, n=8)
-    bad = target.clone()
+    bad = target.clone().cpu()  # on the CPU: a GPU's check is a device-side assert
     bad[3] = V + 5
-    with pytest.raises(ValueError, match=rf"target\[3\] = {V + 5} is out of range"):
-        tkern.linear_cross_entropy(x, w, bad)
+    with pytest.raises(ValueError, match=rf"target\[3\] = {V + 5} is out of range: .* ignore_index"):
+        tkern.linear_cross_entropy(x.cpu(), w.cpu(), bad)
     with pytest.raises(TypeError, match="input must have dtype"):
         tkern.linear_cross_entropy(x.bfloat16(), w, target)
     with pytest.raises(ValueError, match="input must have shape"):
@@ -181,6 +199,8 @@ def test_errors_name_the_argument():
         tkern.linear_cross_entropy(x, w, target[:5])
     with pytest.raises(ValueError, match="linear_bias must have shape"):
         tkern.linear_cross_entropy(x, w, target, linear_bias=b[:5])
+    with pytest.raises(ValueError, match="softcap must be None or > 0"):
+        tkern.linear_cross_entropy(x, w, target, softcap=0.0)
     with pytest.raises(ValueError, match="chunk_size must be"):
         tkern.linear_cross_entropy(x, w, target, chunk_size=0)
     with pytest.raises(ValueError, match="reduction must be one of"):
@@ -190,7 +210,7 @@ def test_errors_name_the_argument():
 def test_linear_cross_entropy_module():
     torch.manual_seed(3)
     head = torch.nn.Linear(H, V, device=DEVICE)
-    module = tkern.nn.LinearCrossEntropy(H, V, label_smoothing=0.1, device=DEVICE)
+    module = tkern.nn.LinearCrossEntropy(H, V, label_smoothing=0.1, softcap=2.0, device=DEVICE)
     assert list(module.state_dict()) == list(head.state_dict())  # a head's state_dict loads into it
     module.load_state_dict(head.state_dict())
     assert module.weight.dtype == torch.float32 and module.class_weight is None
@@ -200,7 +220,7 @@ def test_linear_cross_entropy_module():
     x, _, _, target, _ = _inputs(torch.float32, n=20)
     loss = module(x, target)  # an fp32 input is cast to the head's dtype
     loss.backward()
-    ref = _reference(x.bfloat16(), module.weight, module.bias, target, label_smoothing=0.1)
+    ref = _reference(x.bfloat16(), module.weight, module.bias, target, label_smoothing=0.1, softcap=2.0)
     assert rel_err(loss, ref[0]) <= LOSS_TOL
     assert rel_err(module.weight.grad, ref[2]) <= TOL[torch.bfloat16]
 
@@ -246,3 +266,16 @@ def test_all_ignored_batch(reduction):
     ref = _reference(x, w, b, target, reduction=reduction)[0]
     assert torch.equal(loss.isnan().cpu(), ref.isnan().cpu()) and (reduction == "mean") == bool(loss.isnan())
     assert all(torch.all(g == 0) for g in grads)
+
+
+def test_no_host_sync_per_call(monkeypatch):
+    # the target check on the device path (as on a GPU), the chunks, the reduction: no value
+    # read on the host in forward or backward
+    monkeypatch.setattr(ce_kernels, "HOST_CHECK_DEVICES", ())
+    x, w, b, target, weight = _inputs(torch.bfloat16, n=40)
+    kw = {**ALL, "weight": weight}
+    with count_syncs() as calls:
+        out = _run(x, w, b, target, chunk_size=16, **kw)
+    assert calls == []
+    ref = _reference(x, w, b, target, **kw)
+    assert rel_err(out[0], ref[0]) <= LOSS_TOL and rel_err(out[2], ref[2]) <= TOL[torch.bfloat16]

@@ -9,7 +9,9 @@ the loss on its last hidden state and the head's weight (and bias), with HF's sh
 (position i predicts label i + 1; the last position is ignored), ``ignore_index=-100``,
 and HF's ``num_items_in_batch`` / ``shift_labels`` keywords; ``logits`` is None in the
 output. Without labels (``generate()`` included) the model's own forward runs, untouched.
-Tied embeddings stay tied: the head's weight is read where it lives.
+Tied embeddings stay tied: the head's weight is read where it lives. A config's
+``final_logit_softcapping`` (Gemma 2: ``c * tanh(logits / c)`` before the loss) is
+passed on as the loss's ``softcap``.
 """
 
 from __future__ import annotations
@@ -21,13 +23,20 @@ from torch import nn
 
 from tkern.ops.cross_entropy import linear_cross_entropy
 
-__all__ = ["FusedCausalLMLoss", "fused_loss_output_class", "install_fused_loss", "remove_fused_loss"]
+__all__ = [
+    "FusedCausalLMLoss",
+    "final_logit_softcap",
+    "fused_loss_output_class",
+    "install_fused_loss",
+    "remove_fused_loss",
+]
 
 #: The LM-head model classes (by name) whose forward is "base model, lm_head, HF's causal
 #: loss", and the output class each returns.
 _FAMILIES = {
     "GPT2LMHeadModel": "CausalLMOutputWithCrossAttentions",
     "LlamaForCausalLM": "CausalLMOutputWithPast",
+    "Gemma2ForCausalLM": "CausalLMOutputWithPast",
 }
 #: The LM-head forward's own arguments, not passed on to the base model.
 _HEAD_ARGS = ("labels", "logits_to_keep", "return_dict")
@@ -43,6 +52,12 @@ def fused_loss_output_class(model: nn.Module) -> type | None:
     from transformers import modeling_outputs
 
     return getattr(modeling_outputs, name)
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """The model config's ``final_logit_softcapping`` (Gemma 2), None where unset or absent."""
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return None if cap is None else float(cap)
 
 
 class FusedCausalLMLoss:
@@ -95,6 +110,7 @@ class FusedCausalLMLoss:
             linear_bias=head.bias,
             reduction="mean" if num_items is None else "sum",
             ignore_index=IGNORE_INDEX,
+            softcap=final_logit_softcap(self.model),
         )
         if num_items is not None:
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)

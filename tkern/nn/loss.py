@@ -68,8 +68,9 @@ class LinearCrossEntropy(nn.Module):
         num_classes: V.
         bias: whether to learn an additive bias.
         class_weight: optional (V,) class weights (a buffer; ``weight`` of ``F.cross_entropy``).
-        ignore_index, reduction, label_smoothing, z_loss, chunk_size: as
-            :func:`tkern.linear_cross_entropy`.
+        ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_size: as
+            :func:`tkern.linear_cross_entropy` (``softcap``: Gemma 2's final-logit
+            softcapping, ``c * tanh(logits / c)`` before the loss).
         dtype: fp16, bf16 (tkern's GEMM) or fp32 (torch's); default fp32, as ``nn.Linear``.
         device: where the parameters live.
     """
@@ -85,6 +86,7 @@ class LinearCrossEntropy(nn.Module):
         reduction: str = "mean",
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
+        softcap: float | None = None,
         chunk_size: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -103,7 +105,7 @@ class LinearCrossEntropy(nn.Module):
             class_weight = class_weight.detach().to(device=self.weight.device, dtype=torch.float32)
         self.register_buffer("class_weight", class_weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
-        self.z_loss, self.chunk_size = z_loss, chunk_size
+        self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if input.is_floating_point() and input.dtype != self.weight.dtype:
@@ -118,6 +120,7 @@ class LinearCrossEntropy(nn.Module):
             ignore_index=self.ignore_index,
             label_smoothing=self.label_smoothing,
             z_loss=self.z_loss,
+            softcap=self.softcap,
             chunk_size=self.chunk_size,
         )
 
@@ -125,4 +128,5 @@ class LinearCrossEntropy(nn.Module):
         return (
             f"in_features={self.in_features}, num_classes={self.num_classes}, bias={self.bias is not None}, "
             f"reduction={self.reduction!r}, dtype={self.weight.dtype}"
+            + ("" if self.softcap is None else f", softcap={self.softcap}")
         )

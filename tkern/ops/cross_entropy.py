@@ -140,6 +140,15 @@ def _check_options(label_smoothing: float, z_loss: float, ignore_index: int) -> 
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
+def _check_softcap(softcap: float | None) -> None:
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be None or a number > 0, got {type(softcap).__name__}")
+    if not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+
+
 def _class_weight(weight: torch.Tensor | None, n_classes: int, device: torch.device) -> torch.Tensor | None:
     """``weight`` as the kernel takes it: (V,) fp32 contiguous (a copy only where it is not)."""
     if weight is None:
@@ -243,8 +252,9 @@ def cross_entropy(
         logits: (C,), (N, C) or (N, C, d1, ...), fp16/bf16/fp32 (torch's layouts:
             the classes in dimension 1, or 0 for a 1-D input).
         target: class indices, int64/int32, of shape (), (N,) or (N, d1, ...);
-            each in ``[0, C)`` or ``ignore_index``, else ``ValueError`` naming it
-            (checked on the host before the launch: one sync on a GPU).
+            each in ``[0, C)`` or ``ignore_index``, checked without a host sync: on
+            the CPU a ``ValueError`` naming it before the launch, on a GPU a
+            device-side assert (``torch._assert_async``) queued before the launch.
             Class-probability targets are not supported (``TypeError``).
         weight: optional (C,) class weights (any float dtype; used in fp32; no
             gradient flows to them).
@@ -266,8 +276,7 @@ def cross_entropy(
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dtype not in LOGIT_DTYPES:
         raise TypeError(f"logits must have dtype in {LOGIT_DTYPES}, got {logits.dtype}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    _check_softcap(softcap)
     shape = target.shape if isinstance(target, torch.Tensor) else None
     rows_logits, rows_target = _as_rows(logits, target)
     w = _class_weight(weight, rows_logits.shape[1], logits.device)
@@ -281,12 +290,24 @@ def cross_entropy(
 # --------------------------------------------------------------------------- linear_cross_entropy
 
 
+#: The fewest rows a default chunk has (all the rows where there are fewer): each chunk
+#: runs three GEMMs whose row count is the chunk's (the logits' and dgrad's M, the weight
+#: gradient's K), plus a kernel launch; below ~128 rows they are launch-bound and the
+#: weight gradient's K too short to fill a 128-wide tile (1-row chunks: one launch per token).
+MIN_CHUNK_ROWS = 128
+
+
 def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
-    """Rows per chunk: a power of two whose chunk of logits (rows x classes) holds
-    about as many elements as the input (rows x features), at most ``n_rows``
-    rounded up to a power of two, at least 1."""
+    """Rows per chunk, a power of two: the bytes rule -- the chunk's logits (rows x
+    classes) about as many elements as the input (rows x features), so that the
+    chunk's fp32 logits cost no more memory than the activations -- raised to
+    :data:`MIN_CHUNK_ROWS` (GEMMs large enough to keep a GPU busy) and capped at
+    ``n_rows`` rounded up to a power of two (one chunk holds every row). The bytes
+    rule decides for large vocabularies against the rows' width only above the floor
+    (8192 x 4096 rows into 128256 classes: 256 rows; GPT-2's 8192 x 768 into 50257:
+    128); below it the floor wins (at most 128 x V fp32 logits per chunk)."""
     target = max(1, n_rows * in_features // max(n_classes, 1))
-    rows = 1 << round(math.log2(target))
+    rows = max(1 << round(math.log2(target)), MIN_CHUNK_ROWS)
     return max(1, min(rows, 1 << max(n_rows - 1, 0).bit_length()))
 
 
@@ -320,10 +341,11 @@ class _Chunks:
         weight: Tensor | None,
         ignore_index: int,
         smoothing: float,
+        softcap: float | None,
         chunk: int,
     ) -> None:
         self.x, self.w, self.b, self.target, self.weight = x, w, b, target, weight
-        self.ignore_index, self.smoothing, self.chunk = ignore_index, smoothing, chunk
+        self.ignore_index, self.smoothing, self.softcap, self.chunk = ignore_index, smoothing, softcap, chunk
         n, v = x.shape[0], w.shape[0]
         c = min(chunk, n)
         self.logits = torch.empty(c, v, dtype=torch.float32, device=x.device)
@@ -387,6 +409,7 @@ def _lce_forward(
             ch.weight,
             ignore_index=ch.ignore_index,
             label_smoothing=ch.smoothing,
+            softcap=ch.softcap,
             grad=grad,
             a=a if want else None,
             q=q if want else None,
@@ -421,6 +444,7 @@ def _lce_recompute(
             ch.weight,
             ignore_index=ch.ignore_index,
             label_smoothing=ch.smoothing,
+            softcap=ch.softcap,
             grad=ch.grad_buffer(e - s),
         )
         ch.backprop(grad, s, e, gx, gw32, gb32, i == 0)
@@ -437,15 +461,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     for "none" backward recomputes the chunks with the per-row upstream gradients."""
 
     @staticmethod
-    def forward(ctx, x, w, b, target, weight, ignore_index, smoothing, z_loss, reduction, chunk, grad_mode):
+    def forward(
+        ctx, x, w, b, target, weight, ignore_index, smoothing, softcap, z_loss, reduction, chunk, grad_mode
+    ):
         # needs_input_grad says True under no_grad too: grad_mode (the caller's) decides
         needs = ctx.needs_input_grad[:3] if grad_mode else (False, False, False)
-        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, chunk)
+        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, softcap, chunk)
         ctx.reduction, ctx.z_loss = reduction, z_loss
         if reduction == "none":
             rows, lse, *_ = _lce_forward(ch, None, None, (False, False, False))
             ctx.save_for_backward(x, w, b, target, weight, lse)
-            ctx.options = (ignore_index, smoothing, chunk)
+            ctx.options = (ignore_index, smoothing, softcap, chunk)
             return rows + z_loss * lse * lse if z_loss else rows
         denom, count = _denominators(target, weight, ignore_index)
         if reduction == "mean":
@@ -466,14 +492,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.reduction != "none":
             gx, gw, gb = ctx.saved_tensors
             gx, gb = (None if t is None else (t * g).to(t.dtype) for t in (gx, gb))
-            return gx, _weight_grad(ctx, gw, g), gb, *(None,) * 8
+            return gx, _weight_grad(ctx, gw, g), gb, *(None,) * 9
         x, w, b, target, weight, lse = ctx.saved_tensors
-        ignore_index, smoothing, chunk = ctx.options
+        ignore_index, smoothing, softcap, chunk = ctx.options
         g = g.contiguous()
         glse = (2.0 * ctx.z_loss) * lse * g if ctx.z_loss else None
-        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, chunk)
+        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, softcap, chunk)
         gx, gw32, gb32 = _lce_recompute(ch, lse, g, glse, ctx.needs_input_grad[:3])
-        return gx, _weight_grad(ctx, _cast(gw32, w), None), _cast(gb32, b), *(None,) * 8
+        return gx, _weight_grad(ctx, _cast(gw32, w), None), _cast(gb32, b), *(None,) * 9
 
 
 def _weight_grad(ctx, gw: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor | None:
@@ -535,11 +561,12 @@ def linear_cross_entropy(
     ignore_index: int | None = -100,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(F.linear(input, linear_weight, linear_bias), target, ...)``
     without the (tokens x classes) logits: torch 2.13's ``F.linear_cross_entropy``
-    plus tkern's ``z_loss`` and ``chunk_size``.
+    plus tkern's ``z_loss``, ``softcap`` and ``chunk_size``.
 
     The rows go in chunks of ``chunk_size``; per chunk, tkern's GEMM computes the
     chunk's logits in fp32 (fp32 accumulation), the cross-entropy kernel its
@@ -560,12 +587,17 @@ def linear_cross_entropy(
     Args:
         input: (..., H), fp16/bf16 (tkern's GEMM) or fp32 (torch's GEMM).
         linear_weight: (V, H), ``input``'s dtype.
-        target: (...) class indices, int64/int32, in ``[0, V)`` or ``ignore_index``.
+        target: (...) class indices, int64/int32, in ``[0, V)`` or ``ignore_index``
+            (checked as :func:`cross_entropy`'s, without a host sync).
         linear_bias: optional (V,), ``input``'s dtype or fp32.
         weight, reduction, label_smoothing, z_loss: as :func:`cross_entropy`.
+        softcap: optional c > 0: the logits become ``c * tanh(logits / c)`` before the
+            loss (Gemma 2's ``final_logit_softcapping``), as :func:`cross_entropy`'s;
+            applied to each chunk's fp32 logits in the kernel, never materialized.
         ignore_index: as :func:`cross_entropy`; None means -100 (torch's convention).
         chunk_size: rows per chunk; default :func:`default_chunk_rows` (as many
-            logits per chunk as the input has elements, a power of two).
+            logits per chunk as the input has elements, a power of two, at least
+            ``MIN_CHUNK_ROWS`` = 128 rows or all of them).
 
     Returns:
         fp32: a 0-d tensor, or the per-row losses in the target's shape for ``"none"``.
@@ -573,6 +605,7 @@ def linear_cross_entropy(
     ignore_index = -100 if ignore_index is None else ignore_index
     _check_reduction(reduction)
     _check_options(label_smoothing, z_loss, ignore_index)
+    _check_softcap(softcap)
     _check_linear_ce_args(input, linear_weight, linear_bias, target, chunk_size)
     v, h = linear_weight.shape
     x2d, t = input.reshape(-1, h), target.reshape(-1)
@@ -587,6 +620,7 @@ def linear_cross_entropy(
         w,
         ignore_index,
         float(label_smoothing),
+        None if softcap is None else float(softcap),
         float(z_loss),
         reduction,
         chunk,
