@@ -24,7 +24,6 @@ from torch import nn
 
 import tkern
 from tkern.flat import FlatParams, grad_is_flat_view
-from tkern.ops import common
 from tkern.optim import FusedAdam, FusedAdamW, FusedSGD
 
 #: (optimizer, its arguments, the params' dtype): every optimizer, every master mode
@@ -165,27 +164,6 @@ def assert_same_optimizer_state(o1, o2):
     for i, entry in s1["state"].items():
         for key, value in entry.items():
             assert torch.equal(value, s2["state"][i][key]), (i, key)
-
-
-@pytest.fixture
-def wgrad_counts(monkeypatch):
-    """How many weight gradients went into the flat buffer by the GEMM, and how many
-    gradients were copied into it (none: every gradient lands in the buffer in place)."""
-    seen = {"into": 0, "copies": 0}
-    flat_wgrad, adopt = common.flat_wgrad, FlatParams._adopt_grad
-
-    def spy_into(*args):
-        into = flat_wgrad(*args)
-        seen["into"] += into is not None
-        return into
-
-    def spy_adopt(self, i, g):
-        seen["copies"] += 1
-        return adopt(self, i, g)
-
-    monkeypatch.setattr(common, "flat_wgrad", spy_into)
-    monkeypatch.setattr(FlatParams, "_adopt_grad", spy_adopt)
-    return seen
 
 
 @pytest.mark.parametrize(("cls", "kwargs", "dtype", "wgrad", "how"), MATRIX)
