@@ -36,13 +36,13 @@ CASES = [
         FusedAdamW,
         {"lr": 1e-2, "master": "split", "state_dtype": torch.bfloat16},
         torch.bfloat16,
-    ),  # fmt: skip
+    ),
     (
         "adamw-none-uint8state",
         FusedAdamW,
         {"lr": 1e-2, "master": "none", "state_dtype": torch.uint8},
         torch.bfloat16,
-    ),  # fmt: skip
+    ),
     ("adam-fp16-uint8state", FusedAdam, {"lr": 1e-2, "state_dtype": torch.uint8}, torch.float16),
     ("adam-fp32params", FusedAdam, {"lr": 1e-2}, torch.float32),
     ("sgd-momentum", FusedSGD, {"lr": 0.1, "momentum": 0.9}, torch.bfloat16),
@@ -51,7 +51,7 @@ CASES = [
         FusedSGD,
         {"lr": 0.1, "momentum": 0.9, "nesterov": True, "master": "none", "state_dtype": torch.bfloat16},
         torch.bfloat16,
-    ),  # fmt: skip
+    ),
     ("sgd-no-state", FusedSGD, {"lr": 0.1}, torch.float16),
 ]
 HOW = ["deepcopy_pair", "deepcopy_opt", "pickle_pair"]
@@ -70,16 +70,18 @@ SIDE_AFTER = [False, True]
 
 
 class Net(nn.Module):
-    """Two layers always used, and a side layer (its own param group) used only on
-    the steps that ask for it: on the others it gets no gradient and sits the step out."""
+    """Two layers always used, and a side layer used only on the steps that ask for it:
+    on the others its params get no gradient and sit the step out."""
 
     def __init__(self, dtype: torch.dtype, wgrad: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
         if wgrad:  # tkern.linear: dW written into the flat buffer by the GEMM
             extra = {"compute_dtype": torch.bfloat16} if dtype == torch.float32 else {}
-            self.a, self.b, self.side = (tkern.nn.Linear(i, o, dtype=dtype, device=DEVICE, **extra)
-                                         for i, o in ((64, 64), (64, 4), (64, 4)))  # fmt: skip
+            self.a, self.b, self.side = (
+                tkern.nn.Linear(i, o, dtype=dtype, device=DEVICE, **extra)
+                for i, o in ((64, 64), (64, 4), (64, 4))
+            )
         else:
             self.a, self.b, self.side = (
                 nn.Linear(i, o).to(DEVICE, dtype) for i, o in ((64, 64), (64, 4), (64, 4))
@@ -92,10 +94,13 @@ class Net(nn.Module):
 
 
 def make(cls, kwargs, dtype, wgrad):
+    """The model and its optimizer: the side layer's weight is a param group of its own
+    (a group that sits a step out), its bias shares the other layers' group and flat
+    buffer (a param that sits out while its neighbours step: a cohort of its own)."""
     model = Net(dtype, wgrad)
     groups = [
-        {"params": [*model.a.parameters(), *model.b.parameters()]},
-        {"params": list(model.side.parameters()), "lr": kwargs["lr"] / 2},
+        {"params": [*model.a.parameters(), *model.b.parameters(), model.side.bias]},
+        {"params": [model.side.weight], "lr": kwargs["lr"] / 2},
     ]
     return model, cls(groups, **kwargs)
 
@@ -123,7 +128,7 @@ def copy_pair(how, model, opt):
     for name, p in model.named_parameters():
         gi, pi = where[id(p)]
         module, _, leaf = name.rpartition(".")
-        m2.get_submodule(module)._parameters[leaf] = o2.param_groups[gi]["params"][pi]
+        setattr(m2.get_submodule(module), leaf, o2.param_groups[gi]["params"][pi])
     return m2, o2
 
 
@@ -176,10 +181,13 @@ def test_a_copy_steps_as_the_original_bit_for_bit(cls, kwargs, dtype, wgrad, how
     p1, p2 = list(model.parameters()), list(m2.parameters())
     assert not any(a is b or a.data_ptr() == b.data_ptr() for a, b in zip(p1, p2, strict=True))
     # as torch.optim's copy: the copy's groups and state are keyed by the copied params
-    assert [p for g in o2.param_groups for p in g["params"]] == p2
+    held = [p for g in o2.param_groups for p in g["params"]]
+    assert len(held) == len(p2) and {id(p) for p in held} == {id(p) for p in p2}
     assert all(p in o2.state and q not in o2.state for p, q in zip(p2, p1, strict=True))
-    for flat in (f for flats in o2.flat_buffers for f in flats):
+    flats = [f for group in o2.flat_buffers for f in group]
+    for flat in flats:
         assert_lives_in_its_buffers(flat)
+    assert any(len(set(f.cohort)) > 1 for f in flats)  # the side bias's step count is its own
     side = {id(p) for p in m2.side.parameters()}
 
     for k, use_side in enumerate(SIDE_AFTER, start=len(SIDE_BEFORE)):
