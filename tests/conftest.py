@@ -93,3 +93,28 @@ def count_syncs():
             mock.patch.object(torch.cuda, "synchronize", counted("synchronize", torch.cuda.synchronize))
         )
         yield calls
+
+
+@pytest.fixture
+def wgrad_counts(monkeypatch):
+    """How often a backward put a weight gradient straight into a fused optimizer's flat
+    buffer (``into``: ``tkern.ops.common.flat_wgrad`` accepted), and how often a
+    gradient was copied into the buffer (``copies``: ``FlatParams._adopt_grad``)."""
+    from tkern.flat import FlatParams
+    from tkern.ops import common
+
+    seen = {"into": 0, "copies": 0}
+    flat_wgrad, adopt = common.flat_wgrad, FlatParams._adopt_grad
+
+    def spy_into(*args):
+        into = flat_wgrad(*args)
+        seen["into"] += into is not None
+        return into
+
+    def spy_adopt(self, i, g):
+        seen["copies"] += 1
+        return adopt(self, i, g)
+
+    monkeypatch.setattr(common, "flat_wgrad", spy_into)
+    monkeypatch.setattr(FlatParams, "_adopt_grad", spy_adopt)
+    return seen

@@ -20,7 +20,7 @@ from conftest import DEVICE
 from torch import nn
 
 import tkern
-from tkern.flat import FlatParams, grad_is_flat_view
+from tkern.flat import grad_is_flat_view
 from tkern.ops import common
 from tkern.optim import FusedAdamW
 
@@ -47,23 +47,9 @@ def _loss(model, x):
 
 
 @pytest.fixture
-def counts(monkeypatch):
+def counts(wgrad_counts):
     """How often the fused accumulation ran, and how often a gradient was copied into the buffer."""
-    seen = {"into": 0, "copies": 0}
-    flat_wgrad, adopt = common.flat_wgrad, FlatParams._adopt_grad
-
-    def spy_into(*args):
-        into = flat_wgrad(*args)
-        seen["into"] += into is not None
-        return into
-
-    def spy_adopt(self, i, g):
-        seen["copies"] += 1
-        return adopt(self, i, g)
-
-    monkeypatch.setattr(common, "flat_wgrad", spy_into)
-    monkeypatch.setattr(FlatParams, "_adopt_grad", spy_adopt)
-    return seen
+    return wgrad_counts
 
 
 @contextlib.contextmanager

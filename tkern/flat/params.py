@@ -92,8 +92,8 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         FlatLayout.__init__(self, [t.shape for t in local], align, world_size, rank)
         self.param = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         self.grad = torch.zeros(self.total, dtype=self.dtype, device=self.device)
-        self._make_views(local)
-        self.wrap_grads()
+        self._make_views()
+        self._copy_in(local)
         self._make_master()
         self._plan: list[UpdateBuffers] | None = None
         #: Bumped whenever :meth:`plan` hands out new launches (views, step counts).
@@ -104,29 +104,58 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         self.absmax: dict[str, torch.Tensor] = {}
         self.ensure_state(state_names)
         self._start_counting()
-        self._ptrs = [p.data_ptr() for p in params] if storage.owns_storage else []
-        self._versions: list | None = storage.versions(params)
-        self.attach_grads()
+        self._bind_params()
 
-    def _make_views(self, local: list[torch.Tensor]) -> None:
-        """Copy the params (and any gradients they have) into the flat buffers and make
-        their views: ``param.data`` (when the buffer owns the storage) and the gradient views."""
-        self.param_views: list[torch.Tensor] = []
-        self.grad_views: list[torch.Tensor | None] = []
+    #: What :meth:`_make_views` and :meth:`_bind_params` make: views of the buffers and
+    #: lists keyed by the params' identity, never copied (a copy of a view is not a view
+    #: of the copied buffer; see :meth:`__getstate__`).
+    _BOUND = (
+        "param_views",
+        "grad_views",
+        "grad_handles",
+        "_trainable",
+        "_views",
+        "_ptrs",
+        "_versions",
+        "_zero_versions",
+    )
+
+    def _make_views(self) -> None:
+        """Each param's views of the flat buffers: :attr:`param_views` and :attr:`grad_views`
+        (None for a param that needs no gradient), and :attr:`_views`, the gradient
+        views whose version counters say which params have a gradient."""
+        self.param_views: list[torch.Tensor] = [
+            self.param_alias(self.param, i) for i in range(len(self.params))
+        ]
+        self.grad_views: list[torch.Tensor | None] = [
+            self.param_alias(self.grad, i) if p.requires_grad else None for i, p in enumerate(self.params)
+        ]
+        self._trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self._views = [self.grad_views[i] for i in self._trainable]
+
+    def _copy_in(self, local: list[torch.Tensor]) -> None:
+        """Copy the params (``local``: as :meth:`local` gives them) and any gradients they
+        have into the flat buffers."""
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.param_views.append(self.param_alias(self.param, i))
                 self.param_views[i].copy_(local[i])
-                if p.requires_grad:
-                    self.grad_views.append(self.param_alias(self.grad, i))
-                    if self.storage.owns_storage:
-                        register_view(p, self.grad_views[i])
-                    if p.grad is not None:
-                        self.grad_views[i].copy_(self.storage.unwrap(p, p.grad))
-                else:
-                    self.grad_views.append(None)
-                if self.storage.owns_storage:
-                    p.data = self.param_views[i]
+                if self.grad_views[i] is not None and p.grad is not None:
+                    self.grad_views[i].copy_(self.storage.unwrap(p, p.grad))
+
+    def _bind_params(self) -> None:
+        """Make the params live in the views (``param.data``, when the buffer owns the
+        storage; ``.grad``, with the hooks that keep it so) and record what the step's
+        checks compare with (the params' addresses and version counters). The one place
+        that ties params to buffers: the constructor and :meth:`__setstate__` call it."""
+        for i, p in enumerate(self.params):
+            if self.storage.owns_storage:
+                if self.grad_views[i] is not None:
+                    register_view(p, self.grad_views[i])
+                p.data = self.param_views[i]
+        self.wrap_grads()
+        self._ptrs = [p.data_ptr() for p in self.params] if self.storage.owns_storage else []
+        self._versions: list | None = self.storage.versions(self.params)
+        self.attach_grads()
 
     def _make_master(self) -> None:
         """This shard's master, as :attr:`master_mode` keeps it."""
@@ -144,8 +173,6 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         params = self.params
         # The gradient views' versions at the last zero_grad(set_to_none=True); a view
         # whose version moved since has a gradient. -1: counts from the start.
-        self._trainable = [i for i, p in enumerate(params) if p.requires_grad]
-        self._views = [self.grad_views[i] for i in self._trainable]
         self._zero_versions = [
             -1 if params[i].grad is not None else v._version
             for i, v in zip(self._trainable, self._views, strict=True)
@@ -346,23 +373,31 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
     # ------------------------------------------------------------- copies
 
     def __getstate__(self) -> dict:
-        state = {
-            k: v for k, v in self.__dict__.items() if k not in ("param_views", "grad_views", "grad_handles")
-        }
+        """What a deep copy or pickle carries: the buffers, the layout, the step counts
+        and what the next step needs to know of the params' history, but none of
+        :attr:`_BOUND` (views and counters of these params, rebuilt by
+        :meth:`__setstate__` over the copied buffers and params)."""
+        state = {k: v for k, v in self.__dict__.items() if k not in self._BOUND}
         state["_plan"] = None
+        if self.master_mode == "self":  # fp32 params' master is their buffer (a pickle would part them)
+            state["master"] = None
+        # which params have a gradient since the last zero_grad, and whether the params
+        # were written from outside since the last step (the master follows them)
+        state["_has_grad"] = [v._version != z for v, z in zip(self._views, self._zero_versions, strict=True)]
+        state["_dirty"] = self._versions is None or self.storage.versions(self.params) != self._versions
         return state
 
     def __setstate__(self, state: dict) -> None:
         """After a deep copy or unpickling: the (copied) params become views of the
-        (copied) buffers again, with their hooks."""
-        self.__dict__.update(state)
-        self.param_views, self.grad_views = [], []
-        for i, p in enumerate(self.params):
-            self.param_views.append(self.param_alias(self.param, i))
-            self.grad_views.append(self.param_alias(self.grad, i) if p.requires_grad else None)
-            if self.storage.owns_storage:
-                p.data = self.param_views[i]
-        self.wrap_grads()
-        self._ptrs = [p.data_ptr() for p in self.params] if self.storage.owns_storage else []
-        self._versions = self.storage.versions(self.params)
-        self.attach_grads()
+        (copied) buffers again, with their hooks, as the constructor makes them; a
+        param keeps whether it has a gradient this step, and the master whether it
+        must follow the params."""
+        has_grad, dirty = state["_has_grad"], state["_dirty"]
+        self.__dict__.update((k, v) for k, v in state.items() if k not in ("_has_grad", "_dirty"))
+        if self.master_mode == "self":
+            self.master = self.param[self.lo : self.hi]
+        self._make_views()
+        self._bind_params()
+        self._zero_versions = [-1 if on else v._version for v, on in zip(self._views, has_grad, strict=True)]
+        if dirty:
+            self.mark_dirty()
