@@ -90,6 +90,17 @@ def test_dry_run_fp8_gemm_rows_cover_every_format_and_scaling(dry_run):
     theirs = {(r["fmt"], r["scaling"]): r for r in rows if r["impl"] == "torch" and "fmt" in r}
     assert all(theirs[(f, s)]["ms"] for f in bench_gemm.FP8_FORMATS for s in ("tensorwise", "rowwise"))
     assert all(r["ms"] or r["skipped"] for r in theirs.values())
+    # every fp8 row says how it accumulates; torch's fast-accumulation peer of tkern's
+    # tensorwise and rowwise rows (tl.dot's fp8 default on sm_90) runs beside its precise one
+    fp8 = [r for r in rows if "fmt" in r]
+    assert all(
+        r["accum"] == ("precise" if r["scaling"] == "blockwise" else "fast")
+        for r in fp8
+        if r["impl"] == "tkern"
+    )
+    fast = {(r["fmt"], r["scaling"]) for r in fp8 if r["impl"] == "torch fast accum" and r["ms"]}
+    assert fast == {(f, s) for f in bench_gemm.FP8_FORMATS for s in ("tensorwise", "rowwise")}
+    assert all(r["accum"] == "precise" for r in theirs.values())
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the dry run is the CPU's rehearsal of a GPU session")
@@ -289,7 +300,9 @@ def test_report_judges_each_target_and_names_the_run(tmp_path):
     full = report.render_targets(tmp_path)
     assert "master=none state=uint8 at 1B: time / its byte floor | 1.05 | <= 1.1 | met" in full
     assert "master=fp32 state=fp32 at 1B: time / its byte floor | 1.2 | <= 1.1 | missed" in full
-    fp8 = "fp8 scaled_mm e4m3xe4m3 tensorwise / torch's fp8 GEMM, transformer shapes"
+    fp8 = (
+        "fp8 scaled_mm e4m3xe4m3 tensorwise / torch's fp8 GEMM, same accumulation (fast), transformer shapes"
+    )
     assert f"| {fp8} |  | >= 0.95 | not measured |" in full
     # every target is listed once per folder it applies to
     gpu_targets = [t for t in report.TARGETS if "gpu" in t.where]
