@@ -25,7 +25,9 @@
 # benchmarks/results/<device>/ after every case, so a cut loses only the case running.
 # Everything runs with TKERN_GRAPH_STRICT=1: a CUDA-graph capture that fails is a
 # FAILED row with its reason, never an eager figure under a graphed name.
-# The compile gate (tests/test_compiled.py) is CI's, never run here.
+# The compile gate (tests/test_compiled.py) is CI's, never run here (it skips on a GPU
+# machine); the dry run checks that the suite collected as a GPU machine would runs
+# nothing that needs the CPU (tests/gpu_collection.py).
 #
 # The commit: the device gets a copy of the working tree without .git, so every
 # results file takes its commit from $TKERN_COMMIT, else git (a checkout), else
@@ -209,6 +211,12 @@ for plan in "${plans[@]}"; do
 done
 
 if ((DRY)); then # the CPU benchmark (results/host/ in a real run), at its smoke size
+    # the suite collected as a GPU machine would (tests/gpu_collection.py): nothing
+    # collected there may need the CPU recorder, the interpreter or the compile gate
+    run_phase gpu_collection pytest_gpu 60 bash -c 'out=$(env -u TRITON_INTERPRET TKERN_FAKE_CUDA_COLLECT=1 \
+        "$0" -m pytest --collect-only -q -s -p no:cacheprovider tests 2>&1) || { tail -20 <<<"$out"; exit 1; }
+        if grep "^GPU-COLLECT runs" <<<"$out"; then exit 1; fi
+        echo "needs the CPU, skipped on a GPU: $(grep -c "^GPU-COLLECT skipped" <<<"$out") tests"' "$PYTHON"
     run_phase bench_activation_memory bench 90 $PYTHON benchmarks/bench_activation_memory.py --smoke \
         --launches stubbed --out "$OUT/results/host"
     cp README.md "$OUT/README.md"

@@ -59,7 +59,7 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
         "bench_train_gpt2",
     )
     more = ("bench_train_fp8", "bench_gemm_rest", "bench_train_rest", "bench_optimizer_modes", "bench_norm")
-    rest = ("bench_loss", "ceilings", "bench_host", "bench_activation_memory", "report")
+    rest = ("bench_loss", "ceilings", "bench_host", "gpu_collection", "bench_activation_memory", "report")
     for phase in (*quick, *more, *rest):
         assert f"{phase}: ok" in summary, summary
     # the device brings back at most 8 files; the plan leaves at most 6 in $OUT
