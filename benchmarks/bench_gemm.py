@@ -3,10 +3,14 @@
 Cases: square sizes 512..8192; transformer shapes with M = 8192 tokens and
 (N, K) in {(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096)}; the
 linear forward and forward+backward; the fused linear + bias + GELU against
-torch's unfused ``F.gelu(F.linear(...))`` under autocast. Each case is checked
-against torch before it is timed. Targets on H100/H200: geometric-mean ratio
-to cuBLAS >= 0.95 over square sizes >= 2048 and over the transformer shapes;
-fused bias+GELU >= 1.1x the unfused path.
+torch's unfused ``F.gelu(F.linear(...))`` under autocast, against torch's own
+fused ``torch._addmm_activation(bias, x, W^T, use_gelu=True)`` (cuBLASLt's GELU
+epilogue; forward only: it has no autograd formula) and, in section
+``gelu_compiled`` (not in smoke mode: a compile per shape), against the unfused
+recipe under ``torch.compile`` on the first transformer shape. Each case is
+checked against torch before it is timed. Targets on H100/H200: geometric-mean
+ratio to cuBLAS >= 0.95 over square sizes >= 2048 and over the transformer
+shapes; fused bias+GELU >= 1.1x the unfused path.
 
 fp8 (section ``fp8``, issue 30): ``tkern.scaled_mm`` on the transformer shapes,
 x (tokens, K) times W^T (W (N, K) read in place), for e4m3 x e4m3 and e5m2 x
@@ -16,8 +20,21 @@ DeepSeek-V3 block scales (1x128 for x, 128x128 for W), against
 (``BlockWise1x128`` x ``BlockWise128x128``, where the installed torch takes it:
 a refusal is recorded as the row's ``skipped`` reason) and against a bf16 cuBLAS
 GEMM of the same shape. Each result is checked against the dequantized operands'
-fp32 product first (``FP8_TOL``). Target: >= 0.95x torch's fp8 GEMM.
-``--sections`` picks what runs (default: fp8, transformer, square, linear).
+fp32 product first (``FP8_TOL``). Target: >= 0.95x torch's fp8 GEMM with the same
+accumulation (every fp8 row says which in ``accum``, :data:`ACCUM`):
+
+* ``fast``: fp8 products summed in the tensor core's own accumulator along all of
+  K. tkern's tensorwise and rowwise paths (``tl.dot`` on sm_90 accumulates fp8 this
+  way by default; tkern has no precise variant of them), and torch's
+  ``torch._scaled_mm(..., use_fast_accum=True)`` (impl ``torch fast accum``);
+* ``precise``: partial sums promoted to fp32 at least every 128 of K. tkern's
+  blockwise path (one ``tl.dot`` per K tile, promoted with its scales) and torch's
+  default (impl ``torch``, ``use_fast_accum=False``), the only one its blockwise
+  GEMM offers.
+
+The precise torch rows of tensorwise and rowwise are recorded beside, without a
+tkern peer. ``--sections`` picks what runs (default: fp8, transformer, square,
+linear, gelu_compiled).
 """
 
 from __future__ import annotations
@@ -46,7 +63,10 @@ CHECK_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # tkern's two GEMM schedules: the default (one tile per program, pointer loads)
 # and the persistent one with tensor-descriptor (TMA) loads, not yet the default
 GEMMS = {"tkern": tkern.matmul, "tkern tma": matmul_tma_persistent}
-SECTIONS = ("fp8", "transformer", "square", "linear")
+SECTIONS = ("fp8", "transformer", "square", "linear", "gelu_compiled")
+#: how an fp8 GEMM accumulates (the module docstring): tkern's per scaling, and torch's impls
+ACCUM = {"tensorwise": "fast", "rowwise": "fast", "blockwise": "precise"}
+TORCH_FP8 = {"fast": "torch fast accum", "precise": "torch"}
 #: (a's dtype, b's dtype) of the fp8 rows: forward (e4m3 x e4m3) and dgrad (e5m2 gradient x e4m3 weight)
 FP8_FORMATS = {
     "e4m3xe4m3": (torch.float8_e4m3fn, torch.float8_e4m3fn),
@@ -62,6 +82,11 @@ FP8_SCALINGS = {
 #: operands: both accumulate in fp32 and round once to bf16 (2^-8 relative), so
 #: the norm-wise error is well under one bf16 rounding
 FP8_TOL = 8e-3
+
+
+def _rounded(x: float) -> float | None:
+    """``x`` to 3 decimals; None when it is not a number (a row not measured)."""
+    return round(x, 3) if x == x and abs(x) != float("inf") else None
 
 
 def rel(a, b):
@@ -86,6 +111,9 @@ def bench_linear(record, mode, tokens: int, n: int, k: int) -> None:
         with torch.autocast(dev.type, dtype=torch.float16, enabled=not mode.smoke):
             return F.gelu(F.linear(x, w, b))
 
+    def addmm_gelu():  # torch's fused GEMM + bias + GELU (cuBLASLt epilogue), forward only
+        return torch._addmm_activation(b, x, w.t(), use_gelu=True)
+
     variants = {
         "tkern": (lambda: tkern.linear(x, w, b), lambda: tkern.linear(x, w, b, "gelu")),
         "torch": (lambda: F.linear(x, w, b), unfused),
@@ -99,6 +127,28 @@ def bench_linear(record, mode, tokens: int, n: int, k: int) -> None:
         record(f"linear fwd+bwd {shape}", impl, fwd_bwd(plain), 3 * flops)
         record(f"bias+gelu fwd {shape}", impl, gelu, flops)
         record(f"bias+gelu fwd+bwd {shape}", impl, fwd_bwd(gelu), 3 * flops)
+    if not mode.smoke:  # cuBLASLt's epilogue; the CPU has no fp16 GEMM worth timing
+        # its GELU is the tanh approximation on some builds: within a few fp16 roundings
+        assert rel(addmm_gelu(), unfused()) < 4 * CHECK_TOL[torch.float16]
+        record(f"bias+gelu fwd {shape}", "torch addmm_activation", addmm_gelu, flops)
+
+
+def bench_gelu_compiled(record, mode, tokens: int, n: int, k: int) -> None:
+    """The unfused recipe ``F.gelu(F.linear(x, W, b))`` under ``torch.compile``
+    (Inductor fuses the GELU into the GEMM's epilogue or a following kernel), forward
+    and forward + backward, beside tkern's fused linear on the same shape. One
+    shape: each compile takes a GPU session tens of seconds."""
+    dev = mode.device
+    x = torch.randn(tokens, k, device=dev, dtype=torch.float16, requires_grad=True)
+    w = (torch.randn(n, k, device=dev) / k**0.5).half().requires_grad_()
+    b = torch.randn(n, device=dev, dtype=torch.float16, requires_grad=True)
+    dy = torch.randn(tokens, n, device=dev, dtype=torch.float16)
+    flops, shape = 2 * tokens * n * k, f"{tokens}x{n}x{k}"
+    compiled = torch.compile(lambda x, w, b: F.gelu(F.linear(x, w, b)), dynamic=False)
+    # checked with grad on, as it is timed: one compile serves the check and both rows
+    assert rel(compiled(x, w, b).detach(), tkern.linear(x, w, b, "gelu").detach()) < CHECK_TOL[torch.float16]
+    record(f"bias+gelu fwd {shape}", "torch compiled", lambda: compiled(x, w, b), flops)
+    record(f"bias+gelu fwd+bwd {shape}", "torch compiled", lambda: compiled(x, w, b).backward(dy), 3 * flops)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -112,13 +162,17 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return data.float() * full
 
 
-def torch_fp8_mm(scaling: str, a, b, sa, sb) -> Callable[[], torch.Tensor]:
+def torch_fp8_mm(scaling: str, a, b, sa, sb, accum: str = "precise") -> Callable[[], torch.Tensor]:
     """torch's fp8 GEMM for ``scaling`` as a callable: ``torch._scaled_mm`` for
-    tensorwise and rowwise scales; for blocks ``F.scaled_mm`` with BlockWise1x128 /
-    BlockWise128x128, whose scale layouts are tried in the forms torch documents
-    (as given, or outer-dimension-major). Raises what torch raises if none works."""
+    tensorwise and rowwise scales (``use_fast_accum`` when ``accum`` is "fast"); for
+    blocks ``F.scaled_mm`` with BlockWise1x128 / BlockWise128x128 (precise only),
+    whose scale layouts are tried in the forms torch documents (as given, or
+    outer-dimension-major). Raises what torch raises if none works."""
     if scaling != "blockwise":
-        return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        fast = accum == "fast"
+        return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    if accum != "precise":
+        raise ValueError("torch's blockwise fp8 GEMM is offered with precise accumulation only")
     from torch.nn.functional import ScalingType, scaled_mm
 
     def outer_major(t):
@@ -165,16 +219,24 @@ def bench_fp8(res: Results, record, mode, tokens: int, shapes) -> None:
                         {"case": case, "impl": "tkern", "error": f"rel error {err:.3g}"}
                     )
                     continue
-                record(case, "tkern", mine, flops, fmt=fmt, scaling=scaling)
-                try:
-                    theirs = torch_fp8_mm(scaling, a, b, sa, sb)
-                    err = rel(theirs(), ref)
-                    if not err < FP8_TOL:
-                        raise RuntimeError(f"torch's result differs from the reference: rel error {err:.3g}")
-                except Exception as exc:  # noqa: BLE001 - the baseline is missing, say why
-                    res.add(case, "torch", None, fmt=fmt, scaling=scaling, skipped=error_line(exc))
-                    continue
-                record(case, "torch", theirs, flops, fmt=fmt, scaling=scaling)
+                record(case, "tkern", mine, flops, fmt=fmt, scaling=scaling, accum=ACCUM[scaling])
+                # torch with tkern's accumulation first (the target's peer), then the other
+                peers = [ACCUM[scaling]] + [a_ for a_ in TORCH_FP8 if a_ != ACCUM[scaling]]
+                for accum in peers if scaling != "blockwise" else ["precise"]:
+                    impl = TORCH_FP8[accum]
+                    try:
+                        theirs = torch_fp8_mm(scaling, a, b, sa, sb, accum)
+                        err = rel(theirs(), ref)
+                        if not err < FP8_TOL:
+                            raise RuntimeError(
+                                f"torch's result differs from the reference: rel error {err:.3g}"
+                            )
+                    except Exception as exc:  # noqa: BLE001 - the baseline is missing, say why
+                        res.add(
+                            case, impl, None, fmt=fmt, scaling=scaling, accum=accum, skipped=error_line(exc)
+                        )
+                        continue
+                    record(case, impl, theirs, flops, fmt=fmt, scaling=scaling, accum=accum)
         res.save()
 
 
@@ -184,8 +246,10 @@ def fp8_summary(res: Results, tokens: int, shapes) -> list[str]:
     lines = []
     for fmt in FP8_FORMATS:
         for scaling in FP8_SCALINGS:
+            accum = ACCUM[scaling]
+            peer = TORCH_FP8[accum]  # like with like: torch with tkern's accumulation
             vs_torch = geomean(
-                [res.ratio(f"fp8 {fmt} {scaling} {tokens}x{n}x{k}", "tkern", "torch") for n, k in shapes]
+                [res.ratio(f"fp8 {fmt} {scaling} {tokens}x{n}x{k}", "tkern", peer) for n, k in shapes]
             )
             vs_bf16 = geomean(
                 [
@@ -199,13 +263,14 @@ def fp8_summary(res: Results, tokens: int, shapes) -> list[str]:
                 ]
             )
             for key, value in (
-                (f"fp8_{fmt}_{scaling}_vs_torch", vs_torch),
+                (f"fp8_{fmt}_{scaling}_vs_torch_same_accum", vs_torch),
                 (f"fp8_{fmt}_{scaling}_vs_bf16", vs_bf16),
             ):
                 res.meta[key] = round(value, 3) if value == value else None
+            res.meta[f"fp8_{scaling}_accum"] = accum
             lines.append(
-                f"fp8 {fmt} {scaling}: {vs_torch:.3f}x torch's fp8 GEMM (target >= 0.95), "
-                f"{vs_bf16:.3f}x bf16 cuBLAS"
+                f"fp8 {fmt} {scaling}: {vs_torch:.3f}x torch's fp8 GEMM, both {accum} accumulation "
+                f"(target >= 0.95), {vs_bf16:.3f}x bf16 cuBLAS"
             )
     return lines
 
@@ -260,6 +325,11 @@ def main(argv: list[str] | None = None) -> Results:
                     x = torch.randn(tokens, k, device=dev).to(dtype)
                     w = (torch.randn(n, k, device=dev) / k**0.5).to(dtype)
                     record_mm(f"{tag} mm {tokens}x{n}x{k}", x, w.t())  # x @ W^T, W read in place
+        elif section == "gelu_compiled":
+            if mode.smoke:  # a compile per shape: minutes on a CPU, nothing to learn there
+                print("gelu_compiled: skipped in smoke mode (torch.compile)")
+            else:
+                bench_gelu_compiled(record, mode, tokens, *shapes[0])
         else:  # linear forward / forward+backward and the fused bias+GELU epilogue, fp16
             for n, k in shapes:
                 bench_linear(record, mode, tokens, n, k)
@@ -284,6 +354,23 @@ def main(argv: list[str] | None = None) -> Results:
         )
         res.meta["fused_bias_gelu_fwd_speedup"] = round(gelu, 3)
         res.meta["fused_bias_gelu_fwd_bwd_speedup"] = round(gelu_bwd, 3)
+        gelu_addmm = geomean(
+            [
+                res.ratio(f"bias+gelu fwd {tokens}x{n}x{k}", "tkern", "torch addmm_activation")
+                for n, k in shapes
+            ]
+        )
+        res.meta["fused_bias_gelu_fwd_vs_addmm_activation"] = _rounded(gelu_addmm)
+        first = f"{tokens}x{shapes[0][0]}x{shapes[0][1]}"
+        for key, case in (("fwd", "bias+gelu fwd"), ("fwd_bwd", "bias+gelu fwd+bwd")):
+            res.meta[f"fused_bias_gelu_{key}_vs_compiled"] = _rounded(
+                res.ratio(f"{case} {first}", "tkern", "torch compiled")
+            )
+        summary.append(
+            f"fused bias+GELU forward: {gelu_addmm:.3f}x torch._addmm_activation(use_gelu=True); on {first} "
+            f"{res.meta['fused_bias_gelu_fwd_vs_compiled']}x / "
+            f"{res.meta['fused_bias_gelu_fwd_bwd_vs_compiled']}x the unfused recipe compiled (fwd / fwd+bwd)"
+        )
         summary.append(
             f"fused bias+GELU vs unfused autocast: forward {gelu:.3f}x, "
             f"forward+backward {gelu_bwd:.3f}x (target >= 1.1)"

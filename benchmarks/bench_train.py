@@ -65,7 +65,15 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import GraphCount, Results, bar_plot, error_line, graph_fields, setup  # noqa: E402
+from harness import (  # noqa: E402
+    GraphCount,
+    Results,
+    bar_plot,
+    error_line,
+    graph_fields,
+    graph_possible,
+    setup,
+)
 
 import tkern  # noqa: E402
 from tkern import demo  # noqa: E402
@@ -307,12 +315,12 @@ def time_steps(
         "loss": loss,
         "cuda_graph": built.cuda_graph,
         "opt_cuda_graph": opt_graph["cuda_graph"] if fused else None,
+        # meant to replay: the whole step, or the fused optimizer's own graph
+        "graphed": graph_possible() and (built.cuda_graph or (fused and opt_graph["graphed"])),
         # under Trainer(cuda_graph=True) the trainer's reason alone: its graph holds the
         # optimizer's step, whose own graph then stands aside by design
         "graph_fallback": (
-            trainer.graph_fallback
-            if built.cuda_graph
-            else (opt_graph["graph_fallback"] if fused else None)
+            trainer.graph_fallback if built.cuda_graph else (opt_graph["graph_fallback"] if fused else None)
         ),
         "graph_captures": graphs.counts["capture"] if graphs is not None else opt_graph["graph_captures"],
         "graph_replays": (

@@ -13,16 +13,21 @@
 #        the wgrad path, no host sync); then the headline benchmarks, baselines first in
 #        each case: the optimizer at 1M / 10M / 100M / 1B and the 1000-tensor case, the
 #        MLP training steps (autocast, compiled autocast, tkern with and without the
-#        graph), GEMM on the transformer shapes with the fused bias+GELU, GPT-2 small if
-#        time remains; then report.py.
-# more (BUDGET 540 s): fp8 GEMMs, the optimizer's memory modes, GPT-2 with the fp8
-#        recipes, norms, losses, the ceilings, host cost, square GEMMs.
+#        graph), GEMM on the transformer shapes with the fused bias+GELU (against
+#        unfused autocast and torch._addmm_activation), GPT-2 small if time remains;
+#        then report.py.
+# more (BUDGET 540 s): fp8 GEMMs (torch with fast and with precise accumulation),
+#        square GEMMs, bias+GELU against the unfused recipe under torch.compile, the
+#        optimizer's memory modes, GPT-2 with the fp8 recipes, norms, losses, the
+#        ceilings, host cost.
 # Every phase has its own cap (`timeout`) inside the call's BUDGET; a phase with
 # under 20 s left is skipped and says so. Every benchmark writes
 # benchmarks/results/<device>/ after every case, so a cut loses only the case running.
 # Everything runs with TKERN_GRAPH_STRICT=1: a CUDA-graph capture that fails is a
 # FAILED row with its reason, never an eager figure under a graphed name.
-# The compile gate (tests/test_compiled.py) is CI's, never run here.
+# The compile gate (tests/test_compiled.py) is CI's, never run here (it skips on a GPU
+# machine); the dry run checks that the suite collected as a GPU machine would runs
+# nothing that needs the CPU (tests/gpu_collection.py).
 #
 # The commit: the device gets a copy of the working tree without .git, so every
 # results file takes its commit from $TKERN_COMMIT, else git (a checkout), else
@@ -160,7 +165,8 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
     gemm) run_phase bench_gemm bench 150 $py $b/bench_gemm.py "${SMOKE[@]}" ;;
     gemm_transformer) run_phase bench_gemm_transformer bench 60 $py $b/bench_gemm.py \
         --sections transformer,linear "${SMOKE[@]}" ;;
-    gemm_rest) run_phase bench_gemm_rest bench 100 $py $b/bench_gemm.py --sections fp8,square "${SMOKE[@]}" ;;
+    gemm_rest) run_phase bench_gemm_rest bench 130 $py $b/bench_gemm.py --sections fp8,square,gelu_compiled \
+        "${SMOKE[@]}" ;;
     norm) run_phase bench_norm bench 40 $py $b/bench_norm.py "${SMOKE[@]}" ;;
     loss) run_phase bench_loss bench 40 $py $b/bench_loss.py "${SMOKE[@]}" ;;
     host) TKERN_AUTOTUNE=0 run_phase bench_host bench 75 $py $b/bench_host.py "${SMOKE[@]}" ;;
@@ -205,6 +211,12 @@ for plan in "${plans[@]}"; do
 done
 
 if ((DRY)); then # the CPU benchmark (results/host/ in a real run), at its smoke size
+    # the suite collected as a GPU machine would (tests/gpu_collection.py): nothing
+    # collected there may need the CPU recorder, the interpreter or the compile gate
+    run_phase gpu_collection pytest_gpu 60 bash -c 'out=$(env -u TRITON_INTERPRET TKERN_FAKE_CUDA_COLLECT=1 \
+        "$0" -m pytest --collect-only -q -s -p no:cacheprovider tests 2>&1) || { tail -20 <<<"$out"; exit 1; }
+        if grep "^GPU-COLLECT runs" <<<"$out"; then exit 1; fi
+        echo "needs the CPU, skipped on a GPU: $(grep -c "^GPU-COLLECT skipped" <<<"$out") tests"' "$PYTHON"
     run_phase bench_activation_memory bench 90 $PYTHON benchmarks/bench_activation_memory.py --smoke \
         --launches stubbed --out "$OUT/results/host"
     cp README.md "$OUT/README.md"

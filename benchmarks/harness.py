@@ -242,14 +242,26 @@ class GraphCount:
         return counted, out
 
 
+def graph_possible() -> bool:
+    """Whether this machine can capture a CUDA graph of tkern's kernels (a GPU,
+    compiled Triton): where a graphed row is meant to replay."""
+    return torch.cuda.is_available() and not tkern.INTERPRET
+
+
 def graph_fields(owner: object, count: GraphCount | None = None) -> dict:
     """What a row records of a step's CUDA graph: the ``cuda_graph`` setting of
     ``owner`` (a fused optimizer or a Trainer; None for torch's), why its last
-    step ran eager (``graph_fallback``, None when it replayed), and with a
-    :class:`GraphCount` the captures and replays so far."""
+    step ran eager (``graph_fallback``, None when it replayed; after a failed
+    capture, that failure), whether it is meant to run graphed (``graphed``: on
+    a GPU, its graph not turned off), and with a :class:`GraphCount` the
+    captures and replays so far."""
+    setting = getattr(owner, "cuda_graph", None)
     fields = {
-        "cuda_graph": getattr(owner, "cuda_graph", None),
+        "cuda_graph": setting,
         "graph_fallback": getattr(owner, "graph_fallback", None),
+        # whether the row is meant to run as a CUDA graph (report.py reports such a
+        # row with no replay as "fell back", never as a figure)
+        "graphed": graph_possible() and hasattr(owner, "graph_fallback") and setting is not False,
     }
     if count is not None:
         fields.update(graph_captures=count.captures, graph_replays=count.replays)

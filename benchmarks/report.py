@@ -14,6 +14,12 @@ ceilings, comparisons no target names) are shown as ``figure``. Every value
 names the run it came from (its file's date and commit). GPU folders are those
 holding a file only a GPU run writes; ``results/host/`` holds the CPU-measured
 ones (host time, activation memory).
+
+A target names the rows its figure is computed from (``rows``). One of them
+meant to run as a CUDA graph (``graphed``) that replayed nothing fell back to
+eager: the target is then reported as ``fell back: <the row's graph_fallback>``,
+never as a figure (graphed against eager would read about 1.0x and hide it), and
+the table lists every such row.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ GPU_STEMS = frozenset({"ceilings", "gemm", "optimizer", "train", "norm", "loss"}
 CPU_FOLDER = "host"
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt}
 MET, MISSED, NOT_MEASURED, FIGURE = "met", "missed", "not measured", "figure"
+#: the status of a target one of whose graphed rows replayed nothing (then ": <reason>")
+FELL_BACK = "fell back"
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,8 @@ class Target:
             without one (a ceiling, a comparison no issue sets a bound on).
         headline: one of the few rows of the README's table.
         where: ``"gpu"`` (read in each GPU folder), ``"cpu"`` (in ``results/host``) or both.
+        rows: the ``(case, impl)`` rows of the file its figure is computed from:
+            a graphed one that replayed nothing makes it ``fell back``.
     """
 
     stem: str
@@ -59,6 +69,7 @@ class Target:
     bound: float | None = None
     headline: bool = False
     where: tuple[str, ...] = ("gpu",)
+    rows: tuple[tuple[str, str], ...] = ()
 
     def names(self) -> tuple[str, ...]:
         return self.key if isinstance(self.key, tuple) else (self.key,)
@@ -74,6 +85,33 @@ class Target:
         return MET if OPS[self.op](value, self.bound) else MISSED
 
 
+def graphed(row: dict) -> bool:
+    """Whether a results row was meant to run as a CUDA graph: its ``graphed`` field;
+    in files written before it, a tkern row with a replay count that is not an
+    eager one by name or setting."""
+    if "graphed" in row:
+        return bool(row["graphed"])
+    impl = row.get("impl", "")
+    return (
+        "graph_replays" in row
+        and impl.startswith("tkern")
+        and "eager" not in impl
+        and row.get("cuda_graph") is not False
+        and row.get("opt_cuda_graph") is not False
+    )
+
+
+def fell_back(row: dict) -> str | None:
+    """``fell back: <reason>`` for a graphed row that replayed nothing, else None."""
+    if not graphed(row) or (row.get("graph_replays") or 0) > 0:
+        return None
+    return f"{FELL_BACK}: {row.get('graph_fallback') or 'no replay recorded'}"
+
+
+#: bench_optimizer's tkern row and torch's graphed peer (capturable fused AdamW +
+#: GradScaler in a CUDA graph)
+OPT_TKERN, OPT_GRAPHED_TORCH = "tkern", "(e) (a) capturable, CUDA graph"
+
 # The models bench_train.py times: (case as it names it, label here).
 TRAIN_MODELS = [
     ("gpt2-small, seq 1024, batch 16", "GPT-2 small"),
@@ -83,6 +121,8 @@ TRAIN_MODELS = [
 FP8_FORMATS = ("e4m3xe4m3", "e5m2xe4m3")
 FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+#: how tkern's fp8 GEMM accumulates per scaling, and so its torch peer (bench_gemm.ACCUM)
+FP8_ACCUM = {"tensorwise": "fast", "rowwise": "fast", "blockwise": "precise"}
 OPT_MODES = [(m, s) for m in ("fp32", "split", "none") for s in ("fp32", "bf16", "uint8")]
 
 #: Every target (issue 30 item 4, and the earlier issues' that still stand), in one place.
@@ -117,8 +157,11 @@ TARGETS: list[Target] = [
     *[
         Target(
             "gemm",
-            f"fp8_{fmt}_{scaling}_vs_torch",
-            f"fp8 scaled_mm {fmt} {scaling} / torch's fp8 GEMM, transformer shapes",
+            # like with like: torch with tkern's accumulation (bench_gemm.ACCUM); the key
+            # before it ("_vs_torch") compared tkern's fast accumulation with torch's precise
+            f"fp8_{fmt}_{scaling}_vs_torch_same_accum",
+            f"fp8 scaled_mm {fmt} {scaling} / torch's fp8 GEMM, same accumulation "
+            f"({FP8_ACCUM[scaling]}), transformer shapes",
             ">=",
             0.95,
             headline=(fmt, scaling) == ("e4m3xe4m3", "tensorwise"),
@@ -140,6 +183,21 @@ TARGETS: list[Target] = [
         True,
     ),
     Target("gemm", "fused_bias_gelu_fwd_bwd_speedup", "the same, forward + backward"),
+    Target(
+        "gemm",
+        "fused_bias_gelu_fwd_vs_addmm_activation",
+        "linear + bias + GELU fused / torch._addmm_activation(use_gelu=True), forward",
+    ),
+    Target(
+        "gemm",
+        "fused_bias_gelu_fwd_vs_compiled",
+        "linear + bias + GELU fused / the unfused recipe compiled, forward",
+    ),
+    Target(
+        "gemm",
+        "fused_bias_gelu_fwd_bwd_vs_compiled",
+        "linear + bias + GELU fused / the unfused recipe compiled, forward + backward",
+    ),
     # optimizer
     *[
         Target(
@@ -149,18 +207,68 @@ TARGETS: list[Target] = [
             ">=",
             1.5 if size in ("100M", "1B") else 1.0,
             headline=size in ("1M", "1B"),
+            rows=((size, OPT_TKERN),),
         )
         for size in ("1M", "10M", "100M", "1B")
     ],
-    Target("optimizer", "many_small_vs_a", "1000 tensors of 10k / GradScaler + AdamW(fused=True)", ">=", 1.0),
     Target(
-        "optimizer", "many_small_vs_b", "1000 tensors of 10k / GradScaler + AdamW(foreach=True)", ">=", 3.0
+        "optimizer",
+        "many_small_vs_a",
+        "1000 tensors of 10k / GradScaler + AdamW(fused=True)",
+        ">=",
+        1.0,
+        rows=(("1000x10k", OPT_TKERN),),
     ),
-    Target("optimizer", "100M_pct_copy", "AdamW step at 100M, % of copy bandwidth (30 B/param)", ">=", 85),
-    Target("optimizer", "1B_pct_copy", "AdamW step at 1B, % of copy bandwidth", ">=", 85),
-    Target("optimizer", "100M_vs_d", "step at 100M / torch.compile'd master-weights recipe", ">", 1.0),
-    Target("optimizer", "1M_graph_vs_eager", "graphed step / cuda_graph=False at 1M"),
-    Target("optimizer", "10M_graph_vs_eager", "graphed step / cuda_graph=False at 10M"),
+    Target(
+        "optimizer",
+        "many_small_vs_b",
+        "1000 tensors of 10k / GradScaler + AdamW(foreach=True)",
+        ">=",
+        3.0,
+        rows=(("1000x10k", OPT_TKERN),),
+    ),
+    Target(
+        "optimizer",
+        "100M_pct_copy",
+        "AdamW step at 100M, % of copy bandwidth (30 B/param)",
+        ">=",
+        85,
+        rows=(("100M", OPT_TKERN),),
+    ),
+    Target(
+        "optimizer",
+        "1B_pct_copy",
+        "AdamW step at 1B, % of copy bandwidth",
+        ">=",
+        85,
+        rows=(("1B", OPT_TKERN),),
+    ),
+    Target(
+        "optimizer",
+        "100M_vs_d",
+        "step at 100M / torch.compile'd master-weights recipe",
+        ">",
+        1.0,
+        rows=(("100M", OPT_TKERN),),
+    ),
+    *[
+        row
+        for size in ("1M", "10M")
+        for row in (
+            Target(
+                "optimizer",
+                f"{size}_graph_vs_eager",
+                f"graphed step / cuda_graph=False at {size}",
+                rows=((size, OPT_TKERN),),
+            ),
+            Target(
+                "optimizer",
+                f"{size}_vs_e",
+                f"tkern graphed / torch graphed capturable fused AdamW at {size} (both + their scaler)",
+                rows=((size, OPT_TKERN),),
+            ),
+        )
+    ],
     *[
         Target(
             "optimizer",
@@ -222,6 +330,7 @@ TARGETS: list[Target] = [
                 ">=",
                 1.2,
                 headline=True,
+                rows=((model, "tkern"),),
             ),
             Target(
                 "train",
@@ -230,12 +339,22 @@ TARGETS: list[Target] = [
                 ">=",
                 1.0,
                 headline=label == "GPT-2 small",
+                rows=((model, "tkern"),),
             ),
             Target(
-                "train", f"{model}: peak vs autocast", f"peak memory, {label} / autocast's", "<=", 0.9, True
+                "train",
+                f"{model}: peak vs autocast",
+                f"peak memory, {label} / autocast's",
+                "<=",
+                0.9,
+                True,
+                rows=((model, "tkern"),),
             ),
             Target(
-                "train", f"{model}: whole-step graph vs tkern", f"{label}: Trainer(cuda_graph=True) / tkern"
+                "train",
+                f"{model}: whole-step graph vs tkern",
+                f"{label}: Trainer(cuda_graph=True) / tkern",
+                rows=((model, "tkern whole-step graph"), (model, "tkern")),
             ),
         )
     ],
@@ -247,6 +366,7 @@ TARGETS: list[Target] = [
             ">=",
             1.4,
             headline=r == "tensorwise",
+            rows=((TRAIN_MODELS[0][0], f"tkern fp8 {r}"),),
         )
         for r in FP8_RECIPES
     ],
@@ -254,6 +374,7 @@ TARGETS: list[Target] = [
         "train",
         "gpt2-small, seq 1024, batch 16: fp8 tensorwise vs torchao float8",
         "fp8 tensorwise, GPT-2 small / torchao Float8Linear compiled",
+        rows=((TRAIN_MODELS[0][0], "tkern fp8 tensorwise"),),
     ),
     # norms and loss (issue 28): figures until an issue sets bounds
     Target("norm", "layer_norm_fwd_bwd_vs_torch", "layer_norm fwd + bwd / torch (autocast path)"),
@@ -305,13 +426,29 @@ def evaluate(files: dict[str, dict], where: str) -> list[tuple[Target, float | N
             continue
         payload = files.get(t.stem, {})
         value = next((payload[k] for k in t.names() if payload.get(k) is not None), None)
-        rows.append((t, value, t.judge(value), run_of(payload) if value is not None else ""))
+        status = t.judge(value)
+        by_key = {(r.get("case"), r.get("impl")): r for r in payload.get("rows", [])}
+        fallbacks = [fell_back(by_key[key]) for key in t.rows if key in by_key]
+        fallback = next((f for f in fallbacks if f is not None), None)
+        if fallback is not None:  # an eager figure under a graphed name: no figure at all
+            value, status = None, fallback
+        rows.append((t, value, status, run_of(payload) if value is not None or fallback else ""))
     return rows
 
 
 def _counts(rows) -> str:
-    statuses = [s for _, _, s, _ in rows if s != FIGURE]
-    return ", ".join(f"{statuses.count(s)} {s}" for s in (MET, MISSED, NOT_MEASURED))
+    statuses = [FELL_BACK if s.startswith(FELL_BACK) else s for _, _, s, _ in rows if s != FIGURE]
+    kinds = (MET, MISSED, NOT_MEASURED) + ((FELL_BACK,) if FELL_BACK in statuses else ())
+    return ", ".join(f"{statuses.count(s)} {s}" for s in kinds)
+
+
+def fallback_lines(stem: str, payload: dict) -> list[str]:
+    """One line per graphed row of a results file that replayed nothing."""
+    return [
+        f"`bench_{stem}.py` {r['case']}, {r['impl']}: {why}"
+        for r in payload.get("rows", [])
+        if (why := fell_back(r)) is not None
+    ]
 
 
 def _folders(results: Path) -> list[tuple[str, str, dict]]:
@@ -358,6 +495,8 @@ def render(results: Path = RESULTS, targets_link: str = "benchmarks/results/TARG
             for f in payload.get("failed", []):
                 lines.append(f"`bench_{stem}.py` failed on {f['case']}, {f['impl']}: `{f['error']}`")
                 lines.append("")
+            for line in fallback_lines(stem, payload):
+                lines += [line, ""]
     return "\n".join(lines).rstrip()
 
 

@@ -19,9 +19,52 @@ import torch
 # eager (tkern.graphs): a test that meant to run graphed fails rather than passing eager.
 os.environ.setdefault("TKERN_GRAPH_STRICT", "1")
 
+#: Set to 1 (with ``pytest --collect-only``) to collect the suite as a GPU machine would:
+#: CUDA reported available before tkern is imported (so compiled Triton, DEVICE "cuda"),
+#: nothing launched; tests/gpu_collection.py then lists every collected test that is
+#: not skipped yet would use the CPU recorder, the interpreter or the compile gate
+#: (tests/test_gpu_collection.py runs it).
+FAKE_CUDA_ENV = "TKERN_FAKE_CUDA_COLLECT"
+if os.environ.get(FAKE_CUDA_ENV) == "1":
+    from torch.overrides import TorchFunctionMode
+
+    class _CudaAsMeta(TorchFunctionMode):
+        """Tensors made at import for ``device="cuda"`` (parametrize arguments) are
+        made on the meta device: shapes and dtypes, no memory, nothing launched."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "meta"
+            return func(*args, **kwargs)
+
+    torch.cuda.is_available = lambda: True
+    _CudaAsMeta().__enter__()  # for the whole collection (the process only collects)
+
 import tkern  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not tkern.INTERPRET else "cpu"
+
+#: For a test that drives tests/graph_recorder.py's CPU recorder: it records launches
+#: through Triton's interpreter (CPU tensors), so on a GPU machine (compiled Triton,
+#: CUDA tensors) it would record nothing and fail for no defect of tkern. There
+#: tests/test_gpu.py and the ``gpu`` tests capture real CUDA graphs instead.
+needs_recorder = pytest.mark.skipif(
+    not tkern.INTERPRET,
+    reason="drives the CPU recorder (tests/graph_recorder.py), which needs Triton's interpreter; "
+    "on a GPU the real captures are tests/test_gpu.py's",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``TKERN_FAKE_CUDA_COLLECT=1``: print the GPU-collection report
+    (tests/gpu_collection.py), one line per collected test that needs the CPU."""
+    if os.environ.get(FAKE_CUDA_ENV) == "1":
+        import gpu_collection
+
+        gpu_collection.print_report(items)
+
 
 # Relative Frobenius error ||out - ref|| / ||ref|| allowed for a GEMM result,
 # keyed by the output dtype (and the input dtype where it matters).

@@ -51,9 +51,15 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
     proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = (out / "summary.txt").read_text()
-    quick = ("pytest_gpu", "bench_optimizer_sizes", "bench_train_mlp", "bench_gemm_transformer", "bench_train_gpt2")
+    quick = (
+        "pytest_gpu",
+        "bench_optimizer_sizes",
+        "bench_train_mlp",
+        "bench_gemm_transformer",
+        "bench_train_gpt2",
+    )
     more = ("bench_train_fp8", "bench_gemm_rest", "bench_train_rest", "bench_optimizer_modes", "bench_norm")
-    rest = ("bench_loss", "ceilings", "bench_host", "bench_activation_memory", "report")
+    rest = ("bench_loss", "ceilings", "bench_host", "gpu_collection", "bench_activation_memory", "report")
     for phase in (*quick, *more, *rest):
         assert f"{phase}: ok" in summary, summary
     # the device brings back at most 8 files; the plan leaves at most 6 in $OUT
@@ -84,6 +90,17 @@ def test_dry_run_fp8_gemm_rows_cover_every_format_and_scaling(dry_run):
     theirs = {(r["fmt"], r["scaling"]): r for r in rows if r["impl"] == "torch" and "fmt" in r}
     assert all(theirs[(f, s)]["ms"] for f in bench_gemm.FP8_FORMATS for s in ("tensorwise", "rowwise"))
     assert all(r["ms"] or r["skipped"] for r in theirs.values())
+    # every fp8 row says how it accumulates; torch's fast-accumulation peer of tkern's
+    # tensorwise and rowwise rows (tl.dot's fp8 default on sm_90) runs beside its precise one
+    fp8 = [r for r in rows if "fmt" in r]
+    assert all(
+        r["accum"] == ("precise" if r["scaling"] == "blockwise" else "fast")
+        for r in fp8
+        if r["impl"] == "tkern"
+    )
+    fast = {(r["fmt"], r["scaling"]) for r in fp8 if r["impl"] == "torch fast accum" and r["ms"]}
+    assert fast == {(f, s) for f in bench_gemm.FP8_FORMATS for s in ("tensorwise", "rowwise")}
+    assert all(r["accum"] == "precise" for r in theirs.values())
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the dry run is the CPU's rehearsal of a GPU session")
@@ -283,7 +300,9 @@ def test_report_judges_each_target_and_names_the_run(tmp_path):
     full = report.render_targets(tmp_path)
     assert "master=none state=uint8 at 1B: time / its byte floor | 1.05 | <= 1.1 | met" in full
     assert "master=fp32 state=fp32 at 1B: time / its byte floor | 1.2 | <= 1.1 | missed" in full
-    fp8 = "fp8 scaled_mm e4m3xe4m3 tensorwise / torch's fp8 GEMM, transformer shapes"
+    fp8 = (
+        "fp8 scaled_mm e4m3xe4m3 tensorwise / torch's fp8 GEMM, same accumulation (fast), transformer shapes"
+    )
     assert f"| {fp8} |  | >= 0.95 | not measured |" in full
     # every target is listed once per folder it applies to
     gpu_targets = [t for t in report.TARGETS if "gpu" in t.where]
@@ -312,6 +331,53 @@ def test_report_lists_failures_skips_non_device_folders_and_writes_between_the_m
     content = readme.read_text()
     assert "old" not in content and content.endswith("<!-- results-table:end -->\nrest\n")
     assert (tmp_path / "TARGETS.md").read_text().startswith("# Targets: met, missed, not measured")
+
+
+def test_report_shows_a_graphed_row_that_never_replayed_as_fell_back_never_as_a_figure(tmp_path):
+    """A graphed step that fell back to eager times the eager step: its ratios (1M
+    against torch, graphed against eager, about 1.0x) are reported as "fell back:
+    <reason>", never as a figure; a row that replayed keeps its figure."""
+    import report
+
+    gpu = tmp_path / "nvidia-h100-test"
+    reason = "capturing the step failed (RuntimeError: operation not permitted); running eager"
+    rows = [
+        {"case": "1M", "impl": "tkern", "ms": 0.3, "cuda_graph": None, "graphed": True,
+         "graph_fallback": reason, "graph_captures": 0, "graph_replays": 0},
+        {"case": "1M", "impl": "tkern eager (cuda_graph=False)", "ms": 0.3, "cuda_graph": False,
+         "graphed": False, "graph_fallback": "cuda_graph=False", "graph_captures": 0, "graph_replays": 0},
+        {"case": "10M", "impl": "tkern", "ms": 0.1, "cuda_graph": None, "graphed": True,
+         "graph_fallback": None, "graph_captures": 1, "graph_replays": 40},
+        # a file from before rows said "graphed": the tkern row is read as meant to replay
+        {"case": "1B", "impl": "tkern", "ms": 7.0, "cuda_graph": None, "graph_fallback": "x",
+         "graph_captures": 0, "graph_replays": 0},
+    ]  # fmt: skip
+    meta = {"1M_vs_a": 1.1, "1M_graph_vs_eager": 1.0, "1M_vs_e": 0.5, "10M_vs_a": 1.3, "1B_vs_a": 1.6}
+    _write(gpu, "optimizer", commit="abc1234", rows=rows, **meta)
+    full = report.render_targets(tmp_path)
+    at_1m = "optimizer + scaler step at 1M / GradScaler + AdamW(fused=True)"
+    assert f"| {at_1m} |  | >= 1 | fell back: {reason} |" in full
+    assert f"| graphed step / cuda_graph=False at 1M |  |  | fell back: {reason} |" in full
+    assert "| tkern graphed / torch graphed capturable fused AdamW at 1M (both + their scaler) |  |" in full
+    assert "| optimizer + scaler step at 10M / GradScaler + AdamW(fused=True) | 1.3 | >= 1 | met |" in full
+    assert (
+        "| optimizer + scaler step at 1B / GradScaler + AdamW(fused=True) |  | >= 1.5 | fell back: x |"
+        in full
+    )
+    text = report.render(tmp_path)
+    assert f"`bench_optimizer.py` 1M, tkern: fell back: {reason}" in text
+    assert "1M, tkern eager" not in text  # eager by design: no fallback
+    assert "5 fell back" in text.splitlines()[0]  # 1M: vs (a), vs eager, vs (e); 1B: vs (a), % copy
+
+
+def test_report_shows_tkern_graphed_against_torch_graphed_capturable_adamw(tmp_path):
+    import report
+
+    gpu = tmp_path / "nvidia-h100-test"
+    rows = [{"case": "10M", "impl": "tkern", "ms": 0.1, "graphed": True, "graph_replays": 40}]
+    _write(gpu, "optimizer", commit="abc1234", rows=rows, **{"10M_vs_e": 1.345})
+    label = "tkern graphed / torch graphed capturable fused AdamW at 10M (both + their scaler)"
+    assert f"| {label} | 1.345 |  | figure |" in report.render_targets(tmp_path)
 
 
 def test_master_recipe_matches_torch_adamw_and_skips_overflow():

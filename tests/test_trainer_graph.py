@@ -13,7 +13,7 @@ from types import FunctionType
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DEVICE
+from conftest import DEVICE, needs_recorder
 from graph_recorder import RecordingCapture
 from torch import nn
 
@@ -180,6 +180,7 @@ def test_cuda_graph_off_cuda_warns_once_and_trains_exactly_as_eager():
     assert fallback.skipped_steps == eager.skipped_steps == 2
 
 
+@needs_recorder
 def test_bad_cuda_graph_arguments():
     with pytest.raises(TypeError, match="cuda_graph must be a bool, got 1"):
         make_trainer(cuda_graph=1)
@@ -190,6 +191,7 @@ def test_bad_cuda_graph_arguments():
 # ------------------------------------------------------------------ the graphs' bookkeeping
 
 
+@needs_recorder
 def test_warmup_then_capture_then_replay_per_batch_shape():
     # every epoch: three full batches of 4 and the last, smaller one of 2
     capture = RecordingCapture()
@@ -210,6 +212,7 @@ def test_warmup_then_capture_then_replay_per_batch_shape():
     assert trainer.step == 16
 
 
+@needs_recorder
 def test_graphed_steps_match_eager_bit_for_bit_through_an_overflow_and_the_last_small_batch():
     # the overflowing batch comes after capture in every epoch but the first: its
     # skip and the scale's backoff happen inside the replayed step, on the device
@@ -236,6 +239,7 @@ def test_graphed_steps_match_eager_bit_for_bit_through_an_overflow_and_the_last_
             assert torch.equal(graphed.optimizer.state[pa][name], eager.optimizer.state[pb][name])
 
 
+@needs_recorder
 def test_a_third_batch_shape_runs_eager_and_warns_once():
     capture = RecordingCapture()
     trainer = make_trainer(capture, cuda_graph=True)
@@ -248,6 +252,7 @@ def test_a_third_batch_shape_runs_eager_and_warns_once():
     assert capture.log[-1] == "replay"  # the last batch, of the first shape
 
 
+@needs_recorder
 def test_shape_changing_back_replays_the_graph_it_had():
     capture = RecordingCapture()
     trainer = make_trainer(capture, cuda_graph=True)
@@ -257,6 +262,7 @@ def test_shape_changing_back_replays_the_graph_it_had():
     assert trainer.graphs.counts == {"warmup": WARMUP_STEPS + 2, "capture": 1, "replay": 2}
 
 
+@needs_recorder
 def test_a_changed_learning_rate_is_captured_again_after_warmup():
     capture = RecordingCapture()
     trainer = make_trainer(capture, cuda_graph=True)
@@ -269,6 +275,7 @@ def test_a_changed_learning_rate_is_captured_again_after_warmup():
     assert trainer.graphs.counts["warmup"] == 2 * WARMUP_STEPS
 
 
+@needs_recorder
 def test_loading_a_checkpoint_drops_the_graphs(tmp_path):
     capture = RecordingCapture()
     trainer = make_trainer(capture, cuda_graph=True)
@@ -279,6 +286,7 @@ def test_loading_a_checkpoint_drops_the_graphs(tmp_path):
     assert capture.log.count("capture") == 2
 
 
+@needs_recorder
 def test_a_failed_capture_says_so(monkeypatch):
     monkeypatch.delenv(STRICT_ENV, raising=False)  # as a user runs
     trainer = make_trainer(RecordingCapture(fail=True), cuda_graph=True)
@@ -288,6 +296,7 @@ def test_a_failed_capture_says_so(monkeypatch):
         trainer.fit(batches([4] * (WARMUP_STEPS + 1)), 1)
 
 
+@needs_recorder
 def test_a_failed_capture_raises_itself_under_the_strict_flag(monkeypatch):
     monkeypatch.setenv(STRICT_ENV, "1")
     trainer = make_trainer(RecordingCapture(fail=True), cuda_graph=True)

@@ -54,8 +54,13 @@ class GraphedStep:
             raise TypeError(f"cuda_graph must be None, True or False, got {cuda_graph!r}")
         #: Replay the step as one CUDA graph (None: wherever it can be, i.e. on CUDA).
         self.cuda_graph = cuda_graph
-        #: Why the last step was not a replay of its graph (None if it was).
+        #: Why the last step was not a replay of its graph (None if it was). After a
+        #: failed capture it stays that failure's reason for every later step (the
+        #: graphs are off from then on), never the bare "cuda_graph=False".
         self.graph_fallback: str | None = None
+        #: Why a capture of this optimizer's step failed (None while none has): the
+        #: first failure, kept for good, whatever later steps say.
+        self.graph_failure: str | None = None
         #: What captures and replays the step (:class:`tkern.graphs.CudaGraphCapture`).
         self.graph_capture: GraphCapture = CudaGraphCapture()
         self._graph = self._new_graphs()
@@ -86,7 +91,8 @@ class GraphedStep:
         """Why this step runs eager rather than as a CUDA graph (None: it may be graphed);
         ``collectives``: whether the step runs any (process_group, ZeRO-2, FSDP2's mesh)."""
         if self.cuda_graph is False:
-            return "cuda_graph=False"
+            # the graphs turned off by a failed capture: that failure is the reason
+            return getattr(self, "graph_failure", None) or "cuda_graph=False"
         if collectives:
             return "the step's collectives (process_group, ZeRO-2, FSDP2's mesh) run eager"
         return self.graph_runner.blocker(device)
@@ -105,8 +111,14 @@ class GraphedStep:
         ``stamp()`` repeats the last one's, replayed while it stays. 1 / loss scale and
         found_inf are copied into static buffers for every step, the eager warm-up
         included, so the capture launches what the warm-up ran. A capture that fails
-        warns once and turns the graphs off for this optimizer
-        (``TKERN_GRAPH_STRICT=1`` re-raises it)."""
+        warns once and turns the graphs off for this optimizer; its reason stays in
+        :attr:`graph_failure` and :attr:`graph_fallback` (``TKERN_GRAPH_STRICT=1``
+        re-raises it).
+
+        The statistics returned after a capture or replay are a copy of the graph's
+        static output, made on the device after the replay (three fp32 values): each
+        step's ``grad_stats`` is its own tensor, which a later replay does not
+        overwrite, as in an eager step."""
         if blocker is not None:
             self.graph_fallback = blocker
             self._graph.counts[EAGER] += 1
@@ -119,13 +131,17 @@ class GraphedStep:
         except CaptureError as e:  # any capture failure: eager from now on
             self.cuda_graph = False
             self.graph_fallback = f"{capture_failed('the step', e)}; running eager"
+            if getattr(self, "graph_failure", None) is None:
+                self.graph_failure = self.graph_fallback
             warnings.warn(f"{type(self).__name__}: {self.graph_fallback}", stacklevel=4)
             graphs.reset()
             graphs.counts[EAGER] += 1
             return device_step(inv_scale, found_inf)
-        self.graph_fallback = (
-            "the step's launches changed since the last step (it is captured when they repeat)"
-            if how == WARMUP
-            else None
-        )
-        return stats
+        if how == WARMUP:
+            self.graph_fallback = (
+                "the step's launches changed since the last step (it is captured when they repeat)"
+            )
+            return stats
+        self.graph_fallback = None
+        # the graph's output is static (every replay rewrites it): the step's own copy
+        return stats.clone()
