@@ -240,6 +240,28 @@ def test_graphed_steps_match_eager_bit_for_bit_through_an_overflow_and_the_last_
 
 
 @needs_recorder
+def test_each_steps_grad_stats_is_its_own_under_the_whole_step_graph():
+    """A user who keeps every step's ``opt.grad_stats`` (for logging) reads that
+    step's statistics after replays too, equal to an eager trainer's step by step."""
+    data = batches([4] * 8, overflow_at=6)
+
+    def kept(trainer):
+        out = []
+        for x, y in data:
+            trainer.train_step([(x, y)])
+            out.append(trainer.optimizer.grad_stats)
+        return out
+
+    graphed = make_trainer(RecordingCapture(), cuda_graph=True)
+    graphed_stats = kept(graphed)
+    eager_stats = kept(make_trainer())
+    assert graphed.graph_counts["replay"] >= 3  # the steps after the capture replayed
+    for step, (g, e) in enumerate(zip(graphed_stats, eager_stats, strict=True)):
+        assert torch.equal(g, e), (step, g, e)
+    assert len({id(g) for g in graphed_stats}) == len(data)
+
+
+@needs_recorder
 def test_a_third_batch_shape_runs_eager_and_warns_once():
     capture = RecordingCapture()
     trainer = make_trainer(capture, cuda_graph=True)

@@ -244,6 +244,8 @@ class Trainer(CheckpointMixin):
         #: why ``cuda_graph=True`` runs eager (None when it captures, or was not asked for)
         self.graph_fallback: str | None = None
         self._warned_shapes = False
+        #: per graph: the optimizer's grad_stats as captured (a static output every replay rewrites)
+        self._captured_stats: dict = {}
         if cuda_graph:
             capture = CudaGraphCapture() if graph_capture is None else graph_capture
             self.graph_fallback = graph_blocker(
@@ -330,7 +332,21 @@ class Trainer(CheckpointMixin):
                 f"are kept for the first {MAX_GRAPHS} batch shapes only",
                 stacklevel=4,
             )
-        return loss.clone() if how in (CAPTURE, REPLAY) else loss  # the next replay rewrites it
+        if how in (CAPTURE, REPLAY):  # the graph's outputs are static: the next replay rewrites them
+            self._own_grad_stats(how, _batch_key(x, y))
+            return loss.clone()
+        return loss
+
+    def _own_grad_stats(self, how: str, key) -> None:
+        """After a capture or replay, the optimizer's ``grad_stats`` (where it has one)
+        is this step's own copy, as after an eager step: a replay runs no Python, so
+        it would otherwise keep naming the captured graph's static output, which
+        every later replay rewrites."""
+        if how == CAPTURE:
+            self._captured_stats[key] = getattr(self.optimizer, "grad_stats", None)
+        static = self._captured_stats.get(key)
+        if isinstance(static, torch.Tensor):
+            self.optimizer.grad_stats = static.clone()
 
     def _steps_through(
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], set_to_none: bool, measure: bool
