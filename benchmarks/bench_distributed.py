@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, bar_plot, setup  # noqa: E402
+from harness import Results, setup  # noqa: E402
 
 import tkern  # noqa: E402
 from tkern.optim import DistributedFusedAdamW, FusedAdamW  # noqa: E402
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> Results:
                 f"{case}: FSDP2 + tkern {mine['ms'] / theirs['ms']:.2f}x torch AdamW's time, "
                 f"{mine['bytes_per_param']:.2f} vs {theirs['bytes_per_param']:.2f} B/param per rank"
             )
-    res.save(lambda p, path: bar_plot(p, path, "ms", "ms per step", "data-parallel optimizer step"))
+    res.save(plot=True)
     res.print_table(["ms", "bytes_per_param", "peak_bytes_per_param"], summary)
     return res
 

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, bar_plot, bench, error_line, geomean, setup  # noqa: E402
+from harness import Results, bench, error_line, geomean, setup  # noqa: E402
 
 import tkern  # noqa: E402
 from tkern.kernels.gemm import matmul_tma_persistent  # noqa: E402
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> Results:
             f"forward+backward {gelu_bwd:.3f}x (target >= 1.1)"
         )
     summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]
-    res.save(lambda p, path: bar_plot(p, path, "tflops", "TFLOP/s", "tkern GEMM vs cuBLAS"))
+    res.save(plot=True)
     res.print_table(["ms", "tflops"], summary)
     return res
 

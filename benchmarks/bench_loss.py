@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, bar_plot, bench, error_line, geomean, missing_api, peak_mib, setup  # noqa: E402
+from harness import Results, bench, error_line, geomean, missing_api, peak_mib, setup  # noqa: E402
 
 import tkern  # noqa: E402
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> Results:
         f"linear_cross_entropy: tkern {lce:.3f}x torch unfused; peak memory {peak:.3f}x",
     ]
     summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]
-    res.save(lambda p, path: bar_plot(p, path, "ms", "ms, forward + backward (lower is better)", "loss"))
+    res.save(plot=True)
     res.print_table(["ms", "peak_mib", "loss_dtype", "loss_rel_err", "skipped"], summary)
     return res
 

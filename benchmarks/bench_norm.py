@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, bar_plot, bench, error_line, geomean, missing_api, peak_mib, setup  # noqa: E402
+from harness import Results, bench, error_line, geomean, missing_api, peak_mib, setup  # noqa: E402
 
 import tkern  # noqa: E402
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> Results:
         res.meta[f"{norm}_fwd_bwd_vs_torch"] = round(ratio, 3) if ratio == ratio else None
         summary.append(f"{norm} forward + backward: tkern {ratio:.3f}x torch autocast (geomean)")
     summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]
-    res.save(lambda p, path: bar_plot(p, path, "gbps", "GB/s (fewest bytes)", "norm layers"))
+    res.save(plot=True)
     res.print_table(["ms", "gbps", "peak_mib", "skipped"], summary)
     return res
 

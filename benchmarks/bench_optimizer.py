@@ -62,7 +62,6 @@ from harness import (  # noqa: E402
     GraphCount,
     Mode,
     Results,
-    bar_plot,
     bench,
     copy_bandwidth,
     error_line,
@@ -535,11 +534,7 @@ def main(argv: list[str] | None = None) -> Results:
     summary = summarize(res, copy_gbps)  # in smoke mode too: the code path is checked
     for f in res.meta["failed"]:
         summary.append(f"FAILED {f['case']} {f['impl']}: {f['error']}")
-    res.save(
-        lambda p, path: bar_plot(
-            p, path, "gbps", "GB/s (floor bytes)", "optimizer step, AdamW + loss scaling"
-        )
-    )
+    res.save(plot=True)
     res.print_table(
         [
             "ms",

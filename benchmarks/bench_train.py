@@ -68,7 +68,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     GraphCount,
     Results,
-    bar_plot,
     error_line,
     graph_fields,
     graph_possible,
@@ -459,9 +458,7 @@ def main(argv: list[str] | None = None) -> Results:
     res.meta["losses_agree"] = not disagree
     summary += [f"LOSS DISAGREES: {d}" for d in disagree]
     summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]
-    res.save(
-        lambda p, path: bar_plot(p, path, "ms", "ms per training step (lower is better)", "training step")
-    )
+    res.save(plot=True)
     res.print_table(["ms", "ms_synced", "peak_mib", "loss", "cuda_graph", "graph_replays"], summary)
     if disagree and not mode.smoke:
         raise SystemExit(f"bench_train: recipes disagree on the loss beyond {LOSS_MARGIN:.0%}: {disagree}")

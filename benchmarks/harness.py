@@ -42,6 +42,9 @@ import tkern  # before triton: on a CPU it must switch Triton's interpreter on f
 # isort: split
 import triton
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plots  # noqa: E402  (benchmarks/plots.py: the pictures, also drawn by report.py)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 QUANTILES = (0.5, 0.2, 0.8)
 
@@ -332,7 +335,9 @@ class Results:
         the baseline's row from ``baseline_case`` if given); nan if either is missing."""
         return self.ms_of(baseline_case or case, baseline) / self.ms_of(case, impl)
 
-    def save(self, plot: Callable[[dict, Path], None] | None = None) -> None:
+    def save(self, plot: bool = False) -> None:
+        """Write ``<name>.json`` and ``.csv`` (and with ``plot`` its picture, drawn by
+        :func:`plots.draw` from the same payload ``report.py --write`` redraws from)."""
         if self.mode.out_dir is None:
             return
         self.mode.out_dir.mkdir(parents=True, exist_ok=True)
@@ -344,10 +349,10 @@ class Results:
             writer.writeheader()
             writer.writerows(self.rows)
         written = ".json, .csv"
-        if plot is not None:
+        if plot:
             try:
-                plot(payload, self.mode.out_dir / f"{self.name}.png")
-                written += ", .png"
+                if plots.draw(payload, self.mode.out_dir / f"{self.name}.png", self.name):
+                    written += ", .png"
             except ImportError:
                 print("(matplotlib is missing: no plot; pip install 'tkern[bench]')")
         print(f"wrote {self.mode.out_dir}/{self.name}{written}")
@@ -365,40 +370,6 @@ class Results:
             print("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)))
         for line in summary:
             print(line)
-
-
-def bar_plot(payload: dict, path: Path, value: str, ylabel: str, title: str) -> None:
-    """One group of bars per case, one bar per impl, from the recorded rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = payload["rows"]
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    width = 0.8 / len(impls)
-    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * len(impls)), 4.5))
-    for i, impl in enumerate(impls):
-        xs, ys = [], []
-        for j, case in enumerate(cases):
-            for r in rows:
-                if r["case"] == case and r["impl"] == impl and r.get(value) is not None:
-                    xs.append(j + i * width)
-                    ys.append(r[value])
-        ax.bar(xs, ys, width, label=impl)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
-    ax.set_xticklabels(cases, rotation=40, ha="right", fontsize=7)
-    ax.set_ylabel(ylabel)
-    ax.set_title(
-        f"{title} — {payload['device']}, torch {payload['torch']}, "
-        f"triton {payload['triton']}, {payload['date']}",
-        fontsize=8,
-    )
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -526,6 +526,20 @@ def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
     readme.write_text(pattern.sub(lambda _: f"{START}\n{text}\n{END}", content))
 
 
+def redraw(results: Path) -> list[Path]:
+    """Every results file's picture drawn again from the file alone (benchmarks/plots.py);
+    the pictures written."""
+    import plots
+
+    drawn = []
+    for folder in sorted(p for p in results.iterdir() if p.is_dir()):
+        for stem in plots.PLOTS:
+            source = folder / f"{stem}.json"
+            if source.is_file() and plots.draw(json.loads(source.read_text()), folder / f"{stem}.png", stem):
+                drawn.append(folder / f"{stem}.png")
+    return drawn
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -534,6 +548,9 @@ def main(argv: list[str] | None = None) -> None:
         "--write", action="store_true", help="replace the table in README.md and write TARGETS.md"
     )
     parser.add_argument("--write-targets", action="store_true", help="write TARGETS.md only")
+    parser.add_argument(
+        "--plots", action="store_true", help="redraw every results file's picture (--write does too)"
+    )
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder to read")
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the README --write rewrites")
     parser.add_argument("--targets-file", type=Path, default=None, help="default: <results>/TARGETS.md")
@@ -545,6 +562,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.write or args.write_targets:
         targets_file.write_text(targets + "\n")
         print(f"wrote {targets_file}")
+    if args.write or args.plots:
+        for path in redraw(args.results):
+            print(f"drew {path}")
     print(table)
     print()
     print(targets)

@@ -502,3 +502,36 @@ def test_memory_smoke_trains_every_tkern_mode():
     assert rows["tkern AdamW, fp32 master"]["bytes_per_param"] == 16.0
     assert rows["tkern AdamW, split master"]["bytes_per_param"] == 14.0
     assert all(r["final_loss"] < r["first_loss"] + 1.0 for r in rows.values())
+
+
+def test_pictures_are_drawn_from_the_results_files_alone_at_most_1600_px_wide(tmp_path):
+    """report.py --plots redraws every picture without a GPU: one per file, one
+    question (speed against the baseline), the width capped."""
+    pytest.importorskip("matplotlib")
+    import plots
+    import report
+    from PIL import Image
+
+    payload = {
+        "device": "test",
+        "torch": "t",
+        "triton": "t",
+        "date": "d",
+        "rows": [
+            {"case": "a", "impl": "torch autocast", "ms": 2.0},
+            {"case": "a", "impl": "tkern", "ms": 1.0},
+            {"case": "a", "impl": "tkern whole-step graph", "ms": 4.0},
+            {"case": "b", "impl": "tkern", "ms": 1.0},  # no timed baseline: left out
+        ],
+    }
+    cases, ratios, used, left_out = plots.speed_rows(payload, ("torch autocast",))
+    assert cases == ["a"] and used == ["torch autocast"] and left_out == 1
+    assert ratios == {"tkern": [2.0], "tkern whole-step graph": [0.5]}  # baseline ms / ms
+    folder = tmp_path / "dev"
+    folder.mkdir()
+    (folder / "train.json").write_text(json.dumps(payload))
+    drawn = report.redraw(tmp_path)
+    assert drawn == [folder / "train.png"]
+    for results in (tmp_path, BENCH / "results"):
+        for png in results.glob("*/*.png"):
+            assert Image.open(png).size[0] <= plots.MAX_WIDTH_PX, png
