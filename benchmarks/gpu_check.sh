@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_check.sh stamp            # HERE, before the call: writes .tkern-commit
 #   bash benchmarks/gpu_check.sh quick            # device call 1 (timeout_s 480): what matters most
-#   bash benchmarks/gpu_check.sh more             # device call 2, optional (timeout_s 560): the rest
+#   bash benchmarks/gpu_check.sh more             # device call 2, optional (timeout_s 360): the rest
 #   bash benchmarks/gpu_check.sh bench NAME...    # single benchmarks, to finish a cut phase
 #   bash benchmarks/gpu_check.sh --dry-run [quick|more]  # on a CPU: the phases at smoke sizes
 #
@@ -16,7 +16,7 @@
 #        graph), GEMM on the transformer shapes with the fused bias+GELU (against
 #        unfused autocast and torch._addmm_activation), GPT-2 small if time remains;
 #        then report.py.
-# more (BUDGET 540 s): fp8 GEMMs (torch with fast and with precise accumulation),
+# more (BUDGET 330 s, timeout_s 360: what 15 minutes leave after quick): fp8 GEMMs (torch with fast and with precise accumulation),
 #        square GEMMs, bias+GELU against the unfused recipe under torch.compile, the
 #        optimizer's memory modes, GPT-2 with the fp8 recipes, norms, losses, the
 #        ceilings, host cost.
@@ -112,7 +112,7 @@ failed=()
 # The call's budget: quick 420 s (its device call gets timeout_s 480), more 540 s.
 case $phase in
 quick) BUDGET=${BUDGET:-420} ;;
-*) BUDGET=${BUDGET:-540} ;;
+*) BUDGET=${BUDGET:-330} ;; # what a 15-minute budget leaves after quick and two machine starts
 esac
 ((DRY)) && BUDGET=$((BUDGET * SCALE * ${#plans[@]}))
 limit() { # limit CAP -> seconds this phase may use
