@@ -1,6 +1,6 @@
 """How a flat buffer holds its params: as their memory (the default, :data:`OWNED`),
-or as a copy of memory that belongs to someone else (FSDP2's local shards; see
-:mod:`tkern.flat`, "Storage the buffer does not own")."""
+or over memory that belongs to someone else (FSDP2's local shards: pointed into the
+buffer, or copied; see :mod:`tkern.flat`, "Storage the buffer does not own")."""
 
 from __future__ import annotations
 

@@ -7,15 +7,19 @@ same layout holding this rank's rows of the averaged gradient. What that
 changes for a fused optimizer (see :mod:`tkern.flat` for the buffers):
 
 Where the buffers' memory comes from
-    The flat buffers are built over the local shards. FSDP2 all-gathers from its
-    own padded copy of each shard (the local tensor is a view of it), so the
-    flat buffer cannot take that memory over (a param whose local storage is
-    replaced is all-gathered from the old storage): the buffer holds a copy,
-    and each step copies its updated params into FSDP2's local shards (2 + 2
-    B/param for 16-bit params, beside the step's 30). Writes to the params from
-    outside (``set_model_state_dict``, ``model.load_state_dict``) move the
-    DTensor's version counter, writes through ``p.to_local()`` its local tensor's,
-    and either is copied in before the next step, as for plain params. ``.grad``
+    The flat buffers are built over the local shards, and then become FSDP2's
+    storage of them: FSDP2 all-gathers from a padded shard of its own (the local
+    tensor is a view of its start), and :func:`fsdp_shard_storage` (the one seam
+    that touches FSDP2's private names) points both into the flat buffer, whose
+    slot keeps FSDP2's padding (zeros). A step then copies nothing in or out.
+    Where FSDP2 is in a mode that forbids that (CPU offload, a tensor subclass
+    with its own all-gather, ``reshard_after_forward`` as an int, a torch whose
+    internals differ), the buffer holds a copy, each step copies its updated
+    params into FSDP2's shards, and ``memory_report()["alias_fallback"]`` says
+    why. Writes to the params from outside (``set_model_state_dict``,
+    ``model.load_state_dict``) move the DTensor's version counter, writes through
+    ``p.to_local()`` its local tensor's, and the master takes them before the
+    next step (copied in first on the copy path), as for plain params. ``.grad``
     stays a DTensor over the flat gradient view: FSDP2 accumulates its
     reduce-scattered gradient into it in place.
 
