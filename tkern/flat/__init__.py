@@ -51,9 +51,12 @@ Per-param step counts, "no grad, no update"
 Storage the buffer does not own
     A param whose memory belongs to someone else (FSDP2's local shard of a
     DTensor param, which FSDP2 all-gathers from its own padded buffer) is
-    described by a :class:`ParamStorage` with ``owns_storage = False``: the
-    buffer holds a copy of the param's local tensor, :meth:`FlatParams.plan`
-    copies it in again whenever the param's version counter moved, and
+    described by a :class:`ParamStorage` with ``owns_storage = False``. If its
+    :meth:`ParamStorage.shared_slots` offers them, the owner's storage is pointed
+    into the buffer (slots as large as the owner asks, the rest zeros) and
+    nothing is copied (:attr:`FlatParams.aliased`). Otherwise the buffer holds
+    a copy of the param's local tensor, :meth:`FlatParams.plan` copies it in
+    again whenever the param's version counter moved, and
     :meth:`FlatParams.write_back` copies the updated values out after each step.
     ``.grad`` is then what :meth:`ParamStorage.wrap` makes of the gradient
     view (a DTensor over it), so that in-place accumulation still lands in

@@ -71,6 +71,7 @@ class FlatLayout:
         align: every param starts on a multiple of this many elements.
         world_size, rank: the buffer splits into ``world_size`` equal shards of whole
             ``align`` blocks; this rank keeps shard ``rank``.
+        slots: elements to reserve for each param, if more than its own (the rest zeros).
 
     Attributes:
         shapes, numels: each param's shape and element count in the buffer.
@@ -80,11 +81,15 @@ class FlatLayout:
         lo, hi: this rank's shard, ``[lo, hi)`` in buffer coordinates.
     """
 
-    def __init__(self, shapes: list[torch.Size], align: int, world_size: int, rank: int) -> None:
+    def __init__(
+        self, shapes: list[torch.Size], align: int, world_size: int, rank: int, slots: list[int] | None = None
+    ) -> None:
         #: Each param's shape in the buffer (its local shard's, for params held elsewhere).
         self.shapes = shapes
         self.numels = [s.numel() for s in shapes]
-        self.offsets = [0, *itertools.accumulate(round_up(n, align) for n in self.numels)]
+        # a slot may reserve more than the param (FSDP2's padded shard, whose padding stays zero)
+        reserve = self.numels if slots is None else list(map(max, self.numels, slots))
+        self.offsets = [0, *itertools.accumulate(round_up(n, align) for n in reserve)]
         self.world_size, self.rank = world_size, rank
         self.total = round_up(self.offsets[-1], align * world_size)
         self.shard_size = self.total // world_size

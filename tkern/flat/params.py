@@ -8,7 +8,7 @@ import operator
 import torch
 
 from tkern.flat.fp32 import Fp32Views
-from tkern.flat.layout import ALIGN, FlatLayout, check_modes, describe_param
+from tkern.flat.layout import ALIGN, FlatLayout, alias, check_modes, describe_param
 from tkern.flat.storage import OWNED, ParamStorage
 from tkern.flat.views import GradViews, register_view, release_views
 from tkern.kernels._update import (
@@ -88,12 +88,22 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         self.dtype, self.device = first.dtype, first.device
         self.storage = storage
         local = [storage.local(p) for p in params]
+        shared = storage.shared_slots(params)
+        #: Why the params' owner keeps storage of its own that each step copies into (a
+        #: message), or None (plain params, or an owner whose storage is the flat buffer).
+        self.alias_fallback = shared if isinstance(shared, str) else None
+        slots = None if shared is None or isinstance(shared, str) else shared[0]
         align = QBLOCK if state_dtype == torch.uint8 else ALIGN
-        FlatLayout.__init__(self, [t.shape for t in local], align, world_size, rank)
+        FlatLayout.__init__(self, [t.shape for t in local], align, world_size, rank, slots)
         self.param = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         self.grad = torch.zeros(self.total, dtype=self.dtype, device=self.device)
         self._make_views()
         self._copy_in(local)
+        #: Whether params held elsewhere live in the flat buffer (their owner's storage
+        #: points into it): then nothing is copied in or out around a step.
+        self.aliased = slots is not None
+        if self.aliased:
+            shared[1]([alias(self.param, self.offsets[i], n, (n,)) for i, n in enumerate(slots)])
         self._make_master()
         self._plan: list[UpdateBuffers] | None = None
         #: Bumped whenever :meth:`plan` hands out new launches (views, step counts).
@@ -353,8 +363,20 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         always rounds to its param, and there is nothing to reconcile without one.)
         Params held elsewhere are first copied into the buffer."""
         if not self.storage.owns_storage:
-            with torch.no_grad():
-                torch._foreach_copy_(self.param_views, [self.local(i) for i in range(len(self.params))])
+            local = [self.local(i) for i in range(len(self.params))]
+            if self.aliased and any(
+                t.data_ptr() != v.data_ptr()
+                for t, v in zip(local, self.param_views, strict=True)
+                if v.numel()
+            ):
+                # the owner re-pointed its storage (load_state_dict(assign=True)): copy from now on
+                self.aliased = False
+                self.alias_fallback = (
+                    "the owner's storage of a param was replaced after the optimizer was built"
+                )
+            if not self.aliased:
+                with torch.no_grad():
+                    torch._foreach_copy_(self.param_views, local)
         if self.master_mode != "fp32":
             return
         with torch.no_grad():
@@ -363,8 +385,9 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
 
     def write_back(self) -> None:
         """After a step: copy the updated params into storage the buffer does not own
-        (FSDP2's local shards, which its next all-gather reads); nothing otherwise."""
-        if self.storage.owns_storage:
+        (FSDP2's local shards, which its next all-gather reads) unless it is the flat
+        buffer itself (:attr:`aliased`); nothing otherwise."""
+        if self.storage.owns_storage or self.aliased:
             return
         with torch.no_grad():
             torch._foreach_copy_([self.local(i) for i in range(len(self.params))], self.param_views)

@@ -1,12 +1,17 @@
 """How a flat buffer holds its params: as their memory (the default, :data:`OWNED`),
-or as a copy of memory that belongs to someone else (FSDP2's local shards; see
-:mod:`tkern.flat`, "Storage the buffer does not own")."""
+or over memory that belongs to someone else (FSDP2's local shards: pointed into the
+buffer, or copied; see :mod:`tkern.flat`, "Storage the buffer does not own")."""
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
+
+#: What :meth:`ParamStorage.shared_slots` offers: each param's slot size (elements), and
+#: the function that points the owner's storage at the slots (1-D views of the flat buffer).
+SharedSlots = tuple[list[int], Callable[[list[torch.Tensor]], None]]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -40,6 +45,12 @@ class ParamStorage:
         """The part of ``value`` (shaped like ``param``: a ``.grad``, a loaded state entry)
         that the buffer holds, shaped like :meth:`local`: ``value`` itself here."""
         return value
+
+    def shared_slots(self, params: list[torch.Tensor]) -> SharedSlots | str | None:
+        """For storage the buffer does not own: the slots through which the owner's
+        storage of ``params`` can become the flat buffer itself (no copy), or why it
+        cannot (a message; the buffer then holds a copy). None here: nothing to share."""
+        return None
 
     def versions(self, params: list[torch.Tensor]) -> list:
         """What moves when ``params`` are written in place (the next step then copies

@@ -18,8 +18,11 @@ rank's shard of it. With ``overlap_grad_sync=True`` (the default) a bucket is
 reduce-scattered (``async_op=True``) as soon as backward has produced the
 gradients of all its params, from their post-accumulate-grad hooks, while
 backward goes on with the earlier layers (DDP's buckets, DeepSpeed's
-``overlap_comm``, apex's ``overlap_grad_sync``), in one fixed order on every
-rank, the last params' first; when backward ends they are waited for and the
+``overlap_comm``, apex's ``overlap_grad_sync``), in one order on every rank:
+the last params' first in the first step, then the order in which the buckets'
+gradients completed in it (rank 0's, broadcast once, as DDP rebuilds its
+buckets), so a bucket that completes late (the fp32 norms of a converted model)
+holds up none that completed before it; when backward ends they are waited for and the
 shards hold the mean gradient (as DDP's ``.grad`` after backward; what is done
 to ``.grad`` before the step acts on it). The results are bit for bit those of
 ``overlap_grad_sync=False``, which issues the same collectives inside ``step()``.

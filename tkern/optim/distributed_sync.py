@@ -73,9 +73,13 @@ class GradSync:
 
     With ``overlap`` a bucket's collective is issued (``async_op=True``) from the
     post-accumulate-grad hook of the last of its params to get its gradient, while
-    backward goes on with the earlier layers; buckets are issued in one fixed
-    order (the last params' first, as backward reaches them) on every rank, a
-    bucket waiting for the ones before it. At the end of that backward (a callback
+    backward goes on with the earlier layers. Buckets are issued in one order on
+    every rank (collectives must match), a bucket waiting for the ones before it:
+    at first the last params' first, then the order in which their gradients
+    completed in the first backward with hooks (rank 0's, broadcast once in the
+    next :meth:`finish`), so a bucket that completes late (fp32 norms spread over
+    every block of a converted model) holds up no bucket that completed before it.
+    At the end of that backward (a callback
     queued on autograd's engine, as DDP's) every collective is waited for and its
     result written into this rank's shard: when backward returns the shards hold
     the mean, as DDP's gradients do, so what is done to ``.grad`` between
@@ -95,11 +99,15 @@ class GradSync:
         self.buckets: list[FlatParams] = []
         self._index: dict[int, int] = {}
         self._members: list[int] = []
+        #: the completion order seen in this step's backward (bucket indices), and
+        #: whether it is still to be learned (until the first finish() after add())
+        self._learning = False
         self._reset()
 
     def _reset(self) -> None:
         self._seen: list[set[int]] = [set() for _ in self.buckets]
         self._next = 0  # buckets[:_next] are reduced (or in flight) for this step
+        self._completed: list[int] = []  # buckets in the order their gradients completed
         self._pending: list[tuple[FlatParams, list]] = []
         self._queued = False  # the end-of-backward callback of this backward
 
@@ -109,6 +117,7 @@ class GradSync:
         self.buckets = flats[::-1] + self.buckets
         self._index = {id(f): k for k, f in enumerate(self.buckets)}
         self._members = [sum(p.requires_grad for p in f.params) for f in self.buckets]
+        self._learning = True
         self._reset()
         if self.overlap and self.world > 1:
             for flat in flats:  # after the flat buffer's own hooks, which put .grad back as the view
@@ -134,6 +143,8 @@ class GradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._complete)
             self._queued = True
         self._seen[k].add(i)
+        if len(self._seen[k]) == self._members[k]:
+            self._completed.append(k)
         while self._next < len(self.buckets) and len(self._seen[self._next]) == self._members[self._next]:
             self._issue(self._next)
 
@@ -193,7 +204,23 @@ class GradSync:
         while self._next < len(self.buckets):
             self._issue(self._next)
         self._complete()
+        if self._learning and self.overlap:
+            self._learn_order()
         self._reset()
+
+    def _learn_order(self) -> None:
+        """Reorder the buckets as their gradients completed in this step's backward
+        (rank 0's order, broadcast: a collective every rank makes at the same step)."""
+        n = len(self.buckets)
+        seen = list(dict.fromkeys(self._completed))
+        order = seen + [k for k in range(n) if k not in seen]
+        order = torch.tensor(order, dtype=torch.int64, device=self.buckets[0].device)  # NCCL: on the device
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast(order, src=src, group=self.group)
+        self.buckets = [self.buckets[k] for k in order.tolist()]
+        self._members = [self._members[k] for k in order.tolist()]
+        self._index = {id(f): k for k, f in enumerate(self.buckets)}
+        self._learning = False
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy is inert: its params carry no hooks and process groups do not travel."""

@@ -7,15 +7,19 @@ same layout holding this rank's rows of the averaged gradient. What that
 changes for a fused optimizer (see :mod:`tkern.flat` for the buffers):
 
 Where the buffers' memory comes from
-    The flat buffers are built over the local shards. FSDP2 all-gathers from its
-    own padded copy of each shard (the local tensor is a view of it), so the
-    flat buffer cannot take that memory over (a param whose local storage is
-    replaced is all-gathered from the old storage): the buffer holds a copy,
-    and each step copies its updated params into FSDP2's local shards (2 + 2
-    B/param for 16-bit params, beside the step's 30). Writes to the params from
-    outside (``set_model_state_dict``, ``model.load_state_dict``) move the
-    DTensor's version counter, writes through ``p.to_local()`` its local tensor's,
-    and either is copied in before the next step, as for plain params. ``.grad``
+    The flat buffers are built over the local shards, and then become FSDP2's
+    storage of them: FSDP2 all-gathers from a padded shard of its own (the local
+    tensor is a view of its start), and :func:`fsdp_shard_storage` (the one seam
+    that touches FSDP2's private names) points both into the flat buffer, whose
+    slot keeps FSDP2's padding (zeros). A step then copies nothing in or out.
+    Where FSDP2 is in a mode that forbids that (CPU offload, a tensor subclass
+    with its own all-gather, ``reshard_after_forward`` as an int, a torch whose
+    internals differ), the buffer holds a copy, each step copies its updated
+    params into FSDP2's shards, and ``memory_report()["alias_fallback"]`` says
+    why. Writes to the params from outside (``set_model_state_dict``,
+    ``model.load_state_dict``) move the DTensor's version counter, writes through
+    ``p.to_local()`` its local tensor's, and the master takes them before the
+    next step (copied in first on the copy path), as for plain params. ``.grad``
     stays a DTensor over the flat gradient view: FSDP2 accumulates its
     reduce-scattered gradient into it in place.
 
@@ -45,8 +49,9 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from tkern.flat import OWNED, ParamStorage, describe_param
+from tkern.flat.storage import SharedSlots
 
-__all__ = ["DTensorShards", "param_storage", "split_by_mesh"]
+__all__ = ["DTensorShards", "fsdp_shard_storage", "param_storage", "split_by_mesh"]
 
 
 class DTensorShards(ParamStorage):
@@ -93,6 +98,11 @@ class DTensorShards(ParamStorage):
             start = min(self.mesh.get_local_rank() * chunk, param.shape[0])
             return value.reshape(param.shape)[start : start + rows]
 
+    def shared_slots(self, params: list[torch.Tensor]) -> SharedSlots | str:
+        """FSDP2's padded shard storage of ``params`` as slots of the flat buffer, or why
+        not (see :func:`fsdp_shard_storage`)."""
+        return fsdp_shard_storage(params)
+
     def versions(self, params: list[torch.Tensor]) -> list:
         """Each DTensor's version counter and its local tensor's: writes through the
         DTensor (``load_state_dict``) move the first, writes through ``p.to_local()``
@@ -104,6 +114,63 @@ class DTensorShards(ParamStorage):
         # device meshes and process groups do not travel: a copy of an optimizer over
         # DTensor params (deepcopy, pickle) is refused, as for the ZeRO-2 optimizers' groups
         raise TypeError("an optimizer over FSDP2's DTensor params cannot be copied or pickled")
+
+
+def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
+    """THE SEAM: the one place tkern reads or writes FSDP2's private names.
+
+    FSDP2 (``torch.distributed.fsdp._fully_shard``) keeps each param's shard in
+    ``FSDPParam._sharded_param_data`` (1-D, padded to the first rank's row count; its
+    all-gather reads it) and the DTensor's ``_local_tensor`` is a view of its start.
+    FSDP2 re-points both itself (``FSDPParam.reset_sharded_param``) and leaves them alone
+    when they share one storage. This returns each param's padded size and a function
+    that points both at a slot of the flat buffer (``Tensor.set_``: the values are
+    already there, the padding is zeros), so the buffer is FSDP2's storage and a step
+    copies nothing; or, when that is not safe, why (the buffer then keeps a copy):
+    the FSDPParam is not found (a torch without these names), its shard is offloaded to
+    the CPU, a tensor subclass all-gathers itself, ``reshard_after_forward`` is an int
+    (a second sharded copy after forward), or the layout is not the one described.
+    ``tests/test_fsdp_alias.py`` fails if a torch upgrade breaks this.
+    """
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+
+        owners = {}
+        for ref in list(_module_state_mapping.values()):
+            group = getattr(ref(), "_fsdp_param_group", None)
+            for fp in getattr(group, "fsdp_params", ()):
+                owners[id(fp.sharded_param)] = fp
+        found = [owners.get(id(p)) for p in params]
+        if None in found:
+            return "FSDP2's FSDPParam of a param was not found (not fully_shard's, or another torch)"
+        slots, datas, locals_ = [], [], []
+        for p, fp in zip(params, found, strict=True):
+            data, local = fp._sharded_param_data, p._local_tensor
+            if fp.offload_to_cpu:
+                return "FSDP2 offloads the shards to the CPU (CPUOffloadPolicy)"
+            if type(data) is not torch.Tensor or type(local) is not torch.Tensor:
+                return f"a shard is a tensor subclass ({type(local).__name__}) with its own all-gather"
+            if fp.post_forward_mesh_info not in (None, fp.mesh_info):
+                return "reshard_after_forward is an int: FSDP2 keeps a second sharded copy after forward"
+            if fp.sharded_state.name != "SHARDED" or data.dim() != 1 or not local.is_contiguous():
+                return (
+                    "FSDP2's shard storage is not in the layout tkern aliases (unsharded, or another torch)"
+                )
+            if local.numel() and (local.data_ptr() != data.data_ptr() or data.numel() < local.numel()):
+                return "the DTensor's local tensor is not the start of FSDP2's padded shard (another torch)"
+            slots.append(data.numel())
+            datas.append(fp)
+            locals_.append(local)
+    except (AttributeError, ImportError, TypeError) as e:
+        return f"FSDP2's private storage is not as this tkern expects ({type(e).__name__}: {e})"
+
+    def point(flat_slots: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for fp, local, slot in zip(datas, locals_, flat_slots, strict=True):
+                fp._sharded_param_data.set_(slot)  # one storage for both: FSDP2 leaves them as they are
+                local.set_(slot.untyped_storage(), 0, local.shape, local.stride())
+
+    return slots, point
 
 
 def _check_dtensor(p: DTensor, name: str) -> None:

@@ -29,10 +29,17 @@ def memory_report(opt: Any) -> dict[str, Any]:
     with one step count) and what a step allocates while it runs (the
     statistics; for the sharded optimizers the reduce-scatter's staging).
     Over FSDP2's DTensor params every buffer covers this rank's local shards
-    (``numel`` counts their elements; ``world_size`` stays 1, tkern shards
-    them no further); FSDP2's own storage of the shards is not counted.
+    (``numel`` counts their elements, so ``bytes_per_param`` is per param per rank:
+    times ``world_size``, FSDP2's mesh size, it is per param of the model). The param
+    buffer is FSDP2's shard storage itself (:func:`tkern.optim.fsdp.fsdp_shard_storage`);
+    where FSDP2 is in a mode that forbids that, ``alias_fallback`` says why and
+    ``fsdp_storage`` counts FSDP2's own copy of the shards (in ``total``; 0 otherwise).
     """
     group = opt.shard_group
+    if group is None:  # FSDP2's params: the mesh they are sharded over
+        group = next(
+            (f.storage.stats_group for fs in opt.flat_buffers for f in fs if f.storage.stats_group), None
+        )
     report: dict[str, Any] = {
         "world_size": 1 if group is None else torch.distributed.get_world_size(group),
         "rank": 0 if group is None else torch.distributed.get_rank(group),
@@ -40,10 +47,14 @@ def memory_report(opt: Any) -> dict[str, Any]:
         "state_dtype": opt.state_dtype,
         "numel": 0,
         "padded_numel": 0,
+        "alias_fallback": None,
     }
-    sizes = dict.fromkeys(("param", "grad", "master", "state"), 0)
+    sizes = dict.fromkeys(("param", "grad", "master", "state", "fsdp_storage"), 0)
     for flats in opt.flat_buffers:
         for flat in flats:
+            if not flat.storage.owns_storage and not flat.aliased:
+                sizes["fsdp_storage"] += sum(flat.numels) * flat.param.element_size()
+                report["alias_fallback"] = report["alias_fallback"] or flat.alias_fallback
             report["numel"] += sum(flat.numels)
             report["padded_numel"] += flat.param.numel()
             for k, v in flat.nbytes().items():
