@@ -177,6 +177,7 @@ def _train(args: argparse.Namespace) -> int:
         fsdp=args.fsdp,
         float8=args.float8,
         cuda_graph=args.cuda_graph,
+        norms=args.norms,
     )
     try:
         results = demo.compare(cfg)
@@ -308,6 +309,9 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
         help="capture the tkern run's whole step (forward, backward, scaler, optimizer) as a CUDA graph "
         "per batch shape and replay it; where it cannot be captured (no GPU, --nproc > 1) the run warns "
         "once with the reason and trains eager",
+    )
+    train.add_argument(
+        "--norms", action="store_true", help="a LayerNorm in each hidden block (Linear-LayerNorm-ReLU)"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
 
