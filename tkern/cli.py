@@ -292,8 +292,8 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
         "--fsdp",
         action="store_true",
         help="with --nproc N: the tkern run under FSDP2 (torch's fully_shard: each block or Linear "
-        "and the root), tkern's fused optimizer on the sharded params, instead of ZeRO-2's sharded optimizer; "
-        "--checkpoint/--resume then name a torch.distributed.checkpoint folder",
+        "and the root), tkern's fused optimizer on the sharded params, instead of ZeRO-2's sharded "
+        "optimizer; --checkpoint/--resume then name a torch.distributed.checkpoint folder",
     )
     train.add_argument(
         "--float8",
