@@ -100,7 +100,9 @@ def ids_for(step: int, rank: int) -> torch.Tensor:
 
 
 def _train(name: str, rank: int, world: int, how: str, dtype: torch.dtype) -> dict:
-    """``how``: "tkern" (the recipe) or "torch" (FSDP2's policy, torch AdamW)."""
+    """``how``: "tkern" (the recipe), "torch" (FSDP2's policy, torch AdamW), or docs/fsdp.md's
+    workarounds with the fused optimizer: "keep_fp32" (``keep_fp32_params=True`` under FSDP2's
+    policy) and "unit_per_norm" (the default conversion, each norm a unit of its own)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -111,14 +113,21 @@ def _train(name: str, rank: int, world: int, how: str, dtype: torch.dtype) -> di
     policy = {}
     if how == "tkern":
         tkern.convert_network(model, dtype, norm_dtype=dtype)
+    elif how == "unit_per_norm":
+        tkern.convert_network(model, dtype)
     else:
+        if how == "keep_fp32":
+            tkern.convert_network(model, dtype, keep_fp32_params=True)
         policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
     dtypes = [sorted(str(p.dtype) for p in {p.dtype: p for p in b.parameters()}.values()) for b in blocks]
+    if how == "unit_per_norm":
+        for norm in [m for m in model.modules() if isinstance(m, (nn.LayerNorm, nn.RMSNorm))]:
+            fully_shard(norm, mesh=mesh)
     for block in blocks:
         fully_shard(block, mesh=mesh, **policy)
     fully_shard(model, mesh=mesh, **policy)
     params = list(model.parameters())
-    if how == "tkern":
+    if how != "torch":
         opt = tkern.optim.FusedAdamW(params, lr=LR)
     else:
         opt = torch.optim.AdamW(params, lr=LR)
@@ -130,10 +139,13 @@ def _train(name: str, rank: int, world: int, how: str, dtype: torch.dtype) -> di
         opt.step()
         losses.append(loss.item())
     full = [p.full_tensor().detach() for p in params]
-    if how == "tkern":  # the fp32 masters, of which the 16-bit params are the rounding
+    if how in ("tkern", "unit_per_norm"):  # the fp32 masters; the 16-bit params are their rounding
         state = opt.state_dict()["state"]
-        masters = [state[i]["master"].full_tensor() for i in range(len(params))]
-        rounded = all(torch.equal(m.to(dtype), p) for m, p in zip(masters, full, strict=True))
+        # (with each norm a unit of its own, the fp32 norm params are their own master)
+        masters = [
+            state[i]["master"].full_tensor() if "master" in state[i] else f for i, f in enumerate(full)
+        ]
+        rounded = all(torch.equal(m.to(p.dtype), p) for m, p in zip(masters, full, strict=True))
         full = masters
     else:
         rounded = all(p.dtype == torch.float32 for p in full)
@@ -165,6 +177,13 @@ def _scenario(name: str, dtype: torch.dtype):
 SCENARIOS = {f"{name}_{str(dtype)[6:]}": _scenario(name, dtype) for name, dtype in CASES}
 
 
+def _scenario_workarounds(rank, world):
+    return {how: _train("gpt2", rank, world, how, torch.bfloat16) for how in ("keep_fp32", "unit_per_norm")}
+
+
+SCENARIOS["gpt2_workarounds"] = _scenario_workarounds
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     return run_scenarios(__name__, 2, list(SCENARIOS), tmp_path_factory.mktemp("blocks"), timeout_s=600)
@@ -180,7 +199,7 @@ def _rel(have: list[torch.Tensor], want: list[torch.Tensor], start: list[torch.T
     return (err / moved) ** 0.5
 
 
-@pytest.mark.parametrize("name,dtype", CASES, ids=list(SCENARIOS))
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}_{str(d)[6:]}" for n, d in CASES])
 def test_recipe_trains_blocks_with_norms_as_fsdp2s_own_policy(world2, name, dtype):
     ranks = result(world2, f"{name}_{str(dtype)[6:]}")
     for res in ranks:
@@ -197,6 +216,21 @@ def test_recipe_trains_blocks_with_norms_as_fsdp2s_own_policy(world2, name, dtyp
         torch.equal(a, b)
         for a, b in zip(ranks[0]["tkern"]["params"], ranks[1]["tkern"]["params"], strict=True)
     )
+
+
+@pytest.mark.parametrize("how", ["keep_fp32", "unit_per_norm"])
+def test_docs_workarounds_train_as_fsdp2s_own_policy(world2, how):
+    """docs/fsdp.md's workarounds without norm_dtype, on GPT-2 bf16, against the same reference
+    and bounds. ``keep_fp32_params``: the params and masters are FSDP2's fp32 shards, which
+    start from the fp32 params; each norm a unit: fp32 norm params, fp32 masters for the rest."""
+    ranks = result(world2, "gpt2_workarounds")
+    refs = result(world2, "gpt2_bfloat16")
+    for res, both in zip(ranks, refs, strict=True):
+        mine, ref = res[how], both["torch"]
+        torch.testing.assert_close(mine["losses"], ref["losses"], rtol=LOSS_RTOL, atol=0)
+        assert mine["rounded"]
+        start_dtype = torch.float32 if how == "keep_fp32" else torch.bfloat16
+        assert _rel(mine["params"], ref["params"], ref["start"], start_dtype) < UPDATE_RTOL
 
 
 def test_without_norm_dtype_a_block_mixes_dtypes():
