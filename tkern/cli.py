@@ -177,6 +177,7 @@ def _train(args: argparse.Namespace) -> int:
         fsdp=args.fsdp,
         float8=args.float8,
         cuda_graph=args.cuda_graph,
+        norms=args.norms,
     )
     try:
         results = demo.compare(cfg)
@@ -290,9 +291,9 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--fsdp",
         action="store_true",
-        help="with --nproc N: the tkern run under FSDP2 (torch's fully_shard: each Linear and the root), "
-        "tkern's fused optimizer on the sharded params, instead of ZeRO-2's sharded optimizer; "
-        "--checkpoint/--resume then name a torch.distributed.checkpoint folder",
+        help="with --nproc N: the tkern run under FSDP2 (torch's fully_shard: each block or Linear "
+        "and the root), tkern's fused optimizer on the sharded params, instead of ZeRO-2's sharded "
+        "optimizer; --checkpoint/--resume then name a torch.distributed.checkpoint folder",
     )
     train.add_argument(
         "--float8",
@@ -308,6 +309,9 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
         help="capture the tkern run's whole step (forward, backward, scaler, optimizer) as a CUDA graph "
         "per batch shape and replay it; where it cannot be captured (no GPU, --nproc > 1) the run warns "
         "once with the reason and trains eager",
+    )
+    train.add_argument(
+        "--norms", action="store_true", help="a LayerNorm in each hidden block (Linear-LayerNorm-ReLU)"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
 

@@ -94,6 +94,7 @@ class Config:
     fsdp: bool = False  # with nproc > 1: the tkern run under FSDP2 (fully_shard) instead of ZeRO-2
     float8: str | None = None  # a Float8Recipe name: the tkern run in bf16 with fp8 GEMMs
     cuda_graph: bool = False  # the tkern run's whole step captured as a CUDA graph (Trainer's cuda_graph)
+    norms: bool = False  # each hidden block Linear-LayerNorm-ReLU (an nn.Sequential), not Linear-ReLU
 
 
 @dataclass
@@ -125,11 +126,16 @@ def load_digits(seed: int, device: torch.device):
     return (x[train].to(device), y[train].to(device)), (x[val].to(device), y[val].to(device))
 
 
-def make_mlp(in_features: int, hidden: tuple[int, ...], classes: int) -> nn.Sequential:
-    """An fp32 MLP: Linear-ReLU blocks and a Linear head."""
+def make_mlp(in_features: int, hidden: tuple[int, ...], classes: int, norms: bool = False) -> nn.Sequential:
+    """An fp32 MLP: Linear-ReLU blocks and a Linear head; with ``norms`` each hidden block
+    is an ``nn.Sequential`` of Linear, LayerNorm and ReLU (a block with a norm, as a
+    transformer's, for ``tkern train --norms --fsdp``)."""
     layers: list[nn.Module] = []
     for width in hidden:
-        layers += [nn.Linear(in_features, width), nn.ReLU()]
+        if norms:
+            layers.append(nn.Sequential(nn.Linear(in_features, width), nn.LayerNorm(width), nn.ReLU()))
+        else:
+            layers += [nn.Linear(in_features, width), nn.ReLU()]
         in_features = width
     layers.append(nn.Linear(in_features, classes))
     return nn.Sequential(*layers)
@@ -143,16 +149,21 @@ def _loader(x, y, batch_size, shuffle):
 
 
 def shard_fully(model: nn.Module, device: torch.device) -> nn.Module:
-    """``model`` under FSDP2 over every rank of the default process group: each
-    Linear (tkern's after :func:`tkern.convert_network`) one all-gather unit, then
-    the root; its params become DTensors holding this rank's rows."""
+    """``model`` under FSDP2 over every rank of the default process group: each block
+    (an ``nn.Sequential`` child of the model) and each other Linear (tkern's after
+    :func:`tkern.convert_network`) one all-gather unit, then the root; its params become
+    DTensors holding this rank's rows."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks = [m for m in model.children() if isinstance(m, nn.Sequential)]
+    inside = {id(m) for b in blocks for m in b.modules()}
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
     for layer in model.modules():
-        if isinstance(layer, nn.Linear):
+        if isinstance(layer, nn.Linear) and id(layer) not in inside:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -171,10 +182,10 @@ def build(name: str, base: nn.Module, cfg: Config, device: torch.device, sharded
     if cfg.lr is not None:
         hyper["lr"] = cfg.lr
     if name == "tkern":
-        if cfg.float8 is None:
-            tkern.convert_network(model)
-        else:  # bf16 is fp8's partner: the layers fp8 cannot take run in bf16
-            tkern.convert_network(model, torch.bfloat16, float8=cfg.float8)
+        dtype = torch.float16 if cfg.float8 is None else torch.bfloat16  # bf16 is fp8's partner
+        # under FSDP2 the norms' params share the Linears' dtype: one dtype per fully_shard unit
+        norm_dtype = dtype if sharded and cfg.fsdp else None
+        tkern.convert_network(model, dtype, float8=cfg.float8, norm_dtype=norm_dtype)
         if sharded and cfg.fsdp:
             shard_fully(model, device)  # before the optimizer: it steps on the DTensor shards
         return model, fused_cls(model.parameters(), **hyper), SCALERS[cfg.scaler](), None
@@ -255,7 +266,7 @@ def compare(cfg: Config, device: torch.device | None = None) -> list[Result]:
         )
     data = load_digits(cfg.seed, device)
     torch.manual_seed(cfg.seed)
-    base = make_mlp(64, cfg.hidden, 10).to(device)
+    base = make_mlp(64, cfg.hidden, 10, norms=cfg.norms).to(device)
     return [
         run_parallel(base, data, cfg, device) if name == "tkern" and cfg.nproc > 1 else
         run_one(name, base, data, cfg, device)

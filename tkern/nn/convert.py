@@ -43,6 +43,7 @@ CASTABLE_TYPES: tuple[type[nn.Module], ...] = (
     nn.EmbeddingBag,
     nn.modules.conv._ConvNd,
     nn.PReLU,
+    nn.MultiheadAttention,
 )
 
 
@@ -150,6 +151,9 @@ class Conversion:
     keep_fp32_params: bool = False
     #: nn.LayerNorm / nn.RMSNorm / transformers' RMSNorms -> tkern's norm modules
     norms: bool = True
+    #: the LayerNorm / RMSNorm params' dtype: fp32 (the default) or ``dtype`` (FSDP2's
+    #: one dtype per ``fully_shard`` unit)
+    norm_dtype: torch.dtype = torch.float32
     #: module types kept in fp32 for want of a rule -> their paths (for the warning)
     kept: dict[type, list[str]] = field(default_factory=dict)
 
@@ -259,13 +263,28 @@ def is_hf_rms_norm(module: nn.Module) -> bool:
     )
 
 
+def _is_16bit_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a norm whose params ``norm_dtype`` may make 16-bit: a
+    LayerNorm / RMSNorm, torch's, tkern's or transformers'."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or is_hf_rms_norm(module)
+
+
 def _norm_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     """``nn.LayerNorm`` / ``nn.RMSNorm`` / a transformers RMSNorm -> ``tkern.nn.LayerNorm``
-    / ``RMSNorm``: the same Parameter objects (kept fp32), names and eps; the norm then
-    reads its 16-bit input directly (fp32 statistics inside the kernel)."""
-    if not conv.norms:  # a norm converted earlier goes back to torch's (then run in fp32)
+    / ``RMSNorm``: the same Parameter objects (in ``conv.norm_dtype``: fp32 unless asked),
+    names and eps; the norm then reads its 16-bit input directly (fp32 statistics and
+    weight gradients inside the kernel, whatever the weight's storage).
+
+    With ``norms=False`` and a 16-bit ``norm_dtype``, torch's LayerNorm / RMSNorm and
+    transformers' RMSNorms are cast to that dtype and get their inputs cast to it (they
+    compute in fp32 inside for 16-bit input, as under autocast)."""
+    if not conv.norms:  # a norm converted earlier goes back to torch's
         _norm_back(module)
-        return False
+        if conv.norm_dtype == torch.float32 or not _is_16bit_norm(module):
+            return False  # then run in fp32 by _fp32_norm_rule (or kept, if unknown)
+        cast_own(module, conv.norm_dtype)
+        module.register_forward_pre_hook(CastInputs(conv.norm_dtype), with_kwargs=True)
+        return True
     if type(module) is nn.LayerNorm:
         module.__class__ = LayerNorm
     elif type(module) is nn.RMSNorm:
@@ -278,7 +297,7 @@ def _norm_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
         module.elementwise_affine = True
     elif not isinstance(module, (LayerNorm, RMSNorm)):
         return False
-    cast_own(module, torch.float32)
+    cast_own(module, conv.norm_dtype)
     return True
 
 
@@ -397,6 +416,7 @@ def _checked_conversion(
     fused_loss: bool,
     keep_fp32_params: bool,
     norms: bool,
+    norm_dtype: torch.dtype | None,
 ) -> Conversion:
     """:func:`convert_network`'s arguments checked (TypeError / ValueError naming the
     argument, before anything changes) and gathered as the rules see them."""
@@ -423,11 +443,25 @@ def _checked_conversion(
             "keep_fp32_params=True keeps fp32 params for a 16-bit compute dtype: it takes dtype "
             "torch.float16 or torch.bfloat16 and no float8 recipe"
         )
+    if norm_dtype is not None:
+        if not isinstance(norm_dtype, torch.dtype):
+            raise TypeError(f"norm_dtype must be None or a torch.dtype, got {norm_dtype!r}")
+        if dtype == torch.float32 or keep_fp32_params:
+            if norm_dtype != torch.float32:
+                raise ValueError(
+                    f"norm_dtype={norm_dtype} with "
+                    + ("keep_fp32_params=True" if keep_fp32_params else "dtype torch.float32")
+                    + ": every param is fp32 there; give norm_dtype=None"
+                )
+        elif norm_dtype not in (torch.float32, dtype):
+            raise ValueError(
+                f"norm_dtype must be None, torch.float32 or the conversion's dtype {dtype}, got {norm_dtype}"
+            )
     if float8_filter is not None and not callable(float8_filter):
         raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32 and recipe is not None:
         raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
-    return Conversion(dtype, recipe, float8_filter, **flags)
+    return Conversion(dtype, recipe, float8_filter, **flags, norm_dtype=norm_dtype or torch.float32)
 
 
 def convert_network(
@@ -440,6 +474,7 @@ def convert_network(
     fused_loss: bool = False,
     keep_fp32_params: bool = False,
     norms: bool = True,
+    norm_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Convert ``model`` in place for mixed-precision training, and return it.
 
@@ -449,7 +484,7 @@ def convert_network(
     * with ``norms`` (the default), ``nn.LayerNorm`` and ``nn.RMSNorm`` become
       :class:`tkern.nn.LayerNorm` / :class:`tkern.nn.RMSNorm`, and transformers' RMSNorms
       (``LlamaRMSNorm`` and kin: ``weight`` and ``variance_epsilon``) a ``tkern.nn.RMSNorm``,
-      keeping their Parameter objects in fp32, names and eps: they read the 16-bit input
+      keeping their Parameter objects (in fp32, or ``norm_dtype``), names and eps: they read the 16-bit input
       as it is (fp32 statistics in the kernel) and save it for backward instead of an
       fp32 copy;
     * other normalization layers (:data:`NORM_TYPES`, and the above with ``norms=False``)
@@ -479,6 +514,12 @@ def convert_network(
     returns ``logits=None``; without labels, and in ``generate()``, logits as before.
     ``keep_fp32_params``: FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype)`` owns the casts:
     tkern's GEMM layers keep fp32 params and compute in ``dtype`` (docs/fsdp.md).
+    ``norm_dtype=dtype``: the LayerNorm / RMSNorm params (tkern's, or with ``norms=False``
+    torch's and transformers', then fed ``dtype`` inputs) are stored in ``dtype``, so a
+    transformer block holds one dtype, which FSDP2's ``fully_shard`` requires of each unit.
+    The norms still compute in fp32 (tkern's kernels upcast the weight and sum its gradient
+    in fp32, rounding it once) and the fused optimizers keep an fp32 master of every 16-bit
+    param, so the norm weights lose only what the Linear weights do.
 
     Args:
         model: the model (fp32, or converted before).
@@ -489,16 +530,19 @@ def convert_network(
         fused_loss: compute a transformers causal LM's loss without its logits (above).
         keep_fp32_params: keep the params fp32 (FSDP2's mixed precision owns the casts).
         norms: replace LayerNorm / RMSNorm layers by tkern's (False: run torch's in fp32).
+        norm_dtype: None or torch.float32 (the default: fp32 norm params), or ``dtype``.
 
     Raises:
         TypeError: ``model`` is not a module, or is a bare ``nn.Linear`` (it cannot be
             replaced in place; wrap it), or ``dtype`` is another dtype, or
-            ``fuse_activations`` or ``norms`` is not a bool.
+            ``fuse_activations`` or ``norms`` is not a bool, or ``norm_dtype`` not a dtype.
         ValueError: converting back a :class:`tkern.nn.Linear` with a fused activation
-            (nothing is changed), or ``keep_fp32_params`` with ``float8`` or ``torch.float32``.
+            (nothing is changed), or ``keep_fp32_params`` with ``float8`` or ``torch.float32``,
+            or a ``norm_dtype`` other than fp32 and ``dtype`` (fp32 only with
+            ``keep_fp32_params`` or ``dtype=torch.float32``).
     """
     conv = _checked_conversion(
-        model, dtype, float8, float8_filter, fuse_activations, fused_loss, keep_fp32_params, norms
+        model, dtype, float8, float8_filter, fuse_activations, fused_loss, keep_fp32_params, norms, norm_dtype
     )
     if dtype == torch.float32:
         _check_convertible_back(model)

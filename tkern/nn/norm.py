@@ -41,6 +41,8 @@ class LayerNorm(nn.LayerNorm):
     Same arguments, parameters and state_dict keys as ``nn.LayerNorm``. The
     parameters are fp32 and stay fp32 when the model is cast to 16 bits
     (``model.half()``); a 16-bit ``dtype`` argument gives fp32 parameters too.
+    ``convert_network(..., norm_dtype=dtype)`` stores them in 16 bits instead (FSDP2's one
+    dtype per unit); the kernel then still computes in fp32 and sums their gradients in fp32.
     """
 
     def __init__(
