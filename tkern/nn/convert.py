@@ -229,7 +229,7 @@ def _linear_cross_entropy_rule(module: nn.Module, path: str, conv: Conversion) -
 
 
 def _fused_loss_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
-    """With ``fused_loss``: a transformers causal LM (GPT-2, Llama) computes its loss with
+    """With ``fused_loss``: a transformers causal LM (GPT-2, Llama, Gemma 2) computes its loss with
     tkern.linear_cross_entropy (tkern/nn/hf_loss.py). Declines in any case (returns
     False), so that the model's children are converted by the other rules."""
     if conv.fused_loss:
@@ -509,7 +509,8 @@ def convert_network(
     ``fuse_activations``: in an ``nn.Sequential``, a :class:`tkern.nn.Linear` directly followed
     by ``nn.ReLU``, ``nn.SiLU`` or ``nn.GELU`` runs the activation in its GEMM epilogue (a pair
     where either module has a hook runs unfused; GELU and SiLU round once fewer).
-    ``fused_loss``: a transformers ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` called with
+    ``fused_loss``: a transformers ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
+    ``Gemma2ForCausalLM`` (its ``final_logit_softcapping`` as ``softcap``) called with
     ``labels`` computes its loss with :func:`tkern.linear_cross_entropy` (no logits tensor) and
     returns ``logits=None``; without labels, and in ``generate()``, logits as before.
     ``keep_fp32_params``: FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype)`` owns the casts:
