@@ -23,12 +23,12 @@ def _rows(printed: str) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_tkern_fp16_and_bf16_match_fp32_validation_loss(tmp_path, capsys):
-    """The CPU configuration made smaller (1 block, 12 steps of 2 x 32 characters;
+    """The CPU configuration made smaller (1 block, 12 steps of 2 x 16 characters;
     the interpreter's time is per row of every norm), seed 0: tkern fp16's and
     bf16's validation bits per character within 2% of fp32's, and the figure drawn."""
     png = tmp_path / "gpt.png"
     argv = ["train", "--model", "gpt", "--only", "fp32,tkern,tkern-bf16", "--steps", "12"]
-    argv += ["--eval-every", "12", "--layers", "1", "--batch-size", "2", "--seed", "0"]
+    argv += ["--eval-every", "12", "--layers", "1", "--batch-size", "2", "--block-size", "16", "--seed", "0"]
     assert main([*argv, "--no-progress", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)

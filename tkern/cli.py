@@ -199,6 +199,16 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--nproc applies to the tkern run, but --only {args.only} leaves it out")
 
 
+def _print_graph_counts(results) -> None:
+    """A line per run that ran whole-step CUDA graphs: its steps by kind."""
+    for r in results:
+        if r.graph_counts is not None:
+            how = ", ".join(
+                f"{r.graph_counts.get(k, 0)} {k}" for k in ("warmup", "capture", "replay", "eager")
+            )
+            print(f"{r.name} run: whole-step CUDA graphs, steps by kind: {how}")
+
+
 def _train(args: argparse.Namespace) -> int:
     if args.model == "gpt":
         return _train_gpt(args)
@@ -236,12 +246,7 @@ def _train(args: argparse.Namespace) -> int:
                 f"tkern run: data-parallel on {args.nproc} processes ({how}), {what}, "
                 f"batch {cfg.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
             )
-        for r in results:
-            if r.graph_counts is not None:
-                how = ", ".join(
-                    f"{r.graph_counts.get(k, 0)} {k}" for k in ("warmup", "capture", "replay", "eager")
-                )
-                print(f"{r.name} run: whole-step CUDA graphs, steps by kind: {how}")
+        _print_graph_counts(results)
         print(demo.table(results))
         if args.plot:
             demo.plot(results, args.plot)
@@ -320,15 +325,11 @@ def _train_gpt(args: argparse.Namespace) -> int:
         f"training {', '.join(cfg.runs)} on {device.type} ({tkern_mode()}): {cfg.steps} steps of "
         f"{cfg.batch_size} x {cfg.block_size} characters, {cfg.optimizer} lr {cfg.lr:g}, seed {cfg.seed}"
     )
+    model = gpt_job.make_model(cfg, corpus.vocab_size)
+    print(f"model: {model[1]}")
     try:
-        results, what, _ = gpt_job.compare(cfg, device, corpus)
-        print(f"model: {what}")
-        for r in results:
-            if r.graph_counts is not None:
-                how = ", ".join(
-                    f"{r.graph_counts.get(k, 0)} {k}" for k in ("warmup", "capture", "replay", "eager")
-                )
-                print(f"{r.name} run: whole-step CUDA graphs, steps by kind: {how}")
+        results, _, _ = gpt_job.compare(cfg, device, corpus, model)
+        _print_graph_counts(results)
         print(
             "val bpc: validation loss in bits per character; ms/step and tokens/s "
             "leave out the first evaluation interval (one-off costs)"

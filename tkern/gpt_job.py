@@ -286,7 +286,8 @@ def make_model(cfg: GPTConfig, vocab_size: int) -> tuple[LMLoss, str]:
     """The fp32 model every run starts from (weights drawn with ``cfg.seed``) and
     a line saying which it is."""
     torch.manual_seed(cfg.seed)
-    shape = f"{cfg.n_layer} layers, {cfg.n_embd} wide, {cfg.n_head} heads, block {cfg.block_size}"
+    blocks = f"{cfg.n_layer} block{'s' * (cfg.n_layer != 1)}"
+    shape = f"{blocks}, {cfg.n_embd} wide, {cfg.n_head} heads, {cfg.block_size} characters a sequence"
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
@@ -392,12 +393,18 @@ def prepare(cfg: GPTConfig) -> Corpus:
     return make_corpus(text, source, cfg.block_size)
 
 
-def compare(cfg: GPTConfig, device: torch.device | None = None, corpus: Corpus | None = None):
+def compare(
+    cfg: GPTConfig,
+    device: torch.device | None = None,
+    corpus: Corpus | None = None,
+    model: tuple[LMLoss, str] | None = None,
+):
     """Train every run of ``cfg.runs`` from the same weights on the same batches.
-    Returns (results, the model's description, the corpus)."""
+    ``corpus`` and ``model`` (:func:`prepare`'s and :func:`make_model`'s) are made
+    when not given. Returns (results, the model's description, the corpus)."""
     device = device or default_device()
     corpus = corpus or prepare(cfg)
-    base, what = make_model(cfg, corpus.vocab_size)
+    base, what = model or make_model(cfg, corpus.vocab_size)
     return [run_one(name, base, corpus, cfg, device) for name in cfg.runs], what, corpus
 
 
@@ -434,7 +441,15 @@ def plot(results: list[GPTResult], path: str, title: str = "character-level GPT"
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     names = [r.name for r in results]
     for i, r in enumerate(results):
-        style = {"color": colours[i % len(colours)], "marker": MARKERS[i % len(MARKERS)], "label": r.name}
+        # hollow markers, each run's smaller than the one before: runs that agree overlap
+        # (they often do to the pixel) and every marker still shows
+        style = {
+            "color": colours[i % len(colours)],
+            "marker": MARKERS[i % len(MARKERS)],
+            "markersize": max(11 - 1.5 * i, 3),
+            "markerfacecolor": "none",
+            "label": r.name,
+        }
         steps = range(1, len(r.train_bpc) + 1)
         train_ax.plot(steps, r.train_bpc, linewidth=1, markevery=max(1, len(steps) // 8), **style)
         val_ax.plot(*zip(*r.val_curve, strict=True), linewidth=1.5, **style)
