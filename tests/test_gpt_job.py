@@ -3,6 +3,8 @@ model, through the command itself, and the command's errors on bad input."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -17,8 +19,9 @@ CLAIM_TOLERANCE = 0.02
 def _rows(printed: str) -> dict[str, list[str]]:
     """The table's rows by run name (the lines after the header's rule)."""
     lines = printed.splitlines()
+    runs = [[name] for name in gpt_job.RUNS]
     rule = next(i for i, line in enumerate(lines) if set(line) <= {"-", " "} and line.strip())
-    return {line.split()[0]: line.split() for line in lines[rule + 1 :] if line.strip()[:1].isalpha()}
+    return {line.split()[0]: line.split() for line in lines[rule + 1 :] if line.split()[:1] in runs}
 
 
 @pytest.mark.slow
@@ -87,3 +90,18 @@ def test_bad_input_is_one_line_before_training(tmp_path, capsys, write, extra, m
 def test_gpt_options_are_refused_for_the_mlp(capsys):
     assert main(["train", "--data", "x.txt"]) == 2
     assert "--data applies to --model gpt" in capsys.readouterr().err
+
+
+def test_without_transformers_the_same_shape_in_plain_torch(monkeypatch):
+    """transformers missing (its import fails): the job trains tkern.gpt_job.CharGPT,
+    says so, and tkern's run of it stays within the claim's tolerance of fp32's."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    cfg = gpt_job.GPTConfig(steps=2, batch_size=1, block_size=8, eval_every=2, eval_windows=2, progress=False)
+    cfg.runs = ("fp32", "tkern")
+    text = "the quick brown fox jumps over the lazy dog. " * 4
+    corpus = gpt_job.make_corpus(text, "fox", cfg.block_size)
+    results, what, _ = gpt_job.compare(cfg, torch.device("cpu"), corpus)
+    assert "CharGPT" in what and "transformers is not installed" in what
+    fp32, tk = results
+    assert tk.val_bpc == pytest.approx(fp32.val_bpc, rel=CLAIM_TOLERANCE)
+    assert tk.skipped_steps == 0 and len(tk.train_bpc) == 2

@@ -403,7 +403,7 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--batch-size",
         type=_positive,
-        help=f"samples per step (default: {d.batch_size}; gpt: 8 sequences)",
+        help=f"samples per step: digits (default: {d.batch_size}); gpt: sequences (2 on a CPU, 8 on a GPU)",
     )
     train.add_argument(
         "--hidden",
