@@ -332,8 +332,10 @@ def build(name: str, base: LMLoss, cfg: GPTConfig, device: torch.device):
             scaler = None
         else:
             tkern.convert_network(model, norms=True, fused_loss=True)
-            scaler = tkern.DynamicLossScaler(init_scale=INIT_SCALE) if cfg.scaler == "dynamic" else None
-            scaler = scaler or SCALERS[cfg.scaler]()
+            if cfg.scaler == "dynamic":
+                scaler = tkern.DynamicLossScaler(init_scale=INIT_SCALE)
+            else:
+                scaler = SCALERS[cfg.scaler]()
         return model, fused_cls(model.parameters(), **hyper), scaler, None, name == "tkern-graph"
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
     opt = torch_cls(model.parameters(), **hyper, **extra)
