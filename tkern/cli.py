@@ -1,7 +1,9 @@
 """The ``tkern`` command.
 
 * ``tkern train`` — the digits MLP trained by tkern, torch fp32 and torch
-  autocast side by side (see :mod:`tkern.demo`);
+  autocast side by side (see :mod:`tkern.demo`); ``--model gpt``: a character-level
+  GPT on real text, the same comparison with bf16 (and on a GPU compiled, fp8 and
+  CUDA-graph) runs beside (see :mod:`tkern.gpt_job`);
 * ``tkern bench [gemm|optimizer|train|all]`` — the benchmark scripts of a source checkout;
 * ``tkern info`` — device, versions, compiled or interpreted mode.
 
@@ -109,17 +111,59 @@ def _check_writable(option: str, path: str) -> None:
         raise UsageError(f"{option}: {path!r} is not writable")
 
 
-def _check_train_args(args: argparse.Namespace) -> None:
-    """Raise :class:`UsageError` for ``tkern train`` options that cannot work together
-    or name files that cannot be read or written, before anything trains."""
-    from tkern import demo
+def _only(args: argparse.Namespace, runs: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The runs ``--only`` names (comma-separated), each one of ``runs``; None without it."""
+    if args.only is None:
+        return None
+    names = tuple(n.strip() for n in args.only.split(","))
+    for name in names:
+        if name not in runs:
+            raise UsageError(
+                f"--only: {name!r} is not a run of --model {args.model}; choose from {', '.join(runs)}"
+            )
+    return names
 
+
+#: the options of the MLP job alone (argparse dest -> option), refused with --model gpt
+MLP_ONLY = {
+    "epochs": "--epochs",
+    "hidden": "--hidden",
+    "checkpoint": "--checkpoint",
+    "resume": "--resume",
+    "fsdp": "--fsdp",
+    "norms": "--norms",
+}
+#: the options of the GPT job alone, refused with --model mlp
+GPT_ONLY = {
+    "data": "--data",
+    "steps": "--steps",
+    "block_size": "--block-size",
+    "layers": "--layers",
+    "width": "--width",
+    "heads": "--heads",
+    "eval_every": "--eval-every",
+}
+
+
+def _check_plot(args: argparse.Namespace) -> None:
     if args.plot:
         _check_writable("--plot", args.plot)
         if Path(args.plot).suffix.lower() not in PLOT_FORMATS:
             raise UsageError(
                 f"--plot: {args.plot!r} is not an image file name; end it in {', '.join(PLOT_FORMATS)}"
             )
+
+
+def _check_train_args(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` for ``tkern train`` options that cannot work together
+    or name files that cannot be read or written, before anything trains."""
+    from tkern import demo
+
+    for dest, option in GPT_ONLY.items():
+        if getattr(args, dest) not in (None, False):
+            raise UsageError(f"{option} applies to --model gpt")
+    only = _only(args, demo.RUNS)
+    _check_plot(args)
     if args.resume and args.fsdp:
         if not Path(args.resume).is_dir():
             raise UsageError(
@@ -131,7 +175,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--resume: {args.resume!r} is a directory, expected a checkpoint file")
         if not Path(args.resume).is_file():
             raise UsageError(f"--resume: checkpoint {args.resume!r} does not exist")
-        if args.only and args.only != "tkern":
+        if only and "tkern" not in only:
             raise UsageError(f"--resume applies to the tkern run, but --only {args.only} leaves it out")
     if args.checkpoint and args.fsdp:  # each rank writes its shards into a folder
         if Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
@@ -140,31 +184,45 @@ def _check_train_args(args: argparse.Namespace) -> None:
             )
     elif args.checkpoint:
         _check_writable("--checkpoint", args.checkpoint)
-        if args.only and args.only != "tkern":
+        if only and "tkern" not in only:
             raise UsageError(f"--checkpoint applies to the tkern run, but --only {args.only} leaves it out")
-    if args.cuda_graph and args.only and args.only != "tkern":
+    if args.cuda_graph and only and "tkern" not in only:
         raise UsageError(f"--cuda-graph applies to the tkern run, but --only {args.only} leaves it out")
-    if args.nproc > 1 and args.batch_size < args.nproc:
+    batch_size = args.batch_size or demo.Config().batch_size
+    if args.nproc > 1 and batch_size < args.nproc:
         raise UsageError(
-            f"--nproc: {args.nproc} processes split each batch of --batch-size {args.batch_size}; "
+            f"--nproc: {args.nproc} processes split each batch of --batch-size {batch_size}; "
             f"use a --batch-size of at least {args.nproc}"
         )
     if args.fsdp and args.nproc < 2:
         raise UsageError("--fsdp shards the tkern run over --nproc processes: give --nproc 2 or more")
-    if args.nproc > 1 and "tkern" not in ((args.only,) if args.only else demo.RUNS):
+    if args.nproc > 1 and "tkern" not in (only or demo.RUNS):
         raise UsageError(f"--nproc applies to the tkern run, but --only {args.only} leaves it out")
 
 
+def _print_graph_counts(results) -> None:
+    """A line per run that ran whole-step CUDA graphs: its steps by kind."""
+    for r in results:
+        if r.graph_counts is not None:
+            how = ", ".join(
+                f"{r.graph_counts.get(k, 0)} {k}" for k in ("warmup", "capture", "replay", "eager")
+            )
+            print(f"{r.name} run: whole-step CUDA graphs, steps by kind: {how}")
+
+
 def _train(args: argparse.Namespace) -> int:
+    if args.model == "gpt":
+        return _train_gpt(args)
     from tkern import demo
     from tkern.checkpoint import CheckpointError
 
     _check_train_args(args)
-    runs = (args.only,) if args.only else demo.RUNS
+    runs = _only(args, demo.RUNS) or demo.RUNS
+    d = demo.Config()
     cfg = demo.Config(
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        hidden=args.hidden,
+        epochs=args.epochs or d.epochs,
+        batch_size=args.batch_size or d.batch_size,
+        hidden=args.hidden or d.hidden,
         optimizer=args.optimizer,
         scaler=args.scaler,
         lr=args.lr,
@@ -188,14 +246,9 @@ def _train(args: argparse.Namespace) -> int:
             )
             print(
                 f"tkern run: data-parallel on {args.nproc} processes ({how}), {what}, "
-                f"batch {args.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
+                f"batch {cfg.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
             )
-        for r in results:
-            if r.graph_counts is not None:
-                how = ", ".join(
-                    f"{r.graph_counts.get(k, 0)} {k}" for k in ("warmup", "capture", "replay", "eager")
-                )
-                print(f"{r.name} run: whole-step CUDA graphs, steps by kind: {how}")
+        _print_graph_counts(results)
         print(demo.table(results))
         if args.plot:
             demo.plot(results, args.plot)
@@ -211,6 +264,92 @@ def _train(args: argparse.Namespace) -> int:
             raise UsageError(f"--checkpoint: {e.strerror}: {args.checkpoint!r}") from None
         raise
     return 0
+
+
+def gpt_config(args: argparse.Namespace):
+    """The :class:`tkern.gpt_job.GPTConfig` of ``tkern train --model gpt``'s options
+    (their defaults: :func:`tkern.gpt_job.default_config` of this machine's device);
+    :class:`UsageError` for an option that does not apply or a run that cannot be."""
+    from tkern import demo, gpt_job
+
+    for dest, option in MLP_ONLY.items():
+        if getattr(args, dest) not in (None, False):
+            raise UsageError(f"{option} applies to --model mlp (the digits MLP), not --model gpt")
+    if args.nproc > 1:
+        raise UsageError("--nproc applies to --model mlp (the digits MLP), not --model gpt")
+    _check_plot(args)
+    d = gpt_job.default_config(demo.default_device())
+    runs = list(_only(args, gpt_job.RUNS) or d.runs)
+    if args.only is None:  # asked for by name: the run that shows it
+        runs += [r for r, asked in (("tkern-fp8", args.float8), ("tkern-graph", args.cuda_graph)) if asked]
+        runs = list(dict.fromkeys(runs))
+    elif args.float8 and "tkern-fp8" not in runs:
+        raise UsageError(f"--float8 applies to the tkern-fp8 run, but --only {args.only} leaves it out")
+    elif args.cuda_graph and "tkern-graph" not in runs:
+        raise UsageError(f"--cuda-graph applies to the tkern-graph run, but --only {args.only} leaves it out")
+    cfg = gpt_job.GPTConfig(
+        steps=args.steps or d.steps,
+        batch_size=args.batch_size or d.batch_size,
+        block_size=args.block_size or d.block_size,
+        n_layer=args.layers or d.n_layer,
+        n_embd=args.width or d.n_embd,
+        n_head=args.heads or d.n_head,
+        eval_every=min(args.eval_every or d.eval_every, args.steps or d.steps),
+        eval_windows=d.eval_windows,
+        optimizer=args.optimizer,
+        scaler=args.scaler,
+        lr=args.lr or d.lr,
+        seed=args.seed,
+        runs=tuple(runs),
+        data=args.data,
+        float8=args.float8 or d.float8,
+        progress=not args.no_progress,
+    )
+    if cfg.n_embd % cfg.n_head:
+        raise UsageError(f"--width {cfg.n_embd} is not a multiple of --heads {cfg.n_head}")
+    return cfg
+
+
+def _train_gpt(args: argparse.Namespace) -> int:
+    from tkern import demo, gpt_job
+
+    cfg = gpt_config(args)
+    try:
+        corpus = gpt_job.prepare(cfg)  # a bad --data fails here, before anything trains
+    except gpt_job.DataError as e:
+        raise UsageError(f"--data: {e}") from None
+    device = demo.default_device()
+    print(
+        f"text: {corpus.source}, {len(corpus.train) + len(corpus.val)} characters "
+        f"({len(corpus.val)} held out), {len(corpus.chars)} distinct"
+    )
+    print(
+        f"training {', '.join(cfg.runs)} on {device.type} ({tkern_mode()}): {cfg.steps} steps of "
+        f"{cfg.batch_size} x {cfg.block_size} characters, {cfg.optimizer} lr {cfg.lr:g}, seed {cfg.seed}"
+    )
+    model = gpt_job.make_model(cfg, corpus.vocab_size)
+    print(f"model: {model[1]}")
+    try:
+        results, _, _ = gpt_job.compare(cfg, device, corpus, model)
+        _print_graph_counts(results)
+        print(
+            "val bpc: validation loss in bits per character; ms/step and tokens/s "
+            "leave out the first evaluation interval (one-off costs)"
+        )
+        print(gpt_job.table(results))
+        if args.plot:
+            gpt_job.plot(results, args.plot)
+            print(f"curves and bar charts written to {args.plot}")
+    except demo.MissingExtraError as e:
+        raise UsageError(str(e)) from None
+    return 0
+
+
+def tkern_mode() -> str:
+    """How tkern's kernels run here, in words."""
+    import tkern
+
+    return "Triton's interpreter" if tkern.mode() == "interpreted" else "compiled Triton"
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -251,16 +390,27 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_train_options(train: argparse.ArgumentParser) -> None:
     """The options of ``tkern train`` (defaults from :class:`tkern.demo.Config`)."""
     from tkern.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, RUNS, SCALERS, Config
+    from tkern.gpt_job import RUNS as GPT_RUNS
 
     d = Config()
     lrs = ", ".join(f"{k} {v['lr']:g}" for k, v in OPTIMIZER_DEFAULTS.items())
-    train.add_argument("--epochs", type=_positive, default=d.epochs, help="epochs to train")
-    train.add_argument("--batch-size", type=_positive, default=d.batch_size, help="samples per step")
+    train.add_argument(
+        "--model",
+        choices=("mlp", "gpt"),
+        default="mlp",
+        help="mlp: the digits MLP; gpt: a character-level GPT on real text (fp32, autocast, tkern, "
+        "tkern-bf16; on a GPU also autocast-compiled, tkern-fp8, tkern-graph)",
+    )
+    train.add_argument("--epochs", type=_positive, help=f"mlp: epochs to train (default: {d.epochs})")
+    train.add_argument(
+        "--batch-size",
+        type=_positive,
+        help=f"samples per step: digits (default: {d.batch_size}); gpt: sequences (2 on a CPU, 8 on a GPU)",
+    )
     train.add_argument(
         "--hidden",
         type=_hidden,
-        default=",".join(map(str, d.hidden)),
-        help="hidden layer widths, e.g. 128,64",
+        help=f"mlp: hidden layer widths, e.g. 128,64 (default: {','.join(map(str, d.hidden))})",
     )
     train.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer, help="the optimizer")
     train.add_argument("--scaler", choices=sorted(SCALERS), default=d.scaler, help="tkern's loss scaler")
@@ -272,7 +422,11 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
         help=f"learning rate; by default the optimizer's own ({lrs}; sgd with momentum 0.9)",
     )
     train.add_argument("--seed", type=int, default=d.seed, help="seed of the weights, split and batches")
-    train.add_argument("--only", choices=RUNS, help="train only this run")
+    train.add_argument(
+        "--only",
+        metavar="RUNS",
+        help=f"train only these runs, comma-separated (mlp: {', '.join(RUNS)}; gpt: {', '.join(GPT_RUNS)})",
+    )
     train.add_argument("--plot", metavar="PNG", help="draw the loss curves into this file")
     train.add_argument(
         "--checkpoint", metavar="PATH", help="save the tkern run's checkpoint here after each epoch"
@@ -314,6 +468,20 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
         "--norms", action="store_true", help="a LayerNorm in each hidden block (Linear-LayerNorm-ReLU)"
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
+    gpt = train.add_argument_group(
+        "--model gpt", "defaults: the CPU configuration, or GPT-2 small's shape on a GPU (docs/api.md)"
+    )
+    gpt.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a UTF-8 text file to train on, its last tenth held out (default: CPython's pydoc_data.topics)",
+    )
+    gpt.add_argument("--steps", type=_positive, help="optimizer steps per run")
+    gpt.add_argument("--block-size", type=_positive, metavar="T", help="characters per sequence")
+    gpt.add_argument("--layers", type=_positive, metavar="N", help="transformer blocks")
+    gpt.add_argument("--width", type=_positive, metavar="D", help="model width (n_embd)")
+    gpt.add_argument("--heads", type=_positive, metavar="H", help="attention heads (divide --width)")
+    gpt.add_argument("--eval-every", type=_positive, metavar="N", help="steps between validation losses")
 
 
 def main(argv: list[str] | None = None) -> int:

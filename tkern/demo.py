@@ -317,12 +317,27 @@ def run_parallel(base: nn.Module, data, cfg: Config, device: torch.device) -> Re
     return value
 
 
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    """``rows`` (a header, then one row per run) as a fixed-width text table: the
+    first column left-aligned, the others right-aligned, a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def fmt(value, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``-`` for None (a run without it)."""
+    return "-" if value is None else format(value, spec)
+
+
 def table(results: list[Result]) -> str:
     """The side-by-side comparison as a fixed-width text table."""
-
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-
     rows = [("run", "train loss", "val acc", "ms/step", "peak mem", "skipped", "loss scale")]
     for r in results:
         rows.append(
@@ -336,26 +351,25 @@ def table(results: list[Result]) -> str:
                 fmt(r.final_scale, "g"),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(rows)
 
 
-def plot(results: list[Result], path: str) -> None:
-    """Draw the per-step training loss of each run into ``path`` (PNG)."""
+def pyplot(option: str = "--plot"):
+    """matplotlib's pyplot on the Agg backend (files only), or
+    :class:`MissingExtraError` naming ``option`` if matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise MissingExtraError("--plot needs matplotlib: pip install 'tkern[demo]'") from e
+        raise MissingExtraError(f"{option} needs matplotlib: pip install 'tkern[demo]'") from e
+    return plt
+
+
+def plot(results: list[Result], path: str) -> None:
+    """Draw the per-step training loss of each run into ``path`` (PNG)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
         ax.plot(r.losses, label=r.name, linewidth=1)
