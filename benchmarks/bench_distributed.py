@@ -157,7 +157,7 @@ def _make_training(impl: str, stack: tuple[int, int, int], device: torch.device,
     from torch import nn
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from tkern.demo import shard_fully
+    from tkern.train.demo import shard_fully
 
     width, layers, rows = stack
     torch.manual_seed(0)

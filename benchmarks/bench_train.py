@@ -75,7 +75,7 @@ from harness import (  # noqa: E402
 )
 
 import tkern  # noqa: E402
-from tkern import demo  # noqa: E402
+from tkern.train import demo  # noqa: E402
 
 STEPS, WARMUP = 30, 5
 #: The recipes train the same weights on the same batch for WARMUP + STEPS steps

@@ -1,4 +1,4 @@
-"""tkern.checkpoint: the file rules on their own (the Trainer's use of them is
+"""tkern.train.checkpoint: the file rules on their own (the Trainer's use of them is
 tests/test_trainer.py's). References: torch.load of what was written, and the
 RNGs' own draws."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import tkern
-from tkern import checkpoint
+from tkern.train import checkpoint
 
 
 def test_write_atomic_round_trips_and_leaves_no_temporary(tmp_path):

@@ -271,7 +271,7 @@ def test_torch_compile_fullgraph_matches_eager():
 
 @pytest.mark.slow
 def test_cli_train_float8_runs_the_tkern_run_in_fp8(capsys):
-    from tkern.cli import main
+    from tkern.train.cli import main
 
     assert main(["train", "--only", "tkern", "--float8", "delayed", "--epochs", "1", "--no-progress"]) == 0
     assert "tkern" in capsys.readouterr().out

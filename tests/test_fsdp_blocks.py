@@ -335,7 +335,7 @@ def test_cli_train_nproc_2_fsdp_on_blocks_with_norms(capsys):
     without norms (0.88-0.93 at 2 epochs, lr 1e-2), far above chance (10%)."""
     import re
 
-    from tkern.cli import main
+    from tkern.train.cli import main
 
     small = ["train", "--only", "tkern", "--hidden", "32", "--epochs", "2", "--lr", "1e-2", "--no-progress"]
     assert main([*small, "--norms", "--nproc", "2", "--fsdp"]) == 0

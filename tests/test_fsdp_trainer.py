@@ -22,13 +22,13 @@ from scenarios import result, run_scenarios
 from torch import nn
 
 import tkern
-from tkern.cli import main
+from tkern.train.cli import main
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 
 def _sharded(model: nn.Module) -> nn.Module:
-    from tkern.demo import shard_fully
+    from tkern.train.demo import shard_fully
 
     return shard_fully(model, torch.device("cpu"))
 

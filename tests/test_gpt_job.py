@@ -1,4 +1,4 @@
-"""``tkern train --model gpt`` (tkern/gpt_job.py): the paper's claim on a language
+"""``tkern train --model gpt`` (tkern/train/gpt_job.py): the paper's claim on a language
 model, through the command itself, and the command's errors on bad input."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from tkern import gpt_job
-from tkern.cli import main
+from tkern.train import gpt_job
+from tkern.train.cli import main
 
 #: The claim tested: tkern fp16's and bf16's final validation loss within this of
 #: fp32's (relative), from the same weights on the same batches.
@@ -93,7 +93,7 @@ def test_gpt_options_are_refused_for_the_mlp(capsys):
 
 
 def test_without_transformers_the_same_shape_in_plain_torch(monkeypatch):
-    """transformers missing (its import fails): the job trains tkern.gpt_job.CharGPT,
+    """transformers missing (its import fails): the job trains tkern.train.gpt_job.CharGPT,
     says so, and tkern's run of it stays within the claim's tolerance of fp32's."""
     monkeypatch.setitem(sys.modules, "transformers", None)
     cfg = gpt_job.GPTConfig(steps=2, batch_size=1, block_size=8, eval_every=2, eval_windows=2, progress=False)

@@ -17,10 +17,10 @@ from conftest import DEVICE
 from torch import nn
 
 import tkern
-from tkern import demo
-from tkern.cli import main
 from tkern.flat import ALIGN, round_up
 from tkern.optim import FusedAdamW, FusedSGD
+from tkern.train import demo
+from tkern.train.cli import main
 
 
 def synthetic_loader(n=96, batch=8, seed=0):
@@ -406,7 +406,7 @@ def test_flipped_byte_fails_the_load_and_changes_nothing(tmp_path):
     ckpt.write_bytes(bytes(data))
     other = trained(variant_trainer(seed=1))
     before = snapshot(other)
-    with pytest.raises(tkern.trainer.CheckpointError, match="SHA-256"):
+    with pytest.raises(tkern.train.trainer.CheckpointError, match="SHA-256"):
         other.load_checkpoint(ckpt)
     assert_same(snapshot(other), before)
 
@@ -427,7 +427,7 @@ def test_load_checkpoint_validates_everything_before_changing_anything(tmp_path,
     trained(variant_trainer()).save_checkpoint(ckpt)
     other = trained(variant_trainer(seed=1, **changes))
     before = snapshot(other)
-    with pytest.raises(tkern.trainer.CheckpointError, match=message):
+    with pytest.raises(tkern.train.trainer.CheckpointError, match=message):
         other.load_checkpoint(ckpt)
     assert_same(snapshot(other), before)
 
@@ -437,7 +437,9 @@ def test_load_checkpoint_refuses_a_checkpoint_without_a_scheduler(tmp_path):
     trained(variant_trainer(scheduler=None)).save_checkpoint(ckpt)
     other = trained(variant_trainer(seed=1))
     before = snapshot(other)
-    with pytest.raises(tkern.trainer.CheckpointError, match="has no scheduler, this trainer has a StepLR"):
+    with pytest.raises(
+        tkern.train.trainer.CheckpointError, match="has no scheduler, this trainer has a StepLR"
+    ):
         other.load_checkpoint(ckpt)
     assert_same(snapshot(other), before)
 
@@ -702,3 +704,21 @@ def test_cli_train_nproc_2_data_parallel(tmp_path, capsys):
     assert single > 0.8 and parallel > 0.85 * single
     assert main([*small, "--resume", str(ckpt)]) == 0  # 2 epochs done: loads, evaluates
     assert accuracy(capsys.readouterr().out) == parallel
+
+
+def test_the_training_layer_is_one_package_and_its_old_names_still_import():
+    import importlib
+    from pathlib import Path
+
+    import tkern.train
+
+    top = Path(tkern.__file__).parent
+    for old, new in tkern.train.MOVED.items():
+        assert not (top / f"{old.split('.')[-1]}.py").exists(), old  # nothing left at the top level
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from tkern.cli import main as old_main
+    from tkern.trainer import Trainer as OldTrainer
+
+    from tkern.train.cli import main as new_main
+
+    assert old_main is new_main and OldTrainer is tkern.Trainer is tkern.train.Trainer

@@ -18,11 +18,11 @@ from graph_recorder import RecordingCapture
 from torch import nn
 
 import tkern
-from tkern import demo
-from tkern.cli import main
 from tkern.graphs import STRICT_ENV
 from tkern.optim import DistributedFusedAdamW, FusedAdamW
-from tkern.trainer import WARMUP_STEPS, graph_blocker
+from tkern.train import demo
+from tkern.train.cli import main
+from tkern.train.trainer import WARMUP_STEPS, graph_blocker
 
 CUDA = torch.device("cuda")
 

@@ -4,8 +4,9 @@ complete, in the order they complete (issue 36, item 7), on 2 gloo ranks.
 The model is a converted network in miniature: four blocks of Linear then LayerNorm,
 the linears in one param group (a bucket each), the norms in a second (one bucket over
 every block, as the fp32 norms of ``convert_network``'s models are). Backward reaches
-block 0's norm near the end, so the norm bucket completes after three linear buckets; a fixed order that puts it first
-makes every linear bucket wait for it (the collapse: all issued after the last gradient).
+block 0's norm near the end, so the norm bucket completes after three linear buckets; a
+fixed order that puts it first makes every linear bucket wait for it (the collapse: all
+issued after the last gradient).
 Each rank counts the gradients as they arrive and records after how many each bucket's
 reduce-scatter is issued: from the second step (the first learns the order) that must be
 exactly when the bucket's last gradient arrived. The params must equal, bit for bit,

@@ -1,5 +1,5 @@
 import sys
 
-from tkern.cli import main
+from tkern.train.cli import main
 
 sys.exit(main())

@@ -28,7 +28,7 @@ The pieces they share, and the one vocabulary they use:
   environment variable ``TKERN_GRAPH_STRICT=1`` (the test suite sets it) it re-raises
   the error instead, so a capture that fails in a test fails the test.
 
-This module sits below :mod:`tkern.optim` and :mod:`tkern.trainer` and imports neither.
+This module sits below :mod:`tkern.optim` and :mod:`tkern.train.trainer` and imports neither.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ or, for an FSDP2 model, a ``torch.distributed.checkpoint`` folder of every rank'
 
 :class:`CheckpointMixin` is :class:`tkern.Trainer`'s ``save_checkpoint`` and
 ``load_checkpoint``; the file's own rules (format, digest, validation, atomic writes)
-live in :mod:`tkern.checkpoint`.
+live in :mod:`tkern.train.checkpoint`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tkern import checkpoint
 from tkern.amp import LossScaler
 from tkern.graphs import StepGraphs
+from tkern.train import checkpoint
 
 __all__ = ["CheckpointMixin", "is_fsdp2"]
 
@@ -61,7 +61,7 @@ class CheckpointMixin:
         link kept. A new file gets the permissions the umask allows (0644
         under 022); an existing one keeps its own. The payload carries a
         SHA-256 digest that :meth:`load_checkpoint` checks (the file's rules live
-        in :mod:`tkern.checkpoint`), and loads with
+        in :mod:`tkern.train.checkpoint`), and loads with
         ``torch.load(path, weights_only=True)``. A failed write (a full disk)
         raises ``OSError`` naming ``path``.
 

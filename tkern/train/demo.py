@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 import tkern
-from tkern.checkpoint import CheckpointError
 from tkern.optim import (
     DistributedFusedAdam,
     DistributedFusedAdamW,
@@ -39,7 +38,8 @@ from tkern.optim import (
     FusedAdamW,
     FusedSGD,
 )
-from tkern.trainer import Trainer
+from tkern.train.checkpoint import CheckpointError
+from tkern.train.trainer import Trainer
 
 RUNS = ("tkern", "fp32", "autocast")
 OPTIMIZERS = {

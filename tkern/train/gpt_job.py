@@ -36,8 +36,16 @@ import torch
 from torch import nn
 
 import tkern
-from tkern.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, SCALERS, default_device, fmt, format_table, pyplot
-from tkern.trainer import Trainer
+from tkern.train.demo import (
+    OPTIMIZER_DEFAULTS,
+    OPTIMIZERS,
+    SCALERS,
+    default_device,
+    fmt,
+    format_table,
+    pyplot,
+)
+from tkern.train.trainer import Trainer
 
 #: the runs on a CPU, in order; fp32 first (the reference)
 CPU_RUNS = ("fp32", "autocast", "tkern", "tkern-bf16")
@@ -74,7 +82,7 @@ class GPTConfig:
     eval_windows: int = 4  # validation windows of block_size characters (at most; fewer if the text is short)
     optimizer: str = "adamw"
     scaler: str = "dynamic"
-    lr: float | None = None  # None: the optimizer's default (tkern.demo.OPTIMIZER_DEFAULTS)
+    lr: float | None = None  # None: the optimizer's default (tkern.train.demo.OPTIMIZER_DEFAULTS)
     seed: int = 0
     runs: tuple[str, ...] = CPU_RUNS
     data: str | None = None  # a UTF-8 file; None: pydoc_data.topics
@@ -293,7 +301,7 @@ def make_model(cfg: GPTConfig, vocab_size: int) -> tuple[LMLoss, str]:
     except ImportError:
         lm = CharGPT(vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.n_head)
         what = (
-            f"tkern.gpt_job.CharGPT, GPT-2's shape in plain torch ({shape}): transformers is not "
+            f"tkern.train.gpt_job.CharGPT, GPT-2's shape in plain torch ({shape}): transformers is not "
             "installed, so fused_loss has no HF model to fuse (the head's logits feed the loss)"
         )
     else:

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from tkern.amp import LossScaler
-from tkern.checkpoint import CheckpointError
 from tkern.graphs import (
     CAPTURE,
     EAGER,
@@ -46,8 +45,9 @@ from tkern.graphs import (
 )
 from tkern.kernels import INTERPRET
 from tkern.optim import FusedOptimizer
-from tkern.trainer_checkpoint import CheckpointMixin
-from tkern.trainer_memory import ActivationMeter, memory_report
+from tkern.train.checkpoint import CheckpointError
+from tkern.train.trainer_checkpoint import CheckpointMixin
+from tkern.train.trainer_memory import ActivationMeter, memory_report
 
 __all__ = [
     "MAX_GRAPHS",

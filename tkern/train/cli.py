@@ -1,9 +1,9 @@
 """The ``tkern`` command.
 
 * ``tkern train`` — the digits MLP trained by tkern, torch fp32 and torch
-  autocast side by side (see :mod:`tkern.demo`); ``--model gpt``: a character-level
+  autocast side by side (see :mod:`tkern.train.demo`); ``--model gpt``: a character-level
   GPT on real text, the same comparison with bf16 (and on a GPU compiled, fp8 and
-  CUDA-graph) runs beside (see :mod:`tkern.gpt_job`);
+  CUDA-graph) runs beside (see :mod:`tkern.train.gpt_job`);
 * ``tkern bench [gemm|optimizer|train|all]`` — the benchmark scripts of a source checkout;
 * ``tkern info`` — device, versions, compiled or interpreted mode.
 
@@ -157,7 +157,7 @@ def _check_plot(args: argparse.Namespace) -> None:
 def _check_train_args(args: argparse.Namespace) -> None:
     """Raise :class:`UsageError` for ``tkern train`` options that cannot work together
     or name files that cannot be read or written, before anything trains."""
-    from tkern import demo
+    from tkern.train import demo
 
     for dest, option in GPT_ONLY.items():
         if getattr(args, dest) not in (None, False):
@@ -213,8 +213,8 @@ def _print_graph_counts(results) -> None:
 def _train(args: argparse.Namespace) -> int:
     if args.model == "gpt":
         return _train_gpt(args)
-    from tkern import demo
-    from tkern.checkpoint import CheckpointError
+    from tkern.train import demo
+    from tkern.train.checkpoint import CheckpointError
 
     _check_train_args(args)
     runs = _only(args, demo.RUNS) or demo.RUNS
@@ -267,10 +267,10 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def gpt_config(args: argparse.Namespace):
-    """The :class:`tkern.gpt_job.GPTConfig` of ``tkern train --model gpt``'s options
-    (their defaults: :func:`tkern.gpt_job.default_config` of this machine's device);
+    """The :class:`tkern.train.gpt_job.GPTConfig` of ``tkern train --model gpt``'s options
+    (their defaults: :func:`tkern.train.gpt_job.default_config` of this machine's device);
     :class:`UsageError` for an option that does not apply or a run that cannot be."""
-    from tkern import demo, gpt_job
+    from tkern.train import demo, gpt_job
 
     for dest, option in MLP_ONLY.items():
         if getattr(args, dest) not in (None, False):
@@ -311,7 +311,7 @@ def gpt_config(args: argparse.Namespace):
 
 
 def _train_gpt(args: argparse.Namespace) -> int:
-    from tkern import demo, gpt_job
+    from tkern.train import demo, gpt_job
 
     cfg = gpt_config(args)
     try:
@@ -388,9 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_options(train: argparse.ArgumentParser) -> None:
-    """The options of ``tkern train`` (defaults from :class:`tkern.demo.Config`)."""
-    from tkern.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, RUNS, SCALERS, Config
-    from tkern.gpt_job import RUNS as GPT_RUNS
+    """The options of ``tkern train`` (defaults from :class:`tkern.train.demo.Config`)."""
+    from tkern.train.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, RUNS, SCALERS, Config
+    from tkern.train.gpt_job import RUNS as GPT_RUNS
 
     d = Config()
     lrs = ", ".join(f"{k} {v['lr']:g}" for k, v in OPTIMIZER_DEFAULTS.items())
