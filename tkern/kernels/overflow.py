@@ -16,10 +16,13 @@ the one place that knows its layout.
 
 Which tensors overflowed (opt-in per launch: :class:`OverflowFlags`): a program
 whose share held a non-finite gradient reads that share again (only then: a
-step that overflows is skipped anyway), finds each bad element's param by a
-binary search of the params' start offsets, and stores the step's number into
-that param's slot of a small int32 buffer. No extra launch and no extra pass
-on the steps that do not overflow.
+step that overflows is skipped anyway); in each chunk of BLOCK elements that
+held one it finds the first param the chunk overlaps (a scalar binary search of
+the params' start offsets) and, for each param the chunk overlaps, stores the
+step's number into that param's slot of a small int32 buffer if one of its
+elements there is inf or nan. No extra launch and no extra pass on the steps
+that do not overflow; the compiled kernel's registers rise (sm_90: 38 to 54,
+occupancy 75% to 50%) for the rare path's code.
 """
 
 from __future__ import annotations
@@ -95,20 +98,33 @@ def _grad_stats_kernel(
     any_bad = tl.max(nonfinite, axis=0)
     if TRACK:  # noqa: SIM102 (a constexpr: Triton compiles the branch away)
         if any_bad != 0.0:  # rare: read this program's share again, marking the params
+            # chunk by chunk, as the main loop (full-width loads); in a chunk that held one, each
+            # param the chunk overlaps (the first found by a scalar binary search) is checked
             for start in range(pid * BLOCK, n, nprog * BLOCK):
-                offs = start + tl.arange(0, BLOCK)
+                rel = tl.arange(0, BLOCK)
+                offs = start + rel
                 g = tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
                 bad = (g != g) | (tl.abs(g) == float("inf"))
-                x = offs + base
-                # invariant: starts[lo] <= x, and x < starts[hi] (hi == n_params: the end)
-                lo = tl.zeros((BLOCK,), dtype=tl.int32)
-                hi = lo + n_params
-                for _ in range(search_steps):
-                    mid = (lo + hi) // 2
-                    go = tl.load(starts_ptr + mid, mask=bad & (mid < n_params), other=0) <= x
-                    lo = tl.where(go, mid, lo)
-                    hi = tl.where(go, hi, mid)
-                tl.store(flags_ptr + lo, tl.zeros((BLOCK,), dtype=tl.int32) + stamp, mask=bad)
+                if tl.max(bad.to(tl.int32), axis=0) != 0:
+                    bad_at = tl.where(bad, rel, -1)  # where in the chunk; -1: a finite one
+                    x0 = start + base  # the chunk's first element, in starts' coordinates
+                    lo = 0
+                    hi = n_params
+                    for _ in range(search_steps):  # invariant: starts[lo] <= x0 < starts[hi]
+                        mid = (lo + hi) // 2
+                        if tl.load(starts_ptr + mid) <= x0:
+                            lo = mid
+                        else:
+                            hi = mid
+                    j = lo
+                    at = tl.load(starts_ptr + j) - x0  # param j's start, relative to the chunk
+                    while (j < n_params) & (at < BLOCK):
+                        end = tl.load(starts_ptr + j + 1, mask=j + 1 < n_params, other=BLOCK + x0) - x0
+                        inside = (bad_at >= tl.maximum(at, 0)) & (bad_at < end)
+                        hit = tl.max(inside.to(tl.int32), axis=0)
+                        tl.store(flags_ptr + j, stamp, mask=hit != 0)
+                        j += 1
+                        at = end
     tl.store(row + _FOUND_INF, any_bad)
     tl.store(row + _SUMSQ, tl.sum(sumsq, axis=0))
     tl.store(row + _AMAX, tl.max(amax, axis=0))
