@@ -157,7 +157,7 @@ def test_trainer_logs_the_skipped_step_with_the_layer(caplog):
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8
     )
-    with caplog.at_level(logging.WARNING, logger="tkern.trainer"):
+    with caplog.at_level(logging.WARNING, logger="tkern.train.trainer"):
         trainer.fit(loader, 1)
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert lines == ["step 4 skipped: inf/nan in 2.weight"]
