@@ -220,14 +220,16 @@ def _stats_cases() -> list[Case]:
             if tail and dtype != "fp16":
                 continue
             sig = {"grad_ptr": _ptr(dtype), "n": "i32", "inv_scale_ptr": "*fp32", "partials_ptr": "*fp32"}
-            sig["BLOCK"] = "constexpr"
+            # the optimizer's launch: TRACK marks the params that overflowed
+            sig |= {"starts_ptr": "*i64", "flags_ptr": "*i32", "n_params": "i32", "base": "i64"}
+            sig |= {"stamp": "i32", "search_steps": "i32", "BLOCK": "constexpr", "TRACK": "constexpr"}
             cases.append(
                 Case(
                     name=f"grad_stats[{dtype}{',tail' if tail else ''}]",
                     family="streaming",
                     kernel="tkern.kernels.overflow:_grad_stats_kernel",
                     signature=sig,
-                    constexprs={"BLOCK": ov.BLOCK},
+                    constexprs={"BLOCK": ov.BLOCK, "TRACK": True},
                     aligned=("grad_ptr", "inv_scale_ptr", "partials_ptr") + (() if tail else ("n",)),
                     num_warps=ov._NUM_WARPS,
                     arrays=("grad_ptr",),

@@ -54,9 +54,9 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes
-from tkern.graphs import CudaGraphCapture
+from tkern.graphs import CudaGraphCapture, in_graph_step
 from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
-from tkern.kernels.overflow import FOUND_INF, combine_stats, grad_stats, reduce_stats
+from tkern.kernels.overflow import FOUND_INF, OverflowFlags, combine_stats, grad_stats, reduce_stats
 from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
 from tkern.optim.distributed_sync import shared_seed
 from tkern.optim.fsdp import DTensorShards, param_storage
@@ -70,7 +70,7 @@ from tkern.optim.hparams import (
     group_scalar,
     param_group_dict,
 )
-from tkern.optim.report import memory_report
+from tkern.optim.report import OverflowReport, memory_report, overflow_report
 from tkern.optim.state import ParamState, flat_seed
 from tkern.optim.state_io import TorchStateDict
 
@@ -149,6 +149,11 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         #: (3,) fp32 statistics of the last step's gradients, on the device.
         self.grad_stats: torch.Tensor | None = None
         self._layout_seen: dict[int, int] = {}
+        #: Which params overflowed: per flat buffer (by id) its layout version, the params'
+        #: start offsets and their int32 flags (see :meth:`overflow_report`).
+        self._overflow_flags: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # flags: (2, P)
+        self._steps_run = 0
+        self._param_names: dict[tuple[int, int], str] = {}
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
         #: buffers over them (their updated params are copied out after each step).
         self._dtensor_storage: DTensorShards | None = None
@@ -316,7 +321,9 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         inv_scale = self._inv_scale(inv_scale)
         args = [self._validate_group(g, gi) for gi, g in enumerate(self.param_groups)]
 
+        self._steps_run += 1
         work = []  # (args, plan, the group its statistics are summed over or None)
+        self._plan_flats: dict[int, FlatParams] = {}
         for gi, flats in enumerate(self._flat):
             names = self._group_state_names(self.param_groups[gi])
             for flat in flats:
@@ -327,6 +334,7 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
                     self._refresh_state(flat)
                 if plan:
                     work.append((args[gi], plan, flat.storage.stats_group))
+                    self._plan_flats[id(plan)] = flat
         self._sync_grads()
         found_inf = getattr(self, "found_inf", None)  # set by torch.amp.GradScaler.step
         if found_inf is not None:
@@ -374,11 +382,15 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         (agreed on by :meth:`_sync_stats`) joined with those of FSDP2's shards (summed
         over their mesh by every rank, whether or not it holds gradients this step)."""
         whole = [b.grad for _, plan, group in work if group is None for b in plan]
+        # a captured step would replay this step's stamp: graphs mark a scratch buffer (the
+        # same launch as the warm-ups', so the capture compiles nothing) and record no overflows
+        scratch = in_graph_step()
+        track = [self._track(plan, b, scratch) for _, plan, g in work if g is None for b in plan]
         stats = None
         # plain groups beside FSDP2's: held on every rank of the mesh, whether or not planned
         mixed = self._dtensor_storage is not None and len(self._held_elsewhere) < sum(map(len, self._flat))
         if mixed or self._dtensor_storage is None:
-            stats = grad_stats(whole, inv_scale)
+            stats = grad_stats(whole, inv_scale, track, self._stamp())
             if found_inf is not None:
                 torch.maximum(stats[:1], found_inf, out=stats[:1])
             stats = self._sync_stats(stats)
@@ -395,6 +407,22 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
             sharded = combine_stats(sharded, self._dtensor_storage.stats_group, sharded=True)
             stats = sharded if stats is None else reduce_stats(torch.stack([stats, sharded]))
         return stats
+
+    def _stamp(self) -> int:
+        """The number the overflow flags of this step get: the step's, in [1, 2**31)."""
+        return (self._steps_run - 1) % (2**31 - 1) + 1
+
+    def _track(self, plan: list, b: UpdateBuffers, scratch: bool) -> OverflowFlags:
+        """Where pass 1 marks the params of ``b`` (a range of ``plan``'s flat buffer)
+        whose gradients overflow: the flat buffer's flags (``scratch``: a buffer nobody
+        reads), allocated once per layout."""
+        flat = self._plan_flats[id(plan)]
+        held = self._overflow_flags.get(id(flat))
+        if held is None or held[0] != flat.layout_version:
+            starts = torch.tensor(flat.offsets[: len(flat.params)], dtype=torch.int64, device=self._device)
+            flags = torch.zeros((2, len(flat.params)), dtype=torch.int32, device=self._device)
+            held = self._overflow_flags[id(flat)] = (flat.layout_version, starts, flags)
+        return OverflowFlags(starts=held[1], flags=held[2][int(scratch)], base=b.offset)
 
     # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
     # nothing but agree on the statistics when a process_group was given.
@@ -435,6 +463,35 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         (:func:`tkern.optim.report.memory_report` says what each counts)."""
         return memory_report(self)
 
+    def name_params(self, model: torch.nn.Module) -> None:
+        """Name the params after ``model.named_parameters()``, for
+        :meth:`overflow_report` (without it a param is named by its group, index
+        and shape). Params of ``model`` the optimizer does not hold are ignored."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"name_params takes a torch.nn.Module, got {type(model).__name__}")
+        where = {
+            id(p): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+        }
+        for name, p in model.named_parameters():
+            if id(p) in where:
+                self._param_names[where[id(p)]] = name
+
+    def overflow_report(self) -> OverflowReport:
+        """Which tensors' gradients held inf or nan: in the last step (and whether
+        it was skipped), and the last step each tensor ever did. Recorded on the
+        device by the step's statistics pass at no cost while nothing overflows;
+        this call reads it in one device-to-host copy (a sync: call it when a step
+        was skipped, not every step). Names come from :meth:`name_params`. Under
+        a sharded optimizer each rank reports its own shard's tensors; steps
+        replayed from a CUDA graph record nothing."""
+        tracked = []
+        for flats in self._flat:
+            for flat in flats:
+                held = self._overflow_flags.get(id(flat))
+                if held is not None and held[0] == flat.layout_version:
+                    tracked.append((flat, held[2][0]))
+        return overflow_report(self._steps_run, self.grad_stats, tracked, self._param_names, self._stamp())
+
     # ----------------------------------------------------------- copies
 
     def __getstate__(self) -> dict[str, Any]:
@@ -443,6 +500,8 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         state.pop("state", None)  # rebuilt from the flat buffers
         state["_process_group"] = None  # process groups do not travel
         state["_layout_seen"] = {}
+        state["_overflow_flags"] = {}  # keyed by the flat buffers' ids: allocated anew
+        state.pop("_plan_flats", None)
         state["_float8_caches"] = []  # weak references: found again from the params
         state["_graph"] = self._new_graphs()  # a graph holds device memory and addresses: captured anew
         return state

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["memory_report"]
+__all__ = ["OverflowReport", "memory_report", "overflow_report", "param_name"]
 
 
 def memory_report(opt: Any) -> dict[str, Any]:
@@ -65,3 +66,58 @@ def memory_report(opt: Any) -> dict[str, Any]:
     report["bytes_per_param"] = report["total"] / numel if numel else 0.0
     report["per_param"] = {k: v / numel if numel else 0.0 for k, v in sizes.items()}
     return report
+
+
+@dataclass(frozen=True)
+class OverflowReport:
+    """What :meth:`tkern.optim.FusedOptimizer.overflow_report` returns.
+
+    Attributes:
+        step: how many times ``step()`` has run (the last step's number; 0 before any).
+        skipped: whether that step was skipped (a gradient held inf or nan, the
+            loss scaler reported an overflow, or another rank's gradients did).
+        nonfinite: the names of the tensors whose gradients held inf or nan in that
+            step (empty when the step was skipped for a reason outside this rank's
+            gradients, or was replayed from a CUDA graph, where nothing is recorded).
+        last_overflow: name -> the number of the last step in which that tensor's
+            gradient held inf or nan, for every tensor that ever did (this rank's).
+    """
+
+    step: int
+    skipped: bool
+    nonfinite: list[str]
+    last_overflow: dict[str, int]
+
+
+def param_name(names: dict[tuple[int, int], str], group: int, index: int, p: torch.Tensor) -> str:
+    """A param's name: the one given for (group, index in group), else its place and shape."""
+    return names.get((group, index)) or f"group {group} param {index} {tuple(p.shape)}"
+
+
+def overflow_report(
+    step: int,
+    stats: torch.Tensor | None,
+    tracked: list[tuple[Any, torch.Tensor]],
+    names: dict[tuple[int, int], str],
+    stamp: int,
+) -> OverflowReport:
+    """The report of ``tracked`` ((flat buffer, its (P,) int32 flags) pairs: a flag
+    holds the stamp of the last step whose gradient of that param was non-finite),
+    read from the device in one copy. ``stamp`` is the last step's."""
+    parts = [flags.to(torch.int64) for _, flags in tracked]
+    if stats is not None:
+        parts.append(stats[:1].to(torch.int64))
+    values = torch.cat(parts).tolist() if parts else []  # the one device -> host copy
+    skipped = bool(values[-1]) if stats is not None else False
+    nonfinite, last = [], {}
+    at = 0
+    for flat, flags in tracked:
+        for i, p in enumerate(flat.params):
+            s = values[at + i]
+            if s:
+                name = param_name(names, flat.group, flat.indices[i], p)
+                last[name] = step - (stamp - s) % (2**31 - 1)
+                if s == stamp:
+                    nonfinite.append(name)
+        at += flags.numel()
+    return OverflowReport(step=step, skipped=skipped, nonfinite=nonfinite, last_overflow=last)

@@ -19,6 +19,7 @@ runs eager.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -61,6 +62,8 @@ __all__ = [
     "graph_stamp",
 ]
 
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------- CUDA graphs
 
@@ -246,6 +249,8 @@ class Trainer(CheckpointMixin):
         self._warned_shapes = False
         #: per graph: the optimizer's grad_stats as captured (a static output every replay rewrites)
         self._captured_stats: dict = {}
+        if isinstance(optimizer, FusedOptimizer):  # overflow reports name the model's layers
+            optimizer.name_params(model)
         if cuda_graph:
             capture = CudaGraphCapture() if graph_capture is None else graph_capture
             self.graph_fallback = graph_blocker(
@@ -457,6 +462,7 @@ class Trainer(CheckpointMixin):
         scale_values = torch.stack(scales).tolist() if has_scale else [None] * len(losses)
         for i, (loss, scale) in enumerate(zip(loss_values, scale_values, strict=True)):
             self.history.append({"step": first + i, "epoch": self.epoch + 1, "loss": loss, "scale": scale})
+        self._log_overflows(first)
         self.epoch += 1
         self.epochs.append(
             {
@@ -466,6 +472,23 @@ class Trainer(CheckpointMixin):
                 "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
             }
         )
+
+    def _log_overflows(self, first: int) -> None:
+        """Log the skipped steps of this epoch (from ``first`` on) whose gradients held
+        inf or nan, with the tensors that did: one read of the optimizer's overflow
+        report per epoch, beside the epoch's read of its losses. Each tensor is
+        named at the last step it overflowed in (earlier skips it took part in are
+        not named again)."""
+        if not isinstance(self.optimizer, FusedOptimizer) or not len(self.history):
+            return
+        report = self.optimizer.overflow_report()
+        by_step: dict[int, list[str]] = {}
+        for name, opt_step in report.last_overflow.items():
+            step = self.step - (report.step - opt_step)  # one optimizer step per trainer step
+            if step >= first:
+                by_step.setdefault(step, []).append(name)
+        for step in sorted(by_step):
+            logger.warning("step %d skipped: inf/nan in %s", step, ", ".join(by_step[step]))
 
     @property
     def skipped_steps(self) -> int:
