@@ -75,6 +75,11 @@ def test_unnamed_params_are_named_by_group_index_and_shape():
     model, opt = named_setup(name=False)
     backward(model, model.head.weight)
     opt.step()
+    with pytest.raises(RuntimeError, match="tracking is off"):  # off by default: no cost
+        opt.overflow_report()
+    opt.track_overflows = True
+    backward(model, model.head.weight)
+    opt.step()
     assert opt.overflow_report().nonfinite == ["group 0 param 8 (3, 24)"]
     with pytest.raises(TypeError, match="nn.Module"):
         opt.name_params(list(model.parameters()))

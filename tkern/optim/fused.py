@@ -154,6 +154,10 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         self._overflow_flags: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # flags: (2, P)
         self._steps_run = 0
         self._param_names: dict[tuple[int, int], str] = {}
+        #: Whether the statistics pass records which params' gradients overflow (for
+        #: :meth:`overflow_report`). Off by default, so a step pays nothing for it;
+        #: :meth:`name_params` turns it on, as may a user (``opt.track_overflows = True``).
+        self.track_overflows = False
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
         #: buffers over them (their updated params are copied out after each step).
         self._dtensor_storage: DTensorShards | None = None
@@ -385,7 +389,11 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         # a captured step would replay this step's stamp: graphs mark a scratch buffer (the
         # same launch as the warm-ups', so the capture compiles nothing) and record no overflows
         scratch = in_graph_step()
-        track = [self._track(plan, b, scratch) for _, plan, g in work if g is None for b in plan]
+        track = (
+            [self._track(plan, b, scratch) for _, plan, g in work if g is None for b in plan]
+            if self.track_overflows
+            else None
+        )
         stats = None
         # plain groups beside FSDP2's: held on every rank of the mesh, whether or not planned
         mixed = self._dtensor_storage is not None and len(self._held_elsewhere) < sum(map(len, self._flat))
@@ -466,9 +474,11 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
     def name_params(self, model: torch.nn.Module) -> None:
         """Name the params after ``model.named_parameters()``, for
         :meth:`overflow_report` (without it a param is named by its group, index
-        and shape). Params of ``model`` the optimizer does not hold are ignored."""
+        and shape), and turn :attr:`track_overflows` on. Params of ``model`` the
+        optimizer does not hold are ignored."""
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"name_params takes a torch.nn.Module, got {type(model).__name__}")
+        self.track_overflows = True
         where = {
             id(p): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
         }
@@ -483,7 +493,13 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         this call reads it in one device-to-host copy (a sync: call it when a step
         was skipped, not every step). Names come from :meth:`name_params`. Under
         a sharded optimizer each rank reports its own shard's tensors; steps
-        replayed from a CUDA graph record nothing."""
+        replayed from a CUDA graph record nothing. Needs :attr:`track_overflows`
+        on (:meth:`name_params` turns it on) before the steps it reports."""
+        if not self.track_overflows:
+            raise RuntimeError(
+                "overflow_report: overflow tracking is off; call opt.name_params(model) "
+                "(or set opt.track_overflows = True) before the steps to report on"
+            )
         tracked = []
         for flats in self._flat:
             for flat in flats:

@@ -479,9 +479,10 @@ class Trainer(CheckpointMixin):
         report per epoch, beside the epoch's read of its losses. Each tensor is
         named at the last step it overflowed in (earlier skips it took part in are
         not named again)."""
-        if not isinstance(self.optimizer, FusedOptimizer) or not len(self.history):
+        opt = self.optimizer
+        if not isinstance(opt, FusedOptimizer) or not opt.track_overflows or not len(self.history):
             return
-        report = self.optimizer.overflow_report()
+        report = opt.overflow_report()
         by_step: dict[int, list[str]] = {}
         for name, opt_step in report.last_overflow.items():
             step = self.step - (report.step - opt_step)  # one optimizer step per trainer step
