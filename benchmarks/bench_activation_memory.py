@@ -61,8 +61,8 @@ import tkern  # noqa: E402
 
 CONFIG = {"n_layer": 2, "n_embd": 128, "n_head": 2, "vocab_size": 50257, "n_positions": 128}
 BATCH, SEQ = 2, 128
-SMOKE_CONFIG = {**CONFIG, "vocab_size": 4096, "n_positions": 32}
-SMOKE_BATCH, SMOKE_SEQ = 2, 32
+SMOKE_CONFIG = {**CONFIG, "vocab_size": 4096, "n_positions": 136}
+SMOKE_BATCH, SMOKE_SEQ = 2, 136
 DTYPE = torch.bfloat16
 CATEGORIES = ("norms", "linear", "attention", "head + loss", "other")
 AUTOCAST = "torch autocast"

@@ -18,7 +18,8 @@
 #        then report.py.
 # more (BUDGET 330 s, timeout_s 360: what 15 minutes leave after quick): fp8 GEMMs (torch with fast and with precise accumulation),
 #        square GEMMs, bias+GELU against the unfused recipe under torch.compile, the
-#        optimizer's memory modes, GPT-2 with the fp8 recipes, norms, losses, the
+#        optimizer's memory modes, GPT-2 with the fp8 recipes, `tkern train --model gpt`
+#        at its GPU default (results/<device>/gpt_job.txt and .png), norms, losses, the
 #        ceilings, host cost.
 # Every phase has its own cap (`timeout`) inside the call's BUDGET; a phase with
 # under 20 s left is skipped and says so. Every benchmark writes
@@ -170,6 +171,13 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
     norm) run_phase bench_norm bench 40 $py $b/bench_norm.py "${SMOKE[@]}" ;;
     loss) run_phase bench_loss bench 40 $py $b/bench_loss.py "${SMOKE[@]}" ;;
     host) TKERN_AUTOTUNE=0 run_phase bench_host bench 75 $py $b/bench_host.py "${SMOKE[@]}" ;;
+    gpt) # the language-model main job at its GPU default (GPT-2 small's shape): its table and picture
+        local dir=${RES:-benchmarks/results/$($py -c 'import sys; sys.path.insert(0, "benchmarks"); import harness; print(harness.device_slug())')}
+        mkdir -p "$dir"
+        local smoke=()
+        ((DRY)) && smoke=(--steps 2 --eval-every 1)
+        run_phase gpt_job bench 240 bash -c 'set -o pipefail; "$@" | tee "'"$dir"'/gpt_job.txt"' _ \
+            $py -m tkern train --model gpt --plot "$dir/gpt_job.png" "${smoke[@]}" ;;
     *)
         echo "unknown benchmark $1 (${ALL_BENCH[*]})" | tee -a "$summary"
         failed+=("$1")
@@ -177,7 +185,7 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
     esac
 }
 ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes train train_mlp train_gpt2 train_fp8
-    train_rest gemm gemm_transformer gemm_rest norm loss host)
+    train_rest gemm gemm_transformer gemm_rest norm loss host gpt)
 # The quick call's recipes (`=NAME`: that recipe alone), the fp32 reference first: on the
 # MLPs autocast, compiled autocast and tkern with and without the optimizer's graph and
 # the trainer's; on GPT-2 small the same without the compiled and eager-optimizer rows.
@@ -201,7 +209,7 @@ for plan in "${plans[@]}"; do
         for name in optimizer_sizes train_mlp gemm_transformer train_gpt2; do bench $name; done
         ;;
     more)
-        for name in train_fp8 gemm_rest train_rest optimizer_modes norm loss ceilings host; do bench $name; done
+        for name in train_fp8 gemm_rest train_rest optimizer_modes norm loss ceilings host gpt; do bench $name; done
         ;;
     bench)
         (($#)) || set -- "${ALL_BENCH[@]}"

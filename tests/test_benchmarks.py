@@ -59,9 +59,13 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
         "bench_train_gpt2",
     )
     more = ("bench_train_fp8", "bench_gemm_rest", "bench_train_rest", "bench_optimizer_modes", "bench_norm")
-    rest = ("bench_loss", "ceilings", "bench_host", "gpu_collection", "bench_activation_memory", "report")
-    for phase in (*quick, *more, *rest):
+    rest = ("bench_loss", "ceilings", "bench_host", "gpt_job", "gpu_collection", "bench_activation_memory")
+    for phase in (*quick, *more, *rest, "report"):
         assert f"{phase}: ok" in summary, summary
+    # the language-model job's table (every run, bits per character against fp32's) and picture
+    table = (out / "results" / "cpu" / "gpt_job.txt").read_text()
+    assert all(f"\n{run} " in table for run in ("fp32", "autocast", "tkern", "tkern-bf16")), table
+    assert (out / "results" / "cpu" / "gpt_job.png").is_file()
     # the device brings back at most 8 files; the plan leaves at most 6 in $OUT
     assert len([f for f in out.iterdir() if f.is_file()]) <= 6, sorted(out.iterdir())
     for stem in ("ceilings", "host", "gemm", "optimizer", "train", "norm", "loss"):
