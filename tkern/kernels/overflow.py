@@ -96,6 +96,11 @@ def _grad_stats_kernel(
         amax = tl.maximum(amax, tl.abs(g))
     row = partials_ptr + pid * _N_STATS
     any_bad = tl.max(nonfinite, axis=0)
+    # reduced and stored before the rare path, so its loop holds no BLOCK-wide accumulators
+    # (held across it, they spilled 16 B on sm_90 under triton 3.6)
+    tl.store(row + _FOUND_INF, any_bad)
+    tl.store(row + _SUMSQ, tl.sum(sumsq, axis=0))
+    tl.store(row + _AMAX, tl.max(amax, axis=0))
     if TRACK:  # noqa: SIM102 (a constexpr: Triton compiles the branch away)
         if any_bad != 0.0:  # rare: read this program's share again, marking the params
             # chunk by chunk, as the main loop (full-width loads); in a chunk that held one, each
@@ -125,9 +130,6 @@ def _grad_stats_kernel(
                         tl.store(flags_ptr + j, stamp, mask=hit != 0)
                         j += 1
                         at = end
-    tl.store(row + _FOUND_INF, any_bad)
-    tl.store(row + _SUMSQ, tl.sum(sumsq, axis=0))
-    tl.store(row + _AMAX, tl.max(amax, axis=0))
 
 
 @triton.jit
