@@ -643,10 +643,13 @@ def test_copies_of_an_optimizer_step_correctly(how):
             m2, o2 = pickle.loads(pickle.dumps((model, opt)))
         p2 = list(m2.parameters())
         m1, o1 = model, opt
+    before = [p.detach().clone() for p in p2]
     run(o2, p2, 2, seed=30)
     run(o1, list(m1.parameters()), 2, seed=30)
     for a, b in zip(m1.parameters(), p2, strict=True):
         assert torch.equal(a, b)
+    # equal is not enough: a copy that never steps would equal an original that never steps
+    assert all(not torch.equal(p, b) for p, b in zip(p2, before, strict=True))
     if m2 is not None:
         assert p2[0] is o2.param_groups[0]["params"][0]
 
