@@ -205,6 +205,17 @@ def _scenario_errors(rank, world):
                 out[key, how] = None
             except ValueError as e:
                 out[key, how] = str(e)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh3 = init_device_mesh("cpu", (1, 2, 2))
+    three_d = torch.nn.Parameter(
+        distribute_tensor(torch.ones(4, 2), mesh3, [Replicate(), Replicate(), Shard(0)])
+    )
+    try:
+        FusedAdamW([three_d])
+        out["mesh_3d"] = None
+    except ValueError as e:
+        out["mesh_3d"] = str(e)
     out["groups_after"] = len(opt.param_groups)
     out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, full(model.parameters()), strict=True))
     return out
@@ -360,10 +371,11 @@ def test_int_reshard_after_forward_falls_back_to_the_copy_and_trains_alike(world
         _assert_params(res["params"], ref_params, exact=True)
 
 
-def test_tensor_parallel_layouts_on_a_2d_mesh_still_raise(world4):
+def test_tensor_parallel_layouts_on_a_2d_mesh_and_a_3d_mesh_still_raise(world4):
     for res in result(world4, "errors"):
         for layout in ("replicate-shard1", "shard-shard"):
             for how in ("new", "added", "scaler"):
                 msg = res[layout, how]
                 assert msg is not None and "2-D device mesh" in msg and "Replicate(), Shard(dim=0)" in msg
+        assert "3-D device mesh" in res["mesh_3d"] and "HSDP's 2-D (replicate, shard) mesh" in res["mesh_3d"]
         assert res["groups_after"] == 1 and res["unchanged"]
