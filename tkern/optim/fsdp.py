@@ -199,7 +199,9 @@ def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
     the FSDPParam is not found (a torch without these names), its shard is offloaded to
     the CPU, a tensor subclass all-gathers itself, ``reshard_after_forward`` is an int
     (a second sharded copy after forward), or the layout is not the one described.
-    ``tests/test_fsdp_alias.py`` fails if a torch upgrade breaks this.
+    Under HSDP (an ``HSDPMeshInfo``) the layout is the same, padded to the shard dim's
+    first rank's rows, and is aliased alike. ``tests/test_fsdp_alias.py`` and
+    ``tests/test_fsdp_hsdp.py`` fail if a torch upgrade breaks this.
     """
     try:
         from torch.distributed._composable_state import _module_state_mapping
