@@ -199,7 +199,8 @@ def _scenario_errors(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh2 = init_device_mesh("cpu", (1, world))
-    two_d = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh2, [Replicate(), Shard(0)]))
+    # HSDP's (Replicate(), Shard(0)) is taken (tests/test_fsdp_hsdp.py); a tensor-parallel layout is not
+    two_d = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh2, [Replicate(), Shard(1)]))
     attempt("mesh_2d", lambda: FusedAdamW([two_d]))
     attempt("zero2", lambda: DistributedFusedAdamW([dparams[0]]))
     # a rejected second group leaves the optimizer as it was

@@ -7,7 +7,7 @@ optimizer is built, after FSDP2's lazy init (first forward) and after steps, and
 must stay bit-identical to the copy path (the seam patched to refuse) on the model of
 ``test_fsdp`` (uneven 3/2-row shards, an empty one). A mode FSDP2 forbids aliasing in
 (CPU offload) falls back to the copy and says why in ``memory_report``; an int
-``reshard_after_forward`` other than 1 or W needs more than 2 ranks and is not run here.
+``reshard_after_forward`` other than 1 or W needs more than 2 ranks: tests/test_fsdp_hsdp.py.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ statistics. A tkern fused optimizer decides the skip inside its own ``step``.
 Gradients that are FSDP2 DTensors (``fully_shard``) are checked on their local
 shards (empty ones included) and their statistics summed over their mesh by
 every rank (found_inf and max |g| by max, as GradScaler reduces found_inf for
-DTensors), whatever ``process_group`` says.
+DTensors), whatever ``process_group`` says; under HSDP summed over the shard dim
+and agreed on (max) over the replicate dim (:class:`tkern.optim.fsdp.MeshGroups`).
 
 Safety: if ``max_overflows_at_min`` consecutive steps overflow while S is
 already at its minimum, ``update`` raises ``RuntimeError`` naming the step and

@@ -20,7 +20,7 @@ def unscale_grads(
     """Multiply every ``p.grad`` of ``params`` by ``inv_scale`` in place (sparse ones
     coalesced first, replacing ``.grad``) and flag inf/nan: ``{group -> (1,) found_inf}``,
     one per process group the gradients' statistics are combined over (None: whole
-    gradients; a mesh's group: FSDP2's local shards)."""
+    gradients; a mesh's :class:`~tkern.optim.fsdp.MeshGroups`: FSDP2's local shards)."""
     found: dict[Any, torch.Tensor] = {}
     with torch.no_grad():
         grads = []
@@ -49,14 +49,14 @@ def unscaled_stats(
     """The (N_STATS,) statistics of ``optimizer``'s gradients, already unscaled by
     :func:`unscale_grads` (``found``: its result): whole gradients combined over
     ``process_group`` (max), FSDP2's shards summed over their mesh by every rank,
-    empty shards included."""
+    empty shards included (HSDP's: summed over the shard dim, agreed on over the replicate dim)."""
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     values = [g._values() if g.is_sparse else g for g in grads]
     with torch.no_grad():
         parts = [
             combine_stats(local_stats(local, found[key]), process_group)
             if key is None
-            else combine_stats(local_stats(local, found[key]), key, sharded=True)
+            else key.combine(local_stats(local, found[key]))
             for key, local in split_by_mesh(values).items()
         ]
         return parts[0] if len(parts) == 1 else reduce_stats(torch.stack(parts))

@@ -35,35 +35,103 @@ Who reduces the statistics
     replicas: one more all-reduce per step, only then), so its gradients cannot
     make ranks clip by different norms or one rank skip alone.
 
+HSDP (``fully_shard`` on a 2-D mesh, dims (replicate, shard))
+    The params are DTensors with placements ``(Replicate(), Shard(0))``: the local
+    tensor is the rows the shard dim's coordinate gives, and every rank of a
+    replicate group holds the same rows (after backward, FSDP2 reduce-scatters the
+    gradients over the shard dim and all-reduces them over the replicate dim). The
+    rule for the statistics (:class:`MeshGroups`): the sum of squares is summed
+    over the shard dim's group only (the ranks of one replica hold the whole
+    gradient between them; summing over the replicas too would count it twice),
+    and then the ranks of the replicate dim agree on the elementwise max of the
+    result (found_inf, max |g| and the sum of squares: equal replicas give back
+    the same values), so all ranks of the mesh clip by one norm and skip the same
+    steps even when one rank's gradients differ from its replicas' (an inf only
+    there). A plain param group beside them is agreed on (max) over both dims.
+    That is one more tiny collective per step than on a 1-D mesh. The seed of
+    stochastic rounding is rank (0, 0)'s on every rank. ``memory_report``'s
+    ``world_size`` is the shard dim's size (what the shards divide the bytes by).
+
 Limits (a ``ValueError`` before anything changes): a param group holds DTensor
-params or plain ones, not both; DTensor params are ``Shard(0)`` on a 1-D mesh
-(no HSDP's 2-D mesh, no tensor parallelism), all on one mesh; tkern's ZeRO-2
+params or plain ones, not both; DTensor params are ``Shard(0)`` on a 1-D mesh or
+``(Replicate(), Shard(0))`` on a 2-D one (HSDP; no tensor parallelism, no
+other placements, no mesh of more dims), all on one mesh; tkern's ZeRO-2
 optimizers take plain params only.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tkern.flat import OWNED, ParamStorage, describe_param
 from tkern.flat.storage import SharedSlots
+from tkern.kernels.overflow import combine_stats
 
-__all__ = ["DTensorShards", "fsdp_shard_storage", "param_storage", "split_by_mesh"]
+__all__ = [
+    "DTensorShards",
+    "MeshGroups",
+    "fsdp_shard_storage",
+    "mesh_groups",
+    "param_storage",
+    "split_by_mesh",
+]
+
+#: The layouts tkern steps: FSDP2's on a 1-D mesh, HSDP's on a 2-D (replicate, shard) mesh.
+_LAYOUTS = {1: (Shard(0),), 2: (Replicate(), Shard(0))}
+
+
+class MeshGroups(NamedTuple):
+    """The process groups the statistics of sharded DTensor gradients are combined over.
+
+    ``shard``: the group of the mesh dim the params are sharded over (its ranks hold
+    disjoint rows: the sum of squares is summed). ``replicate``: HSDP's replicate dim
+    (its ranks hold replicas of the same rows: they agree on the max), None on a 1-D mesh.
+    Hashable: :func:`split_by_mesh` keys gradients by it."""
+
+    shard: Any
+    replicate: Any = None
+
+    def combine(self, stats: torch.Tensor, *, sharded: bool = True) -> torch.Tensor:
+        """The (N_STATS,) statistics every rank of the mesh steps with, from this rank's:
+        ``sharded`` (this rank's shards' statistics): summed over ``shard`` in rank order
+        (:func:`tkern.kernels.overflow.combine_stats`), then the max over ``replicate``;
+        not ``sharded`` (whole gradients, each rank's own): the max over both."""
+        stats = combine_stats(stats, self.shard, sharded=sharded)
+        if self.replicate is not None:
+            stats = combine_stats(stats, self.replicate)
+        return stats
+
+    @property
+    def groups(self) -> tuple:
+        """The groups that are set, ``shard`` first."""
+        return (self.shard,) if self.replicate is None else (self.shard, self.replicate)
+
+
+def mesh_groups(mesh: Any) -> MeshGroups:
+    """The :class:`MeshGroups` of FSDP2's ``mesh`` (1-D, or HSDP's 2-D (replicate, shard))."""
+    if mesh.ndim == 1:
+        return MeshGroups(mesh.get_group(0))
+    return MeshGroups(mesh.get_group(1), mesh.get_group(0))
 
 
 class DTensorShards(ParamStorage):
-    """FSDP2's DTensor params, ``Shard(0)`` on the 1-D ``mesh``: the flat buffer holds
-    a copy of each local shard (see the module docstring), ``.grad`` is a DTensor
-    over the gradient view, and the statistics are summed over the mesh's group."""
+    """FSDP2's DTensor params, ``Shard(0)`` on the 1-D ``mesh`` or ``(Replicate(), Shard(0))``
+    on HSDP's 2-D one: the flat buffer is FSDP2's shard storage or holds a copy of each
+    local shard (see the module docstring), ``.grad`` is a DTensor over the gradient view,
+    and the statistics are combined by ``groups`` (:class:`MeshGroups`): summed over the
+    shard dim's group (``stats_group``), agreed on over the replicate dim's."""
 
     owns_storage = False
 
     def __init__(self, mesh: Any) -> None:
         self.mesh = mesh
-        self.stats_group = mesh.get_group()
+        #: The mesh dim the params are sharded over (the last: HSDP's mesh is (replicate, shard)).
+        self.shard_dim = mesh.ndim - 1
+        self.groups = mesh_groups(mesh)
+        self.stats_group = self.groups.shard
 
     def local(self, param: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -84,7 +152,8 @@ class DTensorShards(ParamStorage):
     def unwrap(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """This rank's rows of ``value``: a DTensor's local tensor (redistributed to the
         param's layout first if it has another: a collective), or the rows of a whole
-        tensor (one process's state, a torch optimizer's) that ``Shard(0)`` gives this rank."""
+        tensor (one process's state, a torch optimizer's) that ``Shard(0)`` gives this rank
+        (by its coordinate on the shard dim: HSDP's replicas take the same rows)."""
         with torch.no_grad():
             if isinstance(value, DTensor):
                 if value.device_mesh != param.device_mesh or value.placements != param.placements:
@@ -94,8 +163,8 @@ class DTensorShards(ParamStorage):
             if param.dim() == 0 or rows == param.shape[0]:
                 return value.reshape(param.shape)
             # torch.chunk's split, as FSDP2's: ceil(n / W) rows per rank, the last ones short or empty
-            chunk = -(-param.shape[0] // self.mesh.size())
-            start = min(self.mesh.get_local_rank() * chunk, param.shape[0])
+            chunk = -(-param.shape[0] // self.mesh.size(self.shard_dim))
+            start = min(self.mesh.get_local_rank(self.shard_dim) * chunk, param.shape[0])
             return value.reshape(param.shape)[start : start + rows]
 
     def shared_slots(self, params: list[torch.Tensor]) -> SharedSlots | str:
@@ -130,7 +199,9 @@ def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
     the FSDPParam is not found (a torch without these names), its shard is offloaded to
     the CPU, a tensor subclass all-gathers itself, ``reshard_after_forward`` is an int
     (a second sharded copy after forward), or the layout is not the one described.
-    ``tests/test_fsdp_alias.py`` fails if a torch upgrade breaks this.
+    Under HSDP (an ``HSDPMeshInfo``) the layout is the same, padded to the shard dim's
+    first rank's rows, and is aliased alike. ``tests/test_fsdp_alias.py`` and
+    ``tests/test_fsdp_hsdp.py`` fail if a torch upgrade breaks this.
     """
     try:
         from torch.distributed._composable_state import _module_state_mapping
@@ -174,15 +245,21 @@ def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
 
 
 def _check_dtensor(p: DTensor, name: str) -> None:
-    mesh = p.device_mesh
-    if mesh.ndim != 1:
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.ndim not in _LAYOUTS:
         raise ValueError(
-            f"{name} is a DTensor on a {mesh.ndim}-D device mesh (HSDP or tensor parallelism): "
-            "tkern's fused optimizers take FSDP2 params sharded on a 1-D mesh"
+            f"{name} is a DTensor on a {mesh.ndim}-D device mesh: tkern's fused optimizers take FSDP2 "
+            "params sharded on a 1-D mesh or HSDP's 2-D (replicate, shard) mesh"
         )
-    if tuple(p.placements) != (Shard(0),):
+    if placements != _LAYOUTS[mesh.ndim]:
+        if mesh.ndim == 2:
+            raise ValueError(
+                f"{name} is a DTensor on a 2-D device mesh with placements {placements} (tensor "
+                f"parallelism or another layout): on a 2-D mesh tkern's fused optimizers take HSDP's "
+                f"params, placements {_LAYOUTS[2]} (fully_shard on a (replicate, shard) mesh)"
+            )
         raise ValueError(
-            f"{name} is a DTensor with placements {tuple(p.placements)}: tkern's fused optimizers take "
+            f"{name} is a DTensor with placements {placements}: tkern's fused optimizers take "
             "FSDP2 params sharded on dim 0, placements (Shard(dim=0),) (fully_shard's default)"
         )
 
@@ -193,7 +270,8 @@ def param_storage(
     """How a fused optimizer holds param group ``group``'s ``params``: :data:`tkern.flat.OWNED`
     for plain tensors, a :class:`DTensorShards` for FSDP2's DTensor params (``current``, the
     optimizer's existing one, if it has one). Raises ``ValueError`` for a group that mixes
-    the two, a DTensor that is not ``Shard(0)`` on a 1-D mesh, a second mesh, or DTensor
+    the two, a DTensor in neither FSDP2's layout (``Shard(0)`` on a 1-D mesh) nor HSDP's
+    (``(Replicate(), Shard(0))`` on a 2-D mesh), a second mesh, or DTensor
     params given to a ZeRO-2 optimizer (``zero``); nothing is changed."""
     kinds = [isinstance(p, DTensor) for p in params]
     if not any(kinds):
@@ -222,9 +300,10 @@ def param_storage(
     return current if current is not None else DTensorShards(mesh)
 
 
-def split_by_mesh(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
-    """Gradients by the process group their statistics are summed over: the local
-    shards of ``Shard(0)`` DTensors on a 1-D mesh under that mesh's group, every
+def split_by_mesh(tensors: list[torch.Tensor]) -> dict[MeshGroups | None, list[torch.Tensor]]:
+    """Gradients by the process groups their statistics are combined over: the local
+    shards of FSDP2's DTensors (``Shard(0)`` on a 1-D mesh, HSDP's ``(Replicate(), Shard(0))``
+    on a 2-D one) under their mesh's :class:`MeshGroups` (``key.combine(stats)``), every
     other tensor (a plain one, or a replicated DTensor's local copy) under None.
     Raises ``ValueError`` for other DTensor layouts (a loss scaler cannot tell how
     to combine their statistics)."""
@@ -236,7 +315,7 @@ def split_by_mesh(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
                 pass
             else:
                 _check_dtensor(t, f"gradient {i} (shape {tuple(t.shape)}, dtype {t.dtype})")
-                key = t.device_mesh.get_group()
+                key = mesh_groups(t.device_mesh)
             with torch.no_grad():
                 t = t.to_local()
         out.setdefault(key, []).append(t)

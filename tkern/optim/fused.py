@@ -218,7 +218,7 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
             param_group.setdefault(key, default)
         self._validate_group(param_group, gi)
         if isinstance(storage, DTensorShards):  # FSDP2's ranks: one seed, one state_dict
-            self._share_seed(storage.stats_group)
+            self._share_seed(*storage.groups.groups)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if params:
@@ -244,15 +244,17 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
             self._refresh_state(flat)
         self._float8_caches += [c for p in group["params"] if (c := float8_weight_cache(p)) is not None]
 
-    def _share_seed(self, group: Any) -> None:
-        """A default seed becomes rank 0's of ``group`` (None: the default group) on every
-        rank, once (one broadcast; nothing without torch.distributed): with
+    def _share_seed(self, *groups: Any) -> None:
+        """A default seed becomes rank 0's of ``groups`` (None: the default group; of several,
+        rank 0's of the first, then of the next: HSDP's shard dim, then replicate dim) on every
+        rank, once (a broadcast per group; nothing without torch.distributed): with
         ``master="none"`` at construction, and for FSDP2's DTensor params when their
         first group is added. Buffers already built are reseeded as a loaded seed
         reseeds them. A seed given to the constructor is kept as it is."""
         if self._seed_shared:
             return
-        self.seed = shared_seed(self.seed, group)
+        for group in groups:
+            self.seed = shared_seed(self.seed, group)
         self._seed_shared = True
         for before, flats in enumerate(self._flat):
             for j, flat in enumerate(flats):
@@ -402,17 +404,17 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
             if found_inf is not None:
                 torch.maximum(stats[:1], found_inf, out=stats[:1])
             stats = self._sync_stats(stats)
-            mesh = self._dtensor_storage.stats_group if mixed else None
-            if mesh is not None and mesh is not self._process_group:
-                # each rank's own plain gradients: the ranks agree on their max, as for replicas,
-                # so every rank clips by one norm and skips the same steps
-                stats = combine_stats(stats, mesh)
+            mesh = self._dtensor_storage.groups if mixed else None
+            if mesh is not None and mesh != (self._process_group, None):
+                # each rank's own plain gradients: the ranks of the mesh (both of HSDP's dims) agree
+                # on their max, as for replicas, so every rank clips by one norm and skips the same steps
+                stats = mesh.combine(stats, sharded=False)
         if self._dtensor_storage is not None:
             shards = [b.grad for _, plan, group in work if group is not None for b in plan]
             sharded = grad_stats(shards, inv_scale)
             if found_inf is not None and stats is None:
                 torch.maximum(sharded[:1], found_inf, out=sharded[:1])
-            sharded = combine_stats(sharded, self._dtensor_storage.stats_group, sharded=True)
+            sharded = self._dtensor_storage.groups.combine(sharded)  # (HSDP: summed over the shard dim)
             stats = sharded if stats is None else reduce_stats(torch.stack([stats, sharded]))
         return stats
 

@@ -31,7 +31,8 @@ def memory_report(opt: Any) -> dict[str, Any]:
     statistics; for the sharded optimizers the reduce-scatter's staging).
     Over FSDP2's DTensor params every buffer covers this rank's local shards
     (``numel`` counts their elements, so ``bytes_per_param`` is per param per rank:
-    times ``world_size``, FSDP2's mesh size, it is per param of the model). The param
+    times ``world_size``, FSDP2's mesh size, it is per param of the model; under HSDP
+    ``world_size`` and ``rank`` are the shard dim's, and each replica holds those bytes). The param
     buffer is FSDP2's shard storage itself (:func:`tkern.optim.fsdp.fsdp_shard_storage`);
     where FSDP2 is in a mode that forbids that, ``alias_fallback`` says why and
     ``fsdp_storage`` counts FSDP2's own copy of the shards (in ``total``; 0 otherwise).
