@@ -137,26 +137,31 @@ def test_flags_match_a_reference_across_programs_and_a_ragged_tail(dtype):
     bad_at = torch.randint(0, n, (12,), generator=g).tolist() + [n - 1, 0]
     for k, i in enumerate(bad_at):
         grad[i] = (float("inf"), float("-inf"), float("nan"))[k % 3]
-    flags = torch.full((len(sizes),), 7, dtype=torch.int32)  # untouched slots keep their value
-    inv_scale = torch.full((1,), 0.5)
-    stats = grad_stats([grad], inv_scale, [OverflowFlags(starts + base, flags, base)], stamp=9)
+    grad = grad.to(DEVICE)
+    flags = torch.full((len(sizes),), 7, dtype=torch.int32, device=DEVICE)  # untouched slots keep theirs
+    inv_scale = torch.full((1,), 0.5, device=DEVICE)
+    track = [OverflowFlags((starts + base).to(DEVICE), flags, base)]
+    stats = grad_stats([grad], inv_scale, track, stamp=9)
     expected = torch.full((len(sizes),), 7, dtype=torch.int32)
     for i in bad_at:
         expected[torch.searchsorted(starts, torch.tensor(i), right=True) - 1] = 9
-    assert torch.equal(flags, expected)
+    assert torch.equal(flags.cpu(), expected)
     assert torch.equal(stats, grad_stats([grad], inv_scale))  # the statistics are the same
     assert stats[FOUND_INF] == 1.0
 
 
 def test_grad_stats_rejects_bad_tracking_input():
-    grad, inv = torch.zeros(32, dtype=torch.float16), torch.ones(1)
-    flags = OverflowFlags(torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
+    grad, inv = torch.zeros(32, dtype=torch.float16, device=DEVICE), torch.ones(1, device=DEVICE)
+    flags = OverflowFlags(
+        torch.zeros(2, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    )
     with pytest.raises(ValueError, match="one entry per gradient"):
         grad_stats([grad], inv, [flags, flags])
     with pytest.raises(ValueError, match="stamp"):
         grad_stats([grad], inv, [flags], stamp=0)
+    starts = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="one non-empty length"):
-        grad_stats([grad], inv, [OverflowFlags(torch.zeros(3, dtype=torch.int64), flags.flags)])
+        grad_stats([grad], inv, [OverflowFlags(starts, flags.flags)])
 
 
 def test_trainer_logs_the_skipped_step_with_the_layer(caplog):
@@ -216,16 +221,16 @@ def test_underflow_counts_match_a_torch_reference(dtype):
     expected = []
     for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
         expected.append(reference_counts(padded[max(s, base) : e]) if e > base else (0, 0, 0))
-    counts = torch.full((len(sizes), N_COUNTS), 5, dtype=torch.int64)  # counts are added to
-    grad_underflow([grad], [UnderflowCounts(starts, ends, counts, base)])
-    assert torch.equal(counts - 5, torch.tensor(expected))
+    counts = torch.full((len(sizes), N_COUNTS), 5, dtype=torch.int64, device=DEVICE)  # added to
+    grad_underflow([grad.to(DEVICE)], [UnderflowCounts(starts.to(DEVICE), ends.to(DEVICE), counts, base)])
+    assert torch.equal(counts.cpu() - 5, torch.tensor(expected))
     assert (counts[:, 1] > 5).sum() > 20  # the subnormals are really there
 
 
 def test_grad_underflow_rejects_bad_input():
-    grad = torch.zeros(32, dtype=torch.float16)
-    starts, ends = torch.tensor([0, 16]), torch.tensor([10, 30])
-    counts = torch.zeros(2, N_COUNTS, dtype=torch.int64)
+    grad = torch.zeros(32, dtype=torch.float16, device=DEVICE)
+    starts, ends = torch.tensor([0, 16], device=DEVICE), torch.tensor([10, 30], device=DEVICE)
+    counts = torch.zeros(2, N_COUNTS, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="one entry per gradient"):
         grad_underflow([grad], [])
     with pytest.raises(ValueError, match=r"counts \(P, 3\)"):
