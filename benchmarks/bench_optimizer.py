@@ -40,8 +40,8 @@ mode with Dynamo's ``eager`` backend, so no Inductor build on a CPU).
 Mixed-precision health (issue 37 item 7), section ``health``: tkern's scaled step at
 10M fp16 params with health tracking off (the default), with overflow tracking on
 (``opt.track_overflows``), and with underflow sampling (``opt.track_underflows``)
-every step (the worst case: every step also reads the gradients once more and runs
-eager) and every 100 steps. Each timed call runs HEALTH_BLOCK (100) steps, so it
+every step (the worst case: every step also reads the gradients once more, in three
+launches after its graph's replay) and every 100 steps. Each timed call runs HEALTH_BLOCK (100) steps, so it
 holds exactly one sampled step at every=100 and the median call is the amortised
 cost; rows record ms per step. Target: the step with overflow tracking and sampling
 every 100 steps <= 1.02x the step with tracking off (``health_10M_k100_vs_off``);

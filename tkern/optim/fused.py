@@ -172,7 +172,6 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         #: the params' ends and their (P, N_COUNTS) int64 counts; the last sampled step's
         #: number and (4,) fp32 statistics and inv_scale.
         self._underflow_every: int | None = None
-        self._sample_now = False
         self._underflow_counts: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._underflow_meta: tuple[int, torch.Tensor] | None = None
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
@@ -361,18 +360,17 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         if found_inf is not None:
             found_inf = found_inf.detach().reshape(1).to(torch.float32)
         collectives = (self.shard_group, self._process_group, self._dtensor_storage)
-        blocker = self._graph_blocker(any(c is not None for c in collectives), self._device)
-        every = self._underflow_every
-        self._sample_now = every is not None and self._steps_run % every == 0
-        if self._sample_now and blocker is None:  # a graph's replay would not sample
-            blocker = "the step samples the gradients for zeros and subnormals (opt.track_underflows)"
         self.grad_stats = self._run_step(
             lambda inv, found=None: self._device_step(work, inv, found),
             inv_scale,
             found_inf,
             lambda: step_stamp(self, args, found_inf),
-            blocker,
+            self._graph_blocker(any(c is not None for c in collectives), self._device),
         )
+        every = self._underflow_every
+        if every is not None and self._steps_run % every == 0 and not in_graph_step():
+            # after the step, eager or replayed: it leaves the gradients as they were
+            self._count_underflows(work, self.grad_stats, inv_scale)
         self._sync_params()
         for flat in self._held_elsewhere:  # FSDP2's local shards: its next all-gather reads them
             flat.write_back()
@@ -436,8 +434,6 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
                 torch.maximum(sharded[:1], found_inf, out=sharded[:1])
             sharded = combine_stats(sharded, self._dtensor_storage.stats_group, sharded=True)
             stats = sharded if stats is None else reduce_stats(torch.stack([stats, sharded]))
-        if self._sample_now and not scratch:
-            self._count_underflows(work, stats, inv_scale)
         return stats
 
     def _stamp(self) -> int:
@@ -462,9 +458,11 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         return OverflowFlags(starts=held[1], flags=held[2][int(scratch)], base=b.offset)
 
     def _count_underflows(self, work: list, stats: torch.Tensor, inv_scale: torch.Tensor) -> None:
-        """A sampled step: count the zeros and subnormals of every planned range's gradients
-        (whole ones; FSDP2's shards are not sampled) per param, into counts zeroed first,
-        and keep the step's statistics and inv_scale beside them (device copies, no sync)."""
+        """A sampled step, after its device work: count the zeros and subnormals of every
+        planned range's gradients (whole ones; FSDP2's shards are not sampled) per param,
+        into counts zeroed first, and keep the step's statistics and inv_scale beside them
+        (device copies, no sync). Launched eagerly after the step's graph replays too, so
+        the graph stays the same whether or not a step is sampled."""
         for held in self._underflow_counts.values():
             held[2].zero_()  # a buffer out of this step's plan reports nothing counted
         grads, into = [], []
@@ -547,10 +545,12 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         multiple of it; None: never, the default) for the fraction of each tensor's
         gradient that is exactly zero and that is subnormal in its 16-bit dtype, as
         stored (scaled, before unscaling: what loss scaling protects). A sampled step
-        runs one more launch per planned range (a read of the 16-bit gradients, 2 B a
-        param for fp16/bf16) and runs eager, not as a CUDA graph (a replay would not
-        sample); the others pay one integer test. Steps inside another graph's capture
-        (``Trainer(cuda_graph=True)``) and FSDP2's sharded params are not sampled.
+        adds one launch per planned range after its device work (a read of the 16-bit
+        gradients, 2 B a param for fp16/bf16; a CUDA-graphed step replays its graph as
+        before and the launches follow it), and a few tiny ones (zeroing the counts,
+        copying the step's statistics); the other steps pay one integer test. Steps
+        inside another graph (``Trainer(cuda_graph=True)``) and FSDP2's sharded params
+        are not sampled.
         :meth:`overflow_report` reads the last sampled step's fractions
         (``zero_fraction``, ``subnormal_fraction``) and
         :meth:`~tkern.optim.report.OverflowReport.scale_too_low`. Turns
