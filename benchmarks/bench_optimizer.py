@@ -37,6 +37,16 @@ against torchao's ``AdamW8bit`` and ``_AdamW(bf16_stochastic_round=True)`` on
 the same bf16 params (torchao compiles its step per param tensor; in smoke
 mode with Dynamo's ``eager`` backend, so no Inductor build on a CPU).
 
+Mixed-precision health (issue 37 item 7), section ``health``: tkern's scaled step at
+10M fp16 params with health tracking off (the default), with overflow tracking on
+(``opt.track_overflows``), and with underflow sampling (``opt.track_underflows``)
+every step (the worst case: every step also reads the gradients once more, in three
+launches after its graph's replay) and every 100 steps. Each timed call runs HEALTH_BLOCK (100) steps, so it
+holds exactly one sampled step at every=100 and the median call is the amortised
+cost; rows record ms per step. Target: the step with overflow tracking and sampling
+every 100 steps <= 1.02x the step with tracking off (``health_10M_k100_vs_off``);
+tracking alone and every=1 are figures beside it.
+
 A variant that raises is recorded under ``failed`` in optimizer.json (and
 printed last) and the others are still measured and written; results are
 saved after every case, so a timeout loses only the case in progress.
@@ -84,7 +94,7 @@ LR = 1e-3
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 1e-2  # torch.optim.AdamW's defaults
 #: Steps over which the host syncs per step are counted (and averaged).
 SYNC_STEPS = 20
-SECTIONS = ("modes", "sizes", "overhead")
+SECTIONS = ("modes", "sizes", "overhead", "health")
 #: Where the graphed step is compared with ``cuda_graph=False`` (launch-bound sizes).
 GRAPH_CASES = ("1M", "10M", "4k")
 #: torch's own graphed step, tkern's graphed step's peer at GRAPH_CASES
@@ -97,6 +107,20 @@ SMOKE_MODE_SIZES = {"8k": 8192}  # >= 4096 elements: the 8-bit state is used (MI
 QBLOCK = 256
 #: "within 10% of its byte floor": measured ms <= FLOOR_MARGIN x floor ms
 FLOOR_MARGIN = 1.1
+#: The health section: its case (size), the variants (None: tracking off; 0: overflow
+#: tracking only; k: underflow sampling every k steps, with overflow tracking), the steps
+#: per timed call (a multiple of every k, so each call holds the same sampled steps) and
+#: the bound on the amortised cost (issue 37 item 7: at most 2% of the step at 10M params).
+HEALTH_CASE, SMOKE_HEALTH_CASE = "10M", "4k"
+HEALTH_OFF = "tkern health off"
+HEALTH_VARIANTS = {
+    HEALTH_OFF: None,
+    "tkern overflow tracking": 0,
+    "tkern underflow every 1": 1,
+    "tkern underflow every 100": 100,
+}
+HEALTH_BLOCK = 100
+HEALTH_BOUND = 1.02
 
 
 def floor_bytes_per_param(master: str, state_dtype: str) -> float:
@@ -152,6 +176,16 @@ class TkernStep:
 
 def tkern_step(sizes, device, scaled=True, **options) -> TkernStep:
     return TkernStep(sizes, device, scaled, **options)
+
+
+def health_step(sizes, device, every: int | None) -> TkernStep:
+    """The scaled step with health tracking as HEALTH_VARIANTS says (``every``)."""
+    step = TkernStep(sizes, device)
+    if every is not None:
+        step.opt.track_overflows = True
+    if every:
+        step.opt.track_underflows(every)
+    return step
 
 
 def torchao_step(sizes, device, smoke: bool, eight_bit: bool) -> Callable[[], None]:
@@ -455,6 +489,46 @@ def run_overhead(res: Results, mode: Mode) -> None:
     res.save()
 
 
+def run_health(res: Results, mode: Mode) -> None:
+    """What overflow tracking and underflow sampling add to the scaled step (ms per step,
+    HEALTH_BLOCK steps per timed call; in smoke mode 2, every=100 sampling every 2nd step
+    so that its path runs)."""
+    size = SMOKE_HEALTH_CASE if mode.smoke else HEALTH_CASE
+    sizes = (SMOKE_SIZES if mode.smoke else SIZES)[size]
+    block = 2 if mode.smoke else HEALTH_BLOCK
+    case = f"health {size}"
+    for impl, every in HEALTH_VARIANTS.items():
+        step = None
+        every = min(every, block) if every else every
+        try:
+            step = health_step(sizes, mode.device, every)
+
+            def steps(step=step) -> None:
+                for _ in range(block):
+                    step()
+
+            ms, lo, hi = bench(steps, mode, rep_ms=1000)
+            res.add(
+                case,
+                impl,
+                ms / block,
+                ms_p20=round(lo / block, 5),
+                ms_p80=round(hi / block, 5),
+                steps_per_call=block,
+                underflow_every=every,
+                track_overflows=every is not None,
+                **step.fields(),
+            )
+        except torch.OutOfMemoryError:
+            print(f"{case} {impl}: out of memory, skipped")
+        except Exception as exc:  # record it, keep the other variants' numbers
+            _record_failure(res.meta["failed"], case, impl, exc)
+        finally:
+            step = None
+            _release(mode)
+    res.save()
+
+
 def summarize(res: Results, copy_gbps: float) -> list[str]:
     """The headline ratios into ``res.meta`` (what report.py reads), and their lines."""
     summary = [
@@ -504,6 +578,15 @@ def summarize(res: Results, copy_gbps: float) -> list[str]:
                 f"{size} {r['impl']}: {r['vs_floor']}x its floor of {r['bytes_per_param']} B/param "
                 f"(target <= {FLOOR_MARGIN})"
             )
+    size = next((r["case"].split()[1] for r in res.rows if r["case"].startswith("health ")), None)
+    for impl, every in HEALTH_VARIANTS.items():
+        if every is None or size is None:  # (no health rows: the section did not run)
+            continue
+        tag = "tracking" if every == 0 else f"k{every}"
+        cost = _finite_or_none(res.ratio(f"health {size}", HEALTH_OFF, impl))
+        res.meta[f"health_{size}_{tag}_vs_off"] = cost
+        bound = f" (target <= {HEALTH_BOUND})" if every == 100 else ""
+        summary.append(f"health {size}: {impl} {cost}x the step with tracking off{bound}")
     for size in MODE_SIZES:
         for impl, peer in (
             ("torchao AdamW8bit", "tkern master=none state=uint8"),
@@ -529,8 +612,10 @@ def main(argv: list[str] | None = None) -> Results:
             run_modes(res, mode, copy_gbps)
         elif section == "sizes":
             run_sizes(res, mode, copy_gbps)
-        else:
+        elif section == "overhead":
             run_overhead(res, mode)
+        else:
+            run_health(res, mode)
     summary = summarize(res, copy_gbps)  # in smoke mode too: the code path is checked
     for f in res.meta["failed"]:
         summary.append(f"FAILED {f['case']} {f['impl']}: {f['error']}")

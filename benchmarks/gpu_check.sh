@@ -18,7 +18,8 @@
 #        then report.py.
 # more (BUDGET 330 s, timeout_s 360: what 15 minutes leave after quick): fp8 GEMMs (torch with fast and with precise accumulation),
 #        square GEMMs, bias+GELU against the unfused recipe under torch.compile, the
-#        optimizer's memory modes, GPT-2 with the fp8 recipes, `tkern train --model gpt`
+#        optimizer's memory modes, the cost of mixed-precision health tracking at 10M
+#        params (bench_optimizer --sections health), GPT-2 with the fp8 recipes, `tkern train --model gpt`
 #        at its GPU default (results/<device>/gpt_job.txt and .png), norms, losses, the
 #        ceilings, host cost.
 # Every phase has its own cap (`timeout`) inside the call's BUDGET; a phase with
@@ -154,6 +155,8 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
         --sections sizes,overhead "${SMOKE[@]}" ;;
     optimizer_modes) run_phase bench_optimizer_modes bench 90 $py $b/bench_optimizer.py \
         --sections modes "${SMOKE[@]}" ;;
+    optimizer_health) run_phase bench_optimizer_health bench 45 $py $b/bench_optimizer.py \
+        --sections health "${SMOKE[@]}" ;;
     train) run_phase bench_train bench 170 $py $b/bench_train.py "${SMOKE[@]}" ;;
     train_mlp) run_phase bench_train_mlp bench 130 $py $b/bench_train.py --models mlp \
         --recipes "$MLP_QUICK" "${SMOKE[@]}" ;;
@@ -184,7 +187,7 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
         ;;
     esac
 }
-ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes train train_mlp train_gpt2 train_fp8
+ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes optimizer_health train train_mlp train_gpt2 train_fp8
     train_rest gemm gemm_transformer gemm_rest norm loss host gpt)
 # The quick call's recipes (`=NAME`: that recipe alone), the fp32 reference first: on the
 # MLPs autocast, compiled autocast and tkern with and without the optimizer's graph and
@@ -209,7 +212,9 @@ for plan in "${plans[@]}"; do
         for name in optimizer_sizes train_mlp gemm_transformer train_gpt2; do bench $name; done
         ;;
     more)
-        for name in train_fp8 gemm_rest train_rest optimizer_modes norm loss ceilings host gpt; do bench $name; done
+        for name in train_fp8 gemm_rest train_rest optimizer_modes optimizer_health norm loss ceilings host gpt; do
+            bench $name
+        done
         ;;
     bench)
         (($#)) || set -- "${ALL_BENCH[@]}"

@@ -292,6 +292,17 @@ TARGETS: list[Target] = [
             ("adamw_sr", "bf16", "_AdamW(bf16_stochastic_round=True)"),
         )
     ],
+    # mixed-precision health (issue 37 item 7): what it adds to the scaled step at 10M params
+    Target(
+        "optimizer",
+        "health_10M_k100_vs_off",
+        "health cost at 10M: step with overflow tracking + underflow sampling every 100 / tracking off",
+        "<=",
+        1.02,
+        rows=(("health 10M", "tkern health off"), ("health 10M", "tkern underflow every 100")),
+    ),
+    Target("optimizer", "health_10M_tracking_vs_off", "health cost at 10M: overflow tracking alone / off"),
+    Target("optimizer", "health_10M_k1_vs_off", "health cost at 10M: underflow sampling every step / off"),
     # host time (bench_host: on a GPU machine with CUDA tensors, on a CPU machine with CPU tensors)
     Target(
         "host",

@@ -237,6 +237,35 @@ def _stats_cases() -> list[Case]:
                     gated=not tail,
                 )
             )
+    # the sampled zero/subnormal count (opt.track_underflows), per gradient dtype
+    import torch
+
+    for dtype in ("fp16", "bf16", "fp32"):
+        for tail in (False, True):
+            if tail and dtype != "fp16":
+                continue
+            sig = {"grad_ptr": _ptr(dtype), "n": "i32", "starts_ptr": "*i64", "ends_ptr": "*i64"}
+            sig |= {"counts_ptr": "*i64", "n_params": "i32", "base": "i64", "search_steps": "i32"}
+            sig |= {"chunks": "i32", "BLOCK": "constexpr", "BITS": "constexpr", "MIN_NORMAL": "constexpr"}
+            torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+            cases.append(
+                Case(
+                    name=f"grad_underflow[{dtype}{',tail' if tail else ''}]",
+                    family="streaming",
+                    kernel="tkern.kernels.overflow:_grad_underflow_kernel",
+                    signature=sig,
+                    constexprs={
+                        "BLOCK": ov.BLOCK,
+                        "BITS": 8 * _SIZE[dtype],
+                        "MIN_NORMAL": ov.MIN_NORMAL_BITS[torch_dtype],
+                    },
+                    aligned=("grad_ptr", "starts_ptr", "ends_ptr", "counts_ptr") + (() if tail else ("n",)),
+                    num_warps=ov._NUM_WARPS,
+                    arrays=("grad_ptr",),
+                    per_thread=ov.BLOCK // (32 * ov._NUM_WARPS),
+                    gated=not tail,
+                )
+            )
     sig = {"partials_ptr": "*fp32", "n_rows": "i32", "inv_scale_ptr": "*fp32", "stats_ptr": "*fp32"}
     sig["BLOCK"] = "constexpr"
     cases.append(

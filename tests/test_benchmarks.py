@@ -58,7 +58,14 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
         "bench_gemm_transformer",
         "bench_train_gpt2",
     )
-    more = ("bench_train_fp8", "bench_gemm_rest", "bench_train_rest", "bench_optimizer_modes", "bench_norm")
+    more = (
+        "bench_train_fp8",
+        "bench_gemm_rest",
+        "bench_train_rest",
+        "bench_optimizer_modes",
+        "bench_optimizer_health",
+        "bench_norm",
+    )
     rest = ("bench_loss", "ceilings", "bench_host", "gpt_job", "gpu_collection", "bench_activation_memory")
     for phase in (*quick, *more, *rest, "report"):
         assert f"{phase}: ok" in summary, summary
@@ -123,6 +130,9 @@ def test_dry_run_optimizer_rows_cover_every_memory_mode_and_record_the_graph(dry
     tkern_rows = [r for r in rows if r["impl"].startswith("tkern")]
     # every tkern row says whether its step was graphed and, here on a CPU, why not
     assert all("cuda_graph" in r and r["graph_fallback"] and r["graph_replays"] == 0 for r in tkern_rows)
+    # the health rows (issue 37 item 7): every variant, ms per step
+    health = {r["impl"]: r for r in rows if r["case"].startswith("health ")}
+    assert set(health) == set(bo.HEALTH_VARIANTS) and all(r["ms"] > 0 for r in health.values())
     eager = [r for r in rows if r["impl"] == "tkern eager (cuda_graph=False)"]
     assert eager and all(
         r["cuda_graph"] is False and r["graph_fallback"] == "cuda_graph=False" for r in eager

@@ -75,7 +75,7 @@ def test_every_kernel_and_target_is_covered(rows):
     kernels = {(r["kernel"], r["target"]) for r in rows}
     expected = {
         "_sgd_kernel", "_adam_kernel", "_grad_stats_kernel", "_finalize_stats_kernel",
-        "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
+        "_grad_underflow_kernel", "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
         "_norm_fwd_kernel", "_norm_bwd_kernel",
     }  # fmt: skip
     for cc in TARGETS:
@@ -323,3 +323,28 @@ def test_cross_entropy_kernel_compiles_without_spills():
             r = static_report.compile_case(case, cc, sass=False)
             assert r["compiled"], f"{case.name} on sm_{cc}: {r.get('error')}"
             assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on sm_{cc}"
+
+
+# --------------------------------------------------------------------------- health (issue 37 item 7)
+
+
+def test_underflow_kernel_compiles_without_spills_at_full_width():
+    """The sampled zero/subnormal count (``opt.track_underflows``): fp16, bf16 and fp32
+    gradients and a ragged tail, for sm_90 and sm_80; every one compiles with no spills,
+    the aligned ones read the gradients in full-width (128-bit) loads and keep at least
+    half the warp slots busy. They are in all_cases too (the fixture's gate set)."""
+    import static_report
+
+    cases = [c for c in static_report._stats_cases() if c.name.startswith("grad_underflow[")]
+    assert {c.name for c in cases} == {
+        "grad_underflow[fp16]", "grad_underflow[bf16]", "grad_underflow[fp32]", "grad_underflow[fp16,tail]"
+    }  # fmt: skip
+    for cc in TARGETS:
+        for case in cases:
+            r = static_report.compile_case(case, cc, sass=False)
+            where = f"{case.name} on sm_{cc}"
+            assert r["compiled"], f"{where}: {r.get('error')}"
+            assert r["spill_bytes"] == 0, f"{where} spills {r['spill_bytes']} B"
+            if case.gated:
+                assert set(r["global_access_bits"]["grad_ptr"]) == {128}, (where, r["global_access_bits"])
+                assert r["occupancy_pct"] >= MIN_STREAMING_OCCUPANCY, (where, r["regs"], r["occupancy_pct"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from tkern.amp.util import (
 from tkern.kernels import scale as K
 from tkern.kernels.overflow import FOUND_INF, combine_stats
 from tkern.optim import FusedOptimizer
+from tkern.optim.report import OverflowReport
 
 __all__ = ["LossScaler"]
 
@@ -74,6 +76,8 @@ class LossScaler:
         self._stepped: set[int] = set()
         self._updates = 0
         self._mirror: HostMirror | None = None
+        #: the tkern fused optimizers this scaler has stepped (for :meth:`overflow_report`)
+        self._fused: dict[int, weakref.ref] = {}
 
     def is_enabled(self) -> bool:
         """Whether the scaler scales (False for ``enabled=False``)."""
@@ -247,6 +251,7 @@ class LossScaler:
             state = self._lazy_state(optimizer.device)
             inv_scale = None if id(optimizer) in self._unscaled else state[K.INV_SCALE : K.INV_SCALE + 1]
             result = optimizer.step(*args, inv_scale=inv_scale, **kwargs)
+            self._fused[id(optimizer)] = weakref.ref(optimizer)
             stats = optimizer.grad_stats
             if self.process_group is not None:
                 stats = combine_stats(stats.clone(), self.process_group)
@@ -261,6 +266,33 @@ class LossScaler:
         self._stepped.add(id(optimizer))
         self._stats.append(stats)
         return result
+
+    def overflow_report(self, optimizer: FusedOptimizer | None = None) -> OverflowReport:
+        """The overflow report of a tkern fused optimizer this scaler has stepped
+        (:meth:`tkern.optim.FusedOptimizer.overflow_report`: which tensors overflowed,
+        the sampled zero and subnormal fractions, whether the scale is likely too low):
+        ``optimizer``'s, or, when None, that of the one optimizer it has stepped. One
+        device-to-host copy, as the optimizer's.
+
+        Raises:
+            RuntimeError: no tkern fused optimizer stepped yet, or several and none named.
+            ValueError: ``optimizer`` was not stepped by this scaler.
+        """
+        live = {k: o for k, r in self._fused.items() if (o := r()) is not None}
+        if optimizer is None:
+            if len(live) != 1:
+                raise RuntimeError(
+                    "overflow_report(): "
+                    + (
+                        f"this scaler has stepped {len(live)} tkern fused optimizers: name one"
+                        if live
+                        else "this scaler has stepped no tkern fused optimizer yet"
+                    )
+                )
+            optimizer = next(iter(live.values()))
+        elif live.get(id(optimizer)) is not optimizer:
+            raise ValueError("overflow_report(): this scaler has not stepped that optimizer")
+        return optimizer.overflow_report()
 
     def _combined_stats(self) -> torch.Tensor:
         if len(self._stats) == 1:

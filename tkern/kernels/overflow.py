@@ -23,6 +23,13 @@ step's number into that param's slot of a small int32 buffer if one of its
 elements there is inf or nan. No extra launch and no extra pass on the steps
 that do not overflow; the compiled kernel's registers rise (sm_90: 38 to 54,
 occupancy 75% to 50%) for the rare path's code.
+
+How many gradients underflow (:func:`grad_underflow`, a launch of its own on the
+steps the optimizer samples): per param, the elements of the gradients as stored
+(scaled, in their 16-bit dtype) that are exactly zero, that are subnormal (compared
+as bits against the dtype's smallest normal, so no flush-to-zero hides them), and
+how many were counted, added into a small int64 buffer with integer atomics (exact
+in any order), using the same params' start offsets as the overflow flags.
 """
 
 from __future__ import annotations
@@ -276,6 +283,172 @@ def found_inf(stats_ptr):
 def grad_amax(stats_ptr):
     """max |g * inv_scale| over the finite gradients."""
     return tl.load(stats_ptr + _AMAX)
+
+
+# ----------------------------------------------------------------------------- underflow
+
+#: Columns of an :class:`UnderflowCounts` row: elements exactly zero, elements subnormal
+#: (nonzero, below the dtype's smallest normal), elements counted.
+ZEROS: int = 0
+SUBNORMALS: int = 1
+COUNTED: int = 2
+N_COUNTS: int = 3
+#: The bit pattern of each gradient dtype's smallest normal magnitude: a gradient whose
+#: magnitude bits are nonzero and below it is subnormal (fp16: 2^-14 = 6.1035e-05; bf16
+#: and fp32: 2^-126 = 1.1755e-38). Compared as integers, so no flush-to-zero can hide them.
+MIN_NORMAL_BITS: dict[torch.dtype, int] = {
+    torch.float16: 0x0400,
+    torch.bfloat16: 0x0080,
+    torch.float32: 0x0080_0000,
+}
+_ZEROS: tl.constexpr = tl.constexpr(ZEROS)
+_SUBNORMALS: tl.constexpr = tl.constexpr(SUBNORMALS)
+_COUNTED: tl.constexpr = tl.constexpr(COUNTED)
+_N_COUNTS: tl.constexpr = tl.constexpr(N_COUNTS)
+#: the slot end of the last param: past any share
+_NO_END: tl.constexpr = tl.constexpr(2**62)
+
+
+# where a share lies changes with the tensor: one compiled variant for all
+@triton.jit(do_not_specialize=["n_params", "base", "search_steps", "chunks"])
+def _grad_underflow_kernel(
+    grad_ptr,  # (n,) fp16/bf16/fp32 gradients as stored (scaled by the loss scale)
+    n,
+    starts_ptr,  # (n_params,) int64, ascending: where each param's slot starts (grad_ptr's coords + base)
+    ends_ptr,  # (n_params,) int64: where each param's elements end (its slot's padding after them)
+    counts_ptr,  # (n_params, N_COUNTS) int64: each param's zeros, subnormals and counted elements, added to
+    n_params,
+    base,  # where grad_ptr[0] lies in the coordinates of starts_ptr and ends_ptr
+    search_steps,  # iterations of the binary search: n_params.bit_length()
+    chunks,  # chunks of BLOCK elements per program
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,  # the gradient dtype's width: 16 or 32
+    MIN_NORMAL: tl.constexpr,  # the bits of its smallest normal magnitude (MIN_NORMAL_BITS)
+):
+    """Count, per param, the gradient elements of this program's share (``chunks`` chunks
+    of BLOCK from ``pid * chunks * BLOCK``) that are exactly zero and that are subnormal,
+    and add them (with the number counted) to that param's row of ``counts_ptr`` (shapes
+    above). The share is read chunk by chunk; a param's counts stay in one BLOCK-wide
+    vector (zeros in the low 16 bits, subnormals in the high: a lane sees one element per
+    chunk, far fewer than 2^15 per share) while the chunks lie in it, and are reduced and
+    added (integer atomics: exact, in any order) when its slot ends or the share does;
+    its slot's padding is not counted."""
+    pid = tl.program_id(0).to(tl.int64)  # int64: buffers may hold 2^31 elements or more
+    lo = pid * chunks * BLOCK  # a multiple of BLOCK: the loads stay full-width vectors
+    hi = tl.minimum(lo + chunks * BLOCK, n)
+    x0 = lo + base  # the share's first element, in starts' coordinates
+    a = 0
+    b = n_params
+    for _ in range(search_steps):  # invariant: starts[a] <= x0 < starts[b]
+        mid = (a + b) // 2
+        if tl.load(starts_ptr + mid) <= x0:
+            a = mid
+        else:
+            b = mid
+    j = a
+    first = tl.load(starts_ptr + j) - base  # param j's elements: [first, last), relative to grad_ptr
+    last = tl.load(ends_ptr + j) - base
+    # where param j's slot ends (the last param's: never, within this share)
+    nxt = tl.load(starts_ptr + j + 1, mask=j + 1 < n_params, other=_NO_END) - base
+    packed = tl.zeros((BLOCK,), dtype=tl.int32)  # zeros + subnormals << 16, per lane
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        g = tl.load(grad_ptr + offs, mask=offs < n, other=1.0)  # 1.0: neither zero nor subnormal
+        if BITS == 16:
+            mag = g.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
+        else:
+            mag = g.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        # 1 for a zero, 1 << 16 for a subnormal
+        hit = tl.where(mag == 0, 1, tl.where(mag < MIN_NORMAL, 1 << 16, 0))
+        chunk_end = tl.minimum(start + BLOCK, hi)
+        while nxt <= chunk_end:  # param j's slot ends in this chunk: its counts are complete here
+            packed += tl.where((offs >= first) & (offs < last), hit, 0)
+            _add_counts(counts_ptr + j * _N_COUNTS, packed, first, last, lo, hi)
+            packed = tl.zeros((BLOCK,), dtype=tl.int32)
+            j += 1
+            first = nxt
+            last = tl.load(ends_ptr + j) - base
+            nxt = tl.load(starts_ptr + j + 1, mask=j + 1 < n_params, other=_NO_END) - base
+        packed += tl.where((offs >= first) & (offs < last), hit, 0)
+    # the param the share ends in (its slot goes on past the share, or is the last one)
+    _add_counts(counts_ptr + j * _N_COUNTS, packed, first, last, lo, hi)
+
+
+@triton.jit
+def _add_counts(row_ptr, packed, first, last, lo, hi):
+    """Add one param's counts (``packed``: zeros + subnormals << 16 per lane) and the number
+    of its elements ``[first, last)`` in the share ``[lo, hi)`` to its row; nothing when none."""
+    counted = tl.maximum(tl.minimum(last, hi) - tl.maximum(first, lo), 0)
+    zeros = tl.sum(packed & 0xFFFF, axis=0).to(tl.int64)
+    subnormals = tl.sum(packed >> 16, axis=0).to(tl.int64)
+    tl.atomic_add(row_ptr + _ZEROS, zeros, mask=counted > 0, sem="relaxed")
+    tl.atomic_add(row_ptr + _SUBNORMALS, subnormals, mask=counted > 0, sem="relaxed")
+    tl.atomic_add(row_ptr + _COUNTED, counted.to(tl.int64), mask=counted > 0, sem="relaxed")
+
+
+@dataclass(frozen=True)
+class UnderflowCounts:
+    """Where :func:`grad_underflow` adds the counts of one gradient tensor's params.
+
+    Attributes:
+        starts: (P,) int64 on the gradients' device, ascending: where each of P params'
+            slots starts (the same offsets as :class:`OverflowFlags`).
+        ends: (P,) int64: where each param's elements end (``starts[i] + numel``; the
+            slot's padding, up to ``starts[i + 1]``, is not counted).
+        counts: (P, N_COUNTS) int64, contiguous: row i gets param i's zeros, subnormals
+            and counted elements added.
+        base: where the gradient tensor's element 0 lies in ``starts``' coordinates.
+    """
+
+    starts: torch.Tensor
+    ends: torch.Tensor
+    counts: torch.Tensor
+    base: int = 0
+
+
+def grad_underflow(grads: list[torch.Tensor], into: list[UnderflowCounts]) -> None:
+    """Count, per param, the elements of ``grads`` (as stored: the 16-bit gradients
+    before unscaling) that are exactly zero and that are subnormal in their dtype, and
+    add them to ``into``: one launch per tensor, no host synchronization.
+
+    Args:
+        grads: 1-D contiguous fp16/bf16/fp32 tensors (flat gradient buffers or slices of
+            them), all on one device.
+        into: one :class:`UnderflowCounts` per tensor of ``grads``.
+    """
+    if len(into) != len(grads):
+        raise ValueError(f"into must hold one entry per gradient ({len(grads)}), got {len(into)}")
+    for i, (g, c) in enumerate(zip(grads, into, strict=True)):
+        check_tensor(f"grads[{i}]", g, ndim=1, dtypes=tuple(MIN_NORMAL_BITS))
+        check_tensor(f"into[{i}].starts", c.starts, ndim=1, dtypes=(torch.int64,))
+        check_tensor(f"into[{i}].ends", c.ends, ndim=1, dtypes=(torch.int64,))
+        check_tensor(f"into[{i}].counts", c.counts, ndim=2, dtypes=(torch.int64,))
+        p = c.starts.numel()
+        if not p or c.ends.shape != (p,) or c.counts.shape != (p, N_COUNTS):
+            raise ValueError(
+                f"into[{i}]: starts and ends must be (P,) and counts (P, {N_COUNTS}) with P > 0, got "
+                f"{tuple(c.starts.shape)}, {tuple(c.ends.shape)}, {tuple(c.counts.shape)}"
+            )
+        if not g.is_contiguous() or not c.counts.is_contiguous():
+            raise ValueError(f"grads[{i}] and into[{i}].counts must be contiguous")
+        if any(t.device != g.device for t in (c.starts, c.ends, c.counts)) or g.device != grads[0].device:
+            raise ValueError(f"grads[{i}] and into[{i}]'s tensors must all be on {grads[0].device}")
+        if isinstance(c.base, bool) or not isinstance(c.base, int) or c.base < 0:
+            raise ValueError(f"into[{i}].base must be an int >= 0, got {c.base!r}")
+    for g, c in zip(grads, into, strict=True):
+        at = 0
+        for piece in _aligned_pieces(g):  # a ragged tail gets a launch of its own
+            n = piece.numel()
+            if n:
+                chunks = triton.cdiv(n, BLOCK)
+                per_program = triton.cdiv(chunks, min(chunks, MAX_PROGRAMS))
+                p = c.starts.numel()
+                _grad_underflow_kernel[(triton.cdiv(chunks, per_program),)](
+                    piece, n, c.starts, c.ends, c.counts, p, c.base + at, p.bit_length(), per_program,
+                    BLOCK=BLOCK, BITS=8 * piece.element_size(), MIN_NORMAL=MIN_NORMAL_BITS[piece.dtype],
+                    num_warps=_NUM_WARPS,
+                )  # fmt: skip
+            at += n
 
 
 def combine_stats(stats: torch.Tensor, group=None, *, sharded: bool = False) -> torch.Tensor:

@@ -56,7 +56,16 @@ import torch
 from tkern.flat import FlatParams, check_modes
 from tkern.graphs import CudaGraphCapture, in_graph_step
 from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
-from tkern.kernels.overflow import FOUND_INF, OverflowFlags, combine_stats, grad_stats, reduce_stats
+from tkern.kernels.overflow import (
+    FOUND_INF,
+    N_COUNTS,
+    OverflowFlags,
+    UnderflowCounts,
+    combine_stats,
+    grad_stats,
+    grad_underflow,
+    reduce_stats,
+)
 from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
 from tkern.optim.distributed_sync import shared_seed
 from tkern.optim.fsdp import DTensorShards, param_storage
@@ -158,6 +167,13 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         #: :meth:`overflow_report`). Off by default, so a step pays nothing for it;
         #: :meth:`name_params` turns it on, as may a user (``opt.track_overflows = True``).
         self.track_overflows = False
+        #: Every how many steps the gradients are sampled for zeros and subnormals (None:
+        #: never; see :meth:`track_underflows`); per flat buffer (by id) its layout version,
+        #: the params' ends and their (P, N_COUNTS) int64 counts; the last sampled step's
+        #: number and (4,) fp32 statistics and inv_scale.
+        self._underflow_every: int | None = None
+        self._underflow_counts: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._underflow_meta: tuple[int, torch.Tensor] | None = None
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
         #: buffers over them (their updated params are copied out after each step).
         self._dtensor_storage: DTensorShards | None = None
@@ -353,6 +369,10 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
             lambda: step_stamp(self, args, found_inf),
             self._graph_blocker(any(c is not None for c in collectives), self._device),
         )
+        every = self._underflow_every
+        if every is not None and self._steps_run % every == 0 and not in_graph_step():
+            # after the step, eager or replayed: it leaves the gradients as they were
+            self._count_underflows(work, self.grad_stats, inv_scale)
         self._sync_params()
         for flat in self._held_elsewhere:  # FSDP2's local shards: its next all-gather reads them
             flat.write_back()
@@ -422,17 +442,51 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         """The number the overflow flags of this step get: the step's, in [1, 2**31)."""
         return (self._steps_run - 1) % (2**31 - 1) + 1
 
-    def _track(self, plan: list, b: UpdateBuffers, scratch: bool) -> OverflowFlags:
-        """Where pass 1 marks the params of ``b`` (a range of ``plan``'s flat buffer)
-        whose gradients overflow: the flat buffer's flags (``scratch``: a buffer nobody
-        reads), allocated once per layout."""
-        flat = self._plan_flats[id(plan)]
+    def _segments(self, flat: FlatParams) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """``flat``'s layout version, its params' (P,) int64 start offsets and their (2, P)
+        int32 overflow flags, allocated once per layout."""
         held = self._overflow_flags.get(id(flat))
         if held is None or held[0] != flat.layout_version:
             starts = torch.tensor(flat.offsets[: len(flat.params)], dtype=torch.int64, device=self._device)
             flags = torch.zeros((2, len(flat.params)), dtype=torch.int32, device=self._device)
             held = self._overflow_flags[id(flat)] = (flat.layout_version, starts, flags)
+        return held
+
+    def _track(self, plan: list, b: UpdateBuffers, scratch: bool) -> OverflowFlags:
+        """Where pass 1 marks the params of ``b`` (a range of ``plan``'s flat buffer)
+        whose gradients overflow: the flat buffer's flags (``scratch``: a buffer nobody
+        reads)."""
+        held = self._segments(self._plan_flats[id(plan)])
         return OverflowFlags(starts=held[1], flags=held[2][int(scratch)], base=b.offset)
+
+    def _count_underflows(self, work: list, stats: torch.Tensor, inv_scale: torch.Tensor) -> None:
+        """A sampled step, after its device work: count the zeros and subnormals of every
+        planned range's gradients (whole ones; FSDP2's shards are not sampled) per param,
+        into counts zeroed first, and keep the step's statistics and inv_scale beside them
+        (device copies, no sync). Launched eagerly after the step's graph replays too, so
+        the graph stays the same whether or not a step is sampled."""
+        for held in self._underflow_counts.values():
+            held[2].zero_()  # a buffer out of this step's plan reports nothing counted
+        grads, into = [], []
+        for _, plan, group in work:
+            if group is not None:
+                continue
+            flat = self._plan_flats[id(plan)]
+            starts = self._segments(flat)[1]
+            held = self._underflow_counts.get(id(flat))
+            if held is None or held[0] != flat.layout_version:
+                n = len(flat.params)
+                ends = [o + k for o, k in zip(flat.offsets[:n], flat.numels, strict=True)]
+                held = self._underflow_counts[id(flat)] = (
+                    flat.layout_version,
+                    torch.tensor(ends, dtype=torch.int64, device=self._device),
+                    torch.zeros((n, N_COUNTS), dtype=torch.int64, device=self._device),
+                )
+            for b in plan:
+                grads.append(b.grad)
+                into.append(UnderflowCounts(starts=starts, ends=held[1], counts=held[2], base=b.offset))
+        grad_underflow(grads, into)
+        self._underflow_meta = (self._steps_run, torch.cat([stats, inv_scale.reshape(1)]))
 
     # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
     # nothing but agree on the statistics when a process_group was given.
@@ -488,15 +542,52 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
             if id(p) in where:
                 self._param_names[where[id(p)]] = name
 
+    def track_underflows(self, every: int | None) -> None:
+        """Sample the gradients every ``every`` steps (the steps whose number is a
+        multiple of it; None: never, the default) for the fraction of each tensor's
+        gradient that is exactly zero and that is subnormal in its 16-bit dtype, as
+        stored (scaled, before unscaling: what loss scaling protects). A sampled step
+        adds one launch per planned range after its device work (a read of the 16-bit
+        gradients, 2 B a param for fp16/bf16; a CUDA-graphed step replays its graph as
+        before and the launches follow it), and a few tiny ones (zeroing the counts,
+        copying the step's statistics); the other steps pay one integer test. Steps
+        inside another graph (``Trainer(cuda_graph=True)``) and FSDP2's sharded params
+        are not sampled.
+        :meth:`overflow_report` reads the last sampled step's fractions
+        (``zero_fraction``, ``subnormal_fraction``) and
+        :meth:`~tkern.optim.report.OverflowReport.scale_too_low`. Turns
+        :attr:`track_overflows` on (the report needs it).
+
+        Raises:
+            TypeError, ValueError: ``every`` is not None or an int >= 1 (nothing changes).
+        """
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int)):
+            raise TypeError(f"track_underflows: every must be an int >= 1 or None, got {every!r}")
+        if every is not None and every < 1:
+            raise ValueError(f"track_underflows: every must be an int >= 1 or None, got {every!r}")
+        self._underflow_every = every
+        if every is not None:
+            self.track_overflows = True
+
+    @property
+    def underflow_every(self) -> int | None:
+        """Every how many steps the gradients are sampled for zeros and subnormals (None:
+        never); set by :meth:`track_underflows`."""
+        return self._underflow_every
+
     def overflow_report(self) -> OverflowReport:
         """Which tensors' gradients held inf or nan: in the last step (and whether
-        it was skipped), and the last step each tensor ever did. Recorded on the
-        device by the step's statistics pass at no cost while nothing overflows;
-        this call reads it in one device-to-host copy (a sync: call it when a step
-        was skipped, not every step). Names come from :meth:`name_params`. Under
-        a sharded optimizer each rank reports its own shard's tensors; steps
-        replayed from a CUDA graph record nothing. Needs :attr:`track_overflows`
-        on (:meth:`name_params` turns it on) before the steps it reports."""
+        it was skipped), and the last step each tensor ever did; with
+        :meth:`track_underflows`, the fraction of each tensor's gradient that was zero
+        and that was subnormal at the last sampled step, and whether the loss scale is
+        likely too low (:meth:`~tkern.optim.report.OverflowReport.scale_too_low`).
+        Recorded on the device by the step's statistics pass at no cost while nothing
+        overflows; this call reads it in one device-to-host copy (a sync: call it when
+        a step was skipped or now and then, not every step). Names come from
+        :meth:`name_params`. Under a sharded optimizer each rank reports its own
+        shard's tensors; steps replayed from a CUDA graph record nothing. Needs
+        :attr:`track_overflows` on (:meth:`name_params` turns it on) before the
+        steps it reports."""
         if not self.track_overflows:
             raise RuntimeError(
                 "overflow_report: overflow tracking is off; call opt.name_params(model) "
@@ -508,7 +599,18 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
                 held = self._overflow_flags.get(id(flat))
                 if held is not None and held[0] == flat.layout_version:
                     tracked.append((flat, held[2][0]))
-        return overflow_report(self._steps_run, self.grad_stats, tracked, self._param_names, self._stamp())
+        sampled = None
+        if self._underflow_meta is not None:
+            counted = []
+            for flats in self._flat:
+                for flat in flats:
+                    held = self._underflow_counts.get(id(flat))
+                    if held is not None and held[0] == flat.layout_version:
+                        counted.append((flat, held[2]))
+            sampled = (*self._underflow_meta, counted)
+        return overflow_report(
+            self._steps_run, self.grad_stats, tracked, self._param_names, self._stamp(), sampled
+        )
 
     # ----------------------------------------------------------- copies
 
@@ -519,6 +621,8 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         state["_process_group"] = None  # process groups do not travel
         state["_layout_seen"] = {}
         state["_overflow_flags"] = {}  # keyed by the flat buffers' ids: allocated anew
+        state["_underflow_counts"] = {}
+        state["_underflow_meta"] = None
         state.pop("_plan_flats", None)
         state["_float8_caches"] = []  # weak references: found again from the params
         state["_graph"] = self._new_graphs()  # a graph holds device memory and addresses: captured anew

@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["OverflowReport", "memory_report", "overflow_report", "param_name"]
+__all__ = ["SUBNORMAL_WARN", "OverflowReport", "memory_report", "overflow_report", "param_name"]
+
+#: :meth:`OverflowReport.scale_too_low`'s threshold: the fraction of a tensor's gradient
+#: that, subnormal in its 16-bit dtype at a sampled step, makes the loss scale likely too low.
+SUBNORMAL_WARN = 0.01
 
 
 def memory_report(opt: Any) -> dict[str, Any]:
@@ -82,12 +87,46 @@ class OverflowReport:
             gradients, or was replayed from a CUDA graph, where nothing is recorded).
         last_overflow: name -> the number of the last step in which that tensor's
             gradient held inf or nan, for every tensor that ever did (this rank's).
+        sampled_step: the number of the last step whose gradients were sampled for
+            zeros and subnormals (:meth:`~tkern.optim.FusedOptimizer.track_underflows`),
+            or None (none sampled yet, or sampling off). The fields below are that step's.
+        zero_fraction: name -> the fraction of that tensor's gradient (as stored: scaled,
+            in its 16-bit dtype; this rank's part of it) that was exactly zero.
+        subnormal_fraction: name -> the fraction that was subnormal: nonzero and below the
+            dtype's smallest normal (fp16: 2^-14 = 6.1035e-05; bf16 and fp32: 2^-126).
+        sampled_skipped: whether the sampled step was skipped.
+        sampled_scale: the loss scale the sampled step's gradients carried (1 / its inv_scale).
+        headroom: how many times larger the sampled step's largest gradient could have been
+            (as stored) before it overflowed the smallest-range dtype of the sampled
+            gradients (inf when they were all zero): the factor the scale could grow by.
     """
 
     step: int
     skipped: bool
     nonfinite: list[str]
     last_overflow: dict[str, int]
+    sampled_step: int | None = None
+    zero_fraction: dict[str, float] = field(default_factory=dict)
+    subnormal_fraction: dict[str, float] = field(default_factory=dict)
+    sampled_skipped: bool = False
+    sampled_scale: float | None = None
+    headroom: float | None = None
+
+    def scale_too_low(self, threshold: float = SUBNORMAL_WARN) -> list[str]:
+        """The tensors whose gradients say the loss scale is likely too low, from the last
+        sampled step: the step was not skipped, at least ``threshold`` (default 1%) of the
+        tensor's gradient was subnormal in its 16-bit dtype (its values had lost precision,
+        and the ones below the subnormals, flushed to zero, are lost), and the scale could
+        have doubled without any gradient overflowing (``headroom >= 2``), which would have
+        moved them up a binade. Zeros are reported but do not count: an exact zero is most
+        often structural (an embedding row no token of the batch used, a dead ReLU unit)
+        and no scale changes it. Empty when no step was sampled (and so for bf16
+        gradients, whose range is fp32's, in practice always)."""
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+        if self.sampled_step is None or self.sampled_skipped or not (self.headroom or 0.0) >= 2.0:
+            return []
+        return [name for name, f in self.subnormal_fraction.items() if f >= threshold]
 
 
 def param_name(names: dict[tuple[int, int], str], group: int, index: int, p: torch.Tensor) -> str:
@@ -101,24 +140,60 @@ def overflow_report(
     tracked: list[tuple[Any, torch.Tensor]],
     names: dict[tuple[int, int], str],
     stamp: int,
+    sampled: tuple[int, torch.Tensor, list[tuple[Any, torch.Tensor]]] | None = None,
 ) -> OverflowReport:
     """The report of ``tracked`` ((flat buffer, its (P,) int32 flags) pairs: a flag
-    holds the stamp of the last step whose gradient of that param was non-finite),
-    read from the device in one copy. ``stamp`` is the last step's."""
-    parts = [flags.to(torch.int64) for _, flags in tracked]
+    holds the stamp of the last step whose gradient of that param was non-finite) and
+    of ``sampled`` (the sampled step's number, its (4,) fp32 statistics and inv_scale,
+    and (flat buffer, its (P, N_COUNTS) int64 underflow counts) pairs), read from the
+    device in one copy. ``stamp`` is the last step's."""
+    from tkern.kernels.overflow import AMAX, COUNTED, FOUND_INF, N_COUNTS, N_STATS, SUBNORMALS, ZEROS
+
+    parts = [flags for _, flags in tracked]
     if stats is not None:
-        parts.append(stats[:1].to(torch.int64))
-    values = torch.cat(parts).tolist() if parts else []  # the one device -> host copy
-    skipped = bool(values[-1]) if stats is not None else False
-    nonfinite, last = [], {}
+        parts.append(stats[:1])
+    if sampled is not None:
+        parts += [sampled[1], *(counts.view(-1) for _, counts in sampled[2])]
+    # the one device -> host copy (float64 holds int32 flags and counts below 2^53 exactly)
+    values = torch.cat([p.to(torch.float64) for p in parts]).tolist() if parts else []
     at = 0
+    nonfinite, last = [], {}
     for flat, flags in tracked:
         for i, p in enumerate(flat.params):
-            s = values[at + i]
+            s = int(values[at + i])
             if s:
                 name = param_name(names, flat.group, flat.indices[i], p)
                 last[name] = step - (stamp - s) % (2**31 - 1)
                 if s == stamp:
                     nonfinite.append(name)
         at += flags.numel()
-    return OverflowReport(step=step, skipped=skipped, nonfinite=nonfinite, last_overflow=last)
+    skipped = False
+    if stats is not None:
+        skipped, at = bool(values[at]), at + 1
+    if sampled is None:
+        return OverflowReport(step=step, skipped=skipped, nonfinite=nonfinite, last_overflow=last)
+    meta, at = values[at : at + N_STATS + 1], at + N_STATS + 1
+    zeros, subnormals = {}, {}
+    for flat, counts in sampled[2]:
+        for i, p in enumerate(flat.params):
+            row = values[at + i * N_COUNTS : at + (i + 1) * N_COUNTS]
+            if row[COUNTED]:
+                name = param_name(names, flat.group, flat.indices[i], p)
+                zeros[name] = row[ZEROS] / row[COUNTED]
+                subnormals[name] = row[SUBNORMALS] / row[COUNTED]
+        at += counts.numel()
+    inv_scale, amax = meta[N_STATS], meta[AMAX]
+    limit = min((torch.finfo(flat.dtype).max for flat, _ in sampled[2]), default=math.inf)
+    largest = amax / inv_scale if inv_scale else math.inf  # the largest gradient as stored
+    return OverflowReport(
+        step=step,
+        skipped=skipped,
+        nonfinite=nonfinite,
+        last_overflow=last,
+        sampled_step=sampled[0],
+        zero_fraction=zeros,
+        subnormal_fraction=subnormals,
+        sampled_skipped=bool(meta[FOUND_INF]),
+        sampled_scale=1.0 / inv_scale if inv_scale else math.inf,
+        headroom=limit / largest if largest else math.inf,
+    )

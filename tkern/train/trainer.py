@@ -46,6 +46,7 @@ from tkern.graphs import (
 )
 from tkern.kernels import INTERPRET
 from tkern.optim import FusedOptimizer
+from tkern.optim.report import SUBNORMAL_WARN
 from tkern.train.checkpoint import CheckpointError
 from tkern.train.trainer_checkpoint import CheckpointMixin
 from tkern.train.trainer_memory import ActivationMeter, memory_report
@@ -478,7 +479,12 @@ class Trainer(CheckpointMixin):
         inf or nan, with the tensors that did: one read of the optimizer's overflow
         report per epoch, beside the epoch's read of its losses. Each tensor is
         named at the last step it overflowed in (earlier skips it took part in are
-        not named again)."""
+        not named again). With the optimizer's gradients sampled
+        (``optimizer.track_underflows(every=k)``), warn when the epoch's last sampled
+        step says the loss scale is likely too low
+        (:meth:`~tkern.optim.report.OverflowReport.scale_too_low`: 1% or more of a
+        tensor's gradient subnormal in 16 bits while the scale could double), naming
+        the tensors, their subnormal shares and the scale."""
         opt = self.optimizer
         if not isinstance(opt, FusedOptimizer) or not opt.track_overflows or not len(self.history):
             return
@@ -490,6 +496,18 @@ class Trainer(CheckpointMixin):
                 by_step.setdefault(step, []).append(name)
         for step in sorted(by_step):
             logger.warning("step %d skipped: inf/nan in %s", step, ", ".join(by_step[step]))
+        low = report.scale_too_low()
+        sampled = None if report.sampled_step is None else self.step - (report.step - report.sampled_step)
+        if low and sampled >= first:
+            logger.warning(
+                "step %d: loss scale %g is likely too low: gradients subnormal in 16 bits: %s "
+                "(%g%% or more of a tensor, and the scale could grow %.3gx before any gradient overflows)",
+                sampled,
+                report.sampled_scale,
+                ", ".join(f"{name} {report.subnormal_fraction[name]:.1%}" for name in low),
+                100 * SUBNORMAL_WARN,
+                report.headroom,
+            )
 
     @property
     def skipped_steps(self) -> int:
