@@ -549,6 +549,34 @@ def test_sgd_gets_its_own_defaults_and_learns():
     assert result.val_accuracy > 0.9  # measured 0.97 at 10 epochs, 0.88-0.90 at 3
 
 
+def test_cli_underflow_every_samples_the_tkern_runs(monkeypatch):
+    """``tkern train --underflow-every K`` reaches the tkern run's optimizer (the mlp's
+    and the GPT job's), the other runs' torch optimizers untouched; K must be >= 1."""
+    from tkern.train import gpt_job
+    from tkern.train.cli import build_parser, gpt_config
+
+    seen = []
+    monkeypatch.setattr(demo, "compare", lambda cfg: seen.append(cfg) or [])
+    assert main(["train", "--only", "tkern", "--no-progress", "--underflow-every", "3"]) == 0
+    (cfg,) = seen
+    assert cfg.underflow_every == 3
+    base = demo.make_mlp(64, (8,), 10)
+    _, opt, _, _ = demo.build("tkern", base, cfg, torch.device("cpu"))
+    assert opt.underflow_every == 3 and opt.track_overflows
+    _, opt, _, _ = demo.build("tkern", base, demo.Config(), torch.device("cpu"))
+    assert opt.underflow_every is None and not opt.track_overflows  # off unless asked
+
+    args = build_parser().parse_args(["train", "--model", "gpt", "--underflow-every", "2"])
+    gcfg = gpt_config(args)
+    assert gcfg.underflow_every == 2
+    lm, _ = gpt_job.make_model(gcfg, 16)
+    for name in ("tkern", "tkern-bf16"):
+        _, opt, *_ = gpt_job.build(name, lm, gcfg, torch.device("cpu"))
+        assert opt.underflow_every == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--underflow-every", "0"])
+
+
 def test_cli_silences_numpy_cast_overflow_warnings(monkeypatch, capsys):
     import warnings
 

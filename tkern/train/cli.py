@@ -236,6 +236,7 @@ def _train(args: argparse.Namespace) -> int:
         float8=args.float8,
         cuda_graph=args.cuda_graph,
         norms=args.norms,
+        underflow_every=args.underflow_every,
     )
     try:
         results = demo.compare(cfg)
@@ -304,6 +305,7 @@ def gpt_config(args: argparse.Namespace):
         data=args.data,
         float8=args.float8 or d.float8,
         progress=not args.no_progress,
+        underflow_every=args.underflow_every,
     )
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--width {cfg.n_embd} is not a multiple of --heads {cfg.n_head}")
@@ -466,6 +468,14 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
     )
     train.add_argument(
         "--norms", action="store_true", help="a LayerNorm in each hidden block (Linear-LayerNorm-ReLU)"
+    )
+    train.add_argument(
+        "--underflow-every",
+        type=_positive,
+        metavar="K",
+        help="the tkern runs sample their 16-bit gradients every K steps for the fraction that is zero "
+        "or subnormal (optimizer.track_underflows) and log a warning naming the tensors when the loss "
+        "scale is likely too low; default: not sampled",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bars")
     gpt = train.add_argument_group(

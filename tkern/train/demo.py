@@ -95,6 +95,7 @@ class Config:
     float8: str | None = None  # a Float8Recipe name: the tkern run in bf16 with fp8 GEMMs
     cuda_graph: bool = False  # the tkern run's whole step captured as a CUDA graph (Trainer's cuda_graph)
     norms: bool = False  # each hidden block Linear-LayerNorm-ReLU (an nn.Sequential), not Linear-ReLU
+    underflow_every: int | None = None  # the tkern run samples zero/subnormal gradients every k steps
 
 
 @dataclass
@@ -188,7 +189,9 @@ def build(name: str, base: nn.Module, cfg: Config, device: torch.device, sharded
         tkern.convert_network(model, dtype, float8=cfg.float8, norm_dtype=norm_dtype)
         if sharded and cfg.fsdp:
             shard_fully(model, device)  # before the optimizer: it steps on the DTensor shards
-        return model, fused_cls(model.parameters(), **hyper), SCALERS[cfg.scaler](), None
+        opt = fused_cls(model.parameters(), **hyper)
+        opt.track_underflows(every=cfg.underflow_every)  # the Trainer warns when the scale is too low
+        return model, opt, SCALERS[cfg.scaler](), None
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
     opt = torch_cls(model.parameters(), **hyper, **extra)
     if name == "fp32":

@@ -87,6 +87,7 @@ class GPTConfig:
     runs: tuple[str, ...] = CPU_RUNS
     data: str | None = None  # a UTF-8 file; None: pydoc_data.topics
     float8: str = "tensorwise"  # the tkern-fp8 run's recipe
+    underflow_every: int | None = None  # tkern runs sample zero/subnormal gradients every k steps
     progress: bool = True
 
 
@@ -344,7 +345,9 @@ def build(name: str, base: LMLoss, cfg: GPTConfig, device: torch.device):
                 scaler = tkern.DynamicLossScaler(init_scale=INIT_SCALE)
             else:
                 scaler = SCALERS[cfg.scaler]()
-        return model, fused_cls(model.parameters(), **hyper), scaler, None, name == "tkern-graph"
+        opt = fused_cls(model.parameters(), **hyper)
+        opt.track_underflows(every=cfg.underflow_every)  # the Trainer warns when the scale is too low
+        return model, opt, scaler, None, name == "tkern-graph"
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
     opt = torch_cls(model.parameters(), **hyper, **extra)
     if name == "fp32":
