@@ -498,15 +498,15 @@ class Trainer(CheckpointMixin):
             logger.warning("step %d skipped: inf/nan in %s", step, ", ".join(by_step[step]))
         low = report.scale_too_low()
         sampled = None if report.sampled_step is None else self.step - (report.step - report.sampled_step)
-        if low and sampled >= first:
-            logger.warning(
-                "step %d: loss scale %g is likely too low: gradients subnormal in 16 bits: %s "
-                "(%g%% or more of a tensor, and the scale could grow %.3gx before any gradient overflows)",
-                sampled,
-                report.sampled_scale,
-                ", ".join(f"{name} {report.subnormal_fraction[name]:.1%}" for name in low),
-                100 * SUBNORMAL_WARN,
-                report.headroom,
+        if low and sampled >= first:  # a Python warning (pytest.warns, -W error), not a log line
+            warnings.warn(
+                f"step {sampled}: loss scale {report.sampled_scale:g} is likely too low: gradients "
+                "subnormal in 16 bits: "
+                + ", ".join(f"{name} {report.subnormal_fraction[name]:.1%}" for name in low)
+                + f" ({100 * SUBNORMAL_WARN:g}% or more of a tensor, and the scale could grow "
+                f"{report.headroom:.3g}x before any gradient overflows)",
+                RuntimeWarning,
+                stacklevel=3,
             )
 
     @property
