@@ -285,6 +285,44 @@ def test_grads_none_or_frozen_are_left_alone_and_replaced_grads_are_used():
     assert params[2].grad.data_ptr() == opt._flat[0][0].grad_views[2].data_ptr()
 
 
+def test_the_cached_plan_sees_gradients_cleared_set_and_zeroed_after_steady_steps():
+    """Once every param had a gradient, steps reuse their plan without scanning the
+    gradient views again until zero_grad: a ``.grad`` cleared or replaced by hand,
+    and a zero_grad(set_to_none=True) followed by a gradient for one param only,
+    must still step as torch does."""
+    params = make_params(torch.float16, [(6,), (5, 3), (7,)])
+    ref = fp32_copies(params)
+    opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):  # steady: every param has a gradient, nothing zeroed
+        step_both(opt, ropt, params, ref, random_grads(params, gen))
+    assert_params_match(opt, params, ref)
+    params[0].grad = ref[0].grad = None  # cleared by hand: param 0 sits this step out
+    for p, r in zip(params[1:], ref[1:], strict=True):
+        g = random_grads([p], gen)[0]
+        p.grad.copy_(g)
+        r.grad = g.float()
+    opt.step()
+    ropt.step()
+    assert_params_match(opt, params, ref)
+    g = random_grads(params[:1], gen)[0]
+    params[0].grad, ref[0].grad = g.clone(), g.float()  # a new tensor: adopted, param 0 steps again
+    opt.step()
+    ropt.step()
+    assert_params_match(opt, params, ref)
+    opt.zero_grad(set_to_none=True)
+    ropt.zero_grad(set_to_none=True)
+    g = random_grads(params[1:2], gen)[0]
+    params[1].grad.copy_(g)  # only param 1 gets a gradient
+    ref[1].grad = g.float()
+    before = [params[0].detach().clone(), params[2].detach().clone()]
+    opt.step()
+    ropt.step()
+    assert_params_match(opt, params, ref)
+    assert torch.equal(params[0].detach(), before[0]) and torch.equal(params[2].detach(), before[1])
+
+
 def test_zero_grad_keeps_views_and_backward_accumulates_into_them():
     layer = tkern.nn.Linear(8, 4).to(DEVICE)
     opt = FusedSGD(layer.parameters(), lr=0.1)
