@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, ln_beta, load_or_value, one_minus_pow, tl_dtype
+from tkern.kernels._common import INTERPRET, cdiv, ln_beta, load_or_value, one_minus_pow, tl_dtype
 from tkern.kernels._update import (
     UpdateBuffers,
     aligned_parts,
@@ -145,7 +145,7 @@ def adam_update(
     for part, n in aligned_parts(b):
         m, v = part.kernel_state("exp_avg"), part.kernel_state("exp_avg_sq")
         vmax = part.kernel_state("max_exp_avg_sq" if amsgrad else None)
-        _adam_kernel[(triton.cdiv(n, BLOCK),)](
+        _adam_kernel[(cdiv(n, BLOCK),)](
             part.kernel_param(), part.grad, part.kernel_master(), *m[:3], *v[:3], *vmax[:3],
             part.stats, part.inv_scale, part.step, n, part.seed, part.offset,
             lr, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), eps, weight_decay,

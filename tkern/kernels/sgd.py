@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, load_or_value, tl_dtype
+from tkern.kernels._common import INTERPRET, cdiv, load_or_value, tl_dtype
 from tkern.kernels._update import (
     UpdateBuffers,
     aligned_parts,
@@ -115,7 +115,7 @@ def sgd_update(
     lr, lr_on_device = check_lr(lr, b.param.device)
     for part, n in aligned_parts(b):
         buf = part.kernel_state("momentum_buffer" if momentum > 0 else None)
-        _sgd_kernel[(triton.cdiv(n, BLOCK),)](
+        _sgd_kernel[(cdiv(n, BLOCK),)](
             part.kernel_param(), part.grad, part.kernel_master(), *buf[:3],
             part.stats, part.inv_scale, part.step, n, part.seed, part.offset,
             lr, momentum, 1.0 - dampening, weight_decay, max_grad_norm or 0.0,
