@@ -323,6 +323,38 @@ def test_the_cached_plan_sees_gradients_cleared_set_and_zeroed_after_steady_step
     assert torch.equal(params[0].detach(), before[0]) and torch.equal(params[2].detach(), before[1])
 
 
+@pytest.mark.parametrize(
+    ("make", "kw"),
+    [
+        (FusedAdamW, dict(amsgrad=True)),
+        (FusedAdamW, dict(master="split", state_dtype=torch.uint8)),
+        (FusedAdam, dict(master="none", state_dtype=torch.bfloat16)),
+        (FusedSGD, dict(momentum=0.9)),
+    ],
+)
+def test_the_plans_buffers_pass_the_update_kernels_checks(make, kw):
+    """The step launches its updates with ``prechecked=True`` (no per-step checks):
+    every buffer its plans hand out, after a step and after a param sat one out
+    (a cohort split), passes the kernels' own checks."""
+    from tkern.kernels._update import check_update_buffers
+
+    shapes = [(300, 17), (64,), (5, 3, 7), (1,)]
+    params = make_params(torch.bfloat16, shapes)
+    opt = make(params, lr=1e-2, **kw)
+    gen = torch.Generator().manual_seed(0)
+    for k in range(2):
+        set_grads(params, random_grads(params, gen))
+        if k == 1:
+            params[2].grad = None  # sits this step out: its neighbours are two launches
+        opt.step()
+    plans = [(gi, flat.plan()) for gi, flats in enumerate(opt.flat_buffers) for flat in flats]
+    assert max(len(plan) for _, plan in plans) > 1
+    for gi, plan in plans:
+        for b in plan:
+            b.stats, b.inv_scale = opt.grad_stats, torch.ones(1, device=DEVICE)
+            check_update_buffers(b, opt._group_state_names(opt.param_groups[gi]))
+
+
 def test_zero_grad_keeps_views_and_backward_accumulates_into_them():
     layer = tkern.nn.Linear(8, 4).to(DEVICE)
     opt = FusedSGD(layer.parameters(), lr=0.1)

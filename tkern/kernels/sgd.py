@@ -103,15 +103,18 @@ def sgd_update(
     nesterov: bool,
     max_grad_norm: float | None,
     maximize: bool = False,
+    prechecked: bool = False,
 ) -> None:
     """Launch the SGD update over ``buffers`` (see :class:`UpdateBuffers`);
     it does nothing on the device when ``stats`` reports an overflow.
 
     ``lr`` is a number or a (1,) fp32 tensor on the params' device, read by
     the kernel (changing it then needs no recompile and no host sync).
-    ``maximize`` negates the gradient, as torch.optim.SGD's."""
+    ``maximize`` negates the gradient, as torch.optim.SGD's. ``prechecked``: as
+    :func:`tkern.kernels.adam.adam_update`'s (the buffers' checks skipped)."""
     b = buffers
-    check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
+    if not prechecked:
+        check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
     lr, lr_on_device = check_lr(lr, b.param.device)
     for part, n in aligned_parts(b):
         buf = part.kernel_state("momentum_buffer" if momentum > 0 else None)
