@@ -285,6 +285,76 @@ def test_grads_none_or_frozen_are_left_alone_and_replaced_grads_are_used():
     assert params[2].grad.data_ptr() == opt._flat[0][0].grad_views[2].data_ptr()
 
 
+def test_the_cached_plan_sees_gradients_cleared_set_and_zeroed_after_steady_steps():
+    """Once every param had a gradient, steps reuse their plan without scanning the
+    gradient views again until zero_grad: a ``.grad`` cleared or replaced by hand,
+    and a zero_grad(set_to_none=True) followed by a gradient for one param only,
+    must still step as torch does."""
+    params = make_params(torch.float16, [(6,), (5, 3), (7,)])
+    ref = fp32_copies(params)
+    opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):  # steady: every param has a gradient, nothing zeroed
+        step_both(opt, ropt, params, ref, random_grads(params, gen))
+    assert_params_match(opt, params, ref)
+    params[0].grad = ref[0].grad = None  # cleared by hand: param 0 sits this step out
+    for p, r in zip(params[1:], ref[1:], strict=True):
+        g = random_grads([p], gen)[0]
+        p.grad.copy_(g)
+        r.grad = g.float()
+    opt.step()
+    ropt.step()
+    assert_params_match(opt, params, ref)
+    g = random_grads(params[:1], gen)[0]
+    params[0].grad, ref[0].grad = g.clone(), g.float()  # a new tensor: adopted, param 0 steps again
+    opt.step()
+    ropt.step()
+    assert_params_match(opt, params, ref)
+    opt.zero_grad(set_to_none=True)
+    ropt.zero_grad(set_to_none=True)
+    g = random_grads(params[1:2], gen)[0]
+    params[1].grad.copy_(g)  # only param 1 gets a gradient
+    ref[1].grad = g.float()
+    before = [params[0].detach().clone(), params[2].detach().clone()]
+    opt.step()
+    ropt.step()
+    assert_params_match(opt, params, ref)
+    assert torch.equal(params[0].detach(), before[0]) and torch.equal(params[2].detach(), before[1])
+
+
+@pytest.mark.parametrize(
+    ("make", "kw"),
+    [
+        (FusedAdamW, dict(amsgrad=True)),
+        (FusedAdamW, dict(master="split", state_dtype=torch.uint8)),
+        (FusedAdam, dict(master="none", state_dtype=torch.bfloat16)),
+        (FusedSGD, dict(momentum=0.9)),
+    ],
+)
+def test_the_plans_buffers_pass_the_update_kernels_checks(make, kw):
+    """The step launches its updates with ``prechecked=True`` (no per-step checks):
+    every buffer its plans hand out, after a step and after a param sat one out
+    (a cohort split), passes the kernels' own checks."""
+    from tkern.kernels._update import check_update_buffers
+
+    shapes = [(300, 17), (64,), (5, 3, 7), (1,)]
+    params = make_params(torch.bfloat16, shapes)
+    opt = make(params, lr=1e-2, **kw)
+    gen = torch.Generator().manual_seed(0)
+    for k in range(2):
+        set_grads(params, random_grads(params, gen))
+        if k == 1:
+            params[2].grad = None  # sits this step out: its neighbours are two launches
+        opt.step()
+    plans = [(gi, flat.plan()) for gi, flats in enumerate(opt.flat_buffers) for flat in flats]
+    assert max(len(plan) for _, plan in plans) > 1
+    for gi, plan in plans:
+        for b in plan:
+            b.stats, b.inv_scale = opt.grad_stats, torch.ones(1, device=DEVICE)
+            check_update_buffers(b, opt._group_state_names(opt.param_groups[gi]))
+
+
 def test_zero_grad_keeps_views_and_backward_accumulates_into_them():
     layer = tkern.nn.Linear(8, 4).to(DEVICE)
     opt = FusedSGD(layer.parameters(), lr=0.1)

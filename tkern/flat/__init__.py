@@ -46,7 +46,10 @@ Per-param step counts, "no grad, no update"
     buffer, so one launch covers the buffer; a param that sat out a step
     moves to a cohort of its own history, and launches split at cohort
     boundaries. In the steady state :meth:`plan` costs three C-speed list
-    scans per step and returns a cached plan.
+    scans per step (the params' addresses, their version counters, their
+    ``.grad``) and returns a cached plan; the gradient views' counters are
+    scanned once more only until every view has been written since the last
+    ``zero_grad`` (a counter never goes back, so that holds until the next one).
 
 Storage the buffer does not own
     A param whose memory belongs to someone else (FSDP2's local shard of a

@@ -187,6 +187,8 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
             -1 if params[i].grad is not None else v._version
             for i, v in zip(self._trainable, self._views, strict=True)
         ]
+        # Every param counts as having a gradient until the next zero_grad: after
+        # zero_grad(set_to_none=False), or once every gradient view was seen written.
         self._all_active = False
         #: cohort[i]: index into steps of param i's step-count tensor.
         self.cohort = [0] * len(params)
@@ -244,12 +246,17 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         gives it one (its ``.grad`` still reads zeros)."""
         self.check_storage()
         self.grad.zero_()
-        for p, handle in zip(self.params, self.grad_handles, strict=True):
-            if p.grad is not handle:
-                p.grad = handle
+        if not self._grads_are_views():
+            for p, handle in zip(self.params, self.grad_handles, strict=True):
+                if p.grad is not handle:
+                    p.grad = handle
         release_views(self.grad_views)  # a backward that failed before its hooks ran
-        self._zero_versions = [v._version for v in self._views]
+        self._zero_versions = list(map(_VERSION, self._views))
         self._all_active = not set_to_none
+
+    def _grads_are_views(self) -> bool:
+        """Whether every param's ``.grad`` is what the buffer keeps there (one C-speed scan)."""
+        return all(map(operator.is_, map(_GRAD, self.params), self.grad_handles))
 
     # ------------------------------------------------------------- the step's plan
 
@@ -281,12 +288,13 @@ class FlatParams(FlatLayout, GradViews, Fp32Views):
         if versions != self._versions:
             self.reconcile()
             self._versions = versions
-        if (
-            self._plan is not None
-            and all(map(operator.is_, map(_GRAD, params), self.grad_handles))
-            and (self._all_active or all(map(operator.ne, map(_VERSION, self._views), self._zero_versions)))
-        ):
-            return self._plan  # the steady state: nothing changed since the last step
+        if self._plan is not None and self._grads_are_views():
+            if not self._all_active:
+                # every gradient view written since zero_grad stays so until the next one (version
+                # counters only grow): once seen, no step scans the views again until then
+                self._all_active = all(map(operator.ne, map(_VERSION, self._views), self._zero_versions))
+            if self._all_active:
+                return self._plan  # the steady state: nothing changed since the last step
         active = [False] * len(params)
         for k, i in enumerate(self._trainable):
             g, view = params[i].grad, self._views[k]

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, aligned_slices, cast_rne, check_tensor
+from tkern.kernels._common import INTERPRET, aligned_slices, cast_rne, cdiv, check_tensor
 from tkern.kernels.overflow import N_STATS, grad_factor
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -430,7 +430,7 @@ def _convert(
     if n == 0:
         return
     qmap = code_map(signed, buf.device) if kind == 2 else x
-    _convert_state_kernel[(triton.cdiv(n, CONVERT_BLOCK),)](
+    _convert_state_kernel[(cdiv(n, CONVERT_BLOCK),)](
         x, buf, absmax if absmax is not None else x, qmap, n,
         TO_STATE=to_state, KIND=kind, BLOCK=CONVERT_BLOCK,
     )  # fmt: skip

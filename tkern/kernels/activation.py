@@ -20,6 +20,7 @@ from tkern.kernels._common import (
     aligned_slices,
     block_offsets,
     cast_rne,
+    cdiv,
     check_same_device,
     check_tensor,
     tl_dtype,
@@ -166,7 +167,7 @@ def activation_grad(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch
     # of n % 16 elements gets its own launch rather than making every access scalar.
     for s in aligned_slices(dy.numel()):
         n = s.stop - s.start
-        _activation_grad_kernel[(triton.cdiv(n, BLOCK),)](
+        _activation_grad_kernel[(cdiv(n, BLOCK),)](
             *(t[s] for t in flat), n,
             ACTIVATION=ACTIVATIONS[activation], DTYPE=tl_dtype(dy.dtype),
             BLOCK=BLOCK, num_warps=NUM_WARPS,

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, ln_beta, load_or_value, one_minus_pow, tl_dtype
+from tkern.kernels._common import INTERPRET, cdiv, ln_beta, load_or_value, one_minus_pow, tl_dtype
 from tkern.kernels._update import (
     UpdateBuffers,
     aligned_parts,
@@ -127,6 +127,7 @@ def adam_update(
     amsgrad: bool,
     max_grad_norm: float | None,
     maximize: bool = False,
+    prechecked: bool = False,
 ) -> None:
     """Launch the Adam (``decoupled=False``) or AdamW update over ``buffers``
     (see :class:`UpdateBuffers`); state: ``exp_avg``, ``exp_avg_sq`` and, with
@@ -136,16 +137,18 @@ def adam_update(
     ``lr`` is a number or a (1,) fp32 tensor on the params' device, read by the
     kernel (AdamW's ``1 - lr * weight_decay`` is then formed there in fp32; from
     a number it is formed on the host in float64, as torch does). ``maximize``
-    negates the gradient, as torch.optim.Adam's."""
+    negates the gradient, as torch.optim.Adam's. ``prechecked``: the caller built
+    ``buffers`` right (a fused optimizer's plan, :meth:`tkern.flat.FlatParams.plan`),
+    so :func:`check_update_buffers` is skipped (its host time on every step)."""
     b = buffers
-    names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-    check_update_buffers(b, names)
+    if not prechecked:
+        check_update_buffers(b, ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()))
     lr, lr_on_device = check_lr(lr, b.param.device)
     decay = 1.0 if lr_on_device else 1.0 - lr * weight_decay
     for part, n in aligned_parts(b):
         m, v = part.kernel_state("exp_avg"), part.kernel_state("exp_avg_sq")
         vmax = part.kernel_state("max_exp_avg_sq" if amsgrad else None)
-        _adam_kernel[(triton.cdiv(n, BLOCK),)](
+        _adam_kernel[(cdiv(n, BLOCK),)](
             part.kernel_param(), part.grad, part.kernel_master(), *m[:3], *v[:3], *vmax[:3],
             part.stats, part.inv_scale, part.step, n, part.seed, part.offset,
             lr, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), eps, weight_decay,

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, aligned_slices, check_tensor
+from tkern.kernels._common import INTERPRET, aligned_slices, cdiv, check_tensor
 
 FOUND_INF: int = 0
 SUMSQ: int = 1
@@ -172,7 +172,7 @@ def _aligned_pieces(g: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _programs_for(n: int) -> int:
-    return max(1, min(triton.cdiv(n, BLOCK), MAX_PROGRAMS))
+    return max(1, min(cdiv(n, BLOCK), MAX_PROGRAMS))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, load_or_value, tl_dtype
+from tkern.kernels._common import INTERPRET, cdiv, load_or_value, tl_dtype
 from tkern.kernels._update import (
     UpdateBuffers,
     aligned_parts,
@@ -103,19 +103,22 @@ def sgd_update(
     nesterov: bool,
     max_grad_norm: float | None,
     maximize: bool = False,
+    prechecked: bool = False,
 ) -> None:
     """Launch the SGD update over ``buffers`` (see :class:`UpdateBuffers`);
     it does nothing on the device when ``stats`` reports an overflow.
 
     ``lr`` is a number or a (1,) fp32 tensor on the params' device, read by
     the kernel (changing it then needs no recompile and no host sync).
-    ``maximize`` negates the gradient, as torch.optim.SGD's."""
+    ``maximize`` negates the gradient, as torch.optim.SGD's. ``prechecked``: as
+    :func:`tkern.kernels.adam.adam_update`'s (the buffers' checks skipped)."""
     b = buffers
-    check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
+    if not prechecked:
+        check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
     lr, lr_on_device = check_lr(lr, b.param.device)
     for part, n in aligned_parts(b):
         buf = part.kernel_state("momentum_buffer" if momentum > 0 else None)
-        _sgd_kernel[(triton.cdiv(n, BLOCK),)](
+        _sgd_kernel[(cdiv(n, BLOCK),)](
             part.kernel_param(), part.grad, part.kernel_master(), *buf[:3],
             part.stats, part.inv_scale, part.step, n, part.seed, part.offset,
             lr, momentum, 1.0 - dampening, weight_decay, max_grad_norm or 0.0,

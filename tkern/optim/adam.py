@@ -85,7 +85,7 @@ class FusedAdam(FusedOptimizer):
             )
 
     def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
-        adam_update(buffers, **args)
+        adam_update(buffers, prechecked=True, **args)  # the plan's buffers: built right
 
 
 @document_options

@@ -293,6 +293,13 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
     def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
         raise NotImplementedError
 
+    def _ones(self) -> torch.Tensor:
+        """A (1,) fp32 one on the device, made once: the default 1 / loss scale, and what
+        a step subtracts found_inf from (a tensor operand: a Python scalar costs more host time)."""
+        if self._one is None:
+            self._one = torch.ones(1, dtype=torch.float32, device=self._device)
+        return self._one
+
     def _inv_scale(self, inv_scale: torch.Tensor | None) -> torch.Tensor:
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         if grad_scale is not None:
@@ -300,9 +307,7 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
                 raise ValueError("pass either inv_scale or a GradScaler's grad_scale, not both")
             return torch.reciprocal(grad_scale.detach().reshape(1).to(torch.float32))
         if inv_scale is None:
-            if self._one is None:
-                self._one = torch.ones(1, dtype=torch.float32, device=self._device)
-            return self._one
+            return self._ones()
         if not (
             isinstance(inv_scale, torch.Tensor)
             and inv_scale.dtype == torch.float32
@@ -387,7 +392,7 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         launches (what a CUDA graph captures): pass 1, the statistics' combination,
         pass 2 of every planned range, the step counts. Returns the statistics."""
         stats = self._step_stats(work, inv_scale, found_inf)
-        applied = 1.0 - stats[FOUND_INF : FOUND_INF + 1]
+        applied = torch.sub(self._ones(), stats[FOUND_INF : FOUND_INF + 1])
         for group_args, plan, _ in work:
             lr = group_args["lr"]
             if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:  # the kernels read fp32
@@ -408,14 +413,12 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         (agreed on by :meth:`_sync_stats`) joined with those of FSDP2's shards (summed
         over their mesh by every rank, whether or not it holds gradients this step)."""
         whole = [b.grad for _, plan, group in work if group is None for b in plan]
-        # a captured step would replay this step's stamp: graphs mark a scratch buffer (the
-        # same launch as the warm-ups', so the capture compiles nothing) and record no overflows
-        scratch = in_graph_step()
-        track = (
-            [self._track(plan, b, scratch) for _, plan, g in work if g is None for b in plan]
-            if self.track_overflows
-            else None
-        )
+        track = None
+        if self.track_overflows:
+            # a captured step would replay this step's stamp: graphs mark a scratch buffer (the
+            # same launch as the warm-ups', so the capture compiles nothing) and record no overflows
+            scratch = in_graph_step()
+            track = [self._track(plan, b, scratch) for _, plan, g in work if g is None for b in plan]
         stats = None
         # plain groups beside FSDP2's: held on every rank of the mesh, whether or not planned
         mixed = self._dtensor_storage is not None and len(self._held_elsewhere) < sum(map(len, self._flat))

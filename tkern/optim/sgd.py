@@ -64,4 +64,4 @@ class FusedSGD(FusedOptimizer):
         return args
 
     def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
-        sgd_update(buffers, **args)
+        sgd_update(buffers, prechecked=True, **args)  # the plan's buffers: built right
