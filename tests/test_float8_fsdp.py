@@ -159,7 +159,27 @@ def _scenario_train(rank, world):
     return out
 
 
-SCENARIOS = {"equal": _scenario_equal, "train": _scenario_train}
+def _scenario_conv1d(rank, world):
+    """GPT-2's Conv1D (weight stored (in, out), sharded on in) as Float8Conv1D."""
+    import tkern
+    from transformers.pytorch_utils import Conv1D
+
+    mesh, out = _mesh(world), {}
+    for name, recipe in (("fp8", FP8AG), ("bf16", "tensorwise")):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Conv1D(48, SIZES[0]), Conv1D(16, 48))
+        model = shard(tkern.convert_network(model, torch.bfloat16, float8=recipe), mesh)
+        y, _, counts = _forward_backward(model, rank)
+        out[name] = {
+            "y": y,
+            "grads": [local(p.grad) for p in model.parameters()],
+            "types": [type(m).__name__ for m in model],
+            "casts": counts.casts,
+        }
+    return out
+
+
+SCENARIOS = {"equal": _scenario_equal, "train": _scenario_train, "conv1d": _scenario_conv1d}
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +204,17 @@ def test_forward_and_gradients_equal_the_bf16_all_gathers_cast(world2):
         assert any(g.abs().sum() > 0 for g in fp8["grads"])
 
 
+def test_gpt2_conv1d_weights_gather_in_fp8_too(world2):
+    pytest.importorskip("transformers")
+    for res in result(world2, "conv1d"):
+        fp8, bf16 = res["fp8"], res["bf16"]
+        assert fp8["types"] == bf16["types"] == ["FSDPFloat8Conv1D"] * 2  # fully_shard's class
+        assert fp8["casts"] >= 2 and bf16["casts"] == 0
+        assert torch.equal(fp8["y"], bf16["y"])
+        for a, b in zip(fp8["grads"], bf16["grads"], strict=True):
+            assert torch.equal(a, b)
+
+
 def test_all_gather_bytes_are_halved(world2):
     # per rank and forward: each layer's padded shard of the weight (2 B/elem in bf16, 1 in
     # fp8) and of its bias (bf16 either way); FSDP2 sends one uint8 buffer per layer when
@@ -196,7 +227,7 @@ def test_all_gather_bytes_are_halved(world2):
         fp8, bf16 = res["fp8"]["forward_bytes"], res["bf16"]["forward_bytes"]
         assert bf16 == 2 * weight_elems + bias_bytes
         assert fp8 == weight_elems + bias_bytes
-        assert fp8 / bf16 < 0.51  # 0.5 on the weights; the biases add 72 B of 5064
+        assert fp8 / bf16 < 0.51  # 1522 / 2986: 0.5 on the weights, the biases' 58 B on both
         assert res["fp8"]["counts"]["gathers"] == res["bf16"]["counts"]["gathers"]
 
 
@@ -285,3 +316,30 @@ def test_a_shard_cast_with_the_whole_amax_is_that_rows_whole_cast():
         to_float8_with_amax(whole, torch.zeros(0))
     with pytest.raises(TypeError, match="amax"):
         to_float8_with_amax(whole, amax.double())
+
+
+def test_convert_network_state_dicts_and_converting_back():
+    """convert_network(float8=<the recipe>) wraps the weights; state dicts load both ways
+    (the values, as plain tensors or wrappers); converting to fp32 gives plain Parameters."""
+    import tkern
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    fp8 = tkern.convert_network(build(), torch.bfloat16, float8=FP8AG)
+    plain = tkern.convert_network(build(), torch.bfloat16, float8="tensorwise")
+    assert [type(m.weight) for m in (fp8[0], fp8[2])] == [f8fsdp.Float8AllGatherWeight] * 2
+    x = batch(0, 0)
+    assert torch.equal(fp8(x), plain(x))
+    with torch.no_grad():
+        plain[0].weight.mul_(2)
+    fp8.load_state_dict(plain.state_dict())
+    assert type(fp8[0].weight) is f8fsdp.Float8AllGatherWeight and torch.equal(fp8(x), plain(x))
+    fp8.load_state_dict(build().to(torch.bfloat16).state_dict())
+    plain.load_state_dict(fp8.state_dict())
+    assert type(plain[0].weight) is torch.nn.Parameter and torch.equal(fp8(x), plain(x))
+    tkern.convert_network(fp8, torch.float32)
+    assert type(fp8[0]) is nn.Linear and type(fp8[0].weight) is torch.nn.Parameter
+    assert fp8[0].weight.dtype == torch.float32

@@ -121,21 +121,20 @@ class Float8AllGatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        states = []
-
         def unwrap(t):
-            states.append(t._state)
             return t._tensor
 
         written = _written(func, args, cls)
+        first = args[0] if args else None
         args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         for t in written:  # torch's foreach writes (an optimizer's copy) do not count them
             torch.autograd.graph.increment_version(t)
-        if func is torch.ops.aten.detach.default or func in _PRESERVE:
-            state = states[0]
-            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, state), out)
-        return out
+        if not isinstance(first, cls) or not (func is torch.ops.aten.detach.default or func in _PRESERVE):
+            return out  # (a plain tensor copied from a wrapper stays plain)
+        if func is torch.ops.aten.copy_.default:
+            return first
+        return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, first._state), out)
 
     def __tensor_flatten__(self):
         return ["_tensor"], None
