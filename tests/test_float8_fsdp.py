@@ -61,7 +61,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a DTensor param or grad, as a plain tensor."""
     with torch.no_grad():
         t = t.to_local()
-    return (t._tensor if isinstance(t, f8fsdp.Float8AllGatherWeight) else t).detach().clone()
+        t = t.high_precision() if isinstance(t, f8fsdp.Float8AllGatherWeight) else t
+    return t.detach().clone()
 
 
 class Counts:
@@ -283,7 +284,7 @@ def test_outside_fsdp2_the_layer_equals_the_plain_one():
     switching the option off gives the plain Parameter back."""
     fp8, plain = make_model(True)[0], make_model(False)[0]
     assert isinstance(fp8.weight, f8fsdp.Float8AllGatherWeight)
-    assert torch.equal(fp8.weight._tensor, plain.weight.detach())
+    assert torch.equal(fp8.weight.high_precision(), plain.weight)
     x = batch(0, 0)
     y, y_ref = fp8(x), plain(x)
     assert torch.equal(y, y_ref)

@@ -156,7 +156,7 @@ class Float8AllGatherWeight(torch.Tensor):
         amax = self._state.amax
         if amax is not None:
             param = self._state.param()
-            if param is None or param._local_tensor is not self or self._state.stamp != _stamp(param):
+            if param is None or self._state.stamp != _stamp(param):
                 raise RuntimeError(
                     "the precomputed fp8 scale of a Float8Linear weight is stale: the weight was written "
                     "since precompute_float8_dynamic_scale_for_fsdp; call it after every optimizer step "
@@ -223,8 +223,15 @@ def _stamp(param: torch.Tensor) -> tuple[int, ...]:
     (``load_state_dict``: its version counter), through its local wrapper (an
     optimizer's copy: the wrapper's, shared with FSDP2's padded views of it), or
     replaced (the storage)."""
-    local = param._local_tensor
+    local = _local(param)
     return param._version, local._version, local._tensor.untyped_storage().data_ptr()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (outside grad mode: no autograd node; for a Parameter a
+    view of it, which shares its version counter and, being a wrapper, its scale state)."""
+    with torch.no_grad():
+        return param.to_local()
 
 
 def _local_amax(t: torch.Tensor) -> torch.Tensor:
@@ -320,8 +327,8 @@ def precompute_float8_dynamic_scale_for_fsdp(module: torch.nn.Module) -> int:
     params: dict[Any, list[torch.Tensor]] = {}
     for m in module.modules():
         w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
-        if isinstance(w, DTensor) and isinstance(w._local_tensor, Float8AllGatherWeight):
-            by_mesh.setdefault(w.device_mesh, []).append(w._local_tensor)
+        if isinstance(w, DTensor) and isinstance(_local(w), Float8AllGatherWeight):
+            by_mesh.setdefault(w.device_mesh, []).append(_local(w))
             params.setdefault(w.device_mesh, []).append(w)
     count = 0
     for mesh, shards in by_mesh.items():
