@@ -39,7 +39,7 @@ def make_model(fp8_all_gather: bool) -> torch.nn.Module:
     recipe = FP8AG if fp8_all_gather else Float8Recipe()
     layers = [
         Float8Linear(a, b, bias=bias, recipe=recipe)
-        for (a, b), bias in zip(zip(SIZES, SIZES[1:]), BIAS, strict=True)
+        for (a, b), bias in zip(zip(SIZES, SIZES[1:], strict=False), BIAS, strict=True)
     ]
     return torch.nn.Sequential(*layers)
 
@@ -162,8 +162,9 @@ def _scenario_train(rank, world):
 
 def _scenario_conv1d(rank, world):
     """GPT-2's Conv1D (weight stored (in, out), sharded on in) as Float8Conv1D."""
-    import tkern
     from transformers.pytorch_utils import Conv1D
+
+    import tkern
 
     mesh, out = _mesh(world), {}
     for name, recipe in (("fp8", FP8AG), ("bf16", "tensorwise")):
@@ -322,8 +323,9 @@ def test_a_shard_cast_with_the_whole_amax_is_that_rows_whole_cast():
 def test_convert_network_state_dicts_and_converting_back():
     """convert_network(float8=<the recipe>) wraps the weights; state dicts load both ways
     (the values, as plain tensors or wrappers); converting to fp32 gives plain Parameters."""
-    import tkern
     from torch import nn
+
+    import tkern
 
     def build():
         torch.manual_seed(0)

@@ -381,7 +381,9 @@ def to_float8_with_amax(
     check_tensor("amax", amax, ndim=1, dtypes=(torch.float32,))
     check_same_device(x=x, amax=amax)
     if amax.numel() < 1 or not amax.is_contiguous():
-        raise ValueError(f"amax must be a contiguous 1-D tensor with >= 1 element, got shape {tuple(amax.shape)}")
+        raise ValueError(
+            f"amax must be a contiguous 1-D tensor with >= 1 element, got shape {tuple(amax.shape)}"
+        )
     flat, data, scale, programs, _ = _tensorwise_buffers(x, dtype)
     count = amax.numel()
     _cast_tensorwise_kernel[(programs,)](

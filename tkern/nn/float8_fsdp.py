@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 E4M3 = torch.float8_e4m3fn
+_HIGH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _wrapper(cls, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -108,7 +109,7 @@ class Float8AllGatherWeight(torch.Tensor):
         return _wrapper(cls, tensor)
 
     def __init__(self, tensor: torch.Tensor, state: _ScaleState | None = None) -> None:
-        if type(tensor) is not torch.Tensor or tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if type(tensor) is not torch.Tensor or tensor.dtype not in _HIGH_DTYPES:
             raise TypeError(
                 f"Float8AllGatherWeight wraps a plain bf16, fp16 or fp32 tensor, got {type(tensor).__name__} "
                 f"of dtype {tensor.dtype}"
@@ -188,7 +189,9 @@ class Float8AllGatherWeight(torch.Tensor):
         (scale,) = metadata
         if out is not None:
             if not isinstance(out, Float8GatheredWeight):
-                raise RuntimeError(f"FSDP2's unsharded param is a {type(out).__name__}, not a Float8GatheredWeight")
+                raise RuntimeError(
+                    f"FSDP2's unsharded param is a {type(out).__name__}, not a Float8GatheredWeight"
+                )
             out._scale = scale
             return None
         data = data.view(E4M3)
@@ -353,4 +356,3 @@ def unwrap_weight(param: torch.nn.Parameter) -> torch.nn.Parameter:
     if not isinstance(param, Float8AllGatherWeight):
         return param
     return torch.nn.Parameter(param._tensor.detach(), requires_grad=param.requires_grad)
-
