@@ -125,6 +125,11 @@ def _scenario_equal(rank, world):
         if name == "fp8":
             weights = [m.weight for m in model]
             out[name]["sharded_types"] = [type(w.to_local()).__name__ for w in weights]
+            model[0].set_recipe(FP8AG)  # the same option again: nothing to change
+            try:
+                model[0].set_recipe(Float8Recipe())
+            except ValueError as e:
+                out["after_shard"] = (str(e), model[0].weight is weights[0], model[0].recipe == FP8AG)
     return out
 
 
@@ -215,6 +220,12 @@ def test_gpt2_conv1d_weights_gather_in_fp8_too(world2):
         assert torch.equal(fp8["y"], bf16["y"])
         for a, b in zip(fp8["grads"], bf16["grads"], strict=True):
             assert torch.equal(a, b)
+
+
+def test_the_option_cannot_change_after_fully_shard(world2):
+    for res in result(world2, "equal"):
+        why, same_weight, same_recipe = res["after_shard"]
+        assert "before fully_shard" in why and same_weight and same_recipe
 
 
 def test_all_gather_bytes_are_halved(world2):

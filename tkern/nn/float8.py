@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from tkern.kernels._common import HALF_DTYPES
-from tkern.nn.float8_fsdp import Float8AllGatherWeight, Float8GatheredWeight, unwrap_weight, wrap_weight
+from tkern.nn.float8_fsdp import (
+    Float8AllGatherWeight,
+    Float8GatheredWeight,
+    is_fp8_all_gather_weight,
+    unwrap_weight,
+    wrap_weight,
+)
 from tkern.ops.float8 import CACHED_SCALINGS, float8_linear, float8_weight_cache
 
 __all__ = ["FLOAT8_SCALINGS", "Float8Linear", "Float8Recipe", "float8_conv1d_class"]
@@ -95,12 +101,12 @@ class Float8Layer:
     def set_recipe(self, recipe: Float8Recipe) -> None:
         if not isinstance(recipe, Float8Recipe):
             raise TypeError(f"recipe must be a Float8Recipe, got {recipe!r}")
-        weight = self._parameters["weight"]
-        if recipe.enable_fsdp_float8_all_gather != isinstance(weight, Float8AllGatherWeight):
+        weight = self.weight
+        if recipe.enable_fsdp_float8_all_gather != is_fp8_all_gather_weight(weight):
             if isinstance(weight, _dtensor_class()):
                 raise ValueError(
-                    "enable_fsdp_float8_all_gather must be set before fully_shard: this layer's weight is "
-                    "already a DTensor"
+                    "enable_fsdp_float8_all_gather is set before fully_shard and cannot change after it: "
+                    "this layer's weight is already a DTensor"
                 )
             wrap = wrap_weight if recipe.enable_fsdp_float8_all_gather else unwrap_weight
             self.weight = wrap(weight)

@@ -252,8 +252,8 @@ class Float8GatheredWeight(torch.Tensor):
     Only :class:`tkern.nn.Float8Linear` (and ``Float8Conv1D``) read it, through
     :meth:`fp8` (their forward casts nothing); the views FSDP2 and those layers take
     (``as_strided``, ``view``, ``t``, ``detach``) stay fp8, ``new_empty`` makes a plain
-    tensor, and any other op raises
-    ``TypeError`` (there is no high-precision weight to compute with).
+    tensor, and any other op raises ``TypeError`` (there is no high-precision weight to
+    compute with).
     """
 
     _data: torch.Tensor
@@ -329,7 +329,7 @@ def precompute_float8_dynamic_scale_for_fsdp(module: torch.nn.Module) -> int:
     by_mesh: dict[Any, list[Float8AllGatherWeight]] = {}
     params: dict[Any, list[torch.Tensor]] = {}
     for m in module.modules():
-        w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
+        w = getattr(m, "weight", None)
         if isinstance(w, DTensor) and isinstance(_local(w), Float8AllGatherWeight):
             by_mesh.setdefault(w.device_mesh, []).append(_local(w))
             params.setdefault(w.device_mesh, []).append(w)
@@ -342,6 +342,17 @@ def precompute_float8_dynamic_scale_for_fsdp(module: torch.nn.Module) -> int:
             s._state.amax, s._state.param, s._state.stamp = a, weakref.ref(p), _stamp(p)
         count += len(shards)
     return count
+
+
+def is_fp8_all_gather_weight(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a :class:`Float8AllGatherWeight` or FSDP2's DTensor over one."""
+    if isinstance(t, Float8AllGatherWeight):
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without torch.distributed: no DTensor
+        return False
+    return isinstance(t, DTensor) and isinstance(_local(t), Float8AllGatherWeight)
 
 
 def wrap_weight(param: torch.nn.Parameter) -> torch.nn.Parameter:
