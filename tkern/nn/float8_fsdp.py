@@ -130,7 +130,8 @@ class Float8AllGatherWeight(torch.Tensor):
         args, kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs or {}))
         out = func(*args, **kwargs)
         for t in written:  # torch's foreach writes (an optimizer's copy) do not count them
-            torch.autograd.graph.increment_version(t)
+            if not t.is_inference():
+                torch.autograd.graph.increment_version(t)
         if not isinstance(first, cls) or not (func is torch.ops.aten.detach.default or func in _PRESERVE):
             return out  # (a plain tensor copied from a wrapper stays plain)
         if func is torch.ops.aten.copy_.default:
