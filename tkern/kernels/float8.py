@@ -356,6 +356,43 @@ def _cast_tensorwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     return data, scale
 
 
+def to_float8_with_amax(
+    x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast ``x`` to fp8 per tensor with the scale of an amax found elsewhere.
+
+    The multiplier is ``fp8_max / max(amax)`` exactly as :func:`to_float8` derives
+    it from x's own amax (the same kernel, fed ``amax`` instead of x's partial
+    maxima), so when ``max(amax)`` is the amax of a whole tensor that ``x`` is a
+    piece of (a shard: the max over the shards' amaxes), the result is, element
+    for element, that whole tensor's :func:`to_float8` cast. FSDP2's fp8
+    all-gather (:mod:`tkern.nn.float8_fsdp`) casts each shard this way.
+
+    Args:
+        x: fp32, fp16 or bf16, any shape (empty allowed).
+        amax: (P,) fp32 contiguous, P >= 1, on x's device: values whose max is the amax.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+
+    Returns:
+        ``(data, scale)`` as :func:`to_float8` with ``"tensor"`` granularity.
+    """
+    _check_x(x)
+    check_fp8_dtype(dtype)
+    check_tensor("amax", amax, ndim=1, dtypes=(torch.float32,))
+    check_same_device(x=x, amax=amax)
+    if amax.numel() < 1 or not amax.is_contiguous():
+        raise ValueError(
+            f"amax must be a contiguous 1-D tensor with >= 1 element, got shape {tuple(amax.shape)}"
+        )
+    flat, data, scale, programs, _ = _tensorwise_buffers(x, dtype)
+    count = amax.numel()
+    _cast_tensorwise_kernel[(programs,)](
+        flat, flat.numel(), amax, count, data.view(-1), scale, amax, 1.0,
+        DELAYED=False, **_constants(dtype), BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(count),
+    )  # fmt: skip
+    return data, scale
+
+
 def _cast_blocks(
     x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:

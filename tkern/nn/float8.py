@@ -10,6 +10,13 @@ import torch
 from torch import nn
 
 from tkern.kernels._common import HALF_DTYPES
+from tkern.nn.float8_fsdp import (
+    Float8AllGatherWeight,
+    Float8GatheredWeight,
+    is_fp8_all_gather_weight,
+    unwrap_weight,
+    wrap_weight,
+)
 from tkern.ops.float8 import CACHED_SCALINGS, float8_linear, float8_weight_cache
 
 __all__ = ["FLOAT8_SCALINGS", "Float8Linear", "Float8Recipe", "float8_conv1d_class"]
@@ -31,15 +38,32 @@ class Float8Recipe:
             and gradients, 128x128 blocks for weights, e4m3 everywhere.
         history_len: amax history length of ``"delayed"`` (16, as TE's default).
         margin: ``"delayed"``: the multiplier is fp8_max / amax x 2^-margin.
+        enable_fsdp_float8_all_gather: under FSDP2 (``fully_shard``), all-gather the
+            weight in fp8 (1 byte per element instead of bf16's 2), cast with the whole
+            weight's tensorwise scale; results are bit-identical to casting the
+            bf16-gathered weight (torchao's option of this name). ``"tensorwise"``
+            only. The layer's weight becomes a
+            :class:`tkern.nn.float8_fsdp.Float8AllGatherWeight`: set the recipe before
+            ``fully_shard`` and before building the optimizer. See docs/fsdp.md.
     """
 
     scaling: str = "tensorwise"
     history_len: int = 16
     margin: int = 0
+    enable_fsdp_float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.scaling not in FLOAT8_SCALINGS:
             raise ValueError(f"scaling must be one of {FLOAT8_SCALINGS}, got {self.scaling!r}")
+        if not isinstance(self.enable_fsdp_float8_all_gather, bool):
+            raise TypeError(
+                f"enable_fsdp_float8_all_gather must be a bool, got {self.enable_fsdp_float8_all_gather!r}"
+            )
+        if self.enable_fsdp_float8_all_gather and self.scaling != "tensorwise":
+            raise ValueError(
+                f'enable_fsdp_float8_all_gather needs scaling="tensorwise" (one scale per weight, found '
+                f'from the whole weight), got scaling="{self.scaling}"'
+            )
         for name, low in (("history_len", 1), ("margin", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -55,6 +79,15 @@ class Float8Recipe:
         raise TypeError(f"recipe must be a Float8Recipe or one of {FLOAT8_SCALINGS}, got {recipe!r}")
 
 
+def _dtensor_class() -> type:
+    """torch's DTensor class (a class nothing is an instance of without torch.distributed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return type("NoDTensor", (), {})
+    return DTensor
+
+
 #: Delayed scaling's amax histories: buffers of the module (saved with its state_dict).
 _HISTORIES = ("fp8_amax_history_input", "fp8_amax_history_weight", "fp8_amax_history_grad_output")
 
@@ -66,6 +99,17 @@ class Float8Layer:
     recipe: Float8Recipe
 
     def set_recipe(self, recipe: Float8Recipe) -> None:
+        if not isinstance(recipe, Float8Recipe):
+            raise TypeError(f"recipe must be a Float8Recipe, got {recipe!r}")
+        weight = self.weight
+        if recipe.enable_fsdp_float8_all_gather != is_fp8_all_gather_weight(weight):
+            if isinstance(weight, _dtensor_class()):
+                raise ValueError(
+                    "enable_fsdp_float8_all_gather is set before fully_shard and cannot change after it: "
+                    "this layer's weight is already a DTensor"
+                )
+            wrap = wrap_weight if recipe.enable_fsdp_float8_all_gather else unwrap_weight
+            self.weight = wrap(weight)
         self.recipe = recipe
         for name in _HISTORIES:
             if recipe.scaling == "delayed":
@@ -86,7 +130,7 @@ class Float8Layer:
         is the transpose of the GEMM operand, so its block scales would have to be
         transposed with it (not done yet)."""
         scaling = self.recipe.scaling
-        if scaling not in CACHED_SCALINGS:
+        if scaling not in CACHED_SCALINGS or self.recipe.enable_fsdp_float8_all_gather:
             float8_weight_cache(self.weight, register=False)
             return
         history = None
@@ -108,6 +152,8 @@ class Float8Layer:
         return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recipe.enable_fsdp_float8_all_gather:
+            return self._forward_fp8_gathered(x)
         weight = self._gemm_view(self.weight)
         if x.is_floating_point() and x.dtype != weight.dtype:
             x = x.to(weight.dtype)
@@ -121,6 +167,26 @@ class Float8Layer:
             update=self.training and torch.is_grad_enabled(), histories=histories,
             weight_fp8=None if cached is None else (self._gemm_view(cached[0]), *cached[1:]),
         )  # fmt: skip
+
+    def _forward_fp8_gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """Under ``enable_fsdp_float8_all_gather``: the weight is FSDP2's fp8-gathered
+        one (its data and scale go to the GEMMs as they are) or, outside FSDP2, the
+        whole high-precision weight, cast here (tensorwise, as without the option)."""
+        w = self.weight
+        if isinstance(w, Float8AllGatherWeight):
+            weight, cast = self._gemm_view(w.high_precision()), None
+        elif isinstance(w, Float8GatheredWeight):
+            weight = self._gemm_view(w)
+            cast = weight.fp8()
+        else:
+            raise TypeError(
+                f"{type(self).__name__} with enable_fsdp_float8_all_gather holds a weight of type "
+                f"{type(w).__name__}, not a Float8AllGatherWeight or FSDP2's fp8-gathered weight "
+                "(a DTensor here: the forward ran outside FSDP2's unshard)"
+            )
+        if x.is_floating_point() and x.dtype != weight.dtype:
+            x = x.to(weight.dtype)
+        return float8_linear(x, weight, self.bias, scaling="tensorwise", weight_fp8=cast)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
