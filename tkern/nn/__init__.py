@@ -2,6 +2,8 @@
 
 ``linear.py``   :class:`Linear` (and transformers' GPT-2 ``Conv1D`` as ``tkern.nn.Conv1D``)
 ``float8.py``   :class:`Float8Linear`, :class:`Float8Recipe` (and ``tkern.nn.Float8Conv1D``)
+``float8_fsdp.py``  fp8 all-gather of Float8Linear weights under FSDP2
+                (:class:`Float8AllGatherWeight`, :func:`precompute_float8_dynamic_scale_for_fsdp`)
 ``norm.py``     :class:`LayerNorm`, :class:`RMSNorm` (fp32 statistics and parameters, 16-bit input)
 ``fusion.py``   an ``nn.Sequential``'s Linear + activation run as one GEMM
 ``loss.py``     :class:`CrossEntropyLoss`, :class:`LinearCrossEntropy` (tkern's fused cross-entropy)
@@ -11,6 +13,11 @@
 
 from tkern.nn.convert import CASTABLE_TYPES, NORM_TYPES, CastInputs, CastOutput, convert_network
 from tkern.nn.float8 import FLOAT8_SCALINGS, Float8Linear, Float8Recipe, float8_conv1d_class
+from tkern.nn.float8_fsdp import (
+    Float8AllGatherWeight,
+    Float8GatheredWeight,
+    precompute_float8_dynamic_scale_for_fsdp,
+)
 from tkern.nn.linear import Linear, conv1d_class
 from tkern.nn.loss import CrossEntropyLoss, LinearCrossEntropy
 from tkern.nn.norm import LayerNorm, RMSNorm
@@ -23,6 +30,8 @@ __all__ = [
     "CastInputs",
     "CastOutput",
     "CrossEntropyLoss",
+    "Float8AllGatherWeight",
+    "Float8GatheredWeight",
     "Float8Linear",
     "Float8Recipe",
     "LayerNorm",
@@ -30,6 +39,7 @@ __all__ = [
     "LinearCrossEntropy",
     "RMSNorm",
     "convert_network",
+    "precompute_float8_dynamic_scale_for_fsdp",
 ]
 
 
