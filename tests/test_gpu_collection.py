@@ -53,6 +53,7 @@ def test_on_a_gpu_machine_nothing_collected_needs_the_cpu():
     by_use = {u: [n for s, n, uses in rows if u in uses.split(",")] for u in ("recorder", "compile gate")}
     assert len(by_use["recorder"]) >= 15
     assert {n.split("::")[0] for n in by_use["recorder"]} == {
+        "tests/test_health.py",
         "tests/test_optim_graph.py",
         "tests/test_trainer_graph.py",
     }
