@@ -307,6 +307,38 @@ def test_outside_fsdp2_the_layer_equals_the_plain_one():
     assert type(fp8.weight) is torch.nn.Parameter and torch.equal(fp8.weight, plain.weight)
 
 
+def test_outside_fsdp2_a_fused_optimizer_steps_the_weight_the_layer_reads():
+    """One process, no fully_shard: the fused optimizer re-points each param's ``.data``
+    into its flat buffer; the wrapper must follow (else its layer keeps reading the old
+    weight and training silently does nothing). Three FusedAdamW steps equal the
+    plain-Parameter twin's, outputs and weights, bit for bit, and the outputs move."""
+    fp8, plain = make_model(True), make_model(False)
+    opts = [FusedAdamW(m.parameters(), lr=1e-2) for m in (fp8, plain)]
+    x = batch(0, 0)
+    first = fp8(x).detach().clone()
+    for step in range(3):
+        for m, opt in zip((fp8, plain), opts, strict=True):
+            opt.zero_grad()
+            m(batch(step, 0)).float().square().sum().backward()
+            opt.step()
+    assert not torch.equal(fp8(x), first)
+    assert torch.equal(fp8(x), plain(x))
+    for a, b in zip(fp8.parameters(), plain.parameters(), strict=True):
+        hp = a.high_precision() if isinstance(a, f8fsdp.Float8AllGatherWeight) else a
+        assert torch.equal(hp, b)
+
+
+def test_the_option_cannot_change_under_a_fused_optimizer():
+    """Switching enable_fsdp_float8_all_gather replaces the weight Parameter: refused
+    once a fused optimizer holds it (it would step the orphan), nothing changed."""
+    model = make_model(False)
+    FusedAdamW(model.parameters(), lr=1e-2)
+    weight = model[0].weight
+    with pytest.raises(ValueError, match="before building the optimizer"):
+        model[0].set_recipe(FP8AG)
+    assert model[0].weight is weight and model[0].recipe == Float8Recipe()
+
+
 def test_a_shard_cast_with_the_whole_amax_is_that_rows_whole_cast():
     """to_float8_with_amax (the shard cast) against to_float8 of the whole tensor: the
     rows of every piece, cast with the max of the pieces' amaxes, are the whole cast's

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tkern.flat import has_grad_view
 from tkern.kernels._common import HALF_DTYPES
 from tkern.nn.float8_fsdp import (
     Float8AllGatherWeight,
@@ -107,6 +108,12 @@ class Float8Layer:
                 raise ValueError(
                     "enable_fsdp_float8_all_gather is set before fully_shard and cannot change after it: "
                     "this layer's weight is already a DTensor"
+                )
+            if has_grad_view(weight):
+                raise ValueError(
+                    "enable_fsdp_float8_all_gather replaces this layer's weight Parameter, which a tkern "
+                    "fused optimizer already holds (it would go on stepping the old one): set the recipe "
+                    "before building the optimizer"
                 )
             wrap = wrap_weight if recipe.enable_fsdp_float8_all_gather else unwrap_weight
             self.weight = wrap(weight)

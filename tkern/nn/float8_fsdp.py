@@ -120,6 +120,18 @@ class Float8AllGatherWeight(torch.Tensor):
     def __repr__(self) -> str:  # noqa: D105
         return f"Float8AllGatherWeight({self._tensor!r})"
 
+    @property
+    def data(self) -> torch.Tensor:
+        """As ``Tensor.data``: this weight detached (a wrapper over the same tensor)."""
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        # ``p.data = t`` (a fused optimizer binding the weight to its flat buffer, a cast by
+        # convert_network) moves the wrapper's storage and must move what every op reads too
+        torch.Tensor.data.__set__(self, value)
+        self._tensor = value._tensor if isinstance(value, Float8AllGatherWeight) else value
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args, kwargs=None):
         def unwrap(t):
@@ -338,7 +350,8 @@ def precompute_float8_dynamic_scale_for_fsdp(module: torch.nn.Module) -> int:
     for mesh, shards in by_mesh.items():
         tensors = [s._tensor.detach() for s in shards]
         amax = torch.stack([_local_amax(t) for t in tensors])
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        # the shard dim's group (HSDP's 2-D mesh: the last dim; its replicas hold the same rows)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(mesh.ndim - 1))
         for p, s, a in zip(params[mesh], shards, amax.split(1), strict=True):
             s._state.amax, s._state.param, s._state.stamp = a, weakref.ref(p), _stamp(p)
         count += len(shards)
