@@ -251,7 +251,9 @@ class LossScaler:
             state = self._lazy_state(optimizer.device)
             inv_scale = None if id(optimizer) in self._unscaled else state[K.INV_SCALE : K.INV_SCALE + 1]
             result = optimizer.step(*args, inv_scale=inv_scale, **kwargs)
-            self._fused[id(optimizer)] = weakref.ref(optimizer)
+            ref = self._fused.get(id(optimizer))
+            if ref is None or ref() is not optimizer:  # overflow_report's: made once per optimizer
+                self._fused[id(optimizer)] = weakref.ref(optimizer)
             stats = optimizer.grad_stats
             if self.process_group is not None:
                 stats = combine_stats(stats.clone(), self.process_group)
@@ -266,6 +268,13 @@ class LossScaler:
         self._stepped.add(id(optimizer))
         self._stats.append(stats)
         return result
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickle and deepcopy: the weak references to the optimizers stepped do not travel
+        # (a copy's overflow_report() names the optimizers the copy steps, not the original's)
+        state = self.__dict__.copy()
+        state["_fused"] = {}
+        return state
 
     def overflow_report(self, optimizer: FusedOptimizer | None = None) -> OverflowReport:
         """The overflow report of a tkern fused optimizer this scaler has stepped

@@ -440,10 +440,10 @@ def grad_underflow(grads: list[torch.Tensor], into: list[UnderflowCounts]) -> No
         for piece in _aligned_pieces(g):  # a ragged tail gets a launch of its own
             n = piece.numel()
             if n:
-                chunks = triton.cdiv(n, BLOCK)
-                per_program = triton.cdiv(chunks, min(chunks, MAX_PROGRAMS))
+                chunks = cdiv(n, BLOCK)
+                per_program = cdiv(chunks, min(chunks, MAX_PROGRAMS))
                 p = c.starts.numel()
-                _grad_underflow_kernel[(triton.cdiv(chunks, per_program),)](
+                _grad_underflow_kernel[(cdiv(chunks, per_program),)](
                     piece, n, c.starts, c.ends, c.counts, p, c.base + at, p.bit_length(), per_program,
                     BLOCK=BLOCK, BITS=8 * piece.element_size(), MIN_NORMAL=MIN_NORMAL_BITS[piece.dtype],
                     num_warps=_NUM_WARPS,
