@@ -227,12 +227,56 @@ def _unscale(p):
     return tkern.amp.unscale.unscale_grads([p], torch.ones(1), p.device)
 
 
+def _scenario_fp8_all_gather(rank, world):
+    """fp8 all-gather under HSDP: the Float8Linear weights gathered in fp8 over the shard
+    dim, the scale precomputed once per step over it; a bf16-all-gather twin beside."""
+    from test_float8_fsdp import batch as fp8_batch
+    from test_float8_fsdp import local
+    from test_float8_fsdp import make_model as fp8_model
+    from torch.distributed.fsdp import fully_shard
+
+    import tkern.nn.float8_fsdp as f8fsdp
+
+    mesh, out = _mesh2d(), {}
+    for name in ("fp8", "bf16"):
+        model = fp8_model(name == "fp8")
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        ys = []
+        for t in range(2):
+            opt.zero_grad()
+            y = model(fp8_batch(t, rank))
+            y.float().square().sum().backward()
+            opt.step()
+            if name == "fp8":
+                out["precomputed"] = f8fsdp.precompute_float8_dynamic_scale_for_fsdp(model)
+            ys.append(y.detach().clone())
+        out[name] = {"ys": ys, "params": [local(p) for p in model.parameters()]}
+    return out
+
+
+def _scenario_underflow_warning(rank, world):
+    """track_underflows on an optimizer of FSDP2 shards only: shards are not sampled."""
+    import warnings
+
+    model = shard(make_model(), _mesh2d())
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt.track_underflows(every=5)
+    return [str(w.message) for w in seen]
+
+
 SCENARIOS = {
     "train": _scenario_train,
     "skip": _scenario_skip,
     "dcp": _scenario_dcp,
     "int_reshard": _scenario_int_reshard,
     "errors": _scenario_errors,
+    "fp8_all_gather": _scenario_fp8_all_gather,
+    "underflow_warning": _scenario_underflow_warning,
 }
 
 
@@ -379,3 +423,21 @@ def test_tensor_parallel_layouts_on_a_2d_mesh_and_a_3d_mesh_still_raise(world4):
                 assert msg is not None and "2-D device mesh" in msg and "Replicate(), Shard(dim=0)" in msg
         assert "3-D device mesh" in res["mesh_3d"] and "HSDP's 2-D (replicate, shard) mesh" in res["mesh_3d"]
         assert res["groups_after"] == 1 and res["unchanged"]
+
+
+def test_fp8_all_gather_under_hsdp_equals_the_bf16_all_gather(world4):
+    """Float8Recipe(enable_fsdp_float8_all_gather=True) on the 2 x 2 mesh: outputs and
+    params bit-identical to the bf16 all-gather's fp8 cast, every rank; the per-step
+    precompute finds each weight's scale over the shard dim (a 2-D mesh's get_group()
+    without a dim would raise)."""
+    for r in result(world4, "fp8_all_gather"):
+        assert r["precomputed"] == 3
+        for a, b in zip(r["fp8"]["ys"], r["bf16"]["ys"], strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(r["fp8"]["params"], r["bf16"]["params"], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_sampling_underflows_of_fsdp2_shards_only_warns_that_it_sees_nothing(world4):
+    for messages in result(world4, "underflow_warning"):
+        assert len(messages) == 1 and "every param of this optimizer is an FSDP2 shard" in messages[0]

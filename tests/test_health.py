@@ -427,6 +427,31 @@ def test_scaler_overflow_report_is_the_optimizers():
         scaler.overflow_report(other)
 
 
+def test_a_scaler_that_has_stepped_pickles_and_its_copies_report_their_own():
+    """The scaler's weak references to the optimizers it stepped (for overflow_report)
+    must not make it unpicklable (torch.save of a checkpoint dict holding it, deepcopy
+    of (model, opt, scaler)); a copy's report is the copied optimizer's."""
+    import copy
+    import pickle
+
+    model, opt = named_setup()
+    scaler = tkern.DynamicLossScaler(init_scale=2.0**8)
+    scaler.scale(model(torch.randn(16, 8, device=DEVICE).half()).float().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    again = pickle.loads(pickle.dumps(scaler))
+    got = again.state_dict()
+    for k, v in scaler.state_dict().items():
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+    m2, o2, s2 = copy.deepcopy((model, opt, scaler))
+    with pytest.raises(RuntimeError, match="stepped no tkern fused optimizer"):
+        s2.overflow_report()  # not the original's optimizer
+    s2.scale(m2(torch.randn(16, 8, device=DEVICE).half()).float().sum()).backward()
+    s2.step(o2)
+    s2.update()
+    assert s2.overflow_report() == o2.overflow_report()
+
+
 def fit_small(scaler, every=1):
     torch.manual_seed(0)
     model = tkern.convert_network(nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 2)).to(DEVICE))

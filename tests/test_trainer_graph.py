@@ -415,3 +415,21 @@ def test_real_cuda_graph_of_one_batch_shape_replays_all_but_the_warmups():
     assert counts["capture"] >= 1 and counts["capture"] + counts["replay"] >= n - 3, counts
     same_history(graphed.history, eager.history)
     same_params(graphed, eager)
+
+
+@needs_recorder
+def test_sampling_underflows_under_the_whole_step_graph_warns_that_it_sees_nothing():
+    """The whole-step graph's steps are not sampled (optimizer.track_underflows): the
+    Trainer says so once at construction rather than never warning about the scale."""
+    model = tiny_model()
+    opt = FusedAdamW(model.parameters(), lr=1e-2)
+    opt.track_underflows(every=10)
+    scaler = tkern.DynamicLossScaler(init_scale=2.0**10)
+    with pytest.warns(UserWarning, match="whole-step graph are not sampled for zero and subnormal"):
+        tkern.Trainer(
+            model, opt, nn.functional.cross_entropy, scaler, progress=False, cuda_graph=True,
+            graph_capture=RecordingCapture(),
+        )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_trainer(RecordingCapture(), cuda_graph=True)  # not sampling: no warning

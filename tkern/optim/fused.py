@@ -47,6 +47,7 @@ Semantics as torch.optim, with these differences worth knowing:
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -555,7 +556,10 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         before and the launches follow it), and a few tiny ones (zeroing the counts,
         copying the step's statistics); the other steps pay one integer test. Steps
         inside another graph (``Trainer(cuda_graph=True)``) and FSDP2's sharded params
-        are not sampled.
+        are not sampled (a warning says so when that leaves nothing to sample). A step
+        after a scaler's ``unscale_`` (to clip by hand) samples unscaled gradients and
+        the report reads them as carrying a scale of 1: clip with ``max_grad_norm=``
+        instead (it leaves the stored gradients scaled).
         :meth:`overflow_report` reads the last sampled step's fractions
         (``zero_fraction``, ``subnormal_fraction``) and
         :meth:`~tkern.optim.report.OverflowReport.scale_too_low`. Turns
@@ -571,6 +575,13 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         self._underflow_every = every
         if every is not None:
             self.track_overflows = True
+            flats = [f for group in self._flat for f in group]
+            if flats and all(f.storage.stats_group is not None for f in flats):
+                warnings.warn(
+                    "track_underflows: every param of this optimizer is an FSDP2 shard, and shards are "
+                    "not sampled: the report will hold no zero or subnormal fractions",
+                    stacklevel=2,
+                )
 
     @property
     def underflow_every(self) -> int | None:

@@ -266,6 +266,13 @@ class Trainer(CheckpointMixin):
             )
             if self.graph_fallback is None:
                 self.graphs = StepGraphs(capture, warmup_steps=WARMUP_STEPS, max_graphs=MAX_GRAPHS)
+                if getattr(optimizer, "underflow_every", None) is not None:
+                    warnings.warn(
+                        "Trainer(cuda_graph=True): the steps of the whole-step graph are not sampled for "
+                        "zero and subnormal gradients (optimizer.track_underflows): the report will hold "
+                        "no fractions from them and no 'scale likely too low' warning",
+                        stacklevel=2,
+                    )
             else:
                 warnings.warn(f"Trainer(cuda_graph=True) runs eager: {self.graph_fallback}", stacklevel=2)
 
