@@ -378,12 +378,7 @@ def to_float8_with_amax(
     """
     _check_x(x)
     check_fp8_dtype(dtype)
-    check_tensor("amax", amax, ndim=1, dtypes=(torch.float32,))
-    check_same_device(x=x, amax=amax)
-    if amax.numel() < 1 or not amax.is_contiguous():
-        raise ValueError(
-            f"amax must be a contiguous 1-D tensor with >= 1 element, got shape {tuple(amax.shape)}"
-        )
+    _check_amaxes("amax", amax, x)
     flat, data, scale, programs, _ = _tensorwise_buffers(x, dtype)
     count = amax.numel()
     _cast_tensorwise_kernel[(programs,)](
@@ -411,15 +406,19 @@ def _cast_blocks(
     return data, scale
 
 
+def _check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    """``t`` (an amax history, or amaxes to take the max of) is (H,) fp32, contiguous,
+    H >= 1, on ``x``'s device."""
+    check_tensor(name, t, ndim=1, dtypes=(torch.float32,))
+    check_same_device(**{"x": x, name: t})
+    if t.numel() < 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous (H,) tensor with H >= 1, got shape {tuple(t.shape)}")
+
+
 def _check_delayed(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int) -> None:
     _check_x(x)
     check_fp8_dtype(dtype)
-    check_tensor("history", history, ndim=1, dtypes=(torch.float32,))
-    check_same_device(x=x, history=history)
-    if history.numel() < 1 or not history.is_contiguous():
-        raise ValueError(
-            f"history must be a contiguous (H,) tensor with H >= 1, got shape {tuple(history.shape)}"
-        )
+    _check_amaxes("history", history, x)
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
         raise ValueError(f"margin must be an int >= 0, got {margin!r}")
 
