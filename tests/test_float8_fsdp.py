@@ -339,6 +339,35 @@ def test_the_option_cannot_change_under_a_fused_optimizer():
     assert model[0].weight is weight and model[0].recipe == Float8Recipe()
 
 
+def test_convert_network_keeps_a_tied_weight_tied_under_fp8_all_gather():
+    """An embedding tied to the head: the option would replace the head's weight
+    Parameter and untie the two, so convert_network leaves that layer a bf16 Linear
+    (with a warning naming it) and the tie holds; other layers still become fp8, and
+    without the option the tied head is fp8 as before (the same Parameter, cast)."""
+    import warnings
+
+    import tkern
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 16)
+            self.body = torch.nn.Linear(16, 16)
+            self.head = torch.nn.Linear(16, 32, bias=False)
+            self.head.weight = self.emb.weight
+
+    m = Tied()
+    with pytest.warns(UserWarning, match="head stay torch.bfloat16 layers, not fp8: their weight is tied"):
+        tkern.convert_network(m, torch.bfloat16, float8=FP8AG)
+    assert m.head.weight is m.emb.weight and type(m.head) is tkern.nn.Linear
+    assert isinstance(m.body, Float8Linear) and isinstance(m.body.weight, f8fsdp.Float8AllGatherWeight)
+    plain = Tied()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tkern.convert_network(plain, torch.bfloat16, float8="tensorwise")
+    assert isinstance(plain.head, Float8Linear) and plain.head.weight is plain.emb.weight
+
+
 def test_a_shard_cast_with_the_whole_amax_is_that_rows_whole_cast():
     """to_float8_with_amax (the shard cast) against to_float8 of the whole tensor: the
     rows of every piece, cast with the max of the pieces' amaxes, are the whole cast's

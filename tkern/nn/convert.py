@@ -156,17 +156,27 @@ class Conversion:
     norm_dtype: torch.dtype = torch.float32
     #: module types kept in fp32 for want of a rule -> their paths (for the warning)
     kept: dict[type, list[str]] = field(default_factory=dict)
+    #: ids of params more than one module holds (tied weights), when the recipe's fp8
+    #: all-gather would replace a weight Parameter (and so untie it)
+    tied: frozenset[int] = frozenset()
+    #: the layers left out of fp8 for that reason (for the warning)
+    kept_tied: list[str] = field(default_factory=list)
 
     def wants_float8(self, module: nn.Module, path: str) -> bool:
         """Whether ``module`` (a Linear or GPT-2 Conv1D) becomes an fp8 layer: a recipe is
-        given, both features are multiples of 16 and the filter (if any) agrees."""
+        given, both features are multiples of 16, the filter (if any) agrees, and with the
+        recipe's fp8 all-gather its weight is tied to no other module's."""
         # features from the weight: (out, in) for a Linear, (in, out) for a Conv1D
-        return (
+        wanted = (
             self.recipe is not None
             and module.weight.shape[0] % 16 == 0
             and module.weight.shape[1] % 16 == 0
             and (self.float8_filter is None or bool(self.float8_filter(path, module)))
         )
+        if wanted and id(module.weight) in self.tied and not isinstance(module, Float8Linear):
+            self.kept_tied.append(path)
+            return False
+        return wanted
 
 
 #: A rule: ``(module, path, conversion) -> handled``.
@@ -549,6 +559,25 @@ def convert_network(
         _check_convertible_back(model)
         _convert_back(model)
         return model
+    if conv.recipe is not None and conv.recipe.enable_fsdp_float8_all_gather:
+        conv.tied = _tied_params(model)
     _convert(model, "", conv)
     _warn_kept(conv.kept, dtype)
+    if conv.kept_tied:
+        warnings.warn(
+            f"convert_network: {', '.join(conv.kept_tied)} stay {dtype} layers, not fp8: their weight "
+            "is tied to another module's, and enable_fsdp_float8_all_gather replaces the weight "
+            "Parameter, which would untie it",
+            stacklevel=2,
+        )
     return model
+
+
+def _tied_params(model: nn.Module) -> frozenset[int]:
+    """The ids of the params that more than one module of ``model`` holds."""
+    seen: set[int] = set()
+    tied: set[int] = set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            (tied if id(p) in seen else seen).add(id(p))
+    return frozenset(tied)
