@@ -66,6 +66,22 @@ _N_STATS: tl.constexpr = tl.constexpr(N_STATS)
 _NUM_WARPS = 8
 
 
+@triton.jit
+def _param_at(starts_ptr, x, n_params, search_steps):
+    """The param whose slot holds element ``x`` (in ``starts_ptr``'s coordinates: (n_params,)
+    int64 ascending slot starts, starts[0] <= x): the last j with starts[j] <= x, found by
+    ``search_steps`` halvings of [0, n_params) (invariant: starts[lo] <= x < starts[hi])."""
+    lo = 0
+    hi = n_params
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        if tl.load(starts_ptr + mid) <= x:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 # the step's number and where a range lies change every step: one compiled variant for all
 @triton.jit(do_not_specialize=["n_params", "base", "stamp", "search_steps"])
 def _grad_stats_kernel(
@@ -120,15 +136,7 @@ def _grad_stats_kernel(
                 if tl.max(bad.to(tl.int32), axis=0) != 0:
                     bad_at = tl.where(bad, rel, -1)  # where in the chunk; -1: a finite one
                     x0 = start + base  # the chunk's first element, in starts' coordinates
-                    lo = 0
-                    hi = n_params
-                    for _ in range(search_steps):  # invariant: starts[lo] <= x0 < starts[hi]
-                        mid = (lo + hi) // 2
-                        if tl.load(starts_ptr + mid) <= x0:
-                            lo = mid
-                        else:
-                            hi = mid
-                    j = lo
+                    j = _param_at(starts_ptr, x0, n_params, search_steps)
                     at = tl.load(starts_ptr + j) - x0  # param j's start, relative to the chunk
                     while (j < n_params) & (at < BLOCK):
                         end = tl.load(starts_ptr + j + 1, mask=j + 1 < n_params, other=BLOCK + x0) - x0
@@ -337,15 +345,7 @@ def _grad_underflow_kernel(
     lo = pid * chunks * BLOCK  # a multiple of BLOCK: the loads stay full-width vectors
     hi = tl.minimum(lo + chunks * BLOCK, n)
     x0 = lo + base  # the share's first element, in starts' coordinates
-    a = 0
-    b = n_params
-    for _ in range(search_steps):  # invariant: starts[a] <= x0 < starts[b]
-        mid = (a + b) // 2
-        if tl.load(starts_ptr + mid) <= x0:
-            a = mid
-        else:
-            b = mid
-    j = a
+    j = _param_at(starts_ptr, x0, n_params, search_steps)
     first = tl.load(starts_ptr + j) - base  # param j's elements: [first, last), relative to grad_ptr
     last = tl.load(ends_ptr + j) - base
     # where param j's slot ends (the last param's: never, within this share)
