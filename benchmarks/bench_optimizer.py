@@ -337,19 +337,35 @@ def _finite_or_none(x: float, digits: int = 3) -> float | None:
     return round(x, digits) if x == x and abs(x) != float("inf") else None
 
 
-def _measure(res: Results, mode: Mode, case: str, impl: str, make: Callable[[], Callable]) -> dict | None:
+def _measure(
+    res: Results,
+    mode: Mode,
+    case: str,
+    impl: str,
+    make: Callable[[], Callable],
+    *,
+    rep_ms: int = 200,
+    steps_per_call: int = 1,
+) -> dict | None:
     """Build ``make()``'s step, time it and count its host syncs: the row's fields
-    (``ms``, percentiles, syncs, and a tkern step's CUDA-graph fields), or None when
-    it ran out of memory (printed) or raised (listed under ``failed``)."""
+    (``ms``, percentiles, syncs, and a tkern step's CUDA-graph fields; times per step,
+    each timed call running ``steps_per_call`` steps), or None when it ran out of
+    memory (printed) or raised (listed under ``failed``)."""
     step = None
     try:
         step = make()
-        ms, lo, hi = bench(step, mode, rep_ms=200)
+
+        def call(step=step) -> None:
+            for _ in range(steps_per_call):
+                step()
+
+        ms, lo, hi = bench(step if steps_per_call == 1 else call, mode, rep_ms=rep_ms)
+        k = steps_per_call
         fields = {
-            "ms": ms,
+            "ms": ms / k,
             "syncs_per_step": count_syncs(step, mode),
-            "ms_p20": round(lo, 5),
-            "ms_p80": round(hi, 5),
+            "ms_p20": round(lo / k, 5),
+            "ms_p80": round(hi / k, 5),
         }
         if isinstance(step, TkernStep):
             fields.update(step.fields())
@@ -498,34 +514,15 @@ def run_health(res: Results, mode: Mode) -> None:
     block = 2 if mode.smoke else HEALTH_BLOCK
     case = f"health {size}"
     for impl, every in HEALTH_VARIANTS.items():
-        step = None
         every = min(every, block) if every else every
-        try:
-            step = health_step(sizes, mode.device, every)
-
-            def steps(step=step) -> None:
-                for _ in range(block):
-                    step()
-
-            ms, lo, hi = bench(steps, mode, rep_ms=1000)
+        make = functools.partial(health_step, sizes, mode.device, every)
+        row = _measure(res, mode, case, impl, make, rep_ms=1000, steps_per_call=block)
+        if row is not None:
+            ms = row.pop("ms")
             res.add(
-                case,
-                impl,
-                ms / block,
-                ms_p20=round(lo / block, 5),
-                ms_p80=round(hi / block, 5),
-                steps_per_call=block,
-                underflow_every=every,
-                track_overflows=every is not None,
-                **step.fields(),
-            )
-        except torch.OutOfMemoryError:
-            print(f"{case} {impl}: out of memory, skipped")
-        except Exception as exc:  # record it, keep the other variants' numbers
-            _record_failure(res.meta["failed"], case, impl, exc)
-        finally:
-            step = None
-            _release(mode)
+                case, impl, ms, steps_per_call=block, underflow_every=every,
+                track_overflows=every is not None, **row,
+            )  # fmt: skip
     res.save()
 
 
