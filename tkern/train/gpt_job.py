@@ -415,11 +415,10 @@ def time_one_step(name: str, base: LMLoss, corpus: Corpus, cfg: GPTConfig, devic
         start = time.perf_counter()
         with torch.autocast(device.type, autocast_dtype or torch.float16, enabled=autocast_dtype is not None):
             loss = model(x)
+        (loss if scaler is None else scaler.scale(loss)).backward()
         if scaler is None:
-            loss.backward()
             opt.step()
-        else:
-            scaler.scale(loss).backward()
+        else:  # the step a scaler drives: its unscale, skip check and update
             scaler.step(opt)
             scaler.update()
         if device.type == "cuda":
