@@ -11,7 +11,7 @@ of the backward op).
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+import torch.nn.functional as F
 
 from tkern.kernels.swiglu import swiglu_backward, swiglu_forward
 from tkern.ops.common import is_compiling
@@ -34,6 +34,24 @@ def _unit_columns(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+#: The kernels' activations as torch functions (the differentiable backward).
+_TORCH_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def _differentiable_grads(dh, gate, up, activation):
+    """``(dgate, dup)`` with torch operations in fp32, each rounded once: what the kernel
+    computes, recorded by autograd (backward with ``create_graph=True``)."""
+    g, u = (t.float() if t.requires_grad else t.detach().float().requires_grad_() for t in (gate, up))
+    h = _TORCH_ACTIVATIONS[activation](g) * u
+    dgate, dup = torch.autograd.grad(h, (g, u), dh.float(), create_graph=True)
+    return dgate.to(gate.dtype), dup.to(up.dtype)
+
+
 class _SwiGLU(torch.autograd.Function):
     """h = act(gate) * up on (M, N) tensors; gate and up saved for backward."""
 
@@ -44,9 +62,10 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_forward(gate, up, activation)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
+            return (*_differentiable_grads(dh, gate, up, ctx.activation), None)
         dgate, dup = swiglu_backward(_unit_columns(dh), gate, up, ctx.activation)
         return dgate, dup, None
 
@@ -63,10 +82,13 @@ class _SwiGLUPacked(torch.autograd.Function):
         return swiglu_forward(gate_up[:, :n], gate_up[:, n:], activation)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dh):
         (gate_up,) = ctx.saved_tensors
         n = gate_up.shape[1] // 2
+        if torch.is_grad_enabled():  # create_graph=True
+            return torch.cat(
+                _differentiable_grads(dh, gate_up[:, :n], gate_up[:, n:], ctx.activation), 1
+            ), None
         d = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
         swiglu_backward(_unit_columns(dh), gate_up[:, :n], gate_up[:, n:], ctx.activation, d[:, :n], d[:, n:])
         return d, None
@@ -132,7 +154,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> to
     The activation, the product and their gradients are one kernel each way, computed in
     fp32 from the 16-bit inputs and rounded once (HF's eager fp16 rounds ``act(gate)`` and
     the product separately); backward reads ``gate`` and ``up`` (saved) and ``dh``.
-    Second-order gradients are not supported (a clear error, not a silent zero).
+    With ``create_graph=True`` the backward runs in torch operations in fp32 (second-order
+    gradients, as :func:`tkern.linear`'s).
 
     Args:
         gate: (..., N), fp16 or bf16.
