@@ -31,8 +31,12 @@ from tkern.kernels._common import (
 from tkern.kernels.activation import ACTIVATIONS, activation_grad_f32, apply_activation, check_activation
 
 #: Elements per program: large under the interpreter, where each program costs
-#: milliseconds; on a GPU 4096 (4 warps x 32 threads x 4 vectors of 8 halves: 16-byte loads).
-BLOCK_ELEMENTS = 65536 if INTERPRET else 4096
+#: milliseconds; on a GPU the forward's 4096 (4 warps x 32 threads x 4 vectors of 8 halves:
+#: 16-byte loads; 38 registers, 75% occupancy on sm_90), the backward's 1024 (one vector of
+#: each of its five arrays per thread: at 4096 it held 168 registers, 19% occupancy, and
+#: spilled on sm_80 for tanh-GELU in bf16; the compile gate's swiglu cases).
+FWD_ELEMENTS = 65536 if INTERPRET else 4096
+BWD_ELEMENTS = 65536 if INTERPRET else 1024
 #: The widest column block: a row of up to this many columns is one block (the rest of
 #: BLOCK_ELEMENTS goes to rows); 1024 = 4 warps x 32 threads x 8 halves on a GPU.
 MAX_BLOCK_N = 4096 if INTERPRET else 1024
@@ -110,10 +114,10 @@ def _swiglu_bwd_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _blocks(m: int, n: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): a whole row up to MAX_BLOCK_N columns, rows filling BLOCK_ELEMENTS."""
+def _blocks(m: int, n: int, elements: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): a whole row up to MAX_BLOCK_N columns, rows filling ``elements``."""
     block_n = min(triton.next_power_of_2(max(n, 1)), MAX_BLOCK_N)
-    block_m = min(BLOCK_ELEMENTS // block_n, triton.next_power_of_2(max(m, 1)))
+    block_m = max(1, min(elements // block_n, triton.next_power_of_2(max(m, 1))))
     return block_m, block_n
 
 
@@ -149,7 +153,7 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu
     check_same_device(gate=gate, up=up)
     h = torch.empty(shape, dtype=gate.dtype, device=gate.device)
     if h.numel():
-        block_m, block_n = _blocks(*shape)
+        block_m, block_n = _blocks(*shape, FWD_ELEMENTS)
         _swiglu_fwd_kernel[(cdiv(shape[0], block_m), cdiv(shape[1], block_n))](
             gate, up, h, *shape, gate.stride(0), up.stride(0), h.stride(0),
             ACTIVATION=ACTIVATIONS[activation], DTYPE=tl_dtype(gate.dtype),
@@ -184,7 +188,7 @@ def swiglu_backward(
         _check_operand(name, t, shape, dh.dtype)
     check_same_device(dh=dh, gate=gate, up=up, dgate=dgate, dup=dup)
     if dh.numel():
-        block_m, block_n = _blocks(*shape)
+        block_m, block_n = _blocks(*shape, BWD_ELEMENTS)
         _swiglu_bwd_kernel[(cdiv(shape[0], block_m), cdiv(shape[1], block_n))](
             dh, gate, up, dgate, dup, *shape,
             dh.stride(0), gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0),
