@@ -205,6 +205,18 @@ def test_copies_and_converting_back(how):
     assert torch.equal(other(x), block(x))
 
 
+@pytest.mark.parametrize("name", ["GPT2MLP", "LlamaMLP", "Phi3MLP"])
+def test_fused_blocks_compile_fullgraph_as_eager(name):
+    # the fused forwards trace (tkern's custom ops: no graph break) to the same kernels
+    block = convert_network(_block(name, "silu" if name != "GPT2MLP" else None))
+    x = torch.randn(*TOKENS, HIDDEN, device=DEVICE)
+    eager = _run(block, x)
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(block, fullgraph=True, backend="aot_eager"), x)
+    for a, b in zip([compiled[0], *compiled[1]], [eager[0], *eager[1]], strict=True):
+        assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------- what is left eager
 
 

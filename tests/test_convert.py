@@ -304,15 +304,9 @@ def _t5():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.T5Config(
-        vocab_size=64,
-        d_model=16,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        decoder_start_token_id=0,
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0,
         pad_token_id=0,
-    )
+    )  # fmt: skip
     return transformers.T5ForConditionalGeneration(config).to(DEVICE)
 
 
