@@ -197,7 +197,7 @@ MLP_RULES: dict[str, MLPRule] = {
             "GraniteMLP",
         ),
         _LLAMA,
-    ),  # fmt: skip
+    ),
     "Phi3MLP": MLPRule("packed", act="activation_fn", up="gate_up_proj", down="down_proj"),
 }
 
