@@ -172,7 +172,7 @@ def test_gelu_tanh_in_fp32_keeps_the_digits_hf_fp16_loses_at_negative_x():
     ulp = torch.finfo(torch.float16).eps * 2.0 ** torch.floor(torch.log2(ref.abs()))  # fp16 spacing at ref
     hf = transformers.activations.NewGELUActivation()(torch.tensor([-3.6], dtype=torch.float16)).double()
     assert (h - ref).abs() <= ulp / 2 * 1.01  # correctly rounded, within one fp16 rounding
-    assert (hf - ref).abs() > 100 * ulp  # HF's fp16 chain: ~179 roundings off
+    assert (hf - ref).abs() > 1000 * ulp  # HF's fp16 chain gives -0.0: ~1700 spacings off
 
 
 def test_hook_on_the_activation_runs_the_class_forward_until_removed(monkeypatch):
