@@ -190,10 +190,18 @@ def test_hook_on_the_activation_runs_the_class_forward_until_removed(monkeypatch
     assert rel_err(fused, y) < 2 * TOL[torch.float16]
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle", "back"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "back", "again"])
 def test_copies_and_converting_back(how):
     block = convert_network(_block("GPT2MLP"))
     x = torch.randn(3, HIDDEN, device=DEVICE)
+    if how == "again":  # converting again replaces the fused forward; without fusion, removes it
+        first = vars(block)["forward"]
+        y = block(x)
+        convert_network(block)
+        assert vars(block)["forward"] is not first and torch.equal(block(x), y)
+        convert_network(block, fuse_activations=False)
+        assert "forward" not in vars(block)
+        return
     if how == "back":
         params = list(block.parameters())
         convert_network(block, torch.float32)
