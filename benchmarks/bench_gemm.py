@@ -237,6 +237,16 @@ def torch_fp8_mm(scaling: str, a, b, sa, sb, accum: str = "precise") -> Callable
     raise RuntimeError("torch's blockwise scaled_mm refused every scale layout: " + " | ".join(errors))
 
 
+def checked_torch_fp8_mm(scaling: str, a, b, sa, sb, accum: str, ref) -> Callable[[], torch.Tensor]:
+    """:func:`torch_fp8_mm`, checked against ``ref`` (the dequantized operands' product)
+    within ``FP8_TOL``; raises what torch raises, or RuntimeError on a wrong result."""
+    theirs = torch_fp8_mm(scaling, a, b, sa, sb, accum)
+    err = rel(theirs(), ref)
+    if not err < FP8_TOL:
+        raise RuntimeError(f"torch's result differs from the reference: rel error {err:.3g}")
+    return theirs
+
+
 def bench_fp8(res: Results, record, mode, tokens: int, shapes) -> None:
     """tkern.scaled_mm against torch's fp8 GEMM and a bf16 cuBLAS GEMM, every
     format and scaling, on x (tokens, K) @ W^T."""
@@ -270,12 +280,7 @@ def bench_fp8(res: Results, record, mode, tokens: int, shapes) -> None:
                 for accum in peers if scaling != "blockwise" else ["precise"]:
                     impl = TORCH_FP8[accum]
                     try:
-                        theirs = torch_fp8_mm(scaling, a, b, sa, sb, accum)
-                        err = rel(theirs(), ref)
-                        if not err < FP8_TOL:
-                            raise RuntimeError(
-                                f"torch's result differs from the reference: rel error {err:.3g}"
-                            )
+                        theirs = checked_torch_fp8_mm(scaling, a, b, sa, sb, accum, ref)
                     except Exception as exc:  # noqa: BLE001 - the baseline is missing, say why
                         res.add(
                             case, impl, None, fmt=fmt, scaling=scaling, accum=accum, skipped=error_line(exc)
@@ -451,12 +456,7 @@ def bench_fp8_layouts(res: Results, record, mode, models, layouts) -> None:
                     ta, tb = aq.contiguous(), bq.t().contiguous().t()
                     accum = ACCUM[scaling]
                     try:
-                        theirs = torch_fp8_mm(scaling, ta, tb, sa, sb, accum)
-                        err = rel(theirs(), ref)
-                        if not err < FP8_TOL:
-                            raise RuntimeError(
-                                f"torch's result differs from the reference: rel error {err:.3g}"
-                            )
+                        theirs = checked_torch_fp8_mm(scaling, ta, tb, sa, sb, accum, ref)
                     except Exception as exc:  # noqa: BLE001 - the baseline is missing, say why
                         res.add(case, TORCH_FP8[accum], None, scaling=scaling, accum=accum,
                                 skipped=error_line(exc), **extra)  # fmt: skip
