@@ -1029,3 +1029,20 @@ def test_tma_kernel_stores_c_through_a_descriptor_where_it_can(dtype, accumulate
     fresh = gemm_tma.launch_tma(a, b, m, n, k, bias, act, dtype, None, layouts)  # a new C: aligned
     assert rel_err(fresh, reference(a, b, bias, act)) < TOL[dtype]
     assert seen == [True, False, True]
+
+
+def test_aligned_rows_copy_traces_on_fake_tensors(monkeypatch):
+    # tkern.linear's traced backward (torch.compile) runs tma_aligned_rows on FakeTensors,
+    # which have no data pointer: the copy is decided from strides and offsets alone
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tkern.kernels import gemm
+
+    monkeypatch.setattr(gemm, "device_gemm_info", lambda device: (H100_SMS, True))
+    with FakeTensorMode():
+        t = torch.empty(40, 101, dtype=torch.float16)
+        out = gemm.tma_aligned_rows(t)
+        assert out.shape == t.shape and out.stride() == (2 * gemm.ROW_ALIGN_ELEMS, 1)
+        assert gemm.tma_aligned_rows(out) is out
+        offset = torch.empty(40, 136, dtype=torch.float16)[:, 1:]  # aligned stride, unaligned start
+        assert gemm.tma_aligned_rows(offset) is not offset

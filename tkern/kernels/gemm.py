@@ -418,7 +418,8 @@ def tma_aligned_rows(t: torch.Tensor) -> torch.Tensor:
     instead of the pointer kernel's scalar loads (gemm_configs.RAGGED_MAX_TILE)."""
     if not device_gemm_info(t.device)[1] or t.dim() != 2 or t.stride(1) != 1 or t.shape[1] <= 1:
         return t
-    if (t.stride(0) * t.element_size()) % TMA_ALIGN_BYTES == 0 and t.data_ptr() % TMA_ALIGN_BYTES == 0:
+    size = t.element_size()  # the offset, not data_ptr(): traced (fake) tensors have no data
+    if (t.stride(0) * size) % TMA_ALIGN_BYTES == 0 and (t.storage_offset() * size) % TMA_ALIGN_BYTES == 0:
         return t
     rows, cols = t.shape
     width = -(-cols // ROW_ALIGN_ELEMS) * ROW_ALIGN_ELEMS
