@@ -133,6 +133,8 @@ FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
 #: how tkern's fp8 GEMM accumulates per scaling, and so its torch peer (bench_gemm.ACCUM)
 FP8_ACCUM = {"tensorwise": "fast", "rowwise": "fast", "blockwise": "precise"}
+#: a linear layer's three GEMM layouts as tkern.linear launches them (bench_gemm.LAYOUTS)
+GEMM_LAYOUTS = ("fwd", "dgrad", "wgrad")
 OPT_MODES = [(m, s) for m in ("fp32", "split", "none") for s in ("fp32", "bf16", "uint8")]
 
 #: Every target (issue 30 item 4, and the earlier issues' that still stand), in one place.
@@ -183,6 +185,29 @@ TARGETS: list[Target] = [
         Target("gemm", f"fp8_{fmt}_{scaling}_vs_bf16", f"fp8 scaled_mm {fmt} {scaling} / bf16 cuBLAS")
         for fmt in FP8_FORMATS
         for scaling in FP8_SCALINGS
+    ],
+    # the training layouts (bench_gemm's layouts and fp8_layouts sections, issues 42.5 and 43.7)
+    *[
+        Target(
+            "gemm",
+            f"fp16_{layout}_{model}_vs_cublas",
+            f"GEMM fp16 / cuBLAS, {layout} layout, {label} shapes",
+            ">=",
+            0.95,
+        )
+        for model, label in (("gpt2", "GPT-2 small"), ("llama", "Llama-2-7B"))
+        for layout in GEMM_LAYOUTS
+    ],
+    *[
+        Target(
+            "gemm",
+            f"fp8_{scaling}_{layout}_vs_bf16",
+            f"fp8 scaled_mm {scaling} / bf16 cuBLAS, {layout} layout",
+            ">=",
+            1.3 if scaling == "blockwise" else 1.5,
+        )
+        for scaling in FP8_SCALINGS
+        for layout in GEMM_LAYOUTS
     ],
     Target(
         "gemm",

@@ -174,6 +174,42 @@ def test_conv1d_as_linear_computes_the_same_gpt2():
     torch.testing.assert_close(converted(ids), ref, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the smoke path is the CPU's rehearsal of the GPU rows")
+def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_path):
+    """bench_gemm --layouts/--shapes (the flags gpu_check.sh calls): every training layout
+    in 16 bits (with its plan) and in fp8 for every scaling; the odd vocabulary's rows, and
+    the summary keys report.py's targets read."""
+    import bench_gemm
+    import report
+
+    res = bench_gemm.main(
+        ["--smoke", "--layouts", "fwd,dgrad,wgrad", "--shapes", "gpt2", "--out", str(tmp_path)]
+    )
+    rows = [r for r in res.rows if r.get("model") == "gpt2"]
+    half = {(r["layout"], r["layer"]) for r in rows if r["case"].startswith("fp16 ") and r["impl"] == "tkern"}
+    layers = [name for name, *_ in bench_gemm.SMOKE_SHAPES[1]]
+    assert half >= {(layout, layer) for layout in bench_gemm.LAYOUTS for layer in layers}
+    assert all(
+        r["ms"] and "plan" in r for r in rows if r["case"].startswith("fp16 ") and r["impl"] == "tkern"
+    )
+    fp8 = {
+        (r["layout"], r["scaling"])
+        for r in rows
+        if r["case"].startswith("fp8 ") and r["impl"] == "tkern" and r["ms"]
+    }
+    assert fp8 == {(layout, s) for layout in bench_gemm.LAYOUTS for s in bench_gemm.FP8_SCALINGS}
+    assert not res.meta["failed"]
+    assert all(r["ms"] is not None or r.get("skipped") for r in rows)
+    keys = {t.names()[0] for t in report.TARGETS if t.stem == "gemm"}
+    layout_keys = {f"fp16_{layout}_gpt2_vs_cublas" for layout in bench_gemm.LAYOUTS}
+    layout_keys |= {
+        f"fp8_{s}_{layout}_vs_bf16" for layout in bench_gemm.LAYOUTS for s in bench_gemm.FP8_SCALINGS
+    }
+    assert layout_keys <= keys & set(res.meta)  # the report's targets read what the run wrote
+    saved = json.loads((tmp_path / "gemm.json").read_text())
+    assert {r["case"] for r in saved["rows"]} >= {r["case"] for r in rows}
+
+
 @pytest.mark.parametrize("name", ["norm", "loss"])
 def test_norm_and_loss_smoke_time_tkern(name):
     """bench_norm / bench_loss run their tkern rows once tkern has the issue-28 API;

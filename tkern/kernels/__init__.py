@@ -7,14 +7,15 @@ pointer's shape and dtype) and the launchers that validate their arguments,
 allocate and launch. The map, from kernel to
 what a user touches, its tests and its benchmark:
 
-gemm.py, gemm_tma.py (their shared rooms: gemm_epilogue.py, gemm_configs.py)
+gemm.py, gemm_tma.py, gemm_split.py (their shared rooms: gemm_epilogue.py, gemm_configs.py, gemm_plan.py)
     kernels: ``gemm._matmul_kernel`` (pointer; fp16/bf16, or fp8 operands with
     their scales applied to the fp32 accumulator), ``gemm_tma._matmul_tma_kernel``
     (persistent, TMA); both end in ``gemm_epilogue.epilogue`` (bias, activation,
     pre-activation, one cast) and walk tiles in ``gemm_epilogue.tile_coords``
     order. Launchers: ``gemm.matmul`` / ``matmul_prechecked`` / ``linear_prechecked``
-    (ragged operands, and those at least ``gemm.TMA_MIN_DIM`` in every dimension, go to
-    ``gemm_tma.launch_tma`` on Hopper), ``gemm.matmul_backward`` /
+    (scheduled by ``gemm_plan.plan_gemm`` from the tile count and waves: ragged operands and
+    4 waves or more go to ``gemm_tma.launch_tma`` on Hopper, few tiles over a long K to
+    ``gemm_split.launch_split_k``), ``gemm.matmul_backward`` /
     ``matmul_backward_prechecked`` (the pointer kernel's operand prologue: an
     activation's gradient applied to A, A' and its row sums stored), ``gemm.matmul_tma_persistent``,
     ``gemm.scaled_mm``. Configs: ``gemm_configs.gemm_configs`` /
