@@ -8,7 +8,9 @@ A CPU has no CUDA graphs, so the tests capture through :class:`RecordingCapture`
   existed before, and fills what they allocated with NaN (a graph's memory holds
   nothing until its first replay): as a capture, it has no effect;
 * ``replay()`` runs exactly the recorded launches again, on the recorded arguments,
-  writing each op's fresh outputs into the tensors the capture returned.
+  writing each op's fresh outputs into the tensors the capture returned. c10d's
+  collectives are dispatcher ops too: a replay runs them again (and waits for them, as
+  their callers did), so replays on every rank of a group meet in each collective.
 
 So a replay reads only what the capture bound: a launch that took a tensor made
 afresh for its step replays the stale one, and a Python value changed after the
@@ -151,6 +153,8 @@ class _Tape(TorchDispatchMode):
                     for static, new in zip(fresh, outs, strict=True):
                         if static is not None:
                             static.copy_(new)
+                        elif isinstance(new, torch.ScriptObject) and hasattr(new, "wait"):
+                            new.wait()  # a collective's Work: its caller waited at capture
         finally:
             self._busy -= 1
 

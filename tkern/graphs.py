@@ -221,7 +221,7 @@ class CudaGraphCapture:
             backend = str(dist.get_backend(group))
             if backend != "nccl":
                 return (
-                    f"the step's collectives run on {backend}, which a CUDA graph cannot capture (NCCL's can)"
+                    f"the step's collectives run on {backend}, which CUDA graphs cannot capture (NCCL's can)"
                 )
         return None
 

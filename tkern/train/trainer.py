@@ -88,7 +88,7 @@ class Trainer(GraphMixin, EpochMixin, CheckpointMixin):
             ``cuda_graph=False`` (True warns once; ``"auto"`` logs it). True captures
             every batch shape after :data:`WARMUP_STEPS` warm-ups (up to
             :data:`MAX_GRAPHS`); ``"auto"`` captures a shape that came
-            :data:`OBSERVED_STEPS` steps in a row, ran the same ops each time and is
+            :data:`OBSERVED_STEPS` steps in a row, ran the same ops in them and is
             bound by the host (:mod:`tkern.train.trainer_graph` states the rule), and
             runs the others eager, saying which and why in :attr:`graph_status` and
             one log line per shape. With graphs possible the gradients are zeroed in

@@ -7,15 +7,17 @@ The choice ``"auto"`` makes, per batch shape (:func:`choose`):
 
 1. parts that cannot be captured (:func:`graph_blocker`: a CPU, a scheduler,
    accumulation, DDP, a sharded optimizer, ...): eager for every shape;
-2. a batch shape is *observed* while it comes :data:`OBSERVED_STEPS` steps in a row:
-   those steps run eager, each timed from an idle device (the seam's ``time``: the
-   host's time to launch the step, and the time until the device finished it) and
-   traced (the ops each step runs on the device). A shape that does not come that
+2. a batch shape is *observed* while it comes :data:`OBSERVED_STEPS` (4) steps in a
+   row, all eager: the first builds lazy state and compiles (left out), the second and
+   third are traced (the ops each runs on the device, and whether one reads a device
+   value on the host), the fourth is timed from an idle device (the seam's ``time``: the
+   host's time to launch the step, and the time until the device finished it; untraced,
+   so that the trace's own host cost is not counted). A shape that does not come that
    many steps in a row (an epoch's last, smaller batch; dynamic shapes) stays eager;
-3. after them it is captured when the steps after the first ran the same ops (no
-   data-dependent branch), read nothing of the device on the host, and the host's
-   share of the fastest synchronised step is at least :data:`HOST_BOUND_SHARE`;
-   otherwise it stays eager. The choice is logged once per shape (logger
+3. after them it is captured when the two traced steps ran the same ops (no
+   data-dependent branch) and read nothing of the device on the host, and the host's
+   share of the timed step is at least :data:`HOST_BOUND_SHARE`; otherwise it stays
+   eager. The choice is logged once per shape (logger
    ``tkern.train.trainer``) and kept in ``trainer.graph_status``.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +54,7 @@ __all__ = [
     "HOST_BOUND_SHARE",
     "MAX_GRAPHS",
     "OBSERVED_STEPS",
+    "TRACED_STEPS",
     "WARMUP_STEPS",
     "GraphMixin",
     "Observation",
@@ -72,12 +76,13 @@ WARMUP_STEPS = 3
 #: smaller one. Batches of any further shape (dynamic shapes) run eager: a graph per
 #: shape holds its own static inputs, and capture costs warm-up steps.
 MAX_GRAPHS = 2
-#: ``cuda_graph="auto"``: steps of one batch shape in a row that run eager, timed and
-#: traced, before the choice (the first builds lazy state and compiles, so it is left
-#: out of both measures; the others must agree). They are the warm-ups that
-#: ``WARMUP_STEPS`` asks for; one more, through the graph's static buffers, precedes
-#: the capture.
-OBSERVED_STEPS = 3
+#: ``cuda_graph="auto"``: steps of one batch shape in a row that run eager before the
+#: choice: one that builds lazy state and compiles, two traced (their ops must agree),
+#: one timed. They are the warm-ups ``WARMUP_STEPS`` asks for; one more, through the
+#: graph's static buffers, precedes the capture.
+OBSERVED_STEPS = 4
+#: Which of the observed steps (counted from 0) are traced; the others after the first are timed.
+TRACED_STEPS = (1, 2)
 #: ``cuda_graph="auto"`` captures a shape whose host time (launching the step) is at
 #: least this share of the step timed to the device's end, from an idle device. A step
 #: that the host bounds ends soon after its last launch (the share is near 1): a graph
@@ -218,7 +223,7 @@ class Observation:
 
     host_s: float  # until the step's Python returned
     synced_s: float  # until the device finished the step, from an idle device
-    ops: list[tuple] = field(repr=False)
+    ops: list[tuple] | None = field(default=None, repr=False)  # None: not traced
     host_read: str | None = None
 
     @property
@@ -228,14 +233,16 @@ class Observation:
 
 def choose(observed: list[Observation]) -> tuple[bool, str]:
     """``cuda_graph="auto"``'s choice for a batch shape from its observed steps (the
-    first left out): (capture it, why), by the rule of the module docstring."""
-    steady = observed[1:]
-    read = next((o.host_read for o in steady if o.host_read is not None), None)
+    first left out; traced ones carry their ops, timed ones None): (capture it, why), by
+    the rule of the module docstring."""
+    traced = [o for o in observed[1:] if o.ops is not None]
+    timed = [o for o in observed[1:] if o.ops is None] or traced
+    read = next((o.host_read for o in traced if o.host_read is not None), None)
     if read is not None:
         return False, f"the step reads a device value on the host ({read}), which a graph cannot replay"
-    if any(o.ops != steady[0].ops for o in steady[1:]):
+    if any(o.ops != traced[0].ops for o in traced[1:]):
         return False, "its steps ran different ops (a data-dependent branch), so one graph cannot replay them"
-    fastest = min(steady, key=lambda o: o.synced_s)
+    fastest = min(timed, key=lambda o: o.synced_s)
     share = f"launching takes {fastest.share:.0%}"
     ms = f"{1e3 * fastest.host_s:.3g} ms of a {1e3 * fastest.synced_s:.3g} ms step"
     if fastest.share >= HOST_BOUND_SHARE:
@@ -371,12 +378,15 @@ class GraphMixin:
         """``"auto"``: one eager step of a shape not chosen for yet, timed and traced;
         the choice after :data:`OBSERVED_STEPS` of them in a row."""
         observed = self._observed[1]
-        trace = _Trace(self.device)
-        with trace:
+        trace = _Trace(self.device) if len(observed) in TRACED_STEPS else None
+        with trace if trace is not None else nullcontext():
             out, host_s, synced_s = self.graphs.seam.time(
                 lambda: self._steps_through([(x, y)], set_to_none=False, measure=measure)
             )
-        observed.append(Observation(host_s, synced_s, trace.ops, trace.host_read))
+        if trace is None:
+            observed.append(Observation(host_s, synced_s))
+        else:
+            observed.append(Observation(host_s, synced_s, trace.ops, trace.host_read))
         self.graphs.counts[EAGER] += 1
         self._status = (
             f"eager for batches of shape {_shape(key)}: "
