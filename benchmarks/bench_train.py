@@ -308,6 +308,9 @@ def time_steps(
     opt_graph = graph_fields(built.optimizer, count)
     fused = isinstance(built.optimizer, tkern.optim.FusedAdamW)
     graphs = trainer.graphs
+    # the whole step's graph: asked for, or chosen by "auto" (else the optimizer's own graph's counts)
+    whole = graphs is not None and (built.cuda_graph is True or graphs.counts["capture"] > 0)
+    opt_fallback = opt_graph["graph_fallback"] if fused else None
     return {
         "ms": ms,
         "ms_synced": synced[len(synced) // 2],
@@ -322,14 +325,10 @@ def time_steps(
         "graph_status": trainer.graph_status,  # what cuda_graph="auto" chose, and why
         # under Trainer(cuda_graph=True) the trainer's reason alone: its graph holds the
         # optimizer's step, whose own graph then stands aside by design
-        "graph_fallback": (
-            trainer.graph_fallback if built.cuda_graph else (opt_graph["graph_fallback"] if fused else None)
-        ),
-        "graph_captures": graphs.counts["capture"] if graphs is not None else opt_graph["graph_captures"],
+        "graph_fallback": trainer.graph_fallback if whole or built.cuda_graph is True else opt_fallback,
+        "graph_captures": graphs.counts["capture"] if whole else opt_graph["graph_captures"],
         "graph_replays": (
-            graphs.counts["capture"] + graphs.counts["replay"]
-            if graphs is not None
-            else opt_graph["graph_replays"]
+            graphs.counts["capture"] + graphs.counts["replay"] if whole else opt_graph["graph_replays"]
         ),
     }
 

@@ -61,9 +61,9 @@ def test_auto_is_the_default_and_resolves_to_eager_on_a_cpu_saying_why(caplog):
     assert auto.cuda_graph == "auto" and auto.graphs is None
     assert auto.graph_status == "eager: the model is on cpu, and only cuda work can be captured"
     assert [r.getMessage() for r in caplog.records] == [f"Trainer(cuda_graph='auto'): {auto.graph_status}"]
-    auto.fit(data, 2)
+    auto.fit(data, 1)
     eager = make_trainer()
-    eager.fit(data, 2)
+    eager.fit(data, 1)
     same_history(auto.history, eager.history)
     same_params(auto, eager)
 
@@ -78,14 +78,14 @@ def test_auto_captures_a_host_bound_static_shape_and_never_the_last_partial_batc
     data = batches([4] * 6 + [2], overflow_at=5)
     auto, capture = _auto()
     with caplog.at_level("INFO", logger="tkern.train.trainer"):
-        auto.fit(data, 3)
+        auto.fit(data, 2)
     eager = make_trainer()
-    eager.fit(data, 3)
+    eager.fit(data, 2)
     # epoch 1: four batches of 4 observed (eager), one warm-up through the static buffers,
     # the capture; the batch of 2 is observed once in a row: eager, every epoch
     assert capture.log[:7] == ["time"] * 4 + ["warmup", "capture", "replay"]
     assert capture.log.count("capture") == 1
-    assert auto.graph_counts == {"eager": 4 + 3, "warmup": 1, "capture": 1, "replay": 6 * 3 - 6}
+    assert auto.graph_counts == {"eager": 4 + 2, "warmup": 1, "capture": 1, "replay": 6 * 2 - 6}
     full, small = batch_key(*data[0]), batch_key(*data[-1])
     assert auto.graph_choices == {full: (True, choose_host_bound_reason())}
     assert auto.graph_status == "eager for batches of shape (2, 6): observed 1 of 4 steps in a row"
@@ -103,7 +103,7 @@ def test_auto_captures_a_host_bound_static_shape_and_never_the_last_partial_batc
     assert small not in auto.graph_choices
     same_history(auto.history, eager.history)
     same_params(auto, eager)
-    assert auto.skipped_steps == eager.skipped_steps == 3
+    assert auto.skipped_steps == eager.skipped_steps == 2
 
 
 def choose_host_bound_reason():
@@ -115,14 +115,14 @@ def test_auto_keeps_a_device_bound_step_eager(caplog):
     auto, capture = _auto(DEVICE_BOUND)
     data = batches([4] * 6)
     with caplog.at_level("INFO", logger="tkern.train.trainer"):
-        auto.fit(data, 2)
+        auto.fit(data, 1)
     assert "capture" not in capture.log and capture.log.count("time") == 4
     why = "the device bounds it: launching takes 4% (0.4 ms of a 10 ms step; < 60%)"
     assert auto.graph_status == f"eager for batches of shape (4, 6): {why}"
-    assert auto.graph_counts == {"eager": 12}
+    assert auto.graph_counts == {"eager": 6}
     assert [r.getMessage() for r in caplog.records] == [f"Trainer(cuda_graph='auto'): {auto.graph_status}"]
     eager = make_trainer()
-    eager.fit(data, 2)
+    eager.fit(data, 1)
     same_history(auto.history, eager.history)
 
 
@@ -180,10 +180,10 @@ def test_auto_falls_back_visibly_when_a_capture_fails(monkeypatch):
         r"batches of this shape run eager$"
     )
     with pytest.warns(UserWarning, match=failed):
-        auto.fit(data, 2)
+        auto.fit(data, 1)
     assert auto.graph_status.startswith("eager for batches of shape (4, 6): capturing the step")
     eager = make_trainer()
-    eager.fit(data, 2)
+    eager.fit(data, 1)
     same_history(auto.history, eager.history)  # the recorder fails before the step runs: none lost
     same_params(auto, eager)
     monkeypatch.setenv(STRICT_ENV, "1")

@@ -18,7 +18,7 @@ from graph_recorder import RecordingCapture
 from torch import nn
 
 import tkern
-from tkern.graphs import STRICT_ENV
+from tkern.graphs import STRICT_ENV, CudaGraphCapture
 from tkern.optim import DistributedFusedAdamW, FusedAdamW
 from tkern.train import demo
 from tkern.train.cli import main
@@ -150,6 +150,13 @@ def test_each_reason_to_run_eager_is_one_line(changes, reason):
     assert why is not None and reason in why and "\n" not in why
 
 
+class _NcclLike:
+    """A seam's collectives_blocker that captures every group's collectives (as NCCL's)."""
+
+    def __call__(self, groups):
+        return None
+
+
 def test_data_parallel_parts_run_eager():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -158,6 +165,15 @@ def test_data_parallel_parts_run_eager():
         assert why == "a DistributedDataParallel model: its gradient all-reduce hooks are not captured"
         why = _eligible(optimizer=DistributedFusedAdamW(model.parameters(), lr=1e-3))
         assert why == "DistributedFusedAdamW is sharded: its collectives are not captured"
+        replicas = FusedAdamW(model.parameters(), lr=1e-3, process_group=dist.group.WORLD)
+        why = _eligible(optimizer=replicas)
+        assert why == "FusedAdamW has a process_group: its collectives are not captured"
+        why = _eligible(optimizer=replicas, collectives_blocker=CudaGraphCapture().collectives_blocker)
+        assert why == (
+            "FusedAdamW has a process_group: the step's collectives run on gloo, which CUDA graphs "
+            "cannot capture (NCCL's can)"
+        )
+        assert _eligible(optimizer=replicas, collectives_blocker=_NcclLike()) is None
     finally:
         dist.destroy_process_group()
 

@@ -107,14 +107,14 @@ class GraphedStep:
             reason = (
                 "the step's collectives (process_group, ZeRO-2, FSDP2's mesh) run eager"
                 if check is None
-                else check(self._collective_groups())
+                else check(self.collective_groups())
             )
             if reason is not None:
                 return reason
         return seam.blocker(device)
 
-    def _collective_groups(self) -> list:
-        """The process groups the step's statistics are combined over."""
+    def collective_groups(self) -> list:
+        """The process groups the step's statistics are combined over (empty: none)."""
         groups = [getattr(self, "_process_group", None), getattr(self, "shard_group", None)]
         storage = getattr(self, "_dtensor_storage", None)
         if storage is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from tkern.graphs import (
 )
 from tkern.kernels import INTERPRET
 from tkern.optim import FusedOptimizer
+from tkern.train.trainer_checkpoint import is_fsdp2
 
 __all__ = [
     "HOST_BOUND_SHARE",
@@ -107,13 +109,15 @@ def graph_blocker(
     device: torch.device,
     capture_device_type: str = "cuda",
     interpreted: bool = False,
+    collectives_blocker: Callable[[list], str | None] | None = None,
 ) -> str | None:
     """Why a trainer with these parts cannot capture its whole step as one graph
     (one line), or None when it can. Looks only at its arguments.
 
     ``capture_device_type``: the device type the capture seam records (CUDA's).
     ``interpreted``: tkern's kernels run through Triton's interpreter, on the host,
-    while the model is on that device.
+    while the model is on that device. ``collectives_blocker``: the seam's, for an
+    optimizer whose step runs collectives (``process_group``); without it they block.
     """
     reason = device_blocker(device, "the model is", device_type=capture_device_type, interpreted=interpreted)
     if reason is not None:
@@ -127,8 +131,16 @@ def graph_blocker(
         )
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return "a DistributedDataParallel model: its gradient all-reduce hooks are not captured"
+    if is_fsdp2(model):
+        return "an FSDP2 model (fully_shard): its all-gathers and reduce-scatters (hooks) are not captured"
     if getattr(optimizer, "shard_group", None) is not None:
         return f"{type(optimizer).__name__} is sharded: its collectives are not captured"
+    groups = optimizer.collective_groups() if isinstance(optimizer, FusedOptimizer) else []
+    if groups:
+        check = collectives_blocker or (lambda _: "its collectives are not captured")
+        why = check(groups)
+        if why is not None:
+            return f"{type(optimizer).__name__} has a process_group: {why}"
     return _scaler_blocker(optimizer, scaler) or _hyperparameter_blocker(optimizer, device)
 
 
@@ -301,6 +313,7 @@ class GraphMixin:
             device=self.device,
             capture_device_type=capture.device_type,
             interpreted=INTERPRET and self.device.type == "cuda",
+            collectives_blocker=getattr(capture, "collectives_blocker", None),
         )
         if self.graph_fallback is not None:
             self._status = f"eager: {self.graph_fallback}"
