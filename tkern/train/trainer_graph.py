@@ -406,10 +406,10 @@ class GraphMixin:
             f"observed {len(observed)} of {OBSERVED_STEPS} steps in a row"
         )
         if len(observed) == OBSERVED_STEPS:
-            self._choose(key, *self._auto_choice(key, observed))
+            self._choose(key, *self._auto_choice(observed))
         return out
 
-    def _auto_choice(self, key: tuple, observed: list[Observation]) -> tuple[bool, str]:
+    def _auto_choice(self, observed: list[Observation]) -> tuple[bool, str]:
         if getattr(self.optimizer, "underflow_every", None) is not None:
             return False, "optimizer.track_underflows samples steps, which a graph's replays would not"
         graphed = sum(1 for captured, _ in self.graph_choices.values() if captured)
