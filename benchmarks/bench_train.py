@@ -12,9 +12,12 @@ Recipes (:data:`RECIPES`), each from the same initial weights and the same batch
 every step one ``tkern.Trainer.train_step`` (zero the gradients, forward, loss,
 scaled backward, step), so every recipe pays the same loop:
 
-* ``tkern``: convert_network (fp16) + FusedAdamW + DynamicLossScaler, the
-  optimizer's step a CUDA graph where it can be (its default ``cuda_graph=None``);
-* ``tkern opt eager``: the same with ``FusedAdamW(cuda_graph=False)``;
+* ``tkern``: convert_network (fp16) + FusedAdamW + DynamicLossScaler with no option
+  set: the Trainer's ``cuda_graph="auto"`` (the whole step captured where the host
+  bounds it; ``graph_status`` says what it chose), else the optimizer's step a CUDA
+  graph where it can be (its default ``cuda_graph=None``);
+* ``tkern opt eager``: the same with ``Trainer(cuda_graph=False)`` and
+  ``FusedAdamW(cuda_graph=False)``;
 * ``tkern whole-step graph``: the same under ``Trainer(cuda_graph=True)``: the whole
   step (forward, backward, scaler, optimizer) captured once and replayed;
 * ``tkern fp8 tensorwise`` / ``delayed`` / ``blockwise``: ``convert_network(model,
@@ -129,13 +132,13 @@ class Built:
     optimizer: torch.optim.Optimizer
     scaler: object = None
     autocast: torch.dtype | None = None
-    cuda_graph: bool = False  # Trainer(cuda_graph=...)
+    cuda_graph: bool | str = False  # Trainer(cuda_graph=...)
     tf32: bool = False
 
 
-def _tkern(base: nn.Module, device: torch.device, *, whole_step: bool = False, **opt_options) -> Built:
-    """tkern's fp16 recipe; ``whole_step``: Trainer(cuda_graph=True); ``opt_options``
-    go to FusedAdamW (``cuda_graph=False``: its step eager)."""
+def _tkern(base: nn.Module, device: torch.device, *, whole_step: bool | str = "auto", **opt_options) -> Built:
+    """tkern's fp16 recipe; ``whole_step``: Trainer(cuda_graph=...), the Trainer's default
+    ``"auto"`` unless asked; ``opt_options`` go to FusedAdamW (``cuda_graph=False``: its step eager)."""
     model = tkern.convert_network(copy.deepcopy(base))
     opt = tkern.optim.FusedAdamW(model.parameters(), lr=LR, **opt_options)
     return Built(model, opt, tkern.DynamicLossScaler(), cuda_graph=whole_step)
@@ -201,7 +204,7 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     "torchao float8 tensorwise compiled": lambda b, d, s: _torchao_fp8(b, d, smoke=s),
     "torch fp32 tf32": lambda b, d, s: _torch(b, d, allow_tf32=True),
     "tkern": lambda b, d, s: _tkern(b, d),
-    "tkern opt eager": lambda b, d, s: _tkern(b, d, cuda_graph=False),
+    "tkern opt eager": lambda b, d, s: _tkern(b, d, whole_step=False, cuda_graph=False),
     "tkern whole-step graph": lambda b, d, s: _tkern(b, d, whole_step=True),
     **{f"tkern fp8 {r}": (lambda b, d, s, r=r: _tkern_fp8(b, d, r)) for r in FP8_RECIPES},
 }
@@ -305,6 +308,9 @@ def time_steps(
     opt_graph = graph_fields(built.optimizer, count)
     fused = isinstance(built.optimizer, tkern.optim.FusedAdamW)
     graphs = trainer.graphs
+    # the whole step's graph: asked for, or chosen by "auto" (else the optimizer's own graph's counts)
+    whole = graphs is not None and (built.cuda_graph is True or graphs.counts["capture"] > 0)
+    opt_fallback = opt_graph["graph_fallback"] if fused else None
     return {
         "ms": ms,
         "ms_synced": synced[len(synced) // 2],
@@ -315,17 +321,14 @@ def time_steps(
         "cuda_graph": built.cuda_graph,
         "opt_cuda_graph": opt_graph["cuda_graph"] if fused else None,
         # meant to replay: the whole step, or the fused optimizer's own graph
-        "graphed": graph_possible() and (built.cuda_graph or (fused and opt_graph["graphed"])),
+        "graphed": graph_possible() and (built.cuda_graph is True or (fused and opt_graph["graphed"])),
+        "graph_status": trainer.graph_status,  # what cuda_graph="auto" chose, and why
         # under Trainer(cuda_graph=True) the trainer's reason alone: its graph holds the
         # optimizer's step, whose own graph then stands aside by design
-        "graph_fallback": (
-            trainer.graph_fallback if built.cuda_graph else (opt_graph["graph_fallback"] if fused else None)
-        ),
-        "graph_captures": graphs.counts["capture"] if graphs is not None else opt_graph["graph_captures"],
+        "graph_fallback": trainer.graph_fallback if whole or built.cuda_graph is True else opt_fallback,
+        "graph_captures": graphs.counts["capture"] if whole else opt_graph["graph_captures"],
         "graph_replays": (
-            graphs.counts["capture"] + graphs.counts["replay"]
-            if graphs is not None
-            else opt_graph["graph_replays"]
+            graphs.counts["capture"] + graphs.counts["replay"] if whole else opt_graph["graph_replays"]
         ),
     }
 

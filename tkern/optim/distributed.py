@@ -546,8 +546,9 @@ class DistributedFusedSGD(_Sharded, FusedSGD):
         params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm,
             maximize, master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedSGD`
             (``max_grad_norm`` clips by the global norm of the mean gradient;
-            the shards hold the compact master and state; the step's collectives
-            run eager, never as a CUDA graph).
+            the shards hold the compact master and state; the statistics'
+            collective is captured in the step's CUDA graph on NCCL; the reduce-scatter and
+            all-gather run eager around it).
         {sharding_options}
     """
 
@@ -560,8 +561,9 @@ class DistributedFusedAdam(_Sharded, FusedAdam):
         params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize,
             master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedAdam`
             (``max_grad_norm`` clips by the global norm of the mean gradient;
-            the shards hold the compact master and state; the step's collectives
-            run eager, never as a CUDA graph).
+            the shards hold the compact master and state; the statistics'
+            collective is captured in the step's CUDA graph on NCCL; the reduce-scatter and
+            all-gather run eager around it).
         {sharding_options}
     """
 
@@ -575,7 +577,8 @@ class DistributedFusedAdamW(_Sharded, FusedAdamW):
             master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedAdamW`
             (``weight_decay`` defaults to 1e-2; ``max_grad_norm`` clips by the
             global norm of the mean gradient; the shards hold the compact master
-            and state; the step's collectives run eager, never as a CUDA graph).
+            and state; the statistics' collective is captured in the step's CUDA graph on
+            NCCL; the reduce-scatter and all-gather run eager around it).
         {sharding_options}
     """
 

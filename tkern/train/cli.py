@@ -237,7 +237,7 @@ def _train(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         fsdp=args.fsdp,
         float8=args.float8,
-        cuda_graph=args.cuda_graph,
+        cuda_graph=True if args.cuda_graph else "auto",
         norms=args.norms,
         underflow_every=args.underflow_every,
     )
@@ -461,7 +461,7 @@ def _add_common_options(train: argparse.ArgumentParser) -> None:
         action="store_true",
         help="capture the tkern run's whole step (forward, backward, scaler, optimizer) as a CUDA graph "
         "per batch shape and replay it; where it cannot be captured (no GPU, --nproc > 1) the run warns "
-        "once with the reason and trains eager",
+        "once with the reason and trains eager. Without it the Trainer chooses (cuda_graph='auto')",
     )
     train.add_argument(
         "--underflow-every",

@@ -348,7 +348,7 @@ def build(name: str, base: LMLoss, cfg: GPTConfig, device: torch.device):
                 scaler = SCALERS[cfg.scaler]()
         opt = fused_cls(model.parameters(), **hyper)
         opt.track_underflows(every=cfg.underflow_every)  # the Trainer warns when the scale is too low
-        return model, opt, scaler, None, name == "tkern-graph"
+        return model, opt, scaler, None, True if name == "tkern-graph" else "auto"
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
     opt = torch_cls(model.parameters(), **hyper, **extra)
     if name == "fp32":

@@ -61,12 +61,17 @@ class ActivationMeter:
 
 
 def memory_report(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, activation_bytes: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    activation_bytes: int,
+    graph_bytes: int = 0,
 ) -> dict[str, int]:
     """Bytes used: ``model`` (params and buffers), ``optimizer`` (fp32
-    master and state), ``grads``, ``activations`` (peak on CUDA, from
-    ``torch.cuda.max_memory_allocated``; on CPU ``activation_bytes``, the tensors
-    saved for backward in a measured forward) and ``total``."""
+    master and state), ``grads``, ``graphs`` (``graph_bytes``: the CUDA graphs'
+    memory pools), ``activations`` (peak on CUDA, from
+    ``torch.cuda.max_memory_allocated``, less the rest; on CPU ``activation_bytes``,
+    the tensors saved for backward in a measured forward) and ``total``."""
     model_bytes = tensor_bytes(list(model.parameters()) + list(model.buffers()))
     params = {id(p) for p in model.parameters()}
     state = [
@@ -79,14 +84,15 @@ def memory_report(
     grads = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        activations = max(peak - model_bytes - optimizer_bytes - grads, 0)
+        activations = max(peak - model_bytes - optimizer_bytes - grads - graph_bytes, 0)
     else:
         activations = activation_bytes
-    total = model_bytes + optimizer_bytes + grads + activations
+    total = model_bytes + optimizer_bytes + grads + graph_bytes + activations
     return {
         "model": model_bytes,
         "optimizer": optimizer_bytes,
         "grads": grads,
+        "graphs": graph_bytes,
         "activations": activations,
         "total": total,
     }
