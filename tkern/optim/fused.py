@@ -598,7 +598,9 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         Recorded on the device by the step's statistics pass at no cost while nothing
         overflows; this call reads it in one device-to-host copy (a sync: call it when
         a step was skipped or now and then, not every step). Names come from
-        :meth:`name_params`. Under a sharded optimizer each rank reports its own
+        the params' names the optimizer was given (``FusedAdamW(model.named_parameters())``)
+        or from :meth:`name_params`; unnamed params are named by group, index and shape.
+        Under a sharded optimizer each rank reports its own
         shard's tensors; steps replayed from a CUDA graph record nothing. Needs
         :attr:`track_overflows` on (:meth:`name_params` turns it on) before the
         steps it reports."""
@@ -623,8 +625,20 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
                         counted.append((flat, held[2]))
             sampled = (*self._underflow_meta, counted)
         return overflow_report(
-            self._steps_run, self.grad_stats, tracked, self._param_names, self._stamp(), sampled
+            self._steps_run, self.grad_stats, tracked, self._report_names(), self._stamp(), sampled
         )
+
+    def _report_names(self) -> dict[tuple[int, int], str]:
+        """(group, index in group) -> name: the names the optimizer was given with its
+        params (``named_parameters()``: each group's ``param_names``), overridden by
+        :meth:`name_params`'."""
+        names = {
+            (gi, pi): name
+            for gi, group in enumerate(self.param_groups)
+            for pi, name in enumerate(group.get("param_names", ()))
+        }
+        names.update(self._param_names)
+        return names
 
     # ----------------------------------------------------------- copies
 
