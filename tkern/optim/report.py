@@ -39,8 +39,11 @@ def memory_report(opt: Any) -> dict[str, Any]:
     times ``world_size``, FSDP2's mesh size, it is per param of the model; under HSDP
     ``world_size`` and ``rank`` are the shard dim's, and each replica holds those bytes). The param
     buffer is FSDP2's shard storage itself (:func:`tkern.optim.fsdp.fsdp_shard_storage`);
-    where FSDP2 is in a mode that forbids that, ``alias_fallback`` says why and
-    ``fsdp_storage`` counts FSDP2's own copy of the shards (in ``total``; 0 otherwise).
+    where FSDP2 is in a mode that forbids that, ``alias_fallback`` says why.
+    ``fsdp_storage`` counts the storage FSDP2 holds for the shards besides the flat buffers
+    (in ``total``): read from FSDP2's tensors and the tensors they are views of
+    (:func:`tkern.optim.fsdp.fsdp_storage_bytes`), so 0 where the buffer is its storage, and
+    its padded copy of the shards on the copy path.
     """
     group = opt.shard_group
     if group is None:  # FSDP2's params: the mesh they are sharded over
@@ -57,15 +60,17 @@ def memory_report(opt: Any) -> dict[str, Any]:
         "alias_fallback": None,
     }
     sizes = dict.fromkeys(("param", "grad", "master", "state", "fsdp_storage"), 0)
+    held: dict[int, int] = {}  # the owner's storages outside the flat buffers, by address
     for flats in opt.flat_buffers:
         for flat in flats:
+            held.update(flat.storage.held_bytes(flat.params, flat.param))
             if not flat.storage.owns_storage and not flat.aliased:
-                sizes["fsdp_storage"] += sum(flat.numels) * flat.param.element_size()
                 report["alias_fallback"] = report["alias_fallback"] or flat.alias_fallback
             report["numel"] += sum(flat.numels)
             report["padded_numel"] += flat.param.numel()
             for k, v in flat.nbytes().items():
                 sizes[k] += v
+    sizes["fsdp_storage"] = sum(held.values())
     report.update(sizes)
     report["total"] = sum(sizes.values())
     numel = report["numel"]
