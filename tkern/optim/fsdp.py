@@ -190,6 +190,18 @@ class DTensorShards(ParamStorage):
         raise TypeError("an optimizer over FSDP2's DTensor params cannot be copied or pickled")
 
 
+def _fsdp_params() -> dict[int, Any]:
+    """FSDP2's ``FSDPParam`` of every sharded param of the process, by the param's id (part of
+    the seam: FSDP2's private module state; ``ImportError`` on a torch without it)."""
+    from torch.distributed._composable_state import _module_state_mapping
+
+    owners = {}
+    for ref in list(_module_state_mapping.values()):
+        for fp in getattr(getattr(ref(), "_fsdp_param_group", None), "fsdp_params", ()):
+            owners[id(fp.sharded_param)] = fp
+    return owners
+
+
 def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
     """THE SEAM: the one place tkern reads or writes FSDP2's private names.
 
@@ -210,13 +222,7 @@ def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
     ``tests/test_fsdp_hsdp.py`` fail if a torch upgrade breaks this.
     """
     try:
-        from torch.distributed._composable_state import _module_state_mapping
-
-        owners = {}
-        for ref in list(_module_state_mapping.values()):
-            group = getattr(ref(), "_fsdp_param_group", None)
-            for fp in getattr(group, "fsdp_params", ()):
-                owners[id(fp.sharded_param)] = fp
+        owners = _fsdp_params()
         found = [owners.get(id(p)) for p in params]
         if None in found:
             return "FSDP2's FSDPParam of a param was not found (not fully_shard's, or another torch)"
@@ -261,12 +267,7 @@ def fsdp_storage_bytes(params: list[torch.Tensor], buffer: torch.Tensor) -> dict
     the seam (:func:`fsdp_shard_storage`): it reads the same private names; a param whose
     FSDPParam is not found counts its local tensor only."""
     try:
-        from torch.distributed._composable_state import _module_state_mapping
-
-        owners = {}
-        for ref in list(_module_state_mapping.values()):
-            for fp in getattr(getattr(ref(), "_fsdp_param_group", None), "fsdp_params", ()):
-                owners[id(fp.sharded_param)] = fp
+        owners = _fsdp_params()
     except ImportError:
         owners = {}
     held: dict[int, int] = {}
