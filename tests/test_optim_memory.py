@@ -440,13 +440,13 @@ def test_memory_reports_keep_bytes_and_print_mib_per_line():
         "total",
     }
     assert pickle.loads(pickle.dumps(report)).byte_keys == report.byte_keys
-    # the Trainer's: the same kind, the graph pool on its own line
+    # the Trainer's: the same kind, the graphs' pools on their own line
     model = torch.nn.Linear(512, 512, bias=False).to(DEVICE)  # 1 MiB of fp32 weight
     trainer = tkern.Trainer(
         model, FusedAdamW(model.parameters()), torch.nn.functional.mse_loss, progress=False
     )
     report = trainer.memory_report()
     lines = dict(line.split(maxsplit=1) for line in str(report).splitlines())
-    assert list(lines) == ["model", "optimizer", "grads", "graph_pool", "activations", "total"]
-    assert lines["model"] == "1.00 MiB (1048576 B)" and report["graph_pool"] == 0
+    assert list(lines) == ["model", "optimizer", "grads", "graphs", "activations", "total"]
+    assert lines["model"] == "1.00 MiB (1048576 B)" and report["graphs"] == 0
     assert report["total"] == sum(report[k] for k in report.byte_keys[:-1])

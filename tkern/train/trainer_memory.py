@@ -63,7 +63,7 @@ class ActivationMeter:
 
 
 #: The trainer report's byte counts, in the order they print.
-TRAINER_BYTES = ("model", "optimizer", "grads", "graph_pool", "activations", "total")
+TRAINER_BYTES = ("model", "optimizer", "grads", "graphs", "activations", "total")
 
 
 def memory_report(
@@ -71,14 +71,14 @@ def memory_report(
     optimizer: torch.optim.Optimizer,
     device: torch.device,
     activation_bytes: int,
-    graph_pool_bytes: int = 0,
+    graph_bytes: int = 0,
 ) -> MemoryReport:
     """Bytes used: ``model`` (params and buffers), ``optimizer`` (fp32
-    master and state), ``grads``, ``graph_pool`` (``graph_pool_bytes``: what the CUDA graphs
-    hold of their own, with the optimizer's step graph's from its report when it has one),
-    ``activations`` (peak on CUDA, from ``torch.cuda.max_memory_allocated``, less the rest;
-    on CPU ``activation_bytes``, the tensors saved for backward in a measured forward) and
-    ``total``. A :class:`~tkern.optim.report.MemoryReport`: ints in bytes; ``print`` gives MiB."""
+    master and state), ``grads``, ``graphs`` (``graph_bytes``: the CUDA graphs' memory
+    pools, the optimizer's step graph's included), ``activations`` (peak on CUDA, from
+    ``torch.cuda.max_memory_allocated``, less the rest; on CPU ``activation_bytes``, the
+    tensors saved for backward in a measured forward) and ``total``. A
+    :class:`~tkern.optim.report.MemoryReport`: ints in bytes; ``print`` gives MiB."""
     model_bytes = tensor_bytes(list(model.parameters()) + list(model.buffers()))
     params = {id(p) for p in model.parameters()}
     state = [
@@ -89,11 +89,10 @@ def memory_report(
     ]
     optimizer_bytes = tensor_bytes(state)
     grads = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
-    graph_pool = graph_pool_bytes + int(getattr(optimizer, "graph_pool_bytes", 0))
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        activations = max(peak - model_bytes - optimizer_bytes - grads - graph_pool, 0)
+        activations = max(peak - model_bytes - optimizer_bytes - grads - graph_bytes, 0)
     else:
         activations = activation_bytes
-    sizes = [model_bytes, optimizer_bytes, grads, graph_pool, activations]
+    sizes = [model_bytes, optimizer_bytes, grads, graph_bytes, activations]
     return MemoryReport(dict(zip(TRAINER_BYTES, [*sizes, sum(sizes)], strict=True)), TRAINER_BYTES)
