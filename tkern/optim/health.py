@@ -37,6 +37,7 @@ class GradHealth:
     param_groups: list[dict]
 
     def _init_health(self) -> None:
+        """No records, tracking off (the constructor's)."""
         #: Which params overflowed: per flat buffer (by id) its layout version, the params'
         #: start offsets and their int32 flags (see :meth:`overflow_report`).
         self._overflow_flags: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # flags: (2, P)
