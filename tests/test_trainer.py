@@ -407,19 +407,18 @@ def test_cli_train_nproc_2_data_parallel(tmp_path, capsys):
     assert accuracy(capsys.readouterr().out) == parallel
 
 
-def test_the_training_layer_is_one_package_and_its_old_names_still_import():
+def test_the_training_layer_is_one_package_with_one_name_for_each_module():
     import importlib
     from pathlib import Path
 
     import tkern.train
 
     top = Path(tkern.__file__).parent
-    for old, new in tkern.train.MOVED.items():
-        assert not (top / f"{old.split('.')[-1]}.py").exists(), old  # nothing left at the top level
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from tkern.cli import main as old_main
-    from tkern.trainer import Trainer as OldTrainer
+    for name in ("trainer", "trainer_checkpoint", "trainer_memory", "checkpoint", "demo", "gpt_job", "cli"):
+        assert not (top / f"{name}.py").exists(), name  # nothing left at the top level
+        assert importlib.import_module(f"tkern.train.{name}").__name__ == f"tkern.train.{name}"
+        with pytest.raises(ModuleNotFoundError):  # no second name (the old top-level one) for it
+            importlib.import_module(f"tkern.{name}")
+    from tkern.train.cli import main
 
-    from tkern.train.cli import main as new_main
-
-    assert old_main is new_main and OldTrainer is tkern.Trainer is tkern.train.Trainer
+    assert main.__module__ == "tkern.train.cli" and tkern.Trainer is tkern.train.Trainer
