@@ -19,7 +19,7 @@ from torch import nn
 from tkern.kernels._common import HALF_DTYPES
 from tkern.nn.float8 import Float8Linear, Float8Recipe, float8_conv1d_class
 from tkern.nn.fusion import FusedSequentialForward, route_fusion
-from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss
+from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss, warn_if_no_fused_loss
 from tkern.nn.linear import Linear, conv1d_class, hf_conv1d
 from tkern.nn.loss import LinearCrossEntropy
 from tkern.nn.norm import LayerNorm, RMSNorm
@@ -239,8 +239,8 @@ def _linear_cross_entropy_rule(module: nn.Module, path: str, conv: Conversion) -
 
 
 def _fused_loss_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
-    """With ``fused_loss``: a transformers causal LM (GPT-2, Llama, Gemma 2) computes its loss with
-    tkern.linear_cross_entropy (tkern/nn/hf_loss.py). Declines in any case (returns
+    """With ``fused_loss``: a transformers causal LM computes its loss with
+    tkern.linear_cross_entropy (tkern/nn/hf_loss.py decides which, or warns). Declines in any case (returns
     False), so that the model's children are converted by the other rules."""
     if conv.fused_loss:
         install_fused_loss(module)
@@ -519,10 +519,11 @@ def convert_network(
     ``fuse_activations``: in an ``nn.Sequential``, a :class:`tkern.nn.Linear` directly followed
     by ``nn.ReLU``, ``nn.SiLU`` or ``nn.GELU`` runs the activation in its GEMM epilogue (a pair
     where either module has a hook runs unfused; GELU and SiLU round once fewer).
-    ``fused_loss``: a transformers ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
-    ``Gemma2ForCausalLM`` (its ``final_logit_softcapping`` as ``softcap``) called with
-    ``labels`` computes its loss with :func:`tkern.linear_cross_entropy` (no logits tensor) and
-    returns ``logits=None``; without labels, and in ``generate()``, logits as before.
+    ``fused_loss``: a transformers causal LM whose forward is "base model, head, HF's causal loss"
+    (GPT-2, Llama, Mistral, Qwen2, Gemma, Gemma 2, Phi, Phi-3, GPT-NeoX, OPT and subclasses: read
+    from its forward, tkern/nn/hf_loss.py) called with ``labels`` computes its loss with
+    :func:`tkern.linear_cross_entropy` (no logits tensor) and returns ``logits=None``; without
+    labels, and in ``generate()``, logits as before; one that does not qualify warns why.
     ``keep_fp32_params``: FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype)`` owns the casts:
     tkern's GEMM layers keep fp32 params and compute in ``dtype`` (docs/fsdp.md).
     ``norm_dtype=dtype``: the LayerNorm / RMSNorm params (tkern's, or with ``norms=False``
@@ -562,6 +563,8 @@ def convert_network(
     if conv.recipe is not None and conv.recipe.enable_fsdp_float8_all_gather:
         conv.tied = _tied_params(model)
     _convert(model, "", conv)
+    if fused_loss:
+        warn_if_no_fused_loss(model)
     _warn_kept(conv.kept, dtype)
     if conv.kept_tied:
         warnings.warn(
