@@ -142,6 +142,7 @@ GPT_ONLY = {
     "width": "--width",
     "heads": "--heads",
     "eval_every": "--eval-every",
+    "compile": "--compile",
 }
 
 
@@ -306,6 +307,7 @@ def gpt_config(args: argparse.Namespace):
         float8=args.float8 or d.float8,
         progress=not args.no_progress,
         underflow_every=args.underflow_every,
+        compile=args.compile,
     )
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--width {cfg.n_embd} is not a multiple of --heads {cfg.n_head}")
@@ -492,6 +494,11 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
     gpt.add_argument("--width", type=_positive, metavar="D", help="model width (n_embd)")
     gpt.add_argument("--heads", type=_positive, metavar="H", help="attention heads (divide --width)")
     gpt.add_argument("--eval-every", type=_positive, metavar="N", help="steps between validation losses")
+    gpt.add_argument(
+        "--compile",
+        action="store_true",
+        help="train the tkern runs (not tkern-graph) under torch.compile(fullgraph=True)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
