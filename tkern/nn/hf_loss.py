@@ -431,7 +431,12 @@ class FusedCausalLMLoss:
 def _is_hf_lm(module: nn.Module) -> bool:
     """A transformers model with output embeddings (an LM head of some kind)."""
     get = getattr(module, "get_output_embeddings", None)
-    return hasattr(module, "base_model_prefix") and callable(get) and get() is not None
+    if not (hasattr(module, "base_model_prefix") and callable(get)):
+        return False
+    try:
+        return get() is not None
+    except (AttributeError, NotImplementedError):  # a model class that declares no head
+        return False
 
 
 def install_fused_loss(module: nn.Module) -> bool:
