@@ -82,9 +82,10 @@ cross_entropy.py
     Launchers: ``cross_entropy_forward``, ``cross_entropy_backward``; ``check_targets``.
     Above: ``ops.cross_entropy.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
     ``tkern::cross_entropy_backward``), ``ops.cross_entropy.linear_cross_entropy`` (with
-    the GEMMs), ``nn.CrossEntropyLoss``, ``nn.LinearCrossEntropy``, ``convert_network(
+    the GEMMs, chunked by ops/loss_chunks.py; custom op ``tkern::linear_cross_entropy``),
+    ``nn.CrossEntropyLoss``, ``nn.LinearCrossEntropy``, ``convert_network(
     fused_loss=True)`` (nn/hf_loss.py). Tests: test_cross_entropy.py,
-    test_linear_cross_entropy.py, test_hf_fused_loss.py, test_compiled.py. Benchmarks:
+    test_linear_cross_entropy.py, test_hf_fused_loss.py, test_hf_compile.py, test_compiled.py. Benchmarks:
     bench_loss.py, static_report.py.
 
 ``_common.py`` holds what every family shares: the execution mode (Triton's

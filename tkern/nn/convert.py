@@ -30,6 +30,7 @@ from tkern.nn.convert_rules import (
     remove_tkern_hooks,
 )
 from tkern.nn.float8 import Float8Recipe
+from tkern.nn.hf_loss import warn_if_no_fused_loss
 from tkern.nn.linear import Linear
 
 # CastInputs / CastOutput: models pickled while they lived here find them by this name
@@ -242,7 +243,8 @@ def convert_network(
         float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
         fuse_activations: fuse activations into tkern's kernels (above).
         fused_loss: a transformers causal LM called with ``labels`` computes its loss with
-            :func:`tkern.linear_cross_entropy` (no logits) and returns ``logits=None``.
+            :func:`tkern.linear_cross_entropy` (no logits) and returns ``logits=None``; which
+            qualify is read from their forward (tkern/nn/hf_loss.py), others warn why.
         keep_fp32_params: keep the params fp32 (FSDP2's mixed precision owns the casts).
         norms: replace LayerNorm / RMSNorm layers by tkern's (False: run torch's in fp32).
         norm_dtype: None or torch.float32 (the default: fp32 norm params), or ``dtype``.
@@ -265,5 +267,7 @@ def convert_network(
         conv.tied = _tied_params(model)
     conv.keep_fp32 = keep_in_fp32_patterns(model, dtype)
     _convert(model, "", conv)
+    if fused_loss:
+        warn_if_no_fused_loss(model)
     _warn(conv)
     return model

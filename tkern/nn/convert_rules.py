@@ -206,9 +206,9 @@ def _linear_cross_entropy_rule(module: nn.Module, path: str, conv: Conversion) -
 
 
 def _fused_loss_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
-    """With ``fused_loss``: a transformers causal LM (GPT-2, Llama, Gemma 2) computes its loss with
-    tkern.linear_cross_entropy (tkern/nn/hf_loss.py). Declines in any case (returns
-    False), so that the model's children are converted by the other rules."""
+    """With ``fused_loss``: a transformers causal LM computes its loss with
+    tkern.linear_cross_entropy (tkern/nn/hf_loss.py decides which, or warns). Declines in
+    any case (returns False), so that the model's children are converted by the other rules."""
     if conv.fused_loss:
         install_fused_loss(module)
     return False

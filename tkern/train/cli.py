@@ -145,6 +145,7 @@ GPT_ONLY = {
     "width": "--width",
     "heads": "--heads",
     "eval_every": "--eval-every",
+    "compile": "--compile",
 }
 
 
@@ -309,6 +310,7 @@ def gpt_config(args: argparse.Namespace):
         float8=args.float8 or d.float8,
         progress=not args.no_progress,
         underflow_every=args.underflow_every,
+        compile=args.compile,
     )
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--width {cfg.n_embd} is not a multiple of --heads {cfg.n_head}")
@@ -556,6 +558,11 @@ def _add_gpt_options(train: argparse.ArgumentParser) -> None:
         type=_positive,
         metavar="N",
         help=f"steps between validation losses {default('eval_every')}",
+    )
+    gpt.add_argument(
+        "--compile",
+        action="store_true",
+        help="train the tkern runs (not tkern-graph) under torch.compile(fullgraph=True)",
     )
 
 

@@ -90,6 +90,7 @@ class GPTConfig:
     float8: str = "tensorwise"  # the tkern-fp8 run's recipe
     underflow_every: int | None = None  # tkern runs sample zero/subnormal gradients every k steps
     progress: bool = True
+    compile: bool = False  # the tkern runs (not tkern-graph) under torch.compile(fullgraph=True)
 
 
 def default_config(device: torch.device) -> GPTConfig:
@@ -348,6 +349,8 @@ def build(name: str, base: LMLoss, cfg: GPTConfig, device: torch.device):
                 scaler = SCALERS[cfg.scaler]()
         opt = fused_cls(model.parameters(), **hyper)
         opt.track_underflows(every=cfg.underflow_every)  # the Trainer warns when the scale is too low
+        if cfg.compile and name != "tkern-graph":  # tkern's ops are custom ops: no graph break
+            model = torch.compile(model, fullgraph=True)
         return model, opt, scaler, None, True if name == "tkern-graph" else "auto"
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
     opt = torch_cls(model.parameters(), **hyper, **extra)
