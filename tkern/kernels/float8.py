@@ -252,6 +252,35 @@ def _cast_blocks_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
+#: fp8 tensor cores, and Triton's e4m3 type (``fp8e4nv``): Ada (sm_89), Hopper (sm_90) or newer.
+FP8_MIN_CC = (8, 9)
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The compute capability of ``device`` where tkern's kernels run compiled on it
+    (a CUDA device), else None (the CPU under Triton's interpreter, the meta device):
+    the one place the fp8 code asks, so a test can answer for a GPU it does not have."""
+    device = torch.device(device)
+    if device.type != "cuda" or INTERPRET:
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def check_fp8_device(device: torch.device | str, what: str = "tkern's fp8 kernels") -> None:
+    """Raise ``RuntimeError`` unless ``device`` has fp8 tensor cores (compute
+    capability >= 8.9: Ada, Hopper or newer), naming the device, its capability
+    and what needs them. Called before any fp8 kernel is compiled: on an older GPU
+    Triton itself would stop inside its compiler ("type fp8e4nv not supported")."""
+    cc = device_capability(device)
+    if cc is not None and cc < FP8_MIN_CC:
+        device = torch.device(device)
+        raise RuntimeError(
+            f"{what} needs fp8 tensor cores (compute capability >= {FP8_MIN_CC[0]}.{FP8_MIN_CC[1]}: "
+            f"Ada, Hopper or newer); {torch.cuda.get_device_name(device)} ({device}) has compute "
+            f"capability {cc[0]}.{cc[1]}"
+        )
+
+
 def check_fp8_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
     """Raise ``TypeError`` unless ``dtype`` is torch.float8_e4m3fn or torch.float8_e5m2."""
     if dtype not in FP8_DTYPES:
@@ -295,6 +324,7 @@ def parse_granularity(granularity, shape: tuple[int, ...]) -> tuple[int, int] | 
 
 def _check_x(x: torch.Tensor) -> None:
     check_tensor("x", x, dtypes=HIGH_DTYPES)
+    check_fp8_device(x.device, "to_float8")
 
 
 def to_float8(

@@ -32,6 +32,7 @@ from tkern.kernels._common import (
     resolve_launch,
 )
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
+from tkern.kernels.float8 import check_fp8_device
 from tkern.kernels.gemm_configs import gemm_autotune, gemm_configs, operands_ragged, transposed
 from tkern.kernels.gemm_epilogue import (
     OUT_DTYPES,
@@ -681,8 +682,6 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: of every config (BLOCK_K <= 128) then lies inside one scale block, and partial
 #: sums are promoted to fp32 at least this often (DeepSeek-V3's interval).
 SCALE_BLOCK_K = 128
-#: fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) or newer.
-FP8_MIN_CC = (8, 9)
 
 
 def _infer_block(size: int, count: int) -> int:
@@ -729,13 +728,7 @@ def _check_scale(
 
 
 def _check_fp8_device(device: torch.device) -> None:
-    if device.type == "cuda" and not INTERPRET:
-        cc = torch.cuda.get_device_capability(device)
-        if cc < FP8_MIN_CC:
-            raise RuntimeError(
-                f"scaled_mm needs fp8 tensor cores (compute capability >= 8.9, Ada or Hopper); "
-                f"{torch.cuda.get_device_name(device)} ({device}) has {cc[0]}.{cc[1]}"
-            )
+    check_fp8_device(device, "scaled_mm")
 
 
 def scaled_mm(

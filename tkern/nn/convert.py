@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tkern.kernels._common import HALF_DTYPES
+from tkern.kernels.float8 import check_fp8_device
 from tkern.nn.float8 import Float8Linear, Float8Recipe, float8_conv1d_class
 from tkern.nn.fusion import FusedSequentialForward, route_fusion
 from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss
@@ -471,6 +472,9 @@ def _checked_conversion(
         raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32 and recipe is not None:
         raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
+    if recipe is not None:  # before any module changes: a GPU without fp8 tensor cores
+        for device in {p.device for p in model.parameters()}:
+            check_fp8_device(device, f"convert_network(float8={recipe.scaling!r})")
     return Conversion(dtype, recipe, float8_filter, **flags, norm_dtype=norm_dtype or torch.float32)
 
 

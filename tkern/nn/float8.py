@@ -11,6 +11,7 @@ from torch import nn
 
 from tkern.flat import has_grad_view
 from tkern.kernels._common import HALF_DTYPES
+from tkern.kernels.float8 import check_fp8_device
 from tkern.nn.float8_fsdp import (
     Float8AllGatherWeight,
     Float8GatheredWeight,
@@ -103,6 +104,7 @@ class Float8Layer:
         if not isinstance(recipe, Float8Recipe):
             raise TypeError(f"recipe must be a Float8Recipe, got {recipe!r}")
         weight = self.weight
+        check_fp8_device(weight.device, type(self).__name__)
         if recipe.enable_fsdp_float8_all_gather != is_fp8_all_gather_weight(weight):
             if isinstance(weight, _dtensor_class()):
                 raise ValueError(

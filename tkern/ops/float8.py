@@ -14,7 +14,13 @@ from typing import NamedTuple
 import torch
 
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
-from tkern.kernels.float8 import roll_amax_history, to_float8, to_float8_delayed, to_float8_delayed_deferred
+from tkern.kernels.float8 import (
+    check_fp8_device,
+    roll_amax_history,
+    to_float8,
+    to_float8_delayed,
+    to_float8_delayed_deferred,
+)
 from tkern.kernels.gemm import scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
 from tkern.ops import common
@@ -423,6 +429,7 @@ def float8_linear(
     check_in_features(x, weight)
     check_bias(bias, weight.shape[0], weight.dtype)
     check_same_device(x=x, weight=weight, bias=bias)
+    check_fp8_device(x.device, "float8_linear (Float8Linear)")
     if scaling not in ("tensorwise", "delayed", "blockwise"):
         raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
     if scaling == "delayed":
