@@ -59,8 +59,8 @@ def _cast_2d_op(
     out = _cast_2d_impl(
         x, dtype, store, store_t, sum_dtype if col_sum else None, history, counter, margin, update
     )
-    empty = x.new_empty(0, dtype=dtype)
-    return tuple(empty if t is None else t for t in out)
+    # a new empty tensor for each output not asked for: a custom op's outputs may not alias
+    return tuple(x.new_empty(0, dtype=dtype) if t is None else t for t in out)
 
 
 @_cast_2d_op.register_fake
@@ -205,6 +205,9 @@ class Float8WeightCache:
     storage (``.data =``) makes the forward cast again until the next step
     refreshes it.
 
+    The cast holds the weight in both layouts (``data`` and ``data_t``, one pass:
+    :func:`~tkern.kernels.float8.cast_2d`), the forward's and dgrad's K-major operands.
+
     ``"tensorwise"``: the cast is ``to_float8(weight)``, which depends on the
     weight alone.
 
@@ -215,9 +218,9 @@ class Float8WeightCache:
     keeping the cast's amax and a stamp of the history (the tensor, its version
     counter and storage). A forward that finds the weight *and* the history
     unchanged since uses the cast; a training forward then makes the update the
-    cast would have made (:func:`~tkern.kernels.float8.roll_amax_history`, one
-    tiny launch, no host sync), which moves the history, so a second forward
-    before the next step (gradient accumulation) casts as without the cache.
+    cast would have made (inside the launch that casts its input, no host sync;
+    :func:`~tkern.kernels.float8.roll_amax_history` where traced), which moves the
+    history, so a second forward before the next step (gradient accumulation) casts as without the cache.
     An eval or ``no_grad`` forward uses the cast too (it is bit-identical to
     the cast such a forward makes: the same weight and history, no update) and
     leaves the history, and so the cache, as they were.
