@@ -252,3 +252,39 @@ def test_each_gemm_is_the_product_of_its_dequantized_k_major_operands(recipe, mo
         k = a.shape[1]
         tol = 2 * (2.0**-9 * ref.abs() + k * 2.0**-24 * (qa.abs() @ qb.abs()))
         assert ((out.double() - ref).abs() <= tol).all(), (a.shape, b.shape)
+
+
+def test_fp8_configs_are_128_deep_in_k_and_count_shared_memory_at_one_byte_an_element():
+    """Issue 43 item 6: scaled_mm's tiles (gemm_configs.fp8_gemm_configs) are 128 deep in K
+    (one per 128-wide block scale) and pruned with one byte an element: on Ada (99 KB a
+    block) the 96 KB tiles (128x128x128 in three stages, 128x64x128 in four) are offered,
+    where two bytes an element (192 KB) would prune them; launches promoting every K tile are held to
+    64 accumulator values a thread, blockwise before Hopper to 32 (measured spills)."""
+    from tkern.kernels.gemm_configs import (
+        acc_per_thread,
+        fp8_gemm_configs,
+        prune_configs,
+        smem_estimate,
+        smem_limit,
+    )
+
+    configs = fp8_gemm_configs()
+    assert (
+        configs[0].kwargs["BLOCK_K"] == 128
+        and sum(c.kwargs["BLOCK_K"] == 128 for c in configs) >= len(configs) - 1
+    )
+    # the tiles whose fp8 operands fit Ada's 99 KB but would not at two bytes an element
+    between = [c for c in configs if smem_estimate(c, 1) <= smem_limit(89) < smem_estimate(c, 2)]
+    assert between
+    for c in between:
+        assert c in prune_configs(configs, 89, elem_bytes=1) and c not in prune_configs(
+            configs, 89, elem_bytes=2
+        )
+    for cc in (89, 90):
+        for two_acc, blocks in ((False, False), (True, False), (True, True)):
+            kept = prune_configs(configs, cc, elem_bytes=1, two_accumulators=two_acc, block_scales=blocks)
+            limit = 32 if blocks and cc < 90 else 64 if two_acc or cc < 90 else None
+            assert kept and all(smem_estimate(c, 1) <= smem_limit(cc) for c in kept)
+            if limit is not None and len(kept) > 1:
+                accs = [acc_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept]
+                assert max(accs) <= limit, (cc, two_acc, blocks, accs)
