@@ -311,6 +311,53 @@ def _activation_cases() -> list[Case]:
     return cases
 
 
+def _swiglu_cases() -> list[Case]:
+    """The gated activation (tkern/kernels/swiglu.py) forward and backward as the launchers
+    launch them on a GPU: a row of >= MAX_BLOCK_N columns with row strides divisible by 16
+    (every model's intermediate size), SiLU and tanh-GELU, fp16 and bf16."""
+    from tkern.kernels import swiglu as sw
+
+    tl = _tl()
+    cases = []
+    kernels = {
+        "fwd": (("gate_ptr", "up_ptr", "h_ptr"), ("stride_g", "stride_u", "stride_h"), sw.FWD_ELEMENTS),
+        "bwd": (
+            ("dh_ptr", "gate_ptr", "up_ptr", "dgate_ptr", "dup_ptr"),
+            ("stride_dh", "stride_g", "stride_u", "stride_dg", "stride_du"),
+            sw.BWD_ELEMENTS,
+        ),
+    }
+    for dtype in ("fp16", "bf16"):
+        for aname in ("silu", "gelu_tanh"):
+            for which, (ptrs, strides, elements) in kernels.items():
+                blocks = dict(BLOCK_M=elements // sw.MAX_BLOCK_N, BLOCK_N=sw.MAX_BLOCK_N)
+                sig = {
+                    **{a: _ptr(dtype) for a in ptrs},
+                    "M": "i32",
+                    "N": "i32",
+                    **{a: "i32" for a in strides},
+                }
+                sig.update(
+                    ACTIVATION="constexpr", DTYPE="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr"
+                )
+                cases.append(
+                    Case(
+                        name=f"swiglu_{which}[{dtype},{aname}]",
+                        family="streaming",
+                        kernel=f"tkern.kernels.swiglu:_swiglu_{which}_kernel",
+                        signature=sig,
+                        constexprs=dict(
+                            ACTIVATION=sw.ACTIVATIONS[aname], DTYPE=getattr(tl, _TL_NAME[dtype]), **blocks
+                        ),
+                        aligned=(*ptrs, "N", *strides),
+                        num_warps=sw.NUM_WARPS,
+                        arrays=ptrs,
+                        per_thread=sw.MAX_BLOCK_N // (32 * sw.NUM_WARPS),
+                    )
+                )
+    return cases
+
+
 def _norm_cases(full: bool = True) -> list[Case]:
     """LayerNorm / RMSNorm forward and backward (tkern/kernels/norm.py) as the launchers
     launch them: a 1024-wide row (hidden 768 to 1024), the widest one-block row
@@ -976,7 +1023,7 @@ def all_cases(cc: int, full: bool = True) -> list[Case]:
     register-hungry launches of tkern.linear (:func:`gate_launches`); every
     other launch only in the full report)."""
     cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
-    cases += cross_entropy_cases()
+    cases += cross_entropy_cases() + _swiglu_cases()
     return cases + _norm_cases(full) + _scale_cases() + _gemm_cases(cc, full)
 
 

@@ -76,7 +76,7 @@ def test_every_kernel_and_target_is_covered(rows):
     expected = {
         "_sgd_kernel", "_adam_kernel", "_grad_stats_kernel", "_finalize_stats_kernel",
         "_grad_underflow_kernel", "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
-        "_norm_fwd_kernel", "_norm_bwd_kernel",
+        "_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
     }  # fmt: skip
     for cc in TARGETS:
         assert {k for k, t in kernels if t == f"sm_{cc}"} >= expected

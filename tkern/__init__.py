@@ -14,6 +14,7 @@ from tkern.nn import Float8Linear, Float8Recipe, convert_network
 from tkern.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from tkern.ops.linear import linear, matmul
 from tkern.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from tkern.ops.swiglu import swiglu
 from tkern.train import MOVED as _MOVED
 from tkern.train import Trainer
 
@@ -60,5 +61,6 @@ __all__ = [
     "optim",
     "rms_norm",
     "scaled_mm",
+    "swiglu",
     "to_float8",
 ]

@@ -39,6 +39,13 @@ activation.py
     kernel: ``_activation_grad_kernel``. Launcher: ``activation_grad``. Above:
     ``ops.linear.linear``'s backward (``tkern::activation_grad``). Tests:
     test_activation.py, test_functional.py. Benchmark: bench_gemm.py (fused GELU).
+swiglu.py
+    kernels: ``_swiglu_fwd_kernel`` (``h = act(gate) * up``), ``_swiglu_bwd_kernel`` (dgate,
+    dup), fp32 inside with activation.py's jit helpers; 2-D with row strides (the halves of
+    one packed tensor read in place). Launchers: ``swiglu_forward``, ``swiglu_backward``.
+    Above: ``ops.swiglu.swiglu`` / ``swiglu_packed`` (custom ops ``tkern::swiglu``,
+    ``tkern::swiglu_backward``), ``tkern.swiglu``, ``nn.fusion.FusedMLPForward`` (Llama-family
+    MLPs in ``convert_network``). Tests: test_swiglu.py, test_blocks.py, test_compiled.py.
 norm.py
     kernels: ``_norm_fwd_kernel`` (LayerNorm / RMSNorm of a row per program, fp32
     statistics, optional fused residual ``h = x + residual``), ``_norm_bwd_kernel``

@@ -12,6 +12,8 @@ per op family, each above the kernels it launches (``tkern/kernels``):
 ``norm.py``      ``tkern.layer_norm``, ``tkern.rms_norm``, ``tkern.add_layer_norm``,
                  ``tkern.add_rms_norm``: LayerNorm / RMSNorm with fp32 statistics, forward and
                  backward (custom ops ``tkern::norm_forward``, ``tkern::norm_backward``)
+``swiglu.py``    ``tkern.swiglu``, ``swiglu_packed``: a GLU MLP's ``act(gate) * up``, forward and
+                 backward in one kernel each (custom ops ``tkern::swiglu``, ``tkern::swiglu_backward``)
 ``common.py``    what the linear-like ops share: shapes, and the seam that puts dW into a fused
                  optimizer's flat gradient buffer
 """
