@@ -15,7 +15,7 @@ from test_trainer_graph import batches, make_trainer, same_history, same_params,
 from torch import nn
 
 import tkern
-from tkern.graphs import STRICT_ENV
+from tkern.graphs import STRICT_ENV, trace_launches
 from tkern.optim import FusedAdamW
 from tkern.train.trainer import HOST_BOUND_SHARE
 from tkern.train.trainer_graph import Observation, batch_key, choose
@@ -43,7 +43,7 @@ def test_the_auto_rule():
         False, "the device bounds it: launching takes 4% (0.4 ms of a 10 ms step; < 60%)",
     )  # fmt: skip
     capture, why = choose([first, traced(("aten::relu",)), traced(("aten::tanh",)), timed(2.0, 2.2)])
-    assert not capture and "different ops (a data-dependent branch)" in why
+    assert not capture and "different ops, or the same ops on different parameters" in why
     capture, why = choose([first, traced(), traced(read="aten._local_scalar_dense.default"), timed(2.0, 2.2)])
     assert not capture and why.startswith("the step reads a device value on the host (aten._local_scalar")
 
@@ -126,8 +126,84 @@ def test_auto_keeps_a_device_bound_step_eager(caplog):
     same_history(auto.history, eager.history)
 
 
+def _auto_on(model, capture):
+    opt = FusedAdamW(model.parameters(), lr=1e-2, cuda_graph=False)
+    return tkern.Trainer(
+        model, opt, nn.functional.cross_entropy, tkern.DynamicLossScaler(init_scale=2.0**10),
+        progress=False, graph_capture=capture,
+    )  # fmt: skip
+
+
 class Branchy(nn.Module):
-    """A data-dependent branch: the sign of the batch's first value picks the activation."""
+    """A branch on a host counter: odd calls take relu, even ones tanh."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.inner[0](x)
+        return self.inner[2](torch.relu(h) if self.calls % 2 else torch.tanh(h))
+
+
+VARYING = (
+    "eager for batches of shape (4, 6): its steps ran different ops, or the same ops on "
+    "different parameters (a data-dependent branch), so one graph cannot replay them"
+)
+
+
+@needs_recorder
+def test_auto_never_captures_a_step_whose_ops_vary():
+    capture = RecordingCapture(timing=HOST_BOUND)
+    auto = _auto_on(Branchy(tiny_model()), capture)
+    auto.fit(batches([4] * 6), 1)
+    assert "capture" not in capture.log
+    assert auto.graph_status == VARYING
+
+
+class Alternating(nn.Module):
+    """A host counter picks the first layer: ``first`` on odd calls, ``other`` on even
+    ones, of the same shapes: the same ops, on other weights."""
+
+    def __init__(self):
+        super().__init__()
+        inner = tiny_model()
+        self.first, self.other, self.last = inner[0], tiny_model(seed=1)[0], inner[2]
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.last(torch.relu((self.first if self.calls % 2 else self.other)(x)))
+
+
+@needs_recorder
+def test_auto_never_captures_a_step_that_picks_other_weights_of_the_same_shapes():
+    capture = RecordingCapture(timing=HOST_BOUND)
+    auto = _auto_on(Alternating(), capture)
+    auto.fit(batches([4] * 6), 1)
+    assert "capture" not in capture.log
+    assert auto.graph_status == VARYING
+
+
+def test_a_launch_trace_sees_tkern_launches_with_their_tensors_and_only_inside_it():
+    """On a GPU tkern's launches never pass torch's dispatcher: the auto rule sees them
+    (and which weights they read) through :func:`tkern.graphs.trace_launches`."""
+    first, other = tiny_model()[0], tiny_model(seed=1)[0]
+    x = torch.randn(4, 6, device=DEVICE)
+    seen = []
+    with trace_launches(lambda name, args, kwargs: seen.append((name, [*args, *kwargs.values()]))):
+        first(x)
+    first(x)  # outside: not seen
+    other(x)
+    assert [name for name, _ in seen] == ["_matmul_kernel"]
+    addresses = [a.data_ptr() for a in seen[0][1] if isinstance(a, torch.Tensor)]
+    assert first.weight.data_ptr() in addresses and other.weight.data_ptr() not in addresses
+
+
+class Reading(nn.Module):
+    """A branch on the device: the sign of the batch's first value (``.item()``) picks the activation."""
 
     def __init__(self, inner):
         super().__init__()
@@ -135,26 +211,21 @@ class Branchy(nn.Module):
 
     def forward(self, x):
         h = self.inner[0](x)
-        return self.inner[2](torch.relu(h) if x[0, 0] > 0 else torch.tanh(h))
+        return self.inner[2](torch.relu(h) if x[0, 0].item() > 0 else torch.tanh(h))
 
 
 @needs_recorder
-def test_auto_never_captures_a_step_whose_ops_vary():
+def test_auto_never_captures_a_step_that_reads_the_device_on_the_host():
     data = batches([4] * 6)
     for i, (x, _) in enumerate(data):
         x[0, 0] = 1.0 if i % 2 else -1.0
-    model = Branchy(tiny_model())
-    opt = FusedAdamW(model.parameters(), lr=1e-2, cuda_graph=False)
     capture = RecordingCapture(timing=HOST_BOUND)
-    auto = tkern.Trainer(
-        model, opt, nn.functional.cross_entropy, tkern.DynamicLossScaler(init_scale=2.0**10),
-        progress=False, graph_capture=capture,
-    )  # fmt: skip
-    auto.fit(data, 2)
+    auto = _auto_on(Reading(tiny_model()), capture)
+    auto.fit(data, 1)
     assert "capture" not in capture.log
     assert auto.graph_status == (
-        "eager for batches of shape (4, 6): its steps ran different ops (a data-dependent branch), "
-        "so one graph cannot replay them"
+        "eager for batches of shape (4, 6): the step reads a device value on the host "
+        "(aten._local_scalar_dense.default), which a graph cannot replay"
     )
 
 
@@ -189,6 +260,24 @@ def test_auto_falls_back_visibly_when_a_capture_fails(monkeypatch):
     monkeypatch.setenv(STRICT_ENV, "1")
     with pytest.raises(RuntimeError, match="^operation not permitted when stream is capturing"):
         _auto(fail=True)[0].fit(data, 1)
+
+
+@needs_recorder
+def test_a_failed_capture_that_ran_the_step_counts_it_once(monkeypatch):
+    """CUDA may fail a capture at its end, after the step's Python ran: the step taken
+    again eager counts once in the optimizer's steps and the scaler's updates."""
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+    auto, capture = _auto(fail="after")
+    data = batches([4] * 7, overflow_at=5)
+    with pytest.warns(UserWarning, match=r"operation failed due to a previous error during capture"):
+        auto.fit(data, 1)
+    assert capture.log == ["time"] * 4 + ["warmup", "capture"]  # it raised: nothing replays
+    eager = make_trainer()
+    eager.fit(data, 1)
+    assert auto.optimizer.host_counters() == eager.optimizer.host_counters() == {"steps": 7}
+    assert auto.scaler.state_dict()["updates"] == eager.scaler.state_dict()["updates"] == 7
+    same_history(auto.history, eager.history)  # the recorder undid the capture's launches
+    same_params(auto, eager)
 
 
 @needs_recorder
