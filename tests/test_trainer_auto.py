@@ -15,10 +15,11 @@ from test_trainer_graph import batches, make_trainer, same_history, same_params,
 from torch import nn
 
 import tkern
-from tkern.graphs import STRICT_ENV, trace_launches
+from tkern.graphs import STRICT_ENV, PoolUsage, StepGraphs, pool_usage, trace_launches
 from tkern.optim import FusedAdamW
 from tkern.train.trainer import HOST_BOUND_SHARE
 from tkern.train.trainer_graph import Observation, batch_key, choose
+from tkern.train.trainer_memory import memory_report
 
 # ------------------------------------------------------------------ cuda_graph="auto"
 
@@ -240,6 +241,46 @@ def test_auto_decides_again_for_a_new_shape():
     assert auto.memory_report()["graphs"] == capture.reserved_bytes() > 0
 
 
+def test_a_graph_pool_is_measured_by_its_segments_in_an_allocator_snapshot():
+    mib = 1 << 20
+    segments = [  # torch.cuda.memory_snapshot()'s fields that count
+        {"segment_pool_id": (0, 0), "total_size": 20 * mib, "allocated_size": 5 * mib},  # the default pool
+        {"segment_pool_id": (0, 3), "total_size": 2 * mib, "allocated_size": 4096},
+        {"segment_pool_id": (0, 3), "total_size": 20 * mib, "allocated_size": 12 * mib},
+        {"segment_pool_id": (0, 4), "total_size": 2 * mib, "allocated_size": 512},  # another graph's
+    ]
+    assert pool_usage(segments, (0, 3)) == PoolUsage(reserved=22 * mib, allocated=12 * mib + 4096)
+    assert pool_usage(segments, [0, 4]) == (2 * mib, 512) and pool_usage(segments, (0, 9)) == (0, 0)
+
+
+class MeasuredCapture(RecordingCapture):
+    """The recorder with a pool it measures, as :class:`tkern.graphs.CudaGraphCapture` does."""
+
+    def pool_usage(self):
+        return PoolUsage(reserved=6 << 20, allocated=1 << 20)
+
+
+def test_the_graphs_report_the_seams_pool_and_the_activations_less_its_allocated_bytes(monkeypatch):
+    graphs = StepGraphs(MeasuredCapture(), warmup_steps=1, max_graphs=1)
+    x = torch.ones(4)
+    for _ in range(3):  # a warm-up, the capture, a replay
+        graphs.run(lambda t: t * 2, (x,), lambda: 0)
+    graphs.reset()  # dropped and captured again into the same pool: the pool still holds its segments
+    assert graphs.pool_bytes == 6 << 20 and graphs.pool_usage() == (6 << 20, 1 << 20)
+    model = tiny_model()  # on CUDA the activations are the allocated peak less the rest, all allocated
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 40 << 20)
+    report = memory_report(
+        model,
+        FusedAdamW(model.parameters()),
+        torch.device("cuda"),
+        0,
+        graph_bytes=6 << 20,
+        graph_allocated=1 << 20,
+    )
+    rest = report["model"] + report["optimizer"] + report["grads"]
+    assert report["graphs"] == 6 << 20 and report["activations"] == (40 << 20) - rest - (1 << 20)
+
+
 @needs_recorder
 def test_auto_falls_back_visibly_when_a_capture_fails(monkeypatch):
     monkeypatch.delenv(STRICT_ENV, raising=False)  # as a user runs
@@ -278,6 +319,50 @@ def test_a_failed_capture_that_ran_the_step_counts_it_once(monkeypatch):
     assert auto.scaler.state_dict()["updates"] == eager.scaler.state_dict()["updates"] == 7
     same_history(auto.history, eager.history)  # the recorder undid the capture's launches
     same_params(auto, eager)
+
+
+def _ranked_run(rank, timings):
+    """A trainer on this rank's data whose optimizer combines its statistics over the
+    world (DDP-style replicas), the step timed as ``timings[rank]``."""
+    import torch.distributed as dist
+
+    model = tiny_model()
+    opt = FusedAdamW(model.parameters(), lr=1e-2, cuda_graph=False, process_group=dist.group.WORLD)
+    capture = RecordingCapture(timing=timings[rank])
+    auto = tkern.Trainer(
+        model, opt, nn.functional.cross_entropy, tkern.DynamicLossScaler(init_scale=2.0**10),
+        progress=False, graph_capture=capture,
+    )  # fmt: skip
+    auto.fit(batches([4] * 6, seed=rank), 1)
+    return {"choices": list(auto.graph_choices.values()), "log": capture.log}
+
+
+def _scenario_agree(rank, world):
+    return {
+        "split": _ranked_run(rank, [HOST_BOUND, DEVICE_BOUND]),
+        "alike": _ranked_run(rank, [HOST_BOUND, HOST_BOUND]),
+    }
+
+
+SCENARIOS = {"agree": _scenario_agree}
+
+
+@needs_recorder
+def test_the_ranks_of_a_process_group_choose_alike(tmp_path):
+    """Each rank times its own step: under a process_group the choice is all-reduced, so a
+    rank that would capture stays eager where another chose eager (and captures where all did)."""
+    from scenarios import result, run_scenarios
+
+    host, device = result(run_scenarios("test_trainer_auto", 2, ["agree"], tmp_path, timeout_s=600), "agree")
+    assert host["split"]["choices"] == [
+        (False, "another rank chose eager for it, and the ranks of a process group choose alike")
+    ]
+    why = "the device bounds it: launching takes 4% (0.4 ms of a 10 ms step; < 60%)"
+    assert device["split"]["choices"] == [(False, why)]
+    assert "capture" not in host["split"]["log"] and "capture" not in device["split"]["log"]
+    for rank in (host, device):
+        assert rank["alike"]["choices"] == [(True, choose_host_bound_reason())]
+        assert rank["alike"]["log"].count("capture") == 1
 
 
 @needs_recorder

@@ -18,8 +18,10 @@ The choice ``"auto"`` makes, per batch shape (:func:`choose`):
 3. after them it is captured when the two traced steps ran the same ops on the same
    parameters (no data-dependent branch, no weight picked by a host counter) and read
    nothing of the device on the host, and the host's share of the timed step is at
-   least :data:`HOST_BOUND_SHARE`; otherwise it stays eager. The choice is logged once
-   per shape (logger ``tkern.train.trainer``) and kept in ``trainer.graph_status``.
+   least :data:`HOST_BOUND_SHARE`; otherwise it stays eager. Under an optimizer's
+   ``process_group`` the ranks' choices are all-reduced (:func:`agree`): captured only
+   where every rank chose it. The choice is logged once per shape (logger
+   ``tkern.train.trainer``) and kept in ``trainer.graph_status``.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ __all__ = [
     "WARMUP_STEPS",
     "GraphMixin",
     "Observation",
+    "agree",
     "choose",
     "graph_blocker",
     "graph_stamp",
@@ -312,6 +315,18 @@ def choose(observed: list[Observation]) -> tuple[bool, str]:
     return False, f"the device bounds it: {share} ({ms}; < {HOST_BOUND_SHARE:.0%})"
 
 
+def agree(flag: bool, groups: list, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every rank of each of the process ``groups``: a MIN
+    all-reduce of 0/1 on ``device`` (where the groups' backend runs: NCCL's on CUDA),
+    read on the host once. Every rank must call it at the same point."""
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    for group in groups:
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    return bool(flags.item())
+
+
 # ---------------------------------------------------------------------- the mixin
 
 
@@ -472,7 +487,7 @@ class GraphMixin:
             f"observed {len(observed)} of {OBSERVED_STEPS} steps in a row"
         )
         if len(observed) == OBSERVED_STEPS:
-            self._choose(key, *self._auto_choice(observed))
+            self._choose(key, *self._agreed(*self._auto_choice(observed)))
         return out
 
     def _auto_choice(self, observed: list[Observation]) -> tuple[bool, str]:
@@ -482,6 +497,15 @@ class GraphMixin:
         if graphed >= MAX_GRAPHS:
             return False, f"graphs are kept for the first {MAX_GRAPHS} batch shapes only"
         return choose(observed)
+
+    def _agreed(self, capture: bool, why: str) -> tuple[bool, str]:
+        """Under a ``process_group``, the choice every rank makes: capture only where
+        all ranks chose to (:func:`agree` over the optimizer's collective groups), since
+        each decides from its own timing and a graph replays its step's collectives."""
+        groups = self.optimizer.collective_groups() if isinstance(self.optimizer, FusedOptimizer) else []
+        if not groups or agree(capture, groups, self.device) == capture:
+            return capture, why
+        return False, "another rank chose eager for it, and the ranks of a process group choose alike"
 
     def _choose(self, key: tuple, capture: bool, why: str) -> None:
         self.graph_choices[key] = (capture, why)
