@@ -122,6 +122,20 @@ def _norm_grads(
     return backward(dy, saved, weight, mean, rstd, rms, need_w, bias_dtype if need_b else None, dh)
 
 
+def _needs(ctx) -> tuple[bool, bool, bool]:
+    """Whether d saved (x's, or the residual's: both are h's), dweight and dbias are
+    needed, from a backward's ``ctx`` of inputs (x, residual, weight, bias, eps, rms)."""
+    need = ctx.needs_input_grad
+    return need[0] or need[1], need[2], need[3]
+
+
+def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -> tuple:
+    """A backward's return for inputs (x, residual, weight, bias, eps, rms): ``dx`` is
+    also the residual's gradient (h = x + residual), each given where it is needed."""
+    dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
+    return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
+
+
 class _Norm(torch.autograd.Function):
     """y = norm(x) (and, with a residual, h = x + residual) on (M, N) tensors.
 
@@ -143,8 +157,7 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh=None):
         saved, weight, bias, mean, rstd = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        needs = (need_x, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+        needs = _needs(ctx)
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             if dy is None:
                 dy = torch.zeros_like(saved)
@@ -154,8 +167,7 @@ class _Norm(torch.autograd.Function):
             dx, dw, db = _norm_grads(dy, dh, saved, w, mean, rstd, ctx.rms, needs, ctx.bias_dtype)
             dw = None if dw is None else dw.reshape(weight.shape)
             db = None if db is None else db.reshape(bias.shape)
-        dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
-        return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
+        return _input_grads(ctx, dx, dw, db)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -243,14 +255,11 @@ def _norm_setup_context(ctx, inputs: tuple, output: tuple) -> None:
 
 def _norm_forward_backward(ctx, dy: Tensor | None, dh: Tensor | None, _dmean, _drstd) -> tuple:
     saved, weight, mean, rstd = ctx.saved_tensors
-    need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-    needs = (need_x, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
     dh = dh if ctx.has_residual else None
     dx, dw, db = _norm_grads(
-        dy, dh, saved, weight, mean, rstd, ctx.rms, needs, ctx.bias_dtype, _traced_backward
+        dy, dh, saved, weight, mean, rstd, ctx.rms, _needs(ctx), ctx.bias_dtype, _traced_backward
     )
-    dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
-    return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
+    return _input_grads(ctx, dx, dw, db)
 
 
 _norm_forward_op.register_autograd(_norm_forward_backward, setup_context=_norm_setup_context)
