@@ -81,22 +81,6 @@ def _differentiable_grads(
     return dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
 
 
-def _kernel_backward(
-    dy: Tensor,
-    saved: Tensor,
-    weight: Tensor | None,
-    mean: Tensor | None,
-    rstd: Tensor,
-    rms: bool,
-    need_weight: bool,
-    bias_dtype: torch.dtype | None,
-    dh: Tensor | None,
-) -> Grads:
-    return norm_backward(
-        dy, saved, weight, mean, rstd, rms, need_weight=need_weight, bias_dtype=bias_dtype, dh=dh
-    )
-
-
 def _norm_grads(
     dy: Tensor | None,
     dh: Tensor | None,
@@ -107,11 +91,12 @@ def _norm_grads(
     rms: bool,
     needs: tuple[bool, bool, bool],
     bias_dtype: torch.dtype | None,
-    backward: Callable[..., Grads] = _kernel_backward,
+    backward: Callable[..., Grads] = norm_backward,
 ) -> Grads:
     """(d saved, dweight, dbias) from the kernels (None where not needed). ``dy``
     or ``dh`` may be None (an output not used in the loss); ``needs``: whether the
-    input, weight and bias need gradients; ``weight`` is 1-D."""
+    input, weight and bias need gradients; ``weight`` is 1-D. ``backward``: the
+    kernels' :func:`norm_backward`, or the custom op's :func:`_traced_backward`."""
     need_x, need_w, need_b = needs
     if dy is None:  # y unused: its gradient is zero
         dx = dh if need_x else None
@@ -119,7 +104,8 @@ def _norm_grads(
             dx = torch.zeros_like(saved)
         zero = saved.new_zeros(saved.shape[-1], dtype=torch.float32)
         return dx, zero.to(weight.dtype) if need_w else None, zero.to(bias_dtype) if need_b else None
-    return backward(dy, saved, weight, mean, rstd, rms, need_w, bias_dtype if need_b else None, dh)
+    bias_dtype = bias_dtype if need_b else None
+    return backward(dy, saved, weight, mean, rstd, rms, need_weight=need_w, bias_dtype=bias_dtype, dh=dh)
 
 
 def _needs(ctx) -> tuple[bool, bool, bool]:
@@ -237,10 +223,12 @@ def _traced_backward(
     mean: Tensor | None,
     rstd: Tensor,
     rms: bool,
+    *,
     need_weight: bool,
     bias_dtype: torch.dtype | None,
     dh: Tensor | None,
 ) -> Grads:
+    """:func:`norm_backward` through the custom op (which gives empty tensors for None)."""
     dx, dw, db = _norm_backward_op(dy, dh, saved, weight, mean, rstd, rms, need_weight, bias_dtype)
     return dx, dw if need_weight else None, db if bias_dtype is not None else None
 
