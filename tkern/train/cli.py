@@ -214,6 +214,15 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise _left_out("--nproc", "tkern", args)
 
 
+def _table_and_plot(job, results, plot: str | None, drawn: str) -> None:
+    """Print ``job``'s table of ``results`` (``job``: :mod:`~tkern.train.demo` or
+    :mod:`~tkern.train.gpt_job`) and, with ``--plot``, write its figure there."""
+    print(job.table(results))
+    if plot:
+        job.plot(results, plot)
+        print(f"{drawn} written to {plot}")
+
+
 def _print_graph_counts(results) -> None:
     """A line per run that ran whole-step CUDA graphs: its steps by kind."""
     for r in results:
@@ -264,10 +273,7 @@ def _train(args: argparse.Namespace) -> int:
                 f"batch {cfg.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
             )
         _print_graph_counts(results)
-        print(demo.table(results))
-        if args.plot:
-            demo.plot(results, args.plot)
-            print(f"loss curves written to {args.plot}")
+        _table_and_plot(demo, results, args.plot, "loss curves")
     except demo.MissingExtraError as e:
         raise UsageError(str(e)) from None
     except CheckpointError as e:  # the tkern run loads it before anything trains
@@ -356,10 +362,7 @@ def _train_gpt(args: argparse.Namespace) -> int:
             "val bpc: validation loss in bits per character; ms/step and tokens/s "
             "leave out the first evaluation interval (one-off costs)"
         )
-        print(gpt_job.table(results))
-        if args.plot:
-            gpt_job.plot(results, args.plot)
-            print(f"curves and bar charts written to {args.plot}")
+        _table_and_plot(gpt_job, results, args.plot, "curves and bar charts")
     except demo.MissingExtraError as e:
         raise UsageError(str(e)) from None
     return 0
