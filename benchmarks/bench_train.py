@@ -98,6 +98,21 @@ GPT2_SMOKE = {
     "eos_token_id": 0,
 }
 SEQ, SMOKE_SEQ, SMOKE_GPT2_BATCH = 1024, 16, 2
+#: issue 42's Llama-like model: 12 layers, width 1024, SwiGLU (2816 = 8/3 x 1024 rounded up to a
+#: multiple of 256, as Llama's intermediate size), RMSNorm, 16 heads, Llama's 32000-token vocabulary
+LLAMA_LIKE = {
+    "num_hidden_layers": 12,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+}
+LLAMA_SMOKE = {**LLAMA_LIKE, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176,
+               "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64,
+               "max_position_embeddings": 64}  # fmt: skip
+LLAMA_SEQ = 2048
 LR = 1e-4
 BASELINE = "torch fp32 (no tf32)"
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
@@ -228,6 +243,21 @@ class GPT2LM(nn.Module):
         return self.lm(input_ids=ids, use_cache=False).logits
 
 
+class LlamaLM(nn.Module):
+    """A transformers Llama LM (SwiGLU MLP, RMSNorm, rotary positions, untied head)
+    whose forward returns the logits."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(**config, attn_implementation="sdpa", tie_word_embeddings=False)
+        self.lm = LlamaForCausalLM(cfg)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).logits
+
+
 def classify_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.float(), y)
 
@@ -235,6 +265,19 @@ def classify_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy, in fp32 (the loss is one of the FP32 islands)."""
     return nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def trainer_for(built: Built, loss_fn: Callable) -> tkern.Trainer:
+    """The Trainer every recipe's step goes through (also the step ledger's)."""
+    return tkern.Trainer(
+        built.model,
+        built.optimizer,
+        loss_fn,
+        built.scaler,
+        autocast_dtype=built.autocast,
+        progress=False,
+        cuda_graph=built.cuda_graph,
+    )
 
 
 def time_steps(
@@ -257,15 +300,7 @@ def time_steps(
     built = RECIPES[recipe](base, device, smoke)
     with tf32(built.tf32):
         count = GraphCount(built.optimizer)
-        trainer = tkern.Trainer(
-            built.model,
-            built.optimizer,
-            loss_fn,
-            built.scaler,
-            autocast_dtype=built.autocast,
-            progress=False,
-            cuda_graph=built.cuda_graph,
-        )
+        trainer = trainer_for(built, loss_fn)
         batch = [(x, y)]
 
         def step() -> torch.Tensor:
