@@ -854,6 +854,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="h200", choices=sorted(DEVICES))
     parser.add_argument("--json", type=Path, default=None, help="write the ledger here")
     parser.add_argument(
+        "--write", action="store_true", help="write it to results/host/ledger_<model>_<recipe>_<device>.json"
+    )
+    parser.add_argument(
         "--compare", type=Path, default=None, help="an earlier ledger JSON: print the difference"
     )
     parser.add_argument("--ops", action="store_true", help="also print every (category, op) line")
@@ -867,15 +870,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compare is not None:
         print()
         print(compare(json.loads(args.compare.read_text()), payload))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=1) + "\n")
-        print(f"wrote {args.json}")
+    for path in [args.json] + ([ledger_path(args.model, args.recipe, args.device)] if args.write else []):
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(payload, indent=1) + "\n")
+            print(f"wrote {path}")
     return payload
 
 
-#: where the committed ledgers live (``results/host/ledger_<model>_<recipe>_<device>.json``)
-LEDGERS = RESULTS / "host"
+def ledger_path(model: str, recipe: str, device: str) -> Path:
+    """Where ``--write`` puts a ledger: ``results/host/ledger_<model>_<recipe>_<device>.json``
+    (the recipe's spaces as dashes)."""
+    slug = "-".join(recipe.replace("(", "").replace(")", "").split())
+    return RESULTS / "host" / f"ledger_{model}_{slug}_{device}.json"
+
 
 if __name__ == "__main__":
     main()
