@@ -17,6 +17,13 @@ scaled backward, step), so every recipe pays the same loop:
 * ``tkern opt eager``: the same with ``FusedAdamW(cuda_graph=False)``;
 * ``tkern whole-step graph``: the same under ``Trainer(cuda_graph=True)``: the whole
   step (forward, backward, scaler, optimizer) captured once and replayed;
+* ``tkern bf16``: ``convert_network(model, torch.bfloat16)`` + FusedAdamW, no loss scale;
+* ``tkern compiled``: the converted fp16 model under ``torch.compile`` (default mode);
+* ``tkern state bf16`` / ``tkern state 8-bit`` / ``tkern bf16 master=split`` /
+  ``tkern bf16 split + 8-bit state``: the memory modes (:data:`MEMORY_MODES`:
+  FusedAdamW's ``state_dtype`` and ``master="split"``, which needs bf16 params);
+  each row's ``loss_vs_tkern`` is the loss it costs, relative, against ``tkern``
+  (``tkern bf16`` for the bf16 and fp8 rows);
 * ``tkern fp8 tensorwise`` / ``delayed`` / ``blockwise``: ``convert_network(model,
   torch.bfloat16, float8=recipe)`` (Float8Linear wherever in and out features are
   multiples of 16), FusedAdamW, no loss scale (bf16);
@@ -28,13 +35,20 @@ scaled backward, step), so every recipe pays the same loop:
 * ``torchao float8 tensorwise compiled``: torchao's ``convert_to_float8_training``
   (tensorwise, the same module filter) on bf16 params, AdamW(fused=True), under
   ``torch.compile`` as torchao documents it (skipped, with the reason recorded,
-  where torchao is not importable; in smoke mode eager with ``emulate=True``);
+  where torchao is not importable; in smoke mode eager with ``emulate=True``): bf16
+  params and no master copy (its ``master`` says so); ``..., fp32 master``: the same
+  on fp32 params under bf16 autocast, an fp32 master as tkern's;
 * ``torch fp32 tf32``: fp32 with TF32 tensor cores allowed, AdamW(fused=True);
 * ``torch fp32 (no tf32)``: strict fp32, labelled as such.
 
 Each recipe's time is the mean over ``STEPS`` back-to-back steps between two CUDA
 events (``ms``: what training sees, the host free to run ahead), beside the median
-of the same steps each synchronised on its own (``ms_synced``). Every row records
+of the same steps each synchronised on its own (``ms_synced``) and their 90th
+percentile (``ms_p90``, nearest rank). ``mfu``: the step's model FLOPs
+(``flops_per_step``, :func:`harness.model_flops`, which the step ledger's count
+agrees with) over ``ms`` at the device's dense 16-bit peak (:data:`harness.DEVICES`;
+fp8 rows on the same scale; None off an H100/H200); ``master``: the master weights
+the recipe keeps. Every row records
 its peak memory (``peak_mib``), the loss after the timed steps (``loss``), and
 the CUDA graph: ``cuda_graph`` (the Trainer's whole-step graph asked for),
 ``opt_cuda_graph`` (the fused optimizer's setting), ``graph_fallback`` (why the
@@ -56,6 +70,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,9 +83,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     GraphCount,
     Results,
+    device_name,
+    device_spec,
     error_line,
     graph_fields,
     graph_possible,
+    model_flops,
     setup,
 )
 
@@ -148,12 +166,24 @@ class Built:
     tf32: bool = False
 
 
-def _tkern(base: nn.Module, device: torch.device, *, whole_step: bool = False, **opt_options) -> Built:
-    """tkern's fp16 recipe; ``whole_step``: Trainer(cuda_graph=True); ``opt_options``
-    go to FusedAdamW (``cuda_graph=False``: its step eager)."""
-    model = tkern.convert_network(copy.deepcopy(base))
+def _tkern(
+    base: nn.Module,
+    device: torch.device,
+    *,
+    whole_step: bool = False,
+    dtype: torch.dtype = torch.float16,
+    compiled: bool = False,
+    **opt_options,
+) -> Built:
+    """tkern's fp16 recipe; ``whole_step``: Trainer(cuda_graph=True); ``dtype``
+    bf16: no loss scale; ``compiled``: the converted model under ``torch.compile``
+    (default mode: tkern's own CUDA graphs stay the optimizer's); ``opt_options`` go
+    to FusedAdamW (``cuda_graph=False``: its step eager; ``master``, ``state_dtype``:
+    the memory modes)."""
+    model = tkern.convert_network(copy.deepcopy(base), dtype)
     opt = tkern.optim.FusedAdamW(model.parameters(), lr=LR, **opt_options)
-    return Built(model, opt, tkern.DynamicLossScaler(), cuda_graph=whole_step)
+    scaler = tkern.DynamicLossScaler() if dtype == torch.float16 else None
+    return Built(torch.compile(model) if compiled else model, opt, scaler, cuda_graph=whole_step)
 
 
 def _tkern_fp8(base: nn.Module, device: torch.device, recipe: str) -> Built:
@@ -193,10 +223,15 @@ def conv1d_as_linear(model: nn.Module) -> nn.Module:
     return model
 
 
-def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool) -> Built:
+def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool, fp32_master: bool = False) -> Built:
+    """torchao's Float8Linear training, compiled as torchao documents it; its params
+    bf16 (no master: torchao's documented recipe) or, with ``fp32_master``, fp32
+    params under bf16 autocast (an fp32 master as tkern's recipes have)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    model = conv1d_as_linear(copy.deepcopy(base)).to(torch.bfloat16)
+    model = conv1d_as_linear(copy.deepcopy(base))
+    if not fp32_master:
+        model = model.to(torch.bfloat16)
     convert_to_float8_training(
         model, config=Float8LinearConfig(emulate=smoke), module_filter_fn=lambda m, name: fp8_filter(name, m)
     )
@@ -206,6 +241,20 @@ def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool) -> Built
     )
 
 
+TORCHAO_FP32_MASTER = "torchao float8 tensorwise compiled, fp32 master"
+#: tkern's memory modes (FusedAdamW's ``master`` and ``state_dtype``; issue 45 item 4)
+#: (``master="split"`` keeps the master as the bf16 param plus 16 low bits: bf16 params only)
+MEMORY_MODES = {
+    "tkern state bf16": {"state_dtype": torch.bfloat16},
+    "tkern state 8-bit": {"state_dtype": torch.uint8},
+    "tkern bf16 master=split": {"dtype": torch.bfloat16, "master": "split"},
+    "tkern bf16 split + 8-bit state": {
+        "dtype": torch.bfloat16,
+        "master": "split",
+        "state_dtype": torch.uint8,
+    },
+}
+
 #: recipe -> builder(base, device, smoke); each makes its own copy of ``base``.
 #: Baselines first: a run cut by its time limit keeps what tkern is compared with.
 RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
@@ -214,14 +263,26 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     "torch autocast compiled": lambda b, d, s: _torch(b, d, autocast=torch.float16, compiled=True),
     "torch autocast bf16": lambda b, d, s: _torch(b, d, autocast=torch.bfloat16),
     "torchao float8 tensorwise compiled": lambda b, d, s: _torchao_fp8(b, d, smoke=s),
+    TORCHAO_FP32_MASTER: lambda b, d, s: _torchao_fp8(b, d, smoke=s, fp32_master=True),
     "torch fp32 tf32": lambda b, d, s: _torch(b, d, allow_tf32=True),
     "tkern": lambda b, d, s: _tkern(b, d),
+    "tkern bf16": lambda b, d, s: _tkern(b, d, dtype=torch.bfloat16),
+    "tkern compiled": lambda b, d, s: _tkern(b, d, compiled=True),
     "tkern opt eager": lambda b, d, s: _tkern(b, d, cuda_graph=False),
     "tkern whole-step graph": lambda b, d, s: _tkern(b, d, whole_step=True),
+    **{name: (lambda b, d, s, o=options: _tkern(b, d, **o)) for name, options in MEMORY_MODES.items()},
     **{f"tkern fp8 {r}": (lambda b, d, s, r=r: _tkern_fp8(b, d, r)) for r in FP8_RECIPES},
 }
 #: what a smoke run leaves out: torch.compile of a whole model takes minutes on a CPU
-SMOKE_SKIPS = ("torch autocast compiled",)
+SMOKE_SKIPS = ("torch autocast compiled", "tkern compiled")
+#: the master weights each recipe keeps (a row's ``master``): torchao's documented recipe
+#: trains bf16 params with no fp32 copy, which its fp32-master row adds
+MASTERS = {
+    "torchao float8 tensorwise compiled": "none (bf16 params)",
+    TORCHAO_FP32_MASTER: "fp32 params",
+    "tkern bf16 master=split": "split",
+    "tkern bf16 split + 8-bit state": "split",
+}
 #: the recipes a smoke run takes through GPT-2 (its Conv1D and embedding paths); the
 #: MLP runs every recipe. Each tkern step of the tiny GPT-2 is seconds of interpreter.
 SMOKE_GPT2_RECIPES = ("tkern", "tkern fp8 tensorwise", "torchao float8 tensorwise compiled", BASELINE)
@@ -343,6 +404,7 @@ def time_steps(
     return {
         "ms": ms,
         "ms_synced": synced[len(synced) // 2],
+        "ms_p90": synced[math.ceil(0.9 * len(synced)) - 1],  # nearest rank
         # layers running fp8 GEMMs (tkern's Float8Linear / Float8Conv1D, torchao's Float8Linear)
         "fp8_layers": sum("Float8" in type(m).__name__ for m in built.model.modules()),
         "peak_mib": round(peak / 2**20, 1),
@@ -363,6 +425,29 @@ def time_steps(
             else opt_graph["graph_replays"]
         ),
     }
+
+
+def master_of(recipe: str) -> str:
+    """The master weights a recipe keeps (a row's ``master``)."""
+    return MASTERS.get(recipe, "fp32 params" if recipe.startswith("torch") else "fp32")
+
+
+def step_flops(base: nn.Module, x: torch.Tensor, loss_fn: Callable) -> int:
+    """Model FLOPs of one step of a case (:func:`harness.model_flops`): an LM's batch is
+    (sequences, seq) token ids, an MLP's (rows, features)."""
+    if loss_fn is lm_loss:
+        return model_flops(base, x.numel(), x.shape[1])["total"]
+    return model_flops(base, x.shape[0])["total"]
+
+
+def mfu(flops: int, ms: float | None, name: str) -> float | None:
+    """Model FLOPs utilisation of a step of ``ms`` on the device ``name``: at its dense
+    16-bit peak (:data:`harness.DEVICES`; every recipe, fp8 too, on the same scale);
+    None for a device without a spec (a CPU)."""
+    spec = device_spec(name)
+    if spec is None or not ms:
+        return None
+    return round(flops / (ms * 1e-3) / (spec.bf16 * 1e12), 4)
 
 
 def cases(smoke: bool, device: torch.device, gpt2_batch: int):
@@ -418,6 +503,20 @@ def summarize(res: Results, case: str, smoke: bool) -> str:
         mem.get("tkern") / mem["torch autocast"] if mem.get("tkern") and mem.get("torch autocast") else None
     )
     res.meta[f"{case}: peak vs autocast"] = None if peak is None else round(peak, 3)
+    res.meta[f"{case}: tkern compiled vs torch autocast compiled"] = ratio(
+        "tkern compiled", "torch autocast compiled"
+    )
+    res.meta[f"{case}: tkern bf16 vs torch autocast bf16"] = ratio("tkern bf16", "torch autocast bf16")
+    for r in FP8_RECIPES:
+        res.meta[f"{case}: fp8 {r} vs torchao float8, fp32 master"] = ratio(
+            f"tkern fp8 {r}", TORCHAO_FP32_MASTER
+        )
+    for mode in MEMORY_MODES:
+        if mem.get(mode) and mem.get("torch autocast"):
+            res.meta[f"{case}: peak {mode} vs autocast"] = round(mem[mode] / mem["torch autocast"], 3)
+    res.meta[f"{case}: tkern mfu"] = next(
+        (r.get("mfu") for r in res.rows if (r["case"], r["impl"]) == (case, "tkern")), None
+    )
     if smoke:
         return ""
     m = res.meta
@@ -447,6 +546,7 @@ def main(argv: list[str] | None = None) -> Results:
         if not _picked(case, args.models):
             continue
         losses = {}
+        flops = step_flops(base, x, loss_fn)
         for recipe in recipes:
             if mode.smoke and (
                 recipe in SMOKE_SKIPS or (case.startswith("gpt2") and recipe not in SMOKE_GPT2_RECIPES)
@@ -471,11 +571,16 @@ def main(argv: list[str] | None = None) -> Results:
                 if mode.device.type == "cuda":
                     torch.cuda.empty_cache()
             losses[recipe] = r["loss"]
+            ms = r.pop("ms")
             res.add(
                 case,
                 recipe,
-                r.pop("ms"),
+                ms,
                 ms_synced=round(r.pop("ms_synced"), 4),
+                ms_p90=round(r.pop("ms_p90"), 4),
+                flops_per_step=flops,
+                mfu=mfu(flops, ms, device_name()),
+                master=master_of(recipe),
                 **r,
             )
             res.save()  # after every recipe: a timeout loses only the one in progress
@@ -486,6 +591,15 @@ def main(argv: list[str] | None = None) -> Results:
         for recipe, loss in losses.items():
             if ref is not None and not abs(loss - ref) <= LOSS_MARGIN * abs(ref):
                 disagree.append(f"{case}: {recipe} loss {loss:.5g} vs {BASELINE} {ref:.5g}")
+        # what a memory mode (or any tkern variant) costs in loss against tkern's recipe of
+        # the same param dtype (bf16 rows against ``tkern bf16``)
+        for row in res.rows:
+            bf16 = row["impl"].startswith(("tkern bf16", "tkern fp8"))
+            ref_name = "tkern bf16" if bf16 else "tkern"
+            mine = row["case"] == case and row["impl"].startswith("tkern") and row["impl"] in losses
+            if mine and ref_name in losses:
+                row["loss_vs_tkern"] = round(losses[row["impl"]] / losses[ref_name] - 1, 6)
+        res.save()
         line = summarize(res, case, mode.smoke)
         if line:
             summary.append(line)
@@ -494,7 +608,9 @@ def main(argv: list[str] | None = None) -> Results:
     summary += [f"LOSS DISAGREES: {d}" for d in disagree]
     summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]
     res.save(plot=True)
-    res.print_table(["ms", "ms_synced", "peak_mib", "loss", "cuda_graph", "graph_replays"], summary)
+    res.print_table(
+        ["ms", "ms_synced", "ms_p90", "mfu", "peak_mib", "loss", "master", "graph_replays"], summary
+    )
     if disagree and not mode.smoke:
         raise SystemExit(f"bench_train: recipes disagree on the loss beyond {LOSS_MARGIN:.0%}: {disagree}")
     return res

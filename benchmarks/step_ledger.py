@@ -47,7 +47,7 @@ the ledger. Categories (:data:`CATEGORIES`; names stable, compared across commit
 
 The floor of a launch is max(FLOPs / peak for its operand dtype, bytes / HBM
 bandwidth), summed per category (:data:`DEVICES` gives the numbers and where they
-come from). The JSON also holds the analytic FLOPs (:func:`analytic_flops`,
+come from). The JSON also holds the analytic FLOPs (:func:`model_flops`,
 ``6 x linear params x tokens + 12 x layers x tokens x seq x width``) that the
 ledger's FLOPs agree with within 3% (a test says so).
 
@@ -79,7 +79,7 @@ from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402
-from harness import RESULTS, commit  # noqa: E402
+from harness import DEVICES, RESULTS, DeviceSpec, commit, model_flops  # noqa: E402
 
 import tkern  # noqa: E402
 import tkern.kernels  # noqa: E402
@@ -92,42 +92,6 @@ CATEGORIES = (
     "loss", "fp8 cast/amax", "optimizer", "copies and fills", "elementwise", "other"
 )  # fmt: skip
 GEMM_CATEGORIES = CATEGORIES[:4]
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """A GPU's dense peaks (TFLOP/s) and HBM bandwidth (TB/s), and where they come from."""
-
-    name: str
-    fp8: float
-    bf16: float  # fp16 and bf16 tensor cores
-    tf32: float
-    fp32: float  # no tensor cores
-    hbm_tbps: float
-    source: str
-
-    def peak_tflops(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
-        if dtype.is_floating_point and dtype.itemsize == 1:
-            return self.fp8
-        if dtype in (torch.float16, torch.bfloat16):
-            return self.bf16
-        return self.tf32 if allow_tf32 else self.fp32
-
-
-_SPEC_SOURCE = (
-    "NVIDIA {gpu} Tensor Core GPU datasheet, SXM form factor, dense (the datasheet's sparse figures halved)"
-)
-DEVICES = {
-    "h100": DeviceSpec("NVIDIA H100 SXM", 1978.9, 989.4, 494.7, 66.9, 3.35, _SPEC_SOURCE.format(gpu="H100")),
-    "h200": DeviceSpec("NVIDIA H200 SXM", 1978.9, 989.4, 494.7, 66.9, 4.8, _SPEC_SOURCE.format(gpu="H200")),
-}
-
-
-def device_spec(name: str) -> DeviceSpec | None:
-    """The spec of a device named like ``torch.cuda.get_device_name()`` (``NVIDIA H200``);
-    None for a device not in :data:`DEVICES`."""
-    low = name.lower()
-    return next((spec for key, spec in DEVICES.items() if key in low), None)
 
 
 # --------------------------------------------------------------------------- models
@@ -176,33 +140,6 @@ MODELS = {
     "gpt2-tiny": ModelSpec("gpt2", _GPT2_TINY, 48, 2),
     "llama-tiny": ModelSpec("llama", {**bench_train.LLAMA_SMOKE, "vocab_size": 1000}, 48, 2),
 }
-
-
-def linear_params(model: nn.Module) -> int:
-    """Weights of every GEMM layer (``nn.Linear``, GPT-2's ``Conv1D`` and what
-    convert_network makes of them), the LM head included (tied or not)."""
-    total = 0
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() == 2 and not isinstance(m, nn.Embedding):
-            total += w.numel()
-    return total
-
-
-def analytic_flops(spec: ModelSpec, model: nn.Module | None = None) -> dict[str, float]:
-    """The model FLOPs of one training step: 6 x linear params x tokens (forward, dgrad,
-    wgrad: 2 each) + attention 12 x layers x tokens x seq x width (QK^T and AV, 2 FLOPs
-    per multiply-add, forward and twice that backward, no causal discount)."""
-    model = model if model is not None else spec.build()
-    p = linear_params(model)
-    head = spec.vocab * spec.width
-    attention = 12 * spec.layers * spec.tokens * spec.seq * spec.width
-    return {
-        "blocks": 6 * (p - head) * spec.tokens,
-        "lm head": 6 * head * spec.tokens,
-        "attention": attention,
-        "total": 6 * p * spec.tokens + attention,
-    }
 
 
 # --------------------------------------------------------------------------- launches
@@ -704,7 +641,7 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
     with recorded_launches(rec), NoCompute(rec):  # built without initialising anything: nothing is read
         base = spec.build()
         built = bench_train.RECIPES[recipe](base, cpu, True)
-    analytic = analytic_flops(spec, base)
+    analytic = model_flops(base, spec.tokens, spec.seq)
     del base
     built = _fused_torch_adamw(built)
     rec.allow_tf32 = built.tf32

@@ -549,3 +549,26 @@ def test_pictures_are_drawn_from_the_results_files_alone_at_most_1600_px_wide(tm
     for results in (tmp_path, BENCH / "results"):
         for png in results.glob("*/*.png"):
             assert Image.open(png).size[0] <= plots.MAX_WIDTH_PX, png
+
+
+def test_train_rows_mfu_from_the_model_flops_at_the_device_peak():
+    """bench_train's MFU column: the step's model FLOPs (6 x linear weights x tokens, plus
+    attention for a transformer) over the step time at the device's dense 16-bit peak; no
+    figure on a device without a spec."""
+    import bench_train
+    import harness
+    from torch import nn
+
+    mlp = nn.Sequential(nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    x = torch.zeros(8192, 784)
+    flops = bench_train.step_flops(mlp, x, bench_train.classify_loss)
+    assert flops == 6 * (784 * 4096 + 4096 * 10) * 8192
+    peak = harness.DEVICES["h200"].bf16 * 1e12
+    assert bench_train.mfu(flops, 2.0, "NVIDIA H200") == round(flops / 2e-3 / peak, 4)
+    assert bench_train.mfu(flops, 2.0, "cpu") is None and bench_train.mfu(flops, None, "NVIDIA H100") is None
+    assert bench_train.master_of("torchao float8 tensorwise compiled") == "none (bf16 params)"
+    assert bench_train.master_of(bench_train.TORCHAO_FP32_MASTER) == "fp32 params"
+    assert (
+        bench_train.master_of("tkern bf16 master=split") == "split"
+        and bench_train.master_of("tkern") == "fp32"
+    )

@@ -134,10 +134,12 @@ def test_ledger_is_deterministic_and_compares(sl, tkern_tiny):
 
 
 def test_device_specs_and_cli(sl, tmp_path, capsys):
-    assert sl.device_spec("NVIDIA H200") is sl.DEVICES["h200"]
-    assert sl.device_spec("NVIDIA H100 80GB HBM3") is sl.DEVICES["h100"]
-    assert sl.device_spec("cpu") is None
-    h200 = sl.DEVICES["h200"]
+    import harness
+
+    assert harness.device_spec("NVIDIA H200") is harness.DEVICES["h200"]
+    assert harness.device_spec("NVIDIA H100 80GB HBM3") is harness.DEVICES["h100"]
+    assert harness.device_spec("cpu") is None
+    h200 = harness.DEVICES["h200"]
     assert h200.peak_tflops(torch.float8_e4m3fn) == pytest.approx(
         2 * h200.peak_tflops(torch.bfloat16), rel=1e-4
     )
