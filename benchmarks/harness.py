@@ -307,11 +307,24 @@ DEVICES = {
 }
 
 
-def device_spec(name: str) -> DeviceSpec | None:
-    """The spec of a device named like ``torch.cuda.get_device_name()`` (``NVIDIA H200``);
-    None for a device not in :data:`DEVICES`."""
+def slug(name: str) -> str:
+    """A file-name part for ``name``: its words joined by dashes, brackets and commas dropped
+    (``torch fp32 (no tf32)`` -> ``torch-fp32-no-tf32``)."""
+    return "-".join(re.sub(r"[(),]", "", name).split())
+
+
+def device_key(name: str) -> str | None:
+    """The :data:`DEVICES` key of a device named like ``torch.cuda.get_device_name()``
+    (``NVIDIA H200`` -> ``h200``); None for a device not in it."""
     low = name.lower()
-    return next((spec for key, spec in DEVICES.items() if key in low), None)
+    return next((key for key in DEVICES if key in low), None)
+
+
+def device_spec(name: str) -> DeviceSpec | None:
+    """The spec of a device named like ``torch.cuda.get_device_name()``; None for a
+    device not in :data:`DEVICES`."""
+    key = device_key(name)
+    return None if key is None else DEVICES[key]
 
 
 def linear_params(model: nn.Module) -> int:

@@ -66,8 +66,9 @@ import bisect
 import contextlib
 import json
 import math
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,7 +80,7 @@ from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402
-from harness import DEVICES, RESULTS, DeviceSpec, commit, model_flops  # noqa: E402
+from harness import DEVICES, RESULTS, DeviceSpec, commit, model_flops, slug  # noqa: E402
 
 import tkern  # noqa: E402
 import tkern.kernels  # noqa: E402
@@ -490,30 +491,21 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
 
 
 @contextlib.contextmanager
-def recorded_launches(rec: _Recorder) -> Iterator[None]:
-    """Inside, ``kernel[grid](*args, **kwargs)`` of any Triton kernel records the launch
-    into ``rec`` and runs nothing. Patched on the kernel classes, restored on exit."""
+def _patched_launches(launcher) -> Iterator[None]:
+    """Inside, ``kernel[grid]`` of any tkern Triton kernel is ``launcher(kernel, grid,
+    name, real)``, where ``name`` is ``module.name`` and ``real()`` gives the launch it
+    replaces. Patched on the kernel classes (``__getitem__`` is looked up on the type),
+    restored on exit."""
     kernels = kernel_objects()
     names = {key: name for key, (name, _) in kernels.items()}
     classes = {KernelInterface} | {type(obj) for _, obj in kernels.values()}
     saved = {cls: cls.__dict__.get("__getitem__") for cls in classes}
+    resolved = {cls: cls.__getitem__ for cls in classes}
 
     def getitem(kernel, grid):
-        def launch(*args, **kwargs):
-            if not rec.on:
-                return None
-            jit = _jit_of(kernel)
-            named = dict(zip(jit.arg_names, args, strict=False)) | kwargs
-            name = names.get(id(kernel), names.get(id(jit), type(kernel).__name__))
-            category, nbytes, flops, dtype = triton_cost(name, named, rec.spec, rec.backward())
-            phase = rec.context()
-            if phase == "optimizer" or (phase == "loss" and category not in GEMM_CATEGORIES):
-                category = "optimizer" if phase == "optimizer" else "loss"
-            rec.add(f"triton.{name}", category, nbytes, flops, dtype,
-                    _shapes(_tensor(v) for v in named.values()))  # fmt: skip
-            return None
-
-        return launch
+        jit = _jit_of(kernel)
+        name = names.get(id(kernel), names.get(id(jit), type(kernel).__name__))
+        return launcher(kernel, grid, name, lambda: resolved[type(kernel)](kernel, grid))
 
     for cls in classes:
         cls.__getitem__ = getitem
@@ -525,6 +517,121 @@ def recorded_launches(rec: _Recorder) -> Iterator[None]:
                 del cls.__getitem__
             else:
                 cls.__getitem__ = original
+
+
+def _named_args(kernel, args: tuple, kwargs: dict) -> dict:
+    """A launch's arguments by the kernel's parameter names (constexprs included)."""
+    return dict(zip(_jit_of(kernel).arg_names, args, strict=False)) | kwargs
+
+
+def recorded_launches(rec: _Recorder):
+    """Inside, ``kernel[grid](*args, **kwargs)`` of any tkern Triton kernel records the
+    launch into ``rec`` and runs nothing."""
+
+    def launcher(kernel, grid, name, real):
+        def launch(*args, **kwargs):
+            if not rec.on:
+                return None
+            named = _named_args(kernel, args, kwargs)
+            category, nbytes, flops, dtype = triton_cost(name, named, rec.spec, rec.backward())
+            phase = rec.context()
+            if phase == "optimizer" or (phase == "loss" and category not in GEMM_CATEGORIES):
+                category = "optimizer" if phase == "optimizer" else "loss"
+            rec.add(f"triton.{name}", category, nbytes, flops, dtype,
+                    _shapes(_tensor(v) for v in named.values()))  # fmt: skip
+            return None
+
+        return launch
+
+    return _patched_launches(launcher)
+
+
+# --------------------------------------------------------------------------- the profile's categories
+
+#: record_function names that carry a category into a profile: ``ledger:<category>`` around
+#: every tkern Triton launch (:func:`profiled_launches`, with its FLOPs and bytes) and around the
+#: optimizer's and the loss's phases (bench_train --profile)
+RANGE = "ledger:"
+_GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|matmul|wgmma|s16816|s1688|_mm_|sm90_|sm80_", re.I)
+_KERNEL_RULES = (  # (category, substrings of the kernel's, its op's or an ancestor's name), in order
+    ("attention", ("flash", "fmha", "attention", "sdpa", "scaled_dot_product")),
+    ("fp8 cast/amax", ("float8", "fp8", "amax")),
+    ("loss", ("nll_loss", "log_softmax", "logsoftmax", "cross_entropy", "crossentropy")),
+    ("norm", ("layer_norm", "layernorm", "rms_norm", "rmsnorm", "norm_fwd", "norm_bwd")),
+    ("embedding", ("embedding", "index_select", "indexselect")),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill", "zero", "catarray", "cat_")),
+)
+
+
+def kernel_category(
+    kernel: str, ancestors: list[str], shapes: list | None, spec: ModelSpec | None
+) -> tuple[str, int, int | None]:
+    """(category, FLOPs, bytes or None) of one GPU kernel of a profile, in the ledger's
+    categories. ``ancestors``: the names of the CPU ranges around its launch, innermost
+    first (aten ops, autograd's ``evaluate_function: XBackward0``, ``ledger:`` ranges);
+    ``shapes``: the input shapes of the innermost aten op, where recorded. As in the
+    ledger, the optimizer's phase (a ``ledger:optimizer`` range) takes everything in it
+    and the loss's phase (``ledger:loss``) everything but GEMMs; a tkern launch carries its
+    category, FLOPs and bytes in its own range (:func:`profiled_launches`); another GEMM
+    kernel (by its name or its op's) takes its role from its op's shapes
+    (:func:`gemm_role`); the rest go by substrings of its own, its op's and its ranges'
+    names (:data:`_KERNEL_RULES`), elementwise otherwise."""
+    ranges = [a[len(RANGE) :].split("|") for a in ancestors if a.startswith(RANGE)]
+    phases = {r[0] for r in ranges if len(r) == 1}
+    launch = next((r for r in ranges if len(r) > 1), None)
+    if launch is not None:
+        category, flops, nbytes = launch[0], int(launch[1]), int(launch[2])
+    else:
+        category, flops, nbytes = _aten_kernel(kernel, ancestors, shapes, spec), 0, None
+        if category in GEMM_CATEGORIES:
+            op = next((a for a in ancestors if a.startswith("aten::")), "")
+            mnk = _shape_mnk(op.split("::")[-1], shapes or [])
+            flops = 2 * math.prod(mnk) if mnk is not None else 0
+    if "optimizer" in phases:
+        return "optimizer", flops, nbytes
+    if "loss" in phases and category not in GEMM_CATEGORIES:
+        return "loss", flops, nbytes
+    return category, flops, nbytes
+
+
+def _aten_kernel(kernel: str, ancestors: list[str], shapes: list | None, spec: ModelSpec | None) -> str:
+    """The category of a kernel torch launched (not tkern)."""
+    op = next((a for a in ancestors if a.startswith("aten::")), "").split("::")[-1]
+    backward = any("evaluate_function" in a or "Backward" in a for a in ancestors)
+    if _GEMM_KERNEL.search(kernel) or op in _GEMM_OPS:
+        mnk = _shape_mnk(op, shapes or [])
+        if mnk is not None and spec is not None:
+            return gemm_role(*mnk, spec, backward)
+        return "gemm dgrad" if backward else "gemm fwd"
+    text = " ".join([kernel, *ancestors]).lower()
+    return next((c for c, words in _KERNEL_RULES if any(w in text for w in words)), "elementwise")
+
+
+def _shape_mnk(op: str, shapes: list) -> tuple[int, int, int] | None:
+    """(M, N, K) of a matrix product from its op's recorded input shapes."""
+    dims = [s for s in shapes if isinstance(s, (list, tuple)) and len(s) >= 2]
+    if op not in _GEMM_OPS or len(dims) < 2:
+        return None
+    a, b = dims[0], dims[1]
+    return a[-2], b[-1], a[-1]
+
+
+def profiled_launches(spec: ModelSpec):
+    """Inside, every tkern Triton launch runs as usual inside a ``record_function``
+    named ``ledger:<category>|<FLOPs>|<bytes>|<kernel>`` (the ledger's own rule,
+    :func:`triton_cost`), so that a profile puts its kernel in the ledger's category
+    (a GEMM by its role) and knows its FLOPs and bytes."""
+
+    def launcher(kernel, grid, name, real):
+        def launch(*args, **kwargs):
+            backward = torch._C._current_graph_task_id() != -1
+            category, nbytes, flops, _ = triton_cost(name, _named_args(kernel, args, kwargs), spec, backward)
+            with torch.profiler.record_function(f"{RANGE}{category}|{flops}|{nbytes}|{name}"):
+                return real()(*args, **kwargs)
+
+        return launch
+
+    return _patched_launches(launcher)
 
 
 # --------------------------------------------------------------------------- the step
@@ -674,11 +781,7 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
             m.register_forward_pre_hook(norm_pre)
             m.register_forward_hook(norm_post)
     trainer = bench_train.trainer_for(built, loss_fn)
-    _phase_around(built.optimizer, "step", rec)
-    if built.scaler is not None:
-        for method in ("step", "update", "unscale_"):
-            if hasattr(built.scaler, method):
-                _phase_around(built.scaler, method, rec)
+    optimizer_phase(built.optimizer, built.scaler, lambda: _optimizer_phase(rec))
     with recorded_launches(rec), NoCompute(rec), bench_train.tf32(built.tf32):
         trainer.train_step([(ids, ids)])  # the optimizer's state is made here: not counted
         rec.on = True
@@ -698,18 +801,32 @@ def _next_sequence_nr(rec: _Recorder) -> int:
         rec.on = on
 
 
-def _phase_around(owner: object, method: str, rec: _Recorder) -> None:
-    """``owner.method`` runs in the optimizer phase (an instance attribute wrapping it)."""
-    inner = getattr(owner, method)
+@contextlib.contextmanager
+def _optimizer_phase(rec: _Recorder) -> Iterator[None]:
+    before, rec.phase = rec.phase, "optimizer"
+    try:
+        yield
+    finally:
+        rec.phase = before
 
-    def wrapped(*args, **kwargs):
-        before, rec.phase = rec.phase, "optimizer"
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            rec.phase = before
 
-    setattr(owner, method, wrapped)
+def optimizer_phase(
+    optimizer: object, scaler: object, context: Callable[[], contextlib.AbstractContextManager]
+) -> None:
+    """The optimizer's ``step`` and the scaler's ``step``, ``update`` and ``unscale_`` run
+    inside ``context()`` (instance attributes wrapping them): the optimizer phase of the
+    ledger and of a profile."""
+    owners = [(optimizer, "step")] + [
+        (scaler, m) for m in ("step", "update", "unscale_") if hasattr(scaler, m)
+    ]
+    for owner, method in owners:
+        inner = getattr(owner, method)
+
+        def wrapped(*args, _inner=inner, **kwargs):
+            with context():
+                return _inner(*args, **kwargs)
+
+        setattr(owner, method, wrapped)
 
 
 def _fused_torch_adamw(built: bench_train.Built) -> bench_train.Built:
@@ -818,8 +935,7 @@ def main(argv: list[str] | None = None) -> dict:
 def ledger_path(model: str, recipe: str, device: str) -> Path:
     """Where ``--write`` puts a ledger: ``results/host/ledger_<model>_<recipe>_<device>.json``
     (the recipe's spaces as dashes)."""
-    slug = "-".join(recipe.replace("(", "").replace(")", "").split())
-    return RESULTS / "host" / f"ledger_{model}_{slug}_{device}.json"
+    return RESULTS / "host" / f"ledger_{model}_{slug(recipe)}_{device}.json"
 
 
 if __name__ == "__main__":
