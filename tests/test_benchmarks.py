@@ -53,15 +53,18 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
     summary = (out / "summary.txt").read_text()
     quick = (
         "pytest_gpu",
+        "bench_train_profile",
+        "bench_train_gpt2",
+        "bench_gemm_fp8_layouts",
+        "bench_gemm_gpt2_layouts",
         "bench_optimizer_sizes",
         "bench_train_mlp",
-        "bench_gemm_transformer",
-        "bench_train_gpt2",
     )
     more = (
         "bench_train_fp8",
         "bench_gemm_rest",
         "bench_train_rest",
+        "bench_gemm_linear",
         "bench_optimizer_modes",
         "bench_optimizer_health",
         "bench_norm",
@@ -73,6 +76,10 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
     table = (out / "results" / "cpu" / "gpt_job.txt").read_text()
     assert all(f"\n{run} " in table for run in ("fp32", "autocast", "tkern", "tkern-bf16")), table
     assert (out / "results" / "cpu" / "gpt_job.png").is_file()
+    # the GPT-2 profile: a CSV per recipe (its categories and total) and the picture
+    profile = (out / "results" / "cpu" / "profile_tkern.csv").read_text()
+    assert profile.startswith("kind,recipe,category") and "\ntotal,tkern," in profile
+    assert (out / "results" / "cpu" / "profile.png").is_file()
     # the device brings back at most 8 files; the plan leaves at most 6 in $OUT
     assert len([f for f in out.iterdir() if f.is_file()]) <= 6, sorted(out.iterdir())
     for stem in ("ceilings", "host", "gemm", "optimizer", "train", "norm", "loss"):
@@ -156,6 +163,30 @@ def test_dry_run_train_rows_cover_every_recipe_and_record_the_graph(dry_run):
     # both fp8 recipes reach GPT-2's GEMMs (tkern's Conv1D, torchao's through conv1d_as_linear)
     assert gpt2["tkern fp8 tensorwise"]["fp8_layers"] >= 8
     assert gpt2["torchao float8 tensorwise compiled"]["fp8_layers"] >= 8
+
+
+def test_gpu_check_plan_puts_the_unknowns_first():
+    """Issue 44 item 1: the first call's order is the GPU tests, the GPT-2 profile,
+    GPT-2's compiled autocast and tkern bf16 rows, the GEMMs in three layouts, and only
+    then the optimizer and MLP rows."""
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), "plan", "quick"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    phases = [line.split()[0] for line in proc.stdout.splitlines() if " cap " in line]
+    assert phases == [
+        "pytest_gpu",
+        "bench_train_profile",
+        "bench_train_gpt2",
+        "bench_gemm_fp8_layouts",
+        "bench_gemm_gpt2_layouts",
+        "bench_optimizer_sizes",
+        "bench_train_mlp",
+    ]
+    gpt2 = next(line for line in proc.stdout.splitlines() if line.startswith("bench_train_gpt2"))
+    assert "=torch autocast compiled" in gpt2 and "=tkern bf16" in gpt2
+    caps = [int(line.split(" cap ")[1].split("s")[0]) for line in proc.stdout.splitlines() if " cap " in line]
+    assert sum(caps[:5]) <= 420  # the unknowns fit the first call's budget
 
 
 def test_conv1d_as_linear_computes_the_same_gpt2():
