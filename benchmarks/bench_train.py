@@ -60,6 +60,11 @@ a faster recipe.
 Targets on H100/H200 (issues 16, 30): tkern >= 1.2x torch autocast and >= 1.0x the
 compiled autocast recipe on every model; tkern's peak memory <= 0.9x autocast's;
 the fp8 recipes >= 1.4x bf16 autocast on GPT-2 small.
+``--profile`` profiles the language models' steps instead (:func:`run_profiles`;
+default recipes :data:`PROFILE_RECIPES`): each GPU kernel put in the step ledger's
+categories (``step_ledger.kernel_category``), device time per category beside the
+committed ledger's floor, busy against wall, the top kernels with their achieved
+TFLOP/s or GB/s, into ``results/<device>/profile_<recipe>.csv`` and ``profile.png``.
 ``--models`` and ``--recipes`` (comma-separated prefixes; ``=NAME`` one exact
 name) pick a subset. Within a case the baselines run first, so a run cut by its
 time limit has what tkern's rows are compared with.
@@ -431,6 +436,13 @@ def time_steps(
     }
 
 
+def release(device: torch.device) -> None:
+    """What a recipe left behind, freed before the next one is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def master_of(recipe: str) -> str:
     """The master weights a recipe keeps (a row's ``master``)."""
     return MASTERS.get(recipe, "fp32 params" if recipe.startswith("torch") else "fp32")
@@ -779,9 +791,7 @@ def run_profiles(mode, args, res_dir: Path | None) -> list[dict]:
                 print(f"profile {case} {recipe}: FAILED ({error_line(exc)})")
                 continue
             finally:
-                gc.collect()
-                if mode.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                release(mode.device)
             summary = profile_summary(recipe, rows, steps, wall, ledger_floors(model, recipe, device_name()))
             stamp = commit()
             for r in summary:
@@ -853,9 +863,7 @@ def main(argv: list[str] | None = None) -> Results:
                 print(f"{case} {recipe}: FAILED ({error}); the other recipes go on")
                 continue
             finally:
-                gc.collect()
-                if mode.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                release(mode.device)
             losses[recipe] = r["loss"]
             ms = r.pop("ms")
             res.add(
