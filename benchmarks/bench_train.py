@@ -3,7 +3,8 @@
 (1) a GPT-2-small-shaped transformer built from a transformers ``GPT2Config``
     (12 layers, 768 wide, 12 heads, vocabulary 50257; no download), SDPA
     attention, sequence 1024, batch ``--gpt2-batch`` (16 fills most of an H100's
-    80 GB under fp32);
+    80 GB under fp32); then issue 42's Llama-like model (:data:`LLAMA_LIKE`: 12
+    layers, width 1024, SwiGLU, RMSNorm, vocabulary 32000), sequence 2048, batch 8;
 (2) a deep, wide MLP: 8 layers of 4096, batch 8192 tokens;
 (3) the seeds' 2-layer MLP on MNIST-sized input: 784 -> 4096 -> 10, batch 8192.
 
@@ -139,7 +140,7 @@ LLAMA_LIKE = {
 LLAMA_SMOKE = {**LLAMA_LIKE, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176,
                "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 64,
                "max_position_embeddings": 64}  # fmt: skip
-LLAMA_SEQ = 2048
+LLAMA_SEQ, LLAMA_BATCH = 2048, 8  # 16384 tokens a step, as GPT-2 small's
 LR = 1e-4
 BASELINE = "torch fp32 (no tf32)"
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
@@ -295,6 +296,9 @@ MASTERS = {
 #: the recipes a smoke run takes through GPT-2 (its Conv1D and embedding paths); the
 #: MLP runs every recipe. Each tkern step of the tiny GPT-2 is seconds of interpreter.
 SMOKE_GPT2_RECIPES = ("tkern", "tkern fp8 tensorwise", "torchao float8 tensorwise compiled", BASELINE)
+#: the language models' cases (GPT-2 and the Llama-like model: a smoke run takes them through
+#: SMOKE_GPT2_RECIPES only)
+LM_CASES = ("gpt2", "llama")
 
 
 class GPT2LM(nn.Module):
@@ -466,23 +470,37 @@ def mfu(flops: int, ms: float | None, name: str) -> float | None:
     return round(flops / (ms * 1e-3) / (spec.bf16 * 1e12), 4)
 
 
-def cases(smoke: bool, device: torch.device, gpt2_batch: int):
-    """(case, base model, x, y, loss_fn) for every model of the run, GPT-2 first."""
+def cases(smoke: bool, device: torch.device, gpt2_batch: int, models: str | None = None):
+    """(case, base model, x, y, loss_fn) for every model of the run picked by ``models``
+    (case prefixes, as ``--models``): GPT-2 first, then the Llama-like model, then the
+    MLPs. A model not picked is not built."""
     g = torch.Generator().manual_seed(0)
     try:
         import transformers  # noqa: F401
     except ImportError:
         print("transformers is not installed: the GPT-2 model is skipped (pip install 'tkern[integrations]')")
     else:
-        config, seq, batch = (
-            (GPT2_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH) if smoke else (GPT2_SMALL, SEQ, gpt2_batch)
-        )
-        torch.manual_seed(0)
-        base = GPT2LM(config).to(device)
-        ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=g).to(device)
-        name = "gpt2-small" if not smoke else "gpt2-tiny"
-        yield f"{name}, seq {seq}, batch {batch}", base, ids, ids, lm_loss
+        lms = (
+            (("gpt2-tiny", GPT2LM, GPT2_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH),
+             ("llama-tiny", LlamaLM, LLAMA_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH))
+            if smoke
+            else (("gpt2-small", GPT2LM, GPT2_SMALL, SEQ, gpt2_batch),
+                  ("llama-like", LlamaLM, LLAMA_LIKE, LLAMA_SEQ, LLAMA_BATCH))
+        )  # fmt: skip
+        for name, cls, config, s, b in lms:
+            case = f"{name}, seq {s}, batch {b}"
+            # GPT-2's batch is drawn from the shared generator whether or not it is picked, and
+            # Llama's from its own: the MLPs' batches stay those of every earlier run
+            gen = g if cls is GPT2LM else torch.Generator().manual_seed(1)
+            ids = torch.randint(0, config["vocab_size"], (b, s), generator=gen)
+            if not _picked(case, models):
+                continue
+            torch.manual_seed(0)
+            ids = ids.to(device)
+            yield case, cls(config).to(device), ids, ids, lm_loss
     for case, (d_in, hidden, d_out, batch) in (SMOKE_MLPS if smoke else MLPS).items():
+        if not _picked(case, models):
+            continue
         torch.manual_seed(0)
         base = demo.make_mlp(d_in, tuple(hidden), d_out).to(device)
         x = torch.randn(batch, d_in, generator=g).to(device)
@@ -776,12 +794,13 @@ def run_profiles(mode, args, res_dir: Path | None) -> list[dict]:
         recipes = [r for r in recipes if r not in SMOKE_SKIPS]
     steps, warmup = (1, 1) if mode.smoke else (PROFILE_STEPS, WARMUP)
     everything = []
-    for case, base, x, y, loss_fn in cases(mode.smoke, mode.device, args.gpt2_batch):
+    for case, base, x, y, loss_fn in cases(mode.smoke, mode.device, args.gpt2_batch, args.models):
         if loss_fn is not lm_loss or not _picked(case, args.models):
             continue
         model = case.split(",")[0]
         config = base.lm.config.to_dict()
-        spec = step_ledger.ModelSpec("gpt2", config, x.shape[1], x.shape[0])
+        family = "llama" if case.startswith("llama") else "gpt2"
+        spec = step_ledger.ModelSpec(family, config, x.shape[1], x.shape[0])
         for recipe in recipes:
             try:
                 rows, wall = profile_recipe(
@@ -838,14 +857,14 @@ def main(argv: list[str] | None = None) -> Results:
     steps, warmup = (1, 1) if mode.smoke else (STEPS, WARMUP)
     summary, disagree = [], []
     recipes = [r for r in RECIPES if _picked(r, args.recipes)]
-    for case, base, x, y, loss_fn in cases(mode.smoke, mode.device, args.gpt2_batch):
+    for case, base, x, y, loss_fn in cases(mode.smoke, mode.device, args.gpt2_batch, args.models):
         if not _picked(case, args.models):
             continue
         losses = {}
         flops = step_flops(base, x, loss_fn)
         for recipe in recipes:
             if mode.smoke and (
-                recipe in SMOKE_SKIPS or (case.startswith("gpt2") and recipe not in SMOKE_GPT2_RECIPES)
+                recipe in SMOKE_SKIPS or (case.startswith(LM_CASES) and recipe not in SMOKE_GPT2_RECIPES)
             ):
                 continue
             try:

@@ -24,7 +24,8 @@
 # more (BUDGET 330 s, timeout_s 360: what 15 minutes leave after quick): the fp8 recipes
 #        on GPT-2 and the MLPs, square GEMMs and bias+GELU under torch.compile, the
 #        rest of the training recipes (compiled tkern, tf32, the memory modes: state bf16 /
-#        8-bit, bf16 split master, with the loss they cost), the Linear-layer GEMMs, the
+#        8-bit, bf16 split master, with the loss they cost), the Llama-like model's autocast,
+#        compiled autocast, tkern and tkern bf16 rows, the Linear-layer GEMMs, the
 #        optimizer's memory modes,
 #        the cost of mixed-precision health tracking at 10M params (bench_optimizer
 #        --sections health), norms, losses, the ceilings, host cost, `tkern train --model
@@ -187,6 +188,8 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
         --recipes "tkern fp8,torchao,=torch autocast bf16" "${SMOKE[@]}" ;;
     train_rest) run_phase bench_train_rest bench 120 $py $b/bench_train.py --models gpt2,mlp \
         --recipes "$REST" "${SMOKE[@]}" ;;
+    train_llama) run_phase bench_train_llama bench 120 $py $b/bench_train.py --models llama \
+        --recipes "=torch autocast,=torch autocast compiled,=tkern,=tkern bf16" "${SMOKE[@]}" ;;
     train_profile) run_phase bench_train_profile bench 130 $py $b/bench_train.py --profile --models gpt2 \
         --recipes "$PROFILE" "${SMOKE[@]}" ;;
     gemm_fp8_layouts) gemm_layouts gemm_fp8_layouts fp8 ;;
@@ -223,7 +226,7 @@ gemm_layouts() { # gemm_layouts PHASE SECTION: bench_gemm's SECTION in the three
     run_phase "bench_$1" bench 40 $PYTHON benchmarks/bench_gemm.py --sections "$2" "${layouts[@]}" "${SMOKE[@]}"
 }
 ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes optimizer_health train train_mlp train_gpt2 train_fp8
-    train_rest train_profile gemm gemm_transformer gemm_rest gemm_linear gemm_fp8_layouts gemm_gpt2_layouts norm loss
+    train_rest train_llama train_profile gemm gemm_transformer gemm_rest gemm_linear gemm_fp8_layouts gemm_gpt2_layouts norm loss
     host gpt)
 # The quick call's recipes (`=NAME`: that recipe alone), the fp32 reference first: on the
 # MLPs autocast, compiled autocast and tkern with and without the optimizer's graph and
@@ -258,7 +261,7 @@ for plan in "${plans[@]}"; do
         done
         ;;
     more)
-        for name in train_fp8 gemm_rest train_rest gemm_linear optimizer_modes optimizer_health norm loss \
+        for name in train_fp8 gemm_rest train_rest train_llama gemm_linear optimizer_modes optimizer_health norm loss \
             ceilings host gpt; do
             bench $name
         done

@@ -137,7 +137,7 @@ _GPT2_TINY.update(bos_token_id=0, eos_token_id=0)
 #: dimension distinct from the token count (96), which tells a wgrad by its reduction.
 MODELS = {
     "gpt2-small": ModelSpec("gpt2", bench_train.GPT2_SMALL, bench_train.SEQ, 16),
-    "llama-like": ModelSpec("llama", bench_train.LLAMA_LIKE, bench_train.LLAMA_SEQ, 8),
+    "llama-like": ModelSpec("llama", bench_train.LLAMA_LIKE, bench_train.LLAMA_SEQ, bench_train.LLAMA_BATCH),
     "gpt2-tiny": ModelSpec("gpt2", _GPT2_TINY, 48, 2),
     "llama-tiny": ModelSpec("llama", {**bench_train.LLAMA_SMOKE, "vocab_size": 1000}, 48, 2),
 }
