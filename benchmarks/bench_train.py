@@ -705,26 +705,31 @@ def draw_profile(folder: Path) -> Path | None:
                     bars.setdefault(r["recipe"], {})[r["category"]] = float(r["ms_per_step"] or 0)
                 elif r["kind"] == "total":
                     totals[r["recipe"]] = r
+                    bars.setdefault(r["recipe"], {})
     if not bars:
         return None
-    recipes = list(bars)
-    width_in = min(plots.MAX_WIDTH_PX / plots.DPI, 2.5 + 1.6 * len(recipes))
+    recipes = list(bars)  # a recipe with no kernel (a CPU's profile) keeps its wall marker
+    width_in = min(plots.MAX_WIDTH_PX / plots.DPI, 5.0 + 1.6 * len(recipes))
     fig, ax = plt.subplots(figsize=(width_in, 5.5), dpi=plots.DPI)
+    xs = list(range(len(recipes)))
     bottom = [0.0] * len(recipes)
     colours = plt.get_cmap("tab20").colors
     for i, cat in enumerate(step_ledger.CATEGORIES):
         values = [bars[r].get(cat, 0.0) for r in recipes]
         if any(values):
-            ax.bar(recipes, values, bottom=bottom, label=cat, color=colours[i % len(colours)])
+            ax.bar(xs, values, 0.6, bottom=bottom, label=cat, color=colours[i % len(colours)])
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xticks(xs, recipes)
+    ax.set_xlim(-0.6, len(recipes) - 0.4)
     for x, r in enumerate(recipes):
         t = totals.get(r, {})
         if t.get("wall_ms"):
             ax.plot(x, float(t["wall_ms"]), "k_", markersize=30, label="wall" if x == 0 else None)
         if t.get("floor_ms"):
             ax.plot(x, float(t["floor_ms"]), "r_", markersize=30, label="ledger floor" if x == 0 else None)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("device ms per step")
-    ax.set_title("where a training step's GPU time goes, by the step ledger's categories")
+    ax.set_title("GPU time of a training step\nby the step ledger's categories", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.tight_layout()
