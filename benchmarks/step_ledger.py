@@ -908,7 +908,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="h200", choices=sorted(DEVICES))
     parser.add_argument("--json", type=Path, default=None, help="write the ledger here")
     parser.add_argument(
-        "--write", action="store_true", help="write it to results/host/ledger_<model>_<recipe>_<device>.json"
+        "--write",
+        action="store_true",
+        help="write it to results/host/ledger_<model>_<recipe>_<device>.json (overwriting a committed "
+        "ledger dirties the tree: set TKERN_COMMIT to the code's commit)",
     )
     parser.add_argument(
         "--compare", type=Path, default=None, help="an earlier ledger JSON: print the difference"
