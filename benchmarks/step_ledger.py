@@ -20,7 +20,10 @@ nothing is computed:
 * every aten op goes through a ``TorchDispatchMode`` that computes nothing: its
   outputs' shapes come from the op's meta kernel and are allocated uninitialised
   (``torch.empty_strided``: untouched pages cost no memory), views and ``set_`` run
-  as they are, ``.item()`` answers 0. Bytes = every input tensor's footprint (a
+  as they are; an op on small tensors only (scalars, statistics, scales, flags: at
+  most :data:`SMALL_BYTES`) is computed, so that what decides anything (a skipped
+  step, ``.item()``) is real and the same on every run; ``.item()`` of a large
+  tensor answers 0 (``syncs`` counts them all). Bytes = every input tensor's footprint (a
   broadcast dimension counted once) + every output's + every tensor written in
   place; a tensor only overwritten (``copy_``, ``fill_``, ``out=``) is not read.
   FLOPs of matrix products from ``torch.utils.flop_counter``'s registry; attention
@@ -34,7 +37,9 @@ the ledger. Categories (:data:`CATEGORIES`; names stable, compared across commit
   apart by their dimensions (a reduction over the step's tokens is a wgrad; a GEMM
   in backward otherwise a dgrad), ``gemm lm head`` every GEMM with the vocabulary
   as a dimension (forward, dgrad and wgrad of the head);
-* ``attention``: SDPA forward and backward; ``norm``: LayerNorm / RMSNorm;
+* ``attention``: SDPA forward and backward; ``norm``: everything a LayerNorm /
+  RMSNorm module runs, forward and backward (the autograd nodes it made), so that an
+  unfused norm's elementwise ops count as the norm's;
   ``embedding``: the token and position lookups and their backward;
 * ``loss``: everything from the model's output to the loss, in forward and backward
   (the fp32 upcast of the logits, the shift, log-softmax, NLL, their gradients);
@@ -46,8 +51,8 @@ the ledger. Categories (:data:`CATEGORIES`; names stable, compared across commit
   it empty for the recipes here).
 
 The floor of a launch is max(FLOPs / peak for its operand dtype, bytes / HBM
-bandwidth), summed per category (:data:`DEVICES` gives the numbers and where they
-come from). The JSON also holds the analytic FLOPs (:func:`model_flops`,
+bandwidth), summed per category (``harness.DEVICES`` gives the numbers and where
+they come from). The JSON also holds the analytic FLOPs (:func:`model_flops`,
 ``6 x linear params x tokens + 12 x layers x tokens x seq x width``) that the
 ledger's FLOPs agree with within 3% (a test says so).
 
