@@ -13,9 +13,12 @@ Recipes (:data:`RECIPES`), each from the same initial weights and the same batch
 every step one ``tkern.Trainer.train_step`` (zero the gradients, forward, loss,
 scaled backward, step), so every recipe pays the same loop:
 
-* ``tkern``: convert_network (fp16) + FusedAdamW + DynamicLossScaler, the
-  optimizer's step a CUDA graph where it can be (its default ``cuda_graph=None``);
-* ``tkern opt eager``: the same with ``FusedAdamW(cuda_graph=False)``;
+* ``tkern``: convert_network (fp16) + FusedAdamW + DynamicLossScaler with no option
+  set: the Trainer's ``cuda_graph="auto"`` (the whole step captured where the host
+  bounds it; ``graph_status`` says what it chose), else the optimizer's step a CUDA
+  graph where it can be (its default ``cuda_graph=None``);
+* ``tkern opt eager``: the same with ``Trainer(cuda_graph=False)`` and
+  ``FusedAdamW(cuda_graph=False)``;
 * ``tkern whole-step graph``: the same under ``Trainer(cuda_graph=True)``: the whole
   step (forward, backward, scaler, optimizer) captured once and replayed;
 * ``tkern bf16``: ``convert_network(model, torch.bfloat16)`` + FusedAdamW, no loss scale;
@@ -172,7 +175,7 @@ class Built:
     optimizer: torch.optim.Optimizer
     scaler: object = None
     autocast: torch.dtype | None = None
-    cuda_graph: bool = False  # Trainer(cuda_graph=...)
+    cuda_graph: bool | str = False  # Trainer(cuda_graph=...)
     tf32: bool = False
 
 
@@ -180,16 +183,16 @@ def _tkern(
     base: nn.Module,
     device: torch.device,
     *,
-    whole_step: bool = False,
+    whole_step: bool | str = "auto",
     dtype: torch.dtype = torch.float16,
     compiled: bool = False,
     **opt_options,
 ) -> Built:
-    """tkern's fp16 recipe; ``whole_step``: Trainer(cuda_graph=True); ``dtype``
-    bf16: no loss scale; ``compiled``: the converted model under ``torch.compile``
-    (default mode: tkern's own CUDA graphs stay the optimizer's); ``opt_options`` go
-    to FusedAdamW (``cuda_graph=False``: its step eager; ``master``, ``state_dtype``:
-    the memory modes)."""
+    """tkern's fp16 recipe; ``whole_step``: Trainer(cuda_graph=...), the Trainer's default
+    ``"auto"`` unless asked; ``dtype`` bf16: no loss scale; ``compiled``: the converted
+    model under ``torch.compile`` (default mode: tkern's own CUDA graphs stay the
+    optimizer's); ``opt_options`` go to FusedAdamW (``cuda_graph=False``: its step eager;
+    ``master``, ``state_dtype``: the memory modes)."""
     model = tkern.convert_network(copy.deepcopy(base), dtype)
     opt = tkern.optim.FusedAdamW(model.parameters(), lr=LR, **opt_options)
     scaler = tkern.DynamicLossScaler() if dtype == torch.float16 else None
@@ -278,7 +281,7 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     "tkern": lambda b, d, s: _tkern(b, d),
     "tkern bf16": lambda b, d, s: _tkern(b, d, dtype=torch.bfloat16),
     "tkern compiled": lambda b, d, s: _tkern(b, d, compiled=True),
-    "tkern opt eager": lambda b, d, s: _tkern(b, d, cuda_graph=False),
+    "tkern opt eager": lambda b, d, s: _tkern(b, d, whole_step=False, cuda_graph=False),
     "tkern whole-step graph": lambda b, d, s: _tkern(b, d, whole_step=True),
     **{name: (lambda b, d, s, o=options: _tkern(b, d, **o)) for name, options in MEMORY_MODES.items()},
     **{f"tkern fp8 {r}": (lambda b, d, s, r=r: _tkern_fp8(b, d, r)) for r in FP8_RECIPES},
@@ -414,6 +417,9 @@ def time_steps(
     opt_graph = graph_fields(built.optimizer, count)
     fused = isinstance(built.optimizer, tkern.optim.FusedAdamW)
     graphs = trainer.graphs
+    # the whole step's graph: asked for, or chosen by "auto" (else the optimizer's own graph's counts)
+    whole = graphs is not None and (built.cuda_graph is True or graphs.counts["capture"] > 0)
+    opt_fallback = opt_graph["graph_fallback"] if fused else None
     return {
         "ms": ms,
         "ms_synced": synced[len(synced) // 2],
@@ -425,17 +431,14 @@ def time_steps(
         "cuda_graph": built.cuda_graph,
         "opt_cuda_graph": opt_graph["cuda_graph"] if fused else None,
         # meant to replay: the whole step, or the fused optimizer's own graph
-        "graphed": graph_possible() and (built.cuda_graph or (fused and opt_graph["graphed"])),
+        "graphed": graph_possible() and (built.cuda_graph is True or (fused and opt_graph["graphed"])),
+        "graph_status": trainer.graph_status,  # what cuda_graph="auto" chose, and why
         # under Trainer(cuda_graph=True) the trainer's reason alone: its graph holds the
         # optimizer's step, whose own graph then stands aside by design
-        "graph_fallback": (
-            trainer.graph_fallback if built.cuda_graph else (opt_graph["graph_fallback"] if fused else None)
-        ),
-        "graph_captures": graphs.counts["capture"] if graphs is not None else opt_graph["graph_captures"],
+        "graph_fallback": trainer.graph_fallback if whole or built.cuda_graph is True else opt_fallback,
+        "graph_captures": graphs.counts["capture"] if whole else opt_graph["graph_captures"],
         "graph_replays": (
-            graphs.counts["capture"] + graphs.counts["replay"]
-            if graphs is not None
-            else opt_graph["graph_replays"]
+            graphs.counts["capture"] + graphs.counts["replay"] if whole else opt_graph["graph_replays"]
         ),
     }
 
@@ -687,7 +690,7 @@ def write_profile_csv(path: Path, rows: list[dict]) -> None:
 def draw_profile(folder: Path) -> Path | None:
     """``profile.png`` from every ``profile_*.csv`` in ``folder``: one stacked bar per
     recipe (device ms per step by category), its wall time and the ledger's floor as
-    markers; at most :data:`plots.MAX_WIDTH_PX` wide. None when there is nothing to draw."""
+    markers; at most :data:`plots.MAX_PX` wide. None when there is nothing to draw."""
     import csv
 
     import matplotlib
@@ -709,7 +712,7 @@ def draw_profile(folder: Path) -> Path | None:
     if not bars:
         return None
     recipes = list(bars)  # a recipe with no kernel (a CPU's profile) keeps its wall marker
-    width_in = min(plots.MAX_WIDTH_PX / plots.DPI, 5.0 + 1.6 * len(recipes))
+    width_in = min(plots.MAX_PX / plots.DPI, 5.0 + 1.6 * len(recipes))
     fig, ax = plt.subplots(figsize=(width_in, 5.5), dpi=plots.DPI)
     xs = list(range(len(recipes)))
     bottom = [0.0] * len(recipes)

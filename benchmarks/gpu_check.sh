@@ -18,11 +18,10 @@
 #        GPT-2 small rows: autocast, compiled autocast, tkern, tkern bf16, bf16 autocast
 #        (with their MFU); the fp8 GEMMs in the forward, dgrad and wgrad layouts at GPT-2's
 #        shapes; the 16-bit GEMMs at GPT-2's 768-wide shapes in the three layouts (bench_gemm
-#        --layouts fwd,dgrad,wgrad --shapes gpt2; a bench_gemm without --layouts times its
-#        forward sections and the summary says so); then the optimizer sizes and the MLP
-#        rows with what is left; then report.py.
+#        --sections fp8_layouts / layouts --layouts fwd,dgrad,wgrad --shapes gpt2); then the
+#        optimizer sizes and the MLP rows with what is left; then report.py.
 # more (BUDGET 330 s, timeout_s 360: what 15 minutes leave after quick): the fp8 recipes
-#        on GPT-2 and the MLPs, square GEMMs and bias+GELU under torch.compile, the
+#        on GPT-2 and the MLPs, fp8 (forward) and square GEMMs and bias+GELU under torch.compile, the
 #        rest of the training recipes (compiled tkern, tf32, the memory modes: state bf16 /
 #        8-bit, bf16 split master, with the loss they cost), the Llama-like model's autocast,
 #        compiled autocast, tkern and tkern bf16 rows, the Linear-layer GEMMs, the
@@ -192,12 +191,12 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
         --recipes "=torch autocast,=torch autocast compiled,=tkern,=tkern bf16" "${SMOKE[@]}" ;;
     train_profile) run_phase bench_train_profile bench 130 $py $b/bench_train.py --profile --models gpt2 \
         --recipes "$PROFILE" "${SMOKE[@]}" ;;
-    gemm_fp8_layouts) gemm_layouts gemm_fp8_layouts fp8 ;;
-    gemm_gpt2_layouts) gemm_layouts gemm_gpt2_layouts transformer ;;
+    gemm_fp8_layouts) gemm_layouts gemm_fp8_layouts fp8_layouts ;;
+    gemm_gpt2_layouts) gemm_layouts gemm_gpt2_layouts layouts ;;
     gemm) run_phase bench_gemm bench 150 $py $b/bench_gemm.py "${SMOKE[@]}" ;;
     gemm_transformer) run_phase bench_gemm_transformer bench 60 $py $b/bench_gemm.py \
         --sections transformer,linear "${SMOKE[@]}" ;;
-    gemm_rest) run_phase bench_gemm_rest bench 130 $py $b/bench_gemm.py --sections square,gelu_compiled \
+    gemm_rest) run_phase bench_gemm_rest bench 130 $py $b/bench_gemm.py --sections fp8,square,gelu_compiled \
         "${SMOKE[@]}" ;;
     gemm_linear) run_phase bench_gemm_linear bench 40 $py $b/bench_gemm.py --sections linear "${SMOKE[@]}" ;;
     norm) run_phase bench_norm bench 40 $py $b/bench_norm.py "${SMOKE[@]}" ;;
@@ -218,12 +217,8 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
     esac
 }
 gemm_layouts() { # gemm_layouts PHASE SECTION: bench_gemm's SECTION in the three layouts at GPT-2's shapes
-    local layouts=(--layouts fwd,dgrad,wgrad --shapes gpt2)
-    if ! grep -q -- "--layouts" benchmarks/bench_gemm.py; then
-        echo "$1: bench_gemm has no --layouts yet: the $2 section in its forward layout only" | tee -a "$summary"
-        layouts=()
-    fi
-    run_phase "bench_$1" bench 40 $PYTHON benchmarks/bench_gemm.py --sections "$2" "${layouts[@]}" "${SMOKE[@]}"
+    run_phase "bench_$1" bench 40 $PYTHON benchmarks/bench_gemm.py --sections "$2" \
+        --layouts fwd,dgrad,wgrad --shapes gpt2 "${SMOKE[@]}"
 }
 ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes optimizer_health train train_mlp train_gpt2 train_fp8
     train_rest train_llama train_profile gemm gemm_transformer gemm_rest gemm_linear gemm_fp8_layouts gemm_gpt2_layouts norm loss

@@ -1,19 +1,24 @@
-"""The README's results table and the full list of targets, from
-``benchmarks/results/<folder>/*.json`` alone.
+"""The README's results (a summary of what tkern is faster at, the targets) and the
+full list of targets, from ``benchmarks/results/<folder>/*.json`` alone.
 
-    python benchmarks/report.py                  # print the README table and the targets list
-    python benchmarks/report.py --write          # README.md (between the markers) and TARGETS.md
+    python benchmarks/report.py                  # print the README's block and the targets list
+    python benchmarks/report.py --write          # README.md (between the markers), TARGETS.md, pictures
     python benchmarks/report.py --write-targets  # TARGETS.md only
     python benchmarks/report.py --results DIR    # read another results folder (the dry run's)
 
+The summary (:func:`render_summary`) answers "what is tkern faster at, by how much,
+and where is it slower": per GPU device, newest first, each :class:`Measure` of
+:data:`MEASURES` as tkern's time (or peak memory) against the best peer measured in
+the same run, with the ratio, the commit and the date; the measures a run never
+measured in one line.
+
 Every target of the project is one :class:`Target` in :data:`TARGETS`: the file
-and key its figure is read from, the bound, and whether it is one of the few
-the README shows. Each is reported as ``met``, ``missed`` or ``not measured``
-(its file or key absent) per device folder; figures without a bound (the
-ceilings, comparisons no target names) are shown as ``figure``. Every value
-names the run it came from (its file's date and commit). GPU folders are those
-holding a file only a GPU run writes; ``results/host/`` holds the CPU-measured
-ones (host time, activation memory).
+and key its figure is read from and the bound. Each is reported as ``met``,
+``missed`` or ``not measured`` (its file or key absent) per device folder; figures
+without a bound (the ceilings, comparisons no target names) are shown as
+``figure``. Every value names the run it came from (its file's date and commit).
+GPU folders are those holding a file only a GPU run writes; ``results/host/`` holds
+the CPU-measured ones (host time, activation memory).
 
 A target names the rows its figure is computed from (``rows``). One of them
 meant to run as a CUDA graph (``graphed``) that replayed nothing fell back to
@@ -26,10 +31,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import operator
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plots  # noqa: E402  (the names the tables and pictures give each implementation)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -56,7 +66,7 @@ class Target:
         label: what it is, as the tables print it.
         op, bound: the target (``value op bound``); ``op`` "" for a figure shown
             without one (a ceiling, a comparison no issue sets a bound on).
-        headline: one of the few rows of the README's table.
+        headline: one of the few listed first in a device's table of TARGETS.md.
         where: ``"gpu"`` (read in each GPU folder), ``"cpu"`` (in ``results/host``) or both.
         rows: the ``(case, impl)`` rows of the file its figure is computed from:
             a graphed one that replayed nothing makes it ``fell back``.
@@ -123,6 +133,8 @@ FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")
 FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
 #: how tkern's fp8 GEMM accumulates per scaling, and so its torch peer (bench_gemm.ACCUM)
 FP8_ACCUM = {"tensorwise": "fast", "rowwise": "fast", "blockwise": "precise"}
+#: a linear layer's three GEMM layouts as tkern.linear launches them (bench_gemm.LAYOUTS)
+GEMM_LAYOUTS = ("fwd", "dgrad", "wgrad")
 OPT_MODES = [(m, s) for m in ("fp32", "split", "none") for s in ("fp32", "bf16", "uint8")]
 
 #: Every target (issue 30 item 4, and the earlier issues' that still stand), in one place.
@@ -173,6 +185,29 @@ TARGETS: list[Target] = [
         Target("gemm", f"fp8_{fmt}_{scaling}_vs_bf16", f"fp8 scaled_mm {fmt} {scaling} / bf16 cuBLAS")
         for fmt in FP8_FORMATS
         for scaling in FP8_SCALINGS
+    ],
+    # the training layouts (bench_gemm's layouts and fp8_layouts sections, issues 42.5 and 43.7)
+    *[
+        Target(
+            "gemm",
+            f"fp16_{layout}_{model}_vs_cublas",
+            f"GEMM fp16 / cuBLAS, {layout} layout, {label} shapes",
+            ">=",
+            0.95,
+        )
+        for model, label in (("gpt2", "GPT-2 small"), ("llama", "Llama-2-7B"))
+        for layout in GEMM_LAYOUTS
+    ],
+    *[
+        Target(
+            "gemm",
+            f"fp8_{scaling}_{layout}_vs_bf16",
+            f"fp8 scaled_mm {scaling} / bf16 cuBLAS, {layout} layout",
+            ">=",
+            1.3 if scaling == "blockwise" else 1.5,
+        )
+        for scaling in FP8_SCALINGS
+        for layout in GEMM_LAYOUTS
     ],
     Target(
         "gemm",
@@ -415,6 +450,219 @@ TARGETS: list[Target] = [
 ]
 
 
+# --------------------------------------------------------------- the summary
+#: a ratio within this factor of 1.0 is "on par" (the run-to-run noise of a step)
+PAR = 1.03
+SHAPES = r"\d+x\d+x\d+"
+GPT2 = TRAIN_MODELS[0][0]
+#: the 16-bit peers of a tkern training step (impl -> the tables' name)
+AUTOCAST_PEERS = ("torch autocast", "torch autocast compiled", "torch autocast bf16")
+FP8_TRAIN_PEERS = ("torch autocast bf16", "torchao float8 tensorwise compiled")
+CUBLAS = {"torch": "cuBLAS (torch.matmul)"}
+BIAS_GELU_PEERS = {
+    "torch": "torch unfused",
+    "torch addmm_activation": "torch._addmm_activation(use_gelu=True)",
+    "torch compiled": "the unfused recipe compiled",
+}
+FP8_GEMM_PEERS = {
+    "torch": "torch's fp8 GEMM, precise accumulation",
+    "torch fast accum": "torch's fp8 GEMM, fast accumulation",
+}
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One line of the summary: tkern against the best peer measured in the same run.
+
+    Args:
+        label: what it is, as the summary prints it.
+        stem: the results file its rows are read from.
+        cases: a regular expression the rows' ``case`` must match in full; over
+            several cases the ratio is their geometric mean.
+        tkern: tkern's impl.
+        peers: impl -> the tables' name; empty: every impl not named ``tkern...``
+            (named by :data:`plots.NAMES`).
+        metric: the row field compared (lower is better: ``ms``, ``peak_mib``).
+    """
+
+    label: str
+    stem: str
+    cases: str
+    tkern: str = "tkern"
+    peers: dict[str, str] | tuple[str, ...] = ()
+    metric: str = "ms"
+
+    def peer_names(self, impls) -> dict[str, str]:
+        if isinstance(self.peers, dict):
+            return {i: n for i, n in self.peers.items() if i in impls}
+        chosen = self.peers or [i for i in impls if not i.startswith("tkern")]
+        return {i: plots.name_of(self.stem, i) for i in chosen if i in impls}
+
+
+#: What the summary compares, per device: every question a user asks of tkern's speed.
+MEASURES: list[Measure] = [
+    *[Measure(f"AdamW + loss-scaler step, {n} params", "optimizer", n) for n in ("1M", "10M", "100M", "1B")],
+    Measure("AdamW + loss-scaler step, 1000 tensors of 10k params", "optimizer", "1000x10k"),
+    *[
+        m
+        for model, label in TRAIN_MODELS
+        for m in (
+            Measure(f"training step, {label}", "train", re.escape(model), peers=AUTOCAST_PEERS),
+            Measure(
+                f"training step, {label}, Trainer(cuda_graph=True)",
+                "train",
+                re.escape(model),
+                "tkern whole-step graph",
+                AUTOCAST_PEERS,
+            ),
+        )
+    ],
+    Measure(
+        "peak memory of the training step, GPT-2 small",
+        "train",
+        re.escape(GPT2),
+        peers=AUTOCAST_PEERS[:2],
+        metric="peak_mib",
+    ),
+    *[
+        Measure(
+            f"fp8 {r} training step, GPT-2 small", "train", re.escape(GPT2), f"tkern fp8 {r}", FP8_TRAIN_PEERS
+        )
+        for r in FP8_RECIPES
+    ],
+    *[
+        Measure(f"{dtype} GEMM, transformer shapes", "gemm", rf"{dtype} mm {SHAPES}", peers=CUBLAS)
+        for dtype in ("fp16", "bf16")
+    ],
+    *[
+        Measure(f"{dtype} GEMM, squares 2048-8192", "gemm", rf"{dtype} square (2048|4096|8192)", peers=CUBLAS)
+        for dtype in ("fp16", "bf16")
+    ],
+    Measure("linear + bias + GELU, forward", "gemm", rf"bias\+gelu fwd {SHAPES}", peers=BIAS_GELU_PEERS),
+    Measure(
+        "linear + bias + GELU, forward + backward",
+        "gemm",
+        rf"bias\+gelu fwd\+bwd {SHAPES}",
+        peers=BIAS_GELU_PEERS,
+    ),
+    *[
+        Measure(
+            f"fp8 GEMM, {scaling} scales ({FP8_ACCUM[scaling]} accumulation)",
+            "gemm",
+            rf"fp8 ({'|'.join(FP8_FORMATS)}) {scaling} {SHAPES}",
+            peers=FP8_GEMM_PEERS,
+        )
+        for scaling in FP8_SCALINGS
+    ],
+    Measure("layer_norm forward + backward", "norm", r"layer_norm fwd\+bwd \d+x\d+"),
+    Measure("rms_norm forward + backward", "norm", r"rms_norm fwd\+bwd \d+x\d+"),
+    Measure("cross_entropy forward + backward", "loss", r"cross_entropy fwd\+bwd \d+x\d+"),
+    Measure("linear_cross_entropy forward + backward", "loss", rf"linear_cross_entropy fwd\+bwd {SHAPES}"),
+]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A measure's result in one run: ``ratio`` = the best peer's metric / tkern's
+    (above 1: tkern ahead), over ``cases`` cases, the best peer(s) by name."""
+
+    measure: Measure
+    ratio: float
+    cases: int
+    peers: tuple[str, ...]
+    commit: str
+    date: str
+
+    def verdict(self) -> str:
+        if self.ratio >= PAR:
+            return "ahead"
+        return "behind" if self.ratio <= 1 / PAR else "on par"
+
+
+def compare(measure: Measure, payload: dict) -> Comparison | str | None:
+    """The measure in one results file: a :class:`Comparison`; a string when tkern's
+    row fell back from its CUDA graph (the reason); None when not measured."""
+    pattern = re.compile(measure.cases)
+    by_case: dict[str, dict[str, dict]] = {}
+    for row in payload.get("rows", []):
+        if pattern.fullmatch(str(row.get("case", ""))) and row.get(measure.metric):
+            by_case.setdefault(row["case"], {})[row["impl"]] = row
+    logs, peers, used = [], [], []
+    for impls in by_case.values():
+        mine = impls.get(measure.tkern)
+        if mine is not None and (why := fell_back(mine)) is not None:
+            return why
+        names = measure.peer_names(impls)
+        if mine is None or not names:
+            continue
+        best = min(names, key=lambda i: impls[i][measure.metric])
+        logs.append(math.log(impls[best][measure.metric] / mine[measure.metric]))
+        peers.append(names[best])
+        used += [mine, impls[best]]
+    if not logs:
+        return None
+    commits = sorted({r.get("commit") or payload.get("commit") or "not recorded" for r in used})
+    dates = sorted({r.get("date") or payload.get("date", "?") for r in used})
+    return Comparison(
+        measure,
+        math.exp(sum(logs) / len(logs)),
+        len(logs),
+        tuple(dict.fromkeys(peers)),
+        ", ".join(commits),
+        dates[-1],
+    )
+
+
+def summary_lines(folder: str, files: dict) -> list[str]:
+    """One device's part of the summary: a table of the measures, tkern ahead first,
+    and the measures never measured in this run in one line."""
+    found, missing = [], []
+    for m in MEASURES:
+        result = compare(m, files.get(m.stem, {}))
+        if isinstance(result, Comparison):
+            found.append(result)
+        else:
+            missing.append(m.label if result is None else f"{m.label} ({result})")
+    device = next((p.get("device") for p in files.values() if p.get("device")), folder)
+    lines = [f"**{device}**, newest run {newest(files)[:10] or '?'}:", ""]
+    if found:
+        lines += [
+            "| measure | tkern | against the best peer measured | commit | date |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for c in sorted(found, key=lambda c: -c.ratio):
+            over = f" (geomean of {c.cases} cases)" if c.cases > 1 else ""
+            lines.append(
+                f"| {c.measure.label}{over} | **{c.verdict()}, {c.ratio:.2f}x** | {' / '.join(c.peers)} "
+                f"| {c.commit} | {c.date} |"
+            )
+        lines.append("")
+    if missing:
+        lines += [f"Not measured on this device: {'; '.join(missing)}.", ""]
+    return lines
+
+
+def render_summary(results: Path = RESULTS) -> str:
+    """ "What tkern is faster at": per GPU device, newest first, each measure of
+    :data:`MEASURES` as tkern against the best peer of the same run, from the
+    results files alone."""
+    lines = [
+        "### What tkern is faster at",
+        "",
+        "Per device, newest first: tkern against the fastest other implementation measured in the same",
+        "run (the best peer), as the peer's time over tkern's (for memory, the peer's peak over tkern's):",
+        f"above 1 tkern is ahead; within {PAR:g}x of 1 is on par; over several cases, their geometric",
+        "mean. Generated by `benchmarks/report.py` from `benchmarks/results/<device>/*.json` alone.",
+        "",
+    ]
+    gpu = [(f, files) for f, where, files in _folders(results) if where == "gpu" and files]
+    if not gpu:
+        return "\n".join([*lines, "No GPU run has been recorded yet."])
+    for folder, files in gpu:
+        lines += summary_lines(folder, files)
+    return "\n".join(lines).rstrip()
+
+
 def load(results: Path) -> dict[str, dict[str, dict]]:
     """{folder: {file stem: payload}} for every GPU folder and the CPU folder."""
     out: dict[str, dict[str, dict]] = {}
@@ -462,11 +710,20 @@ def fallback_lines(stem: str, payload: dict) -> list[str]:
     ]
 
 
+def newest(files: dict) -> str:
+    """The date of a folder's newest run: its files' and rows' newest ``date``."""
+    dates = [p.get("date", "") for p in files.values()]
+    dates += [r.get("date", "") for p in files.values() for r in p.get("rows", [])]
+    return max(dates, default="")
+
+
 def _folders(results: Path) -> list[tuple[str, str, dict]]:
-    """(folder, "gpu" or "cpu", files), GPU folders first; an empty GPU entry
-    when no GPU run has been recorded, so every GPU target shows as not measured."""
+    """(folder, "gpu" or "cpu", files), GPU folders first, the newest run first; an
+    empty GPU entry when no GPU run has been recorded, so every GPU target shows as
+    not measured."""
     data = load(results)
     gpu = [(f, "gpu", files) for f, files in data.items() if f != CPU_FOLDER]
+    gpu.sort(key=lambda entry: newest(entry[2]), reverse=True)
     if not gpu:
         gpu = [("(no GPU run)", "gpu", {})]
     return gpu + [(CPU_FOLDER, "cpu", data.get(CPU_FOLDER, {}))]
@@ -483,7 +740,7 @@ def _heading(folder: str, files: dict) -> str:
     )
 
 
-def _table(rows, with_status: bool = True) -> list[str]:
+def _table(rows) -> list[str]:
     lines = ["| measure | value | target | status | run |", "| --- | --- | --- | --- | --- |"]
     for t, value, status, run in rows:
         lines.append(f"| {t.label} | {'' if value is None else value} | {t.goal()} | {status} | {run} |")
@@ -491,28 +748,63 @@ def _table(rows, with_status: bool = True) -> list[str]:
 
 
 def render(results: Path = RESULTS, targets_link: str = "benchmarks/results/TARGETS.md") -> str:
-    """The README's table: per folder its headline rows and the count of targets
-    met / missed / not measured, the full list linked."""
-    lines = []
+    """The README's results: the summary (:func:`render_summary`); per GPU folder,
+    newest run first, one line counting its targets met / missed / not measured
+    (the full list linked), with any failed or fallen-back rows; then the CPU
+    folder's targets as a table and the activation memory of one GPT-2 step."""
+    lines = [render_summary(results), "", f"**Targets** ([every one, per device]({targets_link})):", ""]
+    cpu = []
     for folder, where, files in _folders(results):
         rows = evaluate(files, where)
-        lines.append(f"{_heading(folder, files)} Targets: {_counts(rows)} ([all]({targets_link})).")
-        lines.append("")
-        headline = [r for r in rows if r[0].headline]
-        if files and headline:
-            lines += _table(headline)
-            lines.append("")
+        if where == "cpu":
+            cpu = [f"{_heading(folder, files)} Targets: {_counts(rows)}.", ""]
+            cpu += [*_table(rows), ""] if files else []
+            cpu += activation_memory_table(files.get("activation_memory", {}))
+            continue
+        lines.append(
+            f"- {_heading(folder, files)}: {_counts(rows)}." if files else f"- {_heading(folder, files)}"
+        )
         for stem, payload in files.items():
             for f in payload.get("failed", []):
-                lines.append(f"`bench_{stem}.py` failed on {f['case']}, {f['impl']}: `{f['error']}`")
-                lines.append("")
-            for line in fallback_lines(stem, payload):
-                lines += [line, ""]
-    return "\n".join(lines).rstrip()
+                lines.append(f"  `bench_{stem}.py` failed on {f['case']}, {f['impl']}: `{f['error']}`")
+            lines += [f"  {line}" for line in fallback_lines(stem, payload)]
+    return "\n".join([*lines, "", *cpu]).rstrip()
+
+
+#: activation_memory.json's impls, as the README's table names them
+ACTIVATION_RECIPES = {
+    "torch autocast": "torch autocast",
+    "tkern GEMMs only": "tkern GEMMs",
+    "tkern + norms": "tkern GEMMs + norms",
+    "tkern + norms + fused loss": "tkern GEMMs + norms + fused loss",
+}
+
+
+def activation_memory_table(payload: dict) -> list[str]:
+    """What one GPT-2 training step saves for backward, per recipe (results/host/activation_memory.json)."""
+    rows = [r for r in payload.get("rows", []) if r.get("saved MiB") is not None]
+    if not rows:
+        return []
+    config = payload.get("config", {})
+    lines = [
+        f"Activation memory of one training step of a small GPT-2 ({config.get('n_layer')} layers, "
+        f"{config.get('n_embd')} wide, the full {config.get('vocab_size')}-token vocabulary), "
+        "measured on a CPU "
+        f"(`benchmarks/bench_activation_memory.py`, {payload.get('date')}, commit {payload.get('commit')}; "
+        "[the whole table](benchmarks/results/host/activation_memory.md)):",
+        "",
+        "| recipe | saved for backward, MiB | of which norms | largest tensor, MiB |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        name = ACTIVATION_RECIPES.get(r["impl"], r["impl"])
+        lines.append(f"| {name} | {r['saved MiB']:.1f} | {r['norms MiB']:.3g} | {r['largest MiB']:.3g} |")
+    return [*lines, ""]
 
 
 def render_targets(results: Path = RESULTS) -> str:
-    """Every target of every folder, met / missed / not measured (TARGETS.md)."""
+    """Every target of every folder, newest GPU run first, met / missed / not
+    measured, the headline ones first (TARGETS.md)."""
     lines = [
         "# Targets: met, missed, not measured",
         "",
@@ -524,7 +816,7 @@ def render_targets(results: Path = RESULTS) -> str:
     for folder, where, files in _folders(results):
         rows = evaluate(files, where)
         lines += [f"## {folder}", "", f"{_heading(folder, files)} Targets: {_counts(rows)}.", ""]
-        lines += _table(rows)
+        lines += _table(sorted(rows, key=lambda r: not r[0].headline))  # the headline ones first
         lines.append("")
     return "\n".join(lines)
 
@@ -538,16 +830,14 @@ def write_readme(text: str, readme: Path = ROOT / "README.md") -> None:
 
 
 def redraw(results: Path) -> list[Path]:
-    """Every results file's picture drawn again from the file alone (benchmarks/plots.py);
+    """Every results file's pictures drawn again from the file alone (benchmarks/plots.py);
     the pictures written."""
-    import plots
-
     drawn = []
     for folder in sorted(p for p in results.iterdir() if p.is_dir()):
-        for stem in plots.PLOTS:
+        for stem in plots.PICTURES:
             source = folder / f"{stem}.json"
-            if source.is_file() and plots.draw(json.loads(source.read_text()), folder / f"{stem}.png", stem):
-                drawn.append(folder / f"{stem}.png")
+            if source.is_file():
+                drawn += plots.draw_all(json.loads(source.read_text()), folder, stem)
     return drawn
 
 

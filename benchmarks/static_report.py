@@ -311,6 +311,53 @@ def _activation_cases() -> list[Case]:
     return cases
 
 
+def _swiglu_cases() -> list[Case]:
+    """The gated activation (tkern/kernels/swiglu.py) forward and backward as the launchers
+    launch them on a GPU: a row of >= MAX_BLOCK_N columns with row strides divisible by 16
+    (every model's intermediate size), SiLU and tanh-GELU, fp16 and bf16."""
+    from tkern.kernels import swiglu as sw
+
+    tl = _tl()
+    cases = []
+    kernels = {
+        "fwd": (("gate_ptr", "up_ptr", "h_ptr"), ("stride_g", "stride_u", "stride_h"), sw.FWD_ELEMENTS),
+        "bwd": (
+            ("dh_ptr", "gate_ptr", "up_ptr", "dgate_ptr", "dup_ptr"),
+            ("stride_dh", "stride_g", "stride_u", "stride_dg", "stride_du"),
+            sw.BWD_ELEMENTS,
+        ),
+    }
+    for dtype in ("fp16", "bf16"):
+        for aname in ("silu", "gelu_tanh"):
+            for which, (ptrs, strides, elements) in kernels.items():
+                blocks = dict(BLOCK_M=elements // sw.MAX_BLOCK_N, BLOCK_N=sw.MAX_BLOCK_N)
+                sig = {
+                    **{a: _ptr(dtype) for a in ptrs},
+                    "M": "i32",
+                    "N": "i32",
+                    **{a: "i32" for a in strides},
+                }
+                sig.update(
+                    ACTIVATION="constexpr", DTYPE="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr"
+                )
+                cases.append(
+                    Case(
+                        name=f"swiglu_{which}[{dtype},{aname}]",
+                        family="streaming",
+                        kernel=f"tkern.kernels.swiglu:_swiglu_{which}_kernel",
+                        signature=sig,
+                        constexprs=dict(
+                            ACTIVATION=sw.ACTIVATIONS[aname], DTYPE=getattr(tl, _TL_NAME[dtype]), **blocks
+                        ),
+                        aligned=(*ptrs, "N", *strides),
+                        num_warps=sw.NUM_WARPS,
+                        arrays=ptrs,
+                        per_thread=sw.MAX_BLOCK_N // (32 * sw.NUM_WARPS),
+                    )
+                )
+    return cases
+
+
 def _norm_cases(full: bool = True) -> list[Case]:
     """LayerNorm / RMSNorm forward and backward (tkern/kernels/norm.py) as the launchers
     launch them: a 1024-wide row (hidden 768 to 1024), the widest one-block row
@@ -400,6 +447,7 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None, sum_dtype=None):
         bm, bn, bk, a_t, b_t = tma
         sig["a_desc"] = f"tensordesc<{dtype}[{bk}, {bm}]>" if a_t else f"tensordesc<{dtype}[{bm}, {bk}]>"
         sig["b_desc"] = f"tensordesc<{dtype}[{bn}, {bk}]>" if b_t else f"tensordesc<{dtype}[{bk}, {bn}]>"
+        sig["c_desc"] = _ptr(out)  # tma_case makes it a descriptor for the TMA-store epilogue
     else:
         sig.update(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype))
     sig.update(c_ptr=_ptr(out), bias_ptr=_ptr(bias_dtype or out), preact_ptr=_ptr(dtype if preact else out))
@@ -564,6 +612,15 @@ TMA_RAGGED_GATE_LAUNCHES = tuple(
 TMA_WGRAD_INTO = GemmLaunch("bf16", "bf16", layout="TN", accumulate=True)
 
 
+#: The TMA kernel's forwards with the TMA-store epilogue (no pre-activation stored: an
+#: inference forward, a GELU whose gradient is not needed, tkern.matmul): the heaviest
+#: epilogues, bias + GELU in bf16 and into fp32, for every config offered.
+TMA_STORE_GATE_LAUNCHES = (
+    GemmLaunch("bf16", "bf16", "bf16", 2, False, "NT"),
+    GemmLaunch("fp16", "fp32", "fp32", 2, False, "NT"),
+)
+
+
 def offered_launch(v: GemmLaunch, offered: bool) -> GemmLaunch:
     """``v`` if its config is ``offered`` to ``v``'s activation, else the heaviest
     launch like ``v`` that the config is still offered to (pruned for an activation
@@ -667,11 +724,19 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
     sig = _gemm_sig(
         v.dtype, v.out, v.bias, v.preact, tma=(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], a_t, b_t)
     )
+    # the TMA-store epilogue where the launcher takes it: C row-major with aligned rows
+    # (not ragged) and no pre-activation stored beside it (gemm_tma.launch_tma)
+    c_tma = not v.preact and not v.ragged
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
-        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, **kw,
+        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma, **kw,
     )  # fmt: skip
+    if c_tma:
+        from tkern.kernels.gemm_epilogue import epilogue_parts
+
+        width = kw["BLOCK_N"] // epilogue_parts(kw["EPI_SPLIT"], v.act, v.accumulate)
+        sig["c_desc"] = f"tensordesc<{v.out}[{kw['BLOCK_M']}, {width}]>"
     sig.update(stride_cm="i32")
     for k in const:
         sig[k] = "constexpr"
@@ -699,12 +764,13 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
             for v in linear_launches()
             if v not in gate_launches()
         ]
+    cases += split_k_cases(cc)
     if cc >= 89:
         cases += _fp8_gemm_cases(cc)
     if cc >= 90:
         configs = gemm_configs_for(cc, tma=True)
         for cfg in configs:
-            cases += [tma_case(cfg, v) for v in (*gate_launches(), TMA_WGRAD_INTO)]
+            cases += [tma_case(cfg, v) for v in (*gate_launches(), TMA_WGRAD_INTO, *TMA_STORE_GATE_LAUNCHES)]
         # the other layout once: it changes the loads, not the epilogue
         heavy = FORWARD_HEAVIEST[0]
         cases.append(tma_case(configs[0], dataclasses.replace(heavy, layout="TN")))
@@ -715,6 +781,60 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
             cases += [tma_case(cfg, v) for v in TMA_RAGGED_GATE_LAUNCHES]
         if full:
             cases += [tma_case(configs[0], v) for v in linear_launches() if v not in gate_launches()]
+    return cases
+
+
+SPLIT_K_KERNEL = "tkern.kernels.gemm_split:_matmul_split_k_kernel"
+SPLIT_K_REDUCE = "tkern.kernels.gemm_split:_split_k_reduce_kernel"
+
+
+def split_k_cases(cc: int) -> list[Case]:
+    """Split-K (gemm_split.py) as tkern.linear's wgrad launches it (``dZ^T @ X``: A read
+    transposed, "TN"), with and without dbias summed per K range, for every config its
+    autotuner offers on ``cc``; and its reduction pass into a half C (written, or added
+    into a flat gradient buffer with the row sums) and into fp32."""
+    from tkern.kernels import gemm_configs, gemm_split
+
+    tl = _tl()
+    cases = []
+    for cfg in gemm_configs.prune_configs(gemm_configs.split_k_configs(), cc):
+        kw = cfg.kwargs
+        for dtype, sum_a in (("bf16", True), ("fp16", False)):
+            sig = dict(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype), ws_ptr="*fp32", sums_ptr="*fp32",
+                       M="i32", N="i32", K="i32", K_CHUNK="i32", stride_am="constexpr", stride_ak="i32",
+                       stride_bk="i32", stride_bn="constexpr")  # fmt: skip
+            const = dict(stride_am=1, stride_bn=1, UPCAST=False, A_T=True, B_T=False, SUM_A=sum_a,
+                         EVEN_K=True, **kw)  # fmt: skip
+            sig.update({k: "constexpr" for k in const})
+            aligned = (
+                "a_ptr",
+                "b_ptr",
+                "ws_ptr",
+                "sums_ptr",
+                "M",
+                "N",
+                "K",
+                "K_CHUNK",
+                "stride_ak",
+                "stride_bk",
+            )
+            name = f"matmul_split_k[{cfg_name(kw, cfg)},{dtype},TN{',A sum' if sum_a else ''}]"
+            cases.append(_gemm_case(name, SPLIT_K_KERNEL, cfg, sig, const, aligned))
+    for out, accumulate, sum_a in (("bf16", False, False), ("bf16", True, True), ("fp32", False, False)):
+        sig = dict(ws_ptr="*fp32", c_ptr=_ptr(out), sums_ptr="*fp32", a_sum_ptr="*fp32", SPLITS="i32",
+                   M="i32", N="i32", stride_cm="i32", stride_cn="constexpr")  # fmt: skip
+        const = dict(stride_cn=1, OUT_DTYPE=getattr(tl, _TL_NAME[out]), ACCUMULATE=accumulate, SUM_A=sum_a,
+                     BLOCK_M=gemm_split.REDUCE_BLOCK_M, BLOCK_N=gemm_split.REDUCE_BLOCK_N)  # fmt: skip
+        sig.update({k: "constexpr" for k in const})
+        label = f"{out}{',C+=' if accumulate else ''}{',A sum' if sum_a else ''}"
+        cases.append(
+            Case(
+                name=f"split_k_reduce[{label}]", family="rowwise", kernel=SPLIT_K_REDUCE,
+                signature=_order(sig, SPLIT_K_REDUCE), constexprs=const,
+                aligned=("ws_ptr", "c_ptr", "sums_ptr", "a_sum_ptr", "M", "N", "stride_cm"),
+                num_warps=gemm_split.REDUCE_WARPS, num_stages=1,
+            )
+        )  # fmt: skip
     return cases
 
 
@@ -923,7 +1043,7 @@ def all_cases(cc: int, full: bool = True) -> list[Case]:
     register-hungry launches of tkern.linear (:func:`gate_launches`); every
     other launch only in the full report)."""
     cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
-    cases += cross_entropy_cases()
+    cases += cross_entropy_cases() + _swiglu_cases()
     return cases + _norm_cases(full) + _scale_cases() + _gemm_cases(cc, full)
 
 
@@ -1031,6 +1151,7 @@ def analyse(kernel, case: Case, cc: int, sass: bool = True) -> dict:
         ),
         cp_async=len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global", ptx)),
+        tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::\w+", ptx)),
         convert_layout=ttgir.count("ttg.convert_layout"),
         # elements of each converted tensor: a streaming kernel may move per-block values (the 8-bit
         # state's absmax, BLOCK / 256 per program) between layouts, never its element arrays

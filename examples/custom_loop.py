@@ -5,7 +5,7 @@
 A small MLP (LayerNorm kept in fp32) learns a toy classification task with
 tkern's fp16 GEMMs, FusedAdamW on fp32 master weights and a dynamic loss scale.
 On a machine without a GPU every kernel runs through Triton's interpreter, so a
-step takes tens of milliseconds even for this tiny model.
+step takes far longer than plain torch's, even for this tiny model.
 """
 
 from __future__ import annotations

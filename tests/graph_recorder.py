@@ -8,7 +8,9 @@ A CPU has no CUDA graphs, so the tests capture through :class:`RecordingCapture`
   existed before, and fills what they allocated with NaN (a graph's memory holds
   nothing until its first replay): as a capture, it has no effect;
 * ``replay()`` runs exactly the recorded launches again, on the recorded arguments,
-  writing each op's fresh outputs into the tensors the capture returned.
+  writing each op's fresh outputs into the tensors the capture returned. c10d's
+  collectives are dispatcher ops too: a replay runs them again (and waits for them, as
+  their callers did), so replays on every rank of a group meet in each collective.
 
 So a replay reads only what the capture bound: a launch that took a tensor made
 afresh for its step replays the stale one, and a Python value changed after the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -117,6 +120,11 @@ class _Tape(TorchDispatchMode):
         finally:
             self._busy -= 1
 
+    def fresh_bytes(self) -> int:
+        """The bytes of the tensors the recorded launches allocated (each storage once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._fresh}
+        return sum(storages.values())
+
     def undo(self) -> None:
         """Restore what the recorded launches overwrote; fill what they allocated with NaN."""
         with torch.no_grad():
@@ -145,6 +153,8 @@ class _Tape(TorchDispatchMode):
                     for static, new in zip(fresh, outs, strict=True):
                         if static is not None:
                             static.copy_(new)
+                        elif isinstance(new, torch.ScriptObject) and hasattr(new, "wait"):
+                            new.wait()  # a collective's Work: its caller waited at capture
         finally:
             self._busy -= 1
 
@@ -152,20 +162,43 @@ class _Tape(TorchDispatchMode):
 class RecordingCapture:
     """A :class:`tkern.graphs.GraphCapture` for the CPU (see the module docstring).
 
-    ``log`` lists what happened (``warmup``, ``capture``, ``replay``);
+    ``log`` lists what happened (``warmup``, ``capture``, ``replay``, ``time``);
     ``launches["warmup"]`` / ``launches["capture"]`` the Triton specializations
     launched in each. ``fail=True`` makes every capture raise, as CUDA does for an
-    operation a capture forbids."""
+    operation a capture forbids.
+
+    ``time(fn)`` runs ``fn`` and says how long the host and the "device" took: a CPU
+    has no device running behind the host, so both are the host's time, unless
+    ``timing=(host_ms, synced_ms)`` gives the figures a GPU would (a step the host or
+    the device bounds). ``reserved_bytes()``: the bytes every capture so far allocated
+    (the tensors a graph's pool would hold)."""
 
     device_type = "cpu"
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, timing: tuple[float, float] | None = None) -> None:
         self.fail = fail
+        self.timing = timing
         self.log: list[str] = []
         self.launches: dict[str, list[tuple]] = {"warmup": [], "capture": []}
+        self._pool_bytes = 0
+
+    def reserved_bytes(self) -> int:
+        return self._pool_bytes
+
+    def time(self, fn: Callable[[], Any]) -> tuple[Any, float, float]:
+        self.log.append("time")
+        start = time.perf_counter()
+        out = fn()
+        host = time.perf_counter() - start
+        if self.timing is None:
+            return out, host, host
+        return out, self.timing[0] / 1e3, self.timing[1] / 1e3
 
     def blocker(self, device: torch.device | None) -> str | None:
         return None
+
+    def collectives_blocker(self, groups: list) -> str | None:
+        return None  # c10d's collectives are dispatcher ops: recorded and replayed like any other
 
     @contextlib.contextmanager
     def _watching(self, phase: str, tape: _Tape | None) -> Iterator[None]:
@@ -197,6 +230,7 @@ class RecordingCapture:
         with self._watching("capture", tape), tape:
             out = fn()
         tape.undo()
+        self._pool_bytes += tape.fresh_bytes()
 
         def replay() -> None:
             self.log.append("replay")

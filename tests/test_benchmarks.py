@@ -202,6 +202,42 @@ def test_conv1d_as_linear_computes_the_same_gpt2():
     torch.testing.assert_close(converted(ids), ref, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the smoke path is the CPU's rehearsal of the GPU rows")
+def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_path):
+    """bench_gemm --layouts/--shapes (the flags gpu_check.sh calls): every training layout
+    in 16 bits (with its plan) and in fp8 for every scaling; the odd vocabulary's rows, and
+    the summary keys report.py's targets read."""
+    import bench_gemm
+    import report
+
+    res = bench_gemm.main(
+        ["--smoke", "--layouts", "fwd,dgrad,wgrad", "--shapes", "gpt2", "--out", str(tmp_path)]
+    )
+    rows = [r for r in res.rows if r.get("model") == "gpt2"]
+    half = {(r["layout"], r["layer"]) for r in rows if r["case"].startswith("fp16 ") and r["impl"] == "tkern"}
+    layers = [name for name, *_ in bench_gemm.SMOKE_SHAPES[1]]
+    assert half >= {(layout, layer) for layout in bench_gemm.LAYOUTS for layer in layers}
+    assert all(
+        r["ms"] and "plan" in r for r in rows if r["case"].startswith("fp16 ") and r["impl"] == "tkern"
+    )
+    fp8 = {
+        (r["layout"], r["scaling"])
+        for r in rows
+        if r["case"].startswith("fp8 ") and r["impl"] == "tkern" and r["ms"]
+    }
+    assert fp8 == {(layout, s) for layout in bench_gemm.LAYOUTS for s in bench_gemm.FP8_SCALINGS}
+    assert not res.meta["failed"]
+    assert all(r["ms"] is not None or r.get("skipped") for r in rows)
+    keys = {t.names()[0] for t in report.TARGETS if t.stem == "gemm"}
+    layout_keys = {f"fp16_{layout}_gpt2_vs_cublas" for layout in bench_gemm.LAYOUTS}
+    layout_keys |= {
+        f"fp8_{s}_{layout}_vs_bf16" for layout in bench_gemm.LAYOUTS for s in bench_gemm.FP8_SCALINGS
+    }
+    assert layout_keys <= keys & set(res.meta)  # the report's targets read what the run wrote
+    saved = json.loads((tmp_path / "gemm.json").read_text())
+    assert {r["case"] for r in saved["rows"]} >= {r["case"] for r in rows}
+
+
 @pytest.mark.parametrize("name", ["norm", "loss"])
 def test_norm_and_loss_smoke_time_tkern(name):
     """bench_norm / bench_loss run their tkern rows once tkern has the issue-28 API;
@@ -337,9 +373,9 @@ def test_report_judges_each_target_and_names_the_run(tmp_path):
     )
     text = report.render(tmp_path)
     assert "NVIDIA H100 TEST" in text and "commit abc1234" in text
-    assert "| GEMM fp16 / cuBLAS, squares >= 2048 (geomean) | 0.97 | >= 0.95 | met | 2026-11-21" in text
-    assert "| GEMM fp16 / cuBLAS, transformer shapes (geomean) | 0.7 | >= 0.95 | missed |" in text
     full = report.render_targets(tmp_path)
+    assert "| GEMM fp16 / cuBLAS, squares >= 2048 (geomean) | 0.97 | >= 0.95 | met | 2026-11-21" in full
+    assert "| GEMM fp16 / cuBLAS, transformer shapes (geomean) | 0.7 | >= 0.95 | missed |" in full
     assert "master=none state=uint8 at 1B: time / its byte floor | 1.05 | <= 1.1 | met" in full
     assert "master=fp32 state=fp32 at 1B: time / its byte floor | 1.2 | <= 1.1 | missed" in full
     fp8 = (
@@ -350,7 +386,10 @@ def test_report_judges_each_target_and_names_the_run(tmp_path):
     gpu_targets = [t for t in report.TARGETS if "gpu" in t.where]
     section = full.split("## nvidia-h100-test")[1].split("## host")[0]
     assert section.count("\n| ") == len(gpu_targets) + 2  # + the header and its rule
-    assert report.render(tmp_path / "empty").startswith("**(no GPU run)**: nothing measured yet")
+    empty = report.render(tmp_path / "empty")
+    assert (
+        "No GPU run has been recorded yet." in empty and "- **(no GPU run)**: nothing measured yet" in empty
+    )
 
 
 def test_report_lists_failures_skips_non_device_folders_and_writes_between_the_markers(tmp_path):
@@ -363,7 +402,8 @@ def test_report_lists_failures_skips_non_device_folders_and_writes_between_the_m
     _write(tmp_path / "static", "triton-3.9.0")  # compiler facts: not a device's table
     _write(tmp_path / "host", "activation_memory", device="cpu", norms_saved_vs_autocast=0.52)
     text = report.render(tmp_path)
-    assert "| device copy bandwidth, GB/s (read + write) | 3020.0 |  | figure |" in text
+    full = report.render_targets(tmp_path)
+    assert "| device copy bandwidth, GB/s (read + write) | 3020.0 |  | figure |" in full
     assert "(d) compiled (c)" in text and "IndexError" in text
     assert "static" not in text
     assert "| GPT-2 norm layers' saved bytes, tkern + norms / autocast | 0.52 | <= 0.55 | met |" in text
@@ -409,7 +449,10 @@ def test_report_shows_a_graphed_row_that_never_replayed_as_fell_back_never_as_a_
     text = report.render(tmp_path)
     assert f"`bench_optimizer.py` 1M, tkern: fell back: {reason}" in text
     assert "1M, tkern eager" not in text  # eager by design: no fallback
-    assert "5 fell back" in text.splitlines()[0]  # 1M: vs (a), vs eager, vs (e); 1B: vs (a), % copy
+    device_line = next(line for line in text.splitlines() if line.startswith("- **NVIDIA H100 TEST**"))
+    assert "5 fell back" in device_line  # 1M: vs (a), vs eager, vs (e); 1B: vs (a), % copy
+    summary = report.render_summary(tmp_path)  # the summary names the fallback, never a figure
+    assert f"AdamW + loss-scaler step, 1M params (fell back: {reason})" in summary
 
 
 def test_report_shows_tkern_graphed_against_torch_graphed_capturable_adamw(tmp_path):
@@ -576,7 +619,123 @@ def test_pictures_are_drawn_from_the_results_files_alone_at_most_1600_px_wide(tm
     assert drawn == [folder / "train.png"]
     for results in (tmp_path, BENCH / "results"):
         for png in results.glob("*/*.png"):
-            assert Image.open(png).size[0] <= plots.MAX_WIDTH_PX, png
+            assert max(Image.open(png).size) <= plots.MAX_PX, png
+
+
+def _legend_and_axis(fig):
+    ax = fig.axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+    labels = [ax.xaxis.get_major_formatter()(t, k) for k, t in enumerate(ticks)]
+    return legend, ticks, labels, list(ax.xaxis.get_minorticklocs())
+
+
+def test_committed_pictures_name_every_baseline_as_the_tables_do_and_label_every_gridline():
+    """Every picture of the committed results: at most 1600 px each way, every series
+    and the baseline named as the README's tables name them (no bare results-file impl
+    names such as "(e) (a) capturable, CUDA graph"), the speed axis labelled at every
+    gridline (no unlabelled minor gridlines, at least three labels), 1.0x among them."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    import plots
+
+    checked = 0
+    for source in sorted((BENCH / "results").glob("*/*.json")):
+        payload = json.loads(source.read_text())
+        for picture in plots.PICTURES.get(source.stem, ()):
+            fig = plots.figure(payload, source.stem, picture)
+            if fig is None:
+                continue
+            width, height = fig.get_size_inches() * plots.DPI
+            assert width <= plots.MAX_PX and height <= plots.MAX_PX, (source, picture.name)
+            legend, ticks, labels, minor = _legend_and_axis(fig)
+            names = set(plots.NAMES.get(source.stem, {}).values()) | set(picture.names.values())
+            baseline = [t for t in legend if t.startswith("baseline = 1.0x: ")]
+            assert len(baseline) == 1, legend
+            assert all(n in names for n in baseline[0].removeprefix("baseline = 1.0x: ").split("; ")), legend
+            assert all(t in names for t in legend if t not in baseline), (source, picture.name, legend)
+            assert not minor and len(ticks) >= 3 and all(labels) and "1x" in labels, (source, labels)
+            plt.close(fig)
+            checked += 1
+    assert checked >= 6  # gemm, gemm_fp8, optimizer, train of the H200; the H100's three
+
+
+def test_the_fp8_picture_compares_every_fp8_gemm_with_the_bf16_gemm_of_its_shape():
+    """gemm_fp8.png: tkern's and torch's fp8 GEMMs, each against the bf16 GEMM timed in
+    the case of the same shape (the ratio the table's "/ bf16 cuBLAS" figures average)."""
+    import plots
+
+    payload = {"rows": [
+        {"case": "fp8 bf16 baseline 8x16x32", "impl": "torch bf16", "ms": 3.0},
+        {"case": "fp8 e4m3xe4m3 tensorwise 8x16x32", "impl": "tkern", "ms": 2.0},
+        {"case": "fp8 e4m3xe4m3 tensorwise 8x16x32", "impl": "torch", "ms": 1.5},
+        {"case": "fp16 mm 8x16x32", "impl": "tkern", "ms": 1.0},  # the 16-bit picture's
+    ]}  # fmt: skip
+    fp8 = next(p for p in plots.PICTURES["gemm"] if p.name == "gemm_fp8")
+    cases, ratios, used, left_out = plots.speed_rows(payload, fp8.baselines, fp8)
+    assert cases == ["fp8 e4m3xe4m3 tensorwise 8x16x32"] and used == ["torch bf16"] and left_out == 0
+    assert ratios == {"tkern": [1.5], "torch": [2.0]}
+    assert plots.name_of("gemm", "torch", fp8) == "torch's fp8 GEMM, precise accumulation"
+
+
+def test_summary_says_where_tkern_is_ahead_and_behind_the_best_peer_newest_device_first(tmp_path):
+    """The README's summary, from the results files alone: per device (the newest run
+    first), each measure as the best peer's ms over tkern's, with that peer's name, the
+    commit and the date; a file without commits says so; never-measured measures in one line."""
+    import report
+
+    old, new = tmp_path / "nvidia-h100-test", tmp_path / "nvidia-h200-test"
+    _write(old, "optimizer", rows=[
+        {"case": "1B", "impl": "tkern", "ms": 4.0},
+        {"case": "1B", "impl": "(a) GradScaler+AdamW fused", "ms": 6.0},
+    ])  # fmt: skip
+    _write(new, "optimizer", device="NVIDIA H200 TEST", date="2026-11-25 00:00 UTC", commit="abc1234", rows=[
+        {"case": "1M", "impl": "tkern", "ms": 0.2, "graphed": True, "graph_replays": 9, "commit": "abc1234",
+         "date": "2026-11-25 01:00 UTC"},
+        {"case": "1M", "impl": "(a) GradScaler+AdamW fused", "ms": 0.4},
+        {"case": "1M", "impl": "(e) (a) capturable, CUDA graph", "ms": 0.3},  # the best peer
+        {"case": "1M", "impl": "tkern eager (cuda_graph=False)", "ms": 0.1},  # tkern's own: no peer
+    ])  # fmt: skip
+    _write(new, "train", device="NVIDIA H200 TEST", date="2026-11-25 00:00 UTC", rows=[
+        {"case": report.GPT2, "impl": "tkern", "ms": 2.0, "peak_mib": 50.0},
+        {"case": report.GPT2, "impl": "torch autocast", "ms": 1.0, "peak_mib": 100.0},
+        {"case": report.GPT2, "impl": "torch fp32 (no tf32)", "ms": 0.5},  # not a 16-bit peer
+    ])  # fmt: skip
+    _write(new, "gemm", device="NVIDIA H200 TEST", rows=[
+        {"case": f"fp16 mm 8x{n}x8", "impl": impl, "ms": ms}
+        for n, (a, b) in ((1, (1.0, 2.0)), (2, (1.0, 0.5)))
+        for impl, ms in (("tkern", a), ("torch", b))
+    ])  # fmt: skip
+    summary = report.render_summary(tmp_path)
+    assert summary.index("**NVIDIA H200 TEST**, newest run 2026-11-25") < summary.index(
+        "**NVIDIA H100 TEST**"
+    )
+    graphed_torch = "torch graphed: capturable AdamW(fused=True) + GradScaler"
+    assert (
+        f"| AdamW + loss-scaler step, 1M params | **ahead, 1.50x** | {graphed_torch} | abc1234 "
+        "| 2026-11-25 01:00 UTC |" in summary
+    )
+    assert "| training step, GPT-2 small | **behind, 0.50x** | autocast + GradScaler |" in summary
+    assert "| peak memory of the training step, GPT-2 small | **ahead, 2.00x** |" in summary
+    # geomean over shapes: 2.0x and 0.5x are on par
+    assert "| fp16 GEMM, transformer shapes (geomean of 2 cases) | **on par, 1.00x** | cuBLAS" in summary
+    at_1b = "| AdamW + loss-scaler step, 1B params | **ahead, 1.50x** | GradScaler + AdamW(fused=True) |"
+    assert f"{at_1b} not recorded |" in summary
+    h200 = summary.split("**NVIDIA H100 TEST**")[0]
+    assert h200.count("Not measured on this device:") == 1
+    assert "; fp8 GEMM, blockwise scales (precise accumulation);" in h200
+    assert "| AdamW + loss-scaler step, 10M params |" not in h200
+
+
+def test_readme_results_block_is_what_report_renders_from_the_committed_results():
+    """README.md's results are generated: rerun `python benchmarks/report.py --write`
+    after the results change (the block between the markers must equal its output)."""
+    import report
+
+    text = (report.ROOT / "README.md").read_text()
+    block = text.split(report.START + "\n")[1].split("\n" + report.END)[0]
+    assert block == report.render(), "README.md's results are stale: run python benchmarks/report.py --write"
 
 
 def test_train_rows_mfu_from_the_model_flops_at_the_device_peak():
@@ -704,4 +863,4 @@ def test_profile_rows_csv_and_picture_from_synthetic_events(tmp_path):
         bench_train.write_profile_csv(tmp_path / f"profile_{recipe.replace(' ', '-')}.csv",
                                       bench_train.profile_summary(recipe, rows, 2, 1.0, floors))  # fmt: skip
     png = bench_train.draw_profile(tmp_path)
-    assert png == tmp_path / "profile.png" and Image.open(png).size[0] <= plots.MAX_WIDTH_PX
+    assert png == tmp_path / "profile.png" and max(Image.open(png).size) <= plots.MAX_PX

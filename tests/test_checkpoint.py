@@ -1,5 +1,5 @@
 """tkern.train.checkpoint: the file rules on their own (the Trainer's use of them is
-tests/test_trainer.py's). References: torch.load of what was written, and the
+tests/test_trainer_checkpoint.py's). References: torch.load of what was written, and the
 RNGs' own draws."""
 
 from __future__ import annotations

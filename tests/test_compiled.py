@@ -76,7 +76,7 @@ def test_every_kernel_and_target_is_covered(rows):
     expected = {
         "_sgd_kernel", "_adam_kernel", "_grad_stats_kernel", "_finalize_stats_kernel",
         "_grad_underflow_kernel", "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
-        "_norm_fwd_kernel", "_norm_bwd_kernel",
+        "_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
     }  # fmt: skip
     for cc in TARGETS:
         assert {k for k, t in kernels if t == f"sm_{cc}"} >= expected
@@ -211,6 +211,41 @@ def test_pointer_gemm_pipelines_with_16_byte_async_copies(rows):
 def test_tma_kernel_loads_through_descriptors(rows):
     tma = [r for r in rows if r["kernel"] == "_matmul_tma_kernel"]
     assert tma and all(r["tma_loads"] > 0 for r in tma if r["compiled"])
+
+
+def test_split_k_compiles_pipelined_without_spills(rows):
+    # gemm_split.py: every config its autotuner offers, as tkern.linear's wgrad launches it
+    # (dZ^T read transposed, dbias summed per K range or not): 16-byte cp.async loads, wgmma
+    # on Hopper, 128-bit stores of the fp32 partials; the ordered reduction's partial loads
+    # and C stores at 128 bits
+    split = [r for r in rows if r["kernel"] == "_matmul_split_k_kernel"]
+    reduce = [r for r in rows if r["kernel"] == "_split_k_reduce_kernel"]
+    assert {r["target"] for r in split} == {r["target"] for r in reduce} == {f"sm_{cc}" for cc in TARGETS}
+    for r in split:
+        assert r["compiled"] and not r["spill_bytes"], _name(r)
+        assert r["cp_async"] and r["cp_async_16"] == r["cp_async"], _name(r)
+        assert r["wgmma"] or r["target"] != "sm_90", _name(r)
+        assert set(r["global_access_bits"]["ws_ptr"]) == {128}, _name(r)
+    for r in reduce:
+        assert r["compiled"] and not r["spill_bytes"], _name(r)
+        assert set(r["global_access_bits"]["ws_ptr"]) == {128}, _name(r)
+        assert set(r["global_access_bits"]["c_ptr"]) == {128}, _name(r)
+
+
+def test_tma_kernel_stores_c_through_descriptors_where_the_launcher_does(rows):
+    # the TMA-store epilogue (gemm_epilogue.epilogue_tma): C with aligned rows and no
+    # pre-activation beside it (the wgrad into a flat buffer, forwards without one) is
+    # stored by bulk tensor copies, on every config offered; a pre-activation keeps the
+    # pointer epilogue
+    import static_report
+
+    by_name = {r["case"]: r for r in rows if r["target"] == "sm_90"}
+    for cfg in static_report.gemm_configs_for(90, tma=True):
+        for launch in (static_report.TMA_WGRAD_INTO, *static_report.TMA_STORE_GATE_LAUNCHES):
+            r = by_name[static_report.tma_case(cfg, launch).name]
+            assert r["compiled"] and not r["spill_bytes"] and r["tma_stores"] > 0, _name(r)
+    preact = [r for r in by_name.values() if r["kernel"] == "_matmul_tma_kernel" and "preact" in r["case"]]
+    assert preact and all(r["tma_stores"] == 0 for r in preact if r["compiled"])
 
 
 def test_streaming_kernels_use_full_width_vector_accesses(rows):

@@ -295,3 +295,99 @@ def test_keep_fp32_params_bad_arguments():
         layer.weight.dtype == torch.float32
         and layer(torch.ones(2, 4, device=layer.weight.device)).dtype == torch.float16
     )
+
+
+# --------------------------------------------------------------------------- transformers' own rules
+
+
+def _t5():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config).to(DEVICE)
+
+
+def test_keep_in_fp32_modules_keep_fp32_params_and_compute_under_fp16():
+    model = _t5()
+    assert set(model._keep_in_fp32_modules) == {"wo"}  # fp16 overflows there (transformers' own rule)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_network(model)
+    wo = [(n, m) for n, m in model.named_modules() if n.endswith(".wo")]
+    assert len(wo) == 2 and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 for _, m in wo)
+    assert model.encoder.block[0].layer[1].DenseReluDense.wi.weight.dtype == torch.float16  # its sibling
+    said = [str(w.message) for w in caught if "_keep_in_fp32_modules" in str(w.message)]
+    assert len(said) == 1 and ", ".join(n for n, _ in wo) + " (Linear): kept in fp32" in said[0]
+    seen = []
+    wo[0][1].register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    ids = torch.tensor([[1, 2, 3, 4]], device=DEVICE)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and seen == [(torch.float32, torch.float32)]  # fp32 in, fp32 out
+    assert wo[0][1].weight.grad.dtype == torch.float32
+    convert_network(model, torch.float32)
+    assert all(type(m) is nn.Linear and not m._forward_pre_hooks for _, m in wo)
+
+
+def test_keep_in_fp32_modules_is_fp16_only_and_the_strict_list_holds_for_bf16():
+    model = convert_network(_t5(), torch.bfloat16)  # bf16 has fp32's range: transformers keeps none
+    assert all(isinstance(m, tkern.nn.Linear) for n, m in model.named_modules() if n.endswith(".wo"))
+
+    class Strict(nn.Module):
+        _keep_in_fp32_modules_strict = ["head.proj"]
+
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.head = nn.ModuleDict({"proj": nn.Linear(4, 4)})
+
+    model = Strict()
+    with pytest.warns(UserWarning, match=r"head.proj \(Linear\): kept in fp32"):
+        convert_network(model, torch.bfloat16)
+    assert model.head.proj.weight.dtype == torch.float32 and model.body.weight.dtype == torch.bfloat16
+
+
+def test_bert_warns_only_for_what_it_keeps_in_fp32():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    model = transformers.BertForMaskedLM(config).to(DEVICE)
+    head = model.cls.predictions
+    assert head.bias is head.decoder.bias
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_network(model)
+    said = [str(w.message) for w in caught if "convert_network" in str(w.message)]
+    # the embeddings own only integer buffers (position_ids, token_type_ids): nothing to keep
+    assert not any("embeddings" in s for s in said), said
+    assert model.bert.embeddings.position_ids.dtype == torch.int64
+    # cls.predictions' own bias is its decoder's: a Linear's bias, 16-bit like every other
+    assert not any("cls.predictions" in s for s in said), said
+    assert head.bias is head.decoder.bias and head.bias.dtype == torch.float16
+    ids = torch.tensor([[1, 2, 3, 4]], device=DEVICE)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert head.bias.grad.dtype == torch.float16
+
+
+def test_a_module_owning_an_unshared_parameter_beside_a_child_keeps_only_that_in_fp32():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.decoder = nn.Linear(4, 6)
+            self.bias = self.decoder.bias  # shared with the child: the child's
+            self.scale = nn.Parameter(torch.ones(6))  # its own
+
+        def forward(self, x):
+            return self.decoder(x) * self.scale
+
+    model = nn.Sequential(Head()).to(DEVICE)
+    with pytest.warns(UserWarning, match=r"0 \(Head\) is not a type tkern knows"):
+        convert_network(model)
+    assert model[0].scale.dtype == torch.float32 and model[0].bias.dtype == torch.float16
+    assert model[0].bias is model[0].decoder.bias

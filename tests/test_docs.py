@@ -15,7 +15,9 @@ of its headings (GitHub's slugs).
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 import warnings
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import torch
 import tkern
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_LINES = 200
 
@@ -182,3 +185,118 @@ def test_parser_finds_blocks_and_links(tmp_path):
     assert LINK.findall(prose(page)) == ["other.md#a-b-c"]
     assert anchors(page) == {"a-b-c"}
     assert len(CASES) >= 8, CASES
+
+
+# ------------------------------------------------- prose against the measured results
+RESULTS = ROOT / "benchmarks" / "results"
+RESULTS_BLOCK = re.compile(r"<!-- results-table:start -->.*?<!-- results-table:end -->", re.S)
+#: GPU names a page might say something was measured on
+DEVICE = re.compile(r"\b(?:A100|A10G?|L4|L40S|H100|H200|H20|B100|B200|GB200|MI300X?)\b")
+MEASURED = re.compile(r"measured|timed|\bGPU run|\bran on|\bruns? on|benchmark", re.I)
+#: a speed or memory ratio against a peer, as prose would state one ("1.41x autocast")
+PEER_FIGURE = re.compile(
+    r"(?<![\w.])(\d+\.\d+)x\b(?=[^.\n]{0,40}?(?:autocast|torch|GradScaler|cuBLAS|torchao|Liger|AdamW|eager))"
+)
+BOUND = re.compile(r"(?:<=|>=|<|>|target[^.]{0,20}?)\s*$")
+#: sentences that say something was never measured: (claim, what in the results contradicts it)
+NEVER_MEASURED = [
+    (re.compile(r"\bno fp8 figure|\bno fp8 \w+ (?:has been|was) measured", re.I), "fp8"),
+    (re.compile(r"\bnot yet (?:run|measured) on a GPU", re.I), "graph"),
+    (re.compile(r"\bthe (?:one|only) GPU run\b", re.I), "second GPU"),
+]
+
+
+def _gpu_payloads() -> list[dict]:
+    payloads = []
+    for path in sorted(RESULTS.glob("*/*.json")):
+        payload = json.loads(path.read_text())
+        if path.parent.name not in ("host", "static") and payload.get("device") not in (None, "cpu"):
+            payloads.append(payload)
+    return payloads
+
+
+def _numbers(value) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _numbers(v)]
+    return []
+
+
+def _measured(payloads: list[dict]) -> dict[str, bool]:
+    """What the results hold, for the never-measured claims."""
+    rows = [r for p in payloads for r in p.get("rows", []) if r.get("ms")]
+    return {
+        "fp8": any("fp8" in r["impl"] or str(r["case"]).startswith("fp8") for r in rows),
+        "graph": any(r["impl"] == "tkern whole-step graph" and r.get("graph_replays") for r in rows),
+        "second GPU": len({p["device"] for p in payloads}) > 1,
+    }
+
+
+def _prose_pages() -> dict[str, str]:
+    """Each page's prose (no code, no inline code), README without its generated results."""
+    out = {}
+    for page in PAGES:
+        text = prose(page)
+        out[rel(page)] = RESULTS_BLOCK.sub("", text) if page.name == "README.md" else text
+    return out
+
+
+def _sentences(text: str) -> list[str]:
+    return [s for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s]
+
+
+def test_pages_name_no_device_figure_or_absence_the_results_contradict():
+    """docs/ and the README (outside the block report.py writes) must agree with
+    benchmarks/results/: a GPU said to have measured something is one the results
+    hold; a ratio against a peer ("1.41x autocast") is a value of a results file or a
+    target's bound; "no fp8 figure", "not yet run on a GPU" (the whole-step graph) and
+    "the one GPU run" are false once the results hold them. Pages link to the README's
+    generated summary instead of stating figures."""
+    payloads = _gpu_payloads()
+    devices = {d for p in payloads for d in DEVICE.findall(p["device"])}
+    values = {
+        round(n, 6) for path in RESULTS.glob("*/*.json") for n in _numbers(json.loads(path.read_text()))
+    }
+    import report  # benchmarks/report.py: the targets' bounds
+
+    bounds = {float(t.bound) for t in report.TARGETS if t.bound is not None}
+    measured = _measured(payloads)
+    wrong = []
+    for page, text in _prose_pages().items():
+        for sentence in _sentences(text):
+            named = set(DEVICE.findall(sentence))
+            if named - devices and MEASURED.search(sentence):
+                wrong.append(
+                    f"{page}: names {sorted(named - devices)} (results hold {sorted(devices)}): {sentence}"
+                )
+            for m in PEER_FIGURE.finditer(sentence):
+                figure, digits = float(m.group(1)), len(m.group(1).split(".")[1])
+                if BOUND.search(sentence[: m.start()]):
+                    ok = figure in bounds
+                else:
+                    ok = any(round(v, digits) == figure for v in values)
+                if not ok:
+                    wrong.append(f"{page}: {m.group(0)} is in no results file: {sentence}")
+            for claim, what in NEVER_MEASURED:
+                if claim.search(sentence) and measured[what]:
+                    wrong.append(f"{page}: the results hold {what} figures: {sentence}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_prose_check_catches_the_sentences_issue_47_found(monkeypatch):
+    """The check above, on the sentences issue 47 quoted, against the committed results."""
+    stale = {
+        "docs/x.md": "The one GPU run so far is an H100. No fp8 figure has been measured on a GPU. "
+        "The whole-step graph: not yet run on a GPU. The step ran on an A100 at 1.77x autocast.",
+    }
+    monkeypatch.setattr(sys.modules[__name__], "_prose_pages", lambda: stale)
+    with pytest.raises(AssertionError) as caught:
+        test_pages_name_no_device_figure_or_absence_the_results_contradict()
+    said = str(caught.value)
+    for part in ("second GPU", "fp8 figures", "graph figures", "['A100']", "1.77x"):
+        assert part in said, (part, said)

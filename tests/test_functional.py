@@ -514,15 +514,17 @@ def test_custom_op_backward_matches_the_autograd_function(activation):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("needs", [(True, True), (False, True), (True, False)], ids=NEEDS_IDS)
 def test_where_the_gemms_take_the_tma_kernel_the_backward_drops_its_prologue(dtype, needs, monkeypatch):
-    # Hopper, M, N, K >= TMA_MIN_DIM (patched: 16, and has_tma on; the TMA kernel runs through
-    # the interpreter): ReLU's gradient is its own pass and dbias a reduction, so that dgrad
-    # and wgrad take the TMA kernel (tkern.ops.linear.PROLOGUE_ON_TMA_SHAPES); same gradients
-    from tkern.kernels import gemm
+    # Hopper, GEMMs planned on the TMA kernel (one SM with TMA and gemm_plan.TMA_MIN_WAVES
+    # patched to 1; the TMA kernel runs through the interpreter): ReLU's gradient is its own
+    # pass and dbias a reduction, so that dgrad and wgrad take the TMA kernel
+    # (tkern.ops.linear.PROLOGUE_ON_TMA_SHAPES); same gradients
+    from tkern.kernels import gemm, gemm_plan
 
     routes = []
     launch_tma, launch = gemm.launch_tma, gemm._launch
-    monkeypatch.setattr(gemm, "has_tma", lambda device: True)
-    monkeypatch.setattr(gemm, "TMA_MIN_DIM", 16)
+    monkeypatch.setattr(gemm, "device_gemm_info", lambda device: (1, True))
+    monkeypatch.setattr(gemm, "_PLANS", {})
+    monkeypatch.setattr(gemm_plan, "TMA_MIN_WAVES", 1)
     monkeypatch.setattr(gemm, "launch_tma", lambda *args: routes.append("tma") or launch_tma(*args))
     monkeypatch.setattr(gemm, "_launch", lambda *args: routes.append("pointer") or launch(*args))
     x, w, b = make(dtype, shape=(64, 32), n=48)

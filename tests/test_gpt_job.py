@@ -105,3 +105,31 @@ def test_without_transformers_the_same_shape_in_plain_torch(monkeypatch):
     fp32, tk = results
     assert tk.val_bpc == pytest.approx(fp32.val_bpc, rel=CLAIM_TOLERANCE)
     assert tk.skipped_steps == 0 and len(tk.train_bpc) == 2
+
+
+@pytest.mark.filterwarnings("ignore:convert_network")
+def test_compile_option_compiles_the_tkern_runs(capsys):
+    # --compile: the tkern runs train under torch.compile(fullgraph=True), tkern-graph (its own
+    # CUDA graphs) and the baselines as before; one step of the compiled model (aot_eager here:
+    # inductor's codegen takes a minute on this CPU; tests/test_hf_compile.py runs both) equals
+    # the eager one's loss
+    from tkern.train.cli import build_parser, gpt_config
+
+    cfg = gpt_config(build_parser().parse_args(["train", "--model", "gpt", "--compile"]))
+    assert cfg.compile
+    lm, _ = gpt_job.make_model(cfg, 16)
+    built = {
+        name: gpt_job.build(name, lm, cfg, torch.device("cpu"))[0]
+        for name in ("tkern", "tkern-graph", "fp32")
+    }
+    compiled = built["tkern"]
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert not isinstance(built["tkern-graph"], torch._dynamo.eval_frame.OptimizedModule)
+    assert not isinstance(built["fp32"], torch._dynamo.eval_frame.OptimizedModule)
+    ids = torch.randint(0, 16, (1, 8))
+    eager_loss = compiled._orig_mod(ids)
+    torch._dynamo.reset()
+    loss = torch.compile(compiled._orig_mod, fullgraph=True, backend="aot_eager")(ids)
+    assert torch.equal(loss, eager_loss)
+    assert main(["train", "--compile", "--no-progress"]) == 2
+    assert "--compile applies to --model gpt" in capsys.readouterr().err

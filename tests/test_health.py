@@ -101,6 +101,27 @@ def test_unnamed_params_are_named_by_group_index_and_shape():
         opt.name_params(list(model.parameters()))
 
 
+def test_params_given_with_names_are_reported_by_them_and_tracking_stays_opt_in():
+    torch.manual_seed(0)
+    model = Net().to(DEVICE).half()
+    named = list(model.named_parameters())
+    # two groups, as torch takes them: names from named_parameters() land in param_names
+    opt = FusedAdamW([{"params": named[:4]}, {"params": named[4:], "lr": 1e-4}], lr=1e-3)
+    backward(model, model.head.weight)
+    opt.step()
+    with pytest.raises(RuntimeError, match="tracking is off"):  # names alone turn nothing on
+        opt.overflow_report()
+    opt.track_overflows = True
+    opt.zero_grad()
+    backward(model, model.head.weight)
+    model.blocks[0].bias.grad[0] = float("nan")
+    opt.step()
+    assert sorted(opt.overflow_report().nonfinite) == ["blocks.0.bias", "head.weight"]
+    # name_params' names win over the given ones
+    opt.name_params(nn.ModuleDict({"top": model}))
+    assert sorted(opt.overflow_report().nonfinite) == ["top.blocks.0.bias", "top.head.weight"]
+
+
 def test_an_overflowing_scale_is_a_skip_with_no_tensor_named():
     model, opt = named_setup()
     backward(model)

@@ -1,5 +1,8 @@
-"""``convert_network(model, dtype, fused_loss=True)`` on transformers' tiny GPT-2 and Llama:
-the loss by tkern.linear_cross_entropy (no logits), against HF's own path.
+"""``convert_network(model, dtype, fused_loss=True)`` on transformers' tiny causal LMs of every
+family it reads as "base model, head, HF's loss" (GPT-2, Llama, Gemma 2, Mistral, Qwen2, Gemma,
+Phi, Phi-3, GPT-NeoX, OPT, a user's Llama subclass): the loss by tkern.linear_cross_entropy, no
+(tokens, V) tensor in the step (a TorchDispatchMode watches every aten op), against HF's own
+path; the forwards it would get wrong (a logit scale, a router loss) warn and keep HF's loss.
 
 Tolerances: the loss of the converted fp16 model against the unconverted fp32 model's:
 fp16 weights and activations round at every layer (u = 2^-11 relative, a few per layer,
@@ -18,8 +21,10 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE, TOL, rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
+import tkern.ops.cross_entropy as ce_ops
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[integrations]')"
@@ -34,15 +39,16 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config).to(DEVICE).eval()
 
 
-#: One small decoder layer, as Llama-like configs spell it.
+#: One small decoder layer, as Llama-like configs spell it (extra keys are ignored by
+#: the configs that do not know them).
 _DECODER = {
     "vocab_size": 64,
     "hidden_size": 32,
-    "intermediate_size": 64,
+    "intermediate_size": 48,
     "num_hidden_layers": 1,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
-    "max_position_embeddings": 32,
+    "max_position_embeddings": 64,
 }
 
 
@@ -62,6 +68,43 @@ def _gemma2(softcap=2.0):
     return transformers.Gemma2ForCausalLM(config).to(DEVICE).eval()
 
 
+#: The families' vocabulary: no other dimension of their tensors is 100 (_LogitsWatch).
+_VOCAB = 100
+
+
+def _family(config_class: str, model_class: str, **extra):
+    def make():
+        config = getattr(transformers, config_class)(**{**_DECODER, "vocab_size": _VOCAB, **extra})
+        torch.manual_seed(0)
+        return getattr(transformers, model_class)(config).to(DEVICE).eval()
+
+    make.__name__ = model_class
+    return make
+
+
+class _MyLlama(transformers.LlamaForCausalLM):
+    """A user's subclass (its own name, the same forward): matched by structure."""
+
+
+def _my_llama():
+    torch.manual_seed(0)
+    return _MyLlama(transformers.LlamaConfig(**{**_DECODER, "vocab_size": _VOCAB})).to(DEVICE).eval()
+
+
+_NEOX = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+#: One tiny model per family that fuses (their forwards are "base model, head, HF's loss").
+FAMILIES = {
+    "mistral": _family("MistralConfig", "MistralForCausalLM"),
+    "qwen2": _family("Qwen2Config", "Qwen2ForCausalLM"),
+    "gemma": _family("GemmaConfig", "GemmaForCausalLM", head_dim=16),
+    "phi": _family("PhiConfig", "PhiForCausalLM"),
+    "phi3": _family("Phi3Config", "Phi3ForCausalLM", pad_token_id=0),
+    "gpt_neox": _family("GPTNeoXConfig", "GPTNeoXForCausalLM", **_NEOX),
+    "opt": _family("OPTConfig", "OPTForCausalLM", ffn_dim=64, word_embed_proj_dim=32, **_NEOX),
+    "llama_subclass": _my_llama,
+}
+
+
 @pytest.fixture(autouse=True)
 def _quiet():
     transformers.logging.set_verbosity_error()
@@ -69,7 +112,8 @@ def _quiet():
 
 @pytest.mark.filterwarnings("ignore:convert_network")  # Llama's RMSNorm and rotary embedding stay fp32
 @pytest.mark.parametrize("make", [_gpt2, _llama, _gemma2], ids=["gpt2", "llama", "gemma2"])
-def test_fused_loss_matches_hf(make):
+def test_fused_loss_matches_hf(make, monkeypatch):
+    monkeypatch.setattr(ce_ops, "default_chunk_rows", lambda n, h, v: 8)  # 3 chunks (_LogitsWatch)
     ref = make()
     ids = torch.randint(0, 64, (2, 12), device=DEVICE)
     labels = ids.clone()
@@ -80,10 +124,11 @@ def test_fused_loss_matches_hf(make):
     plain = tkern.convert_network(copy.deepcopy(ref), torch.float16)
     if make is _gpt2:
         assert fused.lm_head.weight is fused.transformer.wte.weight  # tied embeddings kept
-    out = fused(ids, labels=labels)
-    assert out.logits is None and out.loss.dtype == torch.float32
+    with _LogitsWatch(64, 32) as watch:
+        out = fused(ids, labels=labels)
+        out.loss.backward()
+    assert out.logits is None and out.loss.dtype == torch.float32 and 0 < watch.rows <= 8
     assert abs(out.loss.item() - expected.loss.item()) < 5e-3
-    out.loss.backward()
     hf = plain(ids, labels=labels)
     hf.loss.backward()
     assert abs(out.loss.item() - hf.loss.item()) < 5e-3
@@ -138,3 +183,107 @@ def test_reconvert_without_fused_loss_and_back():
         assert other(ids, labels=ids).logits is None
     tkern.convert_network(model, torch.float32)
     assert "forward" not in model.__dict__ and type(model.lm_head) is torch.nn.Linear
+
+
+# --------------------------------------------------------------------------- every family, by structure
+
+
+class _LogitsWatch(TorchDispatchMode):
+    """Records the most rows of any tensor an aten op returns whose last dimension is the
+    vocabulary (logits or their gradient: (B, T, V), (tokens, V), a chunk's (rows, V)),
+    the head's weight transposed (H, V) aside (a view; dispatch does not flag it as one)."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.vocab, self.hidden, self.rows = vocab, hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            vocab_last = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab
+            if vocab_last and tuple(t.shape) != (self.hidden, self.vocab):
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+@pytest.mark.filterwarnings("ignore:convert_network")  # norms, rotary embeddings kept fp32
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_fuses_without_logits(name, monkeypatch):
+    # 2 x 12 tokens in chunks of 8 rows (the default rule would take all 24 rows in one
+    # chunk: at least MIN_CHUNK_ROWS = 128 rows a chunk), so the largest (rows, V) tensor
+    # of the fused step is a chunk's, never all the tokens'; the unfused model's step makes
+    # (tokens, V) logits (the watch's positive control).
+    monkeypatch.setattr(ce_ops, "default_chunk_rows", lambda n, h, v: 8)
+    ref = FAMILIES[name]()
+    vocab, tokens = ref.config.vocab_size, 24
+    ids = torch.randint(0, vocab, (2, 12), device=DEVICE)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    fused = tkern.convert_network(copy.deepcopy(ref), torch.float16, fused_loss=True)
+    plain = tkern.convert_network(copy.deepcopy(ref), torch.float16)
+    expected = ref(ids, labels=labels).loss
+    expected.backward()
+    with _LogitsWatch(vocab, 32) as watch:
+        out = fused(ids, labels=labels)
+        out.loss.backward()
+    assert out.logits is None and 0 < watch.rows <= 8
+    with _LogitsWatch(vocab, 32) as control:
+        hf = plain(ids, labels=labels)
+        hf.loss.backward()
+    assert control.rows >= tokens
+    assert abs(out.loss.item() - expected.item()) < 5e-3
+    assert abs(out.loss.item() - hf.loss.item()) < 5e-3
+    params = zip(ref.named_parameters(), fused.parameters(), plain.parameters(), strict=True)
+    for (pname, r), f, p in params:
+        # as close to the fp32 model's gradient as HF's own fp16 path (the two round the
+        # logits' gradient differently: one fp16 tolerance between them, and a quarter for
+        # parameters whose gradient is mostly rounding error, as a key bias's exact zero)
+        assert rel_err(f.grad, r.grad) <= 1.25 * rel_err(p.grad, r.grad) + TOL[torch.float16], pname
+
+
+def _cohere():
+    return _family("CohereConfig", "CohereForCausalLM", logit_scale=0.5)()
+
+
+def _granite():
+    return _family("GraniteConfig", "GraniteForCausalLM", logits_scaling=4.0)()
+
+
+def _mixtral():
+    return _family("MixtralConfig", "MixtralForCausalLM", num_local_experts=2, output_router_logits=True)()
+
+
+@pytest.mark.filterwarnings("ignore:convert_network")
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (_cohere, r"CohereForCausalLM keeps its own loss .*changes the logits.*logit_scale"),
+        (_granite, r"GraniteForCausalLM keeps its own loss .*changes the logits.*logits_scaling"),
+        (_mixtral, r"MixtralForCausalLM keeps its own loss .*changes the loss after self.loss_function"),
+    ],
+    ids=["cohere", "granite", "mixtral"],
+)
+def test_a_forward_the_fused_loss_would_get_wrong_warns_and_keeps_hfs_loss(make, why):
+    # a logit scale between the head and the loss, or a router loss added after it: the
+    # fused loss would differ from the model's own, so it is refused, with a warning
+    ref = make()
+    ids = torch.randint(0, 64, (1, 8), device=DEVICE)
+    with pytest.warns(UserWarning, match=why):
+        model = tkern.convert_network(copy.deepcopy(ref), torch.float16, fused_loss=True)
+    assert "forward" not in model.__dict__
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+        assert out.logits is not None and abs(out.loss.item() - ref(ids, labels=ids).loss.item()) < 5e-3
+
+
+@pytest.mark.filterwarnings("ignore:convert_network")
+def test_no_causal_lm_warns():
+    bert = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    with pytest.warns(UserWarning, match=r"BertForMaskedLM keeps its own loss .*output embeddings"):
+        tkern.convert_network(transformers.BertForMaskedLM(bert), torch.float16, fused_loss=True)
+    with pytest.warns(UserWarning, match=r"BertModel holds no transformers causal LM"):
+        tkern.convert_network(transformers.BertModel(bert), torch.float16, fused_loss=True)
+    with pytest.warns(UserWarning, match=r"Sequential holds no transformers causal LM"):
+        tkern.convert_network(torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.float16, fused_loss=True)

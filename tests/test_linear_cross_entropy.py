@@ -225,14 +225,68 @@ def test_linear_cross_entropy_module():
     assert rel_err(module.weight.grad, ref[2]) <= TOL[torch.bfloat16]
 
 
-def test_torch_compile_runs_it_eagerly():
-    # a graph break around the chunked loop (torch.compiler.disable), the rest compiled
-    x, w, b, target, _ = _inputs(torch.float16, n=16)
-    step = torch.compile(
-        lambda x, w, b, t: tkern.linear_cross_entropy(x, w, t, linear_bias=b) * 2, backend="aot_eager"
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_compile_fullgraph_matches_eager(reduction):
+    # the custom op tkern::linear_cross_entropy (and its backward op for "none"): no graph
+    # break; the same chunks and kernels on the same inputs as the eager door, so equal
+    x, w, b, target, weight = _inputs(torch.float16, n=40)
+    kw = {**ALL, "weight": weight, "reduction": reduction, "chunk_size": 16}
+
+    def step(x, w, b, t):
+        loss = tkern.linear_cross_entropy(x, w, t, linear_bias=b, **kw)
+        return loss.sum() * 2 if reduction == "none" else loss * 2
+
+    results = []  # fullgraph=True: a graph break raises
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        loss = fn(*leaves, target)
+        loss.backward()
+        results.append((loss, *(t.grad for t in leaves)))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+    kw.pop("chunk_size")
+    grad_out = torch.full((40,) if reduction == "none" else (), 2.0, device=DEVICE)
+    ref = _reference(x, w, b, target, grad_out=grad_out, **kw)
+    assert rel_err(results[1][2], ref[2]) <= TOL[torch.float16]
+
+
+def test_custom_ops_pass_opcheck():
+    # schema, fake (meta) implementation, autograd registration and AOT dispatch of both ops
+    x, w, b, target, weight = _inputs(torch.float16, n=8, v=10)
+    x, w, b = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    for reduction in ("mean", "none"):
+        args = (x, w, b, target, weight, -100, 0.1, 3.0, 1e-3, reduction, 8, True, True, True)
+        torch.library.opcheck(torch.ops.tkern.linear_cross_entropy.default, args)
+    _, lse, *_ = torch.ops.tkern.linear_cross_entropy(
+        x, w, None, target, None, -100, 0.0, 0.0, 0.0, "none", 8, *[False] * 3
     )
-    loss, ref = step(x, w, b, target), _reference(x, w, b, target)[0] * 2
-    assert rel_err(loss, ref) <= LOSS_TOL
+    grad = torch.rand(8, device=DEVICE)
+    args = (
+        x.detach(),
+        w.detach(),
+        None,
+        target,
+        None,
+        lse.detach(),
+        grad,
+        -100,
+        0.0,
+        0.0,
+        0.0,
+        8,
+        True,
+        True,
+        False,
+    )
+    torch.library.opcheck(torch.ops.tkern.linear_cross_entropy_backward.default, args)
+
+
+def test_meta_tensors_get_the_loss_shape():
+    x = torch.empty(6, 4, 8, dtype=torch.float16, device="meta")
+    w = torch.empty(10, 8, dtype=torch.float16, device="meta")
+    t = torch.empty(6, 4, dtype=torch.int64, device="meta")
+    assert tkern.linear_cross_entropy(x, w, t).shape == ()
+    assert tkern.linear_cross_entropy(x, w, t, reduction="none").shape == (6, 4)
 
 
 def test_weight_gradient_goes_into_the_fused_optimizers_flat_buffer(monkeypatch):

@@ -247,3 +247,112 @@ def test_each_steps_grad_stats_is_its_own_after_a_capture():
     assert len(set(norms)) == 5  # the steps' statistics differ: a stale copy would show
     for g, e in zip(graphed, eager, strict=True):
         assert torch.equal(g, e)
+
+
+# ------------------------------------------------------------------ with collectives
+
+
+def _replica_run(rank, kind, graphed):
+    """8 loss-scaled steps on this rank's own data; rank 0 alone overflows at step 4, so
+    every rank skips it only if the statistics' collective ran inside the step."""
+    import torch.distributed as dist
+
+    from tkern.optim import DistributedFusedAdamW
+
+    model = _model()
+    mode = {} if graphed else {"cuda_graph": False}
+    if kind == "replicas":
+        opt = FusedAdamW(
+            model.parameters(), lr=1e-2, max_grad_norm=1.0, process_group=dist.group.WORLD, **mode
+        )
+    else:
+        opt = DistributedFusedAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0, **mode)
+    capture = RecordingCapture()
+    if graphed:
+        opt.graph_capture = capture
+    scaler = tkern.DynamicLossScaler(init_scale=2.0**10, growth_interval=3)
+    g = torch.Generator().manual_seed(1 + rank)
+    for t in range(8):
+        opt.zero_grad()
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        scaler.scale((model(x.half()).float() - y).pow(2).mean()).backward()
+        if t == 4 and rank == 0:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "scale": scaler.get_scale(),
+        "skipped": scaler.skipped_steps,
+        "counts": dict(opt.graph_counts),
+        "fallback": opt.graph_fallback,
+        "log": capture.log,
+    }
+
+
+def _scenario_collectives(rank, world):
+    return {
+        kind: {graphed: _replica_run(rank, kind, graphed) for graphed in (True, False)}
+        for kind in ("replicas", "zero2")
+    }
+
+
+SCENARIOS = {"collectives": _scenario_collectives}
+
+
+@needs_recorder
+def test_the_step_is_graphed_with_its_collectives_on_replicas_and_zero2(tmp_path):
+    """process_group (DDP-style replicas) and ZeRO-2: the statistics' collective is
+    captured with the step and replayed with it (c10d's collectives go through the
+    dispatcher, so the recorder records them; gloo's cannot be captured on a GPU, NCCL's
+    can: ``CudaGraphCapture.collectives_blocker``). Graphed equals eager bit for bit on
+    every rank, through an overflow on rank 0 alone that every rank skips."""
+    from scenarios import result, run_scenarios
+
+    ranks = result(
+        run_scenarios("test_optim_graph", 2, ["collectives"], tmp_path, timeout_s=600), "collectives"
+    )
+    for rank, runs in enumerate(ranks):
+        for kind, by in runs.items():
+            graphed, eager = by[True], by[False]
+            assert graphed["fallback"] is None and graphed["counts"]["replay"] >= 4, (rank, kind, graphed)
+            assert graphed["log"].count("capture") >= 1
+            assert eager["counts"] == {"eager": 8}
+            for a, b in zip(graphed["params"], eager["params"], strict=True):
+                assert torch.equal(a, b), (rank, kind)
+            assert graphed["skipped"] == eager["skipped"] == 1 and graphed["scale"] == eager["scale"]
+    zero2 = [r["zero2"][True]["params"] for r in ranks]  # ZeRO-2 all-gathers the params: the ranks agree
+    assert all(torch.equal(a, b) for a, b in zip(*zero2, strict=True))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a gloo group over the CPU's tensors")
+def test_cuda_seam_captures_only_nccl_collectives():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        why = tkern.graphs.CudaGraphCapture().collectives_blocker([dist.group.WORLD])
+        assert why == "the step's collectives run on gloo, which CUDA graphs cannot capture (NCCL's can)"
+        p = torch.zeros(4, dtype=torch.float16, device=DEVICE, requires_grad=True)
+        opt = FusedAdamW([p], lr=1e-3, process_group=dist.group.WORLD)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        assert opt.graph_fallback == why and opt.graph_counts == {"eager": 1}
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_recorder
+def test_the_step_graph_holds_only_the_steps_few_temporaries(monkeypatch):
+    """The pool of the optimizer's graph is what its capture allocates: the statistics'
+    partial sums and the step's flags, a few bytes per program of pass 1, nothing the
+    size of a param (the master, the moments and the gradients live in the flat buffers,
+    outside the graph). The recorder counts the bytes its captures allocate."""
+    torch.manual_seed(0)
+    wide = torch.nn.Sequential(torch.nn.Linear(16, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 4))
+    monkeypatch.setattr(__import__(__name__), "_model", lambda seed=0: wide.to(DEVICE, torch.float16))
+    capture = RecordingCapture()
+    model, opt, _, _ = _train(capture, steps=4, events=False)
+    assert opt.graph_counts["capture"] == 1
+    master = sum(4 * p.numel() for p in model.parameters())  # 86 KB of fp32 master
+    assert 0 < opt.graph_pool_bytes == capture.reserved_bytes() < master / 100

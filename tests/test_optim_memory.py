@@ -7,11 +7,13 @@ torch.optim.AdamW (checkpoints in both directions)."""
 from __future__ import annotations
 
 import math
+import pickle
 
 import pytest
 import torch
 from conftest import DEVICE
 
+import tkern
 from tkern.kernels._update import QBLOCK, code_map, dynamic_code_map, state_from_fp32, state_to_fp32
 from tkern.optim import FusedAdam, FusedAdamW, FusedSGD
 
@@ -413,3 +415,38 @@ def test_8bit_adamw_steps_like_torchaos_adamw8bit():
         assert same > 0.999, (name, same)
         torch.testing.assert_close(flat.absmax[name], st.scale.view(-1), rtol=1e-5, atol=0)
     torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=1e-2 * lr)
+
+
+def test_memory_reports_keep_bytes_and_print_mib_per_line():
+    p = torch.zeros(2**18, dtype=torch.float32, device=DEVICE, requires_grad=True)  # 1 MiB of fp32
+    report = FusedAdamW([p]).memory_report()
+    assert (report["param"], report["grad"], report["state"], report["graph_pool"]) == (
+        2**20,
+        2**20,
+        2**21,
+        0,
+    )
+    lines = dict(line.split(maxsplit=1) for line in str(report).splitlines())
+    assert list(lines) == list(report)  # one line per entry, in order
+    assert lines["param"] == "1.00 MiB (1048576 B)" and lines["state"] == "2.00 MiB (2097152 B)"
+    assert lines["total"] == "4.00 MiB (4194304 B)" and lines["bytes_per_param"] == "16.00 B/param"
+    assert set(report.byte_keys) == {
+        "param",
+        "grad",
+        "master",
+        "state",
+        "fsdp_storage",
+        "graph_pool",
+        "total",
+    }
+    assert pickle.loads(pickle.dumps(report)).byte_keys == report.byte_keys
+    # the Trainer's: the same kind, the graphs' pools on their own line
+    model = torch.nn.Linear(512, 512, bias=False).to(DEVICE)  # 1 MiB of fp32 weight
+    trainer = tkern.Trainer(
+        model, FusedAdamW(model.parameters()), torch.nn.functional.mse_loss, progress=False
+    )
+    report = trainer.memory_report()
+    lines = dict(line.split(maxsplit=1) for line in str(report).splitlines())
+    assert list(lines) == ["model", "optimizer", "grads", "graphs", "activations", "total"]
+    assert lines["model"] == "1.00 MiB (1048576 B)" and report["graphs"] == 0
+    assert report["total"] == sum(report[k] for k in report.byte_keys[:-1])

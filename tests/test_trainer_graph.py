@@ -18,7 +18,7 @@ from graph_recorder import RecordingCapture
 from torch import nn
 
 import tkern
-from tkern.graphs import STRICT_ENV
+from tkern.graphs import STRICT_ENV, CudaGraphCapture
 from tkern.optim import DistributedFusedAdamW, FusedAdamW
 from tkern.train import demo
 from tkern.train.cli import main
@@ -150,6 +150,13 @@ def test_each_reason_to_run_eager_is_one_line(changes, reason):
     assert why is not None and reason in why and "\n" not in why
 
 
+class _NcclLike:
+    """A seam's collectives_blocker that captures every group's collectives (as NCCL's)."""
+
+    def __call__(self, groups):
+        return None
+
+
 def test_data_parallel_parts_run_eager():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -158,6 +165,15 @@ def test_data_parallel_parts_run_eager():
         assert why == "a DistributedDataParallel model: its gradient all-reduce hooks are not captured"
         why = _eligible(optimizer=DistributedFusedAdamW(model.parameters(), lr=1e-3))
         assert why == "DistributedFusedAdamW is sharded: its collectives are not captured"
+        replicas = FusedAdamW(model.parameters(), lr=1e-3, process_group=dist.group.WORLD)
+        why = _eligible(optimizer=replicas)
+        assert why == "FusedAdamW has a process_group: its collectives are not captured"
+        why = _eligible(optimizer=replicas, collectives_blocker=CudaGraphCapture().collectives_blocker)
+        assert why == (
+            "FusedAdamW has a process_group: the step's collectives run on gloo, which CUDA graphs "
+            "cannot capture (NCCL's can)"
+        )
+        assert _eligible(optimizer=replicas, collectives_blocker=_NcclLike()) is None
     finally:
         dist.destroy_process_group()
 
@@ -182,8 +198,10 @@ def test_cuda_graph_off_cuda_warns_once_and_trains_exactly_as_eager():
 
 @needs_recorder
 def test_bad_cuda_graph_arguments():
-    with pytest.raises(TypeError, match="cuda_graph must be a bool, got 1"):
+    with pytest.raises(TypeError, match="cuda_graph must be True, False or 'auto', got 1"):
         make_trainer(cuda_graph=1)
+    with pytest.raises(TypeError, match="cuda_graph must be True, False or 'auto', got 'on'"):
+        make_trainer(cuda_graph="on")
     with pytest.raises(ValueError, match="graph_capture is used only with cuda_graph=True"):
         make_trainer(RecordingCapture())
 
@@ -334,7 +352,7 @@ def test_cli_cuda_graph_reaches_the_tkern_run(monkeypatch, capsys):
 
     def fake_compare(cfg):
         seen["cfg"] = cfg
-        counts = {"warmup": 6, "capture": 2, "replay": 92} if cfg.cuda_graph else None
+        counts = {"warmup": 6, "capture": 2, "replay": 92} if cfg.cuda_graph is True else None
         return [demo.Result("tkern", 0.1, 0.9, 1.0, 2**20, 0, 1024.0, graph_counts=counts)]
 
     monkeypatch.setattr(demo, "compare", fake_compare)
@@ -343,7 +361,7 @@ def test_cli_cuda_graph_reaches_the_tkern_run(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "tkern run: whole-step CUDA graphs, steps by kind: 6 warmup, 2 capture, 92 replay, 0 eager" in out
     assert main(["train", "--no-progress"]) == 0
-    assert seen["cfg"].cuda_graph is False
+    assert seen["cfg"].cuda_graph == "auto"  # the Trainer chooses
     assert "CUDA graphs" not in capsys.readouterr().out
 
 

@@ -17,9 +17,10 @@ The pieces they share, and the one vocabulary they use:
   included, so a capture records exactly the launches the warm-ups ran, with the same
   tensors: the same Triton specialization (pointer alignment, divisibility), the same
   autotuner choice, so nothing is compiled, autotuned or allocated-and-initialised
-  inside a capture.
+  inside a capture. ``bytes``: what its capture took for its memory pool.
 * :class:`StepGraphs`: a step's graphs keyed by a *stamp* (what the graphs bake in:
-  a change drops them all) and a *shape* (one graph each, up to ``max_graphs``).
+  a change drops them all) and a *shape* (one graph each, up to ``max_graphs``);
+  ``pool_bytes``: the memory their captures hold.
 * How a step ran, counted in ``graph_counts`` by both owners: ``"warmup"``,
   ``"capture"`` (captured, then replayed), ``"replay"`` and ``"eager"`` (not graphed);
   why the last step was not a replay: ``graph_fallback`` (None when it was graphed).
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
@@ -159,6 +161,21 @@ class GraphCapture(Protocol):
         tensors that every replay rewrites)."""
         ...
 
+    def reserved_bytes(self) -> int:
+        """The device memory the allocator holds now: a capture's pool is the growth
+        across it (nothing else allocates while a capture runs)."""
+        ...
+
+    def collectives_blocker(self, groups: Sequence[Any]) -> str | None:
+        """Why a step that runs collectives on the process ``groups`` cannot be
+        captured (None if it can)."""
+        ...
+
+    def time(self, fn: Callable[[], T]) -> tuple[T, float, float]:
+        """Run ``fn`` eagerly from an idle device: (its result, seconds until ``fn``
+        returned on the host, seconds until the device finished its work)."""
+        ...
+
 
 class CudaGraphCapture:
     """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``, as torch's recipe for
@@ -166,15 +183,22 @@ class CudaGraphCapture:
     waits for the device happens before the capture begins (one synchronize); the
     captured region frees nothing and runs in the "thread_local" error mode (a
     DataLoader's pin-memory thread may call the CUDA API meanwhile, which the default
-    "global" mode forbids)."""
+    "global" mode forbids).
+
+    Every graph this seam captures shares one memory pool (as
+    ``torch.cuda.make_graphed_callables`` shares one across its callables): a graph's
+    temporaries are rewritten by its own replay before they are read, and the graphs
+    of one owner never replay at once, so a second graph (the epoch's last, smaller
+    batch) reuses the first one's temporaries instead of holding its own."""
 
     device_type = "cuda"
 
     def __init__(self) -> None:
         self._stream: torch.cuda.Stream | None = None  # made on first use: none on a CPU
+        self._pool: Any = None  # the shared pool's handle, made at the first capture
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_stream": None}  # a copy (a pickled optimizer) makes its own stream
+        return {"_stream": None, "_pool": None}  # a copy (a pickled optimizer) makes its own
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -184,6 +208,30 @@ class CudaGraphCapture:
 
     def blocker(self, device: torch.device | None) -> str | None:
         return device_blocker(device, "the params are", device_type=self.device_type)
+
+    def reserved_bytes(self) -> int:
+        return torch.cuda.memory_reserved()
+
+    def collectives_blocker(self, groups: Sequence[Any]) -> str | None:
+        # NCCL's collectives are captured into the graph (on the capturing stream) and
+        # replay with it; gloo's run on the host and cannot be
+        import torch.distributed as dist
+
+        for group in groups:
+            backend = str(dist.get_backend(group))
+            if backend != "nccl":
+                return (
+                    f"the step's collectives run on {backend}, which CUDA graphs cannot capture (NCCL's can)"
+                )
+        return None
+
+    def time(self, fn: Callable[[], T]) -> tuple[T, float, float]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        host = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return out, host, time.perf_counter() - start
 
     def warmup(self, fn: Callable[[], T]) -> T:
         # a side stream, as capture uses one: lazy per-stream state (autograd's
@@ -199,8 +247,10 @@ class CudaGraphCapture:
         torch.cuda.synchronize()  # before the capture: nothing pending crosses into it
         graph = torch.cuda.CUDAGraph()
         stream = self._side_stream()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
                 out = fn()
             except BaseException:
@@ -233,6 +283,8 @@ class StepGraph(Generic[T]):
         self.warmups = 0
         self._replay: Callable[[], None] | None = None
         self._out: Any = None
+        #: the bytes the capture added to the allocator's reserve (the graph's pool); 0 before
+        self.bytes = 0
 
     def run(self, fn: Callable[..., T], inputs: Sequence[torch.Tensor]) -> tuple[T, str]:
         """``(fn's result, how the step ran)``: a warm-up, a capture (then a replay) or a
@@ -245,11 +297,14 @@ class StepGraph(Generic[T]):
                 self.warmups += 1
                 with _graph_step():
                     return self.seam.warmup(lambda: fn(*self.inputs)), WARMUP
+            reserved = getattr(self.seam, "reserved_bytes", None)  # optional for a seam
+            before = 0 if reserved is None else reserved()
             try:
                 with _graph_step():
                     replay, out = self.seam.capture(lambda: fn(*self.inputs))
             except Exception as e:
                 raise CaptureError(f"capture failed: {e}") from e
+            self.bytes = 0 if reserved is None else max(reserved() - before, 0)
             self._replay, self._out = replay, out
             how = CAPTURE
         else:
@@ -274,6 +329,11 @@ class StepGraphs:
         self.counts: Counter[str] = Counter()
         self._graphs: dict[Hashable, StepGraph] = {}
         self._stamp: Hashable = None
+
+    @property
+    def pool_bytes(self) -> int:
+        """The memory the captured graphs hold in their pools (:attr:`StepGraph.bytes`)."""
+        return sum(g.bytes for g in self._graphs.values())
 
     def reset(self) -> None:
         """Drop every graph and static buffer (after a load changed the state they captured)."""

@@ -1,4 +1,6 @@
-"""A loss scaler's checkpoint format: its state_dict checked before anything changes."""
+"""A loss scaler's checkpoint format: its state_dict checked before anything changes
+(:func:`parse_state`), and :class:`ScalerStateDict`, the part of
+:class:`~tkern.amp.LossScaler` that saves and loads it."""
 
 from __future__ import annotations
 
@@ -7,10 +9,10 @@ from typing import Any
 
 import torch
 
-from tkern.amp.util import FP32_MAX, is_int
+from tkern.amp.util import FP32_MAX, HostMirror, is_int, placed
 from tkern.kernels import scale as K
 
-__all__ = ["parse_state"]
+__all__ = ["ScalerStateDict", "parse_state"]
 
 
 def parse_state(
@@ -51,3 +53,81 @@ def parse_state(
         if not (0 < scale <= FP32_MAX and 0 < inv <= FP32_MAX):
             raise ValueError(f"state dict: the scale in state must be finite and > 0, got {scale}")
     return probe, int(updates), saved
+
+
+class ScalerStateDict:
+    """A loss scaler's ``state_dict`` / ``load_state_dict`` (torch's GradScaler's protocol):
+    its config (:meth:`_config`, which a subclass extends), the update count and the device
+    state. Uses the scaler's ``_enabled``, ``get_scale``, ``_updates``, ``_state``,
+    ``_mirror``, ``_state_movable``, ``_stats`` and ``_last_stats``."""
+
+    def validate_state_dict(self, state_dict: Any) -> None:
+        """Check ``state_dict`` as :meth:`load_state_dict` would, changing
+        nothing: ``TypeError``/``ValueError``/``RuntimeError`` if it would be
+        refused (the wrong class, missing entries, a bad config or state)."""
+        self._parse_state_dict(state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Hyperparameters and the whole device state (scale, counters,
+        statistics), enough to continue the same trajectory; empty when
+        disabled (as GradScaler's)."""
+        if not self._enabled:
+            return {}
+        out = {"class": type(self).__name__, "scale": self.get_scale(), "updates": self._updates}
+        out.update(self._config())
+        out["state"] = None if self._state is None else self._state.detach().cpu().clone()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (from a scaler of the same class).
+
+        Everything is validated before anything changes (``ValueError``
+        naming the entry). The state moves to the device of the scaler's
+        current state, or, for a scaler not used yet, to the device of its
+        first loss. A disabled scaler ignores the call, as GradScaler does.
+        """
+        if not self._enabled:
+            return
+        probe, updates, saved = self._parse_state_dict(state_dict)
+        # validated: change nothing before this line
+        for key in self._config():
+            setattr(self, key, getattr(probe, key))
+        self._updates = int(updates)
+        self._stats.clear()
+        self._last_stats = None
+        if saved is None:
+            self._state, self._mirror, self._state_movable = None, None, False
+            return
+        if self._state is not None:
+            self._state = placed(saved, self._state.device)
+            self._state_movable = False
+        else:
+            self._state = placed(saved, saved.device)
+            self._state_movable = True
+        self._mirror = HostMirror(self._state)
+
+    def _parse_state_dict(self, state_dict: Any) -> tuple[Any, int, torch.Tensor | None]:
+        """Validate a state dict (changing nothing): (a scaler built from its
+        config, the update count, the state on the CPU or None)."""
+
+        def build(config: dict[str, Any]) -> Any:
+            return type(self)(**self._ctor_kwargs(config))
+
+        return parse_state(state_dict, type(self).__name__, self._config(), self._optional_config(), build)
+
+    def _config(self) -> dict[str, Any]:
+        """The scaler's hyperparameters by name: what :meth:`state_dict` saves beside the state."""
+        return {
+            "init_scale": self.init_scale,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "max_overflows_at_min": self.max_overflows_at_min,
+        }
+
+    def _optional_config(self) -> dict[str, Any]:
+        """Config keys older state dicts may lack, with the value they implied."""
+        return {}
+
+    def _ctor_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Constructor arguments that rebuild a scaler with ``config``."""
+        return dict(config)

@@ -52,6 +52,12 @@ class ParamStorage:
         cannot (a message; the buffer then holds a copy). None here: nothing to share."""
         return None
 
+    def held_bytes(self, params: list[torch.Tensor], buffer: torch.Tensor) -> dict[int, int]:
+        """The storages the params' owner keeps for ``params`` besides ``buffer`` (the flat
+        param buffer), address -> bytes (so that buffers that share one are counted once):
+        none here, where the params are views of the buffer."""
+        return {}
+
     def versions(self, params: list[torch.Tensor]) -> list:
         """What moves when ``params`` are written in place (the next step then copies
         them in and reconciles the master): their version counters here."""

@@ -7,14 +7,15 @@ pointer's shape and dtype) and the launchers that validate their arguments,
 allocate and launch. The map, from kernel to
 what a user touches, its tests and its benchmark:
 
-gemm.py, gemm_tma.py (their shared rooms: gemm_epilogue.py, gemm_configs.py)
+gemm.py, gemm_tma.py, gemm_split.py (their shared rooms: gemm_epilogue.py, gemm_configs.py, gemm_plan.py)
     kernels: ``gemm._matmul_kernel`` (pointer; fp16/bf16, or fp8 operands with
     their scales applied to the fp32 accumulator), ``gemm_tma._matmul_tma_kernel``
     (persistent, TMA); both end in ``gemm_epilogue.epilogue`` (bias, activation,
     pre-activation, one cast) and walk tiles in ``gemm_epilogue.tile_coords``
     order. Launchers: ``gemm.matmul`` / ``matmul_prechecked`` / ``linear_prechecked``
-    (ragged operands, and those at least ``gemm.TMA_MIN_DIM`` in every dimension, go to
-    ``gemm_tma.launch_tma`` on Hopper), ``gemm.matmul_backward`` /
+    (scheduled by ``gemm_plan.plan_gemm`` from the tile count and waves: ragged operands and
+    4 waves or more go to ``gemm_tma.launch_tma`` on Hopper, few tiles over a long K to
+    ``gemm_split.launch_split_k``), ``gemm.matmul_backward`` /
     ``matmul_backward_prechecked`` (the pointer kernel's operand prologue: an
     activation's gradient applied to A, A' and its row sums stored), ``gemm.matmul_tma_persistent``,
     ``gemm.scaled_mm``. Configs: ``gemm_configs.gemm_configs`` /
@@ -39,6 +40,13 @@ activation.py
     kernel: ``_activation_grad_kernel``. Launcher: ``activation_grad``. Above:
     ``ops.linear.linear``'s backward (``tkern::activation_grad``). Tests:
     test_activation.py, test_functional.py. Benchmark: bench_gemm.py (fused GELU).
+swiglu.py
+    kernels: ``_swiglu_fwd_kernel`` (``h = act(gate) * up``), ``_swiglu_bwd_kernel`` (dgate,
+    dup), fp32 inside with activation.py's jit helpers; 2-D with row strides (the halves of
+    one packed tensor read in place). Launchers: ``swiglu_forward``, ``swiglu_backward``.
+    Above: ``ops.swiglu.swiglu`` / ``swiglu_packed`` (custom ops ``tkern::swiglu``,
+    ``tkern::swiglu_backward``), ``tkern.swiglu``, ``nn.fusion.FusedMLPForward`` (Llama-family
+    MLPs in ``convert_network``). Tests: test_swiglu.py, test_blocks.py, test_compiled.py.
 norm.py
     kernels: ``_norm_fwd_kernel`` (LayerNorm / RMSNorm of a row per program, fp32
     statistics, optional fused residual ``h = x + residual``), ``_norm_bwd_kernel``
@@ -74,9 +82,10 @@ cross_entropy.py
     Launchers: ``cross_entropy_forward``, ``cross_entropy_backward``; ``check_targets``.
     Above: ``ops.cross_entropy.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
     ``tkern::cross_entropy_backward``), ``ops.cross_entropy.linear_cross_entropy`` (with
-    the GEMMs), ``nn.CrossEntropyLoss``, ``nn.LinearCrossEntropy``, ``convert_network(
+    the GEMMs, chunked by ops/loss_chunks.py; custom op ``tkern::linear_cross_entropy``),
+    ``nn.CrossEntropyLoss``, ``nn.LinearCrossEntropy``, ``convert_network(
     fused_loss=True)`` (nn/hf_loss.py). Tests: test_cross_entropy.py,
-    test_linear_cross_entropy.py, test_hf_fused_loss.py, test_compiled.py. Benchmarks:
+    test_linear_cross_entropy.py, test_hf_fused_loss.py, test_hf_compile.py, test_compiled.py. Benchmarks:
     bench_loss.py, static_report.py.
 
 ``_common.py`` holds what every family shares: the execution mode (Triton's

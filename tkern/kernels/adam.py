@@ -95,18 +95,14 @@ def _adam_kernel(
     v = v * beta2 + one_minus_beta2 * g * g
     store_state(exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_qmap_ptr, offs, mask, m, M_KIND)
     store_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, exp_avg_sq_qmap_ptr, offs, mask, v, V_KIND)
-    if AMSGRAD:
-        v = tl.maximum(
-            load_state(
-                max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr,
-                offs, mask, VMAX_KIND,
-            ),
-            v,
-        )  # fmt: skip
+    if AMSGRAD:  # the running max of the second moment, which the step then divides by
+        vmax = load_state(
+            max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr, offs, mask, VMAX_KIND
+        )
+        v = tl.maximum(vmax, v)
         store_state(
-            max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr,
-            offs, mask, v, VMAX_KIND,
-        )  # fmt: skip
+            max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr, offs, mask, v, VMAX_KIND
+        )
     t = tl.load(step_ptr)
     bias_correction1 = one_minus_pow(t + 1.0, ln_beta1)
     bias_correction2_sqrt = tl.sqrt(one_minus_pow(t + 1.0, ln_beta2))

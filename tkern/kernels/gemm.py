@@ -7,14 +7,16 @@ with the TMA kernel, see gemm_epilogue.py) runs on that FP32 tile, so the only
 rounding to half precision is the final store.
 
 The family's other rooms: gemm_configs.py (tile tables and the pruning rules),
-gemm_epilogue.py (tile order, epilogue, argument checks), gemm_tma.py (the
-persistent tensor-descriptor kernel, which :func:`matmul` routes ragged
-operands and large ones (:data:`TMA_MIN_DIM`) to on Hopper, and
-:func:`matmul_tma_persistent` routes everything it can).
+gemm_epilogue.py (tile order, epilogue, argument checks), gemm_plan.py (the
+rule that schedules each GEMM by its tile count and waves on the GPU's SMs),
+gemm_tma.py (the persistent tensor-descriptor kernel, which :func:`matmul` runs
+on Hopper where the plan says so; :func:`matmul_tma_persistent` runs everything
+it can there) and gemm_split.py (split-K with an ordered reduction).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -32,7 +34,7 @@ from tkern.kernels._common import (
     resolve_launch,
 )
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
-from tkern.kernels.gemm_configs import gemm_autotune, gemm_configs, operands_ragged, transposed
+from tkern.kernels.gemm_configs import VECTOR_ELEMS, gemm_autotune, gemm_configs, operands_ragged, transposed
 from tkern.kernels.gemm_epilogue import (
     OUT_DTYPES,
     bias_stride,
@@ -41,7 +43,9 @@ from tkern.kernels.gemm_epilogue import (
     epilogue_meta,
     tile_coords,
 )
-from tkern.kernels.gemm_tma import has_tma, launch_tma, tma_layouts
+from tkern.kernels.gemm_plan import POINTER, SPLIT_K, TMA, GemmPlan, plan_gemm
+from tkern.kernels.gemm_split import launch_split_k
+from tkern.kernels.gemm_tma import TMA_ALIGN_BYTES, has_tma, launch_tma, tma_layouts
 
 #: How an operand's fp8 scale is laid out (the kernel's constexpr SCALE_A/SCALE_B):
 #: none (fp16/bf16 operands), one element for the whole tensor, one per row of a
@@ -296,39 +300,135 @@ def matmul_prechecked(
     (:func:`tkern.linear` checks its inputs once; its backward feeds the GEMM
     tensors it made): the hot path, with no checks repeated per call. ``into``:
     an (M, N) tensor of ``out_dtype`` the product is added to (``accumulate``) or
-    written into, and returned."""
+    written into, and returned. Scheduled by :func:`plan_for` (gemm_plan.py)."""
     (M, K), N = a.shape, b.shape[1]
-    if (
-        has_tma(a.device)
-        and (min(M, N, K) >= TMA_MIN_DIM or operands_ragged(a, b))
-        and (layouts := tma_layouts(a, b)) is not None
-    ):
-        # Large: the persistent TMA schedule wins (TMA_MIN_DIM). Ragged: the pointer
-        # kernel cannot prove 16-byte alignment, every load is a 16-bit scalar without
-        # cp.async (255 registers and spills, see the static report); descriptors
-        # zero-fill the edges and keep wgmma fed.
-        return launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into, accumulate)
-    sa, sb, prologue = a.stride(), b.stride(), NO_PROLOGUE
-    return _launch(
-        a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, NO_SCALES, prologue, into, accumulate
-    )
+    plain = bias is None and activation is None and preact is None
+    plan = plan_for(a, b, M, N, K, split=plain)
+    return run_plan(plan, a, b, M, N, K, bias, activation, out_dtype, preact, into, accumulate)
 
 
-#: The smallest M, N and K at which Hopper's aligned GEMMs take the persistent TMA
-#: kernel (gemm_tma.py) instead of the pointer kernel. Measured on the H100 (torch
-#: 2.11, triton 3.6; benchmarks/results/nvidia-h100-80gb-hbm3/gemm.csv), the TMA
-#: kernel was faster on every shape with all three >= 4096 (squares 4096 and 8192:
-#: 1.05-1.12x; the M = 8192 transformer shapes: 1.26-1.49x) and slower on every
-#: shape with one <= 2048 (squares 512 to 2048: 0.25-0.58x; it offers only 128 x
-#: 128 and larger tiles and a persistent grid). Between 2048 and 4096 nothing was
-#: measured, so the pointer kernel keeps those shapes.
-TMA_MIN_DIM = 4096
+def run_plan(
+    plan: GemmPlan,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    M: int,
+    N: int,
+    K: int,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    out_dtype: torch.dtype,
+    preact: torch.Tensor | None,
+    into: torch.Tensor | None = None,
+    accumulate: bool = True,
+    a_sum: torch.Tensor | None = None,
+    transpose_a: bool = False,
+) -> torch.Tensor:
+    """``act(a @ b + bias)`` on the kernel ``plan`` names, for arguments already
+    checked; with ``transpose_a`` ``a`` is given as its (K, M) transpose and read in
+    place. ``a_sum`` (split-K and the pointer kernel): a contiguous (M,) tensor
+    receiving A's row sums, summed in fp32. A TMA plan whose operands a descriptor
+    cannot describe, or with ``a_sum``, runs on the pointer kernel."""
+    sa = a.stride()[::-1] if transpose_a else a.stride()
+    if plan.kernel == SPLIT_K:
+        splits, chunk = plan.split_k, plan.k_chunk
+        return launch_split_k(a, sa, b, M, N, K, splits, chunk, out_dtype, a_sum, into, accumulate)
+    if plan.kernel == TMA and a_sum is None:
+        if transpose_a:
+            a = a.t()
+        layouts = tma_layouts(a, b)
+        if layouts is not None:
+            # Ragged: the pointer kernel cannot prove 16-byte alignment, every load is a
+            # 16-bit scalar without cp.async (255 registers and spills, see the static
+            # report); descriptors zero-fill the edges and keep wgmma fed. Many waves: the
+            # persistent schedule wins (gemm_plan.TMA_MIN_WAVES).
+            return launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into, accumulate)
+    prologue = NO_PROLOGUE if a_sum is None else OperandPrologue(a_sum=a_sum)
+    sb = b.stride()
+    args = (bias, activation, out_dtype, preact, NO_SCALES, prologue, into, accumulate)
+    return _launch(a, sa, b, sb, M, N, K, *args)
 
 
-def large_on_tma(device: torch.device, m: int, n: int, k: int) -> bool:
-    """Whether an aligned GEMM whose dimensions are ``m``, ``n`` and ``k`` (in any
-    order) takes the TMA kernel on ``device`` by :data:`TMA_MIN_DIM` (Hopper)."""
-    return min(m, n, k) >= TMA_MIN_DIM and has_tma(device)
+@functools.cache
+def _device_gemm_info(device: torch.device) -> tuple[int, bool]:
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, has_tma(device)
+
+
+def device_gemm_info(device: torch.device) -> tuple[int, bool]:
+    """``(SMs, TMA)`` of ``device`` as :func:`gemm_plan.plan_gemm` takes them:
+    ``(0, False)`` under the interpreter and off CUDA (no SM count: the pointer
+    kernel alone, as before there was a plan). The tests' seam for a GPU's routing."""
+    if INTERPRET or device.type != "cuda":
+        return 0, False
+    return _device_gemm_info(device)
+
+
+#: :func:`gemm_plan.plan_gemm`'s answers by its arguments: the hot path asks once per shape.
+_PLANS: dict[tuple, GemmPlan] = {}
+
+
+def plan_gemm_cached(m: int, n: int, k: int, num_sms: int, tma: bool, ragged: bool, split: bool) -> GemmPlan:
+    """:func:`gemm_plan.plan_gemm`, remembered (:data:`_PLANS`)."""
+    key = (m, n, k, num_sms, tma, ragged, split)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = plan_gemm(m, n, k, num_sms, tma=tma, ragged=ragged, split=split)
+    return plan
+
+
+def plan_for(a: torch.Tensor, b: torch.Tensor, M: int, N: int, K: int, split: bool = True) -> GemmPlan:
+    """The plan of ``a`` (M, K) @ ``b`` (K, N) on their device (:func:`device_gemm_info`):
+    ``ragged`` from the operands' shapes and strides (``gemm_configs.operands_ragged``),
+    TMA where the device has it and a descriptor can describe both operands."""
+    num_sms, tma = device_gemm_info(a.device)
+    if num_sms <= 0:
+        return _NO_PLAN
+    ragged = operands_ragged(a, b)
+    plan = plan_gemm_cached(M, N, K, num_sms, tma, ragged, split)
+    if plan.kernel == TMA and tma_layouts(a, b) is None:  # no descriptor: plan without TMA
+        plan = plan_gemm_cached(M, N, K, num_sms, False, ragged, split)
+    return plan
+
+
+def plan_for_shape(device: torch.device, m: int, n: int, k: int, split: bool = True) -> GemmPlan:
+    """The plan of ``(m, k) @ (k, n)`` on ``device`` for dense operands (strides their
+    dimensions): what :func:`plan_for` gives them, ragged where a dimension is not a
+    multiple of 16 elements (``tkern.linear`` decides its backward's prologue by it
+    before the GEMMs run)."""
+    num_sms, tma = device_gemm_info(device)
+    if num_sms <= 0:
+        return _NO_PLAN
+    ragged = any(d % VECTOR_ELEMS for d in (m, n, k))
+    return plan_gemm_cached(m, n, k, num_sms, tma, ragged, split)
+
+
+#: Row stride (in elements) of the copy :func:`tma_aligned_rows` makes: 64 half-precision
+#: elements, 128 bytes (a multiple of the 16 bytes a tensor descriptor needs, and of the
+#: 16 elements the pointer kernel's vector loads need: gemm_configs.VECTOR_ELEMS).
+ROW_ALIGN_ELEMS = 64
+
+
+def tma_aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) itself, or, on a device with TMA when a tensor descriptor cannot
+    describe ``t``'s rows (a row stride that is not a multiple of 16 bytes: the LM
+    head's dlogits over GPT-2's 50257 classes, 100514 bytes a row), a copy of the
+    same values whose rows start :data:`ROW_ALIGN_ELEMS`-aligned (a view of the first
+    ``t.shape[1]`` columns of a padded buffer; the padding is never read). One read
+    and one write of ``t``, so that both GEMMs that read it take the TMA kernel
+    instead of the pointer kernel's scalar loads (gemm_configs.RAGGED_MAX_TILE)."""
+    if not device_gemm_info(t.device)[1] or t.dim() != 2 or t.stride(1) != 1 or t.shape[1] <= 1:
+        return t
+    size = t.element_size()  # the offset, not data_ptr(): traced (fake) tensors have no data
+    if (t.stride(0) * size) % TMA_ALIGN_BYTES == 0 and (t.storage_offset() * size) % TMA_ALIGN_BYTES == 0:
+        return t
+    rows, cols = t.shape
+    width = -(-cols // ROW_ALIGN_ELEMS) * ROW_ALIGN_ELEMS
+    padded = torch.empty(rows, width, dtype=t.dtype, device=t.device)[:, :cols]
+    return padded.copy_(t)
+
+
+#: The plan where no SM count is known (the interpreter, CPU tensors): the pointer kernel.
+_NO_PLAN = GemmPlan(POINTER, 1, 0, 0, 0.0)
 
 
 class OperandScales(NamedTuple):
@@ -491,7 +591,7 @@ def linear_prechecked(
     checked its arguments (x (M, K), weight (N, K)): :func:`matmul_prechecked` on
     ``weight.T``, which the pointer kernel reads in place through ``weight``'s
     strides (no view made per call)."""
-    if has_tma(x.device):  # Hopper: matmul_prechecked's routing, on the view
+    if device_gemm_info(x.device)[0] > 0:  # a GPU: matmul_prechecked's plan, on the view
         return matmul_prechecked(x, weight.t(), bias, activation, x.dtype, preact)
     (M, K), N = x.shape, weight.shape[0]
     sw = weight.stride()
@@ -622,24 +722,22 @@ def matmul_backward_prechecked(
     (K, M), read in place through swapped strides (the wgrad ``dZ^T @ X``
     without a view per call); ``a_sum`` is still (M,). ``into``: the
     ``accumulate_into`` (``accumulate``) or ``out`` tensor, or None."""
-    sa = a.stride()
-    if transpose_a:
-        if a.numel() == 0 or b.shape[1] == 0 or has_tma(a.device):  # the rare routes take views
-            t = [None if v is None else v.t() for v in (a, z, a_out)]
-            return matmul_backward_prechecked(t[0], b, activation, t[1], t[2], a_sum, False, into, accumulate)
-        (K, M), sa = a.shape, (sa[1], sa[0])
-    else:
-        M, K = a.shape
-    N = b.shape[1]
-    if activation is None and a_out is None and a_sum is None:
-        if has_tma(a.device):  # matmul_prechecked's routing (transpose_a took a view above)
-            return matmul_prechecked(a, b, None, None, a.dtype, None, into, accumulate)
-        prologue = NO_PROLOGUE
-    else:
-        # The TMA kernel has no prologue: these launches take the pointer kernel on every
-        # GPU, ragged operands on Hopper included (its configs for them are pruned so
-        # that nothing spills); the dot runs on the same A' either way.
-        prologue = OperandPrologue(activation, z, a_out, a_sum)
+    if transpose_a and (a.numel() == 0 or b.shape[1] == 0):  # the empty shapes take views
+        t = [None if v is None else v.t() for v in (a, z, a_out)]
+        return matmul_backward_prechecked(t[0], b, activation, t[1], t[2], a_sum, False, into, accumulate)
+    (M, K), N = (a.shape[::-1] if transpose_a else a.shape), b.shape[1]
+    if activation is None and a_out is None:
+        # plain, or with A's row sums (dbias): planned (split-K sums them per K range; the
+        # TMA kernel has none, so a TMA plan with sums runs on the pointer kernel)
+        plan = _NO_PLAN
+        if device_gemm_info(a.device)[0] > 0:
+            plan = plan_for(a.t() if transpose_a else a, b, M, N, K)
+        return run_plan(plan, a, b, M, N, K, None, None, a.dtype, None, into, accumulate, a_sum, transpose_a)
+    # The TMA and split-K kernels have no act' prologue and store no A': these launches
+    # take the pointer kernel on every GPU, ragged operands on Hopper included (its
+    # configs for them are pruned so that nothing spills); the dot runs on the same A'.
+    sa = a.stride()[::-1] if transpose_a else a.stride()
+    prologue = OperandPrologue(activation, z, a_out, a_sum)
     sb = b.stride()
     return _launch(a, sa, b, sb, M, N, K, None, None, a.dtype, None, NO_SCALES, prologue, into, accumulate)
 
@@ -658,11 +756,11 @@ def matmul_tma_persistent(
 
     Operands a descriptor cannot describe (no unit-stride dimension, or
     addresses and strides not 16-byte aligned), and GPUs before Hopper (no
-    TMA), go to :func:`matmul`'s pointer kernel. :func:`matmul` itself routes
-    here on Hopper the shapes its pointer kernel cannot vectorise and those
-    at least :data:`TMA_MIN_DIM` in every dimension (where the H100 measured
-    it faster); this entry point runs it on every shape it can, for the
-    benchmark (benchmarks/bench_gemm.py) to compare.
+    TMA), go to :func:`matmul`'s pointer kernel. :func:`matmul` itself runs
+    it on Hopper where :func:`plan_for` says so (ragged operands, and
+    :data:`gemm_plan.TMA_MIN_WAVES` waves of tiles or more); this entry point
+    runs it on every shape it can, for the benchmark (benchmarks/bench_gemm.py)
+    to compare.
     """
     M, N, K, out_dtype = check_matmul_args(a, b, bias, activation, out_dtype, preact)
     layouts = tma_layouts(a, b)

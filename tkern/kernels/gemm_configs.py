@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from tkern.kernels import gemm_epilogue, gemm_plan
 from tkern.kernels._common import AUTOTUNE, INTERPRET, autotune
 from tkern.kernels.activation import ACTIVATIONS
 
@@ -62,12 +63,23 @@ def gemm_configs() -> list[triton.Config]:
     ]
 
 
+def split_k_configs() -> list[triton.Config]:
+    """Tiles of the split-K kernel (gemm_split.py): the pointer kernel's 128 x 128
+    entries, since ``gemm_plan.plan_gemm`` counts 128 x 128 tiles when it picks the
+    number of splits (another tile would change the waves it planned)."""
+    tile = (gemm_plan.PLAN_BLOCK_M, gemm_plan.PLAN_BLOCK_N)
+    return [c for c in gemm_configs() if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == tile]
+
+
 def set_tma_block_shapes(nargs: dict) -> None:
     """Pre-hook of every :func:`tma_configs` entry: the descriptors' block
     shapes are the config's tiles (of A or A^T, of B or B^T)."""
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     nargs["a_desc"].block_shape = [bk, bm] if nargs["A_T"] else [bm, bk]
     nargs["b_desc"].block_shape = [bn, bk] if nargs["B_T"] else [bk, bn]
+    if nargs.get("C_TMA"):  # the TMA-store epilogue stores C in column slices
+        parts = gemm_epilogue.epilogue_parts(nargs["EPI_SPLIT"], nargs["ACTIVATION"], nargs["ACCUMULATE"])
+        nargs["c_desc"].block_shape = [bm, bn // parts]
 
 
 def tma_configs() -> list[triton.Config]:

@@ -24,7 +24,13 @@ from tkern.kernels._common import (
     check_tensor,
     tl_dtype,
 )
-from tkern.kernels.activation import ACTIVATIONS, TRANSCENDENTAL_BITS, apply_activation, check_activation
+from tkern.kernels.activation import (
+    ACTIVATIONS,
+    TRANSCENDENTAL,
+    TRANSCENDENTAL_BITS,
+    apply_activation,
+    check_activation,
+)
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -149,6 +155,52 @@ def epilogue(
             stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
             ACCUMULATE,
         )  # fmt: skip
+
+
+@triton.jit
+def epilogue_tma(
+    acc,  # (BLOCK_M, BLOCK_N) fp32 accumulator of tile (pid_m, pid_n)
+    pid_m,
+    pid_n,
+    N,
+    c_desc,  # descriptor of C (M, N) OUT_DTYPE, block (BLOCK_M, BLOCK_N // parts)
+    bias_ptr,  # (N,) with stride stride_bias; unused unless HAS_BIAS
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # an activation.ACTIVATIONS code (0 none)
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
+    ACCUMULATE: tl.constexpr = False,
+):
+    """:func:`epilogue` with C stored (and, with ``ACCUMULATE``, read) by the tensor
+    memory accelerator: each column slice goes from registers to shared memory and
+    out as one bulk copy, which clips the tile's rows and columns beyond (M, N), so
+    no masks and no per-thread address arithmetic; the threads move on to the next
+    tile's first loads while the copy drains. No pre-activation store (its launches
+    keep :func:`epilogue`). The same slices as :func:`epilogue` (:func:`epilogue_parts`)."""
+    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or (TRANSCENDENTAL_BITS >> ACTIVATION) & 1 else 1
+    WIDTH: tl.constexpr = BLOCK_N // PARTS
+    slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
+    row0 = pid_m * BLOCK_M
+    for i in tl.static_range(PARTS):
+        part = slices[i]
+        col0 = pid_n * BLOCK_N + i * WIDTH
+        if HAS_BIAS:
+            cols = col0 + tl.arange(0, WIDTH)
+            bias = tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0)
+            part = part + bias.to(tl.float32)[None, :]
+        part = apply_activation(part, ACTIVATION)
+        if ACCUMULATE:  # C += result, one rounding (the descriptor zero-fills beyond the edges)
+            part = part + c_desc.load([row0, col0]).to(tl.float32)
+        c_desc.store([row0, col0], cast_rne(part, OUT_DTYPE))
+
+
+def epilogue_parts(epi_split: int, activation: int, accumulate: bool) -> int:
+    """Column slices the epilogues cut a tile into (their ``PARTS``): ``epi_split`` with an
+    exp/erf activation or ``C +=``, else 1. A TMA store's block is (BLOCK_M, BLOCK_N // parts)."""
+    return epi_split if accumulate or activation in TRANSCENDENTAL else 1
 
 
 # --------------------------------------------------------------------------- host side

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from tkern.kernels._common import INTERPRET
 from tkern.kernels.gemm_configs import gemm_autotune, tma_configs
-from tkern.kernels.gemm_epilogue import bias_stride, epilogue, epilogue_meta, tile_coords
+from tkern.kernels.gemm_epilogue import bias_stride, epilogue, epilogue_meta, epilogue_tma, tile_coords
 
 #: Tensor descriptors need 16-byte aligned base addresses and strides.
 TMA_ALIGN_BYTES = 16
@@ -26,7 +26,7 @@ _INTERPRET_PROGRAMS = 4
 
 
 #: What the TMA kernel's autotuners choose a config by (both: plain and ``C +=``).
-_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T"]
+_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "C_TMA"]
 
 
 @gemm_autotune(configs=tma_configs(), key=_AUTOTUNE_KEY, tma=True)
@@ -35,6 +35,7 @@ def _matmul_tma_kernel(
     # descriptors and pointers
     a_desc,  # descriptor of A (M, K), or of A^T (K, M) when A_T; fp16/bf16
     b_desc,  # descriptor of B (K, N), or of B^T (N, K) when B_T; a's dtype
+    c_desc,  # descriptor of C (M, N) when C_TMA (block: BLOCK_M x a column slice); else unused
     c_ptr,  # (M, N) OUT_DTYPE
     bias_ptr,  # (N,) a's dtype or fp32; unused unless HAS_BIAS
     preact_ptr,  # (M, N) a's dtype: A @ B + bias before the activation; unused unless STORE_PREACT
@@ -56,6 +57,7 @@ def _matmul_tma_kernel(
     A_T: tl.constexpr,
     B_T: tl.constexpr,
     NUM_SMS: tl.constexpr,  # programs launched: each walks tiles NUM_SMS apart
+    C_TMA: tl.constexpr,  # C stored (and read, ACCUMULATE) through c_desc: the TMA-store epilogue
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -65,7 +67,7 @@ def _matmul_tma_kernel(
 ):
     """C = act(A @ B + bias) (or C += A @ B), fp32 accumulation, persistent (one program per SM
     walks the tiles) with A and B fetched by the tensor memory accelerator
-    through descriptors. Shapes above."""
+    through descriptors, and C stored through one where it can describe C (C_TMA). Shapes above."""
     # Persistent: one program per SM loops over output tiles, so tile start-up
     # overlaps the previous tile's epilogue. Descriptors zero-fill out-of-range
     # rows and columns: the ragged edges need no masks until the store.
@@ -86,11 +88,17 @@ def _matmul_tma_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
-        epilogue(
-            acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
-            HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-            ACCUMULATE,
-        )  # fmt: skip
+        if C_TMA:
+            epilogue_tma(
+                acc, pid_m, pid_n, N, c_desc, bias_ptr, stride_bias, HAS_BIAS, ACTIVATION, OUT_DTYPE,
+                BLOCK_M, BLOCK_N, EPI_SPLIT, ACCUMULATE,
+            )  # fmt: skip
+        else:
+            epilogue(
+                acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
+                HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
+                ACCUMULATE,
+            )  # fmt: skip
 
 
 #: The TMA kernel's launches with ``ACCUMULATE``: its own autotuner, which restores
@@ -161,6 +169,11 @@ def launch_tma(
         b, [N, K] if b_t else [K, N], [b.stride(1), 1] if b_t else [b.stride(0), 1], [16, 16]
     )
     c = torch.empty((M, N), dtype=out_dtype, device=a.device) if into is None else into
+    # The TMA-store epilogue where a descriptor can describe C (row-major, 16-byte aligned
+    # rows) and nothing else is stored beside it (the pre-activation keeps the pointer
+    # epilogue); the block shape is a placeholder the config's pre-hook replaces.
+    c_tma = preact is None and _tma_layout(c) == "row"
+    c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [16, 16]) if c_tma else c
     num_sms = _num_programs(a.device)
     accumulate = into is not None and accumulate
     kernel = _matmul_tma_accumulate_kernel if accumulate else _matmul_tma_kernel
@@ -169,11 +182,12 @@ def launch_tma(
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
     kernel[grid](
-        a_desc, b_desc, c, bias if bias is not None else c, preact if preact is not None else c,
+        a_desc, b_desc, c_desc, c, bias if bias is not None else c, preact if preact is not None else c,
         M, N, K, c.stride(0), c.stride(1), bias_stride(bias),
         **epilogue_meta(a.dtype, bias, activation, out_dtype, preact, accumulate),
         A_T=a_t,
         B_T=b_t,
         NUM_SMS=num_sms,
+        C_TMA=c_tma,
     )  # fmt: skip
     return c

@@ -5,10 +5,13 @@
 ``float8_fsdp.py``  fp8 all-gather of Float8Linear weights under FSDP2
                 (:class:`Float8AllGatherWeight`, :func:`precompute_float8_dynamic_scale_for_fsdp`)
 ``norm.py``     :class:`LayerNorm`, :class:`RMSNorm` (fp32 statistics and parameters, 16-bit input)
-``fusion.py``   an ``nn.Sequential``'s Linear + activation run as one GEMM
+``fusion.py``   an ``nn.Sequential``'s Linear + activation run as one GEMM; transformers' MLP
+                blocks (``MLP_RULES``, by family) with their activation on tkern's kernels
 ``loss.py``     :class:`CrossEntropyLoss`, :class:`LinearCrossEntropy` (tkern's fused cross-entropy)
 ``hf_loss.py``  transformers' causal LMs computing their loss without logits (``fused_loss=True``)
-``convert.py``  :func:`convert_network`, a table of small per-module rules
+``convert.py``  :func:`convert_network`: the walk, the warnings, the entry point
+``convert_rules.py``  its table of small per-module rules, as data
+``casting.py``  the hooks and in-place casts the rules put on a model
 """
 
 from tkern.nn.convert import CASTABLE_TYPES, NORM_TYPES, CastInputs, CastOutput, convert_network

@@ -1,33 +1,77 @@
-"""Activation fusion: an ``nn.Sequential``'s Linear directly followed by ReLU, SiLU or
-GELU runs that activation in the Linear's GEMM epilogue (see :func:`tkern.convert_network`)."""
+"""Activation fusion (see :func:`tkern.convert_network`):
+
+* an ``nn.Sequential``'s Linear directly followed by ReLU, SiLU or GELU runs that
+  activation in the Linear's GEMM epilogue (:class:`FusedSequentialForward`);
+* transformers' MLP blocks, by family (:data:`MLP_RULES`, data: which child does what),
+  run their activation on tkern's kernels (:class:`FusedMLPForward`): GPT-2's
+  ``c_proj(act(c_fc(x)))`` with the activation in c_fc's GEMM epilogue, Llama's
+  ``down(act(gate(x)) * up(x))`` with ``act(gate) * up`` one fused kernel
+  (:func:`tkern.ops.swiglu.swiglu`), each computed in fp32 and rounded once, forward
+  and backward; no torch op runs over the (tokens, intermediate) activation. The
+  module's class, children and Parameters stay as they are: only the instance's
+  ``forward`` is replaced.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from tkern.nn.linear import Linear, linear_forward
+from tkern.nn.linear import Linear, conv1d_class, conv1d_forward, linear_forward
+from tkern.ops.swiglu import swiglu, swiglu_packed
 
-__all__ = ["FusedSequentialForward", "route_fusion"]
+__all__ = [
+    "HF_ACTIVATIONS",
+    "MLP_RULES",
+    "FusedMLPForward",
+    "FusedSequentialForward",
+    "MLPRule",
+    "epilogue_activation",
+    "route_fusion",
+    "route_mlp",
+]
 
 
 #: ``nn.GELU.approximate`` -> the epilogue's name for that form.
 _GELU_FORMS = {"none": "gelu", "tanh": "gelu_tanh"}
 
+#: transformers' activation classes (``transformers.activations``, ``ACT2FN``) -> the
+#: kernels' name for what they compute: ``gelu_new`` (``NewGELUActivation``), ``gelu_fast``,
+#: ``gelu_accurate`` and ``gelu_pytorch_tanh`` (``GELUTanh``, once ``PytorchGELUTanh``) are
+#: the tanh approximation ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (their
+#: constants agree to fp32); ``gelu`` the erf form; ``silu`` x sigmoid(x). ``relu`` and
+#: ``swish`` are torch's ``nn.ReLU`` / ``nn.SiLU``. Others (``quick_gelu``, ``gelu_10``,
+#: ``relu2``, ...) have no kernel: a block using one is left eager, with a warning.
+HF_ACTIVATIONS = {
+    "NewGELUActivation": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "AccurateGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu",
+    "SiLUActivation": "silu",
+}
 
-def _epilogue_activation(module: nn.Module) -> str | None:
-    """The GEMM epilogue's name for the activation ``module`` computes, or None.
 
-    Exact types only (a subclass may compute something else). ``ReLU(inplace=True)``
-    and ``SiLU(inplace=True)`` too: the Linear's output they would overwrite is a
-    fresh tensor nobody else holds. ``nn.GELU`` in either form (``approximate`` is
-    "none" or "tanh"; anything else is refused by its forward, so left to it)."""
-    if type(module) is nn.ReLU:
+def epilogue_activation(module: nn.Module) -> str | None:
+    """The kernels' name for the activation ``module`` computes, or None.
+
+    Exact types only (a subclass may compute something else): torch's ``nn.ReLU``,
+    ``nn.SiLU`` (``inplace=True`` too: the Linear's output they would overwrite is a
+    fresh tensor nobody else holds), ``nn.GELU`` in either form (``approximate`` is
+    "none" or "tanh"; anything else is refused by its forward, so left to it), and
+    transformers' classes in :data:`HF_ACTIVATIONS`."""
+    kind = type(module)
+    if kind is nn.ReLU:
         return "relu"
-    if type(module) is nn.SiLU:
+    if kind is nn.SiLU:
         return "silu"
-    if type(module) is nn.GELU and isinstance(module.approximate, str):
+    if kind is nn.GELU and isinstance(module.approximate, str):
         return _GELU_FORMS.get(module.approximate)
+    if kind.__module__ == "transformers.activations":
+        return HF_ACTIVATIONS.get(kind.__name__)
     return None
 
 
@@ -55,7 +99,7 @@ def _fusable(first: nn.Module, second: nn.Module) -> str | None:
     neither with anything (a hook, a patched forward) that would see the difference."""
     if type(first) is not Linear or first.activation is not None:
         return None
-    activation = _epilogue_activation(second)
+    activation = epilogue_activation(second)
     if activation is None or _runs_more_than_forward(first) or _runs_more_than_forward(second):
         return None
     return activation
@@ -107,5 +151,145 @@ def route_fusion(module: nn.Module) -> None:
         return  # the user's own replacement forward
     children = list(module)
     pairs = zip(children, children[1:], strict=False)
-    if any(type(a) is Linear and a.activation is None and _epilogue_activation(b) for a, b in pairs):
+    if any(type(a) is Linear and a.activation is None and epilogue_activation(b) for a, b in pairs):
         module.forward = FusedSequentialForward(module)
+
+
+# --------------------------------------------------------------------------- transformers' MLPs
+
+
+@dataclass(frozen=True)
+class MLPRule:
+    """What one family's MLP block computes, by the names of its children.
+
+    ``form``: ``"act"`` is ``tail(down(act(up(x))))`` (GPT-2: up ``c_fc``, down ``c_proj``,
+    tail ``dropout``; ``down=None``: no second layer, as BERT's intermediate);
+    ``"gated"`` is ``down(act(gate(x)) * up(x))`` (Llama); ``"packed"`` is
+    ``down(act(g) * u)`` with ``g, u = up(x).chunk(2, -1)`` (Phi-3's ``gate_up_proj``)."""
+
+    form: str
+    act: str
+    up: str
+    down: str | None
+    gate: str | None = None
+    tail: tuple[str, ...] = ()
+
+
+_LLAMA = MLPRule("gated", act="act_fn", up="up_proj", down="down_proj", gate="gate_proj")
+
+#: transformers' MLP classes (by name) whose forward is exactly the rule's form: read from
+#: their source (transformers 5.x; tests/test_blocks.py checks each class's forward text).
+MLP_RULES: dict[str, MLPRule] = {
+    "GPT2MLP": MLPRule("act", act="act", up="c_fc", down="c_proj", tail=("dropout",)),
+    "PhiMLP": MLPRule("act", act="activation_fn", up="fc1", down="fc2"),
+    "GPTNeoXMLP": MLPRule("act", act="act", up="dense_h_to_4h", down="dense_4h_to_h"),
+    "BertIntermediate": MLPRule("act", act="intermediate_act_fn", up="dense", down=None),
+    **dict.fromkeys(
+        (
+            "LlamaMLP",
+            "MistralMLP",
+            "Qwen2MLP",
+            "Qwen3MLP",
+            "GemmaMLP",
+            "Gemma2MLP",
+            "Gemma3MLP",
+            "OlmoMLP",
+            "GraniteMLP",
+        ),
+        _LLAMA,
+    ),
+    "Phi3MLP": MLPRule("packed", act="activation_fn", up="gate_up_proj", down="down_proj"),
+}
+
+
+def _gemm_with_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is a tkern GEMM layer that can take an activation in its epilogue
+    (``tkern.nn.Linear`` without one of its own, or ``tkern.nn.Conv1D``; not fp8)."""
+    if type(module) is Linear:
+        return module.activation is None
+    return type(module) is conv1d_class(create=False)
+
+
+def mlp_rule(module: nn.Module) -> MLPRule | None:
+    """``module``'s rule: its class, or a base class whose forward it keeps, is named in
+    :data:`MLP_RULES`, and it comes from transformers; else None."""
+    forward = type(module).forward
+    for cls in type(module).__mro__:
+        rule = MLP_RULES.get(cls.__name__)
+        if rule is not None and cls.__module__.startswith("transformers.") and cls.forward is forward:
+            return rule
+    return None
+
+
+def _why_not(module: nn.Module, rule: MLPRule) -> str | None:
+    """Why ``module``'s children cannot run the rule's fused form (None: they can)."""
+    act = getattr(module, rule.act, None)
+    if epilogue_activation(act) is None:
+        return f"its activation {type(act).__name__} is not one tkern's kernels compute"
+    up = getattr(module, rule.up)
+    if rule.form == "act" and not _gemm_with_activation(up):
+        return f"its {rule.up} is a {type(up).__name__}, whose GEMM takes no activation"
+    return None
+
+
+def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:
+    """Whether ``module`` runs fused on this call: its children as :func:`_why_not` wants
+    them, and nothing (a hook, a patched forward) on the modules the fused form does not
+    call (the activation; for the "act" form also the GEMM that takes it)."""
+    if _why_not(module, rule) is not None or _runs_more_than_forward(getattr(module, rule.act)):
+        return False
+    return rule.form != "act" or not _runs_more_than_forward(getattr(module, rule.up))
+
+
+class FusedMLPForward:
+    """The forward of a transformers MLP block converted with ``fuse_activations``: the
+    rule's form with the activation on tkern's kernels (the GEMM epilogue, or the fused
+    gated kernel), the other children called as modules (their hooks fire). Decided on
+    every call, as :class:`FusedSequentialForward`: a hook put on the activation (or on
+    the GEMM it would be fused into) later, or an activation replaced, runs the class's
+    own forward. Stored as the instance's ``forward``; a module-level class, so the
+    model pickles and deep-copies."""
+
+    def __init__(self, mlp: nn.Module, rule: MLPRule) -> None:
+        self.mlp = mlp
+        self.rule = rule
+
+    def __call__(self, x):
+        mlp, rule = self.mlp, self.rule
+        if not _fusable_now(mlp, rule):
+            return type(mlp).forward(mlp, x)
+        activation = epilogue_activation(getattr(mlp, rule.act))
+        up = getattr(mlp, rule.up)
+        if rule.form == "act":
+            forward = linear_forward if type(up) is Linear else conv1d_forward
+            h = forward(up, x, activation)
+        elif rule.form == "gated":
+            h = swiglu(getattr(mlp, rule.gate)(x), up(x), activation)
+        else:
+            h = swiglu_packed(up(x), activation)
+        if rule.down is not None:
+            h = getattr(mlp, rule.down)(h)
+        for name in rule.tail:
+            h = getattr(mlp, name)(h)
+        return h
+
+    def __repr__(self) -> str:
+        return f"tkern.nn.fusion.FusedMLPForward({self.rule.form})"
+
+
+def route_mlp(module: nn.Module) -> str | None:
+    """Give ``module`` the fused forward if it is a transformers MLP block of a family
+    in :data:`MLP_RULES` that can run fused. Returns why not where it is an MLP block
+    left eager (a family without a rule, an activation the kernels do not have, a
+    layer that takes no epilogue: for convert_network's warning), else None."""
+    if "forward" in module.__dict__:
+        return None  # the user's own replacement forward (or ours, from an earlier call)
+    rule = mlp_rule(module)
+    if rule is None:
+        if type(module).__module__.startswith("transformers.") and type(module).__name__.endswith("MLP"):
+            return "tkern has no fusion rule for this MLP class"
+        return None
+    reason = _why_not(module, rule)
+    if reason is None:
+        module.forward = FusedMLPForward(module, rule)
+    return reason

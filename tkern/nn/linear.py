@@ -12,7 +12,7 @@ from tkern.kernels._common import HALF_DTYPES
 from tkern.kernels.activation import check_activation
 from tkern.ops.linear import linear
 
-__all__ = ["Linear", "compute_operands", "conv1d_class", "hf_conv1d", "linear_forward"]
+__all__ = ["Linear", "compute_operands", "conv1d_class", "conv1d_forward", "hf_conv1d", "linear_forward"]
 
 
 class Linear(nn.Linear):
@@ -104,11 +104,12 @@ def compute_operands(
     return x, weight
 
 
-def _conv1d_forward(self, x: torch.Tensor) -> torch.Tensor:
+def conv1d_forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
     """transformers' ``Conv1D`` (``x @ weight + bias``, weight stored (in, out))
-    on :func:`tkern.linear`: the transposed weight is read in place."""
+    on :func:`tkern.linear`: the transposed weight is read in place; ``activation``
+    in the epilogue (GPT-2's MLP: :mod:`tkern.nn.fusion`)."""
     x, weight = compute_operands(self, x, self.weight)
-    return linear(x, weight.t(), self.bias)
+    return linear(x, weight.t(), self.bias, activation)
 
 
 def hf_conv1d() -> type | None:
@@ -138,7 +139,7 @@ def conv1d_class(create: bool = True) -> type | None:
                 "__qualname__": "Conv1D",
                 "__doc__": "transformers' GPT-2 ``Conv1D`` (a Linear with a transposed weight) "
                 "whose forward runs on :func:`tkern.linear`; same parameters, names and shapes.",
-                "forward": _conv1d_forward,
+                "forward": conv1d_forward,
             },
         )
     return _CONV1D

@@ -8,10 +8,15 @@ per op family, each above the kernels it launches (``tkern/kernels``):
                  ``tkern::to_float8_delayed``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``)
 ``cross_entropy.py``  ``tkern.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
                  ``tkern::cross_entropy_backward``) and ``tkern.linear_cross_entropy`` (chunked
-                 GEMMs + the fused kernel; the logits never materialized)
+                 GEMMs + the fused kernel; the logits never materialized; custom ops
+                 ``tkern::linear_cross_entropy``, ``tkern::linear_cross_entropy_backward``)
+``loss_chunks.py``  the chunked pass of ``linear_cross_entropy`` (per chunk: logits GEMM, kernel,
+                 dgrad, fp32 wgrad), which both its doors run
 ``norm.py``      ``tkern.layer_norm``, ``tkern.rms_norm``, ``tkern.add_layer_norm``,
                  ``tkern.add_rms_norm``: LayerNorm / RMSNorm with fp32 statistics, forward and
                  backward (custom ops ``tkern::norm_forward``, ``tkern::norm_backward``)
+``swiglu.py``    ``tkern.swiglu``, ``swiglu_packed``: a GLU MLP's ``act(gate) * up``, forward and
+                 backward in one kernel each (custom ops ``tkern::swiglu``, ``tkern::swiglu_backward``)
 ``common.py``    what the linear-like ops share: shapes, and the seam that puts dW into a fused
                  optimizer's flat gradient buffer
 """

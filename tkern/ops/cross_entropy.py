@@ -10,10 +10,15 @@ never materializes the (tokens x vocabulary) logits.
   traces them as opaque ops; the reduction over rows is plain torch, so autograd
   hands the backward op each row's coefficients (the reduction's ``1 / count``
   times the upstream gradient, a z-loss's ``2 z lse``).
-* :func:`linear_cross_entropy`: rows in chunks; per chunk tkern's GEMM gives the
-  chunk's fp32 logits, the kernel its loss and its logit gradient (one launch,
-  into a reused buffer), then the chunk's dgrad and its wgrad, accumulated in an
-  fp32 (V, H) buffer across chunks and rounded once at the end (Liger PR 1391).
+* :func:`linear_cross_entropy`: the chunked pass of ops/loss_chunks.py (per chunk
+  tkern's GEMM for the fp32 logits, the kernel for the loss and the logit
+  gradient, the chunk's dgrad and its fp32-accumulated wgrad) behind two doors:
+  eager calls take :class:`_LinearCrossEntropy`, an ``autograd.Function`` whose
+  backward may write the head's gradient into a fused optimizer's flat buffer;
+  ``torch.compile`` (and meta tensors) take the custom ops
+  ``tkern::linear_cross_entropy`` and ``tkern::linear_cross_entropy_backward``
+  (fake implementations, autograd registered): no graph break; there the weight's
+  gradient is a new tensor that autograd adds into ``.grad``.
 """
 
 from __future__ import annotations
@@ -30,10 +35,20 @@ from tkern.kernels.cross_entropy import (
     cross_entropy_backward,
     cross_entropy_forward,
 )
-from tkern.kernels.gemm import matmul_prechecked
 from tkern.ops import common
+from tkern.ops.common import is_compiling
+from tkern.ops.loss_chunks import (
+    MIN_CHUNK_ROWS,
+    NO_GRADS,
+    ChunkedLoss,
+    LossOptions,
+    default_chunk_rows,
+    denominators,
+    fused_forward,
+    recompute_grads,
+)
 
-__all__ = ["cross_entropy", "linear_cross_entropy"]
+__all__ = ["MIN_CHUNK_ROWS", "cross_entropy", "default_chunk_rows", "linear_cross_entropy"]
 
 REDUCTIONS = ("none", "mean", "sum")
 _NO_SOFTCAP = 0.0  # how the custom ops spell softcap=None (their schema takes a float)
@@ -163,20 +178,6 @@ def _class_weight(weight: torch.Tensor | None, n_classes: int, device: torch.dev
     return weight.detach().to(torch.float32).contiguous()
 
 
-def _denominators(
-    target: torch.Tensor, weight: torch.Tensor | None, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(the mean's denominator, the non-ignored count)`` as fp32 0-d device
-    tensors (no host sync): the summed class weights of the non-ignored targets
-    (torch's weighted mean) or their count, and the count (the z-loss's mean)."""
-    valid = target != ignore_index
-    count = valid.sum(dtype=torch.float32)
-    if weight is None:
-        return count, count
-    safe = torch.where(valid, target, 0).long()
-    return (weight[safe] * valid).sum(), count
-
-
 def _reduce(
     rows: torch.Tensor,
     lse: torch.Tensor,
@@ -194,7 +195,7 @@ def _reduce(
         return rows if zrows is None else rows + zrows
     if reduction == "sum":
         return rows.sum() if zrows is None else rows.sum() + zrows.sum()
-    denom, count = _denominators(target, weight, ignore_index)
+    denom, count = denominators(target, weight, ignore_index)
     loss = rows.sum() / denom
     return loss if zrows is None else loss + zrows.sum() / count
 
@@ -290,219 +291,7 @@ def cross_entropy(
 # --------------------------------------------------------------------------- linear_cross_entropy
 
 
-#: The fewest rows a default chunk has (all the rows where there are fewer): each chunk
-#: runs three GEMMs whose row count is the chunk's (the logits' and dgrad's M, the weight
-#: gradient's K), plus a kernel launch; below ~128 rows they are launch-bound and the
-#: weight gradient's K too short to fill a 128-wide tile (1-row chunks: one launch per token).
-MIN_CHUNK_ROWS = 128
-
-
-def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
-    """Rows per chunk, a power of two: the bytes rule -- the chunk's logits (rows x
-    classes) about as many elements as the input (rows x features), so that the
-    chunk's fp32 logits cost no more memory than the activations -- raised to
-    :data:`MIN_CHUNK_ROWS` (GEMMs large enough to keep a GPU busy) and capped at
-    ``n_rows`` rounded up to a power of two (one chunk holds every row). The bytes
-    rule decides for large vocabularies against the rows' width only above the floor
-    (8192 x 4096 rows into 128256 classes: 256 rows; GPT-2's 8192 x 768 into 50257:
-    128); below it the floor wins (at most 128 x V fp32 logits per chunk)."""
-    target = max(1, n_rows * in_features // max(n_classes, 1))
-    rows = max(1 << round(math.log2(target)), MIN_CHUNK_ROWS)
-    return max(1, min(rows, 1 << max(n_rows - 1, 0).bit_length()))
-
-
-def _mm_into(
-    a: torch.Tensor, b: torch.Tensor, bias: Tensor | None, out: torch.Tensor, accumulate: bool
-) -> None:
-    """``out (+)= a @ b (+ bias)`` with fp32 accumulation: tkern's GEMM for fp16/bf16
-    operands (out of any of fp16/bf16/fp32), torch's for fp32 operands (tkern's GEMM
-    takes 16-bit operands only)."""
-    if a.dtype in HALF_DTYPES:
-        matmul_prechecked(a, b, bias, None, out.dtype, None, out, accumulate)
-    elif accumulate:
-        out.addmm_(a, b)
-    elif bias is None:
-        torch.mm(a, b, out=out)
-    else:
-        torch.addmm(bias.to(out.dtype), a, b, out=out)
-
-
-class _Chunks:
-    """The chunked pass over the rows: per chunk the logits (fp32, reused buffer),
-    the kernel, and the chunk's dgrad and wgrad from the kernel's gradient (reused
-    buffer of the input's dtype)."""
-
-    def __init__(
-        self,
-        x: Tensor,
-        w: Tensor,
-        b: Tensor | None,
-        target: Tensor,
-        weight: Tensor | None,
-        ignore_index: int,
-        smoothing: float,
-        softcap: float | None,
-        chunk: int,
-    ) -> None:
-        self.x, self.w, self.b, self.target, self.weight = x, w, b, target, weight
-        self.ignore_index, self.smoothing, self.softcap, self.chunk = ignore_index, smoothing, softcap, chunk
-        n, v = x.shape[0], w.shape[0]
-        c = min(chunk, n)
-        self.logits = torch.empty(c, v, dtype=torch.float32, device=x.device)
-        self.grad = None
-
-    def spans(self) -> list[tuple[int, int]]:
-        n = self.x.shape[0]
-        return [(s, min(s + self.chunk, n)) for s in range(0, n, self.chunk)]
-
-    def logits_of(self, s: int, e: int) -> torch.Tensor:
-        out = self.logits[: e - s]
-        _mm_into(self.x[s:e], self.w.t(), self.b, out, False)
-        return out
-
-    def grad_buffer(self, rows: int) -> torch.Tensor:
-        if self.grad is None:
-            self.grad = torch.empty(self.logits.shape, dtype=self.x.dtype, device=self.x.device)
-        return self.grad[:rows]
-
-    def backprop(
-        self,
-        g: Tensor,
-        s: int,
-        e: int,
-        gx: Tensor | None,
-        gw32: Tensor | None,
-        gb32: Tensor | None,
-        first: bool,
-    ) -> None:
-        """The chunk's share: gx[s:e] = g @ W, gW += g^T @ x (fp32), gb += column sums (fp32)."""
-        if gx is not None:
-            _mm_into(g, self.w, None, gx[s:e], False)
-        if gw32 is not None:
-            _mm_into(g.t(), self.x[s:e], None, gw32, not first)
-        if gb32 is not None:
-            part = g.sum(0, dtype=torch.float32)
-            if first:
-                gb32.copy_(part)
-            else:
-                gb32.add_(part)
-
-
-def _lce_forward(
-    ch: _Chunks, a: Tensor | None, q: Tensor | None, needs: tuple[bool, ...]
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
-    """Loss terms and lse per row; with ``needs`` (x, W, b) the gradients of
-    ``sum_i a * loss_i + q * lse_i^2`` (a, q: (1,) fp32 device tensors)."""
-    x, w = ch.x, ch.w
-    v = w.shape[0]
-    want = any(needs)
-    gx = torch.empty_like(x) if needs[0] else None
-    gw32 = torch.empty(w.shape, dtype=torch.float32, device=x.device) if needs[1] else None
-    gb32 = torch.empty(v, dtype=torch.float32, device=x.device) if needs[2] else None
-    rows, lses = [], []
-    for i, (s, e) in enumerate(ch.spans()):
-        logits = ch.logits_of(s, e)
-        grad = ch.grad_buffer(e - s) if want else None
-        loss, lse = cross_entropy_forward(
-            logits,
-            ch.target[s:e],
-            ch.weight,
-            ignore_index=ch.ignore_index,
-            label_smoothing=ch.smoothing,
-            softcap=ch.softcap,
-            grad=grad,
-            a=a if want else None,
-            q=q if want else None,
-            check_target=False,
-        )
-        rows.append(loss)
-        lses.append(lse)
-        if want:
-            ch.backprop(grad, s, e, gx, gw32, gb32, i == 0)
-    empty = x.new_empty(0, dtype=torch.float32)
-    rows = torch.cat(rows) if rows else empty
-    lses = torch.cat(lses) if lses else empty
-    return rows, lses, gx, gw32, gb32
-
-
-def _lce_recompute(
-    ch: _Chunks, lse: Tensor, grad_rows: Tensor, grad_lse: Tensor | None, needs: tuple[bool, ...]
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``reduction="none"``'s backward: the chunks again, with per-row coefficients."""
-    x, w = ch.x, ch.w
-    gx = torch.empty_like(x) if needs[0] else None
-    gw32 = torch.empty(w.shape, dtype=torch.float32, device=x.device) if needs[1] else None
-    gb32 = torch.empty(w.shape[0], dtype=torch.float32, device=x.device) if needs[2] else None
-    for i, (s, e) in enumerate(ch.spans()):
-        logits = ch.logits_of(s, e)
-        grad = cross_entropy_backward(
-            logits,
-            ch.target[s:e],
-            lse[s:e],
-            grad_rows[s:e],
-            None if grad_lse is None else grad_lse[s:e],
-            ch.weight,
-            ignore_index=ch.ignore_index,
-            label_smoothing=ch.smoothing,
-            softcap=ch.softcap,
-            grad=ch.grad_buffer(e - s),
-        )
-        ch.backprop(grad, s, e, gx, gw32, gb32, i == 0)
-    return gx, gw32, gb32
-
-
-def _cast(t: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None or like is None else t.to(like.dtype)
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Chunked ``cross_entropy(x @ W^T + b, target)``: for "mean"/"sum" the gradients
-    are computed in forward and scaled by the (scalar) upstream gradient in backward;
-    for "none" backward recomputes the chunks with the per-row upstream gradients."""
-
-    @staticmethod
-    def forward(
-        ctx, x, w, b, target, weight, ignore_index, smoothing, softcap, z_loss, reduction, chunk, grad_mode
-    ):
-        # needs_input_grad says True under no_grad too: grad_mode (the caller's) decides
-        needs = ctx.needs_input_grad[:3] if grad_mode else (False, False, False)
-        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, softcap, chunk)
-        ctx.reduction, ctx.z_loss = reduction, z_loss
-        if reduction == "none":
-            rows, lse, *_ = _lce_forward(ch, None, None, (False, False, False))
-            ctx.save_for_backward(x, w, b, target, weight, lse)
-            ctx.options = (ignore_index, smoothing, softcap, chunk)
-            return rows + z_loss * lse * lse if z_loss else rows
-        denom, count = _denominators(target, weight, ignore_index)
-        if reduction == "mean":
-            a, q = (1.0 / denom).reshape(1), (z_loss / count).reshape(1)
-        else:
-            a, q = torch.ones(1, device=x.device), torch.full((1,), z_loss, device=x.device)
-        rows, lse, gx, gw32, gb32 = _lce_forward(ch, a, q if z_loss else None, needs)
-        loss = (rows.sum() * a[0]).reshape(())
-        if z_loss:
-            loss = loss + (lse * lse).sum() * q[0]
-        # the weight's gradient rounded once from its fp32 sum over the chunks
-        ctx.save_for_backward(gx, _cast(gw32, w), _cast(gb32, b))
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        g = grad_out.to(torch.float32)
-        if ctx.reduction != "none":
-            gx, gw, gb = ctx.saved_tensors
-            gx, gb = (None if t is None else (t * g).to(t.dtype) for t in (gx, gb))
-            return gx, _weight_grad(ctx, gw, g), gb, *(None,) * 9
-        x, w, b, target, weight, lse = ctx.saved_tensors
-        ignore_index, smoothing, softcap, chunk = ctx.options
-        g = g.contiguous()
-        glse = (2.0 * ctx.z_loss) * lse * g if ctx.z_loss else None
-        ch = _Chunks(x, w, b, target, weight, ignore_index, smoothing, softcap, chunk)
-        gx, gw32, gb32 = _lce_recompute(ch, lse, g, glse, ctx.needs_input_grad[:3])
-        return gx, _weight_grad(ctx, _cast(gw32, w), None), _cast(gb32, b), *(None,) * 9
-
-
-def _weight_grad(ctx, gw: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor | None:
+def _weight_grad(ctx, gw: Tensor | None, scale: Tensor | None) -> Tensor | None:
     """The weight's gradient ``gw * scale`` (``gw`` alone for None) as backward returns
     it: written (or added) into the weight's view in a fused optimizer's flat gradient
     buffer where :func:`common.flat_wgrad` allows it (the view handed to autograd, no
@@ -520,6 +309,151 @@ def _weight_grad(ctx, gw: torch.Tensor | None, scale: torch.Tensor | None) -> to
     else:
         torch.mul(gw, scale.to(gw.dtype), out=view)
     return common.hand_over(target)
+
+
+def _scaled(t: Tensor | None, g: Tensor) -> Tensor | None:
+    return None if t is None else (t * g).to(t.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Chunked ``cross_entropy(x @ W^T + b, target)``, the eager door (the weight's
+    gradient may go into a fused optimizer's flat buffer): for "mean"/"sum" the
+    gradients are computed in forward and scaled by the (scalar) upstream gradient in
+    backward; for "none" backward recomputes the chunks with the per-row upstream gradients."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, target, weight, opts, grad_mode):
+        # needs_input_grad says True under no_grad too: grad_mode (the caller's) decides
+        needs = ctx.needs_input_grad[:3] if grad_mode else NO_GRADS
+        ch = ChunkedLoss(x, w, b, target, weight, opts)
+        ctx.opts = opts
+        loss, lse, gx, gw, gb = fused_forward(ch, needs)
+        if opts.reduction == "none":
+            ctx.save_for_backward(x, w, b, target, weight, lse)
+        else:
+            ctx.save_for_backward(gx, gw, gb)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        g = grad_out.to(torch.float32)
+        if ctx.opts.reduction != "none":
+            gx, gw, gb = ctx.saved_tensors
+            return _scaled(gx, g), _weight_grad(ctx, gw, g), _scaled(gb, g), None, None, None, None
+        x, w, b, target, weight, lse = ctx.saved_tensors
+        ch = ChunkedLoss(x, w, b, target, weight, ctx.opts)
+        gx, gw, gb = recompute_grads(ch, lse, g, ctx.needs_input_grad[:3])
+        return gx, _weight_grad(ctx, gw, None), gb, None, None, None, None
+
+
+# the traced door: custom ops with fake implementations (torch.compile, meta tensors)
+
+
+def _opts(ignore_index, smoothing, softcap, z_loss, reduction, chunk) -> LossOptions:
+    return LossOptions(ignore_index, smoothing, _softcap_arg(softcap), z_loss, reduction, chunk)
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+@torch.library.custom_op("tkern::linear_cross_entropy", mutates_args=())
+def _lce_op(
+    x: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    target: Tensor,
+    weight: Tensor | None,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float,
+    z_loss: float,
+    reduction: str,
+    chunk: int,
+    needs_x: bool,
+    needs_w: bool,
+    needs_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`loss_chunks.fused_forward`: ``(loss, lse, gx, gW, gb)``, a gradient not asked
+    for (or for "none") an empty tensor; the targets are checked here, in the op's body."""
+    check_targets(target, w.shape[0], ignore_index)
+    ch = ChunkedLoss(
+        x, w, b, target, weight, _opts(ignore_index, smoothing, softcap, z_loss, reduction, chunk)
+    )
+    loss, lse, gx, gw, gb = fused_forward(ch, (needs_x, needs_w, needs_b))
+    return loss, lse, _or_empty(gx, x), _or_empty(gw, w), _or_empty(gb, x)
+
+
+@_lce_op.register_fake
+def _(x, w, b, target, weight, ignore_index, smoothing, softcap, z_loss, reduction, chunk, nx, nw, nb):
+    n, grads = x.shape[0], reduction != "none"
+    loss = x.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    gx = torch.empty_like(x) if grads and nx else x.new_empty(0)
+    gw = torch.empty_like(w) if grads and nw else w.new_empty(0)
+    gb = torch.empty_like(b) if grads and nb and b is not None else x.new_empty(0)
+    return loss, x.new_empty(n, dtype=torch.float32), gx, gw, gb
+
+
+@torch.library.custom_op("tkern::linear_cross_entropy_backward", mutates_args=())
+def _lce_backward_op(
+    x: Tensor,
+    w: Tensor,
+    b: Tensor | None,
+    target: Tensor,
+    weight: Tensor | None,
+    lse: Tensor,
+    grad_out: Tensor,
+    ignore_index: int,
+    smoothing: float,
+    softcap: float,
+    z_loss: float,
+    chunk: int,
+    needs_x: bool,
+    needs_w: bool,
+    needs_b: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``reduction="none"``'s ``(gx, gW, gb)`` (:func:`loss_chunks.recompute_grads`)."""
+    ch = ChunkedLoss(x, w, b, target, weight, _opts(ignore_index, smoothing, softcap, z_loss, "none", chunk))
+    gx, gw, gb = recompute_grads(ch, lse, grad_out, (needs_x, needs_w, needs_b))
+    return _or_empty(gx, x), _or_empty(gw, w), _or_empty(gb, x)
+
+
+@_lce_backward_op.register_fake
+def _(x, w, b, target, weight, lse, grad_out, ignore_index, smoothing, softcap, z_loss, chunk, nx, nw, nb):
+    gx = torch.empty_like(x) if nx else x.new_empty(0)
+    gw = torch.empty_like(w) if nw else w.new_empty(0)
+    return gx, gw, torch.empty_like(b) if nb and b is not None else x.new_empty(0)
+
+
+def _lce_setup_context(ctx, inputs, output):
+    x, w, b, target, weight, *options = inputs
+    ctx.options, ctx.has_bias = options, b is not None
+    if options[4] == "none":
+        ctx.save_for_backward(x, w, b, target, weight, output[1])
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _lce_backward(ctx, grad_loss, _grad_lse, *_grads):
+    needs = ctx.needs_input_grad[:3]
+    ignore_index, smoothing, softcap, z_loss, reduction, chunk = ctx.options[:6]
+    if reduction != "none":
+        g = grad_loss.to(torch.float32)
+        grads = [
+            None if not need else (t * g).to(t.dtype)
+            for t, need in zip(ctx.saved_tensors, needs, strict=True)
+        ]
+    else:
+        x, w, b, target, weight, lse = ctx.saved_tensors
+        args = (ignore_index, smoothing, softcap, z_loss, chunk, *needs)
+        grads = _lce_backward_op(x, w, b, target, weight, lse, grad_loss, *args)
+        grads = [g if need else None for g, need in zip(grads, needs, strict=True)]
+    if not ctx.has_bias:
+        grads[2] = None
+    return *grads, *(None,) * 11
+
+
+_lce_op.register_autograd(_lce_backward, setup_context=_lce_setup_context)
 
 
 def _check_linear_ce_args(
@@ -549,7 +483,6 @@ def _check_linear_ce_args(
     check_same_device(input=x, linear_weight=w, linear_bias=b, target=target)
 
 
-@torch.compiler.disable  # eager launches (chunks, Triton, the target check): a graph break
 def linear_cross_entropy(
     input: torch.Tensor,
     linear_weight: torch.Tensor,
@@ -582,7 +515,9 @@ def linear_cross_entropy(
     for ``"none"`` backward recomputes the chunks with the per-row upstream gradients.
     Where a fused optimizer holds ``linear_weight``, its gradient goes into the
     optimizer's flat gradient buffer (as :func:`tkern.linear`'s). Under
-    ``torch.compile`` the call is a graph break (it runs eagerly).
+    ``torch.compile`` it is the custom op ``tkern::linear_cross_entropy`` (no graph
+    break; the same chunks and kernels; the weight's gradient a new tensor there,
+    which autograd adds into ``.grad``).
 
     Args:
         input: (..., H), fp16/bf16 (tkern's GEMM) or fp32 (torch's GEMM).
@@ -610,20 +545,27 @@ def linear_cross_entropy(
     v, h = linear_weight.shape
     x2d, t = input.reshape(-1, h), target.reshape(-1)
     w = _class_weight(weight, v, input.device)
-    check_targets(t, v, ignore_index)
     chunk = chunk_size or default_chunk_rows(x2d.shape[0], h, v)
-    loss = _LinearCrossEntropy.apply(
-        x2d,
-        linear_weight,
-        linear_bias,
-        t,
-        w,
+    opts = LossOptions(
         ignore_index,
         float(label_smoothing),
         None if softcap is None else float(softcap),
         float(z_loss),
         reduction,
         chunk,
-        torch.is_grad_enabled(),
     )
+    if type(input) is torch.Tensor and not input.is_meta and not is_compiling():
+        check_targets(t, v, ignore_index)
+        loss = _LinearCrossEntropy.apply(x2d, linear_weight, linear_bias, t, w, opts, torch.is_grad_enabled())
+    else:
+        loss = _linear_cross_entropy_op(x2d, linear_weight, linear_bias, t, w, opts)
     return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def _linear_cross_entropy_op(x, w, b, target, weight, opts: LossOptions) -> Tensor:
+    """:func:`linear_cross_entropy` through the custom op ``tkern::linear_cross_entropy``."""
+    grad = torch.is_grad_enabled()
+    needs = [grad and t is not None and t.requires_grad for t in (x, w, b)]
+    cap = _NO_SOFTCAP if opts.softcap is None else opts.softcap
+    args = (opts.ignore_index, opts.smoothing, cap, opts.z_loss, opts.reduction, opts.chunk)
+    return _lce_op(x, w, b, target, weight, *args, *needs)[0]

@@ -46,13 +46,15 @@ from tkern.kernels.activation import (
     check_activation,
 )
 from tkern.kernels.gemm import (
-    large_on_tma,
     linear_prechecked,
     matmul,
     matmul_backward,
     matmul_backward_prechecked,
+    plan_for_shape,
+    tma_aligned_rows,
 )
 from tkern.kernels.gemm_epilogue import check_bias
+from tkern.kernels.gemm_plan import POINTER, TMA
 from tkern.ops import common
 from tkern.ops.common import as_2d, check_in_features, is_compiling
 
@@ -136,14 +138,15 @@ def _prologue_outputs(a, store_a, sum_dtype, transpose_a=False):
 #: pass for every activation: the choice is speed only, to be confirmed on a GPU.
 PROLOGUE_ACTIVATIONS = frozenset({"relu"})
 #: Whether the backward GEMMs keep their operand prologue (act', dZ stored, dbias
-#: summed) on the shapes where, without one, they take the TMA kernel (Hopper, M, N
-#: and K >= gemm.TMA_MIN_DIM). False: there act' is its own pass and dbias a
-#: reduction, so the GEMMs run on the TMA kernel. From the H100 run: the TMA kernel
-#: beat the pointer kernel by 1.05-1.49x on those shapes (~0.15 ms of a ~0.6 ms
-#: 8192 x 4096 x 4096 GEMM), and the prologue configs are pruned to the smaller
-#: tiles besides (gemm_configs.PROLOGUE_MAX_ACC); the pass reads dY and Z and writes
-#: dZ (~0.06 ms there), the reduction reads dZ (~0.02 ms). A prediction, to be
-#: measured on a GPU (the 8 x 4096 MLP's step).
+#: summed) on the shapes where, without one, they are planned on the TMA kernel
+#: (gemm.plan_for_shape: Hopper, gemm_plan.TMA_MIN_WAVES waves of tiles or more).
+#: False: there act' is its own pass and dbias a reduction, so the GEMMs run on the TMA
+#: kernel. From the H100 run: the TMA kernel beat the pointer kernel by 1.05-1.49x on
+#: the shapes it was measured on (~0.15 ms of a ~0.6 ms 8192 x 4096 x 4096 GEMM), and
+#: the prologue configs are pruned to the smaller tiles besides
+#: (gemm_configs.PROLOGUE_MAX_ACC); the pass reads dY and Z and writes dZ (~0.06 ms
+#: there), the reduction reads dZ (~0.02 ms). A prediction, to be measured on a GPU
+#: (the 8 x 4096 MLP's step). Split-K wgrads sum dbias in their K ranges either way.
 PROLOGUE_ON_TMA_SHAPES = False
 
 
@@ -152,35 +155,45 @@ def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, ac
     ``dy`` (M, N) and the saved pre-activation ``preact``: dX = dZ @ W, dW = dZ^T @ X
     (dZ^T read in place), db = dZ summed over M in fp32, where dZ = dY * act'(Z).
 
-    At most two GEMM launches: dgrad applies act' while loading dY (the operand
-    prologue, for :data:`PROLOGUE_ACTIVATIONS`) and its first column of programs
-    stores dZ; wgrad reads that dZ^T and sums dbias from its tiles; without dgrad,
-    wgrad applies act' to dY^T itself (Z^T read in place). Other activations get dZ
-    from ``act_grad`` first. dbias alone (weight frozen) is a plain reduction. Where
-    the GEMMs take the TMA kernel (Hopper, M, N and K >= gemm.TMA_MIN_DIM), which has
-    no operand prologue, act' is its own pass and dbias a reduction:
-    :data:`PROLOGUE_ON_TMA_SHAPES`.
+    At most two GEMM launches (three with a split-K wgrad's reduction): dgrad applies
+    act' while loading dY (the operand prologue, for :data:`PROLOGUE_ACTIVATIONS`) and
+    its first column of programs stores dZ; wgrad reads that dZ^T and sums dbias from
+    its tiles (or its K ranges, split-K); without dgrad, wgrad applies act' to dY^T
+    itself (Z^T read in place). Other activations get dZ from ``act_grad`` first. dbias
+    alone (weight frozen) is a plain reduction. Where a GEMM is planned on the TMA
+    kernel (gemm.plan_for_shape), which has no operand prologue, act' is its own pass
+    and dbias a reduction: :data:`PROLOGUE_ON_TMA_SHAPES`. A dZ whose rows a tensor
+    descriptor cannot describe (the LM head's dlogits over an odd vocabulary) is
+    copied once with aligned rows on a GPU with TMA (gemm.tma_aligned_rows), so that
+    neither GEMM falls to the pointer kernel's scalar loads.
     ``mm(a, b, z, activation, store_a, sum_dtype, transpose_a) -> (c, A', sums)`` and
     ``act_grad`` are the launchers (eager) or the custom ops (traced). ``dw_target``
     (eager only): where dW goes in place (:func:`common.flat_wgrad`)."""
     need_dx, need_dw = needs[0], needs[1]
     sum_dtype = bias_dtype if needs[2] else None  # None: no bias, or it needs no gradient
-    prologue = PROLOGUE_ON_TMA_SHAPES or not large_on_tma(dy.device, *dy.shape, weight.shape[1])
-    sum_in_gemm = sum_dtype if prologue else None  # dbias from wgrad's tiles (a prologue output)
+    (m, n), k = dy.shape, weight.shape[1]
+    dgrad_kernel = plan_for_shape(dy.device, m, k, n).kernel  # dZ (M, N) @ W (N, K)
+    wgrad_kernel = plan_for_shape(dy.device, n, k, m).kernel  # dZ^T (N, M) @ X (M, K)
+    # act' in the prologue of the first GEMM that reads dY; dbias from wgrad's tiles
+    act_kernel = dgrad_kernel if need_dx else wgrad_kernel
+    act_in_gemm = PROLOGUE_ON_TMA_SHAPES or act_kernel == POINTER
+    sum_in_gemm = sum_dtype if PROLOGUE_ON_TMA_SHAPES or wgrad_kernel != TMA else None
     dz, z, act = dy, None, None  # the GEMMs read dZ, or dY and Z with act' in their prologue
     if activation is not None:
-        if activation in PROLOGUE_ACTIVATIONS and (need_dx or need_dw) and prologue:
+        if activation in PROLOGUE_ACTIVATIONS and (need_dx or need_dw) and act_in_gemm:
             # the prologue reads Z with dY's strides: an expanded or strided dY (y.sum()) is made dense
             dz, z, act = dy if dy.stride() == preact.stride() else dy.contiguous(), preact, activation
         else:
             dz = act_grad(dy, preact, activation)
+    if act is None and (need_dx or need_dw):
+        dz = tma_aligned_rows(dz)
     dx = dw = db = None
     if need_dx:  # (M, N) @ (N, K); dZ stored for wgrad and dbias when act' was applied here
         store = act is not None and (need_dw or sum_dtype is not None)
         dx, dz_stored, _ = mm(dz, weight, z, act, store, None)
         if act is not None:
             dz, z, act = dz_stored, None, None
-    if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs
+    if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs (or the K ranges)
         into = () if dw_target is None else dw_target[1:]  # (view, accumulate)
         dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True, *into)  # dZ^T and Z^T read in place
         db = sums if sum_in_gemm is not None else None

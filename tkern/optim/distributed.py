@@ -538,46 +538,40 @@ def _fmt(entry: Any) -> str:
     return f"shape {shape} dtype {dtype} on {device}"
 
 
-class DistributedFusedSGD(_Sharded, FusedSGD):
-    """:class:`~tkern.optim.FusedSGD` sharded across the ranks of a process group
+def _sharded_doc(base: str, args: str, note: str = "") -> str:
+    """The docstring of the sharded form of ``base`` (whose own arguments are ``args``)."""
+    return f""":class:`~tkern.optim.{base}` sharded across the ranks of a process group
     (ZeRO-2; see :mod:`tkern.optim.distributed`).
 
     Args:
-        params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm,
-            maximize, master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedSGD`
-            (``max_grad_norm`` clips by the global norm of the mean gradient;
-            the shards hold the compact master and state; the step's collectives
-            run eager, never as a CUDA graph).
-        {sharding_options}
+        {args},
+            master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.{base}`
+            ({note}``max_grad_norm`` clips by the global norm of the mean gradient;
+            the shards hold the compact master and state; the statistics'
+            collective is captured in the step's CUDA graph on NCCL; the
+            reduce-scatter and all-gather run eager around it).
+        {{sharding_options}}
     """
+
+
+class DistributedFusedSGD(_Sharded, FusedSGD):
+    __doc__ = _sharded_doc(
+        "FusedSGD", "params, lr, momentum, dampening, weight_decay, nesterov, max_grad_norm, maximize"
+    )
 
 
 class DistributedFusedAdam(_Sharded, FusedAdam):
-    """:class:`~tkern.optim.FusedAdam` sharded across the ranks of a process group
-    (ZeRO-2; see :mod:`tkern.optim.distributed`).
-
-    Args:
-        params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize,
-            master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedAdam`
-            (``max_grad_norm`` clips by the global norm of the mean gradient;
-            the shards hold the compact master and state; the step's collectives
-            run eager, never as a CUDA graph).
-        {sharding_options}
-    """
+    __doc__ = _sharded_doc(
+        "FusedAdam", "params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize"
+    )
 
 
 class DistributedFusedAdamW(_Sharded, FusedAdamW):
-    """:class:`~tkern.optim.FusedAdamW` sharded across the ranks of a process group
-    (ZeRO-2; see :mod:`tkern.optim.distributed`).
-
-    Args:
-        params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize,
-            master, state_dtype, seed, cuda_graph: as :class:`~tkern.optim.FusedAdamW`
-            (``weight_decay`` defaults to 1e-2; ``max_grad_norm`` clips by the
-            global norm of the mean gradient; the shards hold the compact master
-            and state; the step's collectives run eager, never as a CUDA graph).
-        {sharding_options}
-    """
+    __doc__ = _sharded_doc(
+        "FusedAdamW",
+        "params, lr, betas, eps, weight_decay, amsgrad, max_grad_norm, maximize",
+        "``weight_decay`` defaults to 1e-2; ",
+    )
 
 
 for _cls in (DistributedFusedSGD, DistributedFusedAdam, DistributedFusedAdamW):

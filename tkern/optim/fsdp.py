@@ -74,6 +74,7 @@ __all__ = [
     "DTensorShards",
     "MeshGroups",
     "fsdp_shard_storage",
+    "fsdp_storage_bytes",
     "mesh_groups",
     "param_storage",
     "split_by_mesh",
@@ -172,6 +173,10 @@ class DTensorShards(ParamStorage):
         not (see :func:`fsdp_shard_storage`)."""
         return fsdp_shard_storage(params)
 
+    def held_bytes(self, params: list[torch.Tensor], buffer: torch.Tensor) -> dict[int, int]:
+        """FSDP2's storages of ``params`` outside the flat buffer (:func:`fsdp_storage_bytes`)."""
+        return fsdp_storage_bytes(params, buffer)
+
     def versions(self, params: list[torch.Tensor]) -> list:
         """Each DTensor's version counter and its local tensor's: writes through the
         DTensor (``load_state_dict``) move the first, writes through ``p.to_local()``
@@ -185,6 +190,18 @@ class DTensorShards(ParamStorage):
         raise TypeError("an optimizer over FSDP2's DTensor params cannot be copied or pickled")
 
 
+def _fsdp_params() -> dict[int, Any]:
+    """FSDP2's ``FSDPParam`` of every sharded param of the process, by the param's id (part of
+    the seam: FSDP2's private module state; ``ImportError`` on a torch without it)."""
+    from torch.distributed._composable_state import _module_state_mapping
+
+    owners = {}
+    for ref in list(_module_state_mapping.values()):
+        for fp in getattr(getattr(ref(), "_fsdp_param_group", None), "fsdp_params", ()):
+            owners[id(fp.sharded_param)] = fp
+    return owners
+
+
 def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
     """THE SEAM: the one place tkern reads or writes FSDP2's private names.
 
@@ -193,24 +210,19 @@ def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
     all-gather reads it) and the DTensor's ``_local_tensor`` is a view of its start.
     FSDP2 re-points both itself (``FSDPParam.reset_sharded_param``) and leaves them alone
     when they share one storage. This returns each param's padded size and a function
-    that points both at a slot of the flat buffer (``Tensor.set_``: the values are
-    already there, the padding is zeros), so the buffer is FSDP2's storage and a step
-    copies nothing; or, when that is not safe, why (the buffer then keeps a copy):
-    the FSDPParam is not found (a torch without these names), its shard is offloaded to
-    the CPU, a tensor subclass all-gathers itself, ``reshard_after_forward`` is an int
-    (a second sharded copy after forward), or the layout is not the one described.
+    that points both at a slot of the flat buffer (fresh views assigned in their place, so
+    FSDP2's own shard is freed; the values are already there, the padding is zeros), so the
+    buffer is FSDP2's storage and a step copies nothing; or, when that is not safe, why
+    (the buffer then keeps a copy): the FSDPParam is not found (a torch without these
+    names), its shard is offloaded to the CPU, a tensor subclass all-gathers itself,
+    ``reshard_after_forward`` is an int (a second sharded copy after forward), or the
+    layout is not the one described.
     Under HSDP (an ``HSDPMeshInfo``) the layout is the same, padded to the shard dim's
     first rank's rows, and is aliased alike. ``tests/test_fsdp_alias.py`` and
     ``tests/test_fsdp_hsdp.py`` fail if a torch upgrade breaks this.
     """
     try:
-        from torch.distributed._composable_state import _module_state_mapping
-
-        owners = {}
-        for ref in list(_module_state_mapping.values()):
-            group = getattr(ref(), "_fsdp_param_group", None)
-            for fp in getattr(group, "fsdp_params", ()):
-                owners[id(fp.sharded_param)] = fp
+        owners = _fsdp_params()
         found = [owners.get(id(p)) for p in params]
         if None in found:
             return "FSDP2's FSDPParam of a param was not found (not fully_shard's, or another torch)"
@@ -236,12 +248,52 @@ def fsdp_shard_storage(params: list[torch.Tensor]) -> SharedSlots | str:
         return f"FSDP2's private storage is not as this tkern expects ({type(e).__name__}: {e})"
 
     def point(flat_slots: list[torch.Tensor]) -> None:
+        # fresh views of the flat buffer, assigned: ``Tensor.set_`` on FSDP2's tensors (views of
+        # its padded shard) would keep that shard alive as their ``._base``, unread, for the life
+        # of the model; replaced, it is freed. One storage for both: FSDP2 leaves them as they are.
         with torch.no_grad():
-            for fp, local, slot in zip(datas, locals_, flat_slots, strict=True):
-                fp._sharded_param_data.set_(slot)  # one storage for both: FSDP2 leaves them as they are
-                local.set_(slot.untyped_storage(), 0, local.shape, local.stride())
+            for p, fp, local, slot in zip(params, datas, locals_, flat_slots, strict=True):
+                fp._sharded_param_data = slot
+                p._local_tensor = slot.narrow(0, 0, local.numel()).view(local.shape)
 
     return slots, point
+
+
+def fsdp_storage_bytes(params: list[torch.Tensor], buffer: torch.Tensor) -> dict[int, int]:
+    """The storages FSDP2 holds for ``params`` besides ``buffer``'s (the flat buffer), by
+    address -> bytes: its padded shards (``_sharded_param_data``) and the DTensors' local
+    tensors, with the tensors they are views of (a view keeps its base's storage alive).
+    Empty where the flat buffer is FSDP2's storage; on the copy path, FSDP2's shards. Part of
+    the seam (:func:`fsdp_shard_storage`): it reads the same private names; a param whose
+    FSDPParam is not found counts its local tensor only."""
+    try:
+        owners = _fsdp_params()
+    except ImportError:
+        owners = {}
+    held: dict[int, int] = {}
+    for p in params:
+        fp = owners.get(id(p))
+        for t in (p._local_tensor, getattr(fp, "_sharded_param_data", None)):
+            if t is not None:
+                _add_storages(t, held)
+    lo = buffer.data_ptr()
+    hi = lo + buffer.numel() * buffer.element_size()
+    # the flat buffer's slots (storages of their own over its memory) and empty tensors are not FSDP2's
+    return {at: n for at, n in held.items() if at and not lo <= at < hi}
+
+
+def _add_storages(t: torch.Tensor, into: dict[int, int]) -> None:
+    """Add the storages ``t`` keeps alive to ``into`` (address -> bytes): its own and its
+    base's (a view's), or those of the inner tensors of a wrapper subclass."""
+    if type(t) is not torch.Tensor:
+        names = t.__tensor_flatten__()[0] if hasattr(t, "__tensor_flatten__") else ()
+        for name in names:
+            _add_storages(getattr(t, name), into)
+        return
+    for each in (t, t._base):
+        if each is not None:
+            storage = each.untyped_storage()
+            into[storage.data_ptr()] = storage.nbytes()
 
 
 def _check_dtensor(p: DTensor, name: str) -> None:

@@ -47,7 +47,6 @@ Semantics as torch.optim, with these differences worth knowing:
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -55,22 +54,18 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes
-from tkern.graphs import CudaGraphCapture, in_graph_step
 from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
 from tkern.kernels.overflow import (
     FOUND_INF,
-    N_COUNTS,
-    OverflowFlags,
-    UnderflowCounts,
     combine_stats,
     grad_stats,
-    grad_underflow,
     reduce_stats,
 )
 from tkern.ops.float8 import Float8WeightCache, float8_weight_cache
 from tkern.optim.distributed_sync import shared_seed
 from tkern.optim.fsdp import DTensorShards, param_storage
 from tkern.optim.graph_step import GraphedStep, step_stamp
+from tkern.optim.health import GradHealth
 from tkern.optim.hparams import (
     OPTIONS_DOC,
     SHARDING_OPTIONS_DOC,
@@ -80,7 +75,7 @@ from tkern.optim.hparams import (
     group_scalar,
     param_group_dict,
 )
-from tkern.optim.report import OverflowReport, memory_report, overflow_report
+from tkern.optim.report import MemoryReport, memory_report
 from tkern.optim.state import ParamState, flat_seed
 from tkern.optim.state_io import TorchStateDict
 
@@ -114,14 +109,92 @@ def full_signature(cls: type, extra: tuple[inspect.Parameter, ...] = ()) -> insp
     return inspect.Signature([*positional, *keyword.values(), *extra])
 
 
-#: The optimizer's capture seam under its former name.
-CudaGraphRunner = CudaGraphCapture
+class FlatGroups:
+    """What a fused optimizer's flat storage is, seen from the optimizer: its flat buffers
+    per param group (``_flat``), how they are made and tied to ``self.state``, the params'
+    device and modes, and what acts on every buffer at once (``zero_grad``,
+    :meth:`refresh_master`). :class:`FusedOptimizer`'s first part."""
+
+    _flat: list[list[FlatParams]]
+    _device: torch.device | None
+    _master: str
+    _state_dtype: torch.dtype
+    _layout_seen: dict[int, int]
+    state: dict
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the params (and of every buffer the step uses); None
+        while the optimizer holds no params."""
+        return self._device
+
+    @property
+    def shard_group(self) -> Any:
+        """The process group the optimizer's state is sharded over (ZeRO-2,
+        :mod:`tkern.optim.distributed`); None for an optimizer whose state is
+        whole on every rank."""
+        return None
+
+    @property
+    def flat_buffers(self) -> list[list[FlatParams]]:
+        """The flat buffers, per param group (see :mod:`tkern.flat`)."""
+        return self._flat
+
+    @property
+    def master(self) -> str:
+        """How the fp32 master is kept: ``"fp32"``, ``"split"`` or ``"none"``."""
+        return self._master
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        """The dtype of the state buffers (params below 4096 elements keep fp32
+        state when it is torch.uint8)."""
+        return self._state_dtype
+
+    def _make_flats(
+        self, params: list[torch.Tensor], indices: list[int], group: int, names: tuple[str, ...], modes: dict
+    ) -> list[FlatParams]:
+        """The flat buffers of one kind of param (one dtype and state dtype) of param
+        group ``group``: one here; the sharded optimizers keep one per gradient bucket."""
+        return [FlatParams(params, indices, group, names, **modes)]
+
+    def _refresh_state(self, flat: FlatParams) -> None:
+        """Point ``self.state`` at ``flat``'s params' entries (after a layout change)."""
+        for i, p in enumerate(flat.params):
+            self.state[p] = ParamState(flat, i)
+        self._layout_seen[id(flat)] = flat.layout_version
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero every flat gradient buffer in place (the views stay attached, so
+        ``.grad`` reads zeros). With ``set_to_none`` (the default) a param that
+        then gets no gradient in backward is left untouched by the next step,
+        as torch's ``None`` gradient would be."""
+        for flats in self._flat:
+            for flat in flats:
+                flat.zero_grad(set_to_none)
+
+    def memory_report(self) -> MemoryReport:
+        """What the optimizer allocates (on this rank), in bytes: the flat buffers'
+        param, grad, master and state bytes, their total and per-param shares
+        (:func:`tkern.optim.report.memory_report` says what each counts)."""
+        return memory_report(self)
+
+    def refresh_master(self) -> None:
+        """Bring the fp32 master up to date with the params now. Not needed after
+        in-place writes to the params (the next step notices them); needed after
+        writes through ``param.data``, which torch does not count."""
+        for flats in self._flat:
+            for flat in flats:
+                flat.check_storage()
+                flat.reconcile()
 
 
-class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
+class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.optim.Optimizer):
     """What FusedSGD/FusedAdam/FusedAdamW share: flat buffers, the two passes,
     the state_dict (:class:`~tkern.optim.state_io.TorchStateDict`; the step's CUDA
-    graph: :class:`~tkern.optim.graph_step.GraphedStep`).
+    graph: :class:`~tkern.optim.graph_step.GraphedStep`; the gradients' overflow and
+    underflow records: :class:`~tkern.optim.health.GradHealth`; the flat buffers:
+    :class:`FlatGroups`).
     Subclasses name their state buffers, validate their hyperparameters and launch
     their update kernel."""
 
@@ -159,22 +232,8 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         #: (3,) fp32 statistics of the last step's gradients, on the device.
         self.grad_stats: torch.Tensor | None = None
         self._layout_seen: dict[int, int] = {}
-        #: Which params overflowed: per flat buffer (by id) its layout version, the params'
-        #: start offsets and their int32 flags (see :meth:`overflow_report`).
-        self._overflow_flags: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # flags: (2, P)
         self._steps_run = 0
-        self._param_names: dict[tuple[int, int], str] = {}
-        #: Whether the statistics pass records which params' gradients overflow (for
-        #: :meth:`overflow_report`). Off by default, so a step pays nothing for it;
-        #: :meth:`name_params` turns it on, as may a user (``opt.track_overflows = True``).
-        self.track_overflows = False
-        #: Every how many steps the gradients are sampled for zeros and subnormals (None:
-        #: never; see :meth:`track_underflows`); per flat buffer (by id) its layout version,
-        #: the params' ends and their (P, N_COUNTS) int64 counts; the last sampled step's
-        #: number and (4,) fp32 statistics and inv_scale.
-        self._underflow_every: int | None = None
-        self._underflow_counts: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
-        self._underflow_meta: tuple[int, torch.Tensor] | None = None
+        self._init_health()
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
         #: buffers over them (their updated params are copied out after each step).
         self._dtensor_storage: DTensorShards | None = None
@@ -182,35 +241,6 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         if master == "none":  # DDP's replicas round alike: one broadcast, at construction
             self._share_seed(process_group)
         super().__init__(params, defaults)
-
-    @property
-    def device(self) -> torch.device | None:
-        """The device of the params (and of every buffer the step uses); None
-        while the optimizer holds no params."""
-        return self._device
-
-    @property
-    def shard_group(self) -> Any:
-        """The process group the optimizer's state is sharded over (ZeRO-2,
-        :mod:`tkern.optim.distributed`); None for an optimizer whose state is
-        whole on every rank."""
-        return None
-
-    @property
-    def flat_buffers(self) -> list[list[FlatParams]]:
-        """The flat buffers, per param group (see :mod:`tkern.flat`)."""
-        return self._flat
-
-    @property
-    def master(self) -> str:
-        """How the fp32 master is kept: ``"fp32"``, ``"split"`` or ``"none"``."""
-        return self._master
-
-    @property
-    def state_dtype(self) -> torch.dtype:
-        """The dtype of the state buffers (params below 4096 elements keep fp32
-        state when it is torch.uint8)."""
-        return self._state_dtype
 
     # ----------------------------------------------------------- construction
 
@@ -276,18 +306,6 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         for before, flats in enumerate(self._flat):
             for j, flat in enumerate(flats):
                 flat.seed = flat_seed(self.seed, sum(map(len, self._flat[:before])), j)
-
-    def _make_flats(
-        self, params: list[torch.Tensor], indices: list[int], group: int, names: tuple[str, ...], modes: dict
-    ) -> list[FlatParams]:
-        """The flat buffers of one kind of param (one dtype and state dtype) of param
-        group ``group``: one here; the sharded optimizers keep one per gradient bucket."""
-        return [FlatParams(params, indices, group, names, **modes)]
-
-    def _refresh_state(self, flat: FlatParams) -> None:
-        for i, p in enumerate(flat.params):
-            self.state[p] = ParamState(flat, i)
-        self._layout_seen[id(flat)] = flat.layout_version
 
     # ----------------------------------------------------------- the step
 
@@ -375,10 +393,7 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
             lambda: step_stamp(self, args, found_inf),
             self._graph_blocker(any(c is not None for c in collectives), self._device),
         )
-        every = self._underflow_every
-        if every is not None and self._steps_run % every == 0 and not in_graph_step():
-            # after the step, eager or replayed: it leaves the gradients as they were
-            self._count_underflows(work, self.grad_stats, inv_scale)
+        self._sample_underflows(work, inv_scale)
         self._sync_params()
         for flat in self._held_elsewhere:  # FSDP2's local shards: its next all-gather reads them
             flat.write_back()
@@ -414,12 +429,7 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         (agreed on by :meth:`_sync_stats`) joined with those of FSDP2's shards (summed
         over their mesh by every rank, whether or not it holds gradients this step)."""
         whole = [b.grad for _, plan, group in work if group is None for b in plan]
-        track = None
-        if self.track_overflows:
-            # a captured step would replay this step's stamp: graphs mark a scratch buffer (the
-            # same launch as the warm-ups', so the capture compiles nothing) and record no overflows
-            scratch = in_graph_step()
-            track = [self._track(plan, b, scratch) for _, plan, g in work if g is None for b in plan]
+        track = self._tracking(work)
         stats = None
         # plain groups beside FSDP2's: held on every rank of the mesh, whether or not planned
         mixed = self._dtensor_storage is not None and len(self._held_elsewhere) < sum(map(len, self._flat))
@@ -442,56 +452,6 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
             stats = sharded if stats is None else reduce_stats(torch.stack([stats, sharded]))
         return stats
 
-    def _stamp(self) -> int:
-        """The number the overflow flags of this step get: the step's, in [1, 2**31)."""
-        return (self._steps_run - 1) % (2**31 - 1) + 1
-
-    def _segments(self, flat: FlatParams) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """``flat``'s layout version, its params' (P,) int64 start offsets and their (2, P)
-        int32 overflow flags, allocated once per layout."""
-        held = self._overflow_flags.get(id(flat))
-        if held is None or held[0] != flat.layout_version:
-            starts = torch.tensor(flat.offsets[: len(flat.params)], dtype=torch.int64, device=self._device)
-            flags = torch.zeros((2, len(flat.params)), dtype=torch.int32, device=self._device)
-            held = self._overflow_flags[id(flat)] = (flat.layout_version, starts, flags)
-        return held
-
-    def _track(self, plan: list, b: UpdateBuffers, scratch: bool) -> OverflowFlags:
-        """Where pass 1 marks the params of ``b`` (a range of ``plan``'s flat buffer)
-        whose gradients overflow: the flat buffer's flags (``scratch``: a buffer nobody
-        reads)."""
-        held = self._segments(self._plan_flats[id(plan)])
-        return OverflowFlags(starts=held[1], flags=held[2][int(scratch)], base=b.offset)
-
-    def _count_underflows(self, work: list, stats: torch.Tensor, inv_scale: torch.Tensor) -> None:
-        """A sampled step, after its device work: count the zeros and subnormals of every
-        planned range's gradients (whole ones; FSDP2's shards are not sampled) per param,
-        into counts zeroed first, and keep the step's statistics and inv_scale beside them
-        (device copies, no sync). Launched eagerly after the step's graph replays too, so
-        the graph stays the same whether or not a step is sampled."""
-        for held in self._underflow_counts.values():
-            held[2].zero_()  # a buffer out of this step's plan reports nothing counted
-        grads, into = [], []
-        for _, plan, group in work:
-            if group is not None:
-                continue
-            flat = self._plan_flats[id(plan)]
-            starts = self._segments(flat)[1]
-            held = self._underflow_counts.get(id(flat))
-            if held is None or held[0] != flat.layout_version:
-                n = len(flat.params)
-                ends = [o + k for o, k in zip(flat.offsets[:n], flat.numels, strict=True)]
-                held = self._underflow_counts[id(flat)] = (
-                    flat.layout_version,
-                    torch.tensor(ends, dtype=torch.int64, device=self._device),
-                    torch.zeros((n, N_COUNTS), dtype=torch.int64, device=self._device),
-                )
-            for b in plan:
-                grads.append(b.grad)
-                into.append(UnderflowCounts(starts=starts, ends=held[1], counts=held[2], base=b.offset))
-        grad_underflow(grads, into)
-        self._underflow_meta = (self._steps_run, torch.cat([stats, inv_scale.reshape(1)]))
-
     # Hooks of the sharded optimizers (tkern.optim.distributed); here they do
     # nothing but agree on the statistics when a process_group was given.
 
@@ -505,127 +465,6 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
     def _sync_params(self) -> None:
         """After pass 2 and the step counts: bring every rank's params up to date."""
 
-    # ----------------------------------------------------------- grads and state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero every flat gradient buffer in place (the views stay attached, so
-        ``.grad`` reads zeros). With ``set_to_none`` (the default) a param that
-        then gets no gradient in backward is left untouched by the next step,
-        as torch's ``None`` gradient would be."""
-        for flats in self._flat:
-            for flat in flats:
-                flat.zero_grad(set_to_none)
-
-    def refresh_master(self) -> None:
-        """Bring the fp32 master up to date with the params now. Not needed after
-        in-place writes to the params (the next step notices them); needed after
-        writes through ``param.data``, which torch does not count."""
-        for flats in self._flat:
-            for flat in flats:
-                flat.check_storage()
-                flat.reconcile()
-
-    def memory_report(self) -> dict[str, Any]:
-        """What the optimizer allocates (on this rank), in bytes: the flat buffers'
-        param, grad, master and state bytes, their total and per-param shares
-        (:func:`tkern.optim.report.memory_report` says what each counts)."""
-        return memory_report(self)
-
-    def name_params(self, model: torch.nn.Module) -> None:
-        """Name the params after ``model.named_parameters()``, for
-        :meth:`overflow_report` (without it a param is named by its group, index
-        and shape), and turn :attr:`track_overflows` on. Params of ``model`` the
-        optimizer does not hold are ignored."""
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"name_params takes a torch.nn.Module, got {type(model).__name__}")
-        self.track_overflows = True
-        where = {
-            id(p): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
-        }
-        for name, p in model.named_parameters():
-            if id(p) in where:
-                self._param_names[where[id(p)]] = name
-
-    def track_underflows(self, every: int | None) -> None:
-        """Sample the gradients every ``every`` steps (the steps whose number is a
-        multiple of it; None: never, the default) for the fraction of each tensor's
-        gradient that is exactly zero and that is subnormal in its 16-bit dtype, as
-        stored (scaled, before unscaling: what loss scaling protects). A sampled step
-        adds one launch per planned range after its device work (a read of the 16-bit
-        gradients, 2 B a param for fp16/bf16; a CUDA-graphed step replays its graph as
-        before and the launches follow it), and a few tiny ones (zeroing the counts,
-        copying the step's statistics); the other steps pay one integer test. Steps
-        inside another graph (``Trainer(cuda_graph=True)``) and FSDP2's sharded params
-        are not sampled (a warning says so when that leaves nothing to sample). A step
-        after a scaler's ``unscale_`` (to clip by hand) samples unscaled gradients and
-        the report reads them as carrying a scale of 1: clip with ``max_grad_norm=``
-        instead (it leaves the stored gradients scaled).
-        :meth:`overflow_report` reads the last sampled step's fractions
-        (``zero_fraction``, ``subnormal_fraction``) and
-        :meth:`~tkern.optim.report.OverflowReport.scale_too_low`. Turns
-        :attr:`track_overflows` on (the report needs it).
-
-        Raises:
-            TypeError, ValueError: ``every`` is not None or an int >= 1 (nothing changes).
-        """
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int)):
-            raise TypeError(f"track_underflows: every must be an int >= 1 or None, got {every!r}")
-        if every is not None and every < 1:
-            raise ValueError(f"track_underflows: every must be an int >= 1 or None, got {every!r}")
-        self._underflow_every = every
-        if every is not None:
-            self.track_overflows = True
-            flats = [f for group in self._flat for f in group]
-            if flats and all(f.storage.stats_group is not None for f in flats):
-                warnings.warn(
-                    "track_underflows: every param of this optimizer is an FSDP2 shard, and shards are "
-                    "not sampled: the report will hold no zero or subnormal fractions",
-                    stacklevel=2,
-                )
-
-    @property
-    def underflow_every(self) -> int | None:
-        """Every how many steps the gradients are sampled for zeros and subnormals (None:
-        never); set by :meth:`track_underflows`."""
-        return self._underflow_every
-
-    def overflow_report(self) -> OverflowReport:
-        """Which tensors' gradients held inf or nan: in the last step (and whether
-        it was skipped), and the last step each tensor ever did; with
-        :meth:`track_underflows`, the fraction of each tensor's gradient that was zero
-        and that was subnormal at the last sampled step, and whether the loss scale is
-        likely too low (:meth:`~tkern.optim.report.OverflowReport.scale_too_low`).
-        Recorded on the device by the step's statistics pass at no cost while nothing
-        overflows; this call reads it in one device-to-host copy (a sync: call it when
-        a step was skipped or now and then, not every step). Names come from
-        :meth:`name_params`. Under a sharded optimizer each rank reports its own
-        shard's tensors; steps replayed from a CUDA graph record nothing. Needs
-        :attr:`track_overflows` on (:meth:`name_params` turns it on) before the
-        steps it reports."""
-        if not self.track_overflows:
-            raise RuntimeError(
-                "overflow_report: overflow tracking is off; call opt.name_params(model) "
-                "(or set opt.track_overflows = True) before the steps to report on"
-            )
-        tracked = []
-        for flats in self._flat:
-            for flat in flats:
-                held = self._overflow_flags.get(id(flat))
-                if held is not None and held[0] == flat.layout_version:
-                    tracked.append((flat, held[2][0]))
-        sampled = None
-        if self._underflow_meta is not None:
-            counted = []
-            for flats in self._flat:
-                for flat in flats:
-                    held = self._underflow_counts.get(id(flat))
-                    if held is not None and held[0] == flat.layout_version:
-                        counted.append((flat, held[2]))
-            sampled = (*self._underflow_meta, counted)
-        return overflow_report(
-            self._steps_run, self.grad_stats, tracked, self._param_names, self._stamp(), sampled
-        )
-
     # ----------------------------------------------------------- copies
 
     def __getstate__(self) -> dict[str, Any]:
@@ -634,9 +473,7 @@ class FusedOptimizer(GraphedStep, TorchStateDict, torch.optim.Optimizer):
         state.pop("state", None)  # rebuilt from the flat buffers
         state["_process_group"] = None  # process groups do not travel
         state["_layout_seen"] = {}
-        state["_overflow_flags"] = {}  # keyed by the flat buffers' ids: allocated anew
-        state["_underflow_counts"] = {}
-        state["_underflow_meta"] = None
+        self._copied_health(state)
         state.pop("_plan_flats", None)
         state["_float8_caches"] = []  # weak references: found again from the params
         state["_graph"] = self._new_graphs()  # a graph holds device memory and addresses: captured anew

@@ -81,6 +81,11 @@ class GraphedStep:
         self.graph_capture = seam
 
     @property
+    def graph_pool_bytes(self) -> int:
+        """The memory the step's CUDA graph holds in its pool (0 while none is captured)."""
+        return self._graph.pool_bytes
+
+    @property
     def graph_counts(self) -> Counter[str]:
         """How the steps ran: ``warmup`` (a new stamp: eager, through the graph's static
         inputs), ``capture`` (captured, then replayed), ``replay``, ``eager`` (not
@@ -89,13 +94,32 @@ class GraphedStep:
 
     def _graph_blocker(self, collectives: bool, device: torch.device | None) -> str | None:
         """Why this step runs eager rather than as a CUDA graph (None: it may be graphed);
-        ``collectives``: whether the step runs any (process_group, ZeRO-2, FSDP2's mesh)."""
+        ``collectives``: whether the step runs any (process_group, ZeRO-2, FSDP2's mesh).
+        The statistics' collectives run inside the graph where the seam can capture them
+        (NCCL's, :meth:`tkern.graphs.CudaGraphCapture.collectives_blocker`); ZeRO-2's
+        reduce-scatter before the step and all-gather after it run eager around it."""
         if self.cuda_graph is False:
             # the graphs turned off by a failed capture: that failure is the reason
             return getattr(self, "graph_failure", None) or "cuda_graph=False"
+        seam = self.graph_runner
         if collectives:
-            return "the step's collectives (process_group, ZeRO-2, FSDP2's mesh) run eager"
-        return self.graph_runner.blocker(device)
+            check = getattr(seam, "collectives_blocker", None)
+            reason = (
+                "the step's collectives (process_group, ZeRO-2, FSDP2's mesh) run eager"
+                if check is None
+                else check(self.collective_groups())
+            )
+            if reason is not None:
+                return reason
+        return seam.blocker(device)
+
+    def collective_groups(self) -> list:
+        """The process groups the step's statistics are combined over (empty: none)."""
+        groups = [getattr(self, "_process_group", None), getattr(self, "shard_group", None)]
+        storage = getattr(self, "_dtensor_storage", None)
+        if storage is not None:
+            groups += list(storage.groups.groups)
+        return [g for g in groups if g is not None]
 
     def _run_step(
         self,

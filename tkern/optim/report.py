@@ -9,14 +9,67 @@ from typing import Any
 
 import torch
 
-__all__ = ["SUBNORMAL_WARN", "OverflowReport", "memory_report", "overflow_report", "param_name"]
+__all__ = [
+    "SUBNORMAL_WARN",
+    "MemoryReport",
+    "OverflowReport",
+    "memory_report",
+    "overflow_report",
+    "param_name",
+]
 
 #: :meth:`OverflowReport.scale_too_low`'s threshold: the fraction of a tensor's gradient
 #: that, subnormal in its 16-bit dtype at a sampled step, makes the loss scale likely too low.
 SUBNORMAL_WARN = 0.01
 
 
-def memory_report(opt: Any) -> dict[str, Any]:
+_MIB = 2**20
+
+
+class MemoryReport(dict):
+    """What ``memory_report()`` returns (the optimizer's and :meth:`tkern.Trainer.memory_report`):
+    a dict whose byte counts are ints in bytes, under the keys :attr:`byte_keys` names, beside
+    other entries (counts, modes, bytes per param). ``str()`` (so ``print``) gives one line per
+    entry, byte counts in MiB with the bytes beside them::
+
+        param            0.02 MiB (16640 B)
+        ...
+        bytes_per_param  16.00 B/param
+
+    Args:
+        entries: the report's entries, in the order they print.
+        byte_keys: which of them are byte counts.
+    """
+
+    def __init__(self, entries: dict[str, Any], byte_keys: tuple[str, ...]) -> None:
+        super().__init__(entries)
+        #: The keys whose values are byte counts (ints, in bytes).
+        self.byte_keys = byte_keys
+
+    def __str__(self) -> str:
+        width = max(map(len, self), default=0)
+        lines = []
+        for key, value in self.items():
+            if key in self.byte_keys:
+                text = f"{value / _MIB:.2f} MiB ({value} B)"
+            elif key == "bytes_per_param":
+                text = f"{value:.2f} B/param"
+            elif key == "per_param":
+                text = ", ".join(f"{k} {v:.2f}" for k, v in value.items()) + " B/param"
+            else:
+                text = str(value)
+            lines.append(f"{key:<{width}}  {text}")
+        return "\n".join(lines)
+
+    def __reduce__(self) -> tuple:
+        return (MemoryReport, (dict(self), self.byte_keys))
+
+
+#: The optimizer report's byte counts (:func:`memory_report`).
+OPTIMIZER_BYTES = ("param", "grad", "master", "state", "fsdp_storage", "graph_pool", "total")
+
+
+def memory_report(opt: Any) -> MemoryReport:
     """What the optimizer allocates (on this rank), in bytes.
 
     ``param`` and ``grad`` are the flat buffers the model's params and
@@ -39,8 +92,13 @@ def memory_report(opt: Any) -> dict[str, Any]:
     times ``world_size``, FSDP2's mesh size, it is per param of the model; under HSDP
     ``world_size`` and ``rank`` are the shard dim's, and each replica holds those bytes). The param
     buffer is FSDP2's shard storage itself (:func:`tkern.optim.fsdp.fsdp_shard_storage`);
-    where FSDP2 is in a mode that forbids that, ``alias_fallback`` says why and
-    ``fsdp_storage`` counts FSDP2's own copy of the shards (in ``total``; 0 otherwise).
+    where FSDP2 is in a mode that forbids that, ``alias_fallback`` says why.
+    ``fsdp_storage`` counts the storage FSDP2 holds for the shards besides the flat buffers
+    (in ``total``): read from FSDP2's tensors and the tensors they are views of
+    (:func:`tkern.optim.fsdp.fsdp_storage_bytes`), so 0 where the buffer is its storage, and
+    its padded copy of the shards on the copy path. ``graph_pool`` is the memory the step's
+    CUDA graph holds of its own (its private pool; the optimizer's ``graph_pool_bytes`` where it
+    reports one, else 0). A :class:`MemoryReport`: every byte count in bytes; ``print`` gives MiB.
     """
     group = opt.shard_group
     if group is None:  # FSDP2's params: the mesh they are sharded over
@@ -56,22 +114,25 @@ def memory_report(opt: Any) -> dict[str, Any]:
         "padded_numel": 0,
         "alias_fallback": None,
     }
-    sizes = dict.fromkeys(("param", "grad", "master", "state", "fsdp_storage"), 0)
+    sizes = dict.fromkeys(OPTIMIZER_BYTES[:-1], 0)
+    held: dict[int, int] = {}  # the owner's storages outside the flat buffers, by address
     for flats in opt.flat_buffers:
         for flat in flats:
+            held.update(flat.storage.held_bytes(flat.params, flat.param))
             if not flat.storage.owns_storage and not flat.aliased:
-                sizes["fsdp_storage"] += sum(flat.numels) * flat.param.element_size()
                 report["alias_fallback"] = report["alias_fallback"] or flat.alias_fallback
             report["numel"] += sum(flat.numels)
             report["padded_numel"] += flat.param.numel()
             for k, v in flat.nbytes().items():
                 sizes[k] += v
+    sizes["fsdp_storage"] = sum(held.values())
+    sizes["graph_pool"] = int(getattr(opt, "graph_pool_bytes", 0))
     report.update(sizes)
     report["total"] = sum(sizes.values())
     numel = report["numel"]
     report["bytes_per_param"] = report["total"] / numel if numel else 0.0
     report["per_param"] = {k: v / numel if numel else 0.0 for k, v in sizes.items()}
-    return report
+    return MemoryReport(report, OPTIMIZER_BYTES)
 
 
 @dataclass(frozen=True)

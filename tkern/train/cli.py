@@ -31,10 +31,13 @@ class UsageError(Exception):
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each option's default, where it has one."""
+    """--help shows each option's default: its value, "off" for a switch; an option
+    whose default depends on the job or the device says it in its own help."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        if action.default is False:
+            return f"{action.help} (default: off)"
+        if action.default is None or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -142,6 +145,7 @@ GPT_ONLY = {
     "width": "--width",
     "heads": "--heads",
     "eval_every": "--eval-every",
+    "compile": "--compile",
 }
 
 
@@ -234,7 +238,7 @@ def _train(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         fsdp=args.fsdp,
         float8=args.float8,
-        cuda_graph=args.cuda_graph,
+        cuda_graph=True if args.cuda_graph else "auto",
         norms=args.norms,
         underflow_every=args.underflow_every,
     )
@@ -306,6 +310,7 @@ def gpt_config(args: argparse.Namespace):
         float8=args.float8 or d.float8,
         progress=not args.no_progress,
         underflow_every=args.underflow_every,
+        compile=args.compile,
     )
     if cfg.n_embd % cfg.n_head:
         raise UsageError(f"--width {cfg.n_embd} is not a multiple of --heads {cfg.n_head}")
@@ -331,6 +336,9 @@ def _train_gpt(args: argparse.Namespace) -> int:
     )
     model = gpt_job.make_model(cfg, corpus.vocab_size)
     print(f"model: {model[1]}")
+    if device.type != "cuda":  # every tkern kernel interpreted: say how long before it starts
+        seconds, how = gpt_job.estimate(cfg, corpus, model[0], device)
+        print(f"this will take about {gpt_job.duration(seconds)} here ({how})", flush=True)
     try:
         results, _, _ = gpt_job.compare(cfg, device, corpus, model)
         _print_graph_counts(results)
@@ -376,7 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        help="train the digits MLP with tkern, torch fp32 and torch autocast; compare",
+        help="train a model by tkern, torch fp32 and torch autocast side by side and compare: the digits "
+        "MLP (default) or, with --model gpt, a character-level GPT",
+        description="Train one model several ways from the same weights on the same batches and compare "
+        "loss, speed and memory. --model mlp (the default): the digits MLP, by tkern, torch fp32 and torch "
+        "autocast. --model gpt: a character-level GPT on real text, the same runs and tkern in bf16 (on a "
+        "GPU also compiled, fp8 and CUDA-graph runs); on a CPU it prints how long it will take first.",
         formatter_class=_Help,
     )
     _add_train_options(train)
@@ -390,11 +403,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_train_options(train: argparse.ArgumentParser) -> None:
-    """The options of ``tkern train`` (defaults from :class:`tkern.train.demo.Config`)."""
+    """The options of ``tkern train``: both jobs', then the MLP's, then the GPT's."""
+    _add_common_options(train)
+    _add_mlp_options(train)
+    _add_gpt_options(train)
+
+
+def _add_common_options(train: argparse.ArgumentParser) -> None:
+    """The options both jobs take (defaults: :class:`tkern.train.demo.Config`, and for
+    the GPT job :func:`tkern.train.gpt_job.default_config`)."""
     from tkern.train.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, RUNS, SCALERS, Config
-    from tkern.train.gpt_job import RUNS as GPT_RUNS
+    from tkern.train.gpt_job import CPU_RUNS, GPU_RUNS
 
     d = Config()
+    cpu, gpu = _gpt_defaults()
     lrs = ", ".join(f"{k} {v['lr']:g}" for k, v in OPTIMIZER_DEFAULTS.items())
     train.add_argument(
         "--model",
@@ -403,16 +425,11 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
         help="mlp: the digits MLP; gpt: a character-level GPT on real text (fp32, autocast, tkern, "
         "tkern-bf16; on a GPU also autocast-compiled, tkern-fp8, tkern-graph)",
     )
-    train.add_argument("--epochs", type=_positive, help=f"mlp: epochs to train (default: {d.epochs})")
     train.add_argument(
         "--batch-size",
         type=_positive,
-        help=f"samples per step: digits (default: {d.batch_size}); gpt: sequences (2 on a CPU, 8 on a GPU)",
-    )
-    train.add_argument(
-        "--hidden",
-        type=_hidden,
-        help=f"mlp: hidden layer widths, e.g. 128,64 (default: {','.join(map(str, d.hidden))})",
+        help=f"samples per step: mlp digits (default: {d.batch_size}); gpt sequences (default: "
+        f"{cpu.batch_size} on a CPU, {gpu.batch_size} on a GPU)",
     )
     train.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer, help="the optimizer")
     train.add_argument("--scaler", choices=sorted(SCALERS), default=d.scaler, help="tkern's loss scaler")
@@ -421,20 +438,65 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
         type=_learning_rate,
         default=None,
         metavar="LR",
-        help=f"learning rate; by default the optimizer's own ({lrs}; sgd with momentum 0.9)",
+        help=f"learning rate (default: mlp: the optimizer's own, {lrs}; sgd with momentum 0.9; "
+        f"gpt: {cpu.lr:g} on a CPU, {gpu.lr:g} on a GPU)",
     )
     train.add_argument("--seed", type=int, default=d.seed, help="seed of the weights, split and batches")
     train.add_argument(
         "--only",
         metavar="RUNS",
-        help=f"train only these runs, comma-separated (mlp: {', '.join(RUNS)}; gpt: {', '.join(GPT_RUNS)})",
+        help=f"train only these runs, comma-separated (default: every run: mlp {', '.join(RUNS)}; "
+        f"gpt {', '.join(CPU_RUNS)} on a CPU, {', '.join(GPU_RUNS)} on a GPU)",
     )
-    train.add_argument("--plot", metavar="PNG", help="draw the loss curves into this file")
+    train.add_argument("--plot", metavar="PNG", help="draw the loss curves into this file (default: none)")
     train.add_argument(
-        "--checkpoint", metavar="PATH", help="save the tkern run's checkpoint here after each epoch"
+        "--float8",
+        choices=("tensorwise", "delayed", "blockwise"),
+        default=None,
+        metavar="RECIPE",
+        help="the tkern run in bf16 with fp8 GEMMs (tkern.nn.Float8Linear) of this scaling recipe: "
+        "tensorwise, delayed or blockwise; Linear layers whose sizes are not multiples of 16 stay bf16 "
+        "(default: none; gpt on a GPU: a tkern-fp8 run, tensorwise)",
     )
-    train.add_argument("--resume", metavar="PATH", help="start the tkern run from this checkpoint")
     train.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the tkern run's whole step (forward, backward, scaler, optimizer) as a CUDA graph "
+        "per batch shape and replay it; where it cannot be captured (no GPU, --nproc > 1) the run warns "
+        "once with the reason and trains eager. Without it the Trainer chooses (cuda_graph='auto')",
+    )
+    train.add_argument(
+        "--underflow-every",
+        type=_positive,
+        metavar="K",
+        help="the tkern runs sample their 16-bit gradients every K steps for the fraction that is zero "
+        "or subnormal (optimizer.track_underflows) and log a warning naming the tensors when the loss "
+        "scale is likely too low (default: not sampled)",
+    )
+    train.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_mlp_options(train: argparse.ArgumentParser) -> None:
+    """The options of the digits MLP alone (refused with ``--model gpt``)."""
+    from tkern.train.demo import Config
+
+    d = Config()
+    mlp = train.add_argument_group("--model mlp (the digits MLP) only")
+    mlp.add_argument("--epochs", type=_positive, help=f"epochs to train (default: {d.epochs})")
+    mlp.add_argument(
+        "--hidden",
+        type=_hidden,
+        help=f"hidden layer widths, e.g. 128,64 (default: {','.join(map(str, d.hidden))})",
+    )
+    mlp.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="save the tkern run's checkpoint here after each epoch (default: none)",
+    )
+    mlp.add_argument(
+        "--resume", metavar="PATH", help="start the tkern run from this checkpoint (default: none)"
+    )
+    mlp.add_argument(
         "--nproc",
         type=_positive,
         default=d.nproc,
@@ -444,54 +506,64 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
         "batch-size // N, so a step still sees batch-size samples; the fp32 and autocast runs stay "
         "in one process; 1: no processes started",
     )
-    train.add_argument(
+    mlp.add_argument(
         "--fsdp",
         action="store_true",
         help="with --nproc N: the tkern run under FSDP2 (torch's fully_shard: each block or Linear "
         "and the root), tkern's fused optimizer on the sharded params, instead of ZeRO-2's sharded "
         "optimizer; --checkpoint/--resume then name a torch.distributed.checkpoint folder",
     )
-    train.add_argument(
-        "--float8",
-        choices=("tensorwise", "delayed", "blockwise"),
-        default=None,
-        metavar="RECIPE",
-        help="the tkern run in bf16 with fp8 GEMMs (tkern.nn.Float8Linear) of this scaling recipe: "
-        "tensorwise, delayed or blockwise; Linear layers whose sizes are not multiples of 16 stay bf16",
-    )
-    train.add_argument(
-        "--cuda-graph",
-        action="store_true",
-        help="capture the tkern run's whole step (forward, backward, scaler, optimizer) as a CUDA graph "
-        "per batch shape and replay it; where it cannot be captured (no GPU, --nproc > 1) the run warns "
-        "once with the reason and trains eager",
-    )
-    train.add_argument(
+    mlp.add_argument(
         "--norms", action="store_true", help="a LayerNorm in each hidden block (Linear-LayerNorm-ReLU)"
     )
-    train.add_argument(
-        "--underflow-every",
-        type=_positive,
-        metavar="K",
-        help="the tkern runs sample their 16-bit gradients every K steps for the fraction that is zero "
-        "or subnormal (optimizer.track_underflows) and log a warning naming the tensors when the loss "
-        "scale is likely too low; default: not sampled",
-    )
-    train.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _gpt_defaults():
+    """The GPT job's defaults on a CPU and on a GPU (:func:`tkern.train.gpt_job.default_config`)."""
+    import torch
+
+    from tkern.train.gpt_job import default_config
+
+    return default_config(torch.device("cpu")), default_config(torch.device("cuda"))
+
+
+def _add_gpt_options(train: argparse.ArgumentParser) -> None:
+    """The options of the GPT job alone (refused with ``--model mlp``)."""
+    cpu, gpu = _gpt_defaults()
     gpt = train.add_argument_group(
-        "--model gpt", "defaults: the CPU configuration, or GPT-2 small's shape on a GPU (docs/api.md)"
+        "--model gpt (the character-level GPT) only",
+        "defaults: a tiny model on a CPU, where every tkern kernel runs through Triton's interpreter "
+        "(the job prints how long it will take before it starts), GPT-2 small's shape on a GPU",
     )
+
+    def default(field: str) -> str:
+        return f"(default: {getattr(cpu, field)} on a CPU, {getattr(gpu, field)} on a GPU)"
+
     gpt.add_argument(
         "--data",
         metavar="PATH",
         help="a UTF-8 text file to train on, its last tenth held out (default: CPython's pydoc_data.topics)",
     )
-    gpt.add_argument("--steps", type=_positive, help="optimizer steps per run")
-    gpt.add_argument("--block-size", type=_positive, metavar="T", help="characters per sequence")
-    gpt.add_argument("--layers", type=_positive, metavar="N", help="transformer blocks")
-    gpt.add_argument("--width", type=_positive, metavar="D", help="model width (n_embd)")
-    gpt.add_argument("--heads", type=_positive, metavar="H", help="attention heads (divide --width)")
-    gpt.add_argument("--eval-every", type=_positive, metavar="N", help="steps between validation losses")
+    gpt.add_argument("--steps", type=_positive, help=f"optimizer steps per run {default('steps')}")
+    gpt.add_argument(
+        "--block-size", type=_positive, metavar="T", help=f"characters per sequence {default('block_size')}"
+    )
+    gpt.add_argument("--layers", type=_positive, metavar="N", help=f"transformer blocks {default('n_layer')}")
+    gpt.add_argument("--width", type=_positive, metavar="D", help=f"model width, n_embd {default('n_embd')}")
+    gpt.add_argument(
+        "--heads", type=_positive, metavar="H", help=f"attention heads, dividing --width {default('n_head')}"
+    )
+    gpt.add_argument(
+        "--eval-every",
+        type=_positive,
+        metavar="N",
+        help=f"steps between validation losses {default('eval_every')}",
+    )
+    gpt.add_argument(
+        "--compile",
+        action="store_true",
+        help="train the tkern runs (not tkern-graph) under torch.compile(fullgraph=True)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,7 +93,7 @@ class Config:
     nproc: int = 1  # > 1: the tkern run is data-parallel on this many local processes
     fsdp: bool = False  # with nproc > 1: the tkern run under FSDP2 (fully_shard) instead of ZeRO-2
     float8: str | None = None  # a Float8Recipe name: the tkern run in bf16 with fp8 GEMMs
-    cuda_graph: bool = False  # the tkern run's whole step captured as a CUDA graph (Trainer's cuda_graph)
+    cuda_graph: bool | str = "auto"  # the tkern run's Trainer(cuda_graph=...): its whole step as a CUDA graph
     norms: bool = False  # each hidden block Linear-LayerNorm-ReLU (an nn.Sequential), not Linear-ReLU
     underflow_every: int | None = None  # the tkern run samples zero/subnormal gradients every k steps
 
@@ -222,7 +222,7 @@ def run_one(
         scaler,
         autocast_dtype=autocast_dtype,
         progress=cfg.progress and rank == 0,
-        cuda_graph=cfg.cuda_graph and name == "tkern",
+        cuda_graph=cfg.cuda_graph if name == "tkern" else False,
     )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -89,6 +90,7 @@ class GPTConfig:
     float8: str = "tensorwise"  # the tkern-fp8 run's recipe
     underflow_every: int | None = None  # tkern runs sample zero/subnormal gradients every k steps
     progress: bool = True
+    compile: bool = False  # the tkern runs (not tkern-graph) under torch.compile(fullgraph=True)
 
 
 def default_config(device: torch.device) -> GPTConfig:
@@ -347,7 +349,9 @@ def build(name: str, base: LMLoss, cfg: GPTConfig, device: torch.device):
                 scaler = SCALERS[cfg.scaler]()
         opt = fused_cls(model.parameters(), **hyper)
         opt.track_underflows(every=cfg.underflow_every)  # the Trainer warns when the scale is too low
-        return model, opt, scaler, None, name == "tkern-graph"
+        if cfg.compile and name != "tkern-graph":  # tkern's ops are custom ops: no graph break
+            model = torch.compile(model, fullgraph=True)
+        return model, opt, scaler, None, True if name == "tkern-graph" else "auto"
     extra = {"fused": True} if device.type == "cuda" and cfg.optimizer != "sgd" else {}
     opt = torch_cls(model.parameters(), **hyper, **extra)
     if name == "fp32":
@@ -398,6 +402,58 @@ def run_one(name: str, base: LMLoss, corpus: Corpus, cfg: GPTConfig, device: tor
         final_scale=scales[-1] if scales else None,
         graph_counts=None if trainer.graphs is None else dict(trainer.graphs.counts),
     )
+
+
+#: a validation batch costs about this share of a training step (a forward, no backward or step)
+FORWARD_SHARE = 1 / 3
+
+
+def time_one_step(name: str, base: LMLoss, corpus: Corpus, cfg: GPTConfig, device: torch.device) -> float:
+    """Seconds one training step of run ``name`` takes here, on a copy of ``base``
+    (its first step: it pays the one-off costs too, so an estimate from it errs long).
+    The global random state is left as it was."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model, opt, scaler, autocast_dtype, _ = build(name, base, cfg, device)
+        x, _ = next(iter(Batches(corpus.train, cfg, device)))
+        start = time.perf_counter()
+        with torch.autocast(device.type, autocast_dtype or torch.float16, enabled=autocast_dtype is not None):
+            loss = model(x)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if scaler is None:
+            opt.step()
+        else:  # the step a scaler drives: its unscale, skip check and update
+            scaler.step(opt)
+            scaler.update()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def estimate(cfg: GPTConfig, corpus: Corpus, base: LMLoss, device: torch.device) -> tuple[float, str]:
+    """(seconds the job will take here, how that was worked out): one step of the
+    ``tkern`` run and one of the ``fp32`` run timed here (:func:`time_one_step`), the
+    first standing for every tkern run, the second for every torch run; each run makes
+    ``cfg.steps`` steps and a validation every ``cfg.eval_every`` of them (its batches
+    at :data:`FORWARD_SHARE` of a step each)."""
+    validations = -(-cfg.steps // cfg.eval_every) * len(val_batches(corpus.val, cfg, device))
+    per_run = cfg.steps + FORWARD_SHARE * validations
+    tkern_runs = sum(r.startswith("tkern") for r in cfg.runs)
+    torch_runs = len(cfg.runs) - tkern_runs
+    tkern_s = time_one_step("tkern", base, corpus, cfg, device) if tkern_runs else 0.0
+    torch_s = time_one_step("fp32", base, corpus, cfg, device) if torch_runs else 0.0
+    total = per_run * (tkern_runs * tkern_s + torch_runs * torch_s)
+    how = (
+        f"one step timed here: tkern {tkern_s:.2f} s, torch {torch_s:.3f} s; x {cfg.steps} steps and "
+        f"{validations} validation batches per run, {tkern_runs} tkern and {torch_runs} torch runs"
+    )
+    return total, how
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` in words: "40 s", "3.5 min", "1.2 h"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def prepare(cfg: GPTConfig) -> Corpus:

@@ -14,7 +14,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["ActivationMeter", "local_shard", "memory_report", "tensor_bytes"]
+from tkern.optim.report import MemoryReport
+
+__all__ = ["TRAINER_BYTES", "ActivationMeter", "local_shard", "memory_report", "tensor_bytes"]
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
@@ -60,13 +62,23 @@ class ActivationMeter:
         self.bytes = tensor_bytes(t for t in saved if t.untyped_storage().data_ptr() not in params)
 
 
+#: The trainer report's byte counts, in the order they print.
+TRAINER_BYTES = ("model", "optimizer", "grads", "graphs", "activations", "total")
+
+
 def memory_report(
-    model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, activation_bytes: int
-) -> dict[str, int]:
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    activation_bytes: int,
+    graph_bytes: int = 0,
+) -> MemoryReport:
     """Bytes used: ``model`` (params and buffers), ``optimizer`` (fp32
-    master and state), ``grads``, ``activations`` (peak on CUDA, from
-    ``torch.cuda.max_memory_allocated``; on CPU ``activation_bytes``, the tensors
-    saved for backward in a measured forward) and ``total``."""
+    master and state), ``grads``, ``graphs`` (``graph_bytes``: the CUDA graphs' memory
+    pools, the optimizer's step graph's included), ``activations`` (peak on CUDA, from
+    ``torch.cuda.max_memory_allocated``, less the rest; on CPU ``activation_bytes``, the
+    tensors saved for backward in a measured forward) and ``total``. A
+    :class:`~tkern.optim.report.MemoryReport`: ints in bytes; ``print`` gives MiB."""
     model_bytes = tensor_bytes(list(model.parameters()) + list(model.buffers()))
     params = {id(p) for p in model.parameters()}
     state = [
@@ -79,14 +91,8 @@ def memory_report(
     grads = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        activations = max(peak - model_bytes - optimizer_bytes - grads, 0)
+        activations = max(peak - model_bytes - optimizer_bytes - grads - graph_bytes, 0)
     else:
         activations = activation_bytes
-    total = model_bytes + optimizer_bytes + grads + activations
-    return {
-        "model": model_bytes,
-        "optimizer": optimizer_bytes,
-        "grads": grads,
-        "activations": activations,
-        "total": total,
-    }
+    sizes = [model_bytes, optimizer_bytes, grads, graph_bytes, activations]
+    return MemoryReport(dict(zip(TRAINER_BYTES, [*sizes, sum(sizes)], strict=True)), TRAINER_BYTES)
