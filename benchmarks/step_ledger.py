@@ -411,6 +411,7 @@ def _aliased_returns(schema, args, kwargs):
 #: kernel module -> category (GEMM kernels get their role from their dimensions)
 _TRITON_CATEGORY = {
     "activation": "elementwise",
+    "swiglu": "elementwise",  # silu(gate) * up and its gradient (gate and up from one GEMM)
     "norm": "norm",
     "cross_entropy": "loss",
     "float8": "fp8 cast/amax",
@@ -461,6 +462,12 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
     """(category, bytes, FLOPs, the dtype that sets its peak) of one Triton launch,
     ``named`` its arguments by the kernel's parameter names (constexprs included)."""
     module = name.split(".")[0]
+    if module == "gemm_split":  # split-K: partial products into a workspace, then their reduction
+        nbytes = _streamed_bytes(named)[0]
+        if "K" not in named:  # the reduction: split-K serves the GEMMs with few output tiles, the wgrads
+            return ("gemm wgrad" if backward else "gemm fwd"), nbytes, 0, torch.float32
+        m, n, k = int(named["M"]), int(named["N"]), int(named["K"])
+        return gemm_role(m, n, k, spec, backward), nbytes, 2 * m * n * k, _tensor(named["a_ptr"]).dtype
     if module.startswith("gemm"):
         m, n, k = int(named["M"]), int(named["N"]), int(named["K"])
         a = _tensor(named.get("a_ptr", named.get("a_desc")))
@@ -479,6 +486,13 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
         if named.get("SUM_A"):
             nbytes += m * named["a_sum_ptr"].element_size()
         return gemm_role(m, n, k, spec, backward), nbytes, 2 * m * n * k, a.dtype
+    nbytes, dtype = _streamed_bytes(named)
+    return _TRITON_CATEGORY.get(module, "other"), nbytes, 0, dtype
+
+
+def _streamed_bytes(named: dict) -> tuple[int, torch.dtype]:
+    """(bytes, the data's dtype) of a streaming kernel: each tensor argument touched once
+    (over ``n`` elements where the kernel has an ``n``), the read-and-written ones twice."""
     count = named.get("n")
     seen: dict[tuple, int] = {}
     dtype = torch.float32
@@ -492,7 +506,7 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
         seen[_key(t)] = size * (2 if arg in _READ_WRITE else 1)
         if arg in ("x_ptr", "grad_ptr", "logits_ptr", "dy_ptr"):
             dtype = t.dtype
-    return _TRITON_CATEGORY.get(module, "other"), sum(seen.values()), 0, dtype
+    return sum(seen.values()), dtype
 
 
 @contextlib.contextmanager
