@@ -48,20 +48,32 @@ class Launches:
         self._patch.__exit__(*exc)
 
 
+#: The test model's hidden width: under the interpreter ~1000 elements, with blocks made
+#: small (:func:`small_blocks`); compiled, ~12800 (below ONE_PASS_MAX_ELEMENTS), with the
+#: GPU's own blocks: several statistics rows and update tiles either way.
+WIDTH = 40 if tkern.INTERPRET else 512
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, WIDTH), torch.nn.Linear(WIDTH, 8)).to(DEVICE, dtype)
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Interpreter blocks small enough that the 1000-odd elements of the test model make
-    several statistics rows (whose reduction order then matters) and several update tiles
-    (whole blocks of the 8-bit state: a multiple of 256)."""
-    monkeypatch.setattr(overflow, "BLOCK", 256)
-    monkeypatch.setattr(adam, "BLOCK", 256)
-    monkeypatch.setattr(sgd, "BLOCK", 256)
+    """Interpreter blocks small enough that the test model makes several statistics rows
+    (whose reduction order then matters) and several update tiles (whole blocks of the
+    8-bit state: a multiple of 256). Compiled, the blocks stay: the one-pass kernel must
+    match pass 1 in the layouts the GPU's blocks give (tests/test_compiled.py)."""
+    if tkern.INTERPRET:
+        monkeypatch.setattr(overflow, "BLOCK", 256)
+        monkeypatch.setattr(adam, "BLOCK", 256)
+        monkeypatch.setattr(sgd, "BLOCK", 256)
 
 
 def _train(name, dtype, clip, one_pass, steps=4, scaler=None, **kw):
     cls, hyper = OPTIMIZERS[name]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Linear(40, 8)).to(DEVICE, dtype)
+    model = _model(dtype)
     opt = cls(model.parameters(), lr=1e-2, max_grad_norm=clip, cuda_graph=False, **hyper, **kw)
     if not one_pass:
         opt.one_pass_max_elements = 0
@@ -136,8 +148,7 @@ def test_a_grad_scaler_drives_the_one_pass_step_as_the_two_pass_one(small_blocks
 
 @needs_interpreter
 def test_steps_the_one_pass_cannot_take_run_in_two_passes():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Linear(40, 8)).to(DEVICE, torch.float16)
+    model = _model(torch.float16)
     groups = [{"params": [model[0].weight]}, {"params": [p for p in model.parameters()][1:]}]
     cases = {
         "two groups": lambda: FusedAdamW(groups, lr=1e-2),
@@ -173,8 +184,7 @@ def test_a_captured_one_pass_step_replays_the_eager_one(small_blocks):
     cls, hyper = OPTIMIZERS["adamw"]
 
     def run(one_pass, capture=None):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Linear(40, 8)).to(DEVICE, torch.float16)
+        model = _model(torch.float16)
         opt = cls(model.parameters(), lr=1e-2, max_grad_norm=0.05, **hyper)
         if capture is not None:
             opt.graph_capture = capture

@@ -56,7 +56,11 @@ BLOCK = 65536 if INTERPRET else 2048
 #: to fill every SM of an H100/H200 several times, few enough that the final
 #: reduction over the partial rows costs next to nothing.
 MAX_PROGRAMS = 4 if INTERPRET else 1024
-_FINALIZE_BLOCK = 1024
+#: Rows the finalize reduces per iteration. A width no other vector of pass 1 or of the
+#: update kernels has (their BLOCKs: 2048, 1024): the compiler gives tensors connected
+#: through one ``tl.arange`` one layout, so with 1024 the one-pass kernel summed the rows
+#: in its update tiles' layout (4 per thread), not the finalize's (1): another order.
+_FINALIZE_BLOCK = 512
 _ROWS_BLOCK: tl.constexpr = tl.constexpr(_FINALIZE_BLOCK)
 
 # The same offsets, visible inside @triton.jit functions.
