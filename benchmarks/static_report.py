@@ -199,33 +199,22 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
             arrays += ["momentum_ptr"]
         aligned = tuple(k for k in sig if k.endswith("_ptr") or (k == "n" and not tail) or k == "lr")
         flag_s = ",".join(k.lower() for k, v in f.items() if v) or "plain"
-        if single:  # one program: its accesses are pass 1's and pass 2's widths, and its occupancy moot
-            cases.append(
-                Case(
-                    name=f"{opt}[{dtype},{flag_s},one-pass]",
-                    family="scalar",
-                    kernel=f"tkern.kernels.{opt}:{fn.__name__}",
-                    signature=sig,
-                    constexprs=const,
-                    aligned=aligned,
-                    num_warps=ov.NUM_WARPS,
-                )
-            )
-            continue
         mode_s = (
             "" if (master, kind) in (("self", "fp32"), ("fp32", "fp32")) else f",master={master},state={kind}"
         )
+        # one-pass: one program, whose accesses are pass 1's widths and pass 2's, its occupancy moot
+        ends = (",tail" if tail else "") + (",one-pass" if single else "")
         cases.append(
             Case(
-                name=f"{opt}[{dtype},{flag_s}{mode_s}{',tail' if tail else ''}]",
-                family="streaming",
+                name=f"{opt}[{dtype},{flag_s}{mode_s}{ends}]",
+                family="scalar" if single else "streaming",
                 kernel=f"tkern.kernels.{opt}:{fn.__name__}",
                 signature=sig,
                 constexprs=const,
                 aligned=aligned,
-                num_warps=mod.NUM_WARPS,
-                arrays=tuple(arrays),
-                per_thread=per_thread,
+                num_warps=ov.NUM_WARPS if single else mod.NUM_WARPS,
+                arrays=() if single else tuple(arrays),
+                per_thread=0 if single else per_thread,
                 gated=not tail,
             )
         )

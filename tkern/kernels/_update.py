@@ -146,6 +146,13 @@ def tile(n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def tile_at(start, n, BLOCK: tl.constexpr):
+    """The tile of BLOCK elements from element ``start``: ``(offs, mask)``, as :func:`tile`."""
+    offs = start + tl.arange(0, BLOCK)
+    return offs, offs < n
+
+
+@triton.jit
 def tile_starts(n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     """``(lo, hi)``: this program's tiles start at ``range(lo, hi, BLOCK)`` -- its own
     BLOCK (one tile, as :func:`tile`), or every tile of n for a one-pass step's one

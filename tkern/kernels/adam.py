@@ -24,6 +24,7 @@ from tkern.kernels._update import (
     step_prologue,
     store_master,
     store_state,
+    tile_at,
     tile_starts,
 )
 from tkern.kernels.overflow import found_inf
@@ -88,18 +89,8 @@ def _adam_kernel(
     param (pointer shapes above; the shared lines, master modes and state dtypes
     are _update.py's). With ONE_PASS, the whole step in one program: pass 1 first
     (_update.step_prologue), then every tile, then the step count."""
-    step_prologue(
-        grad_ptr,
-        n,
-        n_rows,
-        inv_scale_ptr,
-        found_ptr,
-        partials_ptr,
-        stats_ptr,
-        ONE_PASS,
-        HAS_FOUND,
-        STATS_BLOCK,
-    )
+    stats = (n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr)
+    step_prologue(grad_ptr, n, *stats, ONE_PASS, HAS_FOUND, STATS_BLOCK)  # ONE_PASS: pass 1, here
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written, the step count stays
     if LR_ON_DEVICE:
@@ -107,8 +98,7 @@ def _adam_kernel(
         decay = 1.0 - lr * weight_decay
     lo, hi = tile_starts(n, BLOCK, ONE_PASS)
     for start in range(lo, hi, BLOCK):  # one tile (or, ONE_PASS, every tile)
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
+        offs, mask = tile_at(start, n, BLOCK)
         g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
         p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
         if DECOUPLED:
