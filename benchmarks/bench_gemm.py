@@ -267,7 +267,10 @@ def bench_fp8(res: Results, record, mode, tokens: int, shapes) -> None:
                 b = wq.t()  # (K, N), column-major: W read in place, as torch._scaled_mm wants
                 sb = sw if sw.dim() == 0 else sw.t()
                 ref = dequantize(a, sa) @ dequantize(wq, sw).t()
-                mine = functools.partial(tkern.scaled_mm, a, b, sa, sb, out_dtype=torch.bfloat16)
+                mine = functools.partial(  # tkern's accumulation as the row's ``accum`` names it
+                    tkern.scaled_mm, a, b, sa, sb, out_dtype=torch.bfloat16,
+                    use_fast_accum=ACCUM[scaling] == "fast",
+                )  # fmt: skip
                 err = rel(mine(), ref)
                 if not err < FP8_TOL:
                     res.meta["failed"].append(
@@ -441,6 +444,7 @@ def bench_fp8_layouts(res: Results, record, mode, models, layouts) -> None:
                         out_dtype=torch.bfloat16,
                         block_a=block_a,
                         block_b=block_b,
+                        use_fast_accum=ACCUM[scaling] == "fast",
                     )
                     err = rel(mine(), ref)
                     if not err < FP8_TOL:

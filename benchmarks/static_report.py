@@ -478,13 +478,32 @@ TMA_KERNEL = "tkern.kernels.gemm_tma:_matmul_tma_kernel"
 
 
 def gemm_configs_for(
-    cc: int, tma: bool = False, ragged: bool = False, activation: int = 0, prologue: int = 0
+    cc: int,
+    tma: bool = False,
+    ragged: bool = False,
+    activation: int = 0,
+    prologue: int = 0,
+    fp8: bool = False,
+    two_accumulators: bool = False,
+    block_scales: bool = False,
 ) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning),
     for launches whose epilogue applies ``activation`` (an ACTIVATIONS code), with
-    the operand ``prologue`` (an ``A_ACT`` code) or none."""
+    the operand ``prologue`` (an ``A_ACT`` code) or none; ``fp8``: scaled_mm's
+    (gemm_configs.fp8_gemm_configs, one byte an element), ``two_accumulators`` for
+    its launches promoting every K tile (PRECISE_ACC or block scales)."""
     from tkern.kernels import gemm_configs
 
+    if fp8:
+        fp8_configs = gemm_configs.fp8_gemm_configs()
+        return gemm_configs.prune_configs(
+            fp8_configs,
+            cc,
+            ragged=ragged,
+            elem_bytes=1,
+            two_accumulators=two_accumulators,
+            block_scales=block_scales,
+        )
     configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
     return gemm_configs.prune_configs(
         configs, cc, tma=tma, ragged=ragged, activation=activation, prologue=prologue
@@ -705,6 +724,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
         A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
+        PRECISE_ACC=False,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -848,53 +868,76 @@ def split_k_cases(cc: int) -> list[Case]:
     return cases
 
 
+#: The fp8 GEMMs Float8Linear launches (issue 43), as (name, a format, b format, scale
+#: kind (1 tensor, 3 block), bias, ``C +=``, PRECISE_ACC): every one with both operands
+#: K-major ("NT": A (M, K) and B (K, N) with unit stride along K), since each cast writes
+#: the layout its GEMMs read. Forward x @ W^T (fast accumulation, the bias in the
+#: epilogue); dgrad dY @ W (W^T's cast); wgrad dY^T @ X (dY^T's and X^T's casts) adding
+#: into a fused optimizer's bf16 gradient buffer; blockwise forward and wgrad (block scales
+#: on both operands).
+FP8_GEMM_LAUNCHES = (
+    ("forward", "fp8e4nv", "fp8e4nv", 1, True, False, False),
+    ("dgrad", "fp8e5", "fp8e4nv", 1, False, False, True),
+    ("wgrad", "fp8e5", "fp8e4nv", 1, False, True, True),
+    ("forward", "fp8e4nv", "fp8e4nv", 3, True, False, False),
+    ("wgrad", "fp8e4nv", "fp8e4nv", 3, False, True, True),
+)
+#: (The lighter launches of each kind, a GEMM without the bias or without ``C +=`` (a wgrad
+#: outside a fused optimizer, blockwise dgrad), are not compiled apart: tests/
+#: test_float8_passes.py checks that every scaled_mm launch of the recipes is one of these
+#: or a lighter epilogue of one.)
+
+
+def fp8_configs_for(cc: int, scale: int, precise: bool) -> list:
+    """The configs scaled_mm's autotuner offers on ``cc`` to a launch with this scale kind
+    (1 tensor, 3 block) and accumulation."""
+    return gemm_configs_for(cc, fp8=True, two_accumulators=precise or scale == 3, block_scales=scale == 3)
+
+
 def _fp8_gemm_cases(cc: int) -> list[Case]:
-    """scaled_mm (sm_89 and newer): every offered config with e4m3 x e4m3 operands
-    and per-tensor scales (Float8Linear's forward: x @ W^T, B column-major, bf16
-    out with a bias) and with e5m2 x e4m3 adding into C (its wgrad dY^T @ X into a
-    fused optimizer's bf16 gradient buffer: A column-major, no bias), and the first
-    config with block scales and e5m2 x e4m3 (blockwise recipe, backward operand pair)."""
+    """scaled_mm (sm_89 and newer): every config offered (:func:`fp8_configs_for`) to
+    each of :data:`FP8_GEMM_LAUNCHES`."""
     tl = _tl()
     cases = []
-    configs = gemm_configs_for(cc)
-    variants = [(cfg, "fp8e4nv", "fp8e4nv", 1, 1, False) for cfg in configs]
-    variants += [(cfg, "fp8e5", "fp8e4nv", 1, 1, True) for cfg in configs]
-    variants += [
-        (configs[0], "fp8e4nv", "fp8e4nv", 3, 3, False),
-        (configs[0], "fp8e5", "fp8e4nv", 2, 2, False),
-    ]
-    for cfg, a_dtype, b_dtype, scale_a, scale_b, wgrad_into in variants:
-        kw = cfg.kwargs
-        sig = _gemm_sig("fp16", "bf16", "bf16", False)
-        sig.update(a_ptr=_ptr(a_dtype), b_ptr=_ptr(b_dtype))
-        # the forward reads W^T in place (NT); the wgrad reads dY^T in place (TN)
-        unit = ("stride_am", "stride_bn") if wgrad_into else ("stride_ak", "stride_bk")
-        const = dict(
-            HAS_BIAS=not wgrad_into, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16,
-            PREACT_DTYPE=tl.bfloat16, UPCAST=False, EVEN_K=True, SCALE_A=scale_a, SCALE_B=scale_b,
-            A_T=wgrad_into, B_T=not wgrad_into, stride_cn=1, stride_bias=1, **kw,
-            A_ACT=0, STORE_A=False, SUM_A=False, ACCUMULATE=wgrad_into, **dict.fromkeys(unit, 1),
-        )  # fmt: skip
-        strided = [s for s in ("stride_am", "stride_ak", "stride_bk", "stride_bn") if s not in unit]
-        for name in (*strided, "stride_cm"):
-            sig[name] = "i32"
-        for k in const:
-            sig[k] = "constexpr"
-        aligned = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "M", "N", "K", *strided, "stride_cm")
-        kind = {1: "tensor", 2: "row/col", 3: "block"}[scale_a]
-        epi = "TN,tensor scales,C+=" if wgrad_into else f"NT,{kind} scales,bias"
-        name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,{epi}]"
-        # gated=False: its own test in test_compiled.py (the fp8 facts)
-        cases.append(_gemm_case(name, POINTER_KERNEL, cfg, sig, const, aligned, gated=False))
+    for role, a_dtype, b_dtype, scale, bias, into, precise in FP8_GEMM_LAUNCHES:
+        for cfg in fp8_configs_for(cc, scale, precise):
+            kw = cfg.kwargs
+            sig = _gemm_sig("fp16", "bf16", "bf16", False)
+            sig.update(a_ptr=_ptr(a_dtype), b_ptr=_ptr(b_dtype))
+            unit = ("stride_ak", "stride_bk")  # both operands K-major
+            const = dict(
+                HAS_BIAS=bias, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16,
+                PREACT_DTYPE=tl.bfloat16, UPCAST=False, EVEN_K=True, SCALE_A=scale, SCALE_B=scale,
+                A_T=False, B_T=True, stride_cn=1, stride_bias=1, **kw,
+                A_ACT=0, STORE_A=False, SUM_A=False, ACCUMULATE=into, PRECISE_ACC=precise,
+                **dict.fromkeys(unit, 1),
+            )  # fmt: skip
+            strided = ("stride_am", "stride_bn")
+            for name in (*strided, "stride_cm"):
+                sig[name] = "i32"
+            for k in const:
+                sig[k] = "constexpr"
+            aligned = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "M", "N", "K", *strided, "stride_cm")
+            epi = ",".join(
+                [{1: "tensor", 3: "block"}[scale] + " scales"]
+                + (["bias"] if bias else [])
+                + ["precise" if precise else "fast"]
+                + (["C+="] if into else [])
+            )
+            name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{role},{epi}]"
+            # gated=False: their own tests in test_compiled.py (the fp8 facts)
+            cases.append(_gemm_case(name, POINTER_KERNEL, cfg, sig, const, aligned, gated=False))
     return cases
 
 
 def fp8_cast_cases() -> list[Case]:
-    """tkern.to_float8's kernels (issue 17): the amax partials, the per-tensor cast (current
-    and delayed scaling), the history roll and the block cast (DeepSeek-V3's 1x128 tiles and
-    128x128 blocks), from bf16 to e4m3 and e5m2. Compiled for sm_89 and newer, where the
-    fp8 casts are instructions; they are not part of the streaming family's checks (the
-    block cast reads 2-D tiles at any strides)."""
+    """tkern's fp8 casts (issues 17 and 43): the per-tensor cast's amax pass, its cast writing
+    x and x^T (current scaling), dY's cast writing dY, dY^T and the bias gradient, the delayed
+    cast rolling its history (and a cached weight's) in its own launch, the block cast
+    (DeepSeek-V3's 1x128 tiles and 128x128 blocks, the weight's writing W^T too) and the
+    history roll, from bf16 to e4m3 and e5m2. Compiled for sm_89 and newer, where the fp8
+    casts are instructions; they are not part of the streaming family's checks (2-D tiles
+    at any strides)."""
     import torch
     import triton
 
@@ -902,35 +945,45 @@ def fp8_cast_cases() -> list[Case]:
 
     cases = []
     warps = 4  # triton's default: the launchers pass none
+    kernel = "tkern.kernels.float8:_cast_2d_kernel"
+    flags = ("AMAX_ONLY", "DELAYED", "STORE", "STORE_T", "RECORD", "ROLL", "ROLL2", "COL_SUM")
+    variants = {  # name -> the flags on
+        "amax": {"AMAX_ONLY", "RECORD"},
+        "current,x+x^T": {"STORE", "STORE_T"},
+        "current,dY+dY^T+dbias": {"STORE", "STORE_T", "COL_SUM"},
+        "delayed,x+x^T,roll+roll W": {"DELAYED", "STORE", "STORE_T", "RECORD", "ROLL", "ROLL2"},
+        "delayed,dY+dY^T+dbias,roll": {"DELAYED", "STORE", "STORE_T", "RECORD", "ROLL", "COL_SUM"},
+        "delayed,W+W^T,deferred": {"DELAYED", "STORE", "STORE_T", "RECORD"},
+    }
     for dtype, tag in ((torch.float8_e4m3fn, "e4m3"), (torch.float8_e5m2, "e5m2")):
         const8 = f8._constants(dtype)
-        sig = {"x_ptr": "*bf16", "n": "i32", "partials_ptr": "*fp32", "BLOCK": "constexpr"}
-        kernel = "tkern.kernels.float8:_amax_partials_kernel"
-        aligned = ("x_ptr", "partials_ptr", "n")
-        cases.append(
-            Case(f"to_float8 amax[bf16->{tag}]", "fp8cast", kernel, sig, {"BLOCK": f8.BLOCK}, aligned, warps)
-        )
-        for delayed in (False, True):
-            sig = {"x_ptr": "*bf16", "n": "i32", "amax_ptr": "*fp32", "count": "i32",
-                   "data_ptr": "*" + _tl_fp8(dtype), "scale_ptr": "*fp32", "partials_ptr": "*fp32",
-                   "margin_factor": "fp32"}  # fmt: skip
-            const = dict(DELAYED=delayed, **const8, BLOCK=f8.BLOCK, PBLOCK=1024)
+        for label, on in variants.items():
+            sig = {
+                a: "*fp32" for a in ("amax_ptr", "scale_ptr", "partials_ptr", "roll2_ptr", "roll2_amax_ptr")
+            }
+            sig.update(x_ptr="*bf16", data_ptr="*" + _tl_fp8(dtype), data_t_ptr="*" + _tl_fp8(dtype))
+            sig.update(colsum_ptr="*bf16", counter_ptr="*i32", margin_factor="fp32")
+            sig.update(dict.fromkeys(("M", "K", "stride_xm", "count", "count2", "H2"), "i32"))
+            const = {f: f in on for f in flags}
+            const.update(**const8, TM=f8.CAST_TM, TK=f8.CAST_TK, PBLOCK=1024, HBLOCK=16, stride_xk=1)
             sig.update(dict.fromkeys(const, "constexpr"))
-            cases.append(Case(f"to_float8 cast[bf16->{tag},{'delayed' if delayed else 'current'}]", "fp8cast",
-                              "tkern.kernels.float8:_cast_tensorwise_kernel", sig, const,
-                              ("x_ptr", "data_ptr", "n"), warps))  # fmt: skip
-        for bm, bk in ((1, 128), (128, 128), (1, 4096)):  # DeepSeek-V3's tiles and blocks, rows
+            aligned = ("x_ptr", "data_ptr", "data_t_ptr", "colsum_ptr", "M", "K", "stride_xm")
+            cases.append(
+                Case(f"float8 cast[bf16->{tag},{label}]", "fp8cast", kernel, sig, const, aligned, warps)
+            )
+        for bm, bk, store_t in ((1, 128, False), (128, 128, True), (1, 4096, False)):  # tiles, W blocks, rows
             sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32",
-                   "data_ptr": "*" + _tl_fp8(dtype), "scale_ptr": "*fp32",
-                   "bm": "i32", "bk": "i32"}  # fmt: skip
+                   "data_ptr": "*" + _tl_fp8(dtype), "data_t_ptr": "*" + _tl_fp8(dtype), "scale_ptr": "*fp32",
+                   "bm": "i32", "bk": "i32", "stride_sm": "i32", "stride_sk": "i32"}  # fmt: skip
             # the tile the launcher picks for (bm, bk) blocks
             tm = min(triton.next_power_of_2(bm), f8.TILE_M)
             tk = min(triton.next_power_of_2(bk), f8.TILE_K)
-            const = dict(**const8, TM=tm, TK=tk)
+            const = dict(**const8, TM=tm, TK=tk, STORE_T=store_t)
             sig.update(dict.fromkeys(const, "constexpr"))
-            cases.append(Case(f"to_float8 blocks[bf16->{tag},{bm}x{bk}]", "fp8cast",
+            label = f"{bm}x{bk}" + (",+T" if store_t else "")
+            cases.append(Case(f"to_float8 blocks[bf16->{tag},{label}]", "fp8cast",
                               "tkern.kernels.float8:_cast_blocks_kernel", sig, const,
-                              ("x_ptr", "data_ptr", "K", "stride_xm"), warps))  # fmt: skip
+                              ("x_ptr", "data_ptr", "data_t_ptr", "K", "M", "stride_xm"), warps))  # fmt: skip
     sig = {"history_ptr": "*fp32", "H": "i32", "partials_ptr": "*fp32", "count": "i32",
            "HBLOCK": "constexpr", "PBLOCK": "constexpr"}  # fmt: skip
     cases.append(Case("to_float8 roll history", "fp8cast", "tkern.kernels.float8:_roll_history_kernel", sig,
@@ -1141,6 +1194,7 @@ def analyse(kernel, case: Case, cc: int, sass: bool = True) -> dict:
     smem = kernel.metadata.shared + static_smem
     occ, limiter = occupancy(regs, smem, case.num_warps, cc)
     ptx, ttgir = asm["ptx"], asm["ttgir"]
+    ttir = asm.get("ttir", "")
     fn = _kernel_fn(case.kernel)
     nonconst = [a for a in fn.arg_names if case.signature[a] != "constexpr"]
     return dict(
@@ -1163,6 +1217,8 @@ def analyse(kernel, case: Case, cc: int, sass: bool = True) -> dict:
         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global", ptx)),
         tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::\w+", ptx)),
         convert_layout=ttgir.count("ttg.convert_layout"),
+        # tt.dot's maxNumImpreciseAcc per dot (scaled_mm's PRECISE_ACC: the K tile; 0: the default)
+        imprecise_acc=[int(v) for v in re.findall(r"maxNumImpreciseAcc = (\d+)", ttir)],
         # elements of each converted tensor: a streaming kernel may move per-block values (the 8-bit
         # state's absmax, BLOCK / 256 per program) between layouts, never its element arrays
         convert_layout_elements=[

@@ -313,31 +313,72 @@ def test_streaming_kernels_keep_half_the_warp_slots(rows):
 
 
 def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
-    """scaled_mm's kernel (the pointer GEMM with fp8 operands; issue 17): wgmma on
-    e4m3/e5m2 operands on sm_90 for every offered config, no spills; it is not
-    offered before sm_89 (scaled_mm refuses those GPUs by name). Float8Linear's wgrad
-    adding into a fused optimizer's gradient buffer (``C +=``) is among them."""
+    """scaled_mm's kernel (the pointer GEMM with fp8 operands; issues 17 and 43): wgmma on
+    e4m3/e5m2 operands on sm_90 for every config offered to fp8 operands and every GEMM
+    Float8Linear launches (static_report.FP8_GEMM_LAUNCHES: forward, dgrad, wgrad adding
+    into a fused optimizer's gradient buffer, blockwise), no spills; it is not offered
+    before sm_89 (scaled_mm refuses those GPUs by name)."""
+    import static_report
+
     fp8 = [r for r in rows if r["case"].startswith("scaled_mm")]
     assert {r["target"] for r in fp8} == {"sm_90"}
-    assert len(fp8) >= 3
-    assert any(r["case"].endswith("fp8e5xfp8e4nv->bf16,TN,tensor scales,C+=]") for r in fp8)
+    offered = [static_report.fp8_configs_for(90, v[3], v[6]) for v in static_report.FP8_GEMM_LAUNCHES]
+    assert len(fp8) == sum(map(len, offered)) and all(offered)
+    assert any(r["case"].endswith("fp8e5xfp8e4nv->bf16,NT,wgrad,tensor scales,precise,C+=]") for r in fp8)
     for r in fp8:
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"
         assert r["spill_bytes"] == 0, f"{_name(r)} spills {r['spill_bytes']} B"
         assert r["wgmma"] > 0 and r["fp8_mma"] > 0, f"{_name(r)}: no fp8 wgmma"
 
 
+def test_every_fp8_gemm_loads_both_operands_k_major_through_pipelined_async_copies(rows):
+    """Issue 43 item 1: Hopper's fp8 wgmma reads both operands K-major from shared memory;
+    an operand that is not is loaded into registers and stored by the threads (no cp.async,
+    one stage). Every fp8 GEMM variant the recipes launch (all K-major: the casts write
+    each GEMM's layout) loads A and B only through 16-byte cp.async, in >= 3 stages (no
+    ld.global of either operand), within the shared memory counted at one byte an element."""
+    fp8 = [r for r in rows if r["case"].startswith("scaled_mm") and r["compiled"]]
+    assert fp8
+    bad = [
+        f"{_name(r)}: cp.async {r['cp_async_16']}/{r['cp_async']}, stages {r['num_stages']}, "
+        f"ld.global {sorted(set(r['global_access_bits']) & {'a_ptr', 'b_ptr'})}"
+        for r in fp8
+        if not r["cp_async"]
+        or r["cp_async_16"] != r["cp_async"]
+        or r["num_stages"] < 3
+        or {"a_ptr", "b_ptr"} & set(r["global_access_bits"])
+    ]
+    assert not bad, "fp8 operands not pipelined through cp.async:\n" + "\n".join(bad)
+
+
+def test_the_fp8_gradient_gemms_promote_their_accumulators_every_k_tile(rows):
+    """Issue 43 item 4: dgrad and wgrad with per-tensor scales compile with
+    ``maxNumImpreciseAcc`` = BLOCK_K (<= 128): wgmma's partial sums are added into the fp32
+    accumulator every K tile; the forward keeps the fast accumulation (Triton's default on
+    sm_90); block scales promote every K tile in the kernel's own code either way."""
+    for r in rows:
+        if not (r["case"].startswith("scaled_mm") and r["compiled"]) or "tensor scales" not in r["case"]:
+            continue
+        block_k = int(r["case"].split("[")[1].split("/")[0].split("x")[2])
+        if ",precise" in r["case"]:
+            assert r["imprecise_acc"] == [block_k] and block_k <= 128, (_name(r), r["imprecise_acc"])
+        else:
+            assert all(v > 128 for v in r["imprecise_acc"]), (_name(r), r["imprecise_acc"])
+
+
 def test_fp8_gemm_on_ada_uses_fp8_mma_sync():
     """sm_89 (Ada: fp8 tensor cores without wgmma): scaled_mm's kernel, on the configs it is
-    offered there, compiles to ``mma.sync`` on e4m3 operands (tensor-wise, block scales,
-    e5m2 x e4m3, the wgrad adding into C) with no spills (issue 17)."""
+    offered there, compiles to ``mma.sync`` on e4m3 operands (each of Float8Linear's GEMMs on
+    the first offered config, the forward on the largest) with no spills (issue 17)."""
     import static_report
 
     cases = static_report._fp8_gemm_cases(89)
-    n = len(static_report.gemm_configs_for(89))
-    # the first and the largest offered tile, forward and wgrad, and the two scale/operand variants
-    picked = [cases[0], cases[n - 1], cases[n], cases[2 * n - 1], *cases[2 * n :]]
-    for case in picked:
+    first = {}  # each launch's first offered config
+    for case in cases:
+        first.setdefault(case.name.split(",", 1)[1], case)
+    assert len(first) == len(static_report.FP8_GEMM_LAUNCHES)
+    largest = max(cases, key=lambda c: c.constexprs["BLOCK_M"] * c.constexprs["BLOCK_N"])
+    for case in [*first.values(), largest]:
         r = static_report.compile_case(case, 89, sass=False)
         assert r["compiled"], f"{case.name}: {r.get('error')}"
         assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on sm_89"
@@ -345,9 +386,10 @@ def test_fp8_gemm_on_ada_uses_fp8_mma_sync():
 
 
 def test_fp8_cast_kernels_compile_without_spills():
-    """tkern.to_float8's kernels (issue 17) for sm_90 and sm_89: bf16 to e4m3 and e5m2,
-    current and delayed scaling, 1x128 tiles and 128x128 blocks, the history roll; every
-    one compiles with no spills, and the casts use the hardware fp8 conversion."""
+    """tkern's fp8 casts (issues 17 and 43) for sm_90 and sm_89: bf16 to e4m3 and e5m2, the
+    per-tensor cast's amax pass and its one pass writing x and x^T (dY: and the bias
+    gradient), delayed scaling rolling its histories in the same launch, 1x128 tiles and
+    128x128 blocks (W and W^T), the history roll; every one compiles with no spills."""
     import static_report
 
     for cc in (90, 89):

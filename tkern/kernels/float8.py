@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, IS_INTERPRETER, check_same_device, check_tensor
+from tkern.kernels._common import INTERPRET, IS_INTERPRETER, cast_rne, cdiv, check_same_device, check_tensor
 
 #: The two fp8 formats and their largest finite values.
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -55,9 +56,9 @@ def _multiplier_at_eps(fp8_max: float) -> float:
     return float(torch.tensor(fp8_max / EPS, dtype=torch.float64).to(torch.float32))
 
 
-#: Elements per program per loop iteration of the per-tensor kernels, and the
-#: most programs a per-tensor cast launches (each loops over its share).
-BLOCK = 4096 if INTERPRET else 1024
+#: Tile of the per-tensor cast (``_cast_2d_kernel``), and the most programs it
+#: launches (each loops over its share of the tiles).
+CAST_TM, CAST_TK = (128, 128) if INTERPRET else (64, 64)
 MAX_PROGRAMS = 4 if INTERPRET else 1024
 #: Tile of the row/block kernel: at most this many rows and columns at a time.
 TILE_M, TILE_K = 16, 256
@@ -113,24 +114,6 @@ def to_fp8_saturated(x, multiplier, FP8_MAX: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _amax_partials_kernel(
-    x_ptr,  # (n,) fp32/fp16/bf16
-    n,
-    partials_ptr,  # (num_programs,) fp32: this program's max |x|
-    BLOCK: tl.constexpr,
-):
-    """Pass 1 of a per-tensor cast: each program's max |x| over its share."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    best = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(pid.to(tl.int64) * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        best = tl.maximum(best, tl.abs(x))
-    tl.store(partials_ptr + pid, tl.max(best, axis=0))
-
-
-@triton.jit
 def _max_of(vec_ptr, count, PBLOCK: tl.constexpr):
     """The max of ``count`` (<= PBLOCK) fp32 values at ``vec_ptr`` (partial maxima
     or an amax history), 0 for none."""
@@ -139,44 +122,123 @@ def _max_of(vec_ptr, count, PBLOCK: tl.constexpr):
 
 
 @triton.jit
-def _cast_tensorwise_kernel(
-    x_ptr,  # (n,) fp32/fp16/bf16
-    n,
-    amax_ptr,  # (count,) fp32: the partial maxima (current scaling) or the amax history (delayed)
+def _roll(history_ptr, H, amax, HBLOCK: tl.constexpr):
+    """Delayed scaling's bookkeeping: ``amax`` becomes history[0], the rest moves
+    one place back (the oldest drops out); nothing for H == 0."""
+    offs = tl.arange(0, HBLOCK)
+    older = tl.load(history_ptr + offs - 1, mask=(offs > 0) & (offs < H), other=0.0)
+    tl.store(history_ptr + offs, tl.where(offs == 0, amax, older), mask=offs < H)
+
+
+@triton.jit
+def _cast_2d_kernel(
+    # pointers
+    x_ptr,  # (M, K) fp32/fp16/bf16, any strides
+    amax_ptr,  # (count,) fp32: maxima whose max is the amax (current) or the amax history (DELAYED)
+    data_ptr,  # (M, K) DTYPE, contiguous: the cast; unused unless STORE
+    data_t_ptr,  # (K, M) DTYPE, contiguous: the cast of x^T (the same values); unused unless STORE_T
+    scale_ptr,  # (1,) fp32: written by program 0, 1 / multiplier; unused under AMAX_ONLY
+    partials_ptr,  # (programs,) fp32: this program's max |x|; unused unless RECORD
+    colsum_ptr,  # (K,) fp32/fp16/bf16: x.sum(0) summed in fp32 (a bias gradient); unused unless COL_SUM
+    counter_ptr,  # (1,) int32, 0 between launches: programs finished; unused unless ROLL
+    roll2_ptr,  # (H2,) fp32: a second history rolled by the last program; unused unless ROLL2
+    roll2_amax_ptr,  # (count2,) fp32: maxima whose max roll2 receives; unused unless ROLL2
+    # dimensions and strides
+    M,
+    K,
+    stride_xm,
+    stride_xk,
     count,
-    data_ptr,  # (n,) DTYPE: the fp8 result
-    scale_ptr,  # (1,) fp32: written by program 0, 1 / multiplier
-    partials_ptr,  # (num_programs,) fp32: this program's max |x| (delayed scaling only)
-    margin_factor,  # 2^-margin (delayed scaling), 1.0 otherwise
-    DELAYED: tl.constexpr,  # multiplier from a history (1.0 while it holds no amax yet)
+    count2,
+    H2,
+    margin_factor,  # 2^-margin (DELAYED), 1.0 otherwise
+    # meta-parameters; constexpr so the untaken branches are compiled out
+    AMAX_ONLY: tl.constexpr,  # pass 1 of a current-scaling cast: partial maxima only
+    DELAYED: tl.constexpr,  # multiplier from the history at amax_ptr (1.0 while it holds no amax)
+    STORE: tl.constexpr,
+    STORE_T: tl.constexpr,
+    RECORD: tl.constexpr,  # store this program's max |x| (AMAX_ONLY, and DELAYED's amax for its history)
+    ROLL: tl.constexpr,  # the last program rolls max(partials) into the history at amax_ptr
+    ROLL2: tl.constexpr,  # ... and max(roll2_amax) into roll2 (a weight's deferred cast, Float8WeightCache)
+    COL_SUM: tl.constexpr,  # the launcher gives each program whole columns (one row group)
     FP8_MAX: tl.constexpr,
     MULT_AT_EPS: tl.constexpr,
     EPS_F32: tl.constexpr,
     DTYPE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PBLOCK: tl.constexpr,  # a power of two >= count
+    TM: tl.constexpr,  # tile rows
+    TK: tl.constexpr,  # tile columns
+    PBLOCK: tl.constexpr,  # a power of two >= count, count2 and the number of programs
+    HBLOCK: tl.constexpr,  # a power of two >= count (DELAYED's history length) and H2
 ):
-    """Pass 2 of a per-tensor cast: every program reduces the (few) maxima to
-    the multiplier, program 0 writes the scale, each casts its share."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    amax = _max_of(amax_ptr, count, PBLOCK)
-    mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
-    if DELAYED:
-        # Transformer Engine starts a tensor's scale at 1 until its history holds an amax
-        mult = tl.where(amax > 0.0, mult * margin_factor, 1.0)
-    if pid == 0:
-        tl.store(scale_ptr, reciprocal(mult))
-    best = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(pid.to(tl.int64) * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(data_ptr + offs, to_fp8_saturated(x, mult, FP8_MAX, DTYPE), mask=mask)
+    """A per-tensor fp8 cast of a 2-D x in one pass over (TM, TK) tiles: program
+    (i, j) of a (GI, GJ) grid takes the column bands j, j + GJ, ... and in each the
+    row tiles i, i + GI, .... Every program derives the multiplier from the few
+    values at amax_ptr, program 0 stores the scale; each tile is cast once and
+    stored in x's layout and (STORE_T) transposed, so that every GEMM reads its
+    fp8 operands K-major; COL_SUM adds the columns up in fp32 on the way (dY's
+    bias gradient, no other pass over dY).
+
+    ROLL (delayed scaling in one launch): every program stores its max |x| and
+    counts itself finished on ``counter_ptr`` (acq_rel atomics); the program that
+    finishes last, after every other has read the history, reduces the maxima,
+    rolls the history (and ROLL2's), and puts the counter back to 0."""
+    pid_i = tl.program_id(0)
+    pid_j = tl.program_id(1)
+    gi = tl.num_programs(0)
+    gj = tl.num_programs(1)
+    pid = pid_j * gi + pid_i
+    nprog = gi * gj
+    mult = 1.0
+    if not AMAX_ONLY:
+        amax = _max_of(amax_ptr, count, PBLOCK)
+        mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
         if DELAYED:
-            best = tl.maximum(best, tl.abs(x))
-    if DELAYED:
-        tl.store(partials_ptr + pid, tl.max(best, axis=0))
+            # Transformer Engine starts a tensor's scale at 1 until its history holds an amax
+            mult = tl.where(amax > 0.0, mult * margin_factor, 1.0)
+        if pid == 0:
+            tl.store(scale_ptr, reciprocal(mult))
+    rows_t = tl.arange(0, TM)
+    cols_t = tl.arange(0, TK)
+    best = tl.zeros((TM, TK), dtype=tl.float32)
+    for cb in range(pid_j, tl.cdiv(K, TK), gj):
+        cols = (cb * TK + cols_t).to(tl.int64)  # int64: cols * M may pass 2^31
+        col_sum = tl.zeros((TK,), dtype=tl.float32)
+        for rt in range(pid_i, tl.cdiv(M, TM), gi):
+            rows = (rt * TM + rows_t).to(tl.int64)  # int64: rows * K may pass 2^31
+            x, _, _, mask = _load_tile(x_ptr, rows, cols, M, K, stride_xm, stride_xk)
+            x = x.to(tl.float32)
+            if RECORD:
+                best = tl.maximum(best, tl.abs(x))
+            if COL_SUM:
+                col_sum += tl.sum(x, axis=0)
+            if not AMAX_ONLY:
+                y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
+                if STORE:
+                    tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
+                if STORE_T:
+                    tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+        if COL_SUM:
+            sum_dtype: tl.constexpr = colsum_ptr.dtype.element_ty
+            tl.store(colsum_ptr + cols, cast_rne(col_sum, sum_dtype), mask=cols < K)
+    if RECORD:
+        tl.store(partials_ptr + pid, tl.max(tl.max(best, axis=1), axis=0))
+    if ROLL:
+        # every program read the history above, before it counts itself finished (release);
+        # the last one sees every partial maximum (acquire) and is the only one to write
+        finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+        last = finished == nprog - 1
+        # the others read and write nothing here: their counts and lengths are 0
+        _roll(
+            amax_ptr,
+            tl.where(last, count, 0),
+            _max_of(partials_ptr, tl.where(last, nprog, 0), PBLOCK),
+            HBLOCK,
+        )
+        if ROLL2:
+            amax2 = _max_of(roll2_amax_ptr, tl.where(last, count2, 0), PBLOCK)
+            _roll(roll2_ptr, tl.where(last, H2, 0), amax2, HBLOCK)
+        # the last puts the counter back to 0 (the others add 0: a store could undo a count)
+        tl.atomic_add(counter_ptr, tl.where(last, -nprog, 0), sem="relaxed")
 
 
 @triton.jit
@@ -188,12 +250,9 @@ def _roll_history_kernel(
     HBLOCK: tl.constexpr,
     PBLOCK: tl.constexpr,
 ):
-    """Delayed scaling's bookkeeping: this step's amax becomes history[0], the
-    rest moves one place back (the oldest drops out). One program."""
-    amax = _max_of(partials_ptr, count, PBLOCK)
-    offs = tl.arange(0, HBLOCK)
-    older = tl.load(history_ptr + offs - 1, mask=(offs > 0) & (offs < H), other=0.0)
-    tl.store(history_ptr + offs, tl.where(offs == 0, amax, older), mask=offs < H)
+    """Delayed scaling's history update on its own (roll_amax_history): this
+    step's amax becomes history[0], the rest moves one place back. One program."""
+    _roll(history_ptr, H, _max_of(partials_ptr, count, PBLOCK), HBLOCK)
 
 
 @triton.jit
@@ -212,15 +271,19 @@ def _cast_blocks_kernel(
     stride_xm,
     stride_xk,
     data_ptr,  # (M, K) DTYPE, contiguous
-    scale_ptr,  # (ceil(M / bm), ceil(K / bk)) fp32, contiguous
+    data_t_ptr,  # (K, M) DTYPE, contiguous: the same values transposed; unused unless STORE_T
+    scale_ptr,  # (ceil(M / bm), ceil(K / bk)) fp32, strides (stride_sm, stride_sk)
     bm,  # block rows
     bk,  # block columns
+    stride_sm,
+    stride_sk,
     FP8_MAX: tl.constexpr,
     MULT_AT_EPS: tl.constexpr,
     EPS_F32: tl.constexpr,
     DTYPE: tl.constexpr,
     TM: tl.constexpr,  # tile rows: a power of two, at most bm rounded up
     TK: tl.constexpr,  # tile columns
+    STORE_T: tl.constexpr = False,  # also store x^T's cast (a weight's dgrad operand, K-major)
 ):
     """One program per (bm, bk) block of x (a row is the block (1, K)): its
     amax over the block, then the cast of the block with its own multiplier."""
@@ -239,7 +302,7 @@ def _cast_blocks_kernel(
             best = tl.maximum(best, tl.abs(x.to(tl.float32)))
     amax = tl.max(tl.max(best, axis=1), axis=0)
     mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
-    tl.store(scale_ptr + bi * tl.cdiv(K, bk) + bj, reciprocal(mult))
+    tl.store(scale_ptr + bi * stride_sm + bj * stride_sk, reciprocal(mult))
     for r in range(row0, row_end, TM):
         for c in range(col0, col_end, TK):
             x, rows, cols, mask = _load_tile(
@@ -247,9 +310,40 @@ def _cast_blocks_kernel(
             )
             y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
             tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
+            if STORE_T:
+                tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
 
 
 # --------------------------------------------------------------------------- launchers
+
+
+#: fp8 tensor cores, and Triton's e4m3 type (``fp8e4nv``): Ada (sm_89), Hopper (sm_90) or newer.
+FP8_MIN_CC = (8, 9)
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """The compute capability of ``device`` where tkern's kernels run compiled on it
+    (a CUDA device), else None (the CPU under Triton's interpreter, the meta device):
+    the one place the fp8 code asks, so a test can answer for a GPU it does not have."""
+    device = torch.device(device)
+    if device.type != "cuda" or INTERPRET:
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def check_fp8_device(device: torch.device | str, what: str = "tkern's fp8 kernels") -> None:
+    """Raise ``RuntimeError`` unless ``device`` has fp8 tensor cores (compute
+    capability >= 8.9: Ada, Hopper or newer), naming the device, its capability
+    and what needs them. Called before any fp8 kernel is compiled: on an older GPU
+    Triton itself would stop inside its compiler ("type fp8e4nv not supported")."""
+    cc = device_capability(device)
+    if cc is not None and cc < FP8_MIN_CC:
+        device = torch.device(device)
+        raise RuntimeError(
+            f"{what} needs fp8 tensor cores (compute capability >= {FP8_MIN_CC[0]}.{FP8_MIN_CC[1]}: "
+            f"Ada, Hopper or newer); {torch.cuda.get_device_name(device)} ({device}) has compute "
+            f"capability {cc[0]}.{cc[1]}"
+        )
 
 
 def check_fp8_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
@@ -295,6 +389,7 @@ def parse_granularity(granularity, shape: tuple[int, ...]) -> tuple[int, int] | 
 
 def _check_x(x: torch.Tensor) -> None:
     check_tensor("x", x, dtypes=HIGH_DTYPES)
+    check_fp8_device(x.device, "to_float8")
 
 
 def to_float8(
@@ -327,33 +422,152 @@ def to_float8(
     return _cast_blocks(x, dtype, block)
 
 
-def _programs(n: int) -> int:
-    return max(1, min(MAX_PROGRAMS, triton.cdiv(n, BLOCK)))
+class Float8Cast(NamedTuple):
+    """What :func:`cast_2d` wrote (None: not asked for)."""
+
+    data: torch.Tensor | None  # (M, K) fp8, contiguous
+    data_t: torch.Tensor | None  # (K, M) fp8, contiguous: the same values transposed
+    scale: torch.Tensor  # 0-dim fp32: x ~ data * scale
+    col_sum: torch.Tensor | None  # (K,): x.sum(0) summed in fp32, rounded once
+    amax: torch.Tensor | None  # (P,) fp32 partial maxima of |x| (a deferred history update)
 
 
-def _tensorwise_buffers(x: torch.Tensor, dtype: torch.dtype):
-    """What a per-tensor cast launches on: x flat, the fp8 result (x's shape), the
-    0-dim scale, the number of programs and their (programs,) partial maxima."""
-    flat = x.reshape(-1)
-    programs = _programs(flat.numel())
-    return (
-        flat,
-        torch.empty(x.shape, dtype=dtype, device=x.device),
-        torch.empty((), dtype=torch.float32, device=x.device),
-        programs,
-        torch.zeros(programs, dtype=torch.float32, device=x.device),
+def _grid(m: int, k: int, whole_columns: bool) -> tuple[int, int]:
+    """(row groups, column groups) of a :func:`cast_2d` launch: at most
+    :data:`MAX_PROGRAMS` programs; one row group when each program must see whole
+    columns (the column sums)."""
+    bands = max(1, cdiv(k, CAST_TK))
+    gj = min(bands, MAX_PROGRAMS)
+    gi = 1 if whole_columns else min(max(1, cdiv(m, CAST_TM)), max(1, MAX_PROGRAMS // gj))
+    return gi, gj
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the (M, K) matrix the cast walks: itself when 2-D (any strides),
+    else its rows of the last dimension (one row for a 0-dim x)."""
+    if x.dim() == 2:
+        return x
+    return x.reshape(1, 1) if x.dim() == 0 else x.reshape(-1, x.shape[-1])
+
+
+def _launch_cast(
+    x2d, dtype, amax, scale, *, data=None, data_t=None, partials=None, col_sum=None,
+    counter=None, roll2=None, delayed=False, amax_only=False, margin=0, grid=None,
+) -> None:  # fmt: skip
+    """One launch of ``_cast_2d_kernel`` on the (M, K) ``x2d`` (see its docstring);
+    tensors left None are not written (their pointer is a dummy)."""
+    m, k = x2d.shape
+    gi, gj = grid if grid is not None else _grid(m, k, col_sum is not None)
+    h2, amax2 = roll2 if roll2 is not None else (amax, amax)
+    dummy = amax
+    record = partials is not None
+    pblock = triton.next_power_of_2(max(amax.numel(), amax2.numel(), gi * gj))
+    _cast_2d_kernel[(gi, gj)](
+        x2d, amax, dummy if data is None else data, dummy if data_t is None else data_t,
+        scale, dummy if partials is None else partials, dummy if col_sum is None else col_sum,
+        dummy if counter is None else counter, h2, amax2,
+        m, k, x2d.stride(0), x2d.stride(1), amax.numel(), amax2.numel(), h2.numel(), 2.0**-margin,
+        AMAX_ONLY=amax_only, DELAYED=delayed, STORE=data is not None, STORE_T=data_t is not None,
+        RECORD=record, ROLL=counter is not None, ROLL2=roll2 is not None, COL_SUM=col_sum is not None,
+        **_constants(dtype), TM=CAST_TM, TK=CAST_TK, PBLOCK=pblock,
+        HBLOCK=triton.next_power_of_2(max(amax.numel() if delayed else 1, h2.numel())),
+    )  # fmt: skip
+
+
+def cast_2d(
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    store: bool = True,
+    store_t: bool = False,
+    sum_dtype: torch.dtype | None = None,
+    history: torch.Tensor | None = None,
+    margin: int = 0,
+    update: bool = True,
+    defer: bool = False,
+    counter: torch.Tensor | None = None,
+    roll2: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Float8Cast:
+    """A per-tensor fp8 cast of a 2-D ``x`` that writes what each GEMM needs, in one
+    pass: ``x``'s layout (``store``), its transpose (``store_t``, both K-major
+    operands of a GEMM from one read), and the column sums (``sum_dtype``: the bias
+    gradient of dY). The values are :func:`to_float8`'s (``history`` None) or
+    :func:`to_float8_delayed`'s, bit for bit.
+
+    Current scaling (``history`` None): two launches, an amax pass and the cast.
+    Delayed scaling: one launch; with ``update`` it records x's amax into
+    ``history`` in the same launch (its last program rolls the history, counted
+    on ``counter``: a (1,) int32 zero tensor the layer keeps, a new one if None),
+    and ``roll2`` ((history, amax): a weight's deferred update,
+    :func:`to_float8_delayed_deferred`'s amax) is rolled in it too. ``defer``:
+    the history is left alone and the update comes back as ``amax``.
+
+    Args:
+        x: (M, K) fp32, fp16 or bf16, any strides.
+        dtype: the fp8 format.
+        store, store_t: write ``data`` (M, K) and ``data_t`` (K, M), both contiguous.
+        sum_dtype: write ``col_sum`` (K,) of this dtype (fp32, fp16 or bf16).
+        history, margin, update, defer, counter, roll2: delayed scaling (above).
+
+    Returns:
+        :class:`Float8Cast`.
+    """
+    check_tensor("x", x, ndim=2, dtypes=HIGH_DTYPES)
+    check_fp8_device(x.device, "cast_2d")
+    check_fp8_dtype(dtype)
+    if sum_dtype is not None and sum_dtype not in HIGH_DTYPES:
+        raise TypeError(f"sum_dtype must be None or one of {HIGH_DTYPES}, got {sum_dtype}")
+    if history is not None:
+        _check_delayed(x, history, dtype, margin)
+        roll = update and not defer
+        if roll and counter is not None:
+            check_tensor("counter", counter, ndim=1, dtypes=(torch.int32,))
+            check_same_device(x=x, counter=counter)
+        if roll2 is not None:
+            if not roll:
+                raise ValueError(
+                    "roll2 rides on this cast's own history update: it needs update and not defer"
+                )
+            _check_amaxes("roll2 history", roll2[0], x)
+            _check_amaxes("roll2 amax", roll2[1], x)
+    elif defer or roll2 is not None or counter is not None:
+        raise ValueError("defer, counter and roll2 are delayed scaling's: give the history")
+    return cast_2d_prechecked(
+        x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2
     )
 
 
-def _cast_tensorwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    flat, data, scale, programs, partials = _tensorwise_buffers(x, dtype)
-    n = flat.numel()
-    _amax_partials_kernel[(programs,)](flat, n, partials, BLOCK=BLOCK)
-    _cast_tensorwise_kernel[(programs,)](
-        flat, n, partials, programs, data.view(-1), scale, partials, 1.0,
-        DELAYED=False, **_constants(dtype), BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(programs),
+def cast_2d_prechecked(x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2):
+    m, k = x.shape
+    dev = x.device
+    data = torch.empty((m, k), dtype=dtype, device=dev) if store else None
+    data_t = torch.empty((k, m), dtype=dtype, device=dev) if store_t else None
+    col_sum = torch.empty(k, dtype=sum_dtype, device=dev) if sum_dtype is not None else None
+    scale = torch.empty((), dtype=torch.float32, device=dev)
+    grid = _grid(m, k, col_sum is not None)
+    if history is None:
+        partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
+        _launch_cast(x, dtype, partials, scale, partials=partials, amax_only=True, grid=grid)
+        _launch_cast(x, dtype, partials, scale, data=data, data_t=data_t, col_sum=col_sum, grid=grid)
+        return Float8Cast(data, data_t, scale, col_sum, None)
+    roll = update and not defer
+    partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev) if (roll or defer) else None
+    if roll and counter is None:
+        counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    _launch_cast(
+        x, dtype, history, scale, data=data, data_t=data_t, partials=partials, col_sum=col_sum,
+        counter=counter if roll else None, roll2=roll2, delayed=True, margin=margin, grid=grid,
     )  # fmt: skip
-    return data, scale
+    if roll and not history.is_inference():  # an in-place write, as torch's own would count it
+        torch.autograd.graph.increment_version(history)
+        if roll2 is not None and not roll2[0].is_inference():
+            torch.autograd.graph.increment_version(roll2[0])
+    return Float8Cast(data, data_t, scale, col_sum, partials if defer else None)
+
+
+def _cast_tensorwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    cast = cast_2d_prechecked(_as_2d(x), dtype, True, False, None, None, 0, False, False, None, None)
+    return cast.data.view(x.shape), cast.scale
 
 
 def to_float8_with_amax(
@@ -379,31 +593,52 @@ def to_float8_with_amax(
     _check_x(x)
     check_fp8_dtype(dtype)
     _check_amaxes("amax", amax, x)
-    flat, data, scale, programs, _ = _tensorwise_buffers(x, dtype)
-    count = amax.numel()
-    _cast_tensorwise_kernel[(programs,)](
-        flat, flat.numel(), amax, count, data.view(-1), scale, amax, 1.0,
-        DELAYED=False, **_constants(dtype), BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(count),
-    )  # fmt: skip
+    x2d = _as_2d(x)
+    data = torch.empty(x.shape, dtype=dtype, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    _launch_cast(x2d, dtype, amax, scale, data=data.view(x2d.shape))
     return data, scale
 
 
 def _cast_blocks(
     x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    data, scale, _ = cast_blocks(x, dtype, block)
+    return data, scale
+
+
+def cast_blocks(
+    x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], store_t: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`to_float8` of a 2-D ``x`` (M, K) with (bm, bk) block scales, and with
+    ``store_t`` the same values transposed, (K, M) contiguous, from the same pass
+    (a weight's dgrad operand, K-major; its scales are ``scale.t()``).
+
+    Per-row tiles (bm == 1, DeepSeek-V3's 1x128 activations) store their scales
+    K-block-major (strides (1, M)): the scaled GEMM reads the scales of its rows for one
+    K block per K step, adjacent in memory; other blocks store them row-major.
+
+    Returns:
+        ``(data, scale, data_t)`` (``data_t`` None without ``store_t``).
+    """
     M, K = x.shape
     bm, bk = block
     data = torch.empty((M, K), dtype=dtype, device=x.device)
+    data_t = torch.empty((K, M), dtype=dtype, device=x.device) if store_t else None
     grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
-    scale = torch.empty(grid, dtype=torch.float32, device=x.device)
+    if bm == 1:
+        scale = torch.empty(grid[::-1], dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(grid, dtype=torch.float32, device=x.device)
     if M == 0 or K == 0:
-        return data, scale
+        return data, scale, data_t
     tm = min(triton.next_power_of_2(bm), TILE_M)
     tk = min(triton.next_power_of_2(bk), TILE_K)
     _cast_blocks_kernel[grid](
-        x, M, K, x.stride(0), x.stride(1), data, scale, bm, bk, **_constants(dtype), TM=tm, TK=tk
-    )
-    return data, scale
+        x, M, K, x.stride(0), x.stride(1), data, data if data_t is None else data_t, scale, bm, bk,
+        scale.stride(0), scale.stride(1), **_constants(dtype), TM=tm, TK=tk, STORE_T=store_t,
+    )  # fmt: skip
+    return data, scale, data_t
 
 
 def _check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
@@ -423,53 +658,33 @@ def _check_delayed(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, m
         raise ValueError(f"margin must be an int >= 0, got {margin!r}")
 
 
-def _cast_delayed(
-    x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    flat, data, scale, programs, partials = _tensorwise_buffers(x, dtype)
-    n, h = flat.numel(), history.numel()
-    _cast_tensorwise_kernel[(programs,)](
-        flat, n, history, h, data.view(-1), scale, partials, 2.0**-margin,
-        DELAYED=True, **_constants(dtype), BLOCK=BLOCK, PBLOCK=triton.next_power_of_2(max(h, programs)),
-    )  # fmt: skip
-    return data, scale, partials
-
-
-def _roll(history: torch.Tensor, amax: torch.Tensor) -> None:
-    h, count = history.numel(), amax.numel()
-    _roll_history_kernel[(1,)](
-        history, h, amax, count,
-        HBLOCK=triton.next_power_of_2(h), PBLOCK=triton.next_power_of_2(count),
-    )  # fmt: skip
-    if not history.is_inference():  # an in-place write, as torch's own would count it
-        torch.autograd.graph.increment_version(history)
-
-
 def to_float8_delayed(
     x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, margin: int = 0,
-    *, update: bool = True,
+    *, update: bool = True, counter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Cast ``x`` to fp8 per tensor with Transformer Engine's delayed scaling.
 
     The multiplier is ``fp8_max / max(history) x 2^-margin`` (1.0 while the
     history holds no amax yet, as TE starts its scales); ``x``'s own amax is
-    rolled into ``history`` (newest first) in the same pass when ``update``, so
-    a value beyond the history saturates this step and the scale adapts the next.
+    rolled into ``history`` (newest first) in the same launch when ``update``,
+    so a value beyond the history saturates this step and the scale adapts the next.
 
     Args:
         x: fp32, fp16 or bf16, any shape.
         history: (H,) fp32 amax history on x's device, updated in place.
         dtype, margin: the fp8 format; the margin (power of two) kept below fp8_max.
         update: roll this step's amax into the history (training); False casts only.
+        counter: (1,) int32 zeros the launch counts its finished programs on (and
+            leaves zero); a new one when None. A layer keeps its own.
 
     Returns:
         ``(data, scale)`` as :func:`to_float8` with ``"tensor"`` granularity.
     """
     _check_delayed(x, history, dtype, margin)
-    data, scale, amax = _cast_delayed(x, history, dtype, margin)
-    if update:
-        _roll(history, amax)
-    return data, scale
+    cast = cast_2d_prechecked(
+        _as_2d(x), dtype, True, False, None, history, margin, update, False, counter, None
+    )
+    return cast.data.view(x.shape), cast.scale
 
 
 def to_float8_delayed_deferred(
@@ -482,14 +697,16 @@ def to_float8_delayed_deferred(
     between) leaves it exactly as ``to_float8_delayed(x, history, update=True)``
     would have; the data and scale are that call's. This is how the optimizer's
     step casts a delayed-scaling weight once for the next training forward
-    (:class:`tkern.functional.Float8WeightCache`), which then makes the update.
+    (:class:`tkern.functional.Float8WeightCache`), which then makes the update
+    (in its input's cast: :func:`cast_2d`'s ``roll2``).
 
     Returns:
         ``(data, scale, amax)``: ``amax`` a (P,) fp32 tensor of partial maxima of
         |x| (its max is x's amax, 0 for an empty x).
     """
     _check_delayed(x, history, dtype, margin)
-    return _cast_delayed(x, history, dtype, margin)
+    cast = cast_2d_prechecked(_as_2d(x), dtype, True, False, None, history, margin, True, True, None, None)
+    return cast.data.view(x.shape), cast.scale, cast.amax
 
 
 def roll_amax_history(history: torch.Tensor, amax: torch.Tensor) -> None:
@@ -509,4 +726,10 @@ def roll_amax_history(history: torch.Tensor, amax: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must be a contiguous 1-D tensor with >= 1 element, got shape {tuple(t.shape)}"
             )
-    _roll(history, amax)
+    h, count = history.numel(), amax.numel()
+    _roll_history_kernel[(1,)](
+        history, h, amax, count,
+        HBLOCK=triton.next_power_of_2(h), PBLOCK=triton.next_power_of_2(count),
+    )  # fmt: skip
+    if not history.is_inference():  # an in-place write, as torch's own would count it
+        torch.autograd.graph.increment_version(history)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tkern.kernels import float8
 from tkern.kernels._common import (
     INTERPRET,
     DirectLaunch,
@@ -34,7 +35,15 @@ from tkern.kernels._common import (
     resolve_launch,
 )
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
-from tkern.kernels.gemm_configs import VECTOR_ELEMS, gemm_autotune, gemm_configs, operands_ragged, transposed
+from tkern.kernels.float8 import check_fp8_device
+from tkern.kernels.gemm_configs import (
+    VECTOR_ELEMS,
+    fp8_gemm_configs,
+    gemm_autotune,
+    gemm_configs,
+    operands_ragged,
+    transposed,
+)
 from tkern.kernels.gemm_epilogue import (
     OUT_DTYPES,
     bias_stride,
@@ -138,6 +147,7 @@ def _matmul_kernel(
     STORE_A: tl.constexpr = False,  # the programs of column block 0 store A' (a_out_ptr)
     SUM_A: tl.constexpr = False,  # the programs of column block 0 store A'.sum(1) (a_sum_ptr)
     ACCUMULATE: tl.constexpr = False,  # C += A' @ B (C's old value read in the epilogue)
+    PRECISE_ACC: tl.constexpr = False,  # fp8: promote the tensor cores' partial sums every K tile
 ):
     """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
     accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
@@ -225,6 +235,12 @@ def _matmul_kernel(
                 )
                 part = part * sb[None, :]
             acc += part
+        elif PRECISE_ACC:
+            # Hopper's fp8 wgmma keeps fewer accumulator bits than fp32: its partial sum
+            # over each K tile (<= 128) is added into the fp32 accumulator (the gradient
+            # GEMMs, as torch._scaled_mm's default and torchao's backward; the forward
+            # keeps the fast accumulation)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
@@ -253,6 +269,13 @@ def _matmul_kernel(
 _matmul_accumulate_kernel = gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY, restore=("c_ptr",))(
     _matmul_kernel.fn
 )
+#: scaled_mm's launches: the same jit function over the fp8 tiles (gemm_configs.fp8_gemm_configs:
+#: 128-deep K tiles, shared memory counted at one byte an element), plain and ``C +=``.
+_FP8_AUTOTUNE_KEY = [*_AUTOTUNE_KEY, "PRECISE_ACC"]
+_scaled_mm_kernel = gemm_autotune(configs=fp8_gemm_configs(), key=_FP8_AUTOTUNE_KEY)(_matmul_kernel.fn)
+_scaled_mm_accumulate_kernel = gemm_autotune(
+    configs=fp8_gemm_configs(), key=_FP8_AUTOTUNE_KEY, restore=("c_ptr",)
+)(_matmul_kernel.fn)
 
 
 def matmul(
@@ -442,6 +465,7 @@ class OperandScales(NamedTuple):
     scale_b: torch.Tensor | None = None
     block_a: tuple[int, int] = (1, 1)  # (rows of a, K) per scale
     block_b: tuple[int, int] = (1, 1)  # (K, columns of b) per scale
+    precise_acc: bool = False  # PRECISE_ACC: fp8 partial sums promoted every K tile
 
     def args(self, dummy: torch.Tensor) -> tuple:
         """The kernel's scale arguments, from ``scale_a_ptr`` to ``block_bn``."""
@@ -529,6 +553,7 @@ def _kernel_meta(
     return {
         **epilogue_meta(a_dtype, bias, activation, out_dtype, preact, accumulate),
         "A_T": a_t, "B_T": b_t, "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
+        "PRECISE_ACC": scales.precise_acc,
         **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
     }  # fmt: skip
 
@@ -559,9 +584,12 @@ def _launch(
     key = (a.dtype, b.dtype, None if bias is None else bias.dtype, activation, out_dtype,
            preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, prologue.activation,
            prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype,
-           None if into is None else sc, accumulate)  # fmt: skip
+           None if into is None else sc, accumulate, scales.precise_acc)  # fmt: skip
     accumulate = into is not None and accumulate
-    kernel = _matmul_accumulate_kernel if accumulate else _matmul_kernel
+    if scales is NO_SCALES:
+        kernel = _matmul_accumulate_kernel if accumulate else _matmul_kernel
+    else:
+        kernel = _scaled_mm_accumulate_kernel if accumulate else _scaled_mm_kernel
     direct = _LAUNCHES.get(key)
     if direct is not None and direct.kernel is kernel:
         direct.jit[direct.grid](*args, **direct.kwargs)
@@ -779,8 +807,6 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: of every config (BLOCK_K <= 128) then lies inside one scale block, and partial
 #: sums are promoted to fp32 at least this often (DeepSeek-V3's interval).
 SCALE_BLOCK_K = 128
-#: fp8 tensor cores: Ada (sm_89) and Hopper (sm_90) or newer.
-FP8_MIN_CC = (8, 9)
 
 
 def _infer_block(size: int, count: int) -> int:
@@ -827,13 +853,26 @@ def _check_scale(
 
 
 def _check_fp8_device(device: torch.device) -> None:
-    if device.type == "cuda" and not INTERPRET:
-        cc = torch.cuda.get_device_capability(device)
-        if cc < FP8_MIN_CC:
-            raise RuntimeError(
-                f"scaled_mm needs fp8 tensor cores (compute capability >= 8.9, Ada or Hopper); "
-                f"{torch.cuda.get_device_name(device)} ({device}) has {cc[0]}.{cc[1]}"
-            )
+    check_fp8_device(device, "scaled_mm")
+
+
+#: The compute capability from which fp8 ``wgmma`` needs both operands K-major in shared
+#: memory (Triton cannot transpose fp8 tiles there: it stages them through registers).
+WGMMA_MIN_CC = (9, 0)
+
+
+def k_major_fp8_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` (M, K) and ``b`` (K, N) as scaled_mm launches them: on Hopper or newer,
+    an operand without unit stride along K is copied K-major (one transposing copy);
+    elsewhere (Ada's mma.sync, the interpreter) both as they are."""
+    cc = float8.device_capability(a.device)  # through the module: the one seam tests answer
+    if cc is None or cc < WGMMA_MIN_CC or a.shape[1] <= 1:
+        return a, b
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    if b.stride(0) != 1:
+        b = b.t().contiguous().t()
+    return a, b
 
 
 def scaled_mm(
@@ -848,6 +887,7 @@ def scaled_mm(
     block_b: tuple[int, int] | None = None,
     out: torch.Tensor | None = None,
     accumulate_into: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``(a.float() * scale_a) @ (b.float() * scale_b) + bias``, accumulated in
     fp32 and rounded once to ``out_dtype``, as ``torch._scaled_mm`` defines its
@@ -874,6 +914,16 @@ def scaled_mm(
         accumulate_into: like ``out``, but the result is added to it in place (read
             in fp32, rounded once): a Float8Linear's wgrad into a fused
             optimizer's gradient buffer. At most one of the two.
+        use_fast_accum: as ``torch._scaled_mm``'s: False (the default) promotes the
+            fp8 tensor cores' partial sums into the fp32 accumulator every K tile
+            (at most 128 of K) on Hopper; True leaves them in the tensor cores'
+            accumulator along all of K (faster, fewer bits: Float8Linear's forward).
+            Block scales are promoted every K tile either way. No effect elsewhere.
+
+    On Hopper (sm_90) an fp8 ``wgmma`` reads both operands K-major (``a`` with unit
+    stride along K, ``b`` with unit stride along K: ``b = w.t()`` of a row-major
+    ``w`` (N, K)): an operand that is not is copied K-major once before the launch
+    (Float8Linear's casts write every operand K-major and never pay it).
 
     Returns:
         A new contiguous (M, N) tensor of ``out_dtype``, or ``out`` / ``accumulate_into``.
@@ -909,8 +959,11 @@ def scaled_mm(
     check_int32_addressable("a", a)
     check_int32_addressable("b", b)
     check_int32_elements("out", (M, N))
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"use_fast_accum must be True or False, got {use_fast_accum!r}")
+    a, b = k_major_fp8_operands(a, b)
     # one element as (1, 1); (M, 1), (1, N) and block grids as they are (2-D, any strides)
     sa = scale_a.reshape(1, 1) if kind_a == SCALE_TENSOR else scale_a
     sb = scale_b.reshape(1, 1) if kind_b == SCALE_TENSOR else scale_b
-    scales = OperandScales(kind_a, kind_b, sa, sb, blk_a, blk_b)
+    scales = OperandScales(kind_a, kind_b, sa, sb, blk_a, blk_b, not use_fast_accum)
     return _launch_matmul(a, b, M, N, K, bias, None, out_dtype, None, scales, NO_PROLOGUE, into, accumulate)

@@ -71,6 +71,22 @@ def split_k_configs() -> list[triton.Config]:
     return [c for c in gemm_configs() if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == tile]
 
 
+def fp8_gemm_configs() -> list[triton.Config]:
+    """Tiles of the pointer kernel on fp8 operands (``scaled_mm``): 128-deep K tiles
+    (one per 128-wide block scale, four k32 ``wgmma`` steps each), which fp8's one
+    byte an element leaves room for; the first is the interpreter's."""
+    return [
+        _config(128, 128, 128, 3, 8) if not INTERPRET else _config(128, 128, 128, 1, 4),
+        _config(128, 256, 128, 3, 8),
+        _config(256, 128, 128, 3, 8),
+        _config(128, 128, 128, 4, 4),
+        _config(128, 64, 128, 4, 4),
+        _config(64, 128, 128, 4, 4),
+        _config(64, 64, 128, 4, 4),
+        _config(128, 128, 64, 4, 8),
+    ]
+
+
 def set_tma_block_shapes(nargs: dict) -> None:
     """Pre-hook of every :func:`tma_configs` entry: the descriptors' block
     shapes are the config's tiles (of A or A^T, of B or B^T)."""
@@ -189,6 +205,21 @@ PROLOGUE_ACT_PRE_HOPPER_MAX_ACC = 32
 PROLOGUE_SELECT = frozenset({ACTIVATIONS["relu"]})
 
 
+#: fp8 with a second accumulator (scaled_mm's PRECISE_ACC: each K tile's wgmma partial sum
+#: is added into the fp32 accumulator; block scales: each K tile's product is scaled, then
+#: added): at most this many accumulator values per thread. Measured (static_report, sm_90,
+#: triton 3.9, Float8Linear's launches): the 128-value tiles (128x256x128 and 256x128x128 on
+#: 8 warps, 128x128x128 on 4) reach 255 registers and spill 8-176 B with PRECISE_ACC and
+#: 232-448 B with block scales; the 64-value tiles stay at 102-237 registers, no spills. The
+#: forward (fast accumulation, per-tensor scales) fits every fp8 tile (72-233 registers).
+TWO_ACC_MAX_ACC = 64
+#: ... and block scales before Hopper (Ada's mma.sync holds the operand fragments in registers
+#: too): at most this many. Measured (sm_89, triton 3.9): 128x128x128 on 8 warps spills 16 B in
+#: the blockwise wgrad and 64x128x128 on 4 warps 8 B; 64x64x128 on 4 (32 values) stays at 183
+#: registers. (Per-tensor scales promote nothing there: mma.sync accumulates in fp32.)
+BLOCK_PRE_HOPPER_MAX_ACC = 32
+
+
 def _cfg_tile(c: triton.Config) -> int:
     return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
 
@@ -216,6 +247,9 @@ def prune_configs(
     ragged: bool = False,
     activation: int = 0,
     prologue: int = 0,
+    elem_bytes: int = 2,
+    two_accumulators: bool = False,
+    block_scales: bool = False,
 ) -> list[triton.Config]:
     """The configs worth trying on compute capability ``cc`` (e.g. 90): those
     whose shared memory fits; on ``ragged`` operands (see :func:`operands_ragged`)
@@ -229,13 +263,20 @@ def prune_configs(
     gemm.matmul_backward) only the tiles whose accumulator leaves room for A's and Z's
     tiles (:data:`PROLOGUE_MAX_ACC`, :data:`PROLOGUE_ACT_MAX_A`,
     :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`; on ragged operands Z's scalar loads count
-    in :data:`RAGGED_MAX_LOADS`). Never empty: the smallest is kept."""
+    in :data:`RAGGED_MAX_LOADS`); ``elem_bytes``: the operands' element size (1 for
+    fp8); ``two_accumulators`` (fp8 promoted every K tile): :data:`TWO_ACC_MAX_ACC`,
+    and before Hopper with ``block_scales`` :data:`BLOCK_PRE_HOPPER_MAX_ACC`.
+    Never empty: the smallest is kept."""
     limit = smem_limit(cc)
-    fits = [c for c in configs if smem_estimate(c) <= limit]
+    fits = [c for c in configs if smem_estimate(c, elem_bytes) <= limit]
     if ragged and not tma:
         fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c) <= RAGGED_MAX_LOADS]
     if cc < 90:
         fits = [c for c in fits if _cfg_acc(c) <= PRE_HOPPER_MAX_ACC]
+    if two_accumulators:
+        fits = [c for c in fits if _cfg_acc(c) <= TWO_ACC_MAX_ACC]
+    if block_scales and cc < 90:
+        fits = [c for c in fits if _cfg_acc(c) <= BLOCK_PRE_HOPPER_MAX_ACC]
     if activation in ACT_MAX_ACC_ACTIVATIONS and (ragged or not tma):
         fits = [c for c in fits if _cfg_acc(c) <= ACT_MAX_ACC]
     if prologue and not tma:
@@ -307,9 +348,14 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
         ragged = tma_output_ragged(nargs) if tma else _ragged_args(nargs)
         meta = {**nargs, **kwargs}
         activation, prologue = meta.get("ACTIVATION", 0), meta.get("A_ACT", 0)
+        a = nargs.get("a_ptr")
+        elem_bytes = a.element_size() if isinstance(a, torch.Tensor) else 2
+        blocks = meta.get("SCALE_A") == 3 or meta.get("SCALE_B") == 3  # gemm.SCALE_BLOCK
         return prune_configs(
-            configs, _device_cc(nargs), tma=tma, ragged=ragged, activation=activation, prologue=prologue
-        )
+            configs, _device_cc(nargs), tma=tma, ragged=ragged, activation=activation, prologue=prologue,
+            elem_bytes=elem_bytes, two_accumulators=bool(meta.get("PRECISE_ACC")) or blocks,
+            block_scales=blocks,
+        )  # fmt: skip
 
     return triton.autotune(
         configs=configs,

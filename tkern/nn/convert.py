@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tkern.kernels._common import HALF_DTYPES
+from tkern.kernels.float8 import check_fp8_device
 from tkern.nn.casting import CastInputs, CastOutput, cast_own, cast_tree, float_tensors, run_in_fp32
 from tkern.nn.convert_rules import (
     BACK_RULES,
@@ -197,6 +198,9 @@ def _checked_conversion(
         raise TypeError(f"float8_filter must be callable (name, module) -> bool, got {float8_filter!r}")
     if dtype == torch.float32 and recipe is not None:
         raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
+    if recipe is not None:  # before any module changes: a GPU without fp8 tensor cores
+        for device in {p.device for p in model.parameters()}:
+            check_fp8_device(device, f"convert_network(float8={recipe.scaling!r})")
     return Conversion(dtype, recipe, float8_filter, **flags, norm_dtype=norm_dtype or torch.float32)
 
 

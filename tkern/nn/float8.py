@@ -11,6 +11,7 @@ from torch import nn
 
 from tkern.flat import has_grad_view
 from tkern.kernels._common import HALF_DTYPES
+from tkern.kernels.float8 import check_fp8_device
 from tkern.nn.float8_fsdp import (
     Float8AllGatherWeight,
     Float8GatheredWeight,
@@ -91,6 +92,8 @@ def _dtensor_class() -> type:
 
 #: Delayed scaling's amax histories: buffers of the module (saved with its state_dict).
 _HISTORIES = ("fp8_amax_history_input", "fp8_amax_history_weight", "fp8_amax_history_grad_output")
+#: Delayed scaling's (3,) int32 launch counters (a non-persistent buffer).
+_COUNTERS = "fp8_cast_counters"
 
 
 class Float8Layer:
@@ -103,6 +106,7 @@ class Float8Layer:
         if not isinstance(recipe, Float8Recipe):
             raise TypeError(f"recipe must be a Float8Recipe, got {recipe!r}")
         weight = self.weight
+        check_fp8_device(weight.device, type(self).__name__)
         if recipe.enable_fsdp_float8_all_gather != is_fp8_all_gather_weight(weight):
             if isinstance(weight, _dtensor_class()):
                 raise ValueError(
@@ -126,6 +130,14 @@ class Float8Layer:
                     )
             elif name in self._buffers:
                 del self._buffers[name]
+        if recipe.scaling == "delayed":
+            if _COUNTERS not in self._buffers:
+                # the three casts count their finished programs here (each leaves it at zero):
+                # not state, not saved
+                counters = torch.zeros(3, dtype=torch.int32, device=self.weight.device)
+                self.register_buffer(_COUNTERS, counters, persistent=False)
+        elif _COUNTERS in self._buffers:
+            del self._buffers[_COUNTERS]
         self._register_weight_cache()
 
     def _register_weight_cache(self) -> None:
@@ -158,6 +170,11 @@ class Float8Layer:
         """The stored weight as the GEMM's (N, K) operand."""
         return weight
 
+    @staticmethod
+    def _gemm_casts(data: torch.Tensor, data_t: torch.Tensor | None) -> tuple:
+        """(W's cast (N, K), W^T's (K, N)) from the cast of the stored weight and its transpose."""
+        return data, data_t
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recipe.enable_fsdp_float8_all_gather:
             return self._forward_fp8_gathered(x)
@@ -169,10 +186,15 @@ class Float8Layer:
         # the optimizer's cast of the weight (eager only: a compiled graph casts in the forward)
         cache = None if torch.compiler.is_compiling() else float8_weight_cache(self.weight)
         cached = None if cache is None else cache.lookup(self.weight, histories[1] if delayed else None)
+        weight_fp8 = weight_fp8_t = None
+        if cached is not None:  # both K-major: W for the forward, W^T for dgrad
+            wq, weight_fp8_t = self._gemm_casts(cached[0], cache.data_t)
+            weight_fp8 = (wq, *cached[1:])
         return float8_linear(
             x, weight, self.bias, scaling=self.recipe.scaling, margin=self.recipe.margin,
             update=self.training and torch.is_grad_enabled(), histories=histories,
-            weight_fp8=None if cached is None else (self._gemm_view(cached[0]), *cached[1:]),
+            weight_fp8=weight_fp8, weight_fp8_t=weight_fp8_t,
+            counters=self._buffers.get(_COUNTERS) if delayed else None,
         )  # fmt: skip
 
     def _forward_fp8_gathered(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,6 +298,8 @@ def float8_conv1d_class(create: bool = True) -> type | None:
                 ":class:`Float8Linear`: the same fp8 GEMMs and recipes on the transposed weight, "
                 "read in place; same parameters, names, shapes and state_dict keys.",
                 "_gemm_view": staticmethod(torch.Tensor.t),
+                # the stored (in, out) weight is W^T: its cast is W^T's, its transpose W's
+                "_gemm_casts": staticmethod(lambda data, data_t: (data_t, data)),
                 "extra_repr": lambda self: f"nf={self.nf}, dtype={self.weight.dtype}, recipe={self.recipe}",
             },
         )

@@ -4,8 +4,8 @@ per op family, each above the kernels it launches (``tkern/kernels``):
 ``linear.py``    ``tkern.linear`` / ``tkern.matmul``: the GEMM with fused epilogues, forward and
                  backward (custom ops ``tkern::linear_forward``, ``tkern::mm_backward``,
                  ``tkern::activation_grad``)
-``float8.py``    ``float8_linear`` and the fp8 weight cache (custom ops ``tkern::to_float8``,
-                 ``tkern::to_float8_delayed``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``)
+``float8.py``    ``float8_linear`` and the fp8 weight cache (custom ops ``tkern::float8_cast_2d``,
+                 ``tkern::float8_cast_blocks``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``)
 ``cross_entropy.py``  ``tkern.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
                  ``tkern::cross_entropy_backward``) and ``tkern.linear_cross_entropy`` (chunked
                  GEMMs + the fused kernel; the logits never materialized; custom ops

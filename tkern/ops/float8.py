@@ -2,7 +2,7 @@
 
 The fp8 casts and GEMM are custom ops, so torch.compile treats them as opaque
 ops with known output shapes; ``_Float8Linear`` wires them into forward and
-backward. Granularity is spelled (bm, bk) for blocks, (0, 0) for a tensor.
+backward (eager calls the launchers under them directly).
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from typing import NamedTuple
 import torch
 
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
-from tkern.kernels.float8 import roll_amax_history, to_float8, to_float8_delayed, to_float8_delayed_deferred
+from tkern.kernels.float8 import (
+    cast_2d,
+    cast_2d_prechecked,
+    cast_blocks,
+    check_fp8_device,
+    roll_amax_history,
+)
 from tkern.kernels.gemm import scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
 from tkern.ops import common
@@ -25,42 +31,82 @@ __all__ = ["CACHED_SCALINGS", "Float8WeightCache", "float8_linear", "float8_weig
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def _to_float8_impl(x, dtype, bm, bk):
-    return to_float8(x, dtype, "tensor" if bm == 0 else (bm, bk))
+def _cast_2d_impl(x, dtype, store, store_t, sum_dtype, history, counter, margin, update, roll2=None):
+    """:func:`tkern.kernels.float8.cast_2d`: ``(data, data_t, scale, col_sum)``, the
+    ones not asked for None (``sum_dtype`` None: no column sums; ``history`` None:
+    current scaling)."""
+    cast = cast_2d_prechecked(
+        x, dtype, store, store_t, sum_dtype, history, margin, update, False, counter, roll2
+    )
+    return cast.data, cast.data_t, cast.scale, cast.col_sum
 
 
-@torch.library.custom_op("tkern::to_float8", mutates_args=())
-def _to_float8_op(x: torch.Tensor, dtype: torch.dtype, bm: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tkern.to_float8` with ``granularity`` (bm, bk), or "tensor" for (0, 0)."""
-    return _to_float8_impl(x, dtype, bm, bk)
+@torch.library.custom_op("tkern::float8_cast_2d", mutates_args=("history", "counter"))
+def _cast_2d_op(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    store: bool,
+    store_t: bool,
+    col_sum: bool,
+    sum_dtype: torch.dtype,
+    history: torch.Tensor | None,
+    counter: torch.Tensor | None,
+    margin: int,
+    update: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tkern.kernels.float8.cast_2d` (rolls ``history`` when given and ``update``);
+    outputs not asked for come back empty."""
+    out = _cast_2d_impl(
+        x, dtype, store, store_t, sum_dtype if col_sum else None, history, counter, margin, update
+    )
+    # a new empty tensor for each output not asked for: a custom op's outputs may not alias
+    return tuple(x.new_empty(0, dtype=dtype) if t is None else t for t in out)
 
 
-@_to_float8_op.register_fake
-def _(x, dtype, bm, bk):
-    if bm == 0:
-        return torch.empty_like(x, dtype=dtype), x.new_empty((), dtype=torch.float32)
+@_cast_2d_op.register_fake
+def _(x, dtype, store, store_t, col_sum, sum_dtype, history, counter, margin, update):
+    m, k = x.shape
+    return (
+        x.new_empty((m, k) if store else (0,), dtype=dtype),
+        x.new_empty((k, m) if store_t else (0,), dtype=dtype),
+        x.new_empty((), dtype=torch.float32),
+        x.new_empty((k,) if col_sum else (0,), dtype=sum_dtype if col_sum else dtype),
+    )
+
+
+def _cast_2d_traced(x, dtype, store, store_t, sum_dtype, history, counter, margin, update, roll2=None):
+    """:func:`_cast_2d_impl` through the custom op (None where nothing was asked for)."""
+    if roll2 is not None:  # the weight's deferred update: its own op here (eager rides the cast)
+        _roll_amax_history_op(*roll2)
+    out = _cast_2d_op(
+        x, dtype, store, store_t, sum_dtype is not None, sum_dtype or torch.float32, history,
+        counter, margin, update,
+    )  # fmt: skip
+    wanted = (store, store_t, True, sum_dtype is not None)
+    return tuple(t if w else None for t, w in zip(out, wanted, strict=True))
+
+
+def _cast_blocks_impl(x, dtype, bm, bk, store_t):
+    return cast_blocks(x, dtype, (bm, bk), store_t)
+
+
+@torch.library.custom_op("tkern::float8_cast_blocks", mutates_args=())
+def _cast_blocks_op(
+    x: torch.Tensor, dtype: torch.dtype, bm: int, bk: int, store_t: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tkern.kernels.float8.cast_blocks` (an empty third output without ``store_t``)."""
+    data, scale, data_t = _cast_blocks_impl(x, dtype, bm, bk, store_t)
+    return data, scale, x.new_empty(0, dtype=dtype) if data_t is None else data_t
+
+
+@_cast_blocks_op.register_fake
+def _(x, dtype, bm, bk, store_t):
     m, k = x.shape
     return (
         x.new_empty((m, k), dtype=dtype),
         x.new_empty((-(-m // bm), -(-k // bk)), dtype=torch.float32),
+        x.new_empty((k, m) if store_t else (0,), dtype=dtype),
     )
-
-
-@torch.library.custom_op("tkern::to_float8_delayed", mutates_args=("history",))
-def _to_float8_delayed_op(
-    x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int, update: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tkern.kernels.float8.to_float8_delayed` (rolls ``history`` when ``update``)."""
-    return _to_float8_delayed_impl(x, history, dtype, margin, update)
-
-
-def _to_float8_delayed_impl(x, history, dtype, margin, update):
-    return to_float8_delayed(x, history, dtype, margin, update=update)
-
-
-@_to_float8_delayed_op.register_fake
-def _(x, history, dtype, margin, update):
-    return torch.empty_like(x, dtype=dtype), x.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("tkern::roll_amax_history", mutates_args=("history",))
@@ -84,41 +130,43 @@ def _scaled_mm_op(
     out_dtype: torch.dtype,
     block_a: list[int],
     block_b: list[int],
+    use_fast_accum: bool,
 ) -> torch.Tensor:
     """:func:`tkern.scaled_mm`; an empty block list means "not block scales"."""
-    return _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b)
+    return _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum)
 
 
-def _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, into=None, accumulate=True):
+def _scaled_mm_impl(
+    a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, into=None, accumulate=True
+):
     """:func:`scaled_mm` with the custom op's arguments (``into``: eager callers
     only; the result is added to it with ``accumulate``, else written into it)."""
     return scaled_mm(
         a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
         block_a=tuple(block_a) if block_a else None, block_b=tuple(block_b) if block_b else None,
         out=None if accumulate else into, accumulate_into=into if accumulate else None,
+        use_fast_accum=use_fast_accum,
     )  # fmt: skip
 
 
 @_scaled_mm_op.register_fake
-def _(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b):
+def _(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 #: DeepSeek-V3's tiles: activations and gradients in (1, 128), weights in (128, 128);
 #: wgrad reads x with its tiles along M: (128, 1).
 TILE, WEIGHT_BLOCK, TILE_T = (1, 128), (128, 128), (128, 1)
-
-
-def _blocks(recipe: str) -> tuple[list[int], list[int]]:
-    """scaled_mm's (block_a, block_b) for an activation/gradient times a weight."""
-    return (list(TILE), list(WEIGHT_BLOCK)) if recipe == "blockwise" else ([], [])
+#: The forward keeps the fp8 tensor cores' fast accumulation; dgrad and wgrad sum over
+#: many more products (K = the tokens for wgrad) and promote every K tile (<= 128).
+FORWARD_FAST_ACCUM, GRADIENT_FAST_ACCUM = True, False
 
 
 class _Fp8Ops(NamedTuple):
     """The fp8 launchers :class:`_Float8Linear` calls (the custom ops' signatures)."""
 
-    to_float8: Callable
-    to_float8_delayed: Callable
+    cast_2d: Callable
+    cast_blocks: Callable
     roll_amax_history: Callable
     scaled_mm: Callable
 
@@ -126,8 +174,8 @@ class _Fp8Ops(NamedTuple):
 #: The custom ops (torch.compile, meta and fake tensors: opaque ops with known shapes) and
 #: the launchers under them (eager: the custom ops' Python dispatch costs tens of us of
 #: host time per call, three to five calls per layer and step).
-_TRACED_FP8 = _Fp8Ops(_to_float8_op, _to_float8_delayed_op, _roll_amax_history_op, _scaled_mm_op)
-_EAGER_FP8 = _Fp8Ops(_to_float8_impl, _to_float8_delayed_impl, roll_amax_history, _scaled_mm_impl)
+_TRACED_FP8 = _Fp8Ops(_cast_2d_traced, _cast_blocks_op, _roll_amax_history_op, _scaled_mm_op)
+_EAGER_FP8 = _Fp8Ops(_cast_2d_impl, _cast_blocks_impl, roll_amax_history, _scaled_mm_impl)
 
 
 def _fp8_ops(t: torch.Tensor) -> _Fp8Ops:
@@ -135,22 +183,6 @@ def _fp8_ops(t: torch.Tensor) -> _Fp8Ops:
     anything but a plain tensor on a device that runs, else the launchers."""
     plain = type(t) is torch.Tensor and not t.is_meta and not is_compiling()
     return _EAGER_FP8 if plain else _TRACED_FP8
-
-
-def _cast(ops: _Fp8Ops, x, dtype, recipe: str, history, margin: int, update: bool, block=TILE):
-    """``x`` to fp8 as ``recipe`` casts it: (data, scale)."""
-    if recipe == "delayed":
-        return ops.to_float8_delayed(x, history, dtype, margin, update)
-    if recipe == "blockwise":
-        return ops.to_float8(x, dtype, *block)
-    return ops.to_float8(x, dtype, 0, 0)
-
-
-def _dequantize_tiles(data: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
-    """fp32 values of fp8 ``data`` (M, K) with (bm, bk) block ``scale``."""
-    m, k = data.shape
-    full = scale.repeat_interleave(tile[0], 0)[:m].repeat_interleave(tile[1], 1)[:, :k]
-    return data.float() * full
 
 
 #: The recipes whose weight cast a :class:`Float8WeightCache` holds.
@@ -173,6 +205,9 @@ class Float8WeightCache:
     storage (``.data =``) makes the forward cast again until the next step
     refreshes it.
 
+    The cast holds the weight in both layouts (``data`` and ``data_t``, one pass:
+    :func:`~tkern.kernels.float8.cast_2d`), the forward's and dgrad's K-major operands.
+
     ``"tensorwise"``: the cast is ``to_float8(weight)``, which depends on the
     weight alone.
 
@@ -183,9 +218,9 @@ class Float8WeightCache:
     keeping the cast's amax and a stamp of the history (the tensor, its version
     counter and storage). A forward that finds the weight *and* the history
     unchanged since uses the cast; a training forward then makes the update the
-    cast would have made (:func:`~tkern.kernels.float8.roll_amax_history`, one
-    tiny launch, no host sync), which moves the history, so a second forward
-    before the next step (gradient accumulation) casts as without the cache.
+    cast would have made (inside the launch that casts its input, no host sync;
+    :func:`~tkern.kernels.float8.roll_amax_history` where traced), which moves the
+    history, so a second forward before the next step (gradient accumulation) casts as without the cache.
     An eval or ``no_grad`` forward uses the cast too (it is bit-identical to
     the cast such a forward makes: the same weight and history, no update) and
     leaves the history, and so the cache, as they were.
@@ -226,7 +261,8 @@ class Float8WeightCache:
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {margin!r}")
         self.scaling, self.margin, self._history = scaling, margin, history
-        self.data: torch.Tensor | None = None  # (N, K) e4m3, the weight's shape
+        self.data: torch.Tensor | None = None  # e4m3, the weight's shape, contiguous
+        self.data_t: torch.Tensor | None = None  # e4m3, its transpose, contiguous (the same values)
         self.scale: torch.Tensor | None = None  # 0-dim fp32
         self.amax: torch.Tensor | None = None  # "delayed": (P,) fp32, the update the cast put off
         self._stamp: tuple[int, int] | None = None
@@ -249,26 +285,31 @@ class Float8WeightCache:
                 if history is None:  # the module is gone or holds no history
                     self._history_used = None
                     return
-                cast = to_float8_delayed_deferred(weight.detach(), history, E4M3, self.margin)
+                # the weight in both layouts (each GEMM's K-major operand), the update put off
+                cast = cast_2d(
+                    weight.detach(), E4M3, store_t=True, history=history, margin=self.margin, defer=True
+                )
                 self._history_used = history
                 self._history_stamp = (history._version, history.data_ptr())
             else:
-                cast = to_float8(weight.detach(), E4M3, "tensor")
-            self._keep(cast)
+                cast = cast_2d(weight.detach(), E4M3, store_t=True)
+            self._keep(cast.data, cast.scale, cast.data_t, cast.amax)
         self._stamp = (weight._version, weight.data_ptr())
 
-    def _keep(self, cast: tuple[torch.Tensor, ...]) -> None:
-        """Hold ``cast`` (data, scale[, amax]) in the same tensors step after step:
-        copied into the previous step's when their shapes match, so a CUDA graph
-        that captured a forward reading them (``Trainer(cuda_graph=True)``) reads
+    def _keep(self, *cast: torch.Tensor | None) -> None:
+        """Hold ``cast`` (data, scale, data_t, amax or None) in the same tensors step
+        after step: copied into the previous step's when their shapes match, so a CUDA
+        graph that captured a forward reading them (``Trainer(cuda_graph=True)``) reads
         each replay's cast, not a buffer freed after the capture."""
-        pairs = list(zip((self.data, self.scale, self.amax)[: len(cast)], cast, strict=True))
-        if all(h is not None and h.shape == c.shape and h.dtype == c.dtype for h, c in pairs):
+        held = (self.data, self.scale, self.data_t, self.amax)
+        pairs = [(h, c) for h, c in zip(held, cast, strict=True) if c is not None or h is not None]
+        if all(
+            h is not None and c is not None and h.shape == c.shape and h.dtype == c.dtype for h, c in pairs
+        ):
             for h, c in pairs:
                 h.copy_(c)
         else:
-            self.data, self.scale = cast[0], cast[1]
-            self.amax = cast[2] if len(cast) > 2 else None
+            self.data, self.scale, self.data_t, self.amax = cast
 
     def lookup(
         self, weight: torch.Tensor, history: torch.Tensor | None = None
@@ -332,64 +373,112 @@ def float8_weight_cache(
 class _Float8Linear(torch.autograd.Function):
     """y = x @ W^T + b with fp8 GEMMs (Float8Linear's forward and backward).
 
-    Forward: x and W to e4m3, one scaled GEMM, bias and the output cast in its
-    epilogue; x and W are saved in fp8 (with their scales). Backward: the output
-    gradient to e5m2 (e4m3 under "blockwise"), dgrad and wgrad as fp8 GEMMs.
-    Under "blockwise" the wgrad operands need their tiles along M: dy is cast
-    again transposed, and the saved x is converted from 1x128 to 128x1 tiles
-    (dequantized and cast again), as DeepSeek-V3 does."""
+    Every fp8 GEMM operand is K-major (what Hopper's fp8 wgmma reads from shared
+    memory, loaded with cp.async, pipelined): each cast writes the layouts its
+    GEMMs read in the same pass. Forward: x to e4m3 (and x^T, for wgrad), W to
+    e4m3 (and W^T, for dgrad; or the optimizer's cast of both, Float8WeightCache),
+    one scaled GEMM x @ W^T with the bias and the output cast in its epilogue; x^T
+    and W^T are saved in fp8. Backward: dY to e5m2 as dY (dgrad) and dY^T (wgrad)
+    with the bias gradient summed in the same pass, dgrad dY @ W and wgrad
+    dY^T @ X promoting their accumulators every K tile. Delayed scaling records
+    each amax in its history within the cast's own launch.
+
+    Under "blockwise" (e4m3 everywhere) the wgrad operands need their tiles along
+    M: x^T (in the forward) and dY^T are cast in 1x128 tiles from x and dY themselves."""
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, recipe, margin, update, h_x, h_w, h_g, cached_wq, cached_sw, cached_amax
-    ):
+        ctx, x, weight, bias, recipe, margin, update, grad_enabled, h_x, h_w, h_g, counters,
+        cached_wq, cached_sw, cached_wq_t, cached_amax,
+    ):  # fmt: skip
         n, k = weight.shape
         x2d = as_2d(x, k)
         ops = _fp8_ops(x)
-        xq, sx = _cast(ops, x2d, E4M3, recipe, h_x, margin, update)
-        if cached_wq is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
-            wq, sw = cached_wq, cached_sw
-            if recipe == "delayed" and update:  # the history update the cast put off
-                ops.roll_amax_history(h_w, cached_amax)
+        # what backward will run (forward itself runs with grad mode off)
+        dgrad = grad_enabled and ctx.needs_input_grad[0]
+        wgrad = grad_enabled and ctx.needs_input_grad[1]
+        if recipe == "blockwise":
+            xq, sx, _ = ops.cast_blocks(x2d, E4M3, *TILE, False)
+            wq, sw, wq_t = ops.cast_blocks(weight, E4M3, *WEIGHT_BLOCK, dgrad)
+            y = ops.scaled_mm(xq, wq.t(), sx, sw.t(), bias, x.dtype, list(TILE), list(WEIGHT_BLOCK), True)
+            saved_x = saved_sx = None
+            if wgrad:  # wgrad reads x with its tiles along M: x^T cast in 1x128 tiles, from x itself
+                saved_x, saved_sx, _ = ops.cast_blocks(x2d.t(), E4M3, *TILE, False)
         else:
-            wq, sw = _cast(ops, weight, E4M3, recipe, h_w, margin, update, WEIGHT_BLOCK)
-        sw_b = sw.t() if recipe == "blockwise" else sw
-        y = ops.scaled_mm(xq, wq.t(), sx, sw_b, bias, x.dtype, *_blocks(recipe))
+            delayed = recipe == "delayed"
+            eager = ops is _EAGER_FP8
+            ctr = (
+                (None, None, None)
+                if counters is None or not eager
+                else tuple(counters[i : i + 1] for i in range(3))
+            )
+            roll2 = (h_w, cached_amax) if delayed and update and cached_wq is not None else None
+            xq, saved_x, sx, _ = ops.cast_2d(
+                x2d, E4M3, True, wgrad, None, h_x if delayed else None, ctr[0], margin, update, roll2
+            )
+            if cached_wq is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
+                wq, sw, wq_t = cached_wq, cached_sw, cached_wq_t
+                if dgrad and wq_t is None:  # a cast without W^T (FSDP2's fp8 all-gather): one copy
+                    wq_t = wq.t().contiguous()
+            else:
+                wq, wq_t, sw, _ = ops.cast_2d(
+                    weight, E4M3, True, dgrad, None, h_w if delayed else None, ctr[1], margin, update
+                )
+            y = ops.scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype, [], [], FORWARD_FAST_ACCUM)
+            saved_sx = sx
+            ctx.counter = ctr[2]
         ctx.recipe, ctx.margin, ctx.update = recipe, margin, update
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_shape = x.shape
-        ctx.save_for_backward(xq, sx, wq, sw, h_g)
+        ctx.save_for_backward(saved_x, saved_sx, wq_t if dgrad else None, sw, h_g)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dy):
-        xq, sx, wq, sw, h_g = ctx.saved_tensors
+        x_saved, sx, wq_t, sw, h_g = ctx.saved_tensors
         recipe = ctx.recipe
-        n = wq.shape[0]
-        dy2d = as_2d(dy, n).contiguous()
+        dy2d = as_2d(dy, dy.shape[-1])
         ops = _fp8_ops(dy)
-        grad_dtype = E4M3 if recipe == "blockwise" else E5M2
-        gq, sg = _cast(ops, dy2d, grad_dtype, recipe, h_g, ctx.margin, ctx.update)
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # (M, N) @ (N, K)
-            dx = ops.scaled_mm(gq, wq, sg, sw, None, ctx.x_dtype, *_blocks(recipe)).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K)
+        if recipe == "blockwise":
+            gq, sg, _ = ops.cast_blocks(dy2d, E4M3, *TILE, False)
+            blocks = (list(TILE), list(WEIGHT_BLOCK))
+            if bias_grad:
+                db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        else:
+            delayed = recipe == "delayed"
+            sum_dtype = ctx.bias_dtype if bias_grad else None
+            gq, gq_t, sg, db = ops.cast_2d(
+                dy2d,
+                E5M2,
+                dgrad,
+                wgrad,
+                sum_dtype,
+                h_g if delayed else None,
+                ctx.counter,
+                ctx.margin,
+                ctx.update,
+            )
+            blocks = ([], [])
+        if dgrad:  # (M, N) @ (N, K): W^T's cast read K-major
+            dx = ops.scaled_mm(gq, wq_t.t(), sg, sw, None, ctx.x_dtype, *blocks, GRADIENT_FAST_ACCUM)
+            dx = dx.reshape(ctx.x_shape)
+        if wgrad:  # (N, M) @ (M, K): dY^T and X^T's casts read K-major
             if recipe == "blockwise":
-                gtq, sgt = ops.to_float8(dy2d.t(), E4M3, *TILE)  # tiles along M
-                xtq, sxt = ops.to_float8(_dequantize_tiles(xq, sx, TILE).t(), E4M3, *TILE)
-                operands = (gtq, xtq.t(), sgt, sxt.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
+                gtq, sgt, _ = ops.cast_blocks(dy2d.t(), E4M3, *TILE, False)  # tiles along M
+                operands = (gtq, x_saved.t(), sgt, sx.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
             else:
-                operands = (gq.t(), xq, sg, sx, None, ctx.w_dtype, [], [])
+                operands = (gq_t, x_saved.t(), sg, sx, None, ctx.w_dtype, [], [])
             target = common.flat_wgrad(ctx, ctx.w_dtype) if ops is _EAGER_FP8 else None
             if target is None:
-                dw = ops.scaled_mm(*operands)
+                dw = ops.scaled_mm(*operands, GRADIENT_FAST_ACCUM)
             else:  # dW added into the fused optimizer's flat buffer (_flat_wgrad)
-                _scaled_mm_impl(*operands, into=target[1], accumulate=target[2])
+                _scaled_mm_impl(*operands, GRADIENT_FAST_ACCUM, into=target[1], accumulate=target[2])
                 dw = common.hand_over(target)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, *(None,) * 12
 
 
 def float8_linear(
@@ -402,6 +491,8 @@ def float8_linear(
     update: bool = True,
     histories: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     weight_fp8: tuple[torch.Tensor, ...] | None = None,
+    weight_fp8_t: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
@@ -416,13 +507,19 @@ def float8_linear(
             scale)``, the cast ``to_float8(weight)``; ``"delayed"``: ``(data, scale,
             amax)`` from ``to_float8_delayed_deferred(weight, histories[1], margin=margin)``
             with the weight history unchanged since, and with ``update`` the forward
-            rolls ``amax`` into that history (as its own cast would have).
+            rolls ``amax`` into that history (in its input's cast launch).
+        weight_fp8_t: with ``weight_fp8``: the same cast transposed, (K, N) contiguous
+            (dgrad's K-major operand); None: dgrad makes it with one copy.
+        counters: ``"delayed"``: a (3,) int32 tensor of zeros the three casts count
+            their programs on (and leave at zero), kept by the layer; None: each cast
+            makes its own.
     """
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
     check_tensor("x", x, dtypes=(weight.dtype,))
     check_in_features(x, weight)
     check_bias(bias, weight.shape[0], weight.dtype)
     check_same_device(x=x, weight=weight, bias=bias)
+    check_fp8_device(x.device, "float8_linear (Float8Linear)")
     if scaling not in ("tensorwise", "delayed", "blockwise"):
         raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
     if scaling == "delayed":
@@ -438,20 +535,26 @@ def float8_linear(
                 )
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {margin!r}")
-    cached = (None, None, None)
+        if counters is not None:
+            check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,))
+            if counters.shape != (3,) or counters.device != weight.device:
+                raise ValueError(f"counters must be a (3,) int32 tensor on {weight.device}")
+    cached = (None, None, None, None)
     if weight_fp8 is not None:
-        _check_weight_fp8(weight_fp8, weight, scaling)
-        cached = (*weight_fp8, None) if scaling == "tensorwise" else tuple(weight_fp8)
+        _check_weight_fp8(weight_fp8, weight, scaling, weight_fp8_t)
+        amax = weight_fp8[2] if scaling == "delayed" else None
+        cached = (weight_fp8[0], weight_fp8[1], weight_fp8_t, amax)
     # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
     h = (
         histories
         if histories is not None
         else tuple(weight.new_empty(0, dtype=torch.float32) for _ in range(3))
     )
-    return _Float8Linear.apply(x, weight, bias, scaling, margin, update, *h, *cached)
+    grad_enabled = torch.is_grad_enabled()
+    return _Float8Linear.apply(x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached)
 
 
-def _check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str) -> None:
+def _check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, weight_fp8_t) -> None:
     """float8_linear's ``weight_fp8`` against the weight and the scaling."""
     parts = {"tensorwise": ("data", "scale"), "delayed": ("data", "scale", "amax")}.get(scaling)
     if parts is None:
@@ -466,6 +569,13 @@ def _check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str) -> 
             f"weight_fp8 must be the ({tuple(weight.shape)}) e4m3 weight and a one-element scale on "
             f"{weight.device}, got shapes {tuple(wq.shape)} and {tuple(sw.shape)} on {wq.device}"
         )
+    if weight_fp8_t is not None:
+        check_tensor("weight_fp8_t", weight_fp8_t, ndim=2, dtypes=(E4M3,))
+        if weight_fp8_t.shape != weight.shape[::-1] or weight_fp8_t.stride(1) != 1:
+            raise ValueError(
+                f"weight_fp8_t must be the ({weight.shape[1]}, {weight.shape[0]}) e4m3 transpose, "
+                f"contiguous, got shape {tuple(weight_fp8_t.shape)}, strides {weight_fp8_t.stride()}"
+            )
     if amax:
         check_tensor("weight_fp8 amax", amax[0], ndim=1, dtypes=(torch.float32,))
         if amax[0].numel() < 1 or not amax[0].is_contiguous() or amax[0].device != weight.device:
