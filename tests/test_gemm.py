@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,7 +229,9 @@ def test_hopper_routes_gemms_by_their_plan(monkeypatch, mnk, ragged, route):
 
     routes = []
     monkeypatch.setattr(gemm, "device_gemm_info", lambda device: (132, True))
-    monkeypatch.setattr(gemm, "_PLANS", {})
+    monkeypatch.setattr(
+        gemm, "plan_gemm_cached", functools.lru_cache(gemm.plan_gemm_cached.__wrapped__)
+    )  # a fresh memo
     monkeypatch.setattr(gemm, "launch_tma", lambda *args: routes.append("tma"))
     monkeypatch.setattr(gemm, "launch_split_k", lambda *args: routes.append("split_k"))
     monkeypatch.setattr(gemm, "_launch", lambda *args: routes.append("pointer"))
@@ -817,6 +821,21 @@ def test_plan_rule_edges():
                 )
 
 
+def test_plans_are_remembered_for_a_bounded_number_of_shapes(monkeypatch):
+    # the hot path's memo keeps the last PLAN_CACHE_SIZE shapes (a varying sequence length
+    # must not grow it without end) and answers what plan_gemm answers
+    from tkern.kernels import gemm
+    from tkern.kernels.gemm_plan import plan_gemm
+
+    assert gemm.plan_gemm_cached.cache_info().maxsize == gemm.PLAN_CACHE_SIZE
+    memo = functools.lru_cache(maxsize=gemm.PLAN_CACHE_SIZE)(gemm.plan_gemm_cached.__wrapped__)
+    for m in range(1, gemm.PLAN_CACHE_SIZE + 17):
+        assert memo(m, 768, 3072, H100_SMS, True, m % 16 != 0, True) == plan_gemm(
+            m, 768, 3072, H100_SMS, tma=True, ragged=m % 16 != 0
+        )
+    assert memo.cache_info().currsize == gemm.PLAN_CACHE_SIZE
+
+
 # --------------------------------------------------------------------------- split-K (gemm_split.py)
 
 
@@ -891,7 +910,9 @@ def _gpu_without_tma(monkeypatch, sms=4, tma=False):
     routes = []
     launch_tma, launch_split_k, launch = gemm.launch_tma, gemm.launch_split_k, gemm._launch
     monkeypatch.setattr(gemm, "device_gemm_info", lambda device: (sms, tma))
-    monkeypatch.setattr(gemm, "_PLANS", {})
+    monkeypatch.setattr(
+        gemm, "plan_gemm_cached", functools.lru_cache(gemm.plan_gemm_cached.__wrapped__)
+    )  # a fresh memo
     monkeypatch.setattr(gemm, "launch_tma", lambda *args: routes.append("tma") or launch_tma(*args))
     monkeypatch.setattr(
         gemm, "launch_split_k", lambda *args: routes.append("split_k") or launch_split_k(*args)
