@@ -19,6 +19,9 @@
   ``<name>.png``, and prints a table last.
 * :func:`copy_bandwidth` and :func:`cublas_tflops` measure the device's two
   ceilings once.
+* :data:`DEVICES` holds the datasheet peaks and bandwidth of the GPUs the results
+  are read against (:func:`device_spec` finds a device's), :func:`model_flops` a
+  training step's model FLOPs (the MFU column's numerator, the step ledger's check).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import tkern  # before triton: on a CPU it must switch Triton's interpreter on first
 
@@ -269,6 +273,97 @@ def graph_fields(owner: object, count: GraphCount | None = None) -> dict:
     if count is not None:
         fields.update(graph_captures=count.captures, graph_replays=count.replays)
     return fields
+
+
+# --------------------------------------------------------------------------- peaks and model FLOPs
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A GPU's dense peaks (TFLOP/s) and HBM bandwidth (TB/s), and where they come from."""
+
+    name: str
+    fp8: float
+    bf16: float  # fp16 and bf16 tensor cores
+    tf32: float
+    fp32: float  # no tensor cores
+    hbm_tbps: float
+    source: str
+
+    def peak_tflops(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
+        if dtype.is_floating_point and dtype.itemsize == 1:
+            return self.fp8
+        if dtype in (torch.float16, torch.bfloat16):
+            return self.bf16
+        return self.tf32 if allow_tf32 else self.fp32
+
+
+_SPEC_SOURCE = (
+    "NVIDIA {gpu} Tensor Core GPU datasheet, SXM form factor, dense (the datasheet's sparse figures halved)"
+)
+DEVICES = {
+    "h100": DeviceSpec("NVIDIA H100 SXM", 1978.9, 989.4, 494.7, 66.9, 3.35, _SPEC_SOURCE.format(gpu="H100")),
+    "h200": DeviceSpec("NVIDIA H200 SXM", 1978.9, 989.4, 494.7, 66.9, 4.8, _SPEC_SOURCE.format(gpu="H200")),
+}
+
+
+def slug(name: str) -> str:
+    """A file-name part for ``name``: its words joined by dashes, brackets and commas dropped
+    (``torch fp32 (no tf32)`` -> ``torch-fp32-no-tf32``)."""
+    return "-".join(re.sub(r"[(),]", "", name).split())
+
+
+def device_key(name: str) -> str | None:
+    """The :data:`DEVICES` key of a device named like ``torch.cuda.get_device_name()``
+    (``NVIDIA H200`` -> ``h200``); None for a device not in it."""
+    low = name.lower()
+    return next((key for key in DEVICES if key in low), None)
+
+
+def device_spec(name: str) -> DeviceSpec | None:
+    """The spec of a device named like ``torch.cuda.get_device_name()``; None for a
+    device not in :data:`DEVICES`."""
+    key = device_key(name)
+    return None if key is None else DEVICES[key]
+
+
+def linear_params(model: nn.Module) -> int:
+    """Weights of every GEMM layer (``nn.Linear``, GPT-2's ``Conv1D`` and what
+    convert_network makes of them), the LM head included (tied or not)."""
+    total = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and not isinstance(m, nn.Embedding):
+            total += w.numel()
+    return total
+
+
+def attention_config(model: nn.Module) -> tuple[int, int] | None:
+    """(layers, width) of the transformers model inside ``model``; None for a model
+    without attention."""
+    cfg = next(
+        (m.config for m in model.modules() if hasattr(getattr(m, "config", None), "num_hidden_layers")), None
+    )
+    return None if cfg is None else (cfg.num_hidden_layers, cfg.hidden_size)
+
+
+def model_flops(model: nn.Module, tokens: int, seq: int | None = None) -> dict[str, int]:
+    """The model FLOPs of one training step of ``model`` over ``tokens`` tokens (sequences
+    of ``seq``): 6 x linear params x tokens (forward, dgrad, wgrad: 2 each) + attention
+    12 x layers x tokens x seq x width (QK^T and AV, 2 FLOPs per multiply-add, forward and
+    twice that backward, no causal discount). ``lm head``: the part of the linear params
+    in the head (an ``lm_head`` module). The count bench_train's MFU column divides by,
+    and the ledger's FLOPs agree with (a test)."""
+    p = linear_params(model)
+    head = next((m.weight.numel() for name, m in model.named_modules() if name.endswith("lm_head")), 0)
+    att = attention_config(model)
+    attention = 12 * att[0] * tokens * seq * att[1] if att is not None and seq else 0
+    return {
+        "blocks": 6 * (p - head) * tokens,
+        "lm head": 6 * head * tokens,
+        "attention": attention,
+        "total": 6 * p * tokens + attention,
+    }
 
 
 def geomean(values: list[float]) -> float:

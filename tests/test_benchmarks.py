@@ -25,6 +25,19 @@ def _missing(names: list[str]) -> list[str]:
     return harness.missing_api(tkern, names)
 
 
+#: gpu_check.sh quick's phases in order (issue 44 item 1: the GPU tests, the GPT-2 profile,
+#: GPT-2's unmeasured rows, the GEMMs in three layouts, then the rows already known)
+QUICK_PHASES = (
+    "pytest_gpu",
+    "bench_train_profile",
+    "bench_train_gpt2",
+    "bench_gemm_fp8_layouts",
+    "bench_gemm_gpt2_layouts",
+    "bench_optimizer_sizes",
+    "bench_train_mlp",
+)
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     """``gpu_check.sh --dry-run`` once for this module: every phase at smoke sizes,
@@ -51,17 +64,12 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
     proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = (out / "summary.txt").read_text()
-    quick = (
-        "pytest_gpu",
-        "bench_optimizer_sizes",
-        "bench_train_mlp",
-        "bench_gemm_transformer",
-        "bench_train_gpt2",
-    )
+    quick = QUICK_PHASES
     more = (
         "bench_train_fp8",
         "bench_gemm_rest",
         "bench_train_rest",
+        "bench_gemm_linear",
         "bench_optimizer_modes",
         "bench_optimizer_health",
         "bench_norm",
@@ -73,6 +81,10 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
     table = (out / "results" / "cpu" / "gpt_job.txt").read_text()
     assert all(f"\n{run} " in table for run in ("fp32", "autocast", "tkern", "tkern-bf16")), table
     assert (out / "results" / "cpu" / "gpt_job.png").is_file()
+    # the GPT-2 profile: a CSV per recipe (its categories and total) and the picture
+    profile = (out / "results" / "cpu" / "profile_tkern.csv").read_text()
+    assert profile.startswith("kind,recipe,category") and "\ntotal,tkern," in profile
+    assert (out / "results" / "cpu" / "profile.png").is_file()
     # the device brings back at most 8 files; the plan leaves at most 6 in $OUT
     assert len([f for f in out.iterdir() if f.is_file()]) <= 6, sorted(out.iterdir())
     for stem in ("ceilings", "host", "gemm", "optimizer", "train", "norm", "loss"):
@@ -156,6 +168,22 @@ def test_dry_run_train_rows_cover_every_recipe_and_record_the_graph(dry_run):
     # both fp8 recipes reach GPT-2's GEMMs (tkern's Conv1D, torchao's through conv1d_as_linear)
     assert gpt2["tkern fp8 tensorwise"]["fp8_layers"] >= 8
     assert gpt2["torchao float8 tensorwise compiled"]["fp8_layers"] >= 8
+
+
+def test_gpu_check_plan_puts_the_unknowns_first():
+    """Issue 44 item 1: the first call's order is the GPU tests, the GPT-2 profile,
+    GPT-2's compiled autocast and tkern bf16 rows, the GEMMs in three layouts, and only
+    then the optimizer and MLP rows."""
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), "plan", "quick"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    phases = [line.split()[0] for line in proc.stdout.splitlines() if " cap " in line]
+    assert tuple(phases) == QUICK_PHASES
+    gpt2 = next(line for line in proc.stdout.splitlines() if line.startswith("bench_train_gpt2"))
+    assert "=torch autocast compiled" in gpt2 and "=tkern bf16" in gpt2
+    caps = [int(line.split(" cap ")[1].split("s")[0]) for line in proc.stdout.splitlines() if " cap " in line]
+    assert sum(caps[:5]) <= 420  # the unknowns fit the first call's budget
 
 
 def test_conv1d_as_linear_computes_the_same_gpt2():
@@ -709,3 +737,131 @@ def test_readme_results_block_is_what_report_renders_from_the_committed_results(
     text = (report.ROOT / "README.md").read_text()
     block = text.split(report.START + "\n")[1].split("\n" + report.END)[0]
     assert block == report.render(), "README.md's results are stale: run python benchmarks/report.py --write"
+
+
+def test_train_rows_mfu_from_the_model_flops_at_the_device_peak():
+    """bench_train's MFU column: the step's model FLOPs (6 x linear weights x tokens, plus
+    attention for a transformer) over the step time at the device's dense 16-bit peak; no
+    figure on a device without a spec."""
+    import bench_train
+    import harness
+    from torch import nn
+
+    mlp = nn.Sequential(nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 10))
+    x = torch.zeros(8192, 784)
+    flops = bench_train.step_flops(mlp, x, bench_train.classify_loss)
+    assert flops == 6 * (784 * 4096 + 4096 * 10) * 8192
+    peak = harness.DEVICES["h200"].bf16 * 1e12
+    assert bench_train.mfu(flops, 2.0, "NVIDIA H200") == round(flops / 2e-3 / peak, 4)
+    assert bench_train.mfu(flops, 2.0, "cpu") is None and bench_train.mfu(flops, None, "NVIDIA H100") is None
+    assert bench_train.master_of("torchao float8 tensorwise compiled") == "none (bf16 params)"
+    assert bench_train.master_of(bench_train.TORCHAO_FP32_MASTER) == "fp32 params"
+    assert (
+        bench_train.master_of("tkern bf16 master=split") == "split"
+        and bench_train.master_of("tkern") == "fp32"
+    )
+
+
+def _gpt2_small_spec():
+    import step_ledger
+
+    return step_ledger.MODELS["gpt2-small"]
+
+
+T, QKV = 16384, 2 * 16384 * 768 * 2304  # GPT-2 small's tokens per step; its c_attn GEMM's FLOPs
+
+
+@pytest.mark.parametrize(
+    "kernel,ancestors,shapes,expected",
+    [
+        # cuBLAS under autograd: the role from the op's shapes (16384 tokens, width 768)
+        ("sm90_xmma_gemm_f16f16", ["aten::addmm"], [[768], [T, 768], [768, 2304]], ("gemm fwd", QKV)),
+        ("nvjet_hsh_128x256", ["aten::mm", "autograd::engine::evaluate_function: AddmmBackward0"],
+         [[T, 2304], [2304, 768]], ("gemm dgrad", QKV)),
+        ("nvjet_hsh_128x256", ["aten::mm", "autograd::engine::evaluate_function: AddmmBackward0"],
+         [[768, T], [T, 2304]], ("gemm wgrad", QKV)),
+        ("sm90_xmma_gemm", ["aten::mm"], [[T, 768], [768, 50257]], ("gemm lm head", 2 * T * 768 * 50257)),
+        ("flash_fwd_kernel", ["aten::_flash_attention_forward"], None, ("attention", 0)),
+        ("triton_red_fused__log_softmax_0", ["CompiledFunction"], None, ("loss", 0)),
+        ("triton_per_fused_native_layer_norm_1", ["CompiledFunctionBackward"], None, ("norm", 0)),
+        ("Memset (Device)", [], None, ("copies and fills", 0)),
+        ("triton_poi_fused_add_mul_tanh_pow_3", ["CompiledFunction"], None, ("elementwise", 0)),
+        # phases win as in the ledger: the optimizer's everything, the loss's all but GEMMs
+        ("multi_tensor_apply_kernel", ["aten::_fused_adamw_", "ledger:optimizer"], None, ("optimizer", 0)),
+        ("_ce_kernel", ["ledger:loss|0|100|cross_entropy._ce_kernel", "ledger:loss"], None, ("loss", 0)),
+        ("_matmul_kernel", ["ledger:gemm wgrad|1000|64|gemm._matmul_kernel", "ledger:loss"], None,
+         ("gemm wgrad", 1000)),
+    ],
+)  # fmt: skip
+def test_profile_kernels_fall_in_the_ledgers_categories(kernel, ancestors, shapes, expected):
+    import step_ledger
+
+    category, flops, _ = step_ledger.kernel_category(kernel, ancestors, shapes, _gpt2_small_spec())
+    assert (category, flops) == expected
+    assert category in step_ledger.CATEGORIES
+
+
+def test_profiled_launches_name_tkern_launches_by_the_ledger_rule():
+    """Under the profiler a tkern GEMM runs for real inside a ``ledger:`` range that names
+    its role, FLOPs and bytes (here through the interpreter; the same ranges on a GPU)."""
+    import step_ledger
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = step_ledger.ModelSpec("gpt2", {"vocab_size": 1000, "n_layer": 1, "n_embd": 32}, 8, 2)
+    x = torch.randn(16, 32, dtype=torch.float16, device=DEVICE)
+    w = torch.randn(24, 32, dtype=torch.float16, device=DEVICE)
+    with step_ledger.profiled_launches(spec), profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = tkern.linear(x, w)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().t(), rtol=2e-3, atol=2e-2)
+    ranges = [e.name for e in prof.events() if e.name.startswith(step_ledger.RANGE)]
+    m, n, k = 16, 24, 32
+    assert ranges == [f"ledger:gemm fwd|{2 * m * n * k}|{2 * (m * k + n * k + m * n)}|gemm._matmul_kernel"]
+    assert step_ledger.kernel_category("_matmul_kernel", ranges, None, spec)[:2] == (
+        "gemm fwd",
+        2 * m * n * k,
+    )
+
+
+class _Event:
+    """A stand-in for torch.profiler's FunctionEvent: what bench_train.kernel_rows reads."""
+
+    def __init__(self, id, name, device_type, parent=None, link=0, us=0.0, shapes=None):
+        self.id, self.name, self.device_type, self.cpu_parent = id, name, device_type, parent
+        self.linked_correlation_id, self.input_shapes = link, shapes
+        self.time_range = type("R", (), {"elapsed_us": lambda _self: us})()
+
+
+def test_profile_rows_csv_and_picture_from_synthetic_events(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_train
+    import plots
+    from PIL import Image
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    step = _Event(1, "ledger:optimizer", cpu)
+    mm = _Event(2, "aten::mm", cpu, shapes=[[16384, 768], [768, 3072]])
+    launch_mm, launch_opt = _Event(3, "cudaLaunchKernel", cpu, mm), _Event(4, "cudaLaunchKernel", cpu, step)
+    events = [step, mm, launch_mm, launch_opt,
+              _Event(10, "sm90_xmma_gemm", cuda, link=3, us=1000.0),
+              _Event(11, "multi_tensor_apply_kernel", cuda, link=4, us=500.0),
+              _Event(12, "Memset (Device)", cuda, us=100.0)]  # fmt: skip
+    rows = bench_train.kernel_rows(events, _gpt2_small_spec())
+    assert [r["category"] for r in rows] == ["gemm fwd", "optimizer", "copies and fills"]
+    assert rows[0]["flops"] == 2 * 16384 * 768 * 3072 and "aten::mm" in rows[0]["shapes"]
+    floors = {"gemm fwd": 0.4, "optimizer": 0.3}
+    summary = bench_train.profile_summary("tkern", rows, 2, 1.0, floors)
+    cats = {r["category"]: r for r in summary if r["kind"] == "category"}
+    assert cats["gemm fwd"]["ms_per_step"] == 0.5 and cats["gemm fwd"]["floor_ms"] == 0.4
+    assert cats["optimizer"]["ms_per_step"] == 0.25 and cats["copies and fills"]["floor_ms"] is None
+    total = next(r for r in summary if r["kind"] == "total")
+    assert total["busy_ms"] == 0.8 and total["wall_ms"] == 1.0 and total["share"] == 0.8
+    top = [r for r in summary if r["kind"] == "kernel"]
+    assert top[0]["kernel"] == "sm90_xmma_gemm" and top[0]["tflops"] == round(
+        2 * 16384 * 768 * 3072 / 1e-3 / 1e12, 1
+    )
+    for recipe in ("tkern", "torch autocast compiled"):
+        bench_train.write_profile_csv(tmp_path / f"profile_{recipe.replace(' ', '-')}.csv",
+                                      bench_train.profile_summary(recipe, rows, 2, 1.0, floors))  # fmt: skip
+    png = bench_train.draw_profile(tmp_path)
+    assert png == tmp_path / "profile.png" and max(Image.open(png).size) <= plots.MAX_PX

@@ -82,11 +82,13 @@ def _family(config_class: str, model_class: str, **extra):
     return make
 
 
-class _MyLlama(transformers.LlamaForCausalLM):
-    """A user's subclass (its own name, the same forward): matched by structure."""
-
-
 def _my_llama():
+    # defined here, not at import: transformers imports a model's module lazily, and
+    # modeling_llama's imports ask the device for its properties (a GPU machine's collection
+    # of this file, tests/test_gpu_collection.py, must not)
+    class _MyLlama(transformers.LlamaForCausalLM):
+        """A user's subclass (its own name, the same forward): matched by structure."""
+
     torch.manual_seed(0)
     return _MyLlama(transformers.LlamaConfig(**{**_DECODER, "vocab_size": _VOCAB})).to(DEVICE).eval()
 

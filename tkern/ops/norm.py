@@ -81,22 +81,6 @@ def _differentiable_grads(
     return dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
 
 
-def _kernel_backward(
-    dy: Tensor,
-    saved: Tensor,
-    weight: Tensor | None,
-    mean: Tensor | None,
-    rstd: Tensor,
-    rms: bool,
-    need_weight: bool,
-    bias_dtype: torch.dtype | None,
-    dh: Tensor | None,
-) -> Grads:
-    return norm_backward(
-        dy, saved, weight, mean, rstd, rms, need_weight=need_weight, bias_dtype=bias_dtype, dh=dh
-    )
-
-
 def _norm_grads(
     dy: Tensor | None,
     dh: Tensor | None,
@@ -107,11 +91,12 @@ def _norm_grads(
     rms: bool,
     needs: tuple[bool, bool, bool],
     bias_dtype: torch.dtype | None,
-    backward: Callable[..., Grads] = _kernel_backward,
+    backward: Callable[..., Grads] = norm_backward,
 ) -> Grads:
     """(d saved, dweight, dbias) from the kernels (None where not needed). ``dy``
     or ``dh`` may be None (an output not used in the loss); ``needs``: whether the
-    input, weight and bias need gradients; ``weight`` is 1-D."""
+    input, weight and bias need gradients; ``weight`` is 1-D. ``backward``: the
+    kernels' :func:`norm_backward`, or the custom op's :func:`_traced_backward`."""
     need_x, need_w, need_b = needs
     if dy is None:  # y unused: its gradient is zero
         dx = dh if need_x else None
@@ -119,7 +104,22 @@ def _norm_grads(
             dx = torch.zeros_like(saved)
         zero = saved.new_zeros(saved.shape[-1], dtype=torch.float32)
         return dx, zero.to(weight.dtype) if need_w else None, zero.to(bias_dtype) if need_b else None
-    return backward(dy, saved, weight, mean, rstd, rms, need_w, bias_dtype if need_b else None, dh)
+    bias_dtype = bias_dtype if need_b else None
+    return backward(dy, saved, weight, mean, rstd, rms, need_weight=need_w, bias_dtype=bias_dtype, dh=dh)
+
+
+def _needs(ctx) -> tuple[bool, bool, bool]:
+    """Whether d saved (x's, or the residual's: both are h's), dweight and dbias are
+    needed, from a backward's ``ctx`` of inputs (x, residual, weight, bias, eps, rms)."""
+    need = ctx.needs_input_grad
+    return need[0] or need[1], need[2], need[3]
+
+
+def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -> tuple:
+    """A backward's return for inputs (x, residual, weight, bias, eps, rms): ``dx`` is
+    also the residual's gradient (h = x + residual), each given where it is needed."""
+    dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
+    return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
 
 
 class _Norm(torch.autograd.Function):
@@ -143,8 +143,7 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh=None):
         saved, weight, bias, mean, rstd = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        needs = (need_x, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
+        needs = _needs(ctx)
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             if dy is None:
                 dy = torch.zeros_like(saved)
@@ -154,8 +153,7 @@ class _Norm(torch.autograd.Function):
             dx, dw, db = _norm_grads(dy, dh, saved, w, mean, rstd, ctx.rms, needs, ctx.bias_dtype)
             dw = None if dw is None else dw.reshape(weight.shape)
             db = None if db is None else db.reshape(bias.shape)
-        dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
-        return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
+        return _input_grads(ctx, dx, dw, db)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -225,10 +223,12 @@ def _traced_backward(
     mean: Tensor | None,
     rstd: Tensor,
     rms: bool,
+    *,
     need_weight: bool,
     bias_dtype: torch.dtype | None,
     dh: Tensor | None,
 ) -> Grads:
+    """:func:`norm_backward` through the custom op (which gives empty tensors for None)."""
     dx, dw, db = _norm_backward_op(dy, dh, saved, weight, mean, rstd, rms, need_weight, bias_dtype)
     return dx, dw if need_weight else None, db if bias_dtype is not None else None
 
@@ -243,14 +243,11 @@ def _norm_setup_context(ctx, inputs: tuple, output: tuple) -> None:
 
 def _norm_forward_backward(ctx, dy: Tensor | None, dh: Tensor | None, _dmean, _drstd) -> tuple:
     saved, weight, mean, rstd = ctx.saved_tensors
-    need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-    needs = (need_x, ctx.needs_input_grad[2], ctx.needs_input_grad[3])
     dh = dh if ctx.has_residual else None
     dx, dw, db = _norm_grads(
-        dy, dh, saved, weight, mean, rstd, ctx.rms, needs, ctx.bias_dtype, _traced_backward
+        dy, dh, saved, weight, mean, rstd, ctx.rms, _needs(ctx), ctx.bias_dtype, _traced_backward
     )
-    dres = dx if ctx.has_residual and ctx.needs_input_grad[1] else None
-    return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
+    return _input_grads(ctx, dx, dw, db)
 
 
 _norm_forward_op.register_autograd(_norm_forward_backward, setup_context=_norm_setup_context)

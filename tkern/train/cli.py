@@ -19,11 +19,16 @@ import runpy
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 BENCHES = ("gemm", "optimizer", "train")
 #: what --plot can write (matplotlib's formats)
 PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")
+
+
+_T = TypeVar("_T")
 
 
 class UsageError(Exception):
@@ -65,33 +70,33 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
-def _hidden(text: str) -> tuple[int, ...]:
+def _parsed(text: str, parse: Callable[[str], _T], expected: str) -> _T:
+    """``parse(text)``, or argparse's error saying what was ``expected`` (``parse``'s
+    ``ValueError`` is the user's typing, not a fault to trace)."""
     try:
-        sizes = tuple(int(s) for s in text.split(","))
+        return parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated layer widths like 128,64, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def _hidden(text: str) -> tuple[int, ...]:
+    sizes = _parsed(
+        text, lambda t: tuple(int(s) for s in t.split(",")), "comma-separated layer widths like 128,64"
+    )
     if not sizes or any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"layer widths must be positive, got {text!r}")
     return sizes
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    value = _parsed(text, int, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def _learning_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number like 3e-3, got {text!r}") from None
+    value = _parsed(text, float, "a number like 3e-3")
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
@@ -149,6 +154,11 @@ GPT_ONLY = {
 }
 
 
+def _left_out(option: str, run: str, args: argparse.Namespace) -> UsageError:
+    """The error for ``option``, which applies to ``run``, when ``--only`` leaves that run out."""
+    return UsageError(f"{option} applies to the {run} run, but --only {args.only} leaves it out")
+
+
 def _check_plot(args: argparse.Namespace) -> None:
     if args.plot:
         _check_writable("--plot", args.plot)
@@ -180,7 +190,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
         if not Path(args.resume).is_file():
             raise UsageError(f"--resume: checkpoint {args.resume!r} does not exist")
         if only and "tkern" not in only:
-            raise UsageError(f"--resume applies to the tkern run, but --only {args.only} leaves it out")
+            raise _left_out("--resume", "tkern", args)
     if args.checkpoint and args.fsdp:  # each rank writes its shards into a folder
         if Path(args.checkpoint).exists() and not Path(args.checkpoint).is_dir():
             raise UsageError(
@@ -189,9 +199,9 @@ def _check_train_args(args: argparse.Namespace) -> None:
     elif args.checkpoint:
         _check_writable("--checkpoint", args.checkpoint)
         if only and "tkern" not in only:
-            raise UsageError(f"--checkpoint applies to the tkern run, but --only {args.only} leaves it out")
+            raise _left_out("--checkpoint", "tkern", args)
     if args.cuda_graph and only and "tkern" not in only:
-        raise UsageError(f"--cuda-graph applies to the tkern run, but --only {args.only} leaves it out")
+        raise _left_out("--cuda-graph", "tkern", args)
     batch_size = args.batch_size or demo.Config().batch_size
     if args.nproc > 1 and batch_size < args.nproc:
         raise UsageError(
@@ -201,7 +211,16 @@ def _check_train_args(args: argparse.Namespace) -> None:
     if args.fsdp and args.nproc < 2:
         raise UsageError("--fsdp shards the tkern run over --nproc processes: give --nproc 2 or more")
     if args.nproc > 1 and "tkern" not in (only or demo.RUNS):
-        raise UsageError(f"--nproc applies to the tkern run, but --only {args.only} leaves it out")
+        raise _left_out("--nproc", "tkern", args)
+
+
+def _table_and_plot(job, results, plot: str | None, drawn: str) -> None:
+    """Print ``job``'s table of ``results`` (``job``: :mod:`~tkern.train.demo` or
+    :mod:`~tkern.train.gpt_job`) and, with ``--plot``, write its figure there."""
+    print(job.table(results))
+    if plot:
+        job.plot(results, plot)
+        print(f"{drawn} written to {plot}")
 
 
 def _print_graph_counts(results) -> None:
@@ -254,10 +273,7 @@ def _train(args: argparse.Namespace) -> int:
                 f"batch {cfg.batch_size // args.nproc} per process (ms/step, peak mem: process 0's)"
             )
         _print_graph_counts(results)
-        print(demo.table(results))
-        if args.plot:
-            demo.plot(results, args.plot)
-            print(f"loss curves written to {args.plot}")
+        _table_and_plot(demo, results, args.plot, "loss curves")
     except demo.MissingExtraError as e:
         raise UsageError(str(e)) from None
     except CheckpointError as e:  # the tkern run loads it before anything trains
@@ -289,9 +305,9 @@ def gpt_config(args: argparse.Namespace):
         runs += [r for r, asked in (("tkern-fp8", args.float8), ("tkern-graph", args.cuda_graph)) if asked]
         runs = list(dict.fromkeys(runs))
     elif args.float8 and "tkern-fp8" not in runs:
-        raise UsageError(f"--float8 applies to the tkern-fp8 run, but --only {args.only} leaves it out")
+        raise _left_out("--float8", "tkern-fp8", args)
     elif args.cuda_graph and "tkern-graph" not in runs:
-        raise UsageError(f"--cuda-graph applies to the tkern-graph run, but --only {args.only} leaves it out")
+        raise _left_out("--cuda-graph", "tkern-graph", args)
     cfg = gpt_job.GPTConfig(
         steps=args.steps or d.steps,
         batch_size=args.batch_size or d.batch_size,
@@ -346,10 +362,7 @@ def _train_gpt(args: argparse.Namespace) -> int:
             "val bpc: validation loss in bits per character; ms/step and tokens/s "
             "leave out the first evaluation interval (one-off costs)"
         )
-        print(gpt_job.table(results))
-        if args.plot:
-            gpt_job.plot(results, args.plot)
-            print(f"curves and bar charts written to {args.plot}")
+        _table_and_plot(gpt_job, results, args.plot, "curves and bar charts")
     except demo.MissingExtraError as e:
         raise UsageError(str(e)) from None
     return 0

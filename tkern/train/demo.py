@@ -339,21 +339,26 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+#: the last columns of both jobs' tables (:func:`step_cells`)
+STEP_COLUMNS = ("ms/step", "peak mem", "skipped", "loss scale")
+
+
+def step_cells(r) -> tuple[str, str, str, str]:
+    """A run's :data:`STEP_COLUMNS` cells: what its steps cost and how its scaler went
+    (``r``: a :class:`Result`, or any result with those four fields)."""
+    return (
+        f"{r.step_time_ms:.2f}",
+        f"{r.peak_memory_bytes / 2**20:.2f} MiB",
+        fmt(r.skipped_steps, "d"),
+        fmt(r.final_scale, "g"),
+    )
+
+
 def table(results: list[Result]) -> str:
     """The side-by-side comparison as a fixed-width text table."""
-    rows = [("run", "train loss", "val acc", "ms/step", "peak mem", "skipped", "loss scale")]
+    rows = [("run", "train loss", "val acc", *STEP_COLUMNS)]
     for r in results:
-        rows.append(
-            (
-                r.name,
-                f"{r.train_loss:.4f}",
-                f"{100 * r.val_accuracy:.1f}%",
-                f"{r.step_time_ms:.2f}",
-                f"{r.peak_memory_bytes / 2**20:.2f} MiB",
-                fmt(r.skipped_steps, "d"),
-                fmt(r.final_scale, "g"),
-            )
-        )
+        rows.append((r.name, f"{r.train_loss:.4f}", f"{100 * r.val_accuracy:.1f}%", *step_cells(r)))
     return format_table(rows)
 
 

@@ -41,10 +41,11 @@ from tkern.train.demo import (
     OPTIMIZER_DEFAULTS,
     OPTIMIZERS,
     SCALERS,
+    STEP_COLUMNS,
     default_device,
-    fmt,
     format_table,
     pyplot,
+    step_cells,
 )
 from tkern.train.trainer import Trainer
 
@@ -481,7 +482,7 @@ def table(results: list[GPTResult]) -> str:
     """The side-by-side comparison; ``vs fp32`` is the validation loss relative to
     the fp32 run's, where there is one."""
     ref = next((r.val_bpc for r in results if r.name == "fp32"), None)
-    rows = [("run", "val bpc", "vs fp32", "tokens/s", "ms/step", "peak mem", "skipped", "loss scale")]
+    rows = [("run", "val bpc", "vs fp32", "tokens/s", *STEP_COLUMNS)]
     for r in results:
         rows.append(
             (
@@ -489,10 +490,7 @@ def table(results: list[GPTResult]) -> str:
                 f"{r.val_bpc:.4f}",
                 "-" if ref is None else f"{100 * (r.val_bpc / ref - 1):+.2f}%",
                 f"{r.tokens_per_s:.0f}",
-                f"{r.step_time_ms:.2f}",
-                f"{r.peak_memory_bytes / 2**20:.2f} MiB",
-                fmt(r.skipped_steps, "d"),
-                fmt(r.final_scale, "g"),
+                *step_cells(r),
             )
         )
     return format_table(rows)

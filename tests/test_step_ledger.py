@@ -1,0 +1,166 @@
+"""The step ledger (benchmarks/step_ledger.py) counts one training step on the CPU:
+its FLOPs agree with the analytic count, its launch counts with the model's layers,
+its bytes with a known op's, and it is the same on every run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEVICE
+from torch import nn
+
+import tkern
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+pytest.importorskip("transformers")
+# the ledger runs a step on CPU tensors with every launch recorded, not run: a CPU's job
+pytestmark = pytest.mark.skipif(DEVICE == "cuda", reason="the step ledger counts on the CPU")
+
+
+@pytest.fixture(scope="module")
+def sl():
+    import step_ledger
+
+    return step_ledger
+
+
+@pytest.fixture(scope="module")
+def tkern_tiny(sl):
+    return sl.run("gpt2-tiny", "tkern").payload()
+
+
+def _by_name(payload) -> dict:
+    return {c["name"]: c for c in payload["categories"]}
+
+
+def _gpt2_flops(cfg: dict, seq: int, batch: int) -> int:
+    """GPT-2's step FLOPs from its config alone: 12 d^2 GEMM weights per block, the
+    tied head's V x d, 6 FLOPs per weight per token; attention 12 L T S d."""
+    d, layers, vocab, tokens = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"], seq * batch
+    return 6 * (12 * d * d * layers + vocab * d) * tokens + 12 * layers * tokens * seq * d
+
+
+def _llama_flops(cfg: dict, seq: int, batch: int) -> int:
+    d, i, layers, tokens = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], seq * batch
+    return (
+        6 * ((4 * d * d + 3 * d * i) * layers + cfg["vocab_size"] * d) * tokens
+        + 12 * layers * tokens * seq * d
+    )
+
+
+@pytest.mark.parametrize(
+    "model,recipe",
+    [
+        ("gpt2-tiny", "tkern"),
+        ("gpt2-tiny", "torch autocast"),
+        ("llama-tiny", "tkern"),
+        ("llama-tiny", "tkern fp8 delayed"),
+    ],
+)
+def test_flops_agree_with_the_analytic_count_and_nothing_is_unclassified(sl, model, recipe):
+    payload = sl.run(model, recipe).payload()
+    spec = sl.MODELS[model]
+    expected = (_gpt2_flops if spec.family == "gpt2" else _llama_flops)(spec.config, spec.seq, spec.batch)
+    assert payload["analytic_flops"]["total"] == expected
+    assert payload["totals"]["flops"] == pytest.approx(expected, rel=0.03)
+    cats = _by_name(payload)
+    assert cats["other"]["launches"] == 0, [r for r in payload["ops"] if r["category"] == "other"]
+    # every category's floor is its launches' roofline: the GEMMs' FLOPs at the peak at least
+    peak = payload["spec"]["bf16_tflops"] * (2 if "fp8" in recipe else 1) * 1e12
+    for name in sl.GEMM_CATEGORIES:
+        assert cats[name]["floor_ms"] >= 1e3 * cats[name]["flops"] / peak * 0.999
+    assert payload["totals"]["floor_ms"] == pytest.approx(sum(c["floor_ms"] for c in payload["categories"]))
+
+
+def _gemm_layers(model: nn.Module) -> int:
+    """GEMM layers of the blocks (Linear / Conv1D, the head left out), counted on the model."""
+    return sum(
+        1
+        for name, m in model.named_modules()
+        if (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D") and not name.endswith("lm_head")
+    )
+
+
+@pytest.mark.parametrize("recipe", ["tkern", "torch autocast"])
+def test_launch_counts_match_the_model_layers(sl, recipe, tkern_tiny):
+    payload = tkern_tiny if recipe == "tkern" else sl.run("gpt2-tiny", recipe).payload()
+    spec = sl.MODELS["gpt2-tiny"]
+    layers = _gemm_layers(spec.build())
+    assert layers == 4 * spec.layers  # c_attn, c_proj, c_fc, mlp c_proj per block
+    cats = _by_name(payload)
+    for role in ("gemm fwd", "gemm dgrad", "gemm wgrad"):
+        assert cats[role]["launches"] == layers, role
+    assert cats["gemm lm head"]["launches"] == 3  # forward, dgrad, wgrad of the tied head
+    assert cats["attention"]["launches"] == 2 * spec.layers  # SDPA forward and backward per block
+    # the loss reads the (tokens x vocab) logits: at least its fp32 copy written and read back
+    assert cats["loss"]["bytes"] >= 2 * spec.tokens * spec.vocab * 4
+
+
+def test_bytes_of_known_launches(sl, tkern_tiny):
+    """The head's forward GEMM reads x (T x d) and W (V x d) and writes the logits (T x V),
+    fp16; the Adam pass reads grad (2 B), writes the param (2 B) and reads and writes the
+    master and two moments (fp32): 28 B per element of the flat buffer (DESIGN.md)."""
+    spec = sl.MODELS["gpt2-tiny"]
+    t, d, v = spec.tokens, spec.width, spec.vocab
+    head = [
+        r
+        for r in tkern_tiny["ops"]
+        if r["category"] == "gemm lm head" and r["name"].endswith("_matmul_kernel")
+    ]
+    # the forward and the dgrad: (T x d, V x d -> T x V) and (T x V, V x d -> T x d)
+    assert head and head[0]["bytes"] == 2 * (t * d + v * d + t * v) + 2 * (t * v + v * d + t * d)
+    adam = [r for r in tkern_tiny["ops"] if r["name"] == "triton.adam._adam_kernel"]
+    assert adam[0]["launches"] == 2  # the fp16 params with a master, the fp32 (norm) params without
+    # fp32 params without a master: grad 4 B, param written 4 B, the two moments read and written 16 B
+    model = tkern.convert_network(spec.build())
+    n16 = sum(p.numel() for p in model.parameters() if p.dtype == torch.float16)
+    n32 = sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)
+    floor = 28 * n16 + 24 * n32
+    assert floor <= adam[0]["bytes"] <= floor * 1.02  # the flat buffers' padding and a few scalars
+
+
+def test_ledger_is_deterministic_and_compares(sl, tkern_tiny):
+    again = sl.run("gpt2-tiny", "tkern").payload()
+    assert json.dumps(again, sort_keys=True) == json.dumps(tkern_tiny, sort_keys=True)
+    text = sl.compare(tkern_tiny, again)
+    assert "gemm fwd" in text and "total" in text
+    assert "loss" in sl.table(tkern_tiny)
+
+
+def test_device_specs_and_cli(sl, tmp_path, capsys):
+    import harness
+
+    assert harness.device_spec("NVIDIA H200") is harness.DEVICES["h200"]
+    assert harness.device_spec("NVIDIA H100 80GB HBM3") is harness.DEVICES["h100"]
+    assert harness.device_spec("cpu") is None
+    h200 = harness.DEVICES["h200"]
+    assert h200.peak_tflops(torch.float8_e4m3fn) == pytest.approx(
+        2 * h200.peak_tflops(torch.bfloat16), rel=1e-4
+    )
+    with pytest.raises(ValueError, match="compiled"):
+        sl.run("gpt2-tiny", "torch autocast compiled")
+    out = tmp_path / "ledger.json"
+    payload = sl.main(["--model", "gpt2-tiny", "--recipe", "tkern", "--device", "h100", "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["device"] == "NVIDIA H100 SXM" and written["totals"] == payload["totals"]
+    assert [c["name"] for c in written["categories"]] == list(sl.CATEGORIES)
+    assert "floor ms" in capsys.readouterr().out
+
+
+def test_gpt2_small_at_its_real_shape_counts_the_known_14_tflop(sl):
+    """GPT-2 small at seq 1024 x batch 16 (DESIGN.md: 14.0 TFLOP per step, 8.35 in the
+    blocks' GEMMs, 3.79 in the head, 1.86 in attention): a few seconds, nothing computed."""
+    payload = sl.run("gpt2-small", "tkern").payload()
+    expected = _gpt2_flops(sl.MODELS["gpt2-small"].config, 1024, 16)
+    assert payload["totals"]["flops"] == pytest.approx(expected, rel=0.03)
+    cats = _by_name(payload)
+    blocks = sum(cats[c]["flops"] for c in ("gemm fwd", "gemm dgrad", "gemm wgrad"))
+    assert blocks / 1e12 == pytest.approx(8.35, abs=0.01)
+    assert cats["gemm lm head"]["flops"] / 1e12 == pytest.approx(3.79, abs=0.01)
+    assert cats["attention"]["flops"] / 1e12 == pytest.approx(1.86, abs=0.01)
