@@ -616,7 +616,8 @@ def cast_blocks(
 
     Per-row tiles (bm == 1, DeepSeek-V3's 1x128 activations) store their scales
     K-block-major (strides (1, M)): the scaled GEMM reads the scales of its rows for one
-    K block per K step, adjacent in memory; other blocks store them row-major.
+    K block per K step, adjacent in memory; other blocks, and a single K block (rowwise
+    scales, (M, 1) with unit strides as ``torch._scaled_mm`` wants them), row-major.
 
     Returns:
         ``(data, scale, data_t)`` (``data_t`` None without ``store_t``).
@@ -626,7 +627,7 @@ def cast_blocks(
     data = torch.empty((M, K), dtype=dtype, device=x.device)
     data_t = torch.empty((K, M), dtype=dtype, device=x.device) if store_t else None
     grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
-    if bm == 1:
+    if bm == 1 and grid[1] > 1:  # one K block (rowwise scales): row-major is the same order
         scale = torch.empty(grid[::-1], dtype=torch.float32, device=x.device).t()
     else:
         scale = torch.empty(grid, dtype=torch.float32, device=x.device)
