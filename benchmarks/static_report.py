@@ -122,6 +122,7 @@ _KIND = {"fp32": 0, "bf16": 1, "u8": 2}
 
 def _update_cases(opt: str, full: bool = True) -> list[Case]:
     from tkern.kernels import adam, sgd
+    from tkern.kernels import overflow as ov
 
     mod = adam if opt == "adam" else sgd
     tl = _tl()
@@ -158,7 +159,13 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
         f for f in flags if f.get("AMSGRAD", f.get("MOMENTUM")) and f["CLIP"] and not f["MAXIMIZE"]
     )
     variants += [(d, m, k, heaviest, False) for d, m, k in _MODE_CASES]
-    for dtype, master, kind, f, tail in variants:
+    # the one-pass step (statistics, every tile and the step count in one program, issue 45
+    # item 3): each 16-bit dtype on the plainest flags and, with a GradScaler's found_inf,
+    # on the heaviest (clipping reads the statistics it wrote)
+    one_pass = [(d, "fp32", "fp32", f, "one-pass") for d in ("fp16", "bf16") for f in (flags[0], heaviest)]
+    for dtype, master, kind, f, tail in variants + one_pass:
+        single = tail == "one-pass"
+        tail = tail is True
         held = "i16" if master == "split" else dtype  # a split master's param is addressed as int16
         sig, const = {}, {}
         for name in fn.arg_names:
@@ -172,7 +179,7 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
                 sig[name] = _ptr(kind)
             elif name.endswith("_ptr"):
                 sig[name] = "*fp32"
-            elif name in ("n", "seed", "offset"):
+            elif name in ("n", "n_rows", "seed", "offset"):
                 sig[name] = "i32"
             elif name == "lr" and f["LR_ON_DEVICE"]:
                 sig[name] = "*fp32"
@@ -181,6 +188,7 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
             else:
                 sig[name] = "fp32"
         const.update(f, MASTER=_MASTER[master], PARAM_DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=mod.BLOCK)
+        const.update(ONE_PASS=single, HAS_FOUND=single and f is heaviest, STATS_BLOCK=ov.BLOCK)
         const.update(dict.fromkeys(kinds, _KIND[kind]))
         if opt == "sgd":
             const.pop("DECOUPLED", None)
@@ -194,17 +202,19 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
         mode_s = (
             "" if (master, kind) in (("self", "fp32"), ("fp32", "fp32")) else f",master={master},state={kind}"
         )
+        # one-pass: one program, whose accesses are pass 1's widths and pass 2's, its occupancy moot
+        ends = (",tail" if tail else "") + (",one-pass" if single else "")
         cases.append(
             Case(
-                name=f"{opt}[{dtype},{flag_s}{mode_s}{',tail' if tail else ''}]",
-                family="streaming",
+                name=f"{opt}[{dtype},{flag_s}{mode_s}{ends}]",
+                family="scalar" if single else "streaming",
                 kernel=f"tkern.kernels.{opt}:{fn.__name__}",
                 signature=sig,
                 constexprs=const,
                 aligned=aligned,
-                num_warps=mod.NUM_WARPS,
-                arrays=tuple(arrays),
-                per_thread=per_thread,
+                num_warps=ov.NUM_WARPS if single else mod.NUM_WARPS,
+                arrays=() if single else tuple(arrays),
+                per_thread=0 if single else per_thread,
                 gated=not tail,
             )
         )
@@ -276,7 +286,7 @@ def _stats_cases() -> list[Case]:
             signature=sig,
             constexprs={"BLOCK": ov._FINALIZE_BLOCK},
             aligned=("partials_ptr", "inv_scale_ptr", "stats_ptr"),
-            num_warps=4,
+            num_warps=ov.NUM_WARPS,  # pass 1's: the one-pass step reduces the rows alike
         )
     )
     return cases
@@ -1249,6 +1259,31 @@ def compile_case(case: Case, cc: int, sass: bool = True) -> dict:
         row["expected_bits"] = {a: min(case.per_thread * s, 16) * 8 for a, s in size.items()}
         row["per_thread"] = case.per_thread
     return row
+
+
+def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
+    """``(shape, layout)`` of each fp32 reduction (``tt.reduce``), in program order, of the
+    compile gate's case ``name`` compiled for sm_cc: a reduction's order of additions
+    follows from its layout, so two kernels that must sum alike (pass 1 and the one-pass
+    step) must reduce in the same layouts."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    case = next(c for c in all_cases(cc, full=False) if c.name == name)
+    fn = _kernel_fn(case.kernel)
+    case = _fit(case, fn)
+    index = {a: i for i, a in enumerate(fn.arg_names)}
+    attrs = {(index[a],): [["tt.divisibility", 16]] for a in case.aligned}
+    kernel = triton.compile(
+        ASTSource(fn, case.signature, case.constexprs, attrs),
+        target=GPUTarget("cuda", cc, 32),
+        options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
+    )
+    ir = kernel.asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, re.M))
+    found = re.finditer(r"\}\) : \(tensor<([^,>]*), (#\w+)>\) -> f32", ir)
+    return [(m.group(1), aliases.get(m.group(2), m.group(2))) for m in found]
 
 
 def _compile_star(args):

@@ -115,9 +115,28 @@ def test_every_kernel_and_target_is_covered(rows):
         # the wgrad adding into a flat gradient buffer (C +=), with and without its prologue
         assert "matmul[128x64x32/s4w4,bf16->bf16,TN,none,A'=sum fp32,C+=]" in names
         assert (cc < 90) == ("matmul_tma[128x128x64/s3w8,bf16->bf16,TN,none,C+=]" not in names)
+    # the one-pass optimizer step: adam and sgd, fp16 and bf16, plainest and heaviest flags
+    one_pass = {(r["case"], r["target"]) for r in rows if r["case"].endswith(",one-pass]") and r["compiled"]}
+    assert len(one_pass) == 8 * len(TARGETS), sorted(one_pass)
     activation_grads = {r["case"] for r in rows if r["kernel"] == "_activation_grad_kernel"}
     for name in ("relu", "gelu", "silu", "gelu_tanh"):
         assert {f"activation_grad[fp16,{name}]", f"activation_grad[bf16,{name}]"} <= activation_grads
+
+
+def test_the_one_pass_step_reduces_its_statistics_in_pass_1s_layouts():
+    # bit for bit the two-pass step's statistics (tests/test_optim_one_pass.py) on a GPU too:
+    # the one-pass kernel runs pass 1's and the finalize's code, and its reductions must have
+    # their layouts (a reduction's order of additions follows from its layout)
+    import static_report
+
+    for dtype, one_pass in (
+        ("fp16", "adam[fp16,decoupled,amsgrad,clip,one-pass]"),
+        ("bf16", "sgd[bf16,plain,one-pass]"),
+    ):
+        for cc in TARGETS:
+            pass_1 = static_report.reduce_layouts(f"grad_stats[{dtype}]", cc)
+            pass_1 += static_report.reduce_layouts("finalize_stats", cc)
+            assert len(pass_1) == 6 and static_report.reduce_layouts(one_pass, cc) == pass_1, (one_pass, cc)
 
 
 def test_norm_kernels_compile_for_every_dtype_without_spills(rows):

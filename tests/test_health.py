@@ -348,11 +348,16 @@ def test_sampled_every_k_steps_and_no_extra_launch_otherwise():
 @needs_interpreter
 def test_zero_launches_and_no_state_when_off():
     # off by default: the step launches what it did before health tracking existed (the
-    # statistics, the update, the step counts), and no counts are ever allocated
+    # statistics, the update, the step counts; a small step all in one launch), and no
+    # counts are ever allocated
     model, opt = named_setup(name=False)
     assert opt.underflow_every is None and not opt.track_overflows
     backward(model)
     opt.step()
+    with LaunchCount() as lc:
+        opt.step()
+    assert lc.names == ["_adam_kernel"]  # the one-pass step (tests/test_optim_one_pass.py)
+    opt.one_pass_max_elements = 0
     with LaunchCount() as lc:
         opt.step()
     assert lc.names == ["_grad_stats_kernel", "_finalize_stats_kernel", "_adam_kernel"]

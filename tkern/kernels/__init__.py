@@ -67,9 +67,11 @@ adam.py, sgd.py (their shared lines in _update.py)
     ``load_master``/``store_master`` (fp32, split or no master: stochastic
     rounding), ``load_state``/``store_state`` (fp32, bf16 or 8-bit block-quantized
     state); ``_convert_state_kernel`` (``state_to_fp32``/``state_from_fp32``:
-    checkpoints). Above: ``optim.FusedAdam``/``FusedAdamW``/``FusedSGD`` and
+    checkpoints); ``step_prologue``/``step_epilogue`` (``one_pass=True``: the whole
+    step of a small buffer in one program, pass 1 by ``overflow.one_pass_stats``).
+    Above: ``optim.FusedAdam``/``FusedAdamW``/``FusedSGD`` and
     their ``Distributed`` versions (pass 2; ``master=``, ``state_dtype=``).
-    Tests: test_update_kernels.py, test_optim.py, test_optim_memory.py,
+    Tests: test_optim_one_pass.py, test_update_kernels.py, test_optim.py, test_optim_memory.py,
     test_optim_graph.py, test_optim_contracts.py, test_distributed.py.
     Benchmarks: bench_optimizer.py, bench_distributed.py, bench_memory.py.
 scale.py

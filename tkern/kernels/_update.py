@@ -52,8 +52,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tkern.kernels import overflow
 from tkern.kernels._common import INTERPRET, aligned_slices, cast_rne, cdiv, check_tensor
-from tkern.kernels.overflow import N_STATS, grad_factor
+from tkern.kernels.overflow import N_STATS, grad_factor, one_pass_stats
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -82,6 +83,17 @@ _STATE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 
 #: Names of the state buffers whose values can be negative (signed code map).
 SIGNED_STATE = frozenset({"exp_avg", "momentum_buffer"})
+
+#: Up to this many elements a fused optimizer's step runs in ONE launch of ONE program
+#: (``one_pass=True``: statistics, then the update of every tile, then the step count),
+#: instead of pass 1 (two launches) + pass 2 + the step counts' two torch ops. The
+#: reasoning: in a CUDA graph each launch costs ~2-3 us of launch and tail however
+#: little it does, so the two-pass step of a small buffer is ~5 launches of latency
+#: (10-15 us); one program streams its Adam bytes (30 B/param, mostly L2 hits right
+#: after backward) at roughly 50-100 GB/s, i.e. 16384 params in ~5-10 us: 16 update
+#: tiles and 8 statistics chunks of the GPU blocks -- about where one program stops
+#: beating the launches it saves. Not yet measured on a GPU (it waits for one).
+ONE_PASS_MAX_ELEMENTS = 16384
 
 
 def dynamic_code_map(signed: bool) -> list[float]:
@@ -131,6 +143,52 @@ def tile(n, BLOCK: tl.constexpr):
     blocks of the 8-bit state."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     return offs, offs < n
+
+
+@triton.jit
+def tile_at(start, n, BLOCK: tl.constexpr):
+    """The tile of BLOCK elements from element ``start``: ``(offs, mask)``, as :func:`tile`."""
+    offs = start + tl.arange(0, BLOCK)
+    return offs, offs < n
+
+
+@triton.jit
+def tile_starts(n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """``(lo, hi)``: this program's tiles start at ``range(lo, hi, BLOCK)`` -- its own
+    BLOCK (one tile, as :func:`tile`), or every tile of n for a one-pass step's one
+    program (:func:`step_prologue`)."""
+    if ONE_PASS:
+        lo = tl.full((), 0, tl.int64)
+        hi = lo + n
+    else:
+        lo = tl.program_id(0).to(tl.int64) * BLOCK
+        hi = lo + 1
+    return lo, hi
+
+
+@triton.jit
+def step_prologue(
+    grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr,
+    ONE_PASS: tl.constexpr, HAS_FOUND: tl.constexpr, STATS_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """What an update kernel does before its tiles: with ONE_PASS (one program for the
+    whole step) the statistics of the step (:func:`tkern.kernels.overflow.one_pass_stats`:
+    ``partials_ptr`` (n_rows, N_STATS) fp32 scratch, ``found_ptr`` (1,) fp32 read when
+    HAS_FOUND, into ``stats_ptr`` (N_STATS,)); nothing otherwise (pass 1 wrote them)."""
+    if ONE_PASS:
+        one_pass_stats(
+            grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, HAS_FOUND, STATS_BLOCK
+        )
+
+
+@triton.jit
+def step_epilogue(step_ptr, ONE_PASS: tl.constexpr):
+    """After an applied step's tiles: a one-pass step counts its step (``step_ptr`` (1,)
+    fp32 += 1, as the optimizer's ``step.add_(1 - found_inf)`` does after pass 2)."""
+    if ONE_PASS:
+        tl.debug_barrier()  # every tile has read the count
+        t = tl.load(step_ptr)
+        tl.store(step_ptr, t + 1.0)
 
 
 @triton.jit
@@ -355,6 +413,39 @@ def check_update_buffers(b: UpdateBuffers, state_names: tuple[str, ...]) -> None
         if t.numel() != size or t.device != b.param.device:
             raise ValueError(
                 f"{name} must hold {size} value(s) on {b.param.device}, got shape {tuple(t.shape)}"
+            )
+
+
+def pass_launch(
+    b: UpdateBuffers, n: int, block: int, num_warps: int, one_pass: bool, found_inf: torch.Tensor | None
+) -> tuple[tuple[int], tuple, dict]:
+    """``(grid, args, options)`` of an update launch over the first n elements of ``b``:
+    ``args`` (partials, found_inf, n_rows), which every update kernel takes after
+    ``step_ptr``, and the ONE_PASS/HAS_FOUND/STATS_BLOCK constexprs and ``num_warps``.
+    Two-pass: a program per ``block``, placeholders, ``num_warps``; ``one_pass``: one
+    program, a new (n_rows, N_STATS) fp32 scratch (no launch: its rows are all written),
+    ``found_inf`` (a GradScaler's, or None) and pass 1's warps (the same reductions)."""
+    consts = dict(ONE_PASS=one_pass, HAS_FOUND=found_inf is not None, STATS_BLOCK=overflow.BLOCK)
+    consts["num_warps"] = overflow.NUM_WARPS if one_pass else num_warps
+    if not one_pass:
+        return (cdiv(n, block),), (b.stats, b.stats, 0), consts
+    rows = overflow.stats_rows(n)
+    partials = torch.empty((rows, N_STATS), dtype=torch.float32, device=b.param.device)
+    return (1,), (partials, b.stats if found_inf is None else found_inf, rows), consts
+
+
+def check_one_pass(b: UpdateBuffers, found_inf: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` unless ``b`` can be stepped in one pass: a (N_STATS,) fp32
+    ``stats`` to write and ``found_inf`` None or one fp32 value, both on the params' device.
+    (Any length works; one program does it all, so it is meant for small buffers.)"""
+    for name, t, size in (("stats", b.stats, N_STATS), ("found_inf", found_inf, 1)):
+        if t is None and name == "found_inf":
+            continue
+        check_tensor(name, t, dtypes=(torch.float32,))
+        if t.numel() != size or t.device != b.param.device or not t.is_contiguous():
+            raise ValueError(
+                f"a one-pass step needs {name} as {size} contiguous fp32 value(s) on {b.param.device}, "
+                f"got shape {tuple(t.shape)} on {t.device}"
             )
 
 

@@ -9,18 +9,23 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, cdiv, ln_beta, load_or_value, one_minus_pow, tl_dtype
+from tkern.kernels._common import INTERPRET, ln_beta, load_or_value, one_minus_pow, tl_dtype
 from tkern.kernels._update import (
     UpdateBuffers,
     aligned_parts,
     check_lr,
+    check_one_pass,
     check_update_buffers,
     load_grad,
     load_master,
     load_state,
+    pass_launch,
+    step_epilogue,
+    step_prologue,
     store_master,
     store_state,
-    tile,
+    tile_at,
+    tile_starts,
 )
 from tkern.kernels.overflow import found_inf
 
@@ -43,9 +48,12 @@ def _adam_kernel(
     max_exp_avg_sq_ptr,  # (n,) running max of the second moment; unused unless AMSGRAD
     max_exp_avg_sq_absmax_ptr,
     max_exp_avg_sq_qmap_ptr,
-    stats_ptr,  # (3,) fp32 pass-1 statistics
+    stats_ptr,  # (3,) fp32 pass-1 statistics (ONE_PASS: written here first)
     inv_scale_ptr,  # (1,) fp32
-    step_ptr,  # (1,) fp32 applied steps so far; this step is step + 1
+    step_ptr,  # (1,) fp32 applied steps so far; this step is step + 1 (ONE_PASS: counted here)
+    partials_ptr,  # (n_rows, 3) fp32 scratch for the statistics' rows; unused unless ONE_PASS
+    found_ptr,  # (1,) fp32 a GradScaler's found_inf; unused unless HAS_FOUND
+    n_rows,  # rows of the statistics (overflow.stats_rows(n)); unused unless ONE_PASS
     n,
     seed,  # stochastic rounding (MASTER == NONE): Philox key with the step count
     offset,  # element offset of param_ptr in its flat buffer (the random stream's counter)
@@ -72,43 +80,58 @@ def _adam_kernel(
     LR_ON_DEVICE: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # one program: the statistics, every tile, the step count
+    HAS_FOUND: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,  # pass 1's BLOCK (overflow.BLOCK)
 ):
     """Pass 2 of an Adam/AdamW step over n elements of a flat buffer: skip on overflow,
     unscale and clip the gradient, update the fp32 master and moments, write the
     param (pointer shapes above; the shared lines, master modes and state dtypes
-    are _update.py's)."""
+    are _update.py's). With ONE_PASS, the whole step in one program: pass 1 first
+    (_update.step_prologue), then every tile, then the step count."""
+    stats = (n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr)
+    step_prologue(grad_ptr, n, *stats, ONE_PASS, HAS_FOUND, STATS_BLOCK)  # ONE_PASS: pass 1, here
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written, the step count stays
     if LR_ON_DEVICE:
         lr = load_or_value(lr, LR_ON_DEVICE)
         decay = 1.0 - lr * weight_decay
-    offs, mask = tile(n, BLOCK)
-    g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
-    p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
-    if DECOUPLED:
-        p = p * decay
-    else:
-        g = g + weight_decay * p
-    m = load_state(exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_qmap_ptr, offs, mask, M_KIND)
-    v = load_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, exp_avg_sq_qmap_ptr, offs, mask, V_KIND)
-    m = m + one_minus_beta1 * (g - m)  # lerp, as torch
-    v = v * beta2 + one_minus_beta2 * g * g
-    store_state(exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_qmap_ptr, offs, mask, m, M_KIND)
-    store_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, exp_avg_sq_qmap_ptr, offs, mask, v, V_KIND)
-    if AMSGRAD:  # the running max of the second moment, which the step then divides by
-        vmax = load_state(
-            max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr, offs, mask, VMAX_KIND
-        )
-        v = tl.maximum(vmax, v)
-        store_state(
-            max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr, offs, mask, v, VMAX_KIND
-        )
-    t = tl.load(step_ptr)
-    bias_correction1 = one_minus_pow(t + 1.0, ln_beta1)
-    bias_correction2_sqrt = tl.sqrt(one_minus_pow(t + 1.0, ln_beta2))
-    denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-    p = p - (lr / bias_correction1) * (m / denom)
-    store_master(param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER, PARAM_DTYPE)
+    lo, hi = tile_starts(n, BLOCK, ONE_PASS)
+    for start in range(lo, hi, BLOCK):  # one tile (or, ONE_PASS, every tile)
+        offs, mask = tile_at(start, n, BLOCK)
+        g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
+        p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
+        if DECOUPLED:
+            p = p * decay
+        else:
+            g = g + weight_decay * p
+        m = load_state(exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_qmap_ptr, offs, mask, M_KIND)
+        v = load_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, exp_avg_sq_qmap_ptr, offs, mask, V_KIND)
+        m = m + one_minus_beta1 * (g - m)  # lerp, as torch
+        v = v * beta2 + one_minus_beta2 * g * g
+        store_state(exp_avg_ptr, exp_avg_absmax_ptr, exp_avg_qmap_ptr, offs, mask, m, M_KIND)
+        store_state(exp_avg_sq_ptr, exp_avg_sq_absmax_ptr, exp_avg_sq_qmap_ptr, offs, mask, v, V_KIND)
+        if AMSGRAD:  # the running max of the second moment, which the step then divides by
+            vmax = load_state(
+                max_exp_avg_sq_ptr, max_exp_avg_sq_absmax_ptr, max_exp_avg_sq_qmap_ptr, offs, mask, VMAX_KIND
+            )
+            v = tl.maximum(vmax, v)
+            store_state(
+                max_exp_avg_sq_ptr,
+                max_exp_avg_sq_absmax_ptr,
+                max_exp_avg_sq_qmap_ptr,
+                offs,
+                mask,
+                v,
+                VMAX_KIND,
+            )
+        t = tl.load(step_ptr)
+        bias_correction1 = one_minus_pow(t + 1.0, ln_beta1)
+        bias_correction2_sqrt = tl.sqrt(one_minus_pow(t + 1.0, ln_beta2))
+        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+        p = p - (lr / bias_correction1) * (m / denom)
+        store_master(param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER, PARAM_DTYPE)
+    step_epilogue(step_ptr, ONE_PASS)
 
 
 def adam_update(
@@ -124,6 +147,8 @@ def adam_update(
     max_grad_norm: float | None,
     maximize: bool = False,
     prechecked: bool = False,
+    one_pass: bool = False,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """Launch the Adam (``decoupled=False``) or AdamW update over ``buffers``
     (see :class:`UpdateBuffers`); state: ``exp_avg``, ``exp_avg_sq`` and, with
@@ -135,18 +160,28 @@ def adam_update(
     a number it is formed on the host in float64, as torch does). ``maximize``
     negates the gradient, as torch.optim.Adam's. ``prechecked``: the caller built
     ``buffers`` right (a fused optimizer's plan, :meth:`tkern.flat.FlatParams.plan`),
-    so :func:`check_update_buffers` is skipped (its host time on every step)."""
+    so :func:`check_update_buffers` is skipped (its host time on every step).
+
+    ``one_pass``: the whole step in one launch of one program (for small buffers:
+    :data:`tkern.kernels._update.ONE_PASS_MAX_ELEMENTS`): it first writes ``stats`` itself
+    from ``grad`` (bit for bit what :func:`tkern.kernels.overflow.grad_stats` gives for a
+    length that is a multiple of 16), with ``found_inf`` (a GradScaler's (1,) fp32 flag,
+    or None) maxed into found_inf, then updates every tile, then adds 1 to ``step``
+    unless the step is skipped (pass 2 leaves the count to its caller)."""
     b = buffers
     if not prechecked:
         check_update_buffers(b, ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()))
+    if one_pass:
+        check_one_pass(b, found_inf)
     lr, lr_on_device = check_lr(lr, b.param.device)
     decay = 1.0 if lr_on_device else 1.0 - lr * weight_decay
-    for part, n in aligned_parts(b):
+    for part, n in [(b, b.param.numel())] if one_pass else aligned_parts(b):
         m, v = part.kernel_state("exp_avg"), part.kernel_state("exp_avg_sq")
         vmax = part.kernel_state("max_exp_avg_sq" if amsgrad else None)
-        _adam_kernel[(cdiv(n, BLOCK),)](
+        grid, stats_args, consts = pass_launch(part, n, BLOCK, NUM_WARPS, one_pass, found_inf)
+        _adam_kernel[grid](
             part.kernel_param(), part.grad, part.kernel_master(), *m[:3], *v[:3], *vmax[:3],
-            part.stats, part.inv_scale, part.step, n, part.seed, part.offset,
+            part.stats, part.inv_scale, part.step, *stats_args, n, part.seed, part.offset,
             lr, beta2, 1.0 - beta1, 1.0 - beta2, ln_beta(beta1), ln_beta(beta2), eps, weight_decay,
             decay, max_grad_norm or 0.0,
             MASTER=part.master_mode,
@@ -160,5 +195,5 @@ def adam_update(
             LR_ON_DEVICE=lr_on_device,
             PARAM_DTYPE=tl_dtype(part.param.dtype),
             BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
+            **consts,
         )  # fmt: skip

@@ -56,7 +56,12 @@ BLOCK = 65536 if INTERPRET else 2048
 #: to fill every SM of an H100/H200 several times, few enough that the final
 #: reduction over the partial rows costs next to nothing.
 MAX_PROGRAMS = 4 if INTERPRET else 1024
-_FINALIZE_BLOCK = 1024
+#: Rows the finalize reduces per iteration. A width no other vector of pass 1 or of the
+#: update kernels has (their BLOCKs: 2048, 1024): the compiler gives tensors connected
+#: through one ``tl.arange`` one layout, so with 1024 the one-pass kernel summed the rows
+#: in its update tiles' layout (4 per thread), not the finalize's (1): another order.
+_FINALIZE_BLOCK = 512
+_ROWS_BLOCK: tl.constexpr = tl.constexpr(_FINALIZE_BLOCK)
 
 # The same offsets, visible inside @triton.jit functions.
 _FOUND_INF: tl.constexpr = tl.constexpr(FOUND_INF)
@@ -64,6 +69,9 @@ _SUMSQ: tl.constexpr = tl.constexpr(SUMSQ)
 _AMAX: tl.constexpr = tl.constexpr(AMAX)
 _N_STATS: tl.constexpr = tl.constexpr(N_STATS)
 _NUM_WARPS = 8
+#: Warps of pass 1's launches (both kernels): the one-pass step launches with as many, so that
+#: its reductions (the same code, :func:`one_pass_stats`) lay out and sum their vectors alike.
+NUM_WARPS = _NUM_WARPS
 
 
 @triton.jit
@@ -80,6 +88,32 @@ def _param_at(starts_ptr, x, n_params, search_steps):
         else:
             hi = mid
     return lo
+
+
+@triton.jit
+def _store_row(grad_ptr, n, inv_scale, partials_ptr, pid, nprog, BLOCK: tl.constexpr):
+    """Row ``pid`` (an int64) of the partial statistics (of ``nprog``): the elements of (n,) ``grad_ptr``
+    in chunks ``pid, pid + nprog, ...`` of BLOCK, stored at ``partials_ptr + pid * N_STATS``.
+    Returns its non-finite flag. Pass 1's programs and the one-pass step
+    (:func:`one_pass_stats`) share it, so their rows are the same bits."""
+    nonfinite = tl.zeros((BLOCK,), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(pid * BLOCK, n, nprog * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        g = tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        # x != x is NaN; |x| == inf is +-inf (libdevice isnan/isinf are not interpretable).
+        bad = (g != g) | (tl.abs(g) == float("inf"))
+        nonfinite = tl.maximum(nonfinite, bad.to(tl.float32))
+        g = tl.where(bad, 0.0, g) * inv_scale
+        sumsq += g * g
+        amax = tl.maximum(amax, tl.abs(g))
+    row = partials_ptr + pid * _N_STATS
+    any_bad = tl.max(nonfinite, axis=0)
+    tl.store(row + _FOUND_INF, any_bad)
+    tl.store(row + _SUMSQ, tl.sum(sumsq, axis=0))
+    tl.store(row + _AMAX, tl.max(amax, axis=0))
+    return any_bad
 
 
 # the step's number and where a range lies change every step: one compiled variant for all
@@ -104,26 +138,9 @@ def _grad_stats_kernel(
     it lay in (see the module docstring)."""
     pid = tl.program_id(0).to(tl.int64)  # int64: buffers may hold 2^31 elements or more
     nprog = tl.num_programs(0)
-    inv_scale = tl.load(inv_scale_ptr)
-    nonfinite = tl.zeros((BLOCK,), dtype=tl.float32)
-    sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(pid * BLOCK, n, nprog * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        g = tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        # x != x is NaN; |x| == inf is +-inf (libdevice isnan/isinf are not interpretable).
-        bad = (g != g) | (tl.abs(g) == float("inf"))
-        nonfinite = tl.maximum(nonfinite, bad.to(tl.float32))
-        g = tl.where(bad, 0.0, g) * inv_scale
-        sumsq += g * g
-        amax = tl.maximum(amax, tl.abs(g))
-    row = partials_ptr + pid * _N_STATS
-    any_bad = tl.max(nonfinite, axis=0)
     # reduced and stored before the rare path, so its loop holds no BLOCK-wide accumulators
     # (held across it, they spilled 16 B on sm_90 under triton 3.6)
-    tl.store(row + _FOUND_INF, any_bad)
-    tl.store(row + _SUMSQ, tl.sum(sumsq, axis=0))
-    tl.store(row + _AMAX, tl.max(amax, axis=0))
+    any_bad = _store_row(grad_ptr, n, tl.load(inv_scale_ptr), partials_ptr, pid, nprog, BLOCK)
     if TRACK:  # noqa: SIM102 (a constexpr: Triton compiles the branch away)
         if any_bad != 0.0:  # rare: read this program's share again, marking the params
             # chunk by chunk, as the main loop (full-width loads); in a chunk that held one, each
@@ -157,6 +174,14 @@ def _finalize_stats_kernel(
 ):
     """Reduce the n_rows partial rows in a fixed order into the (N_STATS,) statistics
     (bit-reproducible: no float atomics)."""
+    _reduce_rows(partials_ptr, n_rows, inv_scale_ptr, stats_ptr, 0.0, BLOCK)
+
+
+@triton.jit
+def _reduce_rows(partials_ptr, n_rows, inv_scale_ptr, stats_ptr, found, BLOCK: tl.constexpr):
+    """The finalize's reduction (shapes as :func:`_finalize_stats_kernel`'s), ``found`` (0 or
+    1: an overflow reported from elsewhere) maxed into found_inf; shared with the one-pass
+    step so that both reduce the rows in one order."""
     nonfinite = tl.zeros((BLOCK,), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -169,7 +194,7 @@ def _finalize_stats_kernel(
         amax = tl.maximum(amax, tl.load(row + _AMAX, mask=mask, other=0.0))
     inv_scale = tl.load(inv_scale_ptr)
     bad_scale = ((inv_scale != inv_scale) | (tl.abs(inv_scale) == float("inf"))).to(tl.float32)
-    tl.store(stats_ptr + _FOUND_INF, tl.maximum(tl.max(nonfinite, axis=0), bad_scale))
+    tl.store(stats_ptr + _FOUND_INF, tl.maximum(tl.maximum(tl.max(nonfinite, axis=0), bad_scale), found))
     tl.store(stats_ptr + _SUMSQ, tl.sum(sumsq, axis=0))
     tl.store(stats_ptr + _AMAX, tl.max(amax, axis=0))
 
@@ -181,6 +206,13 @@ def _aligned_pieces(g: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _programs_for(n: int) -> int:
     return max(1, min(cdiv(n, BLOCK), MAX_PROGRAMS))
+
+
+def stats_rows(n: int) -> int:
+    """How many partial rows :func:`grad_stats` writes for a 1-D gradient of ``n`` elements
+    whose length is a multiple of 16 (one piece): the ``n_rows`` a one-pass step
+    (:func:`one_pass_stats`) gives its statistics, so that they are the same bits."""
+    return _programs_for(n)
 
 
 @dataclass(frozen=True)
@@ -266,8 +298,36 @@ def grad_stats(
             )  # fmt: skip
         row += p
     stats = torch.empty(N_STATS, dtype=torch.float32, device=inv_scale.device)
-    _finalize_stats_kernel[(1,)](partials, partials.shape[0], inv_scale, stats, BLOCK=_FINALIZE_BLOCK)
+    _finalize_stats_kernel[(1,)](
+        partials, partials.shape[0], inv_scale, stats, BLOCK=_FINALIZE_BLOCK, num_warps=_NUM_WARPS
+    )
     return stats
+
+
+@triton.jit
+def one_pass_stats(
+    grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, HAS_FOUND: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Pass 1 inside one program (a one-pass step, whose update then reads ``stats_ptr``):
+    the statistics of (n,) ``grad_ptr`` as :func:`grad_stats` computes them for a length
+    that is a multiple of 16, bit for bit -- the same ``n_rows`` rows (:func:`stats_rows`)
+    written by the same code (:func:`_store_row`) into (n_rows, N_STATS) ``partials_ptr``,
+    reduced by the finalize's code into (N_STATS,) ``stats_ptr``, with (1,) ``found_ptr``
+    (a GradScaler's found_inf, read when HAS_FOUND) maxed into found_inf as the optimizer
+    does after pass 1. Launch with :data:`NUM_WARPS` warps and BLOCK = :data:`BLOCK`: the
+    vectors then have the layouts (and so the summation trees) of pass 1's launches.
+    Barriers order the rows and the statistics before the program reads them back."""
+    inv_scale = tl.load(inv_scale_ptr)
+    first = tl.full((), 0, tl.int64)  # the rows' numbers as int64, as pass 1's program ids
+    for r in range(0, n_rows):
+        _store_row(grad_ptr, n, inv_scale, partials_ptr, first + r, n_rows, BLOCK)
+    tl.debug_barrier()  # every row stored before the reduction reads them
+    found = 0.0
+    if HAS_FOUND:
+        found = tl.load(found_ptr)
+    _reduce_rows(partials_ptr, n_rows, inv_scale_ptr, stats_ptr, found, _ROWS_BLOCK)
+    tl.debug_barrier()  # the statistics stored before the update reads them
 
 
 @triton.jit

@@ -8,18 +8,23 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, cdiv, load_or_value, tl_dtype
+from tkern.kernels._common import INTERPRET, load_or_value, tl_dtype
 from tkern.kernels._update import (
     UpdateBuffers,
     aligned_parts,
     check_lr,
+    check_one_pass,
     check_update_buffers,
     load_grad,
     load_master,
     load_state,
+    pass_launch,
+    step_epilogue,
+    step_prologue,
     store_master,
     store_state,
-    tile,
+    tile_at,
+    tile_starts,
 )
 from tkern.kernels.overflow import found_inf
 
@@ -39,9 +44,12 @@ def _sgd_kernel(
     momentum_ptr,  # (n,) momentum buffer (fp32, bf16 or uint8 codes); unused unless MOMENTUM
     momentum_absmax_ptr,  # (n / QBLOCK,) fp32 block absmax of a uint8 momentum
     momentum_qmap_ptr,  # (256,) fp32 signed code map
-    stats_ptr,  # (3,) fp32 pass-1 statistics (found_inf, sum of squares, max)
+    stats_ptr,  # (3,) fp32 pass-1 statistics (found_inf, sum of squares, max; ONE_PASS: written here)
     inv_scale_ptr,  # (1,) fp32
-    step_ptr,  # (1,) fp32 applied steps so far (0 on the first)
+    step_ptr,  # (1,) fp32 applied steps so far (0 on the first; ONE_PASS: counted here)
+    partials_ptr,  # (n_rows, 3) fp32 scratch for the statistics' rows; unused unless ONE_PASS
+    found_ptr,  # (1,) fp32 a GradScaler's found_inf; unused unless HAS_FOUND
+    n_rows,  # rows of the statistics (overflow.stats_rows(n)); unused unless ONE_PASS
     n,
     seed,  # stochastic rounding (MASTER == NONE): Philox key with the step count
     offset,  # element offset of param_ptr in its flat buffer (the random stream's counter)
@@ -59,38 +67,47 @@ def _sgd_kernel(
     LR_ON_DEVICE: tl.constexpr,
     PARAM_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # one program: the statistics, every tile, the step count
+    HAS_FOUND: tl.constexpr,
+    STATS_BLOCK: tl.constexpr,  # pass 1's BLOCK (overflow.BLOCK)
 ):
     """Pass 2 of an SGD step over n elements of a flat buffer: skip on overflow, unscale
     and clip, momentum/Nesterov/weight decay on the fp32 master, write the param
     (pointer shapes above; the shared lines, master modes and state dtypes are
-    _update.py's)."""
+    _update.py's). With ONE_PASS, the whole step in one program: pass 1 first
+    (_update.step_prologue), then every tile, then the step count."""
+    stats = (n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr)
+    step_prologue(grad_ptr, n, *stats, ONE_PASS, HAS_FOUND, STATS_BLOCK)  # ONE_PASS: pass 1, here
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written anywhere
     lr = load_or_value(lr, LR_ON_DEVICE)
-    offs, mask = tile(n, BLOCK)
-    g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
-    p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
-    g = g + weight_decay * p
-    t = tl.load(step_ptr)
-    if MOMENTUM:
-        buf = load_state(momentum_ptr, momentum_absmax_ptr, momentum_qmap_ptr, offs, mask, MOMENTUM_KIND)
-        # torch.optim.SGD: the buffer starts as the first gradient, undamped.
-        buf = tl.where(t == 0.0, g, momentum * buf + one_minus_dampening * g)
-        store_state(
-            momentum_ptr,
-            momentum_absmax_ptr,
-            momentum_qmap_ptr,
-            offs,
-            mask,
-            buf,
-            MOMENTUM_KIND,
-        )
-        if NESTEROV:
-            g = g + momentum * buf
-        else:
-            g = buf
-    p = p - lr * g
-    store_master(param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER, PARAM_DTYPE)
+    lo, hi = tile_starts(n, BLOCK, ONE_PASS)
+    for start in range(lo, hi, BLOCK):  # one tile (or, ONE_PASS, every tile)
+        offs, mask = tile_at(start, n, BLOCK)
+        g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
+        p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
+        g = g + weight_decay * p
+        t = tl.load(step_ptr)
+        if MOMENTUM:
+            buf = load_state(momentum_ptr, momentum_absmax_ptr, momentum_qmap_ptr, offs, mask, MOMENTUM_KIND)
+            # torch.optim.SGD: the buffer starts as the first gradient, undamped.
+            buf = tl.where(t == 0.0, g, momentum * buf + one_minus_dampening * g)
+            store_state(
+                momentum_ptr,
+                momentum_absmax_ptr,
+                momentum_qmap_ptr,
+                offs,
+                mask,
+                buf,
+                MOMENTUM_KIND,
+            )
+            if NESTEROV:
+                g = g + momentum * buf
+            else:
+                g = buf
+        p = p - lr * g
+        store_master(param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER, PARAM_DTYPE)
+    step_epilogue(step_ptr, ONE_PASS)
 
 
 def sgd_update(
@@ -104,6 +121,8 @@ def sgd_update(
     max_grad_norm: float | None,
     maximize: bool = False,
     prechecked: bool = False,
+    one_pass: bool = False,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """Launch the SGD update over ``buffers`` (see :class:`UpdateBuffers`);
     it does nothing on the device when ``stats`` reports an overflow.
@@ -111,16 +130,20 @@ def sgd_update(
     ``lr`` is a number or a (1,) fp32 tensor on the params' device, read by
     the kernel (changing it then needs no recompile and no host sync).
     ``maximize`` negates the gradient, as torch.optim.SGD's. ``prechecked``: as
-    :func:`tkern.kernels.adam.adam_update`'s (the buffers' checks skipped)."""
+    :func:`tkern.kernels.adam.adam_update`'s (the buffers' checks skipped);
+    ``one_pass`` and ``found_inf``: as its (the whole step in one program)."""
     b = buffers
     if not prechecked:
         check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
+    if one_pass:
+        check_one_pass(b, found_inf)
     lr, lr_on_device = check_lr(lr, b.param.device)
-    for part, n in aligned_parts(b):
+    for part, n in [(b, b.param.numel())] if one_pass else aligned_parts(b):
         buf = part.kernel_state("momentum_buffer" if momentum > 0 else None)
-        _sgd_kernel[(cdiv(n, BLOCK),)](
+        grid, stats_args, consts = pass_launch(part, n, BLOCK, NUM_WARPS, one_pass, found_inf)
+        _sgd_kernel[grid](
             part.kernel_param(), part.grad, part.kernel_master(), *buf[:3],
-            part.stats, part.inv_scale, part.step, n, part.seed, part.offset,
+            part.stats, part.inv_scale, part.step, *stats_args, n, part.seed, part.offset,
             lr, momentum, 1.0 - dampening, weight_decay, max_grad_norm or 0.0,
             MASTER=part.master_mode,
             MOMENTUM_KIND=buf[3],
@@ -131,5 +154,5 @@ def sgd_update(
             LR_ON_DEVICE=lr_on_device,
             PARAM_DTYPE=tl_dtype(part.param.dtype),
             BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
+            **consts,
         )  # fmt: skip

@@ -84,8 +84,8 @@ class FusedAdam(FusedOptimizer):
                 f"but {type(self).__name__} uses {self._decoupled}"
             )
 
-    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
-        adam_update(buffers, prechecked=True, **args)  # the plan's buffers: built right
+    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers, **one_pass: Any) -> None:
+        adam_update(buffers, prechecked=True, **args, **one_pass)  # the plan's buffers: built right
 
 
 @document_options

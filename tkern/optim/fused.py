@@ -1,7 +1,7 @@
 """Fused optimizers on fp32 master weights: FusedSGD, FusedAdam, FusedAdamW.
 
 Each ``step()`` is two passes over flat buffers (see :mod:`tkern.flat`), with
-no host synchronization:
+no host synchronization (a small step is both in one launch: see below):
 
 1. one read of every gradient gives ``grad_stats`` = [found_inf, sum of
    squares, max |g|] of the unscaled gradients, as a device tensor;
@@ -10,6 +10,12 @@ no host synchronization:
    nothing: params, master, state and step counts are unchanged); otherwise it
    unscales, clips, updates the fp32 master and state in fp32 and writes the
    master, rounded to nearest, into the fp16/bf16 params.
+
+A step whose work is one range of at most :attr:`FusedOptimizer.one_pass_max_elements`
+elements (by default :data:`~tkern.kernels._update.ONE_PASS_MAX_ELEMENTS`: one param
+group of one dtype, every param with a gradient, no process group, ZeRO-2 or FSDP2, no
+overflow tracking) runs both passes and the step count in ONE launch of one program,
+with bit for bit the results of the two passes.
 
 Interface with loss scalers: ``step(inv_scale=t)`` takes ``1 / loss scale`` as
 a (1,) fp32 device tensor; after the step, ``optimizer.grad_stats`` holds the
@@ -54,9 +60,10 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes
-from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
+from tkern.kernels._update import MIN_8BIT_SIZE, ONE_PASS_MAX_ELEMENTS, UpdateBuffers
 from tkern.kernels.overflow import (
     FOUND_INF,
+    N_STATS,
     combine_stats,
     grad_stats,
     reduce_stats,
@@ -233,6 +240,9 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         self.grad_stats: torch.Tensor | None = None
         self._layout_seen: dict[int, int] = {}
         self._steps_run = 0
+        #: Steps whose work is one range of at most this many elements (and no collective
+        #: or overflow tracking) run in one launch (see the module docstring); 0: never.
+        self.one_pass_max_elements = ONE_PASS_MAX_ELEMENTS
         self._init_health()
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
         #: buffers over them (their updated params are copied out after each step).
@@ -309,7 +319,10 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
 
     # ----------------------------------------------------------- the step
 
-    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
+    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers, **one_pass: Any) -> None:
+        """Launch the update kernel on ``buffers`` with ``args`` (the group's, as
+        :meth:`_validate_group` gives them); ``one_pass``: the launcher's ``one_pass``
+        and ``found_inf`` (the whole step in one launch)."""
         raise NotImplementedError
 
     def _ones(self) -> torch.Tensor:
@@ -406,13 +419,18 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
     ) -> torch.Tensor:
         """Everything a step does on the device, with no host work between the
         launches (what a CUDA graph captures): pass 1, the statistics' combination,
-        pass 2 of every planned range, the step counts. Returns the statistics."""
+        pass 2 of every planned range, the step counts -- or all of it in one launch
+        (:meth:`_one_pass`). Returns the statistics."""
+        single = self._one_pass(work)
+        if single is not None:
+            stats = torch.empty(N_STATS, dtype=torch.float32, device=self._device)
+            single.stats, single.inv_scale = stats, inv_scale
+            self._launch(_fp32_lr(work[0][0]), single, one_pass=True, found_inf=found_inf)
+            return stats
         stats = self._step_stats(work, inv_scale, found_inf)
         applied = torch.sub(self._ones(), stats[FOUND_INF : FOUND_INF + 1])
         for group_args, plan, _ in work:
-            lr = group_args["lr"]
-            if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:  # the kernels read fp32
-                group_args = {**group_args, "lr": lr.to(torch.float32)}
+            group_args = _fp32_lr(group_args)
             for buffers in plan:
                 buffers.stats, buffers.inv_scale = stats, inv_scale
                 if buffers.param.numel():  # (empty: local shards empty on this rank; the step counts)
@@ -421,6 +439,24 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
             for step in {id(b.step): b.step for b in plan}.values():
                 step.add_(applied)
         return stats
+
+    def _one_pass(self, work: list) -> UpdateBuffers | None:
+        """The step's one range when the whole step can run in one launch, else None:
+        one planned range (one flat buffer with one step count), of at most
+        :attr:`one_pass_max_elements` elements and a multiple of 16 (pass 1 reads it as
+        one piece, so the one launch computes the same statistics), no collective
+        (process_group, ZeRO-2, FSDP2) between the passes, no overflow tracking."""
+        if len(work) != 1 or len(work[0][1]) != 1 or self.track_overflows:
+            return None
+        if (
+            self._process_group is not None
+            or self.shard_group is not None
+            or self._dtensor_storage is not None
+        ):
+            return None
+        b = work[0][1][0]
+        n = b.param.numel()
+        return b if 0 < n <= self.one_pass_max_elements and n % 16 == 0 else None
 
     def _step_stats(
         self, work: list, inv_scale: torch.Tensor, found_inf: torch.Tensor | None
@@ -489,6 +525,14 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
                 self._refresh_state(flat)
         params = [p for g in self.param_groups for p in g["params"]]
         self._float8_caches = [c for p in params if (c := float8_weight_cache(p)) is not None]
+
+
+def _fp32_lr(group_args: dict[str, Any]) -> dict[str, Any]:
+    """A group's kernel arguments with a tensor lr as fp32 (what the kernels read)."""
+    lr = group_args["lr"]
+    if isinstance(lr, torch.Tensor) and lr.dtype != torch.float32:
+        return {**group_args, "lr": lr.to(torch.float32)}
+    return group_args
 
 
 def document_options(cls: type, signature: inspect.Signature | None = None) -> type:

@@ -63,5 +63,5 @@ class FusedSGD(FusedOptimizer):
             )
         return args
 
-    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers) -> None:
-        sgd_update(buffers, prechecked=True, **args)  # the plan's buffers: built right
+    def _launch(self, args: dict[str, Any], buffers: UpdateBuffers, **one_pass: Any) -> None:
+        sgd_update(buffers, prechecked=True, **args, **one_pass)  # the plan's buffers: built right
