@@ -233,6 +233,11 @@ def test_tkern_lm_recipes_train_on_the_fused_loss_the_quantity_of_lm_loss(model)
     torch.testing.assert_close(fused, eager, rtol=1e-3, atol=0)
     torch.testing.assert_close(fused, fp32, rtol=1e-3, atol=0)  # and the fp32 model's, fp16 weights aside
     assert abs(fused - unshifted) > 1e-2, (fused, unshifted)  # a loss without the shift fails
+    # a Trainer step at the scaler's first 2^16 (the head's wgrad into the flat buffer, scaled in
+    # fp32: 2^16 is no fp16 number) is clean, as the eager loss's step is
+    built = bench_train.RECIPES["tkern"](base, device, True)
+    bench_train.trainer_for(built, bench_train.lm_loss).train_step([(ids, ids)])
+    assert built.scaler.get_scale() == 2.0**16 and built.scaler.skipped_steps == 0
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the smoke path is the CPU's rehearsal of the GPU rows")
