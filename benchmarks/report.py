@@ -6,11 +6,8 @@ full list of targets, from ``benchmarks/results/<folder>/*.json`` alone.
     python benchmarks/report.py --write-targets  # TARGETS.md only
     python benchmarks/report.py --results DIR    # read another results folder (the dry run's)
 
-The summary (:func:`render_summary`) answers "what is tkern faster at, by how much,
-and where is it slower": per GPU device, newest first, each :class:`Measure` of
-:data:`MEASURES` as tkern's time (or peak memory) against the best peer measured in
-the same run, with the ratio, the commit and the date; the measures a run never
-measured in one line.
+The summary ("what is tkern faster at, by how much, and where is it slower") is
+``benchmarks/report_summary.py``'s.
 
 Every target of the project is one :class:`Target` in :data:`TARGETS`: the file
 and key its figure is read from and the bound. Each is reported as ``met``,
@@ -31,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import operator
 import re
 import sys
@@ -40,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402  (the names the tables and pictures give each implementation)
+import report_summary as summary  # noqa: E402  (the summary; the cases and rows the targets read too)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -51,8 +48,6 @@ GPU_STEMS = frozenset({"ceilings", "gemm", "optimizer", "train", "norm", "loss"}
 CPU_FOLDER = "host"
 OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt}
 MET, MISSED, NOT_MEASURED, FIGURE = "met", "missed", "not measured", "figure"
-#: the status of a target one of whose graphed rows replayed nothing (then ": <reason>")
-FELL_BACK = "fell back"
 
 
 @dataclass(frozen=True)
@@ -95,45 +90,11 @@ class Target:
         return MET if OPS[self.op](value, self.bound) else MISSED
 
 
-def graphed(row: dict) -> bool:
-    """Whether a results row was meant to run as a CUDA graph: its ``graphed`` field;
-    in files written before it, a tkern row with a replay count that is not an
-    eager one by name or setting."""
-    if "graphed" in row:
-        return bool(row["graphed"])
-    impl = row.get("impl", "")
-    return (
-        "graph_replays" in row
-        and impl.startswith("tkern")
-        and "eager" not in impl
-        and row.get("cuda_graph") is not False
-        and row.get("opt_cuda_graph") is not False
-    )
-
-
-def fell_back(row: dict) -> str | None:
-    """``fell back: <reason>`` for a graphed row that replayed nothing, else None."""
-    if not graphed(row) or (row.get("graph_replays") or 0) > 0:
-        return None
-    return f"{FELL_BACK}: {row.get('graph_fallback') or 'no replay recorded'}"
-
-
 #: bench_optimizer's tkern row and torch's graphed peer (capturable fused AdamW +
 #: GradScaler in a CUDA graph)
 OPT_TKERN, OPT_GRAPHED_TORCH = "tkern", "(e) (a) capturable, CUDA graph"
 
-# The models bench_train.py times: (case as it names it, label here).
-TRAIN_MODELS = [
-    ("gpt2-small, seq 1024, batch 16", "GPT-2 small"),
-    ("mlp 8x4096, batch 8192", "8 x 4096 MLP"),
-    ("mlp 784-4096-10, batch 8192", "2-layer MLP"),
-]
-FP8_FORMATS = ("e4m3xe4m3", "e5m2xe4m3")
-FP8_SCALINGS = ("tensorwise", "rowwise", "blockwise")
-FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
-#: how tkern's fp8 GEMM accumulates per scaling, and so its torch peer (bench_gemm.ACCUM)
-FP8_ACCUM = {"tensorwise": "fast", "rowwise": "fast", "blockwise": "precise"}
-#: a linear layer's three GEMM layouts as tkern.linear launches them (bench_gemm.LAYOUTS)
+#: a linear layer's three GEMM layouts as tkern.linear launches them (bench_gemm_layouts.LAYOUTS)
 GEMM_LAYOUTS = ("fwd", "dgrad", "wgrad")
 OPT_MODES = [(m, s) for m in ("fp32", "split", "none") for s in ("fp32", "bf16", "uint8")]
 
@@ -169,22 +130,22 @@ TARGETS: list[Target] = [
     *[
         Target(
             "gemm",
-            # like with like: torch with tkern's accumulation (bench_gemm.ACCUM); the key
+            # like with like: torch with tkern's accumulation (gemm_checks.ACCUM); the key
             # before it ("_vs_torch") compared tkern's fast accumulation with torch's precise
             f"fp8_{fmt}_{scaling}_vs_torch_same_accum",
             f"fp8 scaled_mm {fmt} {scaling} / torch's fp8 GEMM, same accumulation "
-            f"({FP8_ACCUM[scaling]}), transformer shapes",
+            f"({summary.FP8_ACCUM[scaling]}), transformer shapes",
             ">=",
             0.95,
             headline=(fmt, scaling) == ("e4m3xe4m3", "tensorwise"),
         )
-        for fmt in FP8_FORMATS
-        for scaling in FP8_SCALINGS
+        for fmt in summary.FP8_FORMATS
+        for scaling in summary.FP8_SCALINGS
     ],
     *[
         Target("gemm", f"fp8_{fmt}_{scaling}_vs_bf16", f"fp8 scaled_mm {fmt} {scaling} / bf16 cuBLAS")
-        for fmt in FP8_FORMATS
-        for scaling in FP8_SCALINGS
+        for fmt in summary.FP8_FORMATS
+        for scaling in summary.FP8_SCALINGS
     ],
     # the training layouts (bench_gemm's layouts and fp8_layouts sections, issues 42.5 and 43.7)
     *[
@@ -206,7 +167,7 @@ TARGETS: list[Target] = [
             ">=",
             1.3 if scaling == "blockwise" else 1.5,
         )
-        for scaling in FP8_SCALINGS
+        for scaling in summary.FP8_SCALINGS
         for layout in GEMM_LAYOUTS
     ],
     Target(
@@ -366,7 +327,7 @@ TARGETS: list[Target] = [
     # training step
     *[
         row
-        for model, label in TRAIN_MODELS
+        for model, label in summary.TRAIN_MODELS
         for row in (
             Target(
                 "train",
@@ -412,15 +373,15 @@ TARGETS: list[Target] = [
             ">=",
             1.4,
             headline=r == "tensorwise",
-            rows=((TRAIN_MODELS[0][0], f"tkern fp8 {r}"),),
+            rows=((summary.GPT2, f"tkern fp8 {r}"),),
         )
-        for r in FP8_RECIPES
+        for r in summary.FP8_RECIPES
     ],
     Target(
         "train",
         "gpt2-small, seq 1024, batch 16: fp8 tensorwise vs torchao float8",
         "fp8 tensorwise, GPT-2 small / torchao Float8Linear compiled",
-        rows=((TRAIN_MODELS[0][0], "tkern fp8 tensorwise"),),
+        rows=((summary.GPT2, "tkern fp8 tensorwise"),),
     ),
     # norms and loss (issue 28): figures until an issue sets bounds
     Target("norm", "layer_norm_fwd_bwd_vs_torch", "layer_norm fwd + bwd / torch (autocast path)"),
@@ -450,217 +411,9 @@ TARGETS: list[Target] = [
 ]
 
 
-# --------------------------------------------------------------- the summary
-#: a ratio within this factor of 1.0 is "on par" (the run-to-run noise of a step)
-PAR = 1.03
-SHAPES = r"\d+x\d+x\d+"
-GPT2 = TRAIN_MODELS[0][0]
-#: the 16-bit peers of a tkern training step (impl -> the tables' name)
-AUTOCAST_PEERS = ("torch autocast", "torch autocast compiled", "torch autocast bf16")
-FP8_TRAIN_PEERS = ("torch autocast bf16", "torchao float8 tensorwise compiled")
-CUBLAS = {"torch": "cuBLAS (torch.matmul)"}
-BIAS_GELU_PEERS = {
-    "torch": "torch unfused",
-    "torch addmm_activation": "torch._addmm_activation(use_gelu=True)",
-    "torch compiled": "the unfused recipe compiled",
-}
-FP8_GEMM_PEERS = {
-    "torch": "torch's fp8 GEMM, precise accumulation",
-    "torch fast accum": "torch's fp8 GEMM, fast accumulation",
-}
-
-
-@dataclass(frozen=True)
-class Measure:
-    """One line of the summary: tkern against the best peer measured in the same run.
-
-    Args:
-        label: what it is, as the summary prints it.
-        stem: the results file its rows are read from.
-        cases: a regular expression the rows' ``case`` must match in full; over
-            several cases the ratio is their geometric mean.
-        tkern: tkern's impl.
-        peers: impl -> the tables' name; empty: every impl not named ``tkern...``
-            (named by :data:`plots.NAMES`).
-        metric: the row field compared (lower is better: ``ms``, ``peak_mib``).
-    """
-
-    label: str
-    stem: str
-    cases: str
-    tkern: str = "tkern"
-    peers: dict[str, str] | tuple[str, ...] = ()
-    metric: str = "ms"
-
-    def peer_names(self, impls) -> dict[str, str]:
-        if isinstance(self.peers, dict):
-            return {i: n for i, n in self.peers.items() if i in impls}
-        chosen = self.peers or [i for i in impls if not i.startswith("tkern")]
-        return {i: plots.name_of(self.stem, i) for i in chosen if i in impls}
-
-
-#: What the summary compares, per device: every question a user asks of tkern's speed.
-MEASURES: list[Measure] = [
-    *[Measure(f"AdamW + loss-scaler step, {n} params", "optimizer", n) for n in ("1M", "10M", "100M", "1B")],
-    Measure("AdamW + loss-scaler step, 1000 tensors of 10k params", "optimizer", "1000x10k"),
-    *[
-        m
-        for model, label in TRAIN_MODELS
-        for m in (
-            Measure(f"training step, {label}", "train", re.escape(model), peers=AUTOCAST_PEERS),
-            Measure(
-                f"training step, {label}, Trainer(cuda_graph=True)",
-                "train",
-                re.escape(model),
-                "tkern whole-step graph",
-                AUTOCAST_PEERS,
-            ),
-        )
-    ],
-    Measure(
-        "peak memory of the training step, GPT-2 small",
-        "train",
-        re.escape(GPT2),
-        peers=AUTOCAST_PEERS[:2],
-        metric="peak_mib",
-    ),
-    *[
-        Measure(
-            f"fp8 {r} training step, GPT-2 small", "train", re.escape(GPT2), f"tkern fp8 {r}", FP8_TRAIN_PEERS
-        )
-        for r in FP8_RECIPES
-    ],
-    *[
-        Measure(f"{dtype} GEMM, transformer shapes", "gemm", rf"{dtype} mm {SHAPES}", peers=CUBLAS)
-        for dtype in ("fp16", "bf16")
-    ],
-    *[
-        Measure(f"{dtype} GEMM, squares 2048-8192", "gemm", rf"{dtype} square (2048|4096|8192)", peers=CUBLAS)
-        for dtype in ("fp16", "bf16")
-    ],
-    Measure("linear + bias + GELU, forward", "gemm", rf"bias\+gelu fwd {SHAPES}", peers=BIAS_GELU_PEERS),
-    Measure(
-        "linear + bias + GELU, forward + backward",
-        "gemm",
-        rf"bias\+gelu fwd\+bwd {SHAPES}",
-        peers=BIAS_GELU_PEERS,
-    ),
-    *[
-        Measure(
-            f"fp8 GEMM, {scaling} scales ({FP8_ACCUM[scaling]} accumulation)",
-            "gemm",
-            rf"fp8 ({'|'.join(FP8_FORMATS)}) {scaling} {SHAPES}",
-            peers=FP8_GEMM_PEERS,
-        )
-        for scaling in FP8_SCALINGS
-    ],
-    Measure("layer_norm forward + backward", "norm", r"layer_norm fwd\+bwd \d+x\d+"),
-    Measure("rms_norm forward + backward", "norm", r"rms_norm fwd\+bwd \d+x\d+"),
-    Measure("cross_entropy forward + backward", "loss", r"cross_entropy fwd\+bwd \d+x\d+"),
-    Measure("linear_cross_entropy forward + backward", "loss", rf"linear_cross_entropy fwd\+bwd {SHAPES}"),
-]
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """A measure's result in one run: ``ratio`` = the best peer's metric / tkern's
-    (above 1: tkern ahead), over ``cases`` cases, the best peer(s) by name."""
-
-    measure: Measure
-    ratio: float
-    cases: int
-    peers: tuple[str, ...]
-    commit: str
-    date: str
-
-    def verdict(self) -> str:
-        if self.ratio >= PAR:
-            return "ahead"
-        return "behind" if self.ratio <= 1 / PAR else "on par"
-
-
-def compare(measure: Measure, payload: dict) -> Comparison | str | None:
-    """The measure in one results file: a :class:`Comparison`; a string when tkern's
-    row fell back from its CUDA graph (the reason); None when not measured."""
-    pattern = re.compile(measure.cases)
-    by_case: dict[str, dict[str, dict]] = {}
-    for row in payload.get("rows", []):
-        if pattern.fullmatch(str(row.get("case", ""))) and row.get(measure.metric):
-            by_case.setdefault(row["case"], {})[row["impl"]] = row
-    logs, peers, used = [], [], []
-    for impls in by_case.values():
-        mine = impls.get(measure.tkern)
-        if mine is not None and (why := fell_back(mine)) is not None:
-            return why
-        names = measure.peer_names(impls)
-        if mine is None or not names:
-            continue
-        best = min(names, key=lambda i: impls[i][measure.metric])
-        logs.append(math.log(impls[best][measure.metric] / mine[measure.metric]))
-        peers.append(names[best])
-        used += [mine, impls[best]]
-    if not logs:
-        return None
-    commits = sorted({r.get("commit") or payload.get("commit") or "not recorded" for r in used})
-    dates = sorted({r.get("date") or payload.get("date", "?") for r in used})
-    return Comparison(
-        measure,
-        math.exp(sum(logs) / len(logs)),
-        len(logs),
-        tuple(dict.fromkeys(peers)),
-        ", ".join(commits),
-        dates[-1],
-    )
-
-
-def summary_lines(folder: str, files: dict) -> list[str]:
-    """One device's part of the summary: a table of the measures, tkern ahead first,
-    and the measures never measured in this run in one line."""
-    found, missing = [], []
-    for m in MEASURES:
-        result = compare(m, files.get(m.stem, {}))
-        if isinstance(result, Comparison):
-            found.append(result)
-        else:
-            missing.append(m.label if result is None else f"{m.label} ({result})")
-    device = next((p.get("device") for p in files.values() if p.get("device")), folder)
-    lines = [f"**{device}**, newest run {newest(files)[:10] or '?'}:", ""]
-    if found:
-        lines += [
-            "| measure | tkern | against the best peer measured | commit | date |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for c in sorted(found, key=lambda c: -c.ratio):
-            over = f" (geomean of {c.cases} cases)" if c.cases > 1 else ""
-            lines.append(
-                f"| {c.measure.label}{over} | **{c.verdict()}, {c.ratio:.2f}x** | {' / '.join(c.peers)} "
-                f"| {c.commit} | {c.date} |"
-            )
-        lines.append("")
-    if missing:
-        lines += [f"Not measured on this device: {'; '.join(missing)}.", ""]
-    return lines
-
-
 def render_summary(results: Path = RESULTS) -> str:
-    """ "What tkern is faster at": per GPU device, newest first, each measure of
-    :data:`MEASURES` as tkern against the best peer of the same run, from the
-    results files alone."""
-    lines = [
-        "### What tkern is faster at",
-        "",
-        "Per device, newest first: tkern against the fastest other implementation measured in the same",
-        "run (the best peer), as the peer's time over tkern's (for memory, the peer's peak over tkern's):",
-        f"above 1 tkern is ahead; within {PAR:g}x of 1 is on par; over several cases, their geometric",
-        "mean. Generated by `benchmarks/report.py` from `benchmarks/results/<device>/*.json` alone.",
-        "",
-    ]
-    gpu = [(f, files) for f, where, files in _folders(results) if where == "gpu" and files]
-    if not gpu:
-        return "\n".join([*lines, "No GPU run has been recorded yet."])
-    for folder, files in gpu:
-        lines += summary_lines(folder, files)
-    return "\n".join(lines).rstrip()
+    """The summary of the results in ``results`` (:func:`report_summary.render_summary`)."""
+    return summary.render_summary(_folders(results))
 
 
 def load(results: Path) -> dict[str, dict[str, dict]]:
@@ -687,7 +440,7 @@ def evaluate(files: dict[str, dict], where: str) -> list[tuple[Target, float | N
         value = next((payload[k] for k in t.names() if payload.get(k) is not None), None)
         status = t.judge(value)
         by_key = {(r.get("case"), r.get("impl")): r for r in payload.get("rows", [])}
-        fallbacks = [fell_back(by_key[key]) for key in t.rows if key in by_key]
+        fallbacks = [summary.fell_back(by_key[key]) for key in t.rows if key in by_key]
         fallback = next((f for f in fallbacks if f is not None), None)
         if fallback is not None:  # an eager figure under a graphed name: no figure at all
             value, status = None, fallback
@@ -696,8 +449,10 @@ def evaluate(files: dict[str, dict], where: str) -> list[tuple[Target, float | N
 
 
 def _counts(rows) -> str:
-    statuses = [FELL_BACK if s.startswith(FELL_BACK) else s for _, _, s, _ in rows if s != FIGURE]
-    kinds = (MET, MISSED, NOT_MEASURED) + ((FELL_BACK,) if FELL_BACK in statuses else ())
+    statuses = [
+        summary.FELL_BACK if s.startswith(summary.FELL_BACK) else s for _, _, s, _ in rows if s != FIGURE
+    ]
+    kinds = (MET, MISSED, NOT_MEASURED) + ((summary.FELL_BACK,) if summary.FELL_BACK in statuses else ())
     return ", ".join(f"{statuses.count(s)} {s}" for s in kinds)
 
 
@@ -706,15 +461,8 @@ def fallback_lines(stem: str, payload: dict) -> list[str]:
     return [
         f"`bench_{stem}.py` {r['case']}, {r['impl']}: {why}"
         for r in payload.get("rows", [])
-        if (why := fell_back(r)) is not None
+        if (why := summary.fell_back(r)) is not None
     ]
-
-
-def newest(files: dict) -> str:
-    """The date of a folder's newest run: its files' and rows' newest ``date``."""
-    dates = [p.get("date", "") for p in files.values()]
-    dates += [r.get("date", "") for p in files.values() for r in p.get("rows", [])]
-    return max(dates, default="")
 
 
 def _folders(results: Path) -> list[tuple[str, str, dict]]:
@@ -723,7 +471,7 @@ def _folders(results: Path) -> list[tuple[str, str, dict]]:
     not measured."""
     data = load(results)
     gpu = [(f, "gpu", files) for f, files in data.items() if f != CPU_FOLDER]
-    gpu.sort(key=lambda entry: newest(entry[2]), reverse=True)
+    gpu.sort(key=lambda entry: summary.newest(entry[2]), reverse=True)
     if not gpu:
         gpu = [("(no GPU run)", "gpu", {})]
     return gpu + [(CPU_FOLDER, "cpu", data.get(CPU_FOLDER, {}))]
@@ -759,7 +507,7 @@ def render(results: Path = RESULTS, targets_link: str = "benchmarks/results/TARG
         if where == "cpu":
             cpu = [f"{_heading(folder, files)} Targets: {_counts(rows)}.", ""]
             cpu += [*_table(rows), ""] if files else []
-            cpu += activation_memory_table(files.get("activation_memory", {}))
+            cpu += summary.activation_memory_table(files.get("activation_memory", {}))
             continue
         lines.append(
             f"- {_heading(folder, files)}: {_counts(rows)}." if files else f"- {_heading(folder, files)}"
@@ -769,37 +517,6 @@ def render(results: Path = RESULTS, targets_link: str = "benchmarks/results/TARG
                 lines.append(f"  `bench_{stem}.py` failed on {f['case']}, {f['impl']}: `{f['error']}`")
             lines += [f"  {line}" for line in fallback_lines(stem, payload)]
     return "\n".join([*lines, "", *cpu]).rstrip()
-
-
-#: activation_memory.json's impls, as the README's table names them
-ACTIVATION_RECIPES = {
-    "torch autocast": "torch autocast",
-    "tkern GEMMs only": "tkern GEMMs",
-    "tkern + norms": "tkern GEMMs + norms",
-    "tkern + norms + fused loss": "tkern GEMMs + norms + fused loss",
-}
-
-
-def activation_memory_table(payload: dict) -> list[str]:
-    """What one GPT-2 training step saves for backward, per recipe (results/host/activation_memory.json)."""
-    rows = [r for r in payload.get("rows", []) if r.get("saved MiB") is not None]
-    if not rows:
-        return []
-    config = payload.get("config", {})
-    lines = [
-        f"Activation memory of one training step of a small GPT-2 ({config.get('n_layer')} layers, "
-        f"{config.get('n_embd')} wide, the full {config.get('vocab_size')}-token vocabulary), "
-        "measured on a CPU "
-        f"(`benchmarks/bench_activation_memory.py`, {payload.get('date')}, commit {payload.get('commit')}; "
-        "[the whole table](benchmarks/results/host/activation_memory.md)):",
-        "",
-        "| recipe | saved for backward, MiB | of which norms | largest tensor, MiB |",
-        "| --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        name = ACTIVATION_RECIPES.get(r["impl"], r["impl"])
-        lines.append(f"| {name} | {r['saved MiB']:.1f} | {r['norms MiB']:.3g} | {r['largest MiB']:.3g} |")
-    return [*lines, ""]
 
 
 def render_targets(results: Path = RESULTS) -> str:

@@ -164,8 +164,10 @@ class RecordingCapture:
 
     ``log`` lists what happened (``warmup``, ``capture``, ``replay``, ``time``);
     ``launches["warmup"]`` / ``launches["capture"]`` the Triton specializations
-    launched in each. ``fail=True`` makes every capture raise, as CUDA does for an
-    operation a capture forbids.
+    launched in each. ``fail=True`` makes every capture raise before the step runs, as
+    CUDA does for an operation a capture forbids at its start; ``fail="after"`` after
+    the step's Python ran (its host-side bookkeeping with it) and its launches were
+    undone, as CUDA's ``capture_end`` does for a capture an operation invalidated.
 
     ``time(fn)`` runs ``fn`` and says how long the host and the "device" took: a CPU
     has no device running behind the host, so both are the host's time, unless
@@ -175,7 +177,9 @@ class RecordingCapture:
 
     device_type = "cpu"
 
-    def __init__(self, fail: bool = False, timing: tuple[float, float] | None = None) -> None:
+    def __init__(self, fail: bool | str = False, timing: tuple[float, float] | None = None) -> None:
+        if fail not in (False, True, "after"):
+            raise ValueError(f"fail must be False, True or 'after', got {fail!r}")
         self.fail = fail
         self.timing = timing
         self.log: list[str] = []
@@ -223,13 +227,15 @@ class RecordingCapture:
             return fn()
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-        if self.fail:
+        if self.fail is True:
             raise RuntimeError("operation not permitted when stream is capturing\nmore")
         self.log.append("capture")
         tape = _Tape()
         with self._watching("capture", tape), tape:
             out = fn()
         tape.undo()
+        if self.fail == "after":
+            raise RuntimeError("operation failed due to a previous error during capture")
         self._pool_bytes += tape.fresh_bytes()
 
         def replay() -> None:

@@ -246,6 +246,7 @@ def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_pat
     in 16 bits (with its plan) and in fp8 for every scaling; the odd vocabulary's rows, and
     the summary keys report.py's targets read."""
     import bench_gemm
+    import bench_gemm_layouts
     import report
 
     res = bench_gemm.main(
@@ -253,8 +254,8 @@ def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_pat
     )
     rows = [r for r in res.rows if r.get("model") == "gpt2"]
     half = {(r["layout"], r["layer"]) for r in rows if r["case"].startswith("fp16 ") and r["impl"] == "tkern"}
-    layers = [name for name, *_ in bench_gemm.SMOKE_SHAPES[1]]
-    assert half >= {(layout, layer) for layout in bench_gemm.LAYOUTS for layer in layers}
+    layers = [name for name, *_ in bench_gemm_layouts.SMOKE_SHAPES[1]]
+    assert half >= {(layout, layer) for layout in bench_gemm_layouts.LAYOUTS for layer in layers}
     assert all(
         r["ms"] and "plan" in r for r in rows if r["case"].startswith("fp16 ") and r["impl"] == "tkern"
     )
@@ -263,13 +264,13 @@ def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_pat
         for r in rows
         if r["case"].startswith("fp8 ") and r["impl"] == "tkern" and r["ms"]
     }
-    assert fp8 == {(layout, s) for layout in bench_gemm.LAYOUTS for s in bench_gemm.FP8_SCALINGS}
+    assert fp8 == {(layout, s) for layout in bench_gemm_layouts.LAYOUTS for s in bench_gemm.FP8_SCALINGS}
     assert not res.meta["failed"]
     assert all(r["ms"] is not None or r.get("skipped") for r in rows)
     keys = {t.names()[0] for t in report.TARGETS if t.stem == "gemm"}
-    layout_keys = {f"fp16_{layout}_gpt2_vs_cublas" for layout in bench_gemm.LAYOUTS}
+    layout_keys = {f"fp16_{layout}_gpt2_vs_cublas" for layout in bench_gemm_layouts.LAYOUTS}
     layout_keys |= {
-        f"fp8_{s}_{layout}_vs_bf16" for layout in bench_gemm.LAYOUTS for s in bench_gemm.FP8_SCALINGS
+        f"fp8_{s}_{layout}_vs_bf16" for layout in bench_gemm_layouts.LAYOUTS for s in bench_gemm.FP8_SCALINGS
     }
     assert layout_keys <= keys & set(res.meta)  # the report's targets read what the run wrote
     saved = json.loads((tmp_path / "gemm.json").read_text())
@@ -736,9 +737,9 @@ def test_summary_says_where_tkern_is_ahead_and_behind_the_best_peer_newest_devic
         {"case": "1M", "impl": "tkern eager (cuda_graph=False)", "ms": 0.1},  # tkern's own: no peer
     ])  # fmt: skip
     _write(new, "train", device="NVIDIA H200 TEST", date="2026-11-25 00:00 UTC", rows=[
-        {"case": report.GPT2, "impl": "tkern", "ms": 2.0, "peak_mib": 50.0},
-        {"case": report.GPT2, "impl": "torch autocast", "ms": 1.0, "peak_mib": 100.0},
-        {"case": report.GPT2, "impl": "torch fp32 (no tf32)", "ms": 0.5},  # not a 16-bit peer
+        {"case": report.summary.GPT2, "impl": "tkern", "ms": 2.0, "peak_mib": 50.0},
+        {"case": report.summary.GPT2, "impl": "torch autocast", "ms": 1.0, "peak_mib": 100.0},
+        {"case": report.summary.GPT2, "impl": "torch fp32 (no tf32)", "ms": 0.5},  # not a 16-bit peer
     ])  # fmt: skip
     _write(new, "gemm", device="NVIDIA H200 TEST", rows=[
         {"case": f"fp16 mm 8x{n}x8", "impl": impl, "ms": ms}

@@ -42,16 +42,33 @@ _FAMILY_OF = {
     "GPT2MLP": "gpt2", "PhiMLP": "phi", "GPTNeoXMLP": "gpt_neox", "BertIntermediate": "bert",
     "LlamaMLP": "llama", "MistralMLP": "mistral", "Qwen2MLP": "qwen2", "Qwen3MLP": "qwen3",
     "GemmaMLP": "gemma", "Gemma2MLP": "gemma2", "Gemma3MLP": "gemma3", "OlmoMLP": "olmo",
-    "GraniteMLP": "granite", "Phi3MLP": "phi3",
+    "GraniteMLP": "granite", "Phi3MLP": "phi3", "T5DenseActDense": "t5", "T5DenseGatedActDense": "t5",
 }  # fmt: skip
 _CONFIGS = {
     "gpt2": "GPT2Config", "phi": "PhiConfig", "gpt_neox": "GPTNeoXConfig", "bert": "BertConfig",
-    "llama": "LlamaConfig", "gemma": "GemmaConfig", "phi3": "Phi3Config",
+    "llama": "LlamaConfig", "gemma": "GemmaConfig", "phi3": "Phi3Config", "t5": "T5Config",
 }  # fmt: skip
+#: T5's ``if`` before ``wo`` (MLPRule.to_down_dtype), whitespace removed.
+_T5_CAST = (
+    "ifisinstance(self.wo.weight,torch.Tensor)andhidden_states.dtype!=self.wo.weight.dtype"
+    "and(self.wo.weight.dtype!=torch.int8):hidden_states=hidden_states.to(self.wo.weight.dtype)"
+)
 
 
 def _statements(rule) -> list[str]:
     """The forward body each form stands for (whitespace removed, names as the rule gives)."""
+    mid = [f"hidden_states=self.{n}(hidden_states)" for n in rule.mid] + (
+        [_T5_CAST] if rule.to_down_dtype else []
+    )
+    if rule.form == "gated" and mid:  # T5's statements
+        return [
+            f"hidden_gelu=self.{rule.act}(self.{rule.gate}(hidden_states))",
+            f"hidden_linear=self.{rule.up}(hidden_states)",
+            "hidden_states=hidden_gelu*hidden_linear",
+            *mid,
+            f"hidden_states=self.{rule.down}(hidden_states)",
+            "returnhidden_states",
+        ]
     if rule.form == "gated":
         return [
             f"down_proj=self.{rule.down}(self.{rule.act}(self.{rule.gate}(x))*self.{rule.up}(x))",
@@ -64,8 +81,11 @@ def _statements(rule) -> list[str]:
             f"up_states=up_states*self.{rule.act}(gate)",
             f"returnself.{rule.down}(up_states)",
         ]
-    layers = [rule.up, rule.act, *([rule.down] if rule.down else []), *rule.tail]
-    return [f"hidden_states=self.{n}(hidden_states)" for n in layers] + ["returnhidden_states"]
+    first = [f"hidden_states=self.{n}(hidden_states)" for n in (rule.up, rule.act)]
+    last = [
+        f"hidden_states=self.{n}(hidden_states)" for n in ([rule.down] if rule.down else []) + [*rule.tail]
+    ]
+    return [*first, *mid, *last, "returnhidden_states"]
 
 
 @pytest.mark.parametrize("name", sorted(MLP_RULES))
@@ -89,6 +109,9 @@ def _block(name: str, act: str | None = None, **extra) -> nn.Module:
     if name == "GPT2MLP":
         config = config_cls(n_embd=HIDDEN, n_head=2, activation_function=act or "gelu_new", resid_pdrop=0.0)
         return module.GPT2MLP(INTER, config).to(DEVICE)
+    if name.startswith("T5"):  # act: T5Config's feed_forward_proj ("relu", "gated-gelu", ...)
+        config = config_cls(d_model=HIDDEN, d_ff=INTER, num_heads=2, feed_forward_proj=act, dropout_rate=0.0)
+        return getattr(module, name)(config).to(DEVICE)
     config = config_cls(**sizes, **({"hidden_act": act} if act else {}))
     return getattr(module, name)(config).to(DEVICE)
 
@@ -134,6 +157,9 @@ BLOCKS = [
     ("LlamaMLP", "silu"),
     ("GemmaMLP", None),  # its default, gelu_pytorch_tanh: GeGLU
     ("Phi3MLP", "silu"),
+    ("T5DenseActDense", "relu"),
+    ("T5DenseActDense", "gelu_new"),
+    ("T5DenseGatedActDense", "gated-gelu"),  # flan-T5's: gelu_new
 ]
 
 
@@ -226,6 +252,36 @@ def test_fused_blocks_compile_fullgraph_as_eager(name):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    ("name", "act"), [("T5DenseActDense", "relu"), ("T5DenseGatedActDense", "gated-silu")]
+)
+def test_t5_blocks_fuse_with_wo_kept_fp32(name, act, monkeypatch):
+    # T5's models keep wo in fp32 in fp16 (_keep_in_fp32_modules); its forward casts wo's
+    # input to wo's dtype: so does the fused form, and the output is fp32 as eager's
+    class Keeps(nn.Module):
+        _keep_in_fp32_modules = ["wo"]
+
+        def __init__(self, ff):
+            super().__init__()
+            self.ff = ff
+
+    with pytest.warns(UserWarning, match=r"ff\.wo \(Linear\): kept in fp32"):
+        model = convert_network(Keeps(_block(name, act)), torch.float16)
+    block = model.ff
+    assert isinstance(vars(block)["forward"], FusedMLPForward)
+    assert block.wo.weight.dtype == torch.float32  # kept, as asked
+    assert getattr(block, MLP_RULES[name].up).weight.dtype == torch.float16
+    x = torch.randn(*TOKENS, HIDDEN, device=DEVICE, dtype=torch.float16)
+    eager = type(block).forward(block, x)  # the class's own forward on the converted block
+    calls = _act_calls(monkeypatch, block, MLP_RULES[name])
+    fused = block(x)
+    assert calls == [] and fused.dtype == eager.dtype == torch.float32
+    if act == "relu":  # relu(round(z)) == round(relu(z)): the same fp16 input to wo
+        assert torch.equal(fused, eager)
+    else:  # eager rounds silu(gate) and the product in fp16, the kernel once: 2 * TOL
+        assert rel_err(fused, eager) < 2 * TOL[torch.float16]
+
+
 # --------------------------------------------------------------------------- what is left eager
 
 
@@ -247,6 +303,50 @@ def test_an_activation_without_a_kernel_and_an_mlp_without_a_rule_warn_once_per_
     assert "gptj.0, gptj.1 (GPTJMLP): left eager, tkern has no fusion rule for this MLP class" in said[1]
     assert all(w.filename == __file__ for w in caught if "left eager" in str(w.message))
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+def _left_eager(model: nn.Module) -> list[str]:
+    """convert_network's "left eager" warnings for ``model`` (fp16)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_network(model)
+    return [str(w.message) for w in caught if "left eager" in str(w.message)]
+
+
+def test_an_activation_inline_between_gemm_layers_warns_once_per_class():
+    # OPT's decoder layer calls fc2(activation_fn(fc1(x))) in its own forward: no rule, said
+    opt = _module("opt")
+    config = transformers.OPTConfig(
+        hidden_size=HIDDEN, ffn_dim=INTER, num_attention_heads=2, word_embed_proj_dim=HIDDEN
+    )
+    model = nn.ModuleList([opt.OPTDecoderLayer(config, i) for i in range(2)]).to(DEVICE)
+    said = _left_eager(model)
+    assert len(said) == 1, said
+    assert (
+        "0, 1 (OPTDecoderLayer): left eager, tkern has no fusion rule for this class, whose "
+        "activation_fn runs between its GEMM layers" in said[0]
+    )
+
+
+def test_models_whose_blocks_have_rules_say_nothing_left_eager():
+    # the same search finds nothing in models whose MLP blocks all have rules (T5's both kinds)
+    t5 = [
+        transformers.T5Model(
+            transformers.T5Config(
+                vocab_size=64,
+                d_model=HIDDEN,
+                d_kv=8,
+                d_ff=INTER,
+                num_layers=1,
+                num_heads=2,
+                feed_forward_proj=proj,
+            )
+        )
+        for proj in ("relu", "gated-gelu")
+    ]
+    for model in (_gpt2(), _llama(), *t5):
+        assert _left_eager(model.to(DEVICE)) == [], type(model).__name__
+    assert sum(isinstance(vars(m).get("forward"), FusedMLPForward) for t in t5 for m in t.modules()) == 4
 
 
 # --------------------------------------------------------------------------- whole models

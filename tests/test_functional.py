@@ -3,6 +3,7 @@ torch.autocast + F.linear on the GPU."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -523,7 +524,9 @@ def test_where_the_gemms_take_the_tma_kernel_the_backward_drops_its_prologue(dty
     routes = []
     launch_tma, launch = gemm.launch_tma, gemm._launch
     monkeypatch.setattr(gemm, "device_gemm_info", lambda device: (1, True))
-    monkeypatch.setattr(gemm, "_PLANS", {})
+    monkeypatch.setattr(
+        gemm, "plan_gemm_cached", functools.lru_cache(gemm.plan_gemm_cached.__wrapped__)
+    )  # a fresh memo
     monkeypatch.setattr(gemm_plan, "TMA_MIN_WAVES", 1)
     monkeypatch.setattr(gemm, "launch_tma", lambda *args: routes.append("tma") or launch_tma(*args))
     monkeypatch.setattr(gemm, "_launch", lambda *args: routes.append("pointer") or launch(*args))

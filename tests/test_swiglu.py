@@ -118,3 +118,18 @@ def test_custom_ops_pass_opcheck_and_compile_matches_eager():
     assert torch.equal(compiled, eager)
     meta = tkern.swiglu(gate.detach().to("meta"), up.to("meta"), "gelu_tanh")
     assert meta.shape == gate.shape and meta.dtype == gate.dtype
+
+
+def test_compile_accepts_column_strided_inputs_as_eager_does():
+    gate, up, dh = _inputs(torch.float16, shape=(8, 16))
+    gate = gate.t().contiguous().t().requires_grad_()  # column stride 8: eager makes it dense
+    up = up.t().contiguous().t().requires_grad_()
+    eager = tkern.swiglu(gate, up)
+    eager.backward(dh)
+    expected = (gate.grad, up.grad)
+    gate.grad = up.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(tkern.swiglu, fullgraph=True, backend="aot_eager")(gate, up)
+    compiled.backward(dh)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(gate.grad, expected[0]) and torch.equal(up.grad, expected[1])

@@ -25,6 +25,11 @@ The pieces they share, and the one vocabulary they use:
   ``"capture"`` (captured, then replayed), ``"replay"`` and ``"eager"`` (not graphed);
   why the last step was not a replay: ``graph_fallback`` (None when it was graphed).
 * :func:`key_value`: how a hyperparameter enters a stamp (a tensor by identity).
+* :func:`trace_launches`: every launch of a tkern Triton kernel inside a block, with
+  its arguments (on a GPU they never pass torch's dispatcher, so a dispatch mode
+  alone does not see them); ``Trainer(cuda_graph="auto")`` compares two steps' launches.
+* :func:`pool_usage`: the bytes a graph pool's segments hold in an allocator snapshot
+  (:meth:`CudaGraphCapture.pool_usage` reads its own pool's).
 * A failed capture: :func:`capture_failed` gives the one-line reason; with the
   environment variable ``TKERN_GRAPH_STRICT=1`` (the test suite sets it) it re-raises
   the error instead, so a capture that fails in a test fails the test.
@@ -36,11 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -55,13 +61,16 @@ __all__ = [
     "WARMUP",
     "CudaGraphCapture",
     "GraphCapture",
+    "PoolUsage",
     "StepGraph",
     "StepGraphs",
     "capture_failed",
     "device_blocker",
     "in_graph_step",
     "key_value",
+    "pool_usage",
     "strict",
+    "trace_launches",
 ]
 
 T = TypeVar("T")
@@ -119,6 +128,57 @@ def _graph_step() -> Iterator[None]:
         _local.depth -= 1
 
 
+# ---------------------------------------------------------------------- launch traces
+
+
+def _tkern_kernels() -> list[Any]:
+    """The Triton functions of the imported ``tkern`` modules that launch (under any
+    ``triton.autotune`` / ``triton.heuristics``), each once: those with ``pre_run_hooks``."""
+    from triton.runtime.jit import KernelInterface
+
+    found: dict[int, Any] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] != "tkern":
+            continue
+        for value in list(vars(module).values()):
+            while isinstance(value, KernelInterface) and not hasattr(value, "pre_run_hooks"):
+                value = getattr(value, "fn", None)  # an autotuner's or heuristics' function
+            if isinstance(getattr(value, "pre_run_hooks", None), list):
+                found[id(value)] = value
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def trace_launches(record: Callable[[str, tuple, dict], None]) -> Iterator[None]:
+    """Call ``record(kernel name, args, kwargs)`` for every launch of a tkern Triton
+    kernel that this thread makes inside the ``with`` block, compiled or interpreted
+    (under the interpreter the tensors are its host views of the same memory).
+
+    Through Triton's own pre-run hooks (``JITFunction.pre_run_hooks``), put on the
+    kernels of the imported ``tkern`` modules for the block only: launches outside a
+    trace pay nothing. A kernel's launch on a GPU never passes torch's dispatcher, so a
+    ``TorchDispatchMode`` does not see it; this does."""
+    thread = threading.get_ident()
+    hooked: list[tuple[list, Callable]] = []
+
+    def hook_for(name: str) -> Callable[..., None]:
+        def hook(*args: Any, **kwargs: Any) -> None:
+            if threading.get_ident() == thread:
+                record(name, args, kwargs)
+
+        return hook
+
+    try:
+        for fn in _tkern_kernels():
+            hook = hook_for(getattr(fn, "__name__", type(fn).__name__))
+            fn.pre_run_hooks.append(hook)
+            hooked.append((fn.pre_run_hooks, hook))
+        yield
+    finally:
+        for hooks, hook in hooked:
+            hooks.remove(hook)
+
+
 def device_blocker(
     device: torch.device | None,
     what: str,
@@ -166,6 +226,11 @@ class GraphCapture(Protocol):
         across it (nothing else allocates while a capture runs)."""
         ...
 
+    def pool_usage(self) -> PoolUsage:
+        """What the pool of this seam's graphs holds now. Optional: without it a pool is
+        the growth of :meth:`reserved_bytes` across each capture."""
+        ...
+
     def collectives_blocker(self, groups: Sequence[Any]) -> str | None:
         """Why a step that runs collectives on the process ``groups`` cannot be
         captured (None if it can)."""
@@ -175,6 +240,26 @@ class GraphCapture(Protocol):
         """Run ``fn`` eagerly from an idle device: (its result, seconds until ``fn``
         returned on the host, seconds until the device finished its work)."""
         ...
+
+
+class PoolUsage(NamedTuple):
+    """The memory a graph pool holds, in bytes: ``reserved`` (its segments: what the
+    allocator took from the device for it) and ``allocated`` (the blocks in use in them,
+    as ``torch.cuda.memory_allocated`` counts them)."""
+
+    reserved: int
+    allocated: int
+
+
+def pool_usage(segments: Iterable[dict[str, Any]], pool: Sequence[int]) -> PoolUsage:
+    """What pool ``pool`` (a ``torch.cuda.graph_pool_handle()``) holds among ``segments``,
+    an allocator snapshot's (``torch.cuda.memory_snapshot()``: each segment with its
+    ``segment_pool_id``, ``total_size`` and ``allocated_size``). Unlike the growth of
+    ``memory_reserved()`` across a capture, this stays true after graphs are dropped and
+    captured again into the memory the pool already holds."""
+    pool = tuple(pool)
+    mine = [s for s in segments if tuple(s["segment_pool_id"]) == pool]
+    return PoolUsage(sum(s["total_size"] for s in mine), sum(s["allocated_size"] for s in mine))
 
 
 class CudaGraphCapture:
@@ -211,6 +296,14 @@ class CudaGraphCapture:
 
     def reserved_bytes(self) -> int:
         return torch.cuda.memory_reserved()
+
+    def pool_usage(self) -> PoolUsage:
+        """What the pool this seam's graphs share holds now (nothing before its first
+        capture), from the allocator's snapshot (:func:`pool_usage`; it lists every
+        segment: a few milliseconds, for a report, not for a step)."""
+        if self._pool is None:
+            return PoolUsage(0, 0)
+        return pool_usage(torch.cuda.memory_snapshot(), self._pool)
 
     def collectives_blocker(self, groups: Sequence[Any]) -> str | None:
         # NCCL's collectives are captured into the graph (on the capturing stream) and
@@ -286,6 +379,11 @@ class StepGraph(Generic[T]):
         #: the bytes the capture added to the allocator's reserve (the graph's pool); 0 before
         self.bytes = 0
 
+    @property
+    def captured(self) -> bool:
+        """Whether the step is captured (every later run replays it)."""
+        return self._replay is not None
+
     def run(self, fn: Callable[..., T], inputs: Sequence[torch.Tensor]) -> tuple[T, str]:
         """``(fn's result, how the step ran)``: a warm-up, a capture (then a replay) or a
         replay. After a replay the result is the captured static output, which the
@@ -332,8 +430,24 @@ class StepGraphs:
 
     @property
     def pool_bytes(self) -> int:
-        """The memory the captured graphs hold in their pools (:attr:`StepGraph.bytes`)."""
-        return sum(g.bytes for g in self._graphs.values())
+        """The memory the graphs' pool holds (:meth:`pool_usage`'s ``reserved``)."""
+        return self.pool_usage().reserved
+
+    def pool_usage(self) -> PoolUsage:
+        """The memory the graphs' pool holds: the seam's own measure where it has one
+        (:meth:`CudaGraphCapture.pool_usage`), else what each graph's capture added to
+        the seam's reserve (:attr:`StepGraph.bytes`, counted as allocated too)."""
+        measure = getattr(self.seam, "pool_usage", None)  # optional for a seam
+        if measure is not None:
+            return measure()
+        grown = sum(g.bytes for g in self._graphs.values())
+        return PoolUsage(grown, grown)
+
+    def captured(self, shape: Hashable = None) -> bool:
+        """Whether the graph of ``shape`` is captured (its next run replays it, unless
+        the stamp changed): where it is not, the next run may capture it."""
+        graph = self._graphs.get(shape)
+        return graph is not None and graph.captured
 
     def reset(self) -> None:
         """Drop every graph and static buffer (after a load changed the state they captured)."""

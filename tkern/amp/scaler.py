@@ -154,6 +154,16 @@ class LossScaler(ScalerStateDict):
         """Steps skipped so far (waits for the device)."""
         return 0 if self._state is None else int(self._state[K.SKIPPED].item())
 
+    def host_counters(self) -> dict[str, int]:
+        """The host-side count of updates, for a caller that must take a step again
+        after its Python ran once (a failed CUDA graph capture): it puts them back with
+        :meth:`restore_host_counters`, so the step counts once."""
+        return {"updates": self._updates}
+
+    def restore_host_counters(self, counters: dict[str, int]) -> None:
+        """Put back what :meth:`host_counters` returned."""
+        self._updates = int(counters["updates"])
+
     # ------------------------------------------------------------- the loop
 
     def scale(self, outputs):

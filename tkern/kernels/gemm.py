@@ -386,17 +386,16 @@ def device_gemm_info(device: torch.device) -> tuple[int, bool]:
     return _device_gemm_info(device)
 
 
-#: :func:`gemm_plan.plan_gemm`'s answers by its arguments: the hot path asks once per shape.
-_PLANS: dict[tuple, GemmPlan] = {}
+#: How many shapes :func:`plan_gemm_cached` remembers (least recently used dropped past it):
+#: a model's GEMMs are a few dozen shapes, a varying sequence length a few thousand.
+PLAN_CACHE_SIZE = 4096
 
 
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def plan_gemm_cached(m: int, n: int, k: int, num_sms: int, tma: bool, ragged: bool, split: bool) -> GemmPlan:
-    """:func:`gemm_plan.plan_gemm`, remembered (:data:`_PLANS`)."""
-    key = (m, n, k, num_sms, tma, ragged, split)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = plan_gemm(m, n, k, num_sms, tma=tma, ragged=ragged, split=split)
-    return plan
+    """:func:`gemm_plan.plan_gemm`, remembered for the last :data:`PLAN_CACHE_SIZE` shapes:
+    the hot path asks once per shape."""
+    return plan_gemm(m, n, k, num_sms, tma=tma, ragged=ragged, split=split)
 
 
 def plan_for(a: torch.Tensor, b: torch.Tensor, M: int, N: int, K: int, split: bool = True) -> GemmPlan:

@@ -6,8 +6,10 @@
   run their activation on tkern's kernels (:class:`FusedMLPForward`): GPT-2's
   ``c_proj(act(c_fc(x)))`` with the activation in c_fc's GEMM epilogue, Llama's
   ``down(act(gate(x)) * up(x))`` with ``act(gate) * up`` one fused kernel
-  (:func:`tkern.ops.swiglu.swiglu`), each computed in fp32 and rounded once, forward
-  and backward; no torch op runs over the (tokens, intermediate) activation. The
+  (:func:`tkern.ops.swiglu.swiglu`), T5's two kinds the same way, each computed in fp32
+  and rounded once, forward and backward; no torch op runs over the (tokens,
+  intermediate) activation. A transformers block no rule matches that looks like an
+  MLP is reported (:func:`route_mlp`: convert_network's "left eager" warning). The
   module's class, children and Parameters stay as they are: only the instance's
   ``forward`` is replaced.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
@@ -165,7 +168,10 @@ class MLPRule:
     ``form``: ``"act"`` is ``tail(down(act(up(x))))`` (GPT-2: up ``c_fc``, down ``c_proj``,
     tail ``dropout``; ``down=None``: no second layer, as BERT's intermediate);
     ``"gated"`` is ``down(act(gate(x)) * up(x))`` (Llama); ``"packed"`` is
-    ``down(act(g) * u)`` with ``g, u = up(x).chunk(2, -1)`` (Phi-3's ``gate_up_proj``)."""
+    ``down(act(g) * u)`` with ``g, u = up(x).chunk(2, -1)`` (Phi-3's ``gate_up_proj``).
+    ``mid``: modules called between the activation (or the product) and ``down`` (T5's
+    ``dropout``); ``to_down_dtype``: the input of ``down`` cast to its weight's dtype first
+    (T5: ``wo`` may be kept fp32, by ``_keep_in_fp32_modules``; an int8 weight is left alone)."""
 
     form: str
     act: str
@@ -173,6 +179,8 @@ class MLPRule:
     down: str | None
     gate: str | None = None
     tail: tuple[str, ...] = ()
+    mid: tuple[str, ...] = ()
+    to_down_dtype: bool = False
 
 
 _LLAMA = MLPRule("gated", act="act_fn", up="up_proj", down="down_proj", gate="gate_proj")
@@ -199,6 +207,10 @@ MLP_RULES: dict[str, MLPRule] = {
         _LLAMA,
     ),
     "Phi3MLP": MLPRule("packed", act="activation_fn", up="gate_up_proj", down="down_proj"),
+    "T5DenseActDense": MLPRule("act", act="act", up="wi", down="wo", mid=("dropout",), to_down_dtype=True),
+    "T5DenseGatedActDense": MLPRule(
+        "gated", act="act", up="wi_1", down="wo", gate="wi_0", mid=("dropout",), to_down_dtype=True
+    ),
 }
 
 
@@ -241,6 +253,14 @@ def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:
     return rule.form != "act" or not _runs_more_than_forward(getattr(module, rule.up))
 
 
+def _to_weight_dtype(h: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """``h`` cast to ``layer``'s weight dtype, as T5's MLPs do before ``wo`` (not to int8)."""
+    weight = layer.weight
+    if isinstance(weight, torch.Tensor) and h.dtype != weight.dtype and weight.dtype != torch.int8:
+        return h.to(weight.dtype)
+    return h
+
+
 class FusedMLPForward:
     """The forward of a transformers MLP block converted with ``fuse_activations``: the
     rule's form with the activation on tkern's kernels (the GEMM epilogue, or the fused
@@ -267,8 +287,13 @@ class FusedMLPForward:
             h = swiglu(getattr(mlp, rule.gate)(x), up(x), activation)
         else:
             h = swiglu_packed(up(x), activation)
+        for name in rule.mid:
+            h = getattr(mlp, name)(h)
         if rule.down is not None:
-            h = getattr(mlp, rule.down)(h)
+            down = getattr(mlp, rule.down)
+            if rule.to_down_dtype:
+                h = _to_weight_dtype(h, down)
+            h = down(h)
         for name in rule.tail:
             h = getattr(mlp, name)(h)
         return h
@@ -277,18 +302,51 @@ class FusedMLPForward:
         return f"tkern.nn.fusion.FusedMLPForward({self.rule.form})"
 
 
+#: torch's classes in ``torch.nn.modules.activation`` that are not an elementwise activation.
+_NOT_ELEMENTWISE = frozenset({"Softmax", "Softmax2d", "LogSoftmax", "Softmin", "MultiheadAttention"})
+
+
+def _is_activation(module: nn.Module) -> bool:
+    """Whether ``module`` is an elementwise activation module (one the kernels compute,
+    transformers' ``ACT2FN`` classes, torch's ``nn.Tanh``, ``nn.ReLU6``, ...)."""
+    kind = type(module)
+    if epilogue_activation(module) is not None or kind.__module__ == "transformers.activations":
+        return True
+    return kind.__module__ == "torch.nn.modules.activation" and kind.__name__ not in _NOT_ELEMENTWISE
+
+
+def _is_gemm_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a Linear (torch's, tkern's, fp8) or transformers' Conv1D (or tkern's)."""
+    return isinstance(module, nn.Linear) or any(k.__name__ == "Conv1D" for k in type(module).__mro__)
+
+
+def _unruled_block(module: nn.Module) -> str | None:
+    """Why ``module``, a transformers class without a rule, is an MLP block left eager: its
+    name ends in ``MLP``, or an activation is one of its children beside two or more GEMM
+    layers (OPT's decoder layer calls ``fc2(activation_fn(fc1(x)))`` inline); else None."""
+    kind = type(module)
+    if not kind.__module__.startswith("transformers."):
+        return None
+    if kind.__name__.endswith("MLP"):
+        return "tkern has no fusion rule for this MLP class"
+    children = dict(module.named_children())
+    acts = [name for name, child in children.items() if _is_activation(child)]
+    if acts and sum(map(_is_gemm_layer, children.values())) >= 2:
+        return f"tkern has no fusion rule for this class, whose {acts[0]} runs between its GEMM layers"
+    return None
+
+
 def route_mlp(module: nn.Module) -> str | None:
     """Give ``module`` the fused forward if it is a transformers MLP block of a family
     in :data:`MLP_RULES` that can run fused. Returns why not where it is an MLP block
-    left eager (a family without a rule, an activation the kernels do not have, a
-    layer that takes no epilogue: for convert_network's warning), else None."""
+    left eager (a family without a rule (:func:`_unruled_block`), an activation the
+    kernels do not have, a layer that takes no epilogue: for convert_network's warning),
+    else None."""
     if "forward" in module.__dict__:
         return None  # the user's own replacement forward (or ours, from an earlier call)
     rule = mlp_rule(module)
     if rule is None:
-        if type(module).__module__.startswith("transformers.") and type(module).__name__.endswith("MLP"):
-            return "tkern has no fusion rule for this MLP class"
-        return None
+        return _unruled_block(module)
     reason = _why_not(module, rule)
     if reason is None:
         module.forward = FusedMLPForward(module, rule)

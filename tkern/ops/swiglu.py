@@ -99,8 +99,9 @@ class _SwiGLUPacked(torch.autograd.Function):
 
 @torch.library.custom_op("tkern::swiglu", mutates_args=())
 def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` on (M, N) tensors (kernels.swiglu.swiglu_forward)."""
-    return swiglu_forward(gate, up, activation)
+    """``act(gate) * up`` on (M, N) tensors (kernels.swiglu.swiglu_forward); a column-strided
+    input (a transposed view, as the eager path accepts) is made dense first."""
+    return swiglu_forward(_unit_columns(gate), _unit_columns(up), activation)
 
 
 @_swiglu_op.register_fake
@@ -113,7 +114,7 @@ def _swiglu_backward_op(
     dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dgate, dup)`` of ``act(gate) * up`` (kernels.swiglu.swiglu_backward)."""
-    return swiglu_backward(_unit_columns(dh), gate, up, activation)
+    return swiglu_backward(_unit_columns(dh), _unit_columns(gate), _unit_columns(up), activation)
 
 
 @_swiglu_backward_op.register_fake

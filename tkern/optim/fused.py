@@ -171,6 +171,16 @@ class FlatGroups:
             self.state[p] = ParamState(flat, i)
         self._layout_seen[id(flat)] = flat.layout_version
 
+    def host_counters(self) -> dict[str, int]:
+        """The host-side count of steps taken, for a caller that must take a step again
+        after its Python ran once (a failed CUDA graph capture): it puts them back with
+        :meth:`restore_host_counters`, so the step counts once."""
+        return {"steps": self._steps_run}
+
+    def restore_host_counters(self, counters: dict[str, int]) -> None:
+        """Put back what :meth:`host_counters` returned."""
+        self._steps_run = int(counters["steps"])
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every flat gradient buffer in place (the views stay attached, so
         ``.grad`` reads zeros). With ``set_to_none`` (the default) a param that

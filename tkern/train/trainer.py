@@ -269,8 +269,14 @@ class Trainer(GraphMixin, EpochMixin, CheckpointMixin):
         master and state), ``grads``, ``graphs`` (the CUDA graphs' memory pools:
         the whole step's and the fused optimizer's step graph, :meth:`graph_bytes`),
         ``activations`` (peak on CUDA, from ``torch.cuda.max_memory_allocated``, less
-        the rest; on CPU the tensors saved for backward in the first step's forward)
-        and ``total``."""
+        the rest, the graphs' pools by their allocated bytes; on CPU the tensors saved
+        for backward in the first step's forward) and ``total``."""
+        graphs = self.graph_usage()
         return memory_report(
-            self.model, self.optimizer, self.device, self._activations.bytes, graph_bytes=self.graph_bytes()
+            self.model,
+            self.optimizer,
+            self.device,
+            self._activations.bytes,
+            graph_bytes=graphs.reserved,
+            graph_allocated=graphs.allocated,
         )

@@ -9,15 +9,18 @@ The choice ``"auto"`` makes, per batch shape (:func:`choose`):
    accumulation, DDP, a sharded optimizer, ...): eager for every shape;
 2. a batch shape is *observed* while it comes :data:`OBSERVED_STEPS` (4) steps in a
    row, all eager: the first builds lazy state and compiles (left out), the second and
-   third are traced (the ops each runs on the device, and whether one reads a device
-   value on the host), the fourth is timed from an idle device (the seam's ``time``: the
+   third are traced (the ops each runs on the device and tkern's kernel launches, each
+   with the parameters and buffers it takes, and whether one reads a device value on
+   the host), the fourth is timed from an idle device (the seam's ``time``: the
    host's time to launch the step, and the time until the device finished it; untraced,
    so that the trace's own host cost is not counted). A shape that does not come that
    many steps in a row (an epoch's last, smaller batch; dynamic shapes) stays eager;
-3. after them it is captured when the two traced steps ran the same ops (no
-   data-dependent branch) and read nothing of the device on the host, and the host's
-   share of the timed step is at least :data:`HOST_BOUND_SHARE`; otherwise it stays
-   eager. The choice is logged once per shape (logger
+3. after them it is captured when the two traced steps ran the same ops on the same
+   parameters (no data-dependent branch, no weight picked by a host counter) and read
+   nothing of the device on the host, and the host's share of the timed step is at
+   least :data:`HOST_BOUND_SHARE`; otherwise it stays eager. Under an optimizer's
+   ``process_group`` the ranks' choices are all-reduced (:func:`agree`): captured only
+   where every rank chose it. The choice is logged once per shape (logger
    ``tkern.train.trainer``) and kept in ``trainer.graph_status``.
 """
 
@@ -27,13 +30,14 @@ import logging
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from tkern.amp import LossScaler
 from tkern.graphs import (
@@ -43,10 +47,12 @@ from tkern.graphs import (
     CaptureError,
     CudaGraphCapture,
     GraphCapture,
+    PoolUsage,
     StepGraphs,
     capture_failed,
     device_blocker,
     key_value,
+    trace_launches,
 )
 from tkern.kernels import INTERPRET
 from tkern.optim import FusedOptimizer
@@ -60,6 +66,7 @@ __all__ = [
     "WARMUP_STEPS",
     "GraphMixin",
     "Observation",
+    "agree",
     "choose",
     "graph_blocker",
     "graph_stamp",
@@ -205,15 +212,32 @@ def batch_key(x: torch.Tensor, y: torch.Tensor) -> tuple:
 # ---------------------------------------------------------------------- the auto choice
 
 
-class _Trace(TorchDispatchMode):
-    """The ops a step runs on ``device`` (name and first output's shape), and whether
-    one of them reads a device value on the host (``.item()``, a data-dependent shape)."""
+def _address(t: torch.Tensor) -> int | None:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # a tensor with no storage of its own (a wrapper subclass)
+        return None
 
-    def __init__(self, device: torch.device) -> None:
+
+class _Trace(TorchDispatchMode):
+    """What a step runs on ``device``, in order: each op through the dispatcher (its name,
+    its first output's shape) and each launch of a tkern Triton kernel (its name and
+    arguments: on a GPU they never pass the dispatcher), each with the parameters and
+    buffers among its arguments (``named``: their names by address), so a branch that
+    picks between same-shaped weights shows; and whether an op reads a device value on
+    the host (``.item()``, a data-dependent shape) on a device of ``capture_type``, the
+    type the capture seam records."""
+
+    def __init__(self, device: torch.device, capture_type: str, named: dict[int, str]) -> None:
         super().__init__()
         self.device = device
+        self.capture_type = capture_type
+        self.named = named
         self.ops: list[tuple] = []
         self.host_read: str | None = None
+
+    def _name(self, t: torch.Tensor) -> str | None:
+        return self.named.get(_address(t))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -221,12 +245,38 @@ class _Trace(TorchDispatchMode):
         if first is None or first.device != self.device:
             return out  # host-side bookkeeping (a scaler's pinned mirror), not the step's launches
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
-        self.ops.append((str(func), shape))
+        values = tree_flatten((args, kwargs or {}))[0]
+        params = tuple((i, self._name(v)) for i, v in enumerate(values) if isinstance(v, torch.Tensor))
+        self.ops.append((str(func), shape, tuple(p for p in params if p[1] is not None)))
         scalar = func is torch.ops.aten._local_scalar_dense.default
         reads = scalar or torch.Tag.dynamic_output_shape in func.tags
-        if reads and self.device.type == "cuda" and self.host_read is None:
+        if reads and self.device.type == self.capture_type and self.host_read is None:
             self.host_read = str(func)
         return out
+
+    def launch(self, kernel: str, args: tuple, kwargs: dict) -> None:
+        """A tkern kernel's launch (:func:`tkern.graphs.trace_launches`): its tensors
+        (dtype, shape, which parameter or buffer), its flags and modes; of a number only
+        its type, since a graph may bake a number in on purpose (the step number with
+        which the statistics mark an overflowing parameter), and sizes show in the shapes."""
+
+        def arg(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                return (v.dtype, tuple(v.shape), self._name(v))
+            return v if isinstance(v, (bool, str, type(None))) else type(v).__name__
+
+        named = tuple((k, arg(v)) for k, v in kwargs.items())
+        self.ops.append(("triton", kernel, tuple(map(arg, args)), named))
+
+
+def _named_tensors(model: nn.Module) -> dict[int, str]:
+    """The addresses of ``model``'s parameters and buffers, to their names."""
+    named = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        address = _address(t) if t.numel() else None
+        if address is not None:
+            named.setdefault(address, name)
+    return named
 
 
 @dataclass
@@ -253,13 +303,28 @@ def choose(observed: list[Observation]) -> tuple[bool, str]:
     if read is not None:
         return False, f"the step reads a device value on the host ({read}), which a graph cannot replay"
     if any(o.ops != traced[0].ops for o in traced[1:]):
-        return False, "its steps ran different ops (a data-dependent branch), so one graph cannot replay them"
+        return False, (
+            "its steps ran different ops, or the same ops on different parameters (a data-dependent "
+            "branch), so one graph cannot replay them"
+        )
     fastest = min(timed, key=lambda o: o.synced_s)
     share = f"launching takes {fastest.share:.0%}"
     ms = f"{1e3 * fastest.host_s:.3g} ms of a {1e3 * fastest.synced_s:.3g} ms step"
     if fastest.share >= HOST_BOUND_SHARE:
         return True, f"the host bounds it: {share} ({ms}; >= {HOST_BOUND_SHARE:.0%})"
     return False, f"the device bounds it: {share} ({ms}; < {HOST_BOUND_SHARE:.0%})"
+
+
+def agree(flag: bool, groups: list, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every rank of each of the process ``groups``: a MIN
+    all-reduce of 0/1 on ``device`` (where the groups' backend runs: NCCL's on CUDA),
+    read on the host once. Every rank must call it at the same point."""
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    for group in groups:
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    return bool(flags.item())
 
 
 # ---------------------------------------------------------------------- the mixin
@@ -360,9 +425,12 @@ class GraphMixin:
             self._status = f"eager for batches of shape {_shape(key)}: {choice[1]}"
             self.graphs.counts[EAGER] += 1
             return self._steps_through([(x, y)], set_to_none=False, measure=measure)
+        saved = None if self.graphs.captured(key) else self._host_counters()
         try:
             out = self._graphed_step(x, y, measure)
         except CaptureError as e:  # raised by _graphed_step for "auto": this shape runs eager from now
+            for part, counters in saved or ():  # the capture ran the step's Python: it counts once
+                part.restore_host_counters(counters)
             why = capture_failed(f"the step for batches of shape {_shape(key)}", e)
             self._choose(key, False, f"{why}; the step was taken again eager")
             warnings.warn(f"Trainer(cuda_graph='auto'): {why}; batches of this shape run eager", stacklevel=4)
@@ -370,6 +438,13 @@ class GraphMixin:
             return self._steps_through([(x, y)], set_to_none=False, measure=measure)
         self._status = f"graphed for batches of shape {_shape(key)}: {choice[1]}"
         return out
+
+    def _host_counters(self) -> list[tuple[Any, Any]]:
+        """The optimizer's and the scaler's host-side counters (``host_counters()``,
+        where they have one), for a step that may be captured: a capture runs the
+        step's Python, and a failed one is taken again eager."""
+        parts = (self.optimizer, self.scaler)
+        return [(p, p.host_counters()) for p in parts if hasattr(p, "restore_host_counters")]
 
     def _streak(self, key: tuple) -> None:
         """``"auto"``: a step of another shape ends the observed shape's steps in a row;
@@ -391,9 +466,15 @@ class GraphMixin:
         """``"auto"``: one eager step of a shape not chosen for yet, timed and traced;
         the choice after :data:`OBSERVED_STEPS` of them in a row."""
         observed = self._observed[1]
-        trace = _Trace(self.device) if len(observed) in TRACED_STEPS else None
-        with trace if trace is not None else nullcontext():
-            out, host_s, synced_s = self.graphs.seam.time(
+        seam = self.graphs.seam
+        trace = None
+        if len(observed) in TRACED_STEPS:
+            trace = _Trace(self.device, seam.device_type, _named_tensors(self.model))
+        with ExitStack() as traced:
+            if trace is not None:
+                traced.enter_context(trace)
+                traced.enter_context(trace_launches(trace.launch))
+            out, host_s, synced_s = seam.time(
                 lambda: self._steps_through([(x, y)], set_to_none=False, measure=measure)
             )
         if trace is None:
@@ -406,7 +487,7 @@ class GraphMixin:
             f"observed {len(observed)} of {OBSERVED_STEPS} steps in a row"
         )
         if len(observed) == OBSERVED_STEPS:
-            self._choose(key, *self._auto_choice(observed))
+            self._choose(key, *self._agreed(*self._auto_choice(observed)))
         return out
 
     def _auto_choice(self, observed: list[Observation]) -> tuple[bool, str]:
@@ -416,6 +497,15 @@ class GraphMixin:
         if graphed >= MAX_GRAPHS:
             return False, f"graphs are kept for the first {MAX_GRAPHS} batch shapes only"
         return choose(observed)
+
+    def _agreed(self, capture: bool, why: str) -> tuple[bool, str]:
+        """Under a ``process_group``, the choice every rank makes: capture only where
+        all ranks chose to (:func:`agree` over the optimizer's collective groups), since
+        each decides from its own timing and a graph replays its step's collectives."""
+        groups = self.optimizer.collective_groups() if isinstance(self.optimizer, FusedOptimizer) else []
+        if not groups or agree(capture, groups, self.device) == capture:
+            return capture, why
+        return False, "another rank chose eager for it, and the ranks of a process group choose alike"
 
     def _choose(self, key: tuple, capture: bool, why: str) -> None:
         self.graph_choices[key] = (capture, why)
@@ -467,7 +557,19 @@ class GraphMixin:
             self.optimizer.grad_stats = static.clone()
 
     def graph_bytes(self) -> int:
-        """The memory the CUDA graphs' pools hold: the whole step's graphs and the
-        fused optimizer's own step graph (its ``graph_pool_bytes``)."""
-        whole = 0 if self.graphs is None else self.graphs.pool_bytes
-        return whole + getattr(self.optimizer, "graph_pool_bytes", 0)
+        """The memory the CUDA graphs' pools hold (:meth:`graph_usage`'s ``reserved``)."""
+        return self.graph_usage().reserved
+
+    def graph_usage(self) -> PoolUsage:
+        """The memory the CUDA graphs' pools hold, reserved and allocated: the whole
+        step's graphs' and the fused optimizer's own step graph's (the pool of its
+        ``graph_capture`` where that seam measures one, else its ``graph_pool_bytes``)."""
+        whole = PoolUsage(0, 0) if self.graphs is None else self.graphs.pool_usage()
+        seam = getattr(self.optimizer, "graph_capture", None)
+        if seam is not None and seam is getattr(self.graphs, "seam", None):
+            own = PoolUsage(0, 0)  # one seam, one pool: counted above
+        elif hasattr(seam, "pool_usage"):
+            own = seam.pool_usage()
+        else:
+            own = PoolUsage(*[getattr(self.optimizer, "graph_pool_bytes", 0)] * 2)
+        return PoolUsage(whole.reserved + own.reserved, whole.allocated + own.allocated)

@@ -72,13 +72,16 @@ def memory_report(
     device: torch.device,
     activation_bytes: int,
     graph_bytes: int = 0,
+    graph_allocated: int | None = None,
 ) -> MemoryReport:
     """Bytes used: ``model`` (params and buffers), ``optimizer`` (fp32
-    master and state), ``grads``, ``graphs`` (``graph_bytes``: the CUDA graphs' memory
-    pools, the optimizer's step graph's included), ``activations`` (peak on CUDA, from
-    ``torch.cuda.max_memory_allocated``, less the rest; on CPU ``activation_bytes``, the
-    tensors saved for backward in a measured forward) and ``total``. A
-    :class:`~tkern.optim.report.MemoryReport`: ints in bytes; ``print`` gives MiB."""
+    master and state), ``grads``, ``graphs`` (``graph_bytes``: what the CUDA graphs'
+    memory pools reserve, the optimizer's step graph's included), ``activations`` (peak
+    on CUDA, from ``torch.cuda.max_memory_allocated``, less the rest in allocated bytes:
+    of the graphs' pools ``graph_allocated``, default ``graph_bytes``; on CPU
+    ``activation_bytes``, the tensors saved for backward in a measured forward) and
+    ``total``. A :class:`~tkern.optim.report.MemoryReport`: ints in bytes; ``print``
+    gives MiB."""
     model_bytes = tensor_bytes(list(model.parameters()) + list(model.buffers()))
     params = {id(p) for p in model.parameters()}
     state = [
@@ -91,7 +94,8 @@ def memory_report(
     grads = tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        activations = max(peak - model_bytes - optimizer_bytes - grads - graph_bytes, 0)
+        in_graphs = graph_bytes if graph_allocated is None else graph_allocated
+        activations = max(peak - model_bytes - optimizer_bytes - grads - in_graphs, 0)
     else:
         activations = activation_bytes
     sizes = [model_bytes, optimizer_bytes, grads, graph_bytes, activations]
