@@ -11,7 +11,12 @@
 (in this order: a time-boxed run that is cut short keeps the headline model).
 Recipes (:data:`RECIPES`), each from the same initial weights and the same batch,
 every step one ``tkern.Trainer.train_step`` (zero the gradients, forward, loss,
-scaled backward, step), so every recipe pays the same loop:
+scaled backward, step), so every recipe pays the same loop. The language models' loss
+is the mean next-token cross entropy: every tkern recipe trains them as a tkern user
+does, ``convert_network(..., fused_loss=True)`` and the model called with labels
+(:class:`HFLM`'s ``fused_loss`` mode: the loss by ``tkern.linear_cross_entropy``, no
+tokens x vocabulary logits), the torch and torchao recipes from the logits in eager
+fp32 (:func:`lm_loss`):
 
 * ``tkern``: convert_network (fp16) + FusedAdamW + DynamicLossScaler with no option
   set: the Trainer's ``cuda_graph="auto"`` (the whole step captured where the host
@@ -30,7 +35,8 @@ scaled backward, step), so every recipe pays the same loop:
   (``tkern bf16`` for the bf16 and fp8 rows);
 * ``tkern fp8 tensorwise`` / ``delayed`` / ``blockwise``: ``convert_network(model,
   torch.bfloat16, float8=recipe)`` (Float8Linear wherever in and out features are
-  multiples of 16), FusedAdamW, no loss scale (bf16);
+  multiples of 16, the LM head aside: its GEMMs run in bf16 inside the fused loss,
+  :func:`fp8_body_filter`), FusedAdamW, no loss scale (bf16);
 * ``torch autocast``: fp32 params, autocast fp16 + GradScaler + AdamW(fused=True);
 * ``torch autocast compiled``: the same model under ``torch.compile`` (the best
   a torch user has without writing kernels);
@@ -192,17 +198,34 @@ def _tkern(
     ``"auto"`` unless asked; ``dtype`` bf16: no loss scale; ``compiled``: the converted
     model under ``torch.compile`` (default mode: tkern's own CUDA graphs stay the
     optimizer's); ``opt_options`` go to FusedAdamW (``cuda_graph=False``: its step eager;
-    ``master``, ``state_dtype``: the memory modes)."""
-    model = tkern.convert_network(copy.deepcopy(base), dtype)
+    ``master``, ``state_dtype``: the memory modes). A language model (:class:`HFLM`)
+    computes its loss with tkern's fused loss (:func:`_converted`)."""
+    model = _converted(base, dtype)
     opt = tkern.optim.FusedAdamW(model.parameters(), lr=LR, **opt_options)
     scaler = tkern.DynamicLossScaler() if dtype == torch.float16 else None
     return Built(torch.compile(model) if compiled else model, opt, scaler, cuda_graph=whole_step)
 
 
+def _converted(base: nn.Module, dtype: torch.dtype, **options) -> nn.Module:
+    """``convert_network`` of a copy of ``base``; a language model (:class:`HFLM`) with
+    ``fused_loss=True`` and called in its ``fused_loss`` mode, as a tkern user trains one:
+    the loss by :func:`tkern.linear_cross_entropy`, no (tokens x vocabulary) logits."""
+    lm = isinstance(base, HFLM)
+    model = tkern.convert_network(copy.deepcopy(base), dtype, fused_loss=lm, **options)
+    if lm:
+        model.fused_loss = True
+    return model
+
+
+def fp8_body_filter(name: str, module: nn.Module) -> bool:
+    """:func:`fp8_filter` without the LM head, the layers tkern's fp8 recipes convert: under
+    the fused loss the head's weight feeds :func:`tkern.linear_cross_entropy` (bf16) and its
+    own forward never runs, so an fp8 head would sit unused."""
+    return fp8_filter(name, module) and not name.endswith("lm_head")
+
+
 def _tkern_fp8(base: nn.Module, device: torch.device, recipe: str) -> Built:
-    model = tkern.convert_network(
-        copy.deepcopy(base), torch.bfloat16, float8=recipe, float8_filter=fp8_filter
-    )
+    model = _converted(base, torch.bfloat16, float8=recipe, float8_filter=fp8_body_filter)
     return Built(model, tkern.optim.FusedAdamW(model.parameters(), lr=LR))
 
 
@@ -304,8 +327,24 @@ SMOKE_GPT2_RECIPES = ("tkern", "tkern fp8 tensorwise", "torchao float8 tensorwis
 LM_CASES = ("gpt2", "llama")
 
 
-class GPT2LM(nn.Module):
-    """A transformers GPT-2 LM whose forward returns the logits (what a loss needs)."""
+class HFLM(nn.Module):
+    """A transformers causal LM (``self.lm``) behind one ``forward(ids)``: the logits
+    (what :func:`lm_loss` needs), or with ``fused_loss`` set the model's own loss,
+    ``self.lm(input_ids=ids, labels=ids).loss`` (transformers shifts the labels inside:
+    the mean next-token cross entropy over the seq - 1 predicted positions of each row,
+    :func:`lm_loss`'s quantity), as a user of ``convert_network(..., fused_loss=True)``
+    calls it: tkern computes it without materializing the logits."""
+
+    fused_loss = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fused_loss:
+            return self.lm(input_ids=ids, labels=ids, use_cache=False).loss
+        return self.lm(input_ids=ids, use_cache=False).logits
+
+
+class GPT2LM(HFLM):
+    """A transformers GPT-2 LM (:class:`HFLM`)."""
 
     def __init__(self, config: dict) -> None:
         super().__init__()
@@ -316,13 +355,10 @@ class GPT2LM(nn.Module):
         )
         self.lm = GPT2LMHeadModel(cfg)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=ids, use_cache=False).logits
 
-
-class LlamaLM(nn.Module):
-    """A transformers Llama LM (SwiGLU MLP, RMSNorm, rotary positions, untied head)
-    whose forward returns the logits."""
+class LlamaLM(HFLM):
+    """A transformers Llama LM (:class:`HFLM`: SwiGLU MLP, RMSNorm, rotary positions,
+    untied head)."""
 
     def __init__(self, config: dict) -> None:
         super().__init__()
@@ -331,16 +367,16 @@ class LlamaLM(nn.Module):
         cfg = LlamaConfig(**config, attn_implementation="sdpa", tie_word_embeddings=False)
         self.lm = LlamaForCausalLM(cfg)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=ids, use_cache=False).logits
-
 
 def classify_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.float(), y)
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy, in fp32 (the loss is one of the FP32 islands)."""
+    """Next-token cross entropy, in fp32 (the loss is one of the FP32 islands); an
+    :class:`HFLM` in ``fused_loss`` mode returns its loss, which passes through."""
+    if logits.dim() == 0:  # the model's own loss (HFLM.fused_loss): the same quantity
+        return logits
     return nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
 
 

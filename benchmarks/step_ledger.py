@@ -42,7 +42,9 @@ the ledger. Categories (:data:`CATEGORIES`; names stable, compared across commit
   unfused norm's elementwise ops count as the norm's;
   ``embedding``: the token and position lookups and their backward;
 * ``loss``: everything from the model's output to the loss, in forward and backward
-  (the fp32 upcast of the logits, the shift, log-softmax, NLL, their gradients);
+  (the fp32 upcast of the logits, the shift, log-softmax, NLL, their gradients), and
+  tkern's cross-entropy kernels: under the fused loss of the tkern recipes (inside the
+  model's forward) those, the chunked head GEMMs being the head's;
 * ``fp8 cast/amax``: fp8 casts, amax and scale bookkeeping;
 * ``optimizer``: everything in ``optimizer.step`` and the scaler's step and update;
 * ``copies and fills``: copies, dtype casts, ``cat``, fills and zero-fills;

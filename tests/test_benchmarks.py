@@ -202,6 +202,44 @@ def test_conv1d_as_linear_computes_the_same_gpt2():
     torch.testing.assert_close(converted(ids), ref, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("model", ["GPT2LM", "LlamaLM"])
+def test_tkern_lm_recipes_train_on_the_fused_loss_the_quantity_of_lm_loss(model):
+    """The tkern recipes call the converted LM in its fused_loss mode (the model's own loss by
+    tkern.linear_cross_entropy, no logits): it is lm_loss's quantity, the mean next-token
+    cross entropy over the seq - 1 predicted positions of each row, for the same fp16 weights
+    (the two differ by the fp16 rounding of the logits lm_loss reads: a few 2^-11 relative of
+    the loss, within 1e-3; the fp32 model's loss as near: its weights rounded to fp16); the
+    torch recipes keep the logits and lm_loss."""
+    pytest.importorskip("transformers")
+    import bench_train
+
+    cls = getattr(bench_train, model)
+    config = bench_train.GPT2_SMOKE if model == "GPT2LM" else bench_train.LLAMA_SMOKE
+    torch.manual_seed(0)
+    base = cls(config).to(DEVICE)
+    ids = torch.randint(0, config["vocab_size"], (2, 16), device=DEVICE)
+    device, vocab = torch.device(DEVICE), config["vocab_size"]
+    assert bench_train.RECIPES["torch autocast"](base, device, True).model(ids).shape == (2, 16, vocab)
+    tk = bench_train.RECIPES["tkern"](base, device, True).model
+    with torch.no_grad():
+        fp32 = bench_train.lm_loss(base(ids), ids)
+        fused = tk(ids)
+        assert fused.shape == ()
+        assert bench_train.lm_loss(fused, ids) is fused  # the Trainer's loss_fn passes it through
+        tk.fused_loss = False
+        logits = tk(ids)
+        eager = bench_train.lm_loss(logits, ids)
+        unshifted = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+    torch.testing.assert_close(fused, eager, rtol=1e-3, atol=0)
+    torch.testing.assert_close(fused, fp32, rtol=1e-3, atol=0)  # and the fp32 model's, fp16 weights aside
+    assert abs(fused - unshifted) > 1e-2, (fused, unshifted)  # a loss without the shift fails
+    # a Trainer step at the scaler's first 2^16 (the head's wgrad into the flat buffer, scaled in
+    # fp32: 2^16 is no fp16 number) is clean, as the eager loss's step is
+    built = bench_train.RECIPES["tkern"](base, device, True)
+    bench_train.trainer_for(built, bench_train.lm_loss).train_step([(ids, ids)])
+    assert built.scaler.get_scale() == 2.0**16 and built.scaler.skipped_steps == 0
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the smoke path is the CPU's rehearsal of the GPU rows")
 def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_path):
     """bench_gemm --layouts/--shapes (the flags gpu_check.sh calls): every training layout

@@ -302,12 +302,9 @@ def _weight_grad(ctx, gw: Tensor | None, scale: Tensor | None) -> Tensor | None:
     if target is None:
         return gw if scale is None else (gw * scale).to(gw.dtype)
     _, view, accumulate = target
-    if scale is None:
-        view.add_(gw) if accumulate else view.copy_(gw)
-    elif accumulate:
-        view.addcmul_(gw, scale.to(gw.dtype))
-    else:
-        torch.mul(gw, scale.to(gw.dtype), out=view)
+    if scale is not None:  # in fp32: a loss scaler's 2^16 is no fp16 number (it rounds to inf)
+        gw = gw.float().mul_(scale)
+    view.add_(gw) if accumulate else view.copy_(gw)
     return common.hand_over(target)
 
 
