@@ -55,6 +55,7 @@ def test_on_a_gpu_machine_nothing_collected_needs_the_cpu():
     assert {n.split("::")[0] for n in by_use["recorder"]} == {
         "tests/test_health.py",
         "tests/test_optim_graph.py",
+        "tests/test_optim_one_pass.py",
         "tests/test_trainer_auto.py",
         "tests/test_trainer_graph.py",
     }
