@@ -11,11 +11,22 @@ no host synchronization (a small step is both in one launch: see below):
    unscales, clips, updates the fp32 master and state in fp32 and writes the
    master, rounded to nearest, into the fp16/bf16 params.
 
-A step whose work is one range of at most :attr:`FusedOptimizer.one_pass_max_elements`
-elements (by default :data:`~tkern.kernels._update.ONE_PASS_MAX_ELEMENTS`: one param
-group of one dtype, every param with a gradient, no process group, ZeRO-2 or FSDP2, no
-overflow tracking) runs both passes and the step count in ONE launch of one program,
-with bit for bit the results of the two passes.
+A step whose work is one range (one param group of one dtype, every param with a
+gradient, no process group, ZeRO-2 or FSDP2, no overflow tracking) can run both passes
+and the step count in ONE launch, with bit for bit the results of the two passes;
+:attr:`FusedOptimizer.one_pass` picks how (:func:`tkern.kernels._update.step_path`):
+
+* ``"auto"`` (the default) and ``"single"``: one program, for a range of at most
+  :attr:`FusedOptimizer.one_pass_max_elements` elements (by default
+  :data:`~tkern.kernels._update.ONE_PASS_MAX_ELEMENTS`); two passes above;
+* ``"grid"``: one launch of up to one program per SM for a range of at most
+  :data:`~tkern.kernels._update.GRID_MAX_ELEMENTS` elements: each program computes its
+  share of the statistics, all meet at a grid barrier (:mod:`tkern.kernels.grid_sync`), each
+  updates its share. CUDA only (one program under Triton's interpreter); a cooperative
+  launch. Not the default: no GPU has measured it yet (bench_optimizer ``--sections grid``);
+* ``"off"``: always two passes.
+
+:attr:`FusedOptimizer.step_path` says which path the last step took and why.
 
 Interface with loss scalers: ``step(inv_scale=t)`` takes ``1 / loss scale`` as
 a (1,) fp32 device tensor; after the step, ``optimizer.grad_stats`` holds the
@@ -60,7 +71,15 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes
-from tkern.kernels._update import MIN_8BIT_SIZE, ONE_PASS_MAX_ELEMENTS, UpdateBuffers
+from tkern.kernels._update import (
+    MIN_8BIT_SIZE,
+    ONE_PASS_MAX_ELEMENTS,
+    ONE_PASS_MODES,
+    StepPath,
+    UpdateBuffers,
+    step_path,
+)
+from tkern.kernels.grid_sync import GridBarrier, device_programs, new_grid_barrier
 from tkern.kernels.overflow import (
     FOUND_INF,
     N_STATS,
@@ -251,8 +270,14 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         self._layout_seen: dict[int, int] = {}
         self._steps_run = 0
         #: Steps whose work is one range of at most this many elements (and no collective
-        #: or overflow tracking) run in one launch (see the module docstring); 0: never.
+        #: or overflow tracking) run in one program (``one_pass`` "auto" or "single"; see the
+        #: module docstring); 0: never.
         self.one_pass_max_elements = ONE_PASS_MAX_ELEMENTS
+        self._one_pass_mode = "auto"
+        #: The path the last step took (:class:`tkern.kernels._update.StepPath`: "single",
+        #: "grid" or "two-pass", its programs and why); None before the first step.
+        self.step_path: StepPath | None = None
+        self._grid_barrier: GridBarrier | None = None
         self._init_health()
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
         #: buffers over them (their updated params are copied out after each step).
@@ -261,6 +286,22 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         if master == "none":  # DDP's replicas round alike: one broadcast, at construction
             self._share_seed(process_group)
         super().__init__(params, defaults)
+
+    @property
+    def one_pass(self) -> str:
+        """How a step whose work is one range runs in one launch: ``"auto"`` (the default:
+        today ``"single"``'s rule), ``"single"`` (one program, up to
+        :attr:`one_pass_max_elements`), ``"grid"`` (one launch of up to one program per SM,
+        meeting at a grid barrier, up to :data:`~tkern.kernels._update.GRID_MAX_ELEMENTS`;
+        CUDA and the interpreter only) or ``"off"`` (two passes). Every path gives the same
+        bits; :attr:`step_path` says which the last step took."""
+        return self._one_pass_mode
+
+    @one_pass.setter
+    def one_pass(self, mode: str) -> None:
+        if mode not in ONE_PASS_MODES:
+            raise ValueError(f"one_pass must be one of {ONE_PASS_MODES}, got {mode!r}")
+        self._one_pass_mode = mode
 
     # ----------------------------------------------------------- construction
 
@@ -331,8 +372,8 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
 
     def _launch(self, args: dict[str, Any], buffers: UpdateBuffers, **one_pass: Any) -> None:
         """Launch the update kernel on ``buffers`` with ``args`` (the group's, as
-        :meth:`_validate_group` gives them); ``one_pass``: the launcher's ``one_pass``
-        and ``found_inf`` (the whole step in one launch)."""
+        :meth:`_validate_group` gives them); ``one_pass``: the launcher's ``one_pass``,
+        ``found_inf`` and ``barrier`` (the whole step in one launch)."""
         raise NotImplementedError
 
     def _ones(self) -> torch.Tensor:
@@ -435,7 +476,8 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         if single is not None:
             stats = torch.empty(N_STATS, dtype=torch.float32, device=self._device)
             single.stats, single.inv_scale = stats, inv_scale
-            self._launch(_fp32_lr(work[0][0]), single, one_pass=True, found_inf=found_inf)
+            barrier = self._barrier() if self.step_path.path == "grid" else None
+            self._launch(_fp32_lr(work[0][0]), single, one_pass=True, found_inf=found_inf, barrier=barrier)
             return stats
         stats = self._step_stats(work, inv_scale, found_inf)
         applied = torch.sub(self._ones(), stats[FOUND_INF : FOUND_INF + 1])
@@ -451,22 +493,42 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         return stats
 
     def _one_pass(self, work: list) -> UpdateBuffers | None:
-        """The step's one range when the whole step can run in one launch, else None:
-        one planned range (one flat buffer with one step count), of at most
-        :attr:`one_pass_max_elements` elements and a multiple of 16 (pass 1 reads it as
-        one piece, so the one launch computes the same statistics), no collective
-        (process_group, ZeRO-2, FSDP2) between the passes, no overflow tracking."""
-        if len(work) != 1 or len(work[0][1]) != 1 or self.track_overflows:
-            return None
-        if (
+        """The step's one range when the whole step can run in one launch, else None, with
+        :attr:`step_path` set to the path and why: one planned range (one flat buffer with
+        one step count), no collective (process_group, ZeRO-2, FSDP2) between the passes,
+        no overflow tracking, and then :func:`tkern.kernels._update.step_path`'s rule for
+        its length (a multiple of 16, so pass 1 reads it as one piece and the one launch
+        computes the same statistics) and :attr:`one_pass`."""
+        why = None
+        if len(work) != 1 or len(work[0][1]) != 1:
+            why = _SEVERAL_RANGES
+        elif self.track_overflows:
+            why = _TRACKED
+        elif (
             self._process_group is not None
             or self.shard_group is not None
             or self._dtensor_storage is not None
         ):
+            why = _COLLECTIVE
+        if why is not None:
+            self.step_path = why
             return None
         b = work[0][1][0]
-        n = b.param.numel()
-        return b if 0 < n <= self.one_pass_max_elements and n % 16 == 0 else None
+        programs = device_programs(self._device) if self._one_pass_mode == "grid" else 0
+        self.step_path = step_path(
+            b.param.numel(),
+            self._one_pass_mode,
+            device_programs=programs,
+            single_max=self.one_pass_max_elements,
+        )
+        return None if self.step_path.path == "two-pass" else b
+
+    def _barrier(self) -> GridBarrier:
+        """The grid-wide step's barrier workspace (made on the first grid step, eagerly:
+        a graph's warm-up step precedes its capture; it resets itself at every step)."""
+        if self._grid_barrier is None or self._grid_barrier.word.device != self._device:
+            self._grid_barrier = new_grid_barrier(self._device, self.step_path.programs)
+        return self._grid_barrier
 
     def _step_stats(
         self, work: list, inv_scale: torch.Tensor, found_inf: torch.Tensor | None
@@ -522,6 +584,7 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         self._copied_health(state)
         state.pop("_plan_flats", None)
         state["_float8_caches"] = []  # weak references: found again from the params
+        state["_grid_barrier"] = None  # a workspace per optimizer: a copy makes its own
         state["_graph"] = self._new_graphs()  # a graph holds device memory and addresses: captured anew
         return state
 
@@ -535,6 +598,12 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
                 self._refresh_state(flat)
         params = [p for g in self.param_groups for p in g["params"]]
         self._float8_caches = [c for p in params if (c := float8_weight_cache(p)) is not None]
+
+
+# why a step is two-pass before its length is looked at (FusedOptimizer.step_path)
+_SEVERAL_RANGES = StepPath("two-pass", 0, "more than one range (param groups, dtypes or step counts)")
+_TRACKED = StepPath("two-pass", 0, "track_overflows")
+_COLLECTIVE = StepPath("two-pass", 0, "a collective between the passes (process_group, ZeRO-2, FSDP2)")
 
 
 def _fp32_lr(group_args: dict[str, Any]) -> dict[str, Any]:
