@@ -161,10 +161,16 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
     variants += [(d, m, k, heaviest, False) for d, m, k in _MODE_CASES]
     # the one-pass step (statistics, every tile and the step count in one program, issue 45
     # item 3): each 16-bit dtype on the plainest flags and, with a GradScaler's found_inf,
-    # on the heaviest (clipping reads the statistics it wrote)
-    one_pass = [(d, "fp32", "fp32", f, "one-pass") for d in ("fp16", "bf16") for f in (flags[0], heaviest)]
+    # on the heaviest (clipping reads the statistics it wrote); the grid-wide step likewise
+    one_pass = [
+        (d, "fp32", "fp32", f, way)
+        for way in ("one-pass", "grid")
+        for d in ("fp16", "bf16")
+        for f in (flags[0], heaviest)
+    ]
     for dtype, master, kind, f, tail in variants + one_pass:
-        single = tail == "one-pass"
+        single = tail in ("one-pass", "grid")
+        grid = tail == "grid"
         tail = tail is True
         held = "i16" if master == "split" else dtype  # a split master's param is addressed as int16
         sig, const = {}, {}
@@ -175,6 +181,8 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
                 sig[name] = _ptr({"split": "i16", "none": dtype}.get(master, "fp32"))
             elif name.endswith("_absmax_ptr") or name.endswith("_qmap_ptr"):
                 sig[name] = "*fp32"
+            elif name == "barrier_ptr":  # the grid barrier's int32 words (a placeholder otherwise)
+                sig[name] = "*i32" if grid else "*fp32"
             elif name.endswith("_ptr") and name.startswith(prefixes):
                 sig[name] = _ptr(kind)
             elif name.endswith("_ptr"):
@@ -188,7 +196,7 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
             else:
                 sig[name] = "fp32"
         const.update(f, MASTER=_MASTER[master], PARAM_DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=mod.BLOCK)
-        const.update(ONE_PASS=single, HAS_FOUND=single and f is heaviest, STATS_BLOCK=ov.BLOCK)
+        const.update(ONE_PASS=single, HAS_FOUND=single and f is heaviest, GRID=grid, STATS_BLOCK=ov.BLOCK)
         const.update(dict.fromkeys(kinds, _KIND[kind]))
         if opt == "sgd":
             const.pop("DECOUPLED", None)
@@ -202,8 +210,9 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
         mode_s = (
             "" if (master, kind) in (("self", "fp32"), ("fp32", "fp32")) else f",master={master},state={kind}"
         )
-        # one-pass: one program, whose accesses are pass 1's widths and pass 2's, its occupancy moot
-        ends = (",tail" if tail else "") + (",one-pass" if single else "")
+        # one-pass: one program (grid: one per SM), whose accesses are pass 1's widths and pass 2's,
+        # its occupancy moot
+        ends = (",tail" if tail else "") + (",grid" if grid else ",one-pass" if single else "")
         cases.append(
             Case(
                 name=f"{opt}[{dtype},{flag_s}{mode_s}{ends}]",

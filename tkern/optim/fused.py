@@ -71,15 +71,7 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes
-from tkern.kernels._update import (
-    MIN_8BIT_SIZE,
-    ONE_PASS_MAX_ELEMENTS,
-    ONE_PASS_MODES,
-    StepPath,
-    UpdateBuffers,
-    step_path,
-)
-from tkern.kernels.grid_sync import GridBarrier, device_programs, new_grid_barrier
+from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
 from tkern.kernels.overflow import (
     FOUND_INF,
     N_STATS,
@@ -101,6 +93,7 @@ from tkern.optim.hparams import (
     group_scalar,
     param_group_dict,
 )
+from tkern.optim.one_pass import OnePassStep
 from tkern.optim.report import MemoryReport, memory_report
 from tkern.optim.state import ParamState, flat_seed
 from tkern.optim.state_io import TorchStateDict
@@ -225,10 +218,11 @@ class FlatGroups:
                 flat.reconcile()
 
 
-class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.optim.Optimizer):
+class FusedOptimizer(GraphedStep, GradHealth, OnePassStep, FlatGroups, TorchStateDict, torch.optim.Optimizer):
     """What FusedSGD/FusedAdam/FusedAdamW share: flat buffers, the two passes,
     the state_dict (:class:`~tkern.optim.state_io.TorchStateDict`; the step's CUDA
-    graph: :class:`~tkern.optim.graph_step.GraphedStep`; the gradients' overflow and
+    graph: :class:`~tkern.optim.graph_step.GraphedStep`; one launch or two passes:
+    :class:`~tkern.optim.one_pass.OnePassStep`; the gradients' overflow and
     underflow records: :class:`~tkern.optim.health.GradHealth`; the flat buffers:
     :class:`FlatGroups`).
     Subclasses name their state buffers, validate their hyperparameters and launch
@@ -269,15 +263,7 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         self.grad_stats: torch.Tensor | None = None
         self._layout_seen: dict[int, int] = {}
         self._steps_run = 0
-        #: Steps whose work is one range of at most this many elements (and no collective
-        #: or overflow tracking) run in one program (``one_pass`` "auto" or "single"; see the
-        #: module docstring); 0: never.
-        self.one_pass_max_elements = ONE_PASS_MAX_ELEMENTS
-        self._one_pass_mode = "auto"
-        #: The path the last step took (:class:`tkern.kernels._update.StepPath`: "single",
-        #: "grid" or "two-pass", its programs and why); None before the first step.
-        self.step_path: StepPath | None = None
-        self._grid_barrier: GridBarrier | None = None
+        self._init_one_pass()
         self._init_health()
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
         #: buffers over them (their updated params are copied out after each step).
@@ -286,22 +272,6 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         if master == "none":  # DDP's replicas round alike: one broadcast, at construction
             self._share_seed(process_group)
         super().__init__(params, defaults)
-
-    @property
-    def one_pass(self) -> str:
-        """How a step whose work is one range runs in one launch: ``"auto"`` (the default:
-        today ``"single"``'s rule), ``"single"`` (one program, up to
-        :attr:`one_pass_max_elements`), ``"grid"`` (one launch of up to one program per SM,
-        meeting at a grid barrier, up to :data:`~tkern.kernels._update.GRID_MAX_ELEMENTS`;
-        CUDA and the interpreter only) or ``"off"`` (two passes). Every path gives the same
-        bits; :attr:`step_path` says which the last step took."""
-        return self._one_pass_mode
-
-    @one_pass.setter
-    def one_pass(self, mode: str) -> None:
-        if mode not in ONE_PASS_MODES:
-            raise ValueError(f"one_pass must be one of {ONE_PASS_MODES}, got {mode!r}")
-        self._one_pass_mode = mode
 
     # ----------------------------------------------------------- construction
 
@@ -472,11 +442,11 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         launches (what a CUDA graph captures): pass 1, the statistics' combination,
         pass 2 of every planned range, the step counts -- or all of it in one launch
         (:meth:`_one_pass`). Returns the statistics."""
-        single = self._one_pass(work)
-        if single is not None:
+        one = self._one_pass(work)
+        if one is not None:
+            single, barrier = one
             stats = torch.empty(N_STATS, dtype=torch.float32, device=self._device)
             single.stats, single.inv_scale = stats, inv_scale
-            barrier = self._barrier() if self.step_path.path == "grid" else None
             self._launch(_fp32_lr(work[0][0]), single, one_pass=True, found_inf=found_inf, barrier=barrier)
             return stats
         stats = self._step_stats(work, inv_scale, found_inf)
@@ -492,43 +462,12 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
                 step.add_(applied)
         return stats
 
-    def _one_pass(self, work: list) -> UpdateBuffers | None:
-        """The step's one range when the whole step can run in one launch, else None, with
-        :attr:`step_path` set to the path and why: one planned range (one flat buffer with
-        one step count), no collective (process_group, ZeRO-2, FSDP2) between the passes,
-        no overflow tracking, and then :func:`tkern.kernels._update.step_path`'s rule for
-        its length (a multiple of 16, so pass 1 reads it as one piece and the one launch
-        computes the same statistics) and :attr:`one_pass`."""
-        why = None
-        if len(work) != 1 or len(work[0][1]) != 1:
-            why = _SEVERAL_RANGES
-        elif self.track_overflows:
-            why = _TRACKED
-        elif (
+    def _collectives(self) -> bool:
+        return (
             self._process_group is not None
             or self.shard_group is not None
             or self._dtensor_storage is not None
-        ):
-            why = _COLLECTIVE
-        if why is not None:
-            self.step_path = why
-            return None
-        b = work[0][1][0]
-        programs = device_programs(self._device) if self._one_pass_mode == "grid" else 0
-        self.step_path = step_path(
-            b.param.numel(),
-            self._one_pass_mode,
-            device_programs=programs,
-            single_max=self.one_pass_max_elements,
         )
-        return None if self.step_path.path == "two-pass" else b
-
-    def _barrier(self) -> GridBarrier:
-        """The grid-wide step's barrier workspace (made on the first grid step, eagerly:
-        a graph's warm-up step precedes its capture; it resets itself at every step)."""
-        if self._grid_barrier is None or self._grid_barrier.word.device != self._device:
-            self._grid_barrier = new_grid_barrier(self._device, self.step_path.programs)
-        return self._grid_barrier
 
     def _step_stats(
         self, work: list, inv_scale: torch.Tensor, found_inf: torch.Tensor | None
@@ -584,7 +523,7 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         self._copied_health(state)
         state.pop("_plan_flats", None)
         state["_float8_caches"] = []  # weak references: found again from the params
-        state["_grid_barrier"] = None  # a workspace per optimizer: a copy makes its own
+        self._copied_one_pass(state)
         state["_graph"] = self._new_graphs()  # a graph holds device memory and addresses: captured anew
         return state
 
@@ -598,12 +537,6 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
                 self._refresh_state(flat)
         params = [p for g in self.param_groups for p in g["params"]]
         self._float8_caches = [c for p in params if (c := float8_weight_cache(p)) is not None]
-
-
-# why a step is two-pass before its length is looked at (FusedOptimizer.step_path)
-_SEVERAL_RANGES = StepPath("two-pass", 0, "more than one range (param groups, dtypes or step counts)")
-_TRACKED = StepPath("two-pass", 0, "track_overflows")
-_COLLECTIVE = StepPath("two-pass", 0, "a collective between the passes (process_group, ZeRO-2, FSDP2)")
 
 
 def _fp32_lr(group_args: dict[str, Any]) -> dict[str, Any]:
