@@ -259,6 +259,8 @@ def test_the_grid_step_is_the_two_pass_step_bit_for_bit(small_blocks, name, dtyp
     assert grid[2][2][overflow.FOUND_INF] == 1.0  # step 2 overflowed and was skipped
     assert grid[1].state_dict()["state"][0]["step"] == 3.0  # 4 steps, one skipped
     assert grid[1].step_path.path == "grid" and two[1].step_path.path == "two-pass"
+    # 4 steps (one skipped) met at the barrier: its generation 4, its count and ticket 0
+    assert grid[1].grid_barrier.word.tolist() == [4 << 16, 0] and two[1].grid_barrier is None
     if tkern.INTERPRET:  # one launch of one program (programs run in turn here)
         kernel = "_sgd_kernel" if name == "sgd" else "_adam_kernel"
         assert grid[1].step_path.programs == 1

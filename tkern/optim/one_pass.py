@@ -54,6 +54,13 @@ class OnePassStep:
             raise ValueError(f"one_pass must be one of {ONE_PASS_MODES}, got {mode!r}")
         self._one_pass_mode = mode
 
+    @property
+    def grid_barrier(self) -> GridBarrier | None:
+        """The grid-wide step's barrier (:class:`tkern.kernels.grid_sync.GridBarrier`: its
+        (2,) int32 workspace and the most programs a launch has), made by the first grid
+        step; None before."""
+        return self._grid_barrier
+
     def _collectives(self) -> bool:
         """Whether a collective runs between the passes (the optimizer says)."""
         raise NotImplementedError
