@@ -144,7 +144,13 @@ def check_programs(barrier: GridBarrier, programs: int, device: torch.device) ->
         )
 
 
+#: Grid-wide launches are cooperative on CUDA (Triton's ``launch_cooperative_grid``: the
+#: driver refuses a grid that cannot be co-resident rather than letting it spin forever).
+#: CUDA graphs take cooperative kernel nodes; if a capture ever refused one, this is the
+#: switch (the SM-count bound alone then keeps the programs co-resident).
+COOPERATIVE = True
+
+
 def launch_options() -> dict:
-    """The launch options of a grid-wide launch: cooperative on CUDA (the driver refuses
-    a grid that cannot be co-resident rather than letting it spin forever)."""
-    return {} if INTERPRET else {"launch_cooperative_grid": True}
+    """The launch options of a grid-wide launch (:data:`COOPERATIVE` on CUDA)."""
+    return {} if INTERPRET else {"launch_cooperative_grid": COOPERATIVE}
