@@ -1270,11 +1270,8 @@ def compile_case(case: Case, cc: int, sass: bool = True) -> dict:
     return row
 
 
-def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
-    """``(shape, layout)`` of each fp32 reduction (``tt.reduce``), in program order, of the
-    compile gate's case ``name`` compiled for sm_cc: a reduction's order of additions
-    follows from its layout, so two kernels that must sum alike (pass 1 and the one-pass
-    step) must reduce in the same layouts."""
+def _compiled(name: str, cc: int):
+    """The compile gate's case ``name`` compiled for sm_cc (Triton's compiled kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -1284,12 +1281,30 @@ def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
     case = _fit(case, fn)
     index = {a: i for i, a in enumerate(fn.arg_names)}
     attrs = {(index[a],): [["tt.divisibility", 16]] for a in case.aligned}
-    kernel = triton.compile(
+    return triton.compile(
         ASTSource(fn, case.signature, case.constexprs, attrs),
         target=GPUTarget("cuda", cc, 32),
         options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
     )
-    ir = kernel.asm["ttgir"]
+
+
+def ordered_accesses(name: str, cc: int = 90) -> list[str]:
+    """The PTX memory operations with an ordering (``atom``/``red``/``ld`` with acquire,
+    release, acq_rel or relaxed semantics, and volatile loads) of the compile gate's case
+    ``name`` compiled for sm_cc, in program order, each as its opcode with its guard
+    (``@%p3 atom.global.gpu.acq_rel.add.u32``): what a grid barrier's correctness rests on,
+    which a compiler may fold away (triton 3.6 dropped an acquire whose value went unused)."""
+    ptx = _compiled(name, cc).asm["ptx"]
+    op = r"(?:@!?%\w+\s+)?(?:atom|red|ld)\.[\w.:]*(?:acquire|release|acq_rel|relaxed|volatile)[\w.:]*"
+    return re.findall(op, ptx)
+
+
+def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
+    """``(shape, layout)`` of each fp32 reduction (``tt.reduce``), in program order, of the
+    compile gate's case ``name`` compiled for sm_cc: a reduction's order of additions
+    follows from its layout, so two kernels that must sum alike (pass 1 and the one-pass
+    step) must reduce in the same layouts."""
+    ir = _compiled(name, cc).asm["ttgir"]
     aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, re.M))
     found = re.finditer(r"\}\) : \(tensor<([^,>]*), (#\w+)>\) -> f32", ir)
     return [(m.group(1), aliases.get(m.group(2), m.group(2))) for m in found]

@@ -145,6 +145,24 @@ def test_the_one_pass_step_reduces_its_statistics_in_pass_1s_layouts():
             assert len(pass_1) == 6 and static_report.reduce_layouts(one_pass, cc) == pass_1, (one_pass, cc)
 
 
+def test_the_grid_barrier_keeps_its_memory_order():
+    # the grid-wide one-pass step's barrier (tkern/kernels/grid_sync.py) as PTX: one thread
+    # per program arrives (acq_rel) and takes the finishing ticket (acq_rel), the last arrival
+    # releases, the waiters spin on volatile loads and then acquire -- nothing folded away
+    import static_report
+
+    for name in ("adam[fp16,decoupled,amsgrad,clip,grid]", "sgd[bf16,plain,grid]"):
+        for cc in TARGETS:
+            ops = static_report.ordered_accesses(name, cc)
+            guarded = [op.split()[-1] for op in ops if op.startswith("@")]  # one thread's
+            assert [op for op in guarded if ".acq_rel.add" in op] == [
+                "atom.global.gpu.acq_rel.add.u32"
+            ] * 2, ops
+            assert any(".release.add" in op for op in guarded), ops
+            assert any(".acquire" in op and ".release" not in op for op in guarded), ops
+            assert any(op.startswith("ld.volatile.global") for op in ops), ops
+
+
 def test_norm_kernels_compile_for_every_dtype_without_spills(rows):
     # LayerNorm and RMSNorm, forward (with the residual) and backward (with dh, dweight
     # and dbias): a 1024-wide row, the widest one-block row (MAX_BLOCK over 16 warps) and

@@ -71,8 +71,11 @@ def grid_barrier(word_ptr):
     else:
         seen = generation
         while seen == generation:
-            seen = tl.load(word_ptr + _BARRIER, volatile=True) >> _COUNT_BITS
-        tl.atomic_add(word_ptr + _BARRIER, 0, sem="acquire", scope="gpu")  # acquire what was released
+            while (tl.load(word_ptr + _BARRIER, volatile=True) >> _COUNT_BITS) == generation:
+                pass  # every thread spins on volatile loads: no atomics while waiting
+            # then one read with acquire semantics, whose value decides the exit: an acquire
+            # whose result went unused was dropped by triton 3.6 (an add of 0, folded away)
+            seen = tl.atomic_add(word_ptr + _BARRIER, 0, sem="acquire", scope="gpu") >> _COUNT_BITS
     tl.debug_barrier()  # no thread goes on before the program has passed
 
 
