@@ -26,6 +26,10 @@ class OnePassStep:
 
     _device: torch.device | None
     track_overflows: bool
+    # class-level defaults: an optimizer pickled before these existed unpickles with them
+    _one_pass_mode = "auto"
+    _grid_barrier: GridBarrier | None = None
+    step_path: StepPath | None = None
 
     def _init_one_pass(self) -> None:
         #: Steps whose work is one range of at most this many elements (and no collective
