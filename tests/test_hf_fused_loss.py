@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
 import tkern.ops.cross_entropy as ce_ops
+from tkern.train import gpt_job
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[integrations]')"
@@ -32,11 +33,9 @@ transformers = pytest.importorskip(
 
 
 def _gpt2():
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
-    )
+    """The GPT job's model on a CPU (tkern train --model gpt), over 64 tokens."""
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(DEVICE).eval()
+    return gpt_job.gpt2_lm(gpt_job.default_config(torch.device("cpu")), vocab_size=64).to(DEVICE).eval()
 
 
 #: One small decoder layer, as Llama-like configs spell it (extra keys are ignored by

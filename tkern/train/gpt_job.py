@@ -294,6 +294,30 @@ def passthrough_loss(loss: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def gpt2_lm(cfg: GPTConfig, vocab_size: int) -> nn.Module:
+    """transformers' ``GPT2LMHeadModel`` of ``cfg``'s shape (``n_layer``, ``n_embd``,
+    ``n_head``, ``block_size`` positions) over ``vocab_size`` tokens, built from a config
+    (no weights downloaded; drawn from torch's current seed): dropout off, SDPA attention.
+    The job's model (:func:`make_model`), and the one tests compile and convert.
+    Raises ImportError where transformers is not installed."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    return GPT2LMHeadModel(config)
+
+
 def make_model(cfg: GPTConfig, vocab_size: int) -> tuple[LMLoss, str]:
     """The fp32 model every run starts from (weights drawn with ``cfg.seed``) and
     a line saying which it is."""
@@ -301,7 +325,7 @@ def make_model(cfg: GPTConfig, vocab_size: int) -> tuple[LMLoss, str]:
     blocks = f"{cfg.n_layer} block{'s' * (cfg.n_layer != 1)}"
     shape = f"{blocks}, {cfg.n_embd} wide, {cfg.n_head} heads, {cfg.block_size} characters a sequence"
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        lm = gpt2_lm(cfg, vocab_size)
     except ImportError:
         lm = CharGPT(vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.n_head)
         what = (
@@ -309,20 +333,6 @@ def make_model(cfg: GPTConfig, vocab_size: int) -> tuple[LMLoss, str]:
             "installed, so fused_loss has no HF model to fuse (the head's logits feed the loss)"
         )
     else:
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=cfg.block_size,
-            n_embd=cfg.n_embd,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            attn_implementation="sdpa",
-        )
-        lm = GPT2LMHeadModel(config)
         what = f"transformers GPT2LMHeadModel from a config, no weights downloaded ({shape})"
     n = sum(p.numel() for p in lm.parameters())
     return LMLoss(lm), f"{what}, {n / 1e6:.2f}M params"
@@ -553,6 +563,7 @@ __all__ = [
     "LMLoss",
     "compare",
     "default_config",
+    "gpt2_lm",
     "load_text",
     "make_corpus",
     "make_model",
