@@ -76,7 +76,7 @@ adam.py, sgd.py (their shared lines in _update.py)
     Benchmarks: bench_optimizer.py, bench_distributed.py, bench_memory.py.
 scale.py
     kernel: ``_update_scale_kernel``. Launcher: ``update_scale``. Above:
-    ``amp.DynamicLossScaler`` and kin. Tests: test_scale.py, test_amp.py.
+    ``amp.DynamicLossScaler`` and kin. Tests: test_scale.py, test_amp*.py.
     Benchmark: bench_optimizer.py (scaler overhead).
 cross_entropy.py
     kernel: ``_cross_entropy_kernel`` (online max and sum over vocabulary chunks in
