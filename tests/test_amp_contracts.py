@@ -50,13 +50,17 @@ def test_scale_whose_fp32_value_overflows_is_refused(make, name):
         make()
 
 
+def _param_and_optimizer(kind):
+    """Four zeros and an SGD over them: tkern's fused one (fp16), or torch's (its fallback path)."""
+    if kind == "fused":
+        return fused_setup()
+    p = torch.zeros(4, device=DEVICE, requires_grad=True)
+    return p, torch.optim.SGD([p], lr=0.1)
+
+
 @pytest.mark.parametrize("kind", ["fused", "torch"])
 def test_step_without_scale_is_an_error(kind):
-    if kind == "fused":
-        p, opt = fused_setup()
-    else:
-        p = torch.zeros(4, device=DEVICE, requires_grad=True)
-        opt = torch.optim.SGD([p], lr=0.1)
+    p, opt = _param_and_optimizer(kind)
     scaler = tkern.DynamicLossScaler()
     p.grad = torch.ones_like(p)
     with pytest.raises(RuntimeError, match=r"without scale\(loss\) first"):
@@ -164,11 +168,7 @@ def test_scale_of_nested_tuples_lists_and_dicts():
 
 @pytest.mark.parametrize("kind", ["fused", "torch"])
 def test_found_inf_and_grad_stats_describe_the_last_step_after_update(kind):
-    if kind == "fused":
-        p, opt = fused_setup()
-    else:
-        p = torch.zeros(4, device=DEVICE, requires_grad=True)
-        opt = torch.optim.SGD([p], lr=0.1)
+    p, opt = _param_and_optimizer(kind)
     scaler = tkern.DynamicLossScaler(init_scale=4.0)
     for g, found in ((2.0, 0.0), (float("inf"), 1.0), (8.0, 0.0)):
         scaler.scale(p.float().sum())
