@@ -34,8 +34,9 @@ float8.py
     Above: ``tkern.to_float8``, ``nn.Float8Linear`` (custom ops ``tkern::to_float8``,
     ``tkern::to_float8_delayed``, ``tkern::roll_amax_history``),
     ``ops.float8.Float8WeightCache`` (refreshed by the fused optimizers' step). Tests:
-    test_float8.py, test_float8_linear.py. Benchmarks: bench_gemm.py (fp8 scaled_mm rows: its
-    casts and GEMM against torch._scaled_mm), bench_train.py (the fp8 recipes).
+    test_float8.py, test_float8_linear.py, test_float8_weight_cast.py. Benchmarks: bench_gemm.py
+    (fp8 scaled_mm rows: its casts and GEMM against torch._scaled_mm), bench_train.py (the fp8
+    recipes).
 activation.py
     kernel: ``_activation_grad_kernel``. Launcher: ``activation_grad``. Above:
     ``ops.linear.linear``'s backward (``tkern::activation_grad``). Tests:
