@@ -59,14 +59,15 @@ def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
     :data:`MIN_CHUNK_ROWS` and capped at ``n_rows`` rounded up to a power of two (one chunk
     holds every row).
 
-    The rule, by bytes against memory, for V = ``n_classes``. Each chunk moves 12·V·H bytes
-    on the weight's side whatever its rows (the 16-bit weight read by its logits GEMM and
-    by its dgrad, the fp32 (V, H) weight-gradient sum read and written by its wgrad) and
-    14·V bytes per row (fp32 logits written and read back, the 16-bit logit gradient
-    written and read by dgrad and wgrad): with rows ~ H the chunks add about 6/7 of the
-    rows' own traffic (0.64 at GPT-2 small's 1024 rows), where 256 rows (the previous rule,
-    logits per chunk as many as the input's elements) added 2.6 times it. The memory it costs is the chunk's buffers, 6·rows·V bytes (its fp32 logits and
-    16-bit gradient): with rows ~ H about 1.5x the fp32 weight-gradient sum (4·V·H) the
+    The rule, by bytes against memory, for V = ``n_classes``. Each chunk moves 12 V H
+    bytes on the weight's side whatever its rows (the 16-bit weight read by its logits
+    GEMM and by its dgrad, the fp32 (V, H) weight-gradient sum read and written by its
+    wgrad) and 14 V bytes per row (fp32 logits written and read back, the 16-bit logit
+    gradient written and read by dgrad and wgrad): with rows ~ H the chunks add about
+    6/7 of the rows' own traffic (0.64 at GPT-2 small's 1024 rows), where 256 rows (the
+    previous rule, as many logits per chunk as the input's elements) added 2.6 times it.
+    The memory it costs is the chunk's buffers, 6 rows V bytes (its fp32 logits and
+    16-bit gradient): with rows ~ H about 1.5x the fp32 weight-gradient sum (4 V H) the
     pass holds anyway, and no term in the token count. V cancels out of both, so it does
     not move the rule. GPT-2 small (16384 tokens of 768 into 50257, the step ledger):
     1024 rows, 16 chunks; the LM head's GEMMs move 13.9 GB where 256 rows moved 36.2 GB,
