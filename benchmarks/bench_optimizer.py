@@ -47,6 +47,14 @@ cost; rows record ms per step. Target: the step with overflow tracking and sampl
 every 100 steps <= 1.02x the step with tracking off (``health_10M_k100_vs_off``);
 tracking alone and every=1 are figures beside it.
 
+The grid-wide one-pass step (issue 45 item 3), section ``grid``: the graphed 1M step with
+``opt.one_pass = "grid"`` (statistics, update and step count in one launch of up to one
+program per SM, meeting at a grid barrier) beside tkern's default graphed step (two passes
+at 1M) and torch's graphed capturable fused AdamW + GradScaler (e), all three in this run on
+this device. Target: >= 1.0x (e) (``grid_1M_vs_e``); ``grid_1M_vs_default`` says whether
+``one_pass="auto"`` should take the grid path at 1M. The results are saved before the grid
+row, so a barrier that hung would lose only that row.
+
 A variant that raises is recorded under ``failed`` in optimizer.json (and
 printed last) and the others are still measured and written; results are
 saved after every case, so a timeout loses only the case in progress.
@@ -94,7 +102,7 @@ LR = 1e-3
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-8, 1e-2  # torch.optim.AdamW's defaults
 #: Steps over which the host syncs per step are counted (and averaged).
 SYNC_STEPS = 20
-SECTIONS = ("modes", "sizes", "overhead", "health")
+SECTIONS = ("modes", "sizes", "overhead", "health", "grid")
 #: Where the graphed step is compared with ``cuda_graph=False`` (launch-bound sizes).
 GRAPH_CASES = ("1M", "10M", "4k")
 #: torch's own graphed step, tkern's graphed step's peer at GRAPH_CASES
@@ -121,6 +129,9 @@ HEALTH_VARIANTS = {
 }
 HEALTH_BLOCK = 100
 HEALTH_BOUND = 1.02
+#: The grid section's size (SIZES / SMOKE_SIZES) and its tkern row with one_pass="grid".
+GRID_CASE, SMOKE_GRID_CASE = "1M", "4k"
+GRID_TKERN = "tkern one_pass=grid"
 
 
 def floor_bytes_per_param(master: str, state_dtype: str) -> float:
@@ -153,10 +164,12 @@ class TkernStep:
         device: torch.device,
         scaled: bool = True,
         dtype: torch.dtype = torch.float16,
+        one_pass: str = "auto",
         **options,
     ) -> None:
         params = [torch.randn(n, device=device, dtype=dtype, requires_grad=True) for n in sizes]
         self.opt = tkern.optim.FusedAdamW(params, lr=LR, **options)
+        self.opt.one_pass = one_pass
         self.count = GraphCount(self.opt)
         self.scaler = tkern.DynamicLossScaler() if scaled else None
         if self.scaler is not None:
@@ -171,7 +184,9 @@ class TkernStep:
             self.scaler.update()
 
     def fields(self) -> dict:
-        return graph_fields(self.opt, self.count)
+        path = self.opt.step_path
+        path = None if path is None else f"{path.path} ({path.programs} programs): {path.reason}"
+        return {**graph_fields(self.opt, self.count), "one_pass": self.opt.one_pass, "step_path": path}
 
 
 def tkern_step(sizes, device, scaled=True, **options) -> TkernStep:
@@ -526,6 +541,29 @@ def run_health(res: Results, mode: Mode) -> None:
     res.save()
 
 
+def run_grid(res: Results, mode: Mode, copy_gbps: float) -> None:
+    """The graphed 1M step with one_pass="grid" against tkern's default graphed step and
+    torch's graphed capturable fused AdamW + GradScaler, measured here together."""
+    size = SMOKE_GRID_CASE if mode.smoke else GRID_CASE
+    sizes = (SMOKE_SIZES if mode.smoke else SIZES)[size]
+    n, case = sum(sizes), f"grid {size}"
+    variants = {  # the baselines first; the grid row last (its barrier has never run on a GPU)
+        GRAPHED_TORCH: torch_amp_graphed_step,
+        "tkern": tkern_step,
+        GRID_TKERN: functools.partial(tkern_step, one_pass="grid"),
+    }
+    if mode.smoke:  # torch's fused AdamW and CUDA graphs are CUDA-only here
+        variants.pop(GRAPHED_TORCH)
+    for impl, make in variants.items():
+        res.save()  # what is measured is written before the next variant runs
+        row = _measure(res, mode, case, impl, functools.partial(make, sizes, mode.device))
+        if row is not None:
+            ms = row.pop("ms")
+            gbps = n * BYTES_PER_PARAM / (ms * 1e-3) / 1e9
+            res.add(case, impl, ms, gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1), **row)
+    res.save()
+
+
 def summarize(res: Results, copy_gbps: float) -> list[str]:
     """The headline ratios into ``res.meta`` (what report.py reads), and their lines."""
     summary = [
@@ -575,6 +613,17 @@ def summarize(res: Results, copy_gbps: float) -> list[str]:
                 f"{size} {r['impl']}: {r['vs_floor']}x its floor of {r['bytes_per_param']} B/param "
                 f"(target <= {FLOOR_MARGIN})"
             )
+    grid = next((r["case"] for r in res.rows if r["case"].startswith("grid ")), None)
+    if grid is not None:
+        size = grid.split()[1]
+        vs_e = _finite_or_none(res.ratio(grid, GRID_TKERN, GRAPHED_TORCH))
+        vs_default = _finite_or_none(res.ratio(grid, GRID_TKERN, "tkern"))
+        res.meta[f"grid_{size}_vs_e"] = vs_e
+        res.meta[f"grid_{size}_vs_default"] = vs_default
+        summary.append(
+            f"grid {size}: the graphed grid-wide one-pass step {vs_e}x torch's graphed capturable "
+            f"fused AdamW + GradScaler (target >= 1.0), {vs_default}x tkern's default graphed step"
+        )
     size = next((r["case"].split()[1] for r in res.rows if r["case"].startswith("health ")), None)
     for impl, every in HEALTH_VARIANTS.items():
         if every is None or size is None:  # (no health rows: the section did not run)
@@ -611,8 +660,10 @@ def main(argv: list[str] | None = None) -> Results:
             run_sizes(res, mode, copy_gbps)
         elif section == "overhead":
             run_overhead(res, mode)
-        else:
+        elif section == "health":
             run_health(res, mode)
+        else:
+            run_grid(res, mode, copy_gbps)
     summary = summarize(res, copy_gbps)  # in smoke mode too: the code path is checked
     for f in res.meta["failed"]:
         summary.append(f"FAILED {f['case']} {f['impl']}: {f['error']}")

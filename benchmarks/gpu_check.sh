@@ -20,7 +20,13 @@
 #        shapes; the 16-bit GEMMs at GPT-2's 768-wide shapes in the three layouts (bench_gemm
 #        --sections fp8_layouts / layouts --layouts fwd,dgrad,wgrad --shapes gpt2); then the
 #        optimizer sizes and the MLP rows with what is left; then report.py.
-# more (BUDGET 330 s, timeout_s 360: what 15 minutes leave after quick): the fp8 recipes
+# more (BUDGET 330 s, timeout_s 360: what 15 minutes leave after quick): first the
+#        grid-wide one-pass optimizer step (issue 45 item 3), which no GPU has run: its
+#        tests (tests/test_gpu_grid_step.py, P programs meeting at a spin barrier, bit for
+#        bit the two-pass step; a phase of its own, so a deadlock costs its cap, not the
+#        call) and its graphed 1M row against torch's graphed capturable fused AdamW +
+#        GradScaler (bench_optimizer --sections grid), the figure that would make it the
+#        default; then the fp8 recipes
 #        on GPT-2 and the MLPs, fp8 (forward) and square GEMMs and bias+GELU under torch.compile, the
 #        rest of the training recipes (compiled tkern, tf32, the memory modes: state bf16 /
 #        8-bit, bf16 split master, with the loss they cost), the Llama-like model's autocast,
@@ -178,6 +184,8 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
         --sections modes "${SMOKE[@]}" ;;
     optimizer_health) run_phase bench_optimizer_health bench 45 $py $b/bench_optimizer.py \
         --sections health "${SMOKE[@]}" ;;
+    optimizer_grid) run_phase bench_optimizer_grid bench 40 $py $b/bench_optimizer.py \
+        --sections grid "${SMOKE[@]}" ;;
     train) run_phase bench_train bench 170 $py $b/bench_train.py "${SMOKE[@]}" ;;
     train_mlp) run_phase bench_train_mlp bench 130 $py $b/bench_train.py --models mlp \
         --recipes "$MLP_QUICK" "${SMOKE[@]}" ;;
@@ -220,7 +228,7 @@ gemm_layouts() { # gemm_layouts PHASE SECTION: bench_gemm's SECTION in the three
     run_phase "bench_$1" bench 40 $PYTHON benchmarks/bench_gemm.py --sections "$2" \
         --layouts fwd,dgrad,wgrad --shapes gpt2 "${SMOKE[@]}"
 }
-ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes optimizer_health train train_mlp train_gpt2 train_fp8
+ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes optimizer_health optimizer_grid train train_mlp train_gpt2 train_fp8
     train_rest train_llama train_profile gemm gemm_transformer gemm_rest gemm_linear gemm_fp8_layouts gemm_gpt2_layouts norm loss
     host gpt)
 # The quick call's recipes (`=NAME`: that recipe alone), the fp32 reference first: on the
@@ -257,7 +265,11 @@ for plan in "${plans[@]}"; do
         done
         ;;
     more)
-        for name in train_fp8 gemm_rest train_rest train_llama gemm_linear optimizer_modes optimizer_health norm loss \
+        # the grid step's own phase and cap: a barrier that deadlocked ends there (the test
+        # exits with DEADLOCK after 20 s of waiting), the rest of the call goes on
+        run_phase pytest_grid pytest_gpu 60 $PYTHON -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_grid_step.py
+        ((PLAN)) || echo "tests/test_gpu_grid_step.py: $(pytest_line pytest_gpu)" | tee -a "$summary"
+        for name in optimizer_grid train_fp8 gemm_rest train_rest train_llama gemm_linear optimizer_modes optimizer_health norm loss \
             ceilings host gpt; do
             bench $name
         done

@@ -161,10 +161,16 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
     variants += [(d, m, k, heaviest, False) for d, m, k in _MODE_CASES]
     # the one-pass step (statistics, every tile and the step count in one program, issue 45
     # item 3): each 16-bit dtype on the plainest flags and, with a GradScaler's found_inf,
-    # on the heaviest (clipping reads the statistics it wrote)
-    one_pass = [(d, "fp32", "fp32", f, "one-pass") for d in ("fp16", "bf16") for f in (flags[0], heaviest)]
+    # on the heaviest (clipping reads the statistics it wrote); the grid-wide step likewise
+    one_pass = [
+        (d, "fp32", "fp32", f, way)
+        for way in ("one-pass", "grid")
+        for d in ("fp16", "bf16")
+        for f in (flags[0], heaviest)
+    ]
     for dtype, master, kind, f, tail in variants + one_pass:
-        single = tail == "one-pass"
+        single = tail in ("one-pass", "grid")
+        grid = tail == "grid"
         tail = tail is True
         held = "i16" if master == "split" else dtype  # a split master's param is addressed as int16
         sig, const = {}, {}
@@ -175,6 +181,8 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
                 sig[name] = _ptr({"split": "i16", "none": dtype}.get(master, "fp32"))
             elif name.endswith("_absmax_ptr") or name.endswith("_qmap_ptr"):
                 sig[name] = "*fp32"
+            elif name == "barrier_ptr":  # the grid barrier's int32 words (a placeholder otherwise)
+                sig[name] = "*i32" if grid else "*fp32"
             elif name.endswith("_ptr") and name.startswith(prefixes):
                 sig[name] = _ptr(kind)
             elif name.endswith("_ptr"):
@@ -188,7 +196,7 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
             else:
                 sig[name] = "fp32"
         const.update(f, MASTER=_MASTER[master], PARAM_DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=mod.BLOCK)
-        const.update(ONE_PASS=single, HAS_FOUND=single and f is heaviest, STATS_BLOCK=ov.BLOCK)
+        const.update(ONE_PASS=single, HAS_FOUND=single and f is heaviest, GRID=grid, STATS_BLOCK=ov.BLOCK)
         const.update(dict.fromkeys(kinds, _KIND[kind]))
         if opt == "sgd":
             const.pop("DECOUPLED", None)
@@ -202,8 +210,9 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
         mode_s = (
             "" if (master, kind) in (("self", "fp32"), ("fp32", "fp32")) else f",master={master},state={kind}"
         )
-        # one-pass: one program, whose accesses are pass 1's widths and pass 2's, its occupancy moot
-        ends = (",tail" if tail else "") + (",one-pass" if single else "")
+        # one-pass: one program (grid: one per SM), whose accesses are pass 1's widths and pass 2's,
+        # its occupancy moot
+        ends = (",tail" if tail else "") + (",grid" if grid else ",one-pass" if single else "")
         cases.append(
             Case(
                 name=f"{opt}[{dtype},{flag_s}{mode_s}{ends}]",
@@ -1261,11 +1270,8 @@ def compile_case(case: Case, cc: int, sass: bool = True) -> dict:
     return row
 
 
-def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
-    """``(shape, layout)`` of each fp32 reduction (``tt.reduce``), in program order, of the
-    compile gate's case ``name`` compiled for sm_cc: a reduction's order of additions
-    follows from its layout, so two kernels that must sum alike (pass 1 and the one-pass
-    step) must reduce in the same layouts."""
+def _compiled(name: str, cc: int):
+    """The compile gate's case ``name`` compiled for sm_cc (Triton's compiled kernel)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -1275,12 +1281,30 @@ def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
     case = _fit(case, fn)
     index = {a: i for i, a in enumerate(fn.arg_names)}
     attrs = {(index[a],): [["tt.divisibility", 16]] for a in case.aligned}
-    kernel = triton.compile(
+    return triton.compile(
         ASTSource(fn, case.signature, case.constexprs, attrs),
         target=GPUTarget("cuda", cc, 32),
         options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
     )
-    ir = kernel.asm["ttgir"]
+
+
+def ordered_accesses(name: str, cc: int = 90) -> list[str]:
+    """The PTX memory operations with an ordering (``atom``/``red``/``ld`` with acquire,
+    release, acq_rel or relaxed semantics, and volatile loads) of the compile gate's case
+    ``name`` compiled for sm_cc, in program order, each as its opcode with its guard
+    (``@%p3 atom.global.gpu.acq_rel.add.u32``): what a grid barrier's correctness rests on,
+    which a compiler may fold away (triton 3.6 dropped an acquire whose value went unused)."""
+    ptx = _compiled(name, cc).asm["ptx"]
+    op = r"(?:@!?%\w+\s+)?(?:atom|red|ld)\.[\w.:]*(?:acquire|release|acq_rel|relaxed|volatile)[\w.:]*"
+    return re.findall(op, ptx)
+
+
+def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
+    """``(shape, layout)`` of each fp32 reduction (``tt.reduce``), in program order, of the
+    compile gate's case ``name`` compiled for sm_cc: a reduction's order of additions
+    follows from its layout, so two kernels that must sum alike (pass 1 and the one-pass
+    step) must reduce in the same layouts."""
+    ir = _compiled(name, cc).asm["ttgir"]
     aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, re.M))
     found = re.finditer(r"\}\) : \(tensor<([^,>]*), (#\w+)>\) -> f32", ir)
     return [(m.group(1), aliases.get(m.group(2), m.group(2))) for m in found]

@@ -66,6 +66,8 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
     summary = (out / "summary.txt").read_text()
     quick = QUICK_PHASES
     more = (
+        "pytest_grid",
+        "bench_optimizer_grid",
         "bench_train_fp8",
         "bench_gemm_rest",
         "bench_train_rest",

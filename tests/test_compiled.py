@@ -115,9 +115,12 @@ def test_every_kernel_and_target_is_covered(rows):
         # the wgrad adding into a flat gradient buffer (C +=), with and without its prologue
         assert "matmul[128x64x32/s4w4,bf16->bf16,TN,none,A'=sum fp32,C+=]" in names
         assert (cc < 90) == ("matmul_tma[128x128x64/s3w8,bf16->bf16,TN,none,C+=]" not in names)
-    # the one-pass optimizer step: adam and sgd, fp16 and bf16, plainest and heaviest flags
-    one_pass = {(r["case"], r["target"]) for r in rows if r["case"].endswith(",one-pass]") and r["compiled"]}
-    assert len(one_pass) == 8 * len(TARGETS), sorted(one_pass)
+    # the one-pass optimizer step, in one program and grid-wide: adam and sgd, fp16 and bf16,
+    # plainest and heaviest flags, none spilling (test_no_register_spills holds every row to it)
+    for way in ("one-pass", "grid"):
+        ok = {(r["case"], r["target"]) for r in rows if r["case"].endswith(f",{way}]") and r["compiled"]}
+        assert len(ok) == 8 * len(TARGETS), sorted(ok)
+        assert not any(r["spill_bytes"] for r in rows if r["case"].endswith(f",{way}]")), way
     activation_grads = {r["case"] for r in rows if r["kernel"] == "_activation_grad_kernel"}
     for name in ("relu", "gelu", "silu", "gelu_tanh"):
         assert {f"activation_grad[fp16,{name}]", f"activation_grad[bf16,{name}]"} <= activation_grads
@@ -129,14 +132,35 @@ def test_the_one_pass_step_reduces_its_statistics_in_pass_1s_layouts():
     # their layouts (a reduction's order of additions follows from its layout)
     import static_report
 
+    # (the grid-wide step's programs each reduce every row after the barrier: the same code)
     for dtype, one_pass in (
         ("fp16", "adam[fp16,decoupled,amsgrad,clip,one-pass]"),
         ("bf16", "sgd[bf16,plain,one-pass]"),
+        ("fp16", "adam[fp16,decoupled,amsgrad,clip,grid]"),
+        ("bf16", "sgd[bf16,plain,grid]"),
     ):
         for cc in TARGETS:
             pass_1 = static_report.reduce_layouts(f"grad_stats[{dtype}]", cc)
             pass_1 += static_report.reduce_layouts("finalize_stats", cc)
             assert len(pass_1) == 6 and static_report.reduce_layouts(one_pass, cc) == pass_1, (one_pass, cc)
+
+
+def test_the_grid_barrier_keeps_its_memory_order():
+    # the grid-wide one-pass step's barrier (tkern/kernels/grid_sync.py) as PTX: one thread
+    # per program arrives (acq_rel) and takes the finishing ticket (acq_rel), the last arrival
+    # releases, the waiters spin on volatile loads and then acquire -- nothing folded away
+    import static_report
+
+    for name in ("adam[fp16,decoupled,amsgrad,clip,grid]", "sgd[bf16,plain,grid]"):
+        for cc in TARGETS:
+            ops = static_report.ordered_accesses(name, cc)
+            guarded = [op.split()[-1] for op in ops if op.startswith("@")]  # one thread's
+            assert [op for op in guarded if ".acq_rel.add" in op] == [
+                "atom.global.gpu.acq_rel.add.u32"
+            ] * 2, ops
+            assert any(".release.add" in op for op in guarded), ops
+            assert any(".acquire" in op and ".release" not in op for op in guarded), ops
+            assert any(op.startswith("ld.volatile.global") for op in ops), ops
 
 
 def test_norm_kernels_compile_for_every_dtype_without_spills(rows):

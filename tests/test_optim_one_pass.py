@@ -1,7 +1,10 @@
 """The one-pass step (issue 45 item 3): a small step's statistics, update and step count in
-one launch of one program, bit for bit the two-pass step (pass 1, its finalize, pass 2,
-the step counts), for FusedAdamW, FusedAdam and FusedSGD, fp16 and bf16 params, with and
-without clipping by the global norm, through a skipped (overflowing) step."""
+one launch -- of one program (``one_pass="single"``) or of up to one program per SM meeting
+at a grid barrier (``one_pass="grid"``; one program here: the interpreter runs programs in
+turn) -- bit for bit the two-pass step (pass 1, its finalize, pass 2, the step counts), for
+FusedAdamW, FusedAdam and FusedSGD, fp16 and bf16 params, the master modes, with and without
+clipping by the global norm, through a skipped (overflowing) step. That several programs
+meet at the barrier is checked on a GPU only (tests/test_gpu_grid_step.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from graph_recorder import RecordingCapture
 from triton.runtime.interpreter import InterpretedFunction
 
 import tkern
-from tkern.kernels import _update, adam, overflow, sgd
+from tkern.kernels import _update, adam, grid_sync, overflow, sgd
 from tkern.optim import FusedAdam, FusedAdamW, FusedSGD
 
 needs_interpreter = pytest.mark.skipif(
@@ -54,9 +57,10 @@ class Launches:
 WIDTH = 40 if tkern.INTERPRET else 512
 
 
-def _model(dtype):
+def _model(dtype, width=WIDTH, bias=True):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, WIDTH), torch.nn.Linear(WIDTH, 8)).to(DEVICE, dtype)
+    layers = torch.nn.Linear(16, width, bias=bias), torch.nn.Linear(width, 8, bias=bias)
+    return torch.nn.Sequential(*layers).to(DEVICE, dtype)
 
 
 @pytest.fixture
@@ -71,12 +75,15 @@ def small_blocks(monkeypatch):
         monkeypatch.setattr(sgd, "BLOCK", 256)
 
 
-def _train(name, dtype, clip, one_pass, steps=4, scaler=None, **kw):
+def _train(name, dtype, clip, one_pass, steps=4, scaler=None, width=WIDTH, bias=True, **kw):
+    """``one_pass``: True (the default one-pass step), False (two passes) or a mode."""
     cls, hyper = OPTIMIZERS[name]
-    model = _model(dtype)
+    model = _model(dtype, width, bias)
     opt = cls(model.parameters(), lr=1e-2, max_grad_norm=clip, cuda_graph=False, **hyper, **kw)
     if not one_pass:
         opt.one_pass_max_elements = 0
+    elif isinstance(one_pass, str):
+        opt.one_pass = one_pass
     stats, launches = [], []
     for t in range(steps):
         opt.zero_grad()
@@ -109,7 +116,7 @@ def _assert_same(a, b):
         for k, v in entry.items():
             assert torch.equal(sd_a["state"][i][k], v), (i, k)
     for fa, fb in zip(opt_a.flat_buffers[0], opt_b.flat_buffers[0], strict=True):  # the fp32 master
-        assert torch.equal(fa.master, fb.master)
+        assert (fa.master is None and fb.master is None) or torch.equal(fa.master, fb.master)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -177,9 +184,11 @@ def _tracked(opt):
 
 
 @needs_recorder
-def test_a_captured_one_pass_step_replays_the_eager_one(small_blocks):
+@pytest.mark.parametrize("mode", ["auto", "grid"])
+def test_a_captured_one_pass_step_replays_the_eager_one(small_blocks, mode):
     """Through the CUDA-graph recorder: warm-up, capture, replays (the overflow replays
-    too, skipped on the device), equal to the eager one-pass step and the two-pass one."""
+    too, skipped on the device), equal to the eager one-pass step and the two-pass one;
+    the grid step's barrier workspace is made in the warm-up, before the capture."""
     capture = RecordingCapture()
     cls, hyper = OPTIMIZERS["adamw"]
 
@@ -190,6 +199,8 @@ def test_a_captured_one_pass_step_replays_the_eager_one(small_blocks):
             opt.graph_capture = capture
         if not one_pass:
             opt.one_pass_max_elements = 0
+        else:
+            opt.one_pass = mode
         scale = torch.full((1,), 1 / 1024.0, device=DEVICE)
         stats = []
         for t in range(6):
@@ -205,6 +216,7 @@ def test_a_captured_one_pass_step_replays_the_eager_one(small_blocks):
 
     replayed = run(True, capture)
     assert replayed[1].graph_counts == {"warmup": 1, "capture": 1, "replay": 4}
+    assert replayed[1].step_path.path == ("grid" if mode == "grid" else "single")
     assert capture.unseen_launches() == []
     _assert_same(replayed, run(False, RecordingCapture()))
 
@@ -232,3 +244,176 @@ def _with(b, **kw):
     from dataclasses import replace
 
     return replace(b, **kw)
+
+
+# --------------------------------------------------------------------------- the grid-wide step
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_the_grid_step_is_the_two_pass_step_bit_for_bit(small_blocks, name, dtype, clip):
+    grid = _train(name, dtype, clip, one_pass="grid")
+    two = _train(name, dtype, clip, one_pass=False)
+    _assert_same(grid, two)
+    assert grid[2][2][overflow.FOUND_INF] == 1.0  # step 2 overflowed and was skipped
+    assert grid[1].state_dict()["state"][0]["step"] == 3.0  # 4 steps, one skipped
+    assert grid[1].step_path.path == "grid" and two[1].step_path.path == "two-pass"
+    # 4 steps (one skipped) met at the barrier: its generation 4, its count and ticket 0
+    assert grid[1].grid_barrier.word.tolist() == [4 << 16, 0] and two[1].grid_barrier is None
+    if tkern.INTERPRET:  # one launch of one program (programs run in turn here)
+        kernel = "_sgd_kernel" if name == "sgd" else "_adam_kernel"
+        assert grid[1].step_path.programs == 1
+        assert all(seen == [(kernel, (1,))] for seen in grid[3])
+
+
+#: master modes and state dtypes (with the 8-bit state, weights of MIN_8BIT_SIZE elements
+#: or more and no biases: every param 8-bit, so the step is one range)
+MODES = [
+    ("adamw", torch.bfloat16, {"master": "split"}),
+    ("adamw", torch.float16, {"master": "none", "state_dtype": torch.bfloat16}),
+    ("adam", torch.bfloat16, {"master": "none", "state_dtype": torch.uint8}),
+    ("sgd", torch.float16, {"master": "fp32", "state_dtype": torch.uint8}),
+]
+
+
+@pytest.mark.parametrize(
+    "name,dtype,modes", MODES, ids=[f"{m[0]}-{'-'.join(map(str, m[2].values()))}" for m in MODES]
+)
+def test_the_grid_step_keeps_every_master_mode_bit_for_bit(name, dtype, modes):
+    # (the interpreter's large blocks: the modes live in the update's tiles; the statistics'
+    # row order is the tests above's)
+    eight_bit = modes.get("state_dtype") == torch.uint8
+    shape = dict(width=_update.MIN_8BIT_SIZE // 8, bias=False) if eight_bit else {}
+    grid = _train(name, dtype, 0.05, one_pass="grid", **shape, **modes)
+    two = _train(name, dtype, 0.05, one_pass=False, **shape, **modes)
+    _assert_same(grid, two)
+    assert grid[1].step_path.path == "grid"
+    assert [f.state_dtype for f in grid[1].flat_buffers[0]] == [modes.get("state_dtype", torch.float32)]
+
+
+@needs_interpreter
+def test_a_grad_scaler_drives_the_grid_step_as_the_two_pass_one(small_blocks):
+    def scaler():
+        return torch.amp.GradScaler(DEVICE, init_scale=2.0**10, growth_interval=2)
+
+    grid = _train("sgd", torch.bfloat16, 0.05, one_pass="grid", steps=5, scaler=scaler())
+    two = _train("sgd", torch.bfloat16, 0.05, one_pass=False, steps=5, scaler=scaler())
+    _assert_same(grid, two)
+    assert grid[2][2][overflow.FOUND_INF] == 1.0
+    assert all([k for k, _ in seen] == ["_sgd_kernel"] for seen in grid[3])
+
+
+def _adam_buffers(n, seed):
+    torch.manual_seed(seed)
+    param = torch.randn(n, device=DEVICE).to(torch.float16)
+    return _update.UpdateBuffers(
+        param=param,
+        grad=(torch.randn(n, device=DEVICE) * 1024).to(torch.float16),
+        master=param.float(),
+        stats=torch.zeros(3, device=DEVICE),
+        inv_scale=torch.full((1,), 1 / 1024, device=DEVICE),
+        step=torch.zeros(1, device=DEVICE),
+        state={"exp_avg": torch.zeros(n, device=DEVICE), "exp_avg_sq": torch.zeros(n, device=DEVICE)},
+    )
+
+
+ADAM_ARGS = dict(
+    lr=1e-2,
+    beta1=0.9,
+    beta2=0.999,
+    eps=1e-8,
+    weight_decay=0.01,
+    decoupled=True,
+    amsgrad=False,
+    max_grad_norm=1.0,
+)
+
+
+@pytest.mark.parametrize("overflow_at", [None, 1])
+def test_the_grid_barrier_resets_itself_at_every_step(small_blocks, overflow_at):
+    """Three grid-wide launches on one workspace, each equal to the two-pass kernels: the
+    barrier's count is back to 0 after each, its generation one on (a skipped step meets at
+    the barrier too), the finishing ticket back to 0."""
+    n = 1024
+    grid, two = _adam_buffers(n, 0), _adam_buffers(n, 0)
+    barrier = grid_sync.new_grid_barrier(torch.device(DEVICE))
+    assert barrier.max_programs == (1 if tkern.INTERPRET else grid_sync.sm_count(torch.device(DEVICE)))
+    for t in range(3):
+        grads = torch.randn(n, device=DEVICE) * 1024
+        if t == overflow_at:
+            grads[5] = float("inf")
+        grid.grad.copy_(grads)
+        two.grad.copy_(grads)
+        adam.adam_update(grid, **ADAM_ARGS, one_pass=True, barrier=barrier)
+        two.stats = overflow.grad_stats([two.grad], two.inv_scale)
+        adam.adam_update(two, **ADAM_ARGS)
+        two.step.add_(1 - two.stats[:1])
+        assert barrier.word.tolist() == [(t + 1) << 16, 0]  # generation t + 1, count 0; ticket 0
+        for a, b in (
+            (grid.param, two.param),
+            (grid.master, two.master),
+            (grid.step, two.step),
+            (grid.stats, two.stats),
+        ):
+            assert torch.equal(a, b)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(grid.state[k], two.state[k])
+    assert grid.step.item() == (2.0 if overflow_at is not None else 3.0)
+
+
+@needs_interpreter
+def test_the_launchers_check_a_grid_launch_before_launching():
+    b = _adam_buffers(256, 0)
+    word = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    bad = {
+        "co-resident": grid_sync.GridBarrier(word, 2),  # two programs would spin forever here
+        "int32": grid_sync.GridBarrier(torch.zeros(2, device=DEVICE), 1),
+        "contiguous": grid_sync.GridBarrier(torch.zeros(4, dtype=torch.int32, device=DEVICE)[::2], 1),
+    }
+    with Launches() as lc:
+        for why, barrier in bad.items():
+            with pytest.raises((ValueError, TypeError), match=why):
+                adam.adam_update(b, **ADAM_ARGS, one_pass=True, barrier=barrier)
+        with pytest.raises(ValueError, match="one_pass=True"):
+            adam.adam_update(b, **ADAM_ARGS, barrier=grid_sync.GridBarrier(word, 1))
+        with pytest.raises(ValueError, match="co-resident"):
+            grid_sync.new_grid_barrier(torch.device(DEVICE), 2)
+    assert lc.seen == []
+
+
+def test_which_path_a_step_takes():
+    path = _update.step_path
+    single, grid = _update.ONE_PASS_MAX_ELEMENTS, _update.GRID_MAX_ELEMENTS
+    h100 = dict(device_programs=132, interpret=False)
+    cases = [  # (n, mode, device) -> (path, programs)
+        ((1 << 20, "auto", h100), ("two-pass", 0)),  # the grid path is not the default
+        ((single, "auto", h100), ("single", 1)),
+        ((single, "single", h100), ("single", 1)),
+        ((single + 16, "single", h100), ("two-pass", 0)),
+        ((16, "off", h100), ("two-pass", 0)),
+        ((1 << 20, "grid", h100), ("grid", 132)),
+        ((16, "grid", h100), ("grid", 132)),  # the launcher keeps one program per tile
+        ((grid, "grid", h100), ("grid", 132)),
+        ((grid + 16, "grid", h100), ("two-pass", 0)),
+        ((1000, "grid", h100), ("two-pass", 0)),  # not a multiple of 16: pass 1 splits it
+        ((0, "grid", h100), ("two-pass", 0)),
+        ((1 << 20, "grid", dict(device_programs=0, interpret=False)), ("two-pass", 0)),  # no CUDA
+        ((1 << 20, "grid", dict(device_programs=1, interpret=True)), ("grid", 1)),  # programs in turn
+    ]
+    for (n, mode, device), expected in cases:
+        got = path(n, mode, **device)
+        assert (got.path, got.programs) == expected, (n, mode, device, got)
+        assert got.reason
+    assert path(64, "single", device_programs=0, single_max=32).path == "two-pass"
+    with pytest.raises(ValueError, match="one_pass"):
+        path(64, "fast", device_programs=0)
+    # the optimizer: the mode it was given, refused when unknown, its last step's path
+    opt = FusedAdamW(_model(torch.float16).parameters())
+    assert opt.one_pass == "auto" and opt.step_path is None
+    with pytest.raises(ValueError, match="one_pass"):
+        opt.one_pass = "grid-wide"
+    assert opt.one_pass == "auto"
+    # a grid launch never has more programs than tiles, nor than the barrier allows
+    barrier = grid_sync.GridBarrier(torch.zeros(2, dtype=torch.int32), 132)
+    assert [_update.grid_programs(n, 1024, barrier) for n in (16, 1024, 1040, 1 << 20)] == [1, 1, 2, 132]

@@ -69,12 +69,20 @@ adam.py, sgd.py (their shared lines in _update.py)
     rounding), ``load_state``/``store_state`` (fp32, bf16 or 8-bit block-quantized
     state); ``_convert_state_kernel`` (``state_to_fp32``/``state_from_fp32``:
     checkpoints); ``step_prologue``/``step_epilogue`` (``one_pass=True``: the whole
-    step of a small buffer in one program, pass 1 by ``overflow.one_pass_stats``).
+    step of a small buffer in one program, pass 1 by ``overflow.one_pass_stats``; with a
+    ``barrier``, grid-wide: up to one program per SM meeting at ``grid_sync.grid_barrier``);
+    ``step_path`` (which of the paths a step takes).
     Above: ``optim.FusedAdam``/``FusedAdamW``/``FusedSGD`` and
     their ``Distributed`` versions (pass 2; ``master=``, ``state_dtype=``).
     Tests: test_optim_one_pass.py, test_update_kernels.py, test_optim.py, test_optim_memory.py,
     test_optim_graph.py, test_optim_contracts.py, test_distributed.py.
     Benchmarks: bench_optimizer.py, bench_distributed.py, bench_memory.py.
+grid_sync.py
+    jit helpers: ``grid_barrier`` (a self-resetting spin barrier of a launch's co-resident
+    programs), ``last_to_finish`` (a ticket). Host: ``GridBarrier`` (its workspace),
+    ``new_grid_barrier``, ``check_programs``, ``sm_count``. Above: the grid-wide one-pass
+    step (adam.py, sgd.py; ``optim.FusedOptimizer.one_pass = "grid"``). Tests:
+    test_optim_one_pass.py (one program), test_gpu_grid_step.py (a GPU's SM count).
 scale.py
     kernel: ``_update_scale_kernel``. Launcher: ``update_scale``. Above:
     ``amp.DynamicLossScaler`` and kin. Tests: test_scale.py, test_amp*.py.

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,6 +55,7 @@ import triton.language as tl
 
 from tkern.kernels import overflow
 from tkern.kernels._common import INTERPRET, aligned_slices, cast_rne, cdiv, check_tensor
+from tkern.kernels.grid_sync import GridBarrier, check_programs, last_to_finish, launch_options
 from tkern.kernels.overflow import N_STATS, grad_factor, one_pass_stats
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -94,6 +96,74 @@ SIGNED_STATE = frozenset({"exp_avg", "momentum_buffer"})
 #: tiles and 8 statistics chunks of the GPU blocks -- about where one program stops
 #: beating the launches it saves. Not yet measured on a GPU (it waits for one).
 ONE_PASS_MAX_ELEMENTS = 16384
+
+#: Up to this many elements the *grid-wide* one-pass step may run (``one_pass="grid"``):
+#: one launch of P <= SM-count programs, each computing its share of the statistics, all
+#: meeting at a grid barrier (:mod:`tkern.kernels.grid_sync`), then each updating its tiles.
+#: Why a bound at all: (1) what the grid path saves is launches (pass 1, its finalize, the
+#: step count: ~3 launches, some 6-10 us in a CUDA graph), while a step of 4M fp16 params
+#: moves ~120 MB (30 B/param), ~30 us at H100/H200 bandwidth, so above it the saving is
+#: under a fifth of the step and shrinking; (2) one program per SM (8 warps, 1/8 of an SM's
+#: warps) may stream below the two-pass launches' full occupancy, a cost that grows with
+#: the size; (3) the gradients (8 MB in fp16 at 4M) stay far inside L2 (50 MB on H100/H200)
+#: between the statistics and the update that reads them again; (4) the fewer elements,
+#: the shorter any program waits at the barrier. A guess from those figures, not yet
+#: measured on a GPU (bench_optimizer --sections grid measures the 1M step).
+GRID_MAX_ELEMENTS = 1 << 22
+#: What the fused optimizers' ``one_pass`` attribute takes (see :func:`step_path`).
+ONE_PASS_MODES = ("auto", "single", "grid", "off")
+
+
+class StepPath(NamedTuple):
+    """Which launches a step takes (:func:`step_path`): ``path`` is ``"single"`` (one
+    program: statistics, update and step count), ``"grid"`` (one launch of up to
+    ``programs`` programs meeting at a grid barrier) or ``"two-pass"`` (pass 1, its
+    finalize, pass 2, the step counts); ``reason`` says why, in words."""
+
+    path: str
+    programs: int
+    reason: str
+
+
+@functools.lru_cache(maxsize=256)  # the optimizer asks every step, with a few distinct arguments
+def step_path(
+    n: int,
+    mode: str,
+    *,
+    device_programs: int,
+    interpret: bool = INTERPRET,
+    single_max: int = ONE_PASS_MAX_ELEMENTS,
+    grid_max: int = GRID_MAX_ELEMENTS,
+) -> StepPath:
+    """The path a one-range step of ``n`` elements takes (a pure function of its arguments).
+
+    Args:
+        n: the range's elements (a step that is not one range is two-pass before this).
+        mode: ``"off"`` (two passes), ``"single"`` (one program up to ``single_max``
+            elements), ``"grid"`` (one launch of up to ``device_programs`` programs up to
+            ``grid_max`` elements), ``"auto"``: today ``"single"``'s rule; the grid path is
+            not the default until a GPU has measured it.
+        device_programs: the most co-resident programs a grid launch may have: the device's
+            SM count on CUDA, 1 under the interpreter, 0 on a device without a grid path.
+        interpret: Triton's interpreter runs the kernels (programs one after another).
+    """
+    if mode not in ONE_PASS_MODES:
+        raise ValueError(f"one_pass must be one of {ONE_PASS_MODES}, got {mode!r}")
+    if mode == "off":
+        return StepPath("two-pass", 0, "one_pass='off'")
+    if n <= 0 or n % 16:
+        return StepPath("two-pass", 0, f"{n} elements: not a positive multiple of 16 (pass 1 splits it)")
+    if mode in ("auto", "single"):
+        if n <= single_max:
+            return StepPath("single", 1, f"{n} <= one_pass_max_elements ({single_max}): one program")
+        return StepPath("two-pass", 0, f"{n} > one_pass_max_elements ({single_max})")
+    if n > grid_max:
+        return StepPath("two-pass", 0, f"{n} > GRID_MAX_ELEMENTS ({grid_max})")
+    if device_programs < 1:
+        return StepPath("two-pass", 0, "no grid path on this device (CUDA or Triton's interpreter only)")
+    if interpret:
+        return StepPath("grid", 1, "Triton's interpreter: one program (its programs run in turn)")
+    return StepPath("grid", device_programs, f"up to {device_programs} programs, one per SM")
 
 
 def dynamic_code_map(signed: bool) -> list[float]:
@@ -153,39 +223,54 @@ def tile_at(start, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def tile_starts(n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
-    """``(lo, hi)``: this program's tiles start at ``range(lo, hi, BLOCK)`` -- its own
-    BLOCK (one tile, as :func:`tile`), or every tile of n for a one-pass step's one
-    program (:func:`step_prologue`)."""
-    if ONE_PASS:
+def tile_starts(n, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, GRID: tl.constexpr):
+    """``(lo, hi, step)``: this program's tiles start at ``range(lo, hi, step)`` -- its own
+    BLOCK (one tile, as :func:`tile`); every tile of n for a one-pass step's one program
+    (:func:`step_prologue`); with GRID, tiles q, q + P, ... of n for program q of P."""
+    if GRID:
+        lo = tl.program_id(0).to(tl.int64) * BLOCK
+        hi = n
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+    elif ONE_PASS:
         lo = tl.full((), 0, tl.int64)
         hi = lo + n
+        step = BLOCK
     else:
         lo = tl.program_id(0).to(tl.int64) * BLOCK
         hi = lo + 1
-    return lo, hi
+        step = BLOCK
+    return lo, hi, step
 
 
 @triton.jit
 def step_prologue(
-    grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr,
-    ONE_PASS: tl.constexpr, HAS_FOUND: tl.constexpr, STATS_BLOCK: tl.constexpr,
+    grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, barrier_ptr,
+    ONE_PASS: tl.constexpr, HAS_FOUND: tl.constexpr, GRID: tl.constexpr, STATS_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """What an update kernel does before its tiles: with ONE_PASS (one program for the
-    whole step) the statistics of the step (:func:`tkern.kernels.overflow.one_pass_stats`:
+    """What an update kernel does before its tiles: with ONE_PASS (the whole step in this
+    launch) the statistics of the step (:func:`tkern.kernels.overflow.one_pass_stats`:
     ``partials_ptr`` (n_rows, N_STATS) fp32 scratch, ``found_ptr`` (1,) fp32 read when
-    HAS_FOUND, into ``stats_ptr`` (N_STATS,)); nothing otherwise (pass 1 wrote them)."""
+    HAS_FOUND, into ``stats_ptr`` (N_STATS,); with GRID every program of the launch meets
+    the others at the grid barrier of ``barrier_ptr``, (2,) int32, first); nothing
+    otherwise (pass 1 wrote them)."""
     if ONE_PASS:
         one_pass_stats(
-            grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, HAS_FOUND, STATS_BLOCK
-        )
+            grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, barrier_ptr,
+            HAS_FOUND, GRID, STATS_BLOCK,
+        )  # fmt: skip
 
 
 @triton.jit
-def step_epilogue(step_ptr, ONE_PASS: tl.constexpr):
+def step_epilogue(step_ptr, barrier_ptr, ONE_PASS: tl.constexpr, GRID: tl.constexpr):
     """After an applied step's tiles: a one-pass step counts its step (``step_ptr`` (1,)
-    fp32 += 1, as the optimizer's ``step.add_(1 - found_inf)`` does after pass 2)."""
-    if ONE_PASS:
+    fp32 += 1, as the optimizer's ``step.add_(1 - found_inf)`` does after pass 2); with
+    GRID the last program to finish its tiles does (every other has read the count by
+    then: :func:`tkern.kernels.grid_sync.last_to_finish`)."""
+    if GRID:
+        if last_to_finish(barrier_ptr):
+            t = tl.load(step_ptr)
+            tl.store(step_ptr, t + 1.0)
+    elif ONE_PASS:
         tl.debug_barrier()  # every tile has read the count
         t = tl.load(step_ptr)
         tl.store(step_ptr, t + 1.0)
@@ -416,28 +501,54 @@ def check_update_buffers(b: UpdateBuffers, state_names: tuple[str, ...]) -> None
             )
 
 
+def grid_programs(n: int, block: int, barrier: GridBarrier) -> int:
+    """The programs of a grid-wide launch over n elements in tiles of ``block``: one per
+    tile, at most ``barrier.max_programs`` (each then loops over its tiles)."""
+    return max(1, min(barrier.max_programs, cdiv(n, block)))
+
+
 def pass_launch(
-    b: UpdateBuffers, n: int, block: int, num_warps: int, one_pass: bool, found_inf: torch.Tensor | None
+    b: UpdateBuffers,
+    n: int,
+    block: int,
+    num_warps: int,
+    one_pass: bool,
+    found_inf: torch.Tensor | None,
+    barrier: GridBarrier | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, options)`` of an update launch over the first n elements of ``b``:
-    ``args`` (partials, found_inf, n_rows), which every update kernel takes after
-    ``step_ptr``, and the ONE_PASS/HAS_FOUND/STATS_BLOCK constexprs and ``num_warps``.
-    Two-pass: a program per ``block``, placeholders, ``num_warps``; ``one_pass``: one
-    program, a new (n_rows, N_STATS) fp32 scratch (no launch: its rows are all written),
-    ``found_inf`` (a GradScaler's, or None) and pass 1's warps (the same reductions)."""
-    consts = dict(ONE_PASS=one_pass, HAS_FOUND=found_inf is not None, STATS_BLOCK=overflow.BLOCK)
+    ``args`` (partials, found_inf, n_rows, barrier word), which every update kernel takes
+    after ``step_ptr``, and the ONE_PASS/HAS_FOUND/GRID/STATS_BLOCK constexprs, ``num_warps``
+    and the launch options. Two-pass: a program per ``block``, placeholders, ``num_warps``;
+    ``one_pass``: one program (or, with a ``barrier``, :func:`grid_programs` programs, a
+    cooperative launch on CUDA), a new (n_rows, N_STATS) fp32 scratch (no launch: its rows
+    are all written), ``found_inf`` (a GradScaler's, or None) and pass 1's warps (the same
+    reductions)."""
+    grid = barrier is not None
+    consts = dict(ONE_PASS=one_pass, HAS_FOUND=found_inf is not None, GRID=grid, STATS_BLOCK=overflow.BLOCK)
     consts["num_warps"] = overflow.NUM_WARPS if one_pass else num_warps
     if not one_pass:
-        return (cdiv(n, block),), (b.stats, b.stats, 0), consts
+        return (cdiv(n, block),), (b.stats, b.stats, 0, b.stats), consts
     rows = overflow.stats_rows(n)
     partials = torch.empty((rows, N_STATS), dtype=torch.float32, device=b.param.device)
-    return (1,), (partials, b.stats if found_inf is None else found_inf, rows), consts
+    found = b.stats if found_inf is None else found_inf
+    if not grid:
+        return (1,), (partials, found, rows, b.stats), consts
+    consts.update(launch_options())
+    return (grid_programs(n, block, barrier),), (partials, found, rows, barrier.word), consts
 
 
-def check_one_pass(b: UpdateBuffers, found_inf: torch.Tensor | None) -> None:
+def check_one_pass(
+    b: UpdateBuffers, found_inf: torch.Tensor | None, barrier: GridBarrier | None = None, block: int = 1
+) -> None:
     """Raise ``ValueError`` unless ``b`` can be stepped in one pass: a (N_STATS,) fp32
-    ``stats`` to write and ``found_inf`` None or one fp32 value, both on the params' device.
-    (Any length works; one program does it all, so it is meant for small buffers.)"""
+    ``stats`` to write and ``found_inf`` None or one fp32 value, both on the params' device;
+    with a ``barrier`` (the grid-wide step, tiles of ``block``), one that a launch of
+    :func:`grid_programs` programs can meet at (:func:`tkern.kernels.grid_sync.check_programs`).
+    (Any length works; without a barrier one program does it all, so it is meant for small
+    buffers.)"""
+    if barrier is not None:
+        check_programs(barrier, grid_programs(b.param.numel(), block, barrier), b.param.device)
     for name, t, size in (("stats", b.stats, N_STATS), ("found_inf", found_inf, 1)):
         if t is None and name == "found_inf":
             continue

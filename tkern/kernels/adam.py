@@ -11,6 +11,7 @@ import triton.language as tl
 
 from tkern.kernels._common import INTERPRET, ln_beta, load_or_value, one_minus_pow, tl_dtype
 from tkern.kernels._update import (
+    GridBarrier,
     UpdateBuffers,
     aligned_parts,
     check_lr,
@@ -54,6 +55,7 @@ def _adam_kernel(
     partials_ptr,  # (n_rows, 3) fp32 scratch for the statistics' rows; unused unless ONE_PASS
     found_ptr,  # (1,) fp32 a GradScaler's found_inf; unused unless HAS_FOUND
     n_rows,  # rows of the statistics (overflow.stats_rows(n)); unused unless ONE_PASS
+    barrier_ptr,  # (2,) int32 grid-barrier workspace (grid_sync.py); unused unless GRID
     n,
     seed,  # stochastic rounding (MASTER == NONE): Philox key with the step count
     offset,  # element offset of param_ptr in its flat buffer (the random stream's counter)
@@ -82,6 +84,7 @@ def _adam_kernel(
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # one program: the statistics, every tile, the step count
     HAS_FOUND: tl.constexpr,
+    GRID: tl.constexpr,  # with ONE_PASS: P programs, each a share of rows and tiles, one grid barrier
     STATS_BLOCK: tl.constexpr,  # pass 1's BLOCK (overflow.BLOCK)
 ):
     """Pass 2 of an Adam/AdamW step over n elements of a flat buffer: skip on overflow,
@@ -89,15 +92,15 @@ def _adam_kernel(
     param (pointer shapes above; the shared lines, master modes and state dtypes
     are _update.py's). With ONE_PASS, the whole step in one program: pass 1 first
     (_update.step_prologue), then every tile, then the step count."""
-    stats = (n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr)
-    step_prologue(grad_ptr, n, *stats, ONE_PASS, HAS_FOUND, STATS_BLOCK)  # ONE_PASS: pass 1, here
+    stats = (n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, barrier_ptr)
+    step_prologue(grad_ptr, n, *stats, ONE_PASS, HAS_FOUND, GRID, STATS_BLOCK)  # ONE_PASS: pass 1, here
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written, the step count stays
     if LR_ON_DEVICE:
         lr = load_or_value(lr, LR_ON_DEVICE)
         decay = 1.0 - lr * weight_decay
-    lo, hi = tile_starts(n, BLOCK, ONE_PASS)
-    for start in range(lo, hi, BLOCK):  # one tile (or, ONE_PASS, every tile)
+    lo, hi, step = tile_starts(n, BLOCK, ONE_PASS, GRID)
+    for start in range(lo, hi, step):  # one tile (ONE_PASS: every tile; GRID: this program's)
         offs, mask = tile_at(start, n, BLOCK)
         g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
         p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
@@ -131,7 +134,7 @@ def _adam_kernel(
         denom = tl.sqrt(v) / bias_correction2_sqrt + eps
         p = p - (lr / bias_correction1) * (m / denom)
         store_master(param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER, PARAM_DTYPE)
-    step_epilogue(step_ptr, ONE_PASS)
+    step_epilogue(step_ptr, barrier_ptr, ONE_PASS, GRID)
 
 
 def adam_update(
@@ -149,6 +152,7 @@ def adam_update(
     prechecked: bool = False,
     one_pass: bool = False,
     found_inf: torch.Tensor | None = None,
+    barrier: GridBarrier | None = None,
 ) -> None:
     """Launch the Adam (``decoupled=False``) or AdamW update over ``buffers``
     (see :class:`UpdateBuffers`); state: ``exp_avg``, ``exp_avg_sq`` and, with
@@ -167,18 +171,29 @@ def adam_update(
     from ``grad`` (bit for bit what :func:`tkern.kernels.overflow.grad_stats` gives for a
     length that is a multiple of 16), with ``found_inf`` (a GradScaler's (1,) fp32 flag,
     or None) maxed into found_inf, then updates every tile, then adds 1 to ``step``
-    unless the step is skipped (pass 2 leaves the count to its caller)."""
+    unless the step is skipped (pass 2 leaves the count to its caller).
+
+    ``barrier`` (with ``one_pass``): the grid-wide one-pass step -- one launch of up to
+    ``barrier.max_programs`` programs (:class:`tkern.kernels.grid_sync.GridBarrier`; at most
+    the SM count, one under the interpreter): each writes its share of the statistics'
+    rows, all meet at the grid barrier, each reduces every row in the same order (the same
+    bits as pass 1's finalize) and updates its share of the tiles, and the last to finish
+    counts the step. Bit for bit the two-pass step, for up to
+    :data:`tkern.kernels._update.GRID_MAX_ELEMENTS` elements (larger works, but is not what
+    it is for)."""
     b = buffers
     if not prechecked:
         check_update_buffers(b, ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()))
     if one_pass:
-        check_one_pass(b, found_inf)
+        check_one_pass(b, found_inf, barrier, BLOCK)
+    elif barrier is not None:
+        raise ValueError("a grid barrier is for a one-pass launch: pass one_pass=True with it")
     lr, lr_on_device = check_lr(lr, b.param.device)
     decay = 1.0 if lr_on_device else 1.0 - lr * weight_decay
     for part, n in [(b, b.param.numel())] if one_pass else aligned_parts(b):
         m, v = part.kernel_state("exp_avg"), part.kernel_state("exp_avg_sq")
         vmax = part.kernel_state("max_exp_avg_sq" if amsgrad else None)
-        grid, stats_args, consts = pass_launch(part, n, BLOCK, NUM_WARPS, one_pass, found_inf)
+        grid, stats_args, consts = pass_launch(part, n, BLOCK, NUM_WARPS, one_pass, found_inf, barrier)
         _adam_kernel[grid](
             part.kernel_param(), part.grad, part.kernel_master(), *m[:3], *v[:3], *vmax[:3],
             part.stats, part.inv_scale, part.step, *stats_args, n, part.seed, part.offset,

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from tkern.kernels._common import INTERPRET, aligned_slices, cdiv, check_tensor
+from tkern.kernels.grid_sync import grid_barrier
 
 FOUND_INF: int = 0
 SUMSQ: int = 1
@@ -306,23 +307,36 @@ def grad_stats(
 
 @triton.jit
 def one_pass_stats(
-    grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, HAS_FOUND: tl.constexpr,
-    BLOCK: tl.constexpr,
+    grad_ptr, n, n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, barrier_ptr,
+    HAS_FOUND: tl.constexpr, GRID: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Pass 1 inside one program (a one-pass step, whose update then reads ``stats_ptr``):
-    the statistics of (n,) ``grad_ptr`` as :func:`grad_stats` computes them for a length
-    that is a multiple of 16, bit for bit -- the same ``n_rows`` rows (:func:`stats_rows`)
-    written by the same code (:func:`_store_row`) into (n_rows, N_STATS) ``partials_ptr``,
-    reduced by the finalize's code into (N_STATS,) ``stats_ptr``, with (1,) ``found_ptr``
-    (a GradScaler's found_inf, read when HAS_FOUND) maxed into found_inf as the optimizer
-    does after pass 1. Launch with :data:`NUM_WARPS` warps and BLOCK = :data:`BLOCK`: the
-    vectors then have the layouts (and so the summation trees) of pass 1's launches.
-    Barriers order the rows and the statistics before the program reads them back."""
+    """Pass 1 inside the update's launch (a one-pass step, whose update then reads
+    ``stats_ptr``): the statistics of (n,) ``grad_ptr`` as :func:`grad_stats` computes them
+    for a length that is a multiple of 16, bit for bit -- the same ``n_rows`` rows
+    (:func:`stats_rows`) written by the same code (:func:`_store_row`) into (n_rows, N_STATS)
+    ``partials_ptr``, reduced by the finalize's code into (N_STATS,) ``stats_ptr``, with (1,)
+    ``found_ptr`` (a GradScaler's found_inf, read when HAS_FOUND) maxed into found_inf as the
+    optimizer does after pass 1. Launch with :data:`NUM_WARPS` warps and BLOCK =
+    :data:`BLOCK`: the vectors then have the layouts (and so the summation trees) of pass 1's
+    launches.
+
+    One program (GRID False) writes every row; with GRID, program q of P writes rows q,
+    q + P, ..., all meet at :func:`tkern.kernels.grid_sync.grid_barrier` (``barrier_ptr``, its
+    workspace), and then every program reduces all the rows, in the same fixed order, and
+    stores the same bits into ``stats_ptr``: no float atomics, so the statistics (the clip's
+    norm) are deterministic and pass 1's. Barriers order the rows and the statistics before
+    the program reads them back."""
     inv_scale = tl.load(inv_scale_ptr)
-    first = tl.full((), 0, tl.int64)  # the rows' numbers as int64, as pass 1's program ids
-    for r in range(0, n_rows):
-        _store_row(grad_ptr, n, inv_scale, partials_ptr, first + r, n_rows, BLOCK)
-    tl.debug_barrier()  # every row stored before the reduction reads them
+    if GRID:
+        first = tl.program_id(0).to(tl.int64)  # the rows' numbers as int64, as pass 1's program ids
+        for r in range(first, n_rows, tl.num_programs(0)):
+            _store_row(grad_ptr, n, inv_scale, partials_ptr, r, n_rows, BLOCK)
+        grid_barrier(barrier_ptr)  # every program's rows stored before any reduction reads them
+    else:
+        first = tl.full((), 0, tl.int64)
+        for r in range(0, n_rows):
+            _store_row(grad_ptr, n, inv_scale, partials_ptr, first + r, n_rows, BLOCK)
+        tl.debug_barrier()  # every row stored before the reduction reads them
     found = 0.0
     if HAS_FOUND:
         found = tl.load(found_ptr)

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from tkern.kernels._common import INTERPRET, load_or_value, tl_dtype
 from tkern.kernels._update import (
+    GridBarrier,
     UpdateBuffers,
     aligned_parts,
     check_lr,
@@ -50,6 +51,7 @@ def _sgd_kernel(
     partials_ptr,  # (n_rows, 3) fp32 scratch for the statistics' rows; unused unless ONE_PASS
     found_ptr,  # (1,) fp32 a GradScaler's found_inf; unused unless HAS_FOUND
     n_rows,  # rows of the statistics (overflow.stats_rows(n)); unused unless ONE_PASS
+    barrier_ptr,  # (2,) int32 grid-barrier workspace (grid_sync.py); unused unless GRID
     n,
     seed,  # stochastic rounding (MASTER == NONE): Philox key with the step count
     offset,  # element offset of param_ptr in its flat buffer (the random stream's counter)
@@ -69,6 +71,7 @@ def _sgd_kernel(
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # one program: the statistics, every tile, the step count
     HAS_FOUND: tl.constexpr,
+    GRID: tl.constexpr,  # with ONE_PASS: P programs, each a share of rows and tiles, one grid barrier
     STATS_BLOCK: tl.constexpr,  # pass 1's BLOCK (overflow.BLOCK)
 ):
     """Pass 2 of an SGD step over n elements of a flat buffer: skip on overflow, unscale
@@ -76,13 +79,13 @@ def _sgd_kernel(
     (pointer shapes above; the shared lines, master modes and state dtypes are
     _update.py's). With ONE_PASS, the whole step in one program: pass 1 first
     (_update.step_prologue), then every tile, then the step count."""
-    stats = (n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr)
-    step_prologue(grad_ptr, n, *stats, ONE_PASS, HAS_FOUND, STATS_BLOCK)  # ONE_PASS: pass 1, here
+    stats = (n_rows, inv_scale_ptr, found_ptr, partials_ptr, stats_ptr, barrier_ptr)
+    step_prologue(grad_ptr, n, *stats, ONE_PASS, HAS_FOUND, GRID, STATS_BLOCK)  # ONE_PASS: pass 1, here
     if found_inf(stats_ptr):
         return  # skipped step: nothing is written anywhere
     lr = load_or_value(lr, LR_ON_DEVICE)
-    lo, hi = tile_starts(n, BLOCK, ONE_PASS)
-    for start in range(lo, hi, BLOCK):  # one tile (or, ONE_PASS, every tile)
+    lo, hi, step = tile_starts(n, BLOCK, ONE_PASS, GRID)
+    for start in range(lo, hi, step):  # one tile (ONE_PASS: every tile; GRID: this program's)
         offs, mask = tile_at(start, n, BLOCK)
         g = load_grad(grad_ptr, offs, mask, stats_ptr, inv_scale_ptr, max_grad_norm, CLIP, MAXIMIZE)
         p = load_master(param_ptr, master_ptr, offs, mask, MASTER)
@@ -107,7 +110,7 @@ def _sgd_kernel(
                 g = buf
         p = p - lr * g
         store_master(param_ptr, master_ptr, offs, mask, p, seed, t, offset, MASTER, PARAM_DTYPE)
-    step_epilogue(step_ptr, ONE_PASS)
+    step_epilogue(step_ptr, barrier_ptr, ONE_PASS, GRID)
 
 
 def sgd_update(
@@ -123,6 +126,7 @@ def sgd_update(
     prechecked: bool = False,
     one_pass: bool = False,
     found_inf: torch.Tensor | None = None,
+    barrier: GridBarrier | None = None,
 ) -> None:
     """Launch the SGD update over ``buffers`` (see :class:`UpdateBuffers`);
     it does nothing on the device when ``stats`` reports an overflow.
@@ -131,16 +135,19 @@ def sgd_update(
     the kernel (changing it then needs no recompile and no host sync).
     ``maximize`` negates the gradient, as torch.optim.SGD's. ``prechecked``: as
     :func:`tkern.kernels.adam.adam_update`'s (the buffers' checks skipped);
-    ``one_pass`` and ``found_inf``: as its (the whole step in one program)."""
+    ``one_pass``, ``found_inf`` and ``barrier``: as its (the whole step in one program, or
+    in one grid-wide launch)."""
     b = buffers
     if not prechecked:
         check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
     if one_pass:
-        check_one_pass(b, found_inf)
+        check_one_pass(b, found_inf, barrier, BLOCK)
+    elif barrier is not None:
+        raise ValueError("a grid barrier is for a one-pass launch: pass one_pass=True with it")
     lr, lr_on_device = check_lr(lr, b.param.device)
     for part, n in [(b, b.param.numel())] if one_pass else aligned_parts(b):
         buf = part.kernel_state("momentum_buffer" if momentum > 0 else None)
-        grid, stats_args, consts = pass_launch(part, n, BLOCK, NUM_WARPS, one_pass, found_inf)
+        grid, stats_args, consts = pass_launch(part, n, BLOCK, NUM_WARPS, one_pass, found_inf, barrier)
         _sgd_kernel[grid](
             part.kernel_param(), part.grad, part.kernel_master(), *buf[:3],
             part.stats, part.inv_scale, part.step, *stats_args, n, part.seed, part.offset,

@@ -11,11 +11,22 @@ no host synchronization (a small step is both in one launch: see below):
    unscales, clips, updates the fp32 master and state in fp32 and writes the
    master, rounded to nearest, into the fp16/bf16 params.
 
-A step whose work is one range of at most :attr:`FusedOptimizer.one_pass_max_elements`
-elements (by default :data:`~tkern.kernels._update.ONE_PASS_MAX_ELEMENTS`: one param
-group of one dtype, every param with a gradient, no process group, ZeRO-2 or FSDP2, no
-overflow tracking) runs both passes and the step count in ONE launch of one program,
-with bit for bit the results of the two passes.
+A step whose work is one range (one param group of one dtype, every param with a
+gradient, no process group, ZeRO-2 or FSDP2, no overflow tracking) can run both passes
+and the step count in ONE launch, with bit for bit the results of the two passes;
+:attr:`FusedOptimizer.one_pass` picks how (:func:`tkern.kernels._update.step_path`):
+
+* ``"auto"`` (the default) and ``"single"``: one program, for a range of at most
+  :attr:`FusedOptimizer.one_pass_max_elements` elements (by default
+  :data:`~tkern.kernels._update.ONE_PASS_MAX_ELEMENTS`); two passes above;
+* ``"grid"``: one launch of up to one program per SM for a range of at most
+  :data:`~tkern.kernels._update.GRID_MAX_ELEMENTS` elements: each program computes its
+  share of the statistics, all meet at a grid barrier (:mod:`tkern.kernels.grid_sync`), each
+  updates its share. CUDA only (one program under Triton's interpreter); a cooperative
+  launch. Not the default: no GPU has measured it yet (bench_optimizer ``--sections grid``);
+* ``"off"``: always two passes.
+
+:attr:`FusedOptimizer.step_path` says which path the last step took and why.
 
 Interface with loss scalers: ``step(inv_scale=t)`` takes ``1 / loss scale`` as
 a (1,) fp32 device tensor; after the step, ``optimizer.grad_stats`` holds the
@@ -60,7 +71,7 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes
-from tkern.kernels._update import MIN_8BIT_SIZE, ONE_PASS_MAX_ELEMENTS, UpdateBuffers
+from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
 from tkern.kernels.overflow import (
     FOUND_INF,
     N_STATS,
@@ -82,6 +93,7 @@ from tkern.optim.hparams import (
     group_scalar,
     param_group_dict,
 )
+from tkern.optim.one_pass import OnePassStep
 from tkern.optim.report import MemoryReport, memory_report
 from tkern.optim.state import ParamState, flat_seed
 from tkern.optim.state_io import TorchStateDict
@@ -206,10 +218,11 @@ class FlatGroups:
                 flat.reconcile()
 
 
-class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.optim.Optimizer):
+class FusedOptimizer(GraphedStep, GradHealth, OnePassStep, FlatGroups, TorchStateDict, torch.optim.Optimizer):
     """What FusedSGD/FusedAdam/FusedAdamW share: flat buffers, the two passes,
     the state_dict (:class:`~tkern.optim.state_io.TorchStateDict`; the step's CUDA
-    graph: :class:`~tkern.optim.graph_step.GraphedStep`; the gradients' overflow and
+    graph: :class:`~tkern.optim.graph_step.GraphedStep`; one launch or two passes:
+    :class:`~tkern.optim.one_pass.OnePassStep`; the gradients' overflow and
     underflow records: :class:`~tkern.optim.health.GradHealth`; the flat buffers:
     :class:`FlatGroups`).
     Subclasses name their state buffers, validate their hyperparameters and launch
@@ -250,9 +263,7 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         self.grad_stats: torch.Tensor | None = None
         self._layout_seen: dict[int, int] = {}
         self._steps_run = 0
-        #: Steps whose work is one range of at most this many elements (and no collective
-        #: or overflow tracking) run in one launch (see the module docstring); 0: never.
-        self.one_pass_max_elements = ONE_PASS_MAX_ELEMENTS
+        self._init_one_pass()
         self._init_health()
         #: How FSDP2's DTensor params are held (None while there are none), and the flat
         #: buffers over them (their updated params are copied out after each step).
@@ -331,8 +342,8 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
 
     def _launch(self, args: dict[str, Any], buffers: UpdateBuffers, **one_pass: Any) -> None:
         """Launch the update kernel on ``buffers`` with ``args`` (the group's, as
-        :meth:`_validate_group` gives them); ``one_pass``: the launcher's ``one_pass``
-        and ``found_inf`` (the whole step in one launch)."""
+        :meth:`_validate_group` gives them); ``one_pass``: the launcher's ``one_pass``,
+        ``found_inf`` and ``barrier`` (the whole step in one launch)."""
         raise NotImplementedError
 
     def _ones(self) -> torch.Tensor:
@@ -431,11 +442,12 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         launches (what a CUDA graph captures): pass 1, the statistics' combination,
         pass 2 of every planned range, the step counts -- or all of it in one launch
         (:meth:`_one_pass`). Returns the statistics."""
-        single = self._one_pass(work)
-        if single is not None:
+        one = self._one_pass(work)
+        if one is not None:
+            single, barrier = one
             stats = torch.empty(N_STATS, dtype=torch.float32, device=self._device)
             single.stats, single.inv_scale = stats, inv_scale
-            self._launch(_fp32_lr(work[0][0]), single, one_pass=True, found_inf=found_inf)
+            self._launch(_fp32_lr(work[0][0]), single, one_pass=True, found_inf=found_inf, barrier=barrier)
             return stats
         stats = self._step_stats(work, inv_scale, found_inf)
         applied = torch.sub(self._ones(), stats[FOUND_INF : FOUND_INF + 1])
@@ -450,23 +462,12 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
                 step.add_(applied)
         return stats
 
-    def _one_pass(self, work: list) -> UpdateBuffers | None:
-        """The step's one range when the whole step can run in one launch, else None:
-        one planned range (one flat buffer with one step count), of at most
-        :attr:`one_pass_max_elements` elements and a multiple of 16 (pass 1 reads it as
-        one piece, so the one launch computes the same statistics), no collective
-        (process_group, ZeRO-2, FSDP2) between the passes, no overflow tracking."""
-        if len(work) != 1 or len(work[0][1]) != 1 or self.track_overflows:
-            return None
-        if (
+    def _collectives(self) -> bool:
+        return (
             self._process_group is not None
             or self.shard_group is not None
             or self._dtensor_storage is not None
-        ):
-            return None
-        b = work[0][1][0]
-        n = b.param.numel()
-        return b if 0 < n <= self.one_pass_max_elements and n % 16 == 0 else None
+        )
 
     def _step_stats(
         self, work: list, inv_scale: torch.Tensor, found_inf: torch.Tensor | None
@@ -522,6 +523,7 @@ class FusedOptimizer(GraphedStep, GradHealth, FlatGroups, TorchStateDict, torch.
         self._copied_health(state)
         state.pop("_plan_flats", None)
         state["_float8_caches"] = []  # weak references: found again from the params
+        self._copied_one_pass(state)
         state["_graph"] = self._new_graphs()  # a graph holds device memory and addresses: captured anew
         return state
 

@@ -30,7 +30,7 @@ def step_stamp(opt: Any, args: list[dict], found_inf: torch.Tensor | None) -> tu
     """What the step's graph bakes in: the groups' hyperparameters as the kernels take
     them (a device lr by the tensor the group holds, which replays read in place:
     :func:`tkern.graphs.key_value`), the planned ranges, whether a GradScaler hands
-    over found_inf, the size up to which the step runs in one launch."""
+    over found_inf, the size up to which the step runs in one program and the one-pass mode."""
 
     def frozen(group: dict, key: str, value: Any) -> Any:
         return key_value(group[key] if isinstance(value, torch.Tensor) else value)
@@ -40,7 +40,8 @@ def step_stamp(opt: Any, args: list[dict], found_inf: torch.Tensor | None) -> tu
         for g, a in zip(opt.param_groups, args, strict=True)
     )
     plans = tuple(flat.plan_version for flats in opt.flat_buffers for flat in flats)
-    return hyper, plans, found_inf is not None, getattr(opt, "one_pass_max_elements", None)
+    one_pass = (getattr(opt, "one_pass_max_elements", None), getattr(opt, "one_pass", None))
+    return hyper, plans, found_inf is not None, one_pass
 
 
 class GraphedStep:
