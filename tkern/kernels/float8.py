@@ -131,6 +131,68 @@ def _roll(history_ptr, H, amax, HBLOCK: tl.constexpr):
 
 
 @triton.jit
+def delayed_multiplier(
+    history_ptr, H, margin_factor, FP8_MAX: tl.constexpr, MULT_AT_EPS: tl.constexpr,
+    EPS_F32: tl.constexpr, PBLOCK: tl.constexpr,
+):  # fmt: skip
+    """Delayed scaling's multiplier: fp8_max / max(history) x ``margin_factor``
+    (2^-margin), or 1.0 while the (H,) history holds no amax (Transformer Engine
+    starts a tensor's scale at 1)."""
+    amax = _max_of(history_ptr, H, PBLOCK)
+    mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
+    return tl.where(amax > 0.0, mult * margin_factor, 1.0)
+
+
+@triton.jit
+def load_tile(x_ptr, rows, cols, row_end, col_end, stride_xm, stride_xk):
+    """The (rows, cols) tile of x, masked to the block's end: (x, rows, cols, mask)."""
+    mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    return x, rows, cols, mask
+
+
+@triton.jit
+def store_fp8_tile(
+    x, rows, cols, mask, M, K, mult, data_ptr, data_t_ptr, STORE: tl.constexpr, STORE_T: tl.constexpr,
+    FP8_MAX: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The (rows, cols) tile ``x`` of an (M, K) matrix cast with ``mult``
+    (:func:`to_fp8_saturated`) and stored into ``data`` (M, K) (STORE) and its
+    transpose ``data_t`` (K, M) (STORE_T), both contiguous: every GEMM's K-major
+    operand from one read. ``rows`` and ``cols`` int64 (rows * K may pass 2^31)."""
+    y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
+    if STORE:
+        tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
+    if STORE_T:
+        tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+
+
+@triton.jit
+def last_to_finish(counter_ptr, nprog):
+    """Whether this program is the launch's last to finish, counted on ``counter_ptr``
+    ((1,) int32, 0 between launches; acq_rel: what every other program stored before
+    counting itself, its partial maximum, is visible to the last, and each had read
+    what the last will write). Every program calls it once, then :func:`release_counter`."""
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel") == nprog - 1
+
+
+@triton.jit
+def release_counter(counter_ptr, last, nprog):
+    """The last program puts the counter back to 0 (the others add 0: a store could undo a count)."""
+    tl.atomic_add(counter_ptr, tl.where(last, -nprog, 0), sem="relaxed")
+
+
+@triton.jit
+def roll_if_last(
+    history_ptr, H, amax_ptr, count, last, PBLOCK: tl.constexpr, HBLOCK: tl.constexpr
+):  # fmt: skip
+    """The last program (``last``, :func:`last_to_finish`) rolls max(amax[:count])
+    into the (H,) history (:func:`roll_amax_history`'s update); the others read and
+    write nothing (their counts and lengths are 0)."""
+    _roll(history_ptr, tl.where(last, H, 0), _max_of(amax_ptr, tl.where(last, count, 0), PBLOCK), HBLOCK)
+
+
+@triton.jit
 def _cast_2d_kernel(
     # pointers
     x_ptr,  # (M, K) fp32/fp16/bf16, any strides
@@ -190,11 +252,10 @@ def _cast_2d_kernel(
     nprog = gi * gj
     mult = 1.0
     if not AMAX_ONLY:
-        amax = _max_of(amax_ptr, count, PBLOCK)
-        mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
         if DELAYED:
-            # Transformer Engine starts a tensor's scale at 1 until its history holds an amax
-            mult = tl.where(amax > 0.0, mult * margin_factor, 1.0)
+            mult = delayed_multiplier(amax_ptr, count, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK)
+        else:
+            mult = amax_to_multiplier(_max_of(amax_ptr, count, PBLOCK), FP8_MAX, MULT_AT_EPS, EPS_F32)
         if pid == 0:
             tl.store(scale_ptr, reciprocal(mult))
     rows_t = tl.arange(0, TM)
@@ -205,40 +266,29 @@ def _cast_2d_kernel(
         col_sum = tl.zeros((TK,), dtype=tl.float32)
         for rt in range(pid_i, tl.cdiv(M, TM), gi):
             rows = (rt * TM + rows_t).to(tl.int64)  # int64: rows * K may pass 2^31
-            x, _, _, mask = _load_tile(x_ptr, rows, cols, M, K, stride_xm, stride_xk)
+            x, _, _, mask = load_tile(x_ptr, rows, cols, M, K, stride_xm, stride_xk)
             x = x.to(tl.float32)
             if RECORD:
                 best = tl.maximum(best, tl.abs(x))
             if COL_SUM:
                 col_sum += tl.sum(x, axis=0)
             if not AMAX_ONLY:
-                y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
-                if STORE:
-                    tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
-                if STORE_T:
-                    tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+                store_fp8_tile(
+                    x, rows, cols, mask, M, K, mult, data_ptr, data_t_ptr, STORE, STORE_T, FP8_MAX, DTYPE
+                )
         if COL_SUM:
             sum_dtype: tl.constexpr = colsum_ptr.dtype.element_ty
             tl.store(colsum_ptr + cols, cast_rne(col_sum, sum_dtype), mask=cols < K)
     if RECORD:
         tl.store(partials_ptr + pid, tl.max(tl.max(best, axis=1), axis=0))
     if ROLL:
-        # every program read the history above, before it counts itself finished (release);
-        # the last one sees every partial maximum (acquire) and is the only one to write
-        finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-        last = finished == nprog - 1
-        # the others read and write nothing here: their counts and lengths are 0
-        _roll(
-            amax_ptr,
-            tl.where(last, count, 0),
-            _max_of(partials_ptr, tl.where(last, nprog, 0), PBLOCK),
-            HBLOCK,
-        )
+        # every program read the history above, before it counts itself finished; the last
+        # one sees every partial maximum and is the only one to write
+        last = last_to_finish(counter_ptr, nprog)
+        roll_if_last(amax_ptr, count, partials_ptr, nprog, last, PBLOCK, HBLOCK)
         if ROLL2:
-            amax2 = _max_of(roll2_amax_ptr, tl.where(last, count2, 0), PBLOCK)
-            _roll(roll2_ptr, tl.where(last, H2, 0), amax2, HBLOCK)
-        # the last puts the counter back to 0 (the others add 0: a store could undo a count)
-        tl.atomic_add(counter_ptr, tl.where(last, -nprog, 0), sem="relaxed")
+            roll_if_last(roll2_ptr, H2, roll2_amax_ptr, count2, last, PBLOCK, HBLOCK)
+        release_counter(counter_ptr, last, nprog)
 
 
 @triton.jit
@@ -253,14 +303,6 @@ def _roll_history_kernel(
     """Delayed scaling's history update on its own (roll_amax_history): this
     step's amax becomes history[0], the rest moves one place back. One program."""
     _roll(history_ptr, H, _max_of(partials_ptr, count, PBLOCK), HBLOCK)
-
-
-@triton.jit
-def _load_tile(x_ptr, rows, cols, row_end, col_end, stride_xm, stride_xk):
-    """The (rows, cols) tile of x, masked to the block's end: (x, rows, cols, mask)."""
-    mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    return x, rows, cols, mask
 
 
 @triton.jit
@@ -298,20 +340,19 @@ def _cast_blocks_kernel(
     best = tl.zeros((TM, TK), dtype=tl.float32)
     for r in range(row0, row_end, TM):
         for c in range(col0, col_end, TK):
-            x, _, _, _ = _load_tile(x_ptr, r + rows_t, c + cols_t, row_end, col_end, stride_xm, stride_xk)
+            x, _, _, _ = load_tile(x_ptr, r + rows_t, c + cols_t, row_end, col_end, stride_xm, stride_xk)
             best = tl.maximum(best, tl.abs(x.to(tl.float32)))
     amax = tl.max(tl.max(best, axis=1), axis=0)
     mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
     tl.store(scale_ptr + bi * stride_sm + bj * stride_sk, reciprocal(mult))
     for r in range(row0, row_end, TM):
         for c in range(col0, col_end, TK):
-            x, rows, cols, mask = _load_tile(
+            x, rows, cols, mask = load_tile(
                 x_ptr, r + rows_t, c + cols_t, row_end, col_end, stride_xm, stride_xk
             )
-            y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
-            tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
-            if STORE_T:
-                tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+            store_fp8_tile(
+                x, rows, cols, mask, M, K, mult, data_ptr, data_t_ptr, True, STORE_T, FP8_MAX, DTYPE
+            )
 
 
 # --------------------------------------------------------------------------- launchers
