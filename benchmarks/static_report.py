@@ -956,7 +956,7 @@ def fp8_cast_cases() -> list[Case]:
         "delayed,W+W^T,deferred": {"DELAYED", "STORE", "STORE_T", "RECORD"},
     }
     for dtype, tag in ((torch.float8_e4m3fn, "e4m3"), (torch.float8_e5m2, "e5m2")):
-        const8 = f8._constants(dtype)
+        const8 = f8.fp8_constants(dtype)
         for label, on in variants.items():
             sig = {
                 a: "*fp32" for a in ("amax_ptr", "scale_ptr", "partials_ptr", "roll2_ptr", "roll2_amax_ptr")

@@ -393,7 +393,9 @@ def check_fp8_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
         raise TypeError(f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
 
 
-def _constants(dtype: torch.dtype) -> dict:
+def fp8_constants(dtype: torch.dtype) -> dict:
+    """The constexpr arguments every fp8 cast kernel takes for ``dtype``: FP8_MAX,
+    MULT_AT_EPS, EPS_F32 and DTYPE (Triton's type)."""
     fp8_max = FP8_MAX[dtype]
     return {
         "FP8_MAX": fp8_max,
@@ -510,7 +512,7 @@ def _launch_cast(
         m, k, x2d.stride(0), x2d.stride(1), amax.numel(), amax2.numel(), h2.numel(), 2.0**-margin,
         AMAX_ONLY=amax_only, DELAYED=delayed, STORE=data is not None, STORE_T=data_t is not None,
         RECORD=record, ROLL=counter is not None, ROLL2=roll2 is not None, COL_SUM=col_sum is not None,
-        **_constants(dtype), TM=CAST_TM, TK=CAST_TK, PBLOCK=pblock,
+        **fp8_constants(dtype), TM=CAST_TM, TK=CAST_TK, PBLOCK=pblock,
         HBLOCK=triton.next_power_of_2(max(amax.numel() if delayed else 1, h2.numel())),
     )  # fmt: skip
 
@@ -528,6 +530,7 @@ def cast_2d(
     defer: bool = False,
     counter: torch.Tensor | None = None,
     roll2: tuple[torch.Tensor, torch.Tensor] | None = None,
+    amax: torch.Tensor | None = None,
 ) -> Float8Cast:
     """A per-tensor fp8 cast of a 2-D ``x`` that writes what each GEMM needs, in one
     pass: ``x``'s layout (``store``), its transpose (``store_t``, both K-major
@@ -535,7 +538,9 @@ def cast_2d(
     gradient of dY). The values are :func:`to_float8`'s (``history`` None) or
     :func:`to_float8_delayed`'s, bit for bit.
 
-    Current scaling (``history`` None): two launches, an amax pass and the cast.
+    Current scaling (``history`` None): two launches, an amax pass and the cast;
+    one, the cast, with ``amax`` ((P,) fp32 values whose max is x's amax, found by
+    x's producer: :func:`tkern.kernels.norm.norm_forward_float8`).
     Delayed scaling: one launch; with ``update`` it records x's amax into
     ``history`` in the same launch (its last program rolls the history, counted
     on ``counter``: a (1,) int32 zero tensor the layer keeps, a new one if None),
@@ -549,6 +554,7 @@ def cast_2d(
         store, store_t: write ``data`` (M, K) and ``data_t`` (K, M), both contiguous.
         sum_dtype: write ``col_sum`` (K,) of this dtype (fp32, fp16 or bf16).
         history, margin, update, defer, counter, roll2: delayed scaling (above).
+        amax: current scaling's amax, found elsewhere (above).
 
     Returns:
         :class:`Float8Cast`.
@@ -569,16 +575,22 @@ def cast_2d(
                 raise ValueError(
                     "roll2 rides on this cast's own history update: it needs update and not defer"
                 )
-            _check_amaxes("roll2 history", roll2[0], x)
-            _check_amaxes("roll2 amax", roll2[1], x)
+            check_amaxes("roll2 history", roll2[0], x)
+            check_amaxes("roll2 amax", roll2[1], x)
     elif defer or roll2 is not None or counter is not None:
         raise ValueError("defer, counter and roll2 are delayed scaling's: give the history")
+    if amax is not None:
+        if history is not None:
+            raise ValueError("amax is current scaling's (the amax found elsewhere): give no history")
+        check_amaxes("amax", amax, x)
     return cast_2d_prechecked(
-        x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2
+        x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax
     )
 
 
-def cast_2d_prechecked(x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2):
+def cast_2d_prechecked(
+    x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax=None
+):
     m, k = x.shape
     dev = x.device
     data = torch.empty((m, k), dtype=dtype, device=dev) if store else None
@@ -587,8 +599,10 @@ def cast_2d_prechecked(x, dtype, store, store_t, sum_dtype, history, margin, upd
     scale = torch.empty((), dtype=torch.float32, device=dev)
     grid = _grid(m, k, col_sum is not None)
     if history is None:
-        partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
-        _launch_cast(x, dtype, partials, scale, partials=partials, amax_only=True, grid=grid)
+        partials = amax
+        if partials is None:
+            partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
+            _launch_cast(x, dtype, partials, scale, partials=partials, amax_only=True, grid=grid)
         _launch_cast(x, dtype, partials, scale, data=data, data_t=data_t, col_sum=col_sum, grid=grid)
         return Float8Cast(data, data_t, scale, col_sum, None)
     roll = update and not defer
@@ -633,7 +647,7 @@ def to_float8_with_amax(
     """
     _check_x(x)
     check_fp8_dtype(dtype)
-    _check_amaxes("amax", amax, x)
+    check_amaxes("amax", amax, x)
     x2d = _as_2d(x)
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
@@ -678,12 +692,12 @@ def cast_blocks(
     tk = min(triton.next_power_of_2(bk), TILE_K)
     _cast_blocks_kernel[grid](
         x, M, K, x.stride(0), x.stride(1), data, data if data_t is None else data_t, scale, bm, bk,
-        scale.stride(0), scale.stride(1), **_constants(dtype), TM=tm, TK=tk, STORE_T=store_t,
+        scale.stride(0), scale.stride(1), **fp8_constants(dtype), TM=tm, TK=tk, STORE_T=store_t,
     )  # fmt: skip
     return data, scale, data_t
 
 
-def _check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+def check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
     """``t`` (an amax history, or amaxes to take the max of) is (H,) fp32, contiguous,
     H >= 1, on ``x``'s device."""
     check_tensor(name, t, ndim=1, dtypes=(torch.float32,))
@@ -695,7 +709,7 @@ def _check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
 def _check_delayed(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int) -> None:
     _check_x(x)
     check_fp8_dtype(dtype)
-    _check_amaxes("history", history, x)
+    check_amaxes("history", history, x)
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
         raise ValueError(f"margin must be an int >= 0, got {margin!r}")
 
