@@ -322,7 +322,7 @@ def _norm_fwd_fp8_kernel(
     DTYPE8: tl.constexpr,
     ROWS: tl.constexpr,  # rows per band (a power of two)
     TK: tl.constexpr,  # tile columns of the cast
-    PBLOCK: tl.constexpr,  # a power of two >= the programs and every count{i}
+    PBLOCK: tl.constexpr,  # a power of two >= the programs, H and every count{i}
     HBLOCK: tl.constexpr,  # a power of two >= H and every H{i}
 ):
     """LayerNorm / RMSNorm of each row that also writes y's per-tensor fp8 cast, in
@@ -721,7 +721,7 @@ def norm_forward_float8(
         BLOCK=block, CHUNKED=block < N, DELAYED=delayed, STORE_T=store_t, RECORD=partials is not None,
         ROLL=roll, N_ROLLS=len(rolls), **const8,
         ROWS=FP8_ROWS, TK=FP8_TK,
-        PBLOCK=triton.next_power_of_2(max(programs, *lengths[1::2], 1)),
+        PBLOCK=triton.next_power_of_2(max(programs, history.numel() if delayed else 1, *lengths[1::2])),
         HBLOCK=triton.next_power_of_2(max(history.numel() if delayed else 1, *lengths[0::2], 1)),
         num_warps=num_warps(block),
     )  # fmt: skip

@@ -26,7 +26,7 @@ from tkern.kernels.gemm_epilogue import check_bias
 from tkern.ops import common
 from tkern.ops.common import as_2d, check_in_features, is_compiling
 
-__all__ = ["CACHED_SCALINGS", "Float8WeightCache", "float8_linear", "float8_weight_cache"]
+__all__ = ["CACHED_SCALINGS", "Float8Input", "Float8WeightCache", "float8_linear", "float8_weight_cache"]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -370,6 +370,16 @@ def float8_weight_cache(
     return cache
 
 
+class Float8Input(NamedTuple):
+    """An fp8 GEMM input already cast by the op that produced it (a norm's fp8 output,
+    :func:`tkern.ops.norm.norm_float8`): :func:`float8_linear`'s ``x_fp8``. Per tensor,
+    e4m3, exactly the cast the layer would make of x (``cast_2d`` under the layer's recipe)."""
+
+    data: torch.Tensor  # (M, K) e4m3, contiguous: x's cast (x as (M, K) rows)
+    data_t: torch.Tensor | None  # (K, M) e4m3, contiguous: the same values transposed (wgrad's operand)
+    scale: torch.Tensor  # 0-dim (or one-element) fp32: x ~ data * scale
+
+
 class _Float8Linear(torch.autograd.Function):
     """y = x @ W^T + b with fp8 GEMMs (Float8Linear's forward and backward).
 
@@ -389,7 +399,7 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, bias, recipe, margin, update, grad_enabled, h_x, h_w, h_g, counters,
-        cached_wq, cached_sw, cached_wq_t, cached_amax,
+        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx,
     ):  # fmt: skip
         n, k = weight.shape
         x2d = as_2d(x, k)
@@ -412,10 +422,17 @@ class _Float8Linear(torch.autograd.Function):
                 if counters is None or not eager
                 else tuple(counters[i : i + 1] for i in range(3))
             )
-            roll2 = (h_w, cached_amax) if delayed and update and cached_wq is not None else None
-            xq, saved_x, sx, _ = ops.cast_2d(
-                x2d, E4M3, True, wgrad, None, h_x if delayed else None, ctr[0], margin, update, roll2
-            )
+            roll2 = (h_w, cached_amax) if delayed and update and cached_amax is not None else None
+            if given_xq is None:
+                xq, saved_x, sx, _ = ops.cast_2d(
+                    x2d, E4M3, True, wgrad, None, h_x if delayed else None, ctr[0], margin, update, roll2
+                )
+            else:  # x's producer cast it (and recorded its amax); the weight's update on its own
+                xq, saved_x, sx = given_xq, given_xq_t, given_sx
+                if wgrad and saved_x is None:  # a cast without x^T: one copy
+                    saved_x = xq.t().contiguous()
+                if roll2 is not None:
+                    ops.roll_amax_history(*roll2)
             if cached_wq is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
                 wq, sw, wq_t = cached_wq, cached_sw, cached_wq_t
                 if dgrad and wq_t is None:  # a cast without W^T (FSDP2's fp8 all-gather): one copy
@@ -478,7 +495,7 @@ class _Float8Linear(torch.autograd.Function):
             else:  # dW added into the fused optimizer's flat buffer (_flat_wgrad)
                 _scaled_mm_impl(*operands, GRADIENT_FAST_ACCUM, into=target[1], accumulate=target[2])
                 dw = common.hand_over(target)
-        return dx, dw, db, *(None,) * 12
+        return dx, dw, db, *(None,) * 15
 
 
 def float8_linear(
@@ -493,6 +510,7 @@ def float8_linear(
     weight_fp8: tuple[torch.Tensor, ...] | None = None,
     weight_fp8_t: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    x_fp8: Float8Input | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
@@ -507,12 +525,19 @@ def float8_linear(
             scale)``, the cast ``to_float8(weight)``; ``"delayed"``: ``(data, scale,
             amax)`` from ``to_float8_delayed_deferred(weight, histories[1], margin=margin)``
             with the weight history unchanged since, and with ``update`` the forward
-            rolls ``amax`` into that history (in its input's cast launch).
+            rolls ``amax`` into that history (in its input's cast launch); ``amax``
+            None: that update was made already (by x's producer, in its launch).
         weight_fp8_t: with ``weight_fp8``: the same cast transposed, (K, N) contiguous
             (dgrad's K-major operand); None: dgrad makes it with one copy.
         counters: ``"delayed"``: a (3,) int32 tensor of zeros the three casts count
             their programs on (and leave at zero), kept by the layer; None: each cast
             makes its own.
+        x_fp8: x's e4m3 cast made by x's producer (:class:`Float8Input`), exactly the
+            cast this function would make (``"tensorwise"``: ``to_float8(x)``;
+            ``"delayed"``: with ``histories[0]``, into which the producer recorded x's
+            amax when ``update``); the forward then does not cast x (x itself still
+            flows through autograd, for dgrad). ``data_t`` None: wgrad makes x^T's
+            cast with one copy.
     """
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
     check_tensor("x", x, dtypes=(weight.dtype,))
@@ -539,6 +564,10 @@ def float8_linear(
             check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,))
             if counters.shape != (3,) or counters.device != weight.device:
                 raise ValueError(f"counters must be a (3,) int32 tensor on {weight.device}")
+    given = (None, None, None)
+    if x_fp8 is not None:
+        _check_x_fp8(x_fp8, x, weight, scaling)
+        given = tuple(x_fp8)
     cached = (None, None, None, None)
     if weight_fp8 is not None:
         _check_weight_fp8(weight_fp8, weight, scaling, weight_fp8_t)
@@ -551,7 +580,35 @@ def float8_linear(
         else tuple(weight.new_empty(0, dtype=torch.float32) for _ in range(3))
     )
     grad_enabled = torch.is_grad_enabled()
-    return _Float8Linear.apply(x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached)
+    return _Float8Linear.apply(
+        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given
+    )
+
+
+def _check_x_fp8(x_fp8, x: torch.Tensor, weight: torch.Tensor, scaling: str) -> None:
+    """float8_linear's ``x_fp8`` against x (as (M, K) rows) and the scaling."""
+    if scaling not in CACHED_SCALINGS:
+        raise ValueError(f'x_fp8 is a tensorwise or delayed cast; scaling is "{scaling}"')
+    if not isinstance(x_fp8, Float8Input):
+        raise TypeError(f"x_fp8 must be a Float8Input, got {type(x_fp8).__name__}")
+    k = weight.shape[1]
+    m = x.numel() // k if k else 0
+    data, data_t, scale = x_fp8
+    check_tensor("x_fp8 data", data, ndim=2, dtypes=(E4M3,))
+    check_tensor("x_fp8 scale", scale, dtypes=(torch.float32,))
+    if data.shape != (m, k) or not data.is_contiguous() or scale.numel() != 1:
+        raise ValueError(
+            f"x_fp8 must hold x's ({m}, {k}) e4m3 cast, contiguous, and a one-element scale, got "
+            f"shapes {tuple(data.shape)} (contiguous: {data.is_contiguous()}) and {tuple(scale.shape)}"
+        )
+    if data_t is not None:
+        check_tensor("x_fp8 data_t", data_t, ndim=2, dtypes=(E4M3,))
+        if data_t.shape != (k, m) or not data_t.is_contiguous():
+            raise ValueError(
+                f"x_fp8 data_t must be the ({k}, {m}) e4m3 transpose, contiguous, got shape "
+                f"{tuple(data_t.shape)} (contiguous: {data_t.is_contiguous()})"
+            )
+    check_same_device(x=x, x_fp8=data, x_fp8_scale=scale, x_fp8_t=data_t)
 
 
 def _check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, weight_fp8_t) -> None:
@@ -576,7 +633,7 @@ def _check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, wei
                 f"weight_fp8_t must be the ({weight.shape[1]}, {weight.shape[0]}) e4m3 transpose, "
                 f"contiguous, got shape {tuple(weight_fp8_t.shape)}, strides {weight_fp8_t.stride()}"
             )
-    if amax:
+    if amax and amax[0] is not None:
         check_tensor("weight_fp8 amax", amax[0], ndim=1, dtypes=(torch.float32,))
         if amax[0].numel() < 1 or not amax[0].is_contiguous() or amax[0].device != weight.device:
             raise ValueError(
