@@ -43,7 +43,11 @@ def _same(a, b):
 
 @pytest.mark.parametrize(
     ("m", "n", "rms"),
-    [(130, 96, False), (70, 200, True), (2, 8200, False)],  # bands with a ragged end; chunked rows
+    [
+        (130, 96, False),
+        (70, 200, True),
+        (2, 4100, False),
+    ],  # bands with a ragged end; rows wider than the kernel takes
 )
 def test_norm_forward_float8_is_the_norm_then_cast_2d(m, n, rms):
     torch.manual_seed(0)

@@ -53,6 +53,7 @@ from tkern.kernels.float8 import (
     load_tile,
     reciprocal,
     release_counter,
+    roll_amax_history,
     roll_if_last,
     store_fp8_tile,
 )
@@ -308,8 +309,7 @@ def _norm_fwd_fp8_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DTYPE: tl.constexpr,  # x's Triton dtype
-    BLOCK: tl.constexpr,
-    CHUNKED: tl.constexpr,
+    BLOCK: tl.constexpr,  # a power of two >= N: the row in registers (chunked rows take another path)
     # meta-parameters: the cast's
     DELAYED: tl.constexpr,  # cast y with the history's multiplier (else only RECORD its amax)
     STORE_T: tl.constexpr,
@@ -345,14 +345,14 @@ def _norm_fwd_fp8_kernel(
             tl.store(scale_ptr, reciprocal(mult))
     rows_t = tl.arange(0, ROWS)
     cols_t = tl.arange(0, TK)
-    best = tl.zeros((ROWS, TK), dtype=tl.float32)
+    best = 0.0  # max |y| so far: a scalar (a tile held across the rows' code spilled on sm_89)
     for band in range(pid.to(tl.int64), tl.cdiv(M, ROWS), nprog):  # int64: row * N may pass 2^31
         row0 = band * ROWS
         row_end = tl.minimum(row0 + ROWS, M)
         for r in range(row0, row_end):
             _norm_row(
                 r, x_ptr, x_ptr, y_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, stride_x, 0, eps,
-                IS_RMS, False, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK, CHUNKED,
+                IS_RMS, False, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK, False,
             )  # fmt: skip
         tl.debug_barrier()  # the band's y, stored above by other threads, is read back below
         rows = row0 + rows_t
@@ -361,13 +361,13 @@ def _norm_fwd_fp8_kernel(
             y, _, _, mask = load_tile(y_ptr, rows, cols, row_end, N, N, 1)
             y = y.to(tl.float32)
             if RECORD:
-                best = tl.maximum(best, tl.abs(y))
+                best = tl.maximum(best, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
             if DELAYED:
                 store_fp8_tile(
                     y, rows, cols, mask, M, N, mult, data_ptr, data_t_ptr, True, STORE_T, FP8_MAX, DTYPE8
                 )
     if RECORD:
-        tl.store(partials_ptr + pid, tl.max(tl.max(best, axis=1), axis=0))
+        tl.store(partials_ptr + pid, best)
     if ROLL:
         last = last_to_finish(counter_ptr, nprog)
         roll_if_last(history_ptr, H, partials_ptr, nprog, last, PBLOCK, HBLOCK)
@@ -595,6 +595,9 @@ def norm_forward(
 FP8_ROWS = 64 if INTERPRET else 32
 #: Columns per tile of its cast (the (FP8_ROWS, FP8_TK) tile read back from y).
 FP8_TK = 128
+#: The widest row the fp8-emitting kernel takes (wider rows: the norm, then the cast). At
+#: MAX_BLOCK (8192, 16 warps) its RMSNorm recording y's amax spilled 8 B on sm_89 (triton 3.9).
+FP8_MAX_BLOCK = 4096
 #: Extra histories one launch rolls (``rolls``): the other input histories and cached
 #: weights' deferred amaxes of up to three GEMMs sharing the cast (Llama's q, k and v).
 MAX_ROLLS = 5
@@ -660,6 +663,9 @@ def norm_forward_float8(
         history, margin, update, counter: delayed scaling, as ``cast_2d``'s.
         rolls: delayed with ``update`` only: at most :data:`MAX_ROLLS` pairs (above).
 
+    Rows wider than :data:`FP8_MAX_BLOCK` (4096) take the norm and the cast as two launches
+    (the histories rolled after, one launch each): the same results, no saving.
+
     Returns:
         :class:`NormFloat8`.
     """
@@ -692,6 +698,9 @@ def norm_forward_float8(
         raise ValueError("rolls ride on the launch's own history update: they need a history and update")
     _check_rolls(rolls, x)
     x = rows_view(x)
+    block = block_size(N)
+    if block > FP8_MAX_BLOCK or block < N:
+        return _norm_then_cast(x, weight, bias, eps, rms, dtype, store_t, history, margin, update, rolls)
     dev = x.device
     y = torch.empty((M, N), dtype=x.dtype, device=dev)
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=dev)
@@ -708,7 +717,6 @@ def norm_forward_float8(
     slots += [(dummy, dummy)] * (MAX_ROLLS - len(slots))
     lengths = [n for h, a in rolls for n in (h.numel(), programs if a is None else a.numel())]
     lengths += [0, 0] * (MAX_ROLLS - len(rolls))
-    block = block_size(N)
     const8 = fp8_constants(dtype)
     const8["DTYPE8"] = const8.pop("DTYPE")  # DTYPE is x's
     _norm_fwd_fp8_kernel[(programs,)](
@@ -718,7 +726,7 @@ def norm_forward_float8(
         counter if roll else dummy, *(t for pair in slots for t in pair),
         M, N, x.stride(0), float(eps), history.numel() if delayed else 0, 2.0**-margin, *lengths,
         IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, DTYPE=tl_dtype(x.dtype),
-        BLOCK=block, CHUNKED=block < N, DELAYED=delayed, STORE_T=store_t, RECORD=partials is not None,
+        BLOCK=block, DELAYED=delayed, STORE_T=store_t, RECORD=partials is not None,
         ROLL=roll, N_ROLLS=len(rolls), **const8,
         ROWS=FP8_ROWS, TK=FP8_TK,
         PBLOCK=triton.next_power_of_2(max(programs, history.numel() if delayed else 1, *lengths[1::2])),
@@ -734,6 +742,20 @@ def norm_forward_float8(
         cast = cast_2d_prechecked(y, dtype, True, store_t, None, None, 0, False, False, None, None, partials)
         data, data_t, scale = cast.data, cast.data_t, cast.scale
     return NormFloat8(y, mean, rstd, data, data_t, scale)
+
+
+def _norm_then_cast(x, weight, bias, eps, rms, dtype, store_t, history, margin, update, rolls) -> NormFloat8:
+    """:func:`norm_forward_float8` for rows wider than :data:`FP8_MAX_BLOCK`: the norm, then
+    ``cast_2d`` of y, the histories rolled after it (one launch each). The same results,
+    without the saving: the wide row code beside the cast spilled registers (chunked rows
+    on sm_89 and sm_90; 8192-wide RMSNorm on sm_89)."""
+    norm = norm_forward(x, weight, bias, eps, rms)
+    roll = history is not None and update
+    cast = cast_2d_prechecked(norm.y, dtype, True, store_t, None, history, margin, update, roll, None, None)
+    if roll:
+        for h, amax in ((history, None), *rolls):
+            roll_amax_history(h, cast.amax if amax is None else amax)
+    return NormFloat8(norm.y, norm.mean, norm.rstd, cast.data, cast.data_t, cast.scale)
 
 
 def backward_programs(m: int, device: torch.device) -> int:
