@@ -161,30 +161,28 @@ def test_float8_linear_checks_x_fp8():
 # --------------------------------------------------------------------------- modules: convert_network
 
 
-def _gpt2(recipe):
+def _converted(recipe, model_class: str, config_class: str, **config):
+    """A one-layer transformers LM (seeded), converted to bf16 with ``recipe`` (head kept out)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=64, n_layer=1, n_head=2, n_inner=128,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(DEVICE)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config)).to(DEVICE)
     return tkern.convert_network(
         model, torch.bfloat16, float8=recipe, float8_filter=lambda n, m: "lm_head" not in n
     )
+
+
+def _gpt2(recipe):
+    return _converted(
+        recipe, "GPT2LMHeadModel", "GPT2Config", vocab_size=64, n_positions=16, n_embd=64, n_layer=1,
+        n_head=2, n_inner=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
 
 
 def _llama(recipe):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+    return _converted(
+        recipe, "LlamaForCausalLM", "LlamaConfig", vocab_size=64, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(DEVICE)
-    return tkern.convert_network(
-        model, torch.bfloat16, float8=recipe, float8_filter=lambda n, m: "lm_head" not in n
-    )
 
 
 def _unfused(model):
@@ -267,11 +265,19 @@ def test_a_consumer_given_another_tensor_casts_it_itself():
     y = block.ln_2(x)
     y.mul_(2)
     assert _same(block.mlp.c_fc(y), _unfused(model).transformer.h[0].mlp.c_fc(y))
-    # a hook on the norm (it could hand on another tensor): the norm emits nothing
-    handle = block.ln_2.register_forward_hook(lambda m, i, o: None)
-    block.ln_2(x)
-    assert block.ln_2.forward._emission is None
+    # a forward hook on the norm that hands on another tensor
+    handle = block.ln_2.register_forward_hook(lambda m, i, o: o * 1)
+    y = block.ln_2(x)
+    assert _same(block.mlp.c_fc(y), _unfused(model).transformer.h[0].mlp.c_fc(y))
     handle.remove()
+
+
+def test_under_delayed_a_consumer_given_another_tensor_warns():
+    model = _gpt2("delayed")
+    block = model.transformer.h[0]
+    y = block.ln_2(torch.randn(2, 8, 64, device=DEVICE).to(torch.bfloat16))
+    with pytest.warns(UserWarning, match="not its norm's output"):
+        block.mlp.c_fc(y.clone())
 
 
 def test_a_converted_model_with_fp8_norms_pickles_copies_and_converts_back():

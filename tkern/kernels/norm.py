@@ -705,8 +705,9 @@ def norm_forward_float8(
     y = torch.empty((M, N), dtype=x.dtype, device=dev)
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=dev)
     rstd = torch.empty(M, dtype=torch.float32, device=dev)
-    data = torch.empty((M, N), dtype=dtype, device=dev)
-    data_t = torch.empty((N, M), dtype=dtype, device=dev) if store_t else None
+    # tensorwise: the cast after the norm writes them (the kernel only records y's amax)
+    data = torch.empty((M, N), dtype=dtype, device=dev) if delayed else None
+    data_t = torch.empty((N, M), dtype=dtype, device=dev) if delayed and store_t else None
     scale = torch.empty((), dtype=torch.float32, device=dev)
     programs = max(1, min(triton.cdiv(M, FP8_ROWS), MAX_PROGRAMS))
     partials = torch.empty(programs, dtype=torch.float32, device=dev) if roll or not delayed else None
@@ -721,7 +722,8 @@ def norm_forward_float8(
     const8["DTYPE8"] = const8.pop("DTYPE")  # DTYPE is x's
     _norm_fwd_fp8_kernel[(programs,)](
         x, y, weight if weight is not None else x, bias if bias is not None else x,
-        mean if mean is not None else rstd, rstd, data, data_t if data_t is not None else data, scale,
+        mean if mean is not None else rstd, rstd, dummy if data is None else data,
+        dummy if data_t is None else data_t, scale,
         partials if partials is not None else dummy, history if delayed else dummy,
         counter if roll else dummy, *(t for pair in slots for t in pair),
         M, N, x.stride(0), float(eps), history.numel() if delayed else 0, 2.0**-margin, *lengths,

@@ -19,10 +19,12 @@ histories end as the unfused layers would leave them, and the forward, the gradi
 the histories are bit for bit the unfused ones (tests/test_float8_producers.py).
 
 The norm emits nothing (and the consumers cast, as without it) under ``torch.compile``,
-for meta tensors or tensor subclasses, with a forward hook on the norm or a forward
-pre-hook on a consumer (either could hand the consumer another tensor), when the
-consumers' recipes, dtypes, modes or widths disagree, or for ``"blockwise"`` and the fp8
-all-gather.
+for meta tensors or tensor subclasses, when the consumers' recipes, dtypes, modes or
+widths disagree, or for ``"blockwise"`` and the fp8 all-gather. Hooks do not stop it: a
+hook that hands a consumer another tensor (a norm's forward hook returning a new output, a
+consumer's pre-hook, an in-place write) only makes that consumer cast its input itself;
+under ``"delayed"`` in training its input history then records the norm's amax as well
+as its own that step, and it warns.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _torch_module
 
 from tkern.nn.float8 import Float8Layer
 from tkern.nn.norm import LayerNorm, RMSNorm
@@ -74,16 +75,6 @@ FLOAT8_NORM_RULES: dict[str, tuple[Float8NormRule, ...]] = {
 }
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs forward hooks or pre-hooks (its own or global)."""
-    return bool(
-        module._forward_pre_hooks
-        or module._forward_hooks
-        or _torch_module._global_forward_pre_hooks
-        or _torch_module._global_forward_hooks
-    )
-
-
 @dataclass
 class _Emission:
     """One call's fp8 output: the y it is the cast of, and what each consumer takes."""
@@ -115,7 +106,7 @@ class Float8NormForward:
     def _recipe(self, x: torch.Tensor):
         """The consumers' common recipe if the norm emits for them on this call, else None."""
         norm, consumers = self.norm, self.consumers
-        if not can_emit_float8(x) or _hooked(norm) or len(norm.normalized_shape) != 1:
+        if not can_emit_float8(x) or len(norm.normalized_shape) != 1:
             return None
         recipe = consumers[0].recipe
         training = consumers[0].training
@@ -124,7 +115,6 @@ class Float8NormForward:
                 not isinstance(c, Float8Layer)
                 or c.recipe != recipe
                 or c.training != training
-                or _hooked(c)
                 or c.weight.dtype != x.dtype
                 or c.gemm_in_features() != x.shape[-1]
             ):
