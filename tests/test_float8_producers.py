@@ -298,3 +298,16 @@ def test_float8_linear_layers_outside_a_rule_are_untouched():
     model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)).to(DEVICE)
     tkern.convert_network(model, torch.bfloat16, float8="delayed")
     assert isinstance(model[1], Float8Linear) and "forward" not in model[0].__dict__
+
+
+def test_under_torch_compile_the_norm_emits_nothing_and_the_graph_is_whole():
+    """fullgraph=True: nothing in the norm's forward or the layer's hand-off breaks the graph;
+    the compiled block is the unfused eager block, and no fp8 output was made."""
+    model = _gpt2("delayed").eval()
+    block = model.transformer.h[0]
+    x = torch.randn(2, 16, 64, device=DEVICE).to(torch.bfloat16)
+    with torch.no_grad():
+        want = _unfused(model).transformer.h[0](x)
+        got = torch.compile(block, fullgraph=True, backend="aot_eager")(x)
+    assert _same(got, want)
+    assert block.ln_1.forward._emission is None and block.ln_2.forward._emission is None
