@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tkern.kernels.norm import MAX_ROLLS
 from tkern.nn.float8 import Float8Layer
 from tkern.nn.norm import LayerNorm, RMSNorm
 from tkern.ops.float8 import CACHED_SCALINGS, Float8Input
@@ -106,7 +107,8 @@ class Float8NormForward:
     def _recipe(self, x: torch.Tensor):
         """The consumers' common recipe if the norm emits for them on this call, else None."""
         norm, consumers = self.norm, self.consumers
-        if not can_emit_float8(x) or len(norm.normalized_shape) != 1:
+        # each consumer past the first adds an input history and a weight to roll
+        if not can_emit_float8(x) or len(norm.normalized_shape) != 1 or 2 * len(consumers) - 1 > MAX_ROLLS:
             return None
         recipe = consumers[0].recipe
         training = consumers[0].training
