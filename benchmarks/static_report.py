@@ -965,7 +965,7 @@ def fp8_cast_cases() -> list[Case]:
         "delayed,W+W^T,deferred": {"DELAYED", "STORE", "STORE_T", "RECORD"},
     }
     for dtype, tag in ((torch.float8_e4m3fn, "e4m3"), (torch.float8_e5m2, "e5m2")):
-        const8 = f8._constants(dtype)
+        const8 = f8.fp8_constants(dtype)
         for label, on in variants.items():
             sig = {
                 a: "*fp32" for a in ("amax_ptr", "scale_ptr", "partials_ptr", "roll2_ptr", "roll2_amax_ptr")
@@ -997,6 +997,64 @@ def fp8_cast_cases() -> list[Case]:
            "HBLOCK": "constexpr", "PBLOCK": "constexpr"}  # fmt: skip
     cases.append(Case("to_float8 roll history", "fp8cast", "tkern.kernels.float8:_roll_history_kernel", sig,
                       {"HBLOCK": 16, "PBLOCK": 1024}, (), 4))  # fmt: skip
+    return cases + _norm_fp8_cases()
+
+
+def _norm_fp8_cases() -> list[Case]:
+    """The norm that writes the next GEMM's fp8 input (issue 43 item 3,
+    ``norm.norm_forward_float8``): bf16 rows to e4m3, LayerNorm and RMSNorm; delayed
+    (y and y^T cast in the launch, y's amax and five more histories rolled: Llama's q, k, v
+    sharing one cast with their cached weights) and tensorwise (y's amax recorded only), at
+    GPT-2's 768 (a 1024 block) and the widest row it takes (4096, Llama-7B's)."""
+    import torch
+
+    from tkern.kernels import float8 as f8
+    from tkern.kernels import norm
+
+    tl = _tl()
+    fn = norm._norm_fwd_fp8_kernel
+    constexprs = {p.name for p in fn.params if p.is_constexpr}
+    const8 = f8.fp8_constants(torch.float8_e4m3fn)
+    const8["DTYPE8"] = const8.pop("DTYPE")
+    cases = []
+    variants = {  # name -> (DELAYED, ROLL, N_ROLLS)
+        "delayed,y+y^T,roll+5": (True, True, norm.MAX_ROLLS),
+        "tensorwise,amax": (False, False, 0),
+    }
+    for block in (1024, norm.FP8_MAX_BLOCK):  # (wider rows take the norm, then the cast)
+        for rms in (False, True):
+            for label, (delayed, roll, n_rolls) in variants.items():
+                sig = {}
+                for name in fn.arg_names:
+                    if name in constexprs:
+                        sig[name] = "constexpr"
+                    elif name in ("x_ptr", "y_ptr"):
+                        sig[name] = "*bf16"
+                    elif name in ("data_ptr", "data_t_ptr"):
+                        sig[name] = "*fp8e4nv"
+                    elif name == "counter_ptr":
+                        sig[name] = "*i32"
+                    elif name.endswith("_ptr"):
+                        sig[name] = "*fp32"
+                    else:
+                        sig[name] = "fp32" if name in ("eps", "margin_factor") else "i32"
+                const = dict(
+                    IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=not rms, DTYPE=tl.bfloat16, BLOCK=block,
+                    DELAYED=delayed, STORE_T=delayed, RECORD=True, ROLL=roll,
+                    N_ROLLS=n_rolls, **const8, ROWS=norm.FP8_ROWS, TK=norm.FP8_TK, PBLOCK=1024, HBLOCK=16,
+                )  # fmt: skip
+                aligned = tuple(k for k in sig if k.endswith("_ptr") or k in ("M", "N", "stride_x"))
+                cases.append(
+                    Case(
+                        f"norm fp8[bf16->e4m3,{'rms' if rms else 'ln'},{label},{block}]",
+                        "fp8cast",
+                        f"tkern.kernels.norm:{fn.__name__}",
+                        sig,
+                        const,
+                        aligned,
+                        norm.num_warps(block),
+                    )  # fmt: skip
+                )
     return cases
 
 

@@ -57,6 +57,11 @@ norm.py
     ``add_rms_norm`` (``_Norm``; custom ops ``tkern::norm_forward``,
     ``tkern::norm_backward``), ``nn.LayerNorm``, ``nn.RMSNorm`` (and ``convert_network``'s
     norm rule). Tests: test_norm.py, test_compiled.py. Benchmark: bench_norm.py.
+    ``_norm_fwd_fp8_kernel`` (launcher ``norm_forward_float8``): the forward that also
+    writes y's per-tensor e4m3 cast (y and y^T) for the next GEMM, with float8.py's jit
+    helpers (delayed: the amax histories rolled in the launch; tensorwise: y's amax, then
+    one ``cast_2d``). Above: ``ops.norm.norm_float8``, ``nn.float8_norm`` (convert_network's
+    norm -> fp8 layer rules). Tests: test_float8_producers.py, test_compiled.py.
 overflow.py
     kernels: ``_grad_stats_kernel``, ``_finalize_stats_kernel``. Launchers:
     ``grad_stats``; ``combine_stats`` combines the ranks' statistics. Above:

@@ -131,6 +131,68 @@ def _roll(history_ptr, H, amax, HBLOCK: tl.constexpr):
 
 
 @triton.jit
+def delayed_multiplier(
+    history_ptr, H, margin_factor, FP8_MAX: tl.constexpr, MULT_AT_EPS: tl.constexpr,
+    EPS_F32: tl.constexpr, PBLOCK: tl.constexpr,
+):  # fmt: skip
+    """Delayed scaling's multiplier: fp8_max / max(history) x ``margin_factor``
+    (2^-margin), or 1.0 while the (H,) history holds no amax (Transformer Engine
+    starts a tensor's scale at 1)."""
+    amax = _max_of(history_ptr, H, PBLOCK)
+    mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
+    return tl.where(amax > 0.0, mult * margin_factor, 1.0)
+
+
+@triton.jit
+def load_tile(x_ptr, rows, cols, row_end, col_end, stride_xm, stride_xk):
+    """The (rows, cols) tile of x, masked to the block's end: (x, rows, cols, mask)."""
+    mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    return x, rows, cols, mask
+
+
+@triton.jit
+def store_fp8_tile(
+    x, rows, cols, mask, M, K, mult, data_ptr, data_t_ptr, STORE: tl.constexpr, STORE_T: tl.constexpr,
+    FP8_MAX: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """The (rows, cols) tile ``x`` of an (M, K) matrix cast with ``mult``
+    (:func:`to_fp8_saturated`) and stored into ``data`` (M, K) (STORE) and its
+    transpose ``data_t`` (K, M) (STORE_T), both contiguous: every GEMM's K-major
+    operand from one read. ``rows`` and ``cols`` int64 (rows * K may pass 2^31)."""
+    y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
+    if STORE:
+        tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
+    if STORE_T:
+        tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+
+
+@triton.jit
+def last_to_finish(counter_ptr, nprog):
+    """Whether this program is the launch's last to finish, counted on ``counter_ptr``
+    ((1,) int32, 0 between launches; acq_rel: what every other program stored before
+    counting itself, its partial maximum, is visible to the last, and each had read
+    what the last will write). Every program calls it once, then :func:`release_counter`."""
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel") == nprog - 1
+
+
+@triton.jit
+def release_counter(counter_ptr, last, nprog):
+    """The last program puts the counter back to 0 (the others add 0: a store could undo a count)."""
+    tl.atomic_add(counter_ptr, tl.where(last, -nprog, 0), sem="relaxed")
+
+
+@triton.jit
+def roll_if_last(
+    history_ptr, H, amax_ptr, count, last, PBLOCK: tl.constexpr, HBLOCK: tl.constexpr
+):  # fmt: skip
+    """The last program (``last``, :func:`last_to_finish`) rolls max(amax[:count])
+    into the (H,) history (:func:`roll_amax_history`'s update); the others read and
+    write nothing (their counts and lengths are 0)."""
+    _roll(history_ptr, tl.where(last, H, 0), _max_of(amax_ptr, tl.where(last, count, 0), PBLOCK), HBLOCK)
+
+
+@triton.jit
 def _cast_2d_kernel(
     # pointers
     x_ptr,  # (M, K) fp32/fp16/bf16, any strides
@@ -190,11 +252,10 @@ def _cast_2d_kernel(
     nprog = gi * gj
     mult = 1.0
     if not AMAX_ONLY:
-        amax = _max_of(amax_ptr, count, PBLOCK)
-        mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
         if DELAYED:
-            # Transformer Engine starts a tensor's scale at 1 until its history holds an amax
-            mult = tl.where(amax > 0.0, mult * margin_factor, 1.0)
+            mult = delayed_multiplier(amax_ptr, count, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK)
+        else:
+            mult = amax_to_multiplier(_max_of(amax_ptr, count, PBLOCK), FP8_MAX, MULT_AT_EPS, EPS_F32)
         if pid == 0:
             tl.store(scale_ptr, reciprocal(mult))
     rows_t = tl.arange(0, TM)
@@ -205,40 +266,29 @@ def _cast_2d_kernel(
         col_sum = tl.zeros((TK,), dtype=tl.float32)
         for rt in range(pid_i, tl.cdiv(M, TM), gi):
             rows = (rt * TM + rows_t).to(tl.int64)  # int64: rows * K may pass 2^31
-            x, _, _, mask = _load_tile(x_ptr, rows, cols, M, K, stride_xm, stride_xk)
+            x, _, _, mask = load_tile(x_ptr, rows, cols, M, K, stride_xm, stride_xk)
             x = x.to(tl.float32)
             if RECORD:
                 best = tl.maximum(best, tl.abs(x))
             if COL_SUM:
                 col_sum += tl.sum(x, axis=0)
             if not AMAX_ONLY:
-                y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
-                if STORE:
-                    tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
-                if STORE_T:
-                    tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+                store_fp8_tile(
+                    x, rows, cols, mask, M, K, mult, data_ptr, data_t_ptr, STORE, STORE_T, FP8_MAX, DTYPE
+                )
         if COL_SUM:
             sum_dtype: tl.constexpr = colsum_ptr.dtype.element_ty
             tl.store(colsum_ptr + cols, cast_rne(col_sum, sum_dtype), mask=cols < K)
     if RECORD:
         tl.store(partials_ptr + pid, tl.max(tl.max(best, axis=1), axis=0))
     if ROLL:
-        # every program read the history above, before it counts itself finished (release);
-        # the last one sees every partial maximum (acquire) and is the only one to write
-        finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-        last = finished == nprog - 1
-        # the others read and write nothing here: their counts and lengths are 0
-        _roll(
-            amax_ptr,
-            tl.where(last, count, 0),
-            _max_of(partials_ptr, tl.where(last, nprog, 0), PBLOCK),
-            HBLOCK,
-        )
+        # every program read the history above, before it counts itself finished; the last
+        # one sees every partial maximum and is the only one to write
+        last = last_to_finish(counter_ptr, nprog)
+        roll_if_last(amax_ptr, count, partials_ptr, nprog, last, PBLOCK, HBLOCK)
         if ROLL2:
-            amax2 = _max_of(roll2_amax_ptr, tl.where(last, count2, 0), PBLOCK)
-            _roll(roll2_ptr, tl.where(last, H2, 0), amax2, HBLOCK)
-        # the last puts the counter back to 0 (the others add 0: a store could undo a count)
-        tl.atomic_add(counter_ptr, tl.where(last, -nprog, 0), sem="relaxed")
+            roll_if_last(roll2_ptr, H2, roll2_amax_ptr, count2, last, PBLOCK, HBLOCK)
+        release_counter(counter_ptr, last, nprog)
 
 
 @triton.jit
@@ -253,14 +303,6 @@ def _roll_history_kernel(
     """Delayed scaling's history update on its own (roll_amax_history): this
     step's amax becomes history[0], the rest moves one place back. One program."""
     _roll(history_ptr, H, _max_of(partials_ptr, count, PBLOCK), HBLOCK)
-
-
-@triton.jit
-def _load_tile(x_ptr, rows, cols, row_end, col_end, stride_xm, stride_xk):
-    """The (rows, cols) tile of x, masked to the block's end: (x, rows, cols, mask)."""
-    mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    return x, rows, cols, mask
 
 
 @triton.jit
@@ -298,20 +340,19 @@ def _cast_blocks_kernel(
     best = tl.zeros((TM, TK), dtype=tl.float32)
     for r in range(row0, row_end, TM):
         for c in range(col0, col_end, TK):
-            x, _, _, _ = _load_tile(x_ptr, r + rows_t, c + cols_t, row_end, col_end, stride_xm, stride_xk)
+            x, _, _, _ = load_tile(x_ptr, r + rows_t, c + cols_t, row_end, col_end, stride_xm, stride_xk)
             best = tl.maximum(best, tl.abs(x.to(tl.float32)))
     amax = tl.max(tl.max(best, axis=1), axis=0)
     mult = amax_to_multiplier(amax, FP8_MAX, MULT_AT_EPS, EPS_F32)
     tl.store(scale_ptr + bi * stride_sm + bj * stride_sk, reciprocal(mult))
     for r in range(row0, row_end, TM):
         for c in range(col0, col_end, TK):
-            x, rows, cols, mask = _load_tile(
+            x, rows, cols, mask = load_tile(
                 x_ptr, r + rows_t, c + cols_t, row_end, col_end, stride_xm, stride_xk
             )
-            y = to_fp8_saturated(x, mult, FP8_MAX, DTYPE)
-            tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
-            if STORE_T:
-                tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+            store_fp8_tile(
+                x, rows, cols, mask, M, K, mult, data_ptr, data_t_ptr, True, STORE_T, FP8_MAX, DTYPE
+            )
 
 
 # --------------------------------------------------------------------------- launchers
@@ -352,7 +393,9 @@ def check_fp8_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
         raise TypeError(f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
 
 
-def _constants(dtype: torch.dtype) -> dict:
+def fp8_constants(dtype: torch.dtype) -> dict:
+    """The constexpr arguments every fp8 cast kernel takes for ``dtype``: FP8_MAX,
+    MULT_AT_EPS, EPS_F32 and DTYPE (Triton's type)."""
     fp8_max = FP8_MAX[dtype]
     return {
         "FP8_MAX": fp8_max,
@@ -469,7 +512,7 @@ def _launch_cast(
         m, k, x2d.stride(0), x2d.stride(1), amax.numel(), amax2.numel(), h2.numel(), 2.0**-margin,
         AMAX_ONLY=amax_only, DELAYED=delayed, STORE=data is not None, STORE_T=data_t is not None,
         RECORD=record, ROLL=counter is not None, ROLL2=roll2 is not None, COL_SUM=col_sum is not None,
-        **_constants(dtype), TM=CAST_TM, TK=CAST_TK, PBLOCK=pblock,
+        **fp8_constants(dtype), TM=CAST_TM, TK=CAST_TK, PBLOCK=pblock,
         HBLOCK=triton.next_power_of_2(max(amax.numel() if delayed else 1, h2.numel())),
     )  # fmt: skip
 
@@ -487,6 +530,7 @@ def cast_2d(
     defer: bool = False,
     counter: torch.Tensor | None = None,
     roll2: tuple[torch.Tensor, torch.Tensor] | None = None,
+    amax: torch.Tensor | None = None,
 ) -> Float8Cast:
     """A per-tensor fp8 cast of a 2-D ``x`` that writes what each GEMM needs, in one
     pass: ``x``'s layout (``store``), its transpose (``store_t``, both K-major
@@ -494,7 +538,9 @@ def cast_2d(
     gradient of dY). The values are :func:`to_float8`'s (``history`` None) or
     :func:`to_float8_delayed`'s, bit for bit.
 
-    Current scaling (``history`` None): two launches, an amax pass and the cast.
+    Current scaling (``history`` None): two launches, an amax pass and the cast;
+    one, the cast, with ``amax`` ((P,) fp32 values whose max is x's amax, found by
+    x's producer: :func:`tkern.kernels.norm.norm_forward_float8`).
     Delayed scaling: one launch; with ``update`` it records x's amax into
     ``history`` in the same launch (its last program rolls the history, counted
     on ``counter``: a (1,) int32 zero tensor the layer keeps, a new one if None),
@@ -508,6 +554,7 @@ def cast_2d(
         store, store_t: write ``data`` (M, K) and ``data_t`` (K, M), both contiguous.
         sum_dtype: write ``col_sum`` (K,) of this dtype (fp32, fp16 or bf16).
         history, margin, update, defer, counter, roll2: delayed scaling (above).
+        amax: current scaling's amax, found elsewhere (above).
 
     Returns:
         :class:`Float8Cast`.
@@ -528,16 +575,22 @@ def cast_2d(
                 raise ValueError(
                     "roll2 rides on this cast's own history update: it needs update and not defer"
                 )
-            _check_amaxes("roll2 history", roll2[0], x)
-            _check_amaxes("roll2 amax", roll2[1], x)
+            check_amaxes("roll2 history", roll2[0], x)
+            check_amaxes("roll2 amax", roll2[1], x)
     elif defer or roll2 is not None or counter is not None:
         raise ValueError("defer, counter and roll2 are delayed scaling's: give the history")
+    if amax is not None:
+        if history is not None:
+            raise ValueError("amax is current scaling's (the amax found elsewhere): give no history")
+        check_amaxes("amax", amax, x)
     return cast_2d_prechecked(
-        x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2
+        x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax
     )
 
 
-def cast_2d_prechecked(x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2):
+def cast_2d_prechecked(
+    x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax=None
+):
     m, k = x.shape
     dev = x.device
     data = torch.empty((m, k), dtype=dtype, device=dev) if store else None
@@ -546,8 +599,10 @@ def cast_2d_prechecked(x, dtype, store, store_t, sum_dtype, history, margin, upd
     scale = torch.empty((), dtype=torch.float32, device=dev)
     grid = _grid(m, k, col_sum is not None)
     if history is None:
-        partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
-        _launch_cast(x, dtype, partials, scale, partials=partials, amax_only=True, grid=grid)
+        partials = amax
+        if partials is None:
+            partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
+            _launch_cast(x, dtype, partials, scale, partials=partials, amax_only=True, grid=grid)
         _launch_cast(x, dtype, partials, scale, data=data, data_t=data_t, col_sum=col_sum, grid=grid)
         return Float8Cast(data, data_t, scale, col_sum, None)
     roll = update and not defer
@@ -592,7 +647,7 @@ def to_float8_with_amax(
     """
     _check_x(x)
     check_fp8_dtype(dtype)
-    _check_amaxes("amax", amax, x)
+    check_amaxes("amax", amax, x)
     x2d = _as_2d(x)
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
@@ -637,12 +692,12 @@ def cast_blocks(
     tk = min(triton.next_power_of_2(bk), TILE_K)
     _cast_blocks_kernel[grid](
         x, M, K, x.stride(0), x.stride(1), data, data if data_t is None else data_t, scale, bm, bk,
-        scale.stride(0), scale.stride(1), **_constants(dtype), TM=tm, TK=tk, STORE_T=store_t,
+        scale.stride(0), scale.stride(1), **fp8_constants(dtype), TM=tm, TK=tk, STORE_T=store_t,
     )  # fmt: skip
     return data, scale, data_t
 
 
-def _check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+def check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
     """``t`` (an amax history, or amaxes to take the max of) is (H,) fp32, contiguous,
     H >= 1, on ``x``'s device."""
     check_tensor(name, t, ndim=1, dtypes=(torch.float32,))
@@ -654,7 +709,7 @@ def _check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
 def _check_delayed(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int) -> None:
     _check_x(x)
     check_fp8_dtype(dtype)
-    _check_amaxes("history", history, x)
+    check_amaxes("history", history, x)
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
         raise ValueError(f"margin must be an int >= 0, got {margin!r}")
 

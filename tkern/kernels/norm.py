@@ -41,8 +41,32 @@ from tkern.kernels._common import (
     check_tensor,
     tl_dtype,
 )
+from tkern.kernels.float8 import (
+    MAX_PROGRAMS,
+    cast_2d_prechecked,
+    check_amaxes,
+    check_fp8_device,
+    check_fp8_dtype,
+    delayed_multiplier,
+    fp8_constants,
+    last_to_finish,
+    load_tile,
+    reciprocal,
+    release_counter,
+    roll_amax_history,
+    roll_if_last,
+    store_fp8_tile,
+)
 
-__all__ = ["MAX_BLOCK", "NormBackward", "NormForward", "norm_backward", "norm_forward"]
+__all__ = [
+    "MAX_BLOCK",
+    "NormBackward",
+    "NormFloat8",
+    "NormForward",
+    "norm_backward",
+    "norm_forward",
+    "norm_forward_float8",
+]
 
 #: dtypes the norms take as input (and return).
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -145,32 +169,14 @@ def _grad_terms(x, dy, w_ptr, cols, mask, mean, rstd, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _norm_fwd_kernel(
-    # pointers
-    x_ptr,  # (M, N) input, fp16/bf16/fp32, row stride stride_x, unit column stride
-    res_ptr,  # (M, N) residual, x's dtype, row stride stride_res (HAS_RESIDUAL only)
-    h_ptr,  # (M, N) output x + residual, x's dtype, contiguous (HAS_RESIDUAL only)
-    y_ptr,  # (M, N) output, x's dtype, contiguous
-    w_ptr,  # (N,) weight, fp32 or x's dtype (HAS_WEIGHT only)
-    b_ptr,  # (N,) bias, fp32 or x's dtype (HAS_BIAS only)
-    mean_ptr,  # (M,) fp32 output: row means (LayerNorm only)
-    rstd_ptr,  # (M,) fp32 output: 1 / sqrt(var + eps) (RMSNorm: 1 / sqrt(mean(x^2) + eps))
-    # dimensions
-    N,
-    stride_x,
-    stride_res,
-    eps,
-    # meta-parameters
-    IS_RMS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    DTYPE: tl.constexpr,  # x's Triton dtype
-    BLOCK: tl.constexpr,  # a power of two: >= N (one-block rows), else the chunk
-    CHUNKED: tl.constexpr,  # N > BLOCK: the row is walked in chunks of BLOCK
-):
-    """One row per program: statistics in fp32, then the normalized row, rounded once."""
-    row = tl.program_id(0).to(tl.int64)
+def _norm_row(
+    row,  # int64: the row of x (and of every (M, N) output) this call normalizes
+    x_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,  # as _norm_fwd_kernel's
+    N, stride_x, stride_res, eps,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+):  # fmt: skip
+    """One row: statistics in fp32, then the normalized row, rounded once and stored."""
     x_ptr += row * stride_x
     res_ptr += row * stride_res
     h_ptr += row * N
@@ -219,6 +225,163 @@ def _norm_fwd_kernel(
     if not IS_RMS:
         tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    # pointers
+    x_ptr,  # (M, N) input, fp16/bf16/fp32, row stride stride_x, unit column stride
+    res_ptr,  # (M, N) residual, x's dtype, row stride stride_res (HAS_RESIDUAL only)
+    h_ptr,  # (M, N) output x + residual, x's dtype, contiguous (HAS_RESIDUAL only)
+    y_ptr,  # (M, N) output, x's dtype, contiguous
+    w_ptr,  # (N,) weight, fp32 or x's dtype (HAS_WEIGHT only)
+    b_ptr,  # (N,) bias, fp32 or x's dtype (HAS_BIAS only)
+    mean_ptr,  # (M,) fp32 output: row means (LayerNorm only)
+    rstd_ptr,  # (M,) fp32 output: 1 / sqrt(var + eps) (RMSNorm: 1 / sqrt(mean(x^2) + eps))
+    # dimensions
+    N,
+    stride_x,
+    stride_res,
+    eps,
+    # meta-parameters
+    IS_RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DTYPE: tl.constexpr,  # x's Triton dtype
+    BLOCK: tl.constexpr,  # a power of two: >= N (one-block rows), else the chunk
+    CHUNKED: tl.constexpr,  # N > BLOCK: the row is walked in chunks of BLOCK
+):
+    """One row per program: statistics in fp32, then the normalized row, rounded once."""
+    _norm_row(
+        tl.program_id(0).to(tl.int64), x_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
+        N, stride_x, stride_res, eps, IS_RMS, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK, CHUNKED,
+    )  # fmt: skip
+
+
+@triton.jit
+def _norm_fwd_fp8_kernel(
+    # pointers: the norm's (no residual)
+    x_ptr,  # (M, N) input, fp16/bf16/fp32, row stride stride_x, unit column stride
+    y_ptr,  # (M, N) output, x's dtype, contiguous
+    w_ptr,  # (N,) weight, fp32 or x's dtype (HAS_WEIGHT only)
+    b_ptr,  # (N,) bias, fp32 or x's dtype (HAS_BIAS only)
+    mean_ptr,  # (M,) fp32 output (LayerNorm only)
+    rstd_ptr,  # (M,) fp32 output
+    # pointers: y's fp8 cast
+    data_ptr,  # (M, N) fp8 DTYPE8, contiguous: y's cast (DELAYED)
+    data_t_ptr,  # (N, M) fp8 DTYPE8, contiguous: the same values transposed (DELAYED and STORE_T)
+    scale_ptr,  # (1,) fp32: 1 / multiplier, written by program 0 (DELAYED)
+    partials_ptr,  # (programs,) fp32 output: this program's max |y| (RECORD)
+    history_ptr,  # (H,) fp32: the amax history the multiplier comes from, rolled with y's amax (ROLL)
+    counter_ptr,  # (1,) int32, 0 between launches: programs finished (ROLL)
+    # up to MAX_ROLLS more histories the last program rolls (ROLL): roll{i}_ptr (H{i},) fp32
+    # receives max(amax{i}_ptr[:count{i}]) (partials_ptr for y's amax; H{i} = 0: none)
+    roll0_ptr,
+    amax0_ptr,
+    roll1_ptr,
+    amax1_ptr,
+    roll2_ptr,
+    amax2_ptr,
+    roll3_ptr,
+    amax3_ptr,
+    roll4_ptr,
+    amax4_ptr,
+    # dimensions
+    M,
+    N,
+    stride_x,
+    eps,
+    H,
+    margin_factor,  # margin_factor: 2^-margin (DELAYED)
+    H0,
+    count0,
+    H1,
+    count1,
+    H2,
+    count2,
+    H3,
+    count3,
+    H4,
+    count4,
+    # meta-parameters: the norm's
+    IS_RMS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DTYPE: tl.constexpr,  # x's Triton dtype
+    BLOCK: tl.constexpr,  # a power of two >= N: the row in registers (chunked rows take another path)
+    # meta-parameters: the cast's
+    DELAYED: tl.constexpr,  # cast y with the history's multiplier (else only RECORD its amax)
+    STORE_T: tl.constexpr,
+    RECORD: tl.constexpr,  # store each program's max |y| (tensorwise's amax; ROLL's)
+    ROLL: tl.constexpr,  # the last program rolls y's amax into history_ptr, and the N_ROLLS
+    N_ROLLS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MULT_AT_EPS: tl.constexpr,
+    EPS_F32: tl.constexpr,
+    DTYPE8: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per band (a power of two)
+    TK: tl.constexpr,  # tile columns of the cast
+    PBLOCK: tl.constexpr,  # a power of two >= the programs, H and every count{i}
+    HBLOCK: tl.constexpr,  # a power of two >= H and every H{i}
+):
+    """LayerNorm / RMSNorm of each row that also writes y's per-tensor fp8 cast, in
+    both layouts, for the next GEMM (Transformer Engine's fused LayerNorm-Linear).
+
+    Program p takes the bands of ROWS rows p, p + P, ...: each row normalized as
+    ``_norm_fwd_kernel`` does it (the same code: y is bit for bit that kernel's), then
+    the band's y read back in (ROWS, TK) tiles (from cache: this program just wrote
+    it) and, under DELAYED, cast with the history's multiplier into y's layout and
+    y^T's (the transposed stores ROWS bytes wide), exactly as ``cast_2d`` casts y.
+    RECORD keeps each program's max |y|; ROLL counts the programs finished as
+    ``cast_2d`` does and the last one rolls y's amax into the history and the extra
+    histories (another consumer's input, a cached weight's deferred amax)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    mult = 1.0
+    if DELAYED:
+        mult = delayed_multiplier(history_ptr, H, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK)
+        if pid == 0:
+            tl.store(scale_ptr, reciprocal(mult))
+    rows_t = tl.arange(0, ROWS)
+    cols_t = tl.arange(0, TK)
+    best = 0.0  # max |y| so far: a scalar (a tile held across the rows' code spilled on sm_89)
+    for band in range(pid.to(tl.int64), tl.cdiv(M, ROWS), nprog):  # int64: row * N may pass 2^31
+        row0 = band * ROWS
+        row_end = tl.minimum(row0 + ROWS, M)
+        for r in range(row0, row_end):
+            _norm_row(
+                r, x_ptr, x_ptr, y_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, stride_x, 0, eps,
+                IS_RMS, False, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK, False,
+            )  # fmt: skip
+        tl.debug_barrier()  # the band's y, stored above by other threads, is read back below
+        rows = row0 + rows_t
+        for c in range(0, N, TK):
+            cols = (c + cols_t).to(tl.int64)  # int64: cols * M may pass 2^31
+            y, _, _, mask = load_tile(y_ptr, rows, cols, row_end, N, N, 1)
+            y = y.to(tl.float32)
+            if RECORD:
+                best = tl.maximum(best, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+            if DELAYED:
+                store_fp8_tile(
+                    y, rows, cols, mask, M, N, mult, data_ptr, data_t_ptr, True, STORE_T, FP8_MAX, DTYPE8
+                )
+    if RECORD:
+        tl.store(partials_ptr + pid, best)
+    if ROLL:
+        last = last_to_finish(counter_ptr, nprog)
+        roll_if_last(history_ptr, H, partials_ptr, nprog, last, PBLOCK, HBLOCK)
+        if N_ROLLS > 0:
+            roll_if_last(roll0_ptr, H0, amax0_ptr, count0, last, PBLOCK, HBLOCK)
+        if N_ROLLS > 1:
+            roll_if_last(roll1_ptr, H1, amax1_ptr, count1, last, PBLOCK, HBLOCK)
+        if N_ROLLS > 2:
+            roll_if_last(roll2_ptr, H2, amax2_ptr, count2, last, PBLOCK, HBLOCK)
+        if N_ROLLS > 3:
+            roll_if_last(roll3_ptr, H3, amax3_ptr, count3, last, PBLOCK, HBLOCK)
+        if N_ROLLS > 4:
+            roll_if_last(roll4_ptr, H4, amax4_ptr, count4, last, PBLOCK, HBLOCK)
+        release_counter(counter_ptr, last, nprog)
 
 
 @triton.jit
@@ -424,6 +587,177 @@ def norm_forward(
         if mean is not None:
             mean.zero_()
     return NormForward(y, h, mean, rstd)
+
+
+#: Rows per band of the fp8-emitting forward (:func:`norm_forward_float8`): the transposed
+#: fp8 store writes this many bytes of each column of y^T at once (a 32-byte sector on a GPU);
+#: under the interpreter more, for fewer programs.
+FP8_ROWS = 64 if INTERPRET else 32
+#: Columns per tile of its cast (the (FP8_ROWS, FP8_TK) tile read back from y).
+FP8_TK = 128
+#: The widest row the fp8-emitting kernel takes (wider rows: the norm, then the cast). At
+#: MAX_BLOCK (8192, 16 warps) its RMSNorm recording y's amax spilled 8 B on sm_89 (triton 3.9).
+FP8_MAX_BLOCK = 4096
+#: Extra histories one launch rolls (``rolls``): the other input histories and cached
+#: weights' deferred amaxes of up to three GEMMs sharing the cast (Llama's q, k and v).
+MAX_ROLLS = 5
+
+
+class NormFloat8(NamedTuple):
+    """What :func:`norm_forward_float8` returns."""
+
+    y: torch.Tensor  # (M, N), x's dtype, contiguous: as norm_forward's
+    mean: torch.Tensor | None  # (M,) fp32; None for RMSNorm
+    rstd: torch.Tensor  # (M,) fp32
+    data: torch.Tensor  # (M, N) fp8, contiguous: y's per-tensor cast
+    data_t: torch.Tensor | None  # (N, M) fp8, contiguous: the same values transposed (store_t)
+    scale: torch.Tensor  # 0-dim fp32: y ~ data * scale
+
+
+def _check_rolls(rolls, x: torch.Tensor) -> None:
+    if len(rolls) > MAX_ROLLS:
+        raise ValueError(f"rolls holds at most {MAX_ROLLS} (history, amax) pairs, got {len(rolls)}")
+    for i, pair in enumerate(rolls):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"rolls[{i}] must be a (history, amax or None) pair, got {pair!r}")
+        check_amaxes(f"rolls[{i}] history", pair[0], x)
+        if pair[1] is not None:
+            check_amaxes(f"rolls[{i}] amax", pair[1], x)
+
+
+def norm_forward_float8(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    rms: bool,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    store_t: bool = False,
+    history: torch.Tensor | None = None,
+    margin: int = 0,
+    update: bool = True,
+    counter: torch.Tensor | None = None,
+    rolls: tuple = (),
+) -> NormFloat8:
+    """:func:`norm_forward` (no residual) that also casts y to fp8 per tensor for the
+    next GEMM, in y's layout and (``store_t``) y^T's: the producer-side cast of
+    Transformer Engine's fused LayerNorm-Linear. y, mean and rstd are bit for bit
+    :func:`norm_forward`'s; the cast is bit for bit ``cast_2d(y, dtype, store_t=store_t,
+    history=history, margin=margin, update=update, counter=counter)``'s.
+
+    Delayed scaling (``history`` given): one launch. The multiplier comes from the
+    history, known before the launch, so the norm writes y's cast as it writes y;
+    with ``update`` the launch's last program rolls y's amax into ``history`` and each
+    of ``rolls``: ``(history, None)`` receives y's amax too (another GEMM's input
+    history, when several GEMMs read the one cast), ``(history, amax)`` the max of
+    ``amax`` (a cached weight's deferred update, :func:`~tkern.kernels.float8.cast_2d`'s
+    ``roll2``). Current scaling (``history`` None): two launches, the norm recording
+    y's amax as it goes (no amax pass over y), then the cast with that amax.
+
+    Args:
+        x: (M, N), fp16/bf16/fp32, any row stride; N >= 1.
+        weight, bias, eps, rms: as :func:`norm_forward`.
+        dtype: the fp8 format.
+        store_t: also write y^T's cast (the next GEMM's wgrad operand).
+        history, margin, update, counter: delayed scaling, as ``cast_2d``'s.
+        rolls: delayed with ``update`` only: at most :data:`MAX_ROLLS` pairs (above).
+
+    Rows wider than :data:`FP8_MAX_BLOCK` (4096) take the norm and the cast as two launches
+    (the histories rolled after, one launch each): the same results, no saving.
+
+    Returns:
+        :class:`NormFloat8`.
+    """
+    check_tensor("x", x, ndim=2, dtypes=INPUT_DTYPES)
+    M, N = x.shape
+    if N < 1:
+        raise ValueError(
+            f"norm_forward_float8 needs rows of N >= 1 elements, got x of shape {tuple(x.shape)}"
+        )
+    _check_param("weight", weight, N, x)
+    if bias is not None and rms:
+        raise ValueError("RMSNorm takes no bias")
+    _check_param("bias", bias, N, x)
+    if not eps >= 0.0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    check_fp8_dtype(dtype)
+    check_fp8_device(x.device, "norm_forward_float8")
+    check_same_device(x=x, weight=weight, bias=bias, counter=counter)
+    delayed = history is not None
+    roll = delayed and update
+    if delayed:
+        check_amaxes("history", history, x)
+        if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+            raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+        if counter is not None:
+            check_tensor("counter", counter, ndim=1, dtypes=(torch.int32,))
+    elif counter is not None:
+        raise ValueError("counter is delayed scaling's: give the history")
+    if rolls and not roll:
+        raise ValueError("rolls ride on the launch's own history update: they need a history and update")
+    _check_rolls(rolls, x)
+    x = rows_view(x)
+    block = block_size(N)
+    if block > FP8_MAX_BLOCK or block < N:
+        return _norm_then_cast(x, weight, bias, eps, rms, dtype, store_t, history, margin, update, rolls)
+    dev = x.device
+    y = torch.empty((M, N), dtype=x.dtype, device=dev)
+    mean = None if rms else torch.empty(M, dtype=torch.float32, device=dev)
+    rstd = torch.empty(M, dtype=torch.float32, device=dev)
+    # tensorwise: the cast after the norm writes them (the kernel only records y's amax)
+    data = torch.empty((M, N), dtype=dtype, device=dev) if delayed else None
+    data_t = torch.empty((N, M), dtype=dtype, device=dev) if delayed and store_t else None
+    scale = torch.empty((), dtype=torch.float32, device=dev)
+    programs = max(1, min(triton.cdiv(M, FP8_ROWS), MAX_PROGRAMS))
+    partials = torch.empty(programs, dtype=torch.float32, device=dev) if roll or not delayed else None
+    if roll and counter is None:
+        counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    dummy = rstd
+    slots = [(h, partials if a is None else a) for h, a in rolls]
+    slots += [(dummy, dummy)] * (MAX_ROLLS - len(slots))
+    lengths = [n for h, a in rolls for n in (h.numel(), programs if a is None else a.numel())]
+    lengths += [0, 0] * (MAX_ROLLS - len(rolls))
+    const8 = fp8_constants(dtype)
+    const8["DTYPE8"] = const8.pop("DTYPE")  # DTYPE is x's
+    _norm_fwd_fp8_kernel[(programs,)](
+        x, y, weight if weight is not None else x, bias if bias is not None else x,
+        mean if mean is not None else rstd, rstd, dummy if data is None else data,
+        dummy if data_t is None else data_t, scale,
+        partials if partials is not None else dummy, history if delayed else dummy,
+        counter if roll else dummy, *(t for pair in slots for t in pair),
+        M, N, x.stride(0), float(eps), history.numel() if delayed else 0, 2.0**-margin, *lengths,
+        IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, DTYPE=tl_dtype(x.dtype),
+        BLOCK=block, DELAYED=delayed, STORE_T=store_t, RECORD=partials is not None,
+        ROLL=roll, N_ROLLS=len(rolls), **const8,
+        ROWS=FP8_ROWS, TK=FP8_TK,
+        PBLOCK=triton.next_power_of_2(max(programs, history.numel() if delayed else 1, *lengths[1::2])),
+        HBLOCK=triton.next_power_of_2(max(history.numel() if delayed else 1, *lengths[0::2], 1)),
+        num_warps=num_warps(block),
+    )  # fmt: skip
+    if delayed:
+        if roll:  # in-place writes, as torch's own would count them
+            for h in (history, *(h for h, _ in rolls)):
+                if not h.is_inference():
+                    torch.autograd.graph.increment_version(h)
+    else:
+        cast = cast_2d_prechecked(y, dtype, True, store_t, None, None, 0, False, False, None, None, partials)
+        data, data_t, scale = cast.data, cast.data_t, cast.scale
+    return NormFloat8(y, mean, rstd, data, data_t, scale)
+
+
+def _norm_then_cast(x, weight, bias, eps, rms, dtype, store_t, history, margin, update, rolls) -> NormFloat8:
+    """:func:`norm_forward_float8` for rows wider than :data:`FP8_MAX_BLOCK`: the norm, then
+    ``cast_2d`` of y, the histories rolled after it (one launch each). The same results,
+    without the saving: the wide row code beside the cast spilled registers (chunked rows
+    on sm_89 and sm_90; 8192-wide RMSNorm on sm_89)."""
+    norm = norm_forward(x, weight, bias, eps, rms)
+    roll = history is not None and update
+    cast = cast_2d_prechecked(norm.y, dtype, True, store_t, None, history, margin, update, roll, None, None)
+    if roll:
+        for h, amax in ((history, None), *rolls):
+            roll_amax_history(h, cast.amax if amax is None else amax)
+    return NormFloat8(norm.y, norm.mean, norm.rstd, cast.data, cast.data_t, cast.scale)
 
 
 def backward_programs(m: int, device: torch.device) -> int:

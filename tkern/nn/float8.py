@@ -175,26 +175,49 @@ class Float8Layer:
         """(W's cast (N, K), W^T's (K, N)) from the cast of the stored weight and its transpose."""
         return data, data_t
 
+    def fp8_histories(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``"delayed"``: the (input, weight, grad_output) amax histories (buffers); else None."""
+        if self.recipe.scaling != "delayed":
+            return None
+        return tuple(self._buffers[n] for n in _HISTORIES)
+
+    def fp8_counters(self) -> torch.Tensor | None:
+        """``"delayed"``: the (3,) int32 launch counters of the input, weight and grad casts."""
+        return self._buffers.get(_COUNTERS) if self.recipe.scaling == "delayed" else None
+
+    def gemm_in_features(self) -> int:
+        """K of the layer's GEMM: the width of the input it takes."""
+        return self._gemm_view(self.weight).shape[1]
+
+    def cached_weight_fp8(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
+        """The optimizer's cast of the weight if a forward now may use it (Float8WeightCache):
+        ``(weight_fp8, weight_fp8_t)`` as :func:`~tkern.ops.float8.float8_linear` takes them,
+        W's cast and W^T's (both K-major), or None (eager only: a compiled graph casts)."""
+        if torch.compiler.is_compiling():
+            return None
+        cache = float8_weight_cache(self.weight)
+        histories = self.fp8_histories()
+        cached = None if cache is None else cache.lookup(self.weight, histories and histories[1])
+        if cached is None:
+            return None
+        wq, weight_fp8_t = self._gemm_casts(cached[0], cache.data_t)
+        return (wq, *cached[1:]), weight_fp8_t
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recipe.enable_fsdp_float8_all_gather:
             return self._forward_fp8_gathered(x)
+        # x's cast made by its producer (a norm, tkern.nn.float8_norm), used only if x is its output
+        producer = None if torch.compiler.is_compiling() else self.__dict__.get("fp8_producer")
+        handoff = None if producer is None else producer.take(self, x)
         weight = self._gemm_view(self.weight)
         if x.is_floating_point() and x.dtype != weight.dtype:
             x = x.to(weight.dtype)
-        delayed = self.recipe.scaling == "delayed"
-        histories = tuple(getattr(self, n) for n in _HISTORIES) if delayed else None
-        # the optimizer's cast of the weight (eager only: a compiled graph casts in the forward)
-        cache = None if torch.compiler.is_compiling() else float8_weight_cache(self.weight)
-        cached = None if cache is None else cache.lookup(self.weight, histories[1] if delayed else None)
-        weight_fp8 = weight_fp8_t = None
-        if cached is not None:  # both K-major: W for the forward, W^T for dgrad
-            wq, weight_fp8_t = self._gemm_casts(cached[0], cache.data_t)
-            weight_fp8 = (wq, *cached[1:])
+        x_fp8, cached = (None, self.cached_weight_fp8()) if handoff is None else handoff
+        weight_fp8, weight_fp8_t = (None, None) if cached is None else cached
         return float8_linear(
             x, weight, self.bias, scaling=self.recipe.scaling, margin=self.recipe.margin,
-            update=self.training and torch.is_grad_enabled(), histories=histories,
-            weight_fp8=weight_fp8, weight_fp8_t=weight_fp8_t,
-            counters=self._buffers.get(_COUNTERS) if delayed else None,
+            update=self.training and torch.is_grad_enabled(), histories=self.fp8_histories(),
+            weight_fp8=weight_fp8, weight_fp8_t=weight_fp8_t, counters=self.fp8_counters(), x_fp8=x_fp8,
         )  # fmt: skip
 
     def _forward_fp8_gathered(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ per op family, each above the kernels it launches (``tkern/kernels``):
                  ``tkern::activation_grad``)
 ``float8.py``    ``float8_linear`` and the fp8 weight cache (custom ops ``tkern::float8_cast_2d``,
                  ``tkern::float8_cast_blocks``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``)
+``float8_args.py``  what ``float8_linear`` checks of its fp8 arguments, and ``Float8Input`` (an
+                 input cast by its producer, ``norm.norm_float8``)
 ``cross_entropy.py``  ``tkern.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
                  ``tkern::cross_entropy_backward``) and ``tkern.linear_cross_entropy`` (chunked
                  GEMMs + the fused kernel; the logits never materialized; custom ops
@@ -14,7 +16,8 @@ per op family, each above the kernels it launches (``tkern/kernels``):
                  dgrad, fp32 wgrad), which both its doors run
 ``norm.py``      ``tkern.layer_norm``, ``tkern.rms_norm``, ``tkern.add_layer_norm``,
                  ``tkern.add_rms_norm``: LayerNorm / RMSNorm with fp32 statistics, forward and
-                 backward (custom ops ``tkern::norm_forward``, ``tkern::norm_backward``)
+                 backward (custom ops ``tkern::norm_forward``, ``tkern::norm_backward``);
+                 ``norm_float8``: the forward that also casts its output to e4m3 for the next GEMM
 ``swiglu.py``    ``tkern.swiglu``, ``swiglu_packed``: a GLU MLP's ``act(gate) * up``, forward and
                  backward in one kernel each (custom ops ``tkern::swiglu``, ``tkern::swiglu_backward``)
 ``common.py``    what the linear-like ops share: shapes, and the seam that puts dW into a fused

@@ -25,10 +25,17 @@ from tkern.kernels.gemm import scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
 from tkern.ops import common
 from tkern.ops.common import as_2d, check_in_features, is_compiling
+from tkern.ops.float8_args import (
+    CACHED_SCALINGS,
+    E4M3,
+    E5M2,
+    Float8Input,
+    check_delayed_args,
+    check_weight_fp8,
+    check_x_fp8,
+)
 
-__all__ = ["CACHED_SCALINGS", "Float8WeightCache", "float8_linear", "float8_weight_cache"]
-
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+__all__ = ["CACHED_SCALINGS", "Float8Input", "Float8WeightCache", "float8_linear", "float8_weight_cache"]
 
 
 def _cast_2d_impl(x, dtype, store, store_t, sum_dtype, history, counter, margin, update, roll2=None):
@@ -183,10 +190,6 @@ def _fp8_ops(t: torch.Tensor) -> _Fp8Ops:
     anything but a plain tensor on a device that runs, else the launchers."""
     plain = type(t) is torch.Tensor and not t.is_meta and not is_compiling()
     return _EAGER_FP8 if plain else _TRACED_FP8
-
-
-#: The recipes whose weight cast a :class:`Float8WeightCache` holds.
-CACHED_SCALINGS = ("tensorwise", "delayed")
 
 
 class Float8WeightCache:
@@ -389,7 +392,7 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, bias, recipe, margin, update, grad_enabled, h_x, h_w, h_g, counters,
-        cached_wq, cached_sw, cached_wq_t, cached_amax,
+        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx,
     ):  # fmt: skip
         n, k = weight.shape
         x2d = as_2d(x, k)
@@ -412,10 +415,17 @@ class _Float8Linear(torch.autograd.Function):
                 if counters is None or not eager
                 else tuple(counters[i : i + 1] for i in range(3))
             )
-            roll2 = (h_w, cached_amax) if delayed and update and cached_wq is not None else None
-            xq, saved_x, sx, _ = ops.cast_2d(
-                x2d, E4M3, True, wgrad, None, h_x if delayed else None, ctr[0], margin, update, roll2
-            )
+            roll2 = (h_w, cached_amax) if delayed and update and cached_amax is not None else None
+            if given_xq is None:
+                xq, saved_x, sx, _ = ops.cast_2d(
+                    x2d, E4M3, True, wgrad, None, h_x if delayed else None, ctr[0], margin, update, roll2
+                )
+            else:  # x's producer cast it (and recorded its amax); the weight's update on its own
+                xq, saved_x, sx = given_xq, given_xq_t, given_sx
+                if wgrad and saved_x is None:  # a cast without x^T: one copy
+                    saved_x = xq.t().contiguous()
+                if roll2 is not None:
+                    ops.roll_amax_history(*roll2)
             if cached_wq is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
                 wq, sw, wq_t = cached_wq, cached_sw, cached_wq_t
                 if dgrad and wq_t is None:  # a cast without W^T (FSDP2's fp8 all-gather): one copy
@@ -478,7 +488,7 @@ class _Float8Linear(torch.autograd.Function):
             else:  # dW added into the fused optimizer's flat buffer (_flat_wgrad)
                 _scaled_mm_impl(*operands, GRADIENT_FAST_ACCUM, into=target[1], accumulate=target[2])
                 dw = common.hand_over(target)
-        return dx, dw, db, *(None,) * 12
+        return dx, dw, db, *(None,) * 15
 
 
 def float8_linear(
@@ -493,6 +503,7 @@ def float8_linear(
     weight_fp8: tuple[torch.Tensor, ...] | None = None,
     weight_fp8_t: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    x_fp8: Float8Input | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
@@ -507,12 +518,19 @@ def float8_linear(
             scale)``, the cast ``to_float8(weight)``; ``"delayed"``: ``(data, scale,
             amax)`` from ``to_float8_delayed_deferred(weight, histories[1], margin=margin)``
             with the weight history unchanged since, and with ``update`` the forward
-            rolls ``amax`` into that history (in its input's cast launch).
+            rolls ``amax`` into that history (in its input's cast launch); ``amax``
+            None: that update was made already (by x's producer, in its launch).
         weight_fp8_t: with ``weight_fp8``: the same cast transposed, (K, N) contiguous
             (dgrad's K-major operand); None: dgrad makes it with one copy.
         counters: ``"delayed"``: a (3,) int32 tensor of zeros the three casts count
             their programs on (and leave at zero), kept by the layer; None: each cast
             makes its own.
+        x_fp8: x's e4m3 cast made by x's producer (:class:`Float8Input`), exactly the
+            cast this function would make (``"tensorwise"``: ``to_float8(x)``;
+            ``"delayed"``: with ``histories[0]``, into which the producer recorded x's
+            amax when ``update``); the forward then does not cast x (x itself still
+            flows through autograd, for dgrad). ``data_t`` None: wgrad makes x^T's
+            cast with one copy.
     """
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
     check_tensor("x", x, dtypes=(weight.dtype,))
@@ -522,26 +540,15 @@ def float8_linear(
     check_fp8_device(x.device, "float8_linear (Float8Linear)")
     if scaling not in ("tensorwise", "delayed", "blockwise"):
         raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
-    if scaling == "delayed":
-        # all three before the first cast: the casts roll the histories as they go
-        if histories is None or len(histories) != 3:
-            raise ValueError('scaling="delayed" needs histories=(input, weight, grad_output) amax histories')
-        for name, h in zip(("input", "weight", "grad_output"), histories, strict=True):
-            check_tensor(f"histories ({name})", h, ndim=1, dtypes=(torch.float32,))
-            if h.numel() < 1 or not h.is_contiguous() or h.device != weight.device:
-                raise ValueError(
-                    f"histories ({name}) must be a contiguous (H,) fp32 tensor with H >= 1 on "
-                    f"{weight.device}, got shape {tuple(h.shape)} on {h.device}"
-                )
-        if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
-            raise ValueError(f"margin must be an int >= 0, got {margin!r}")
-        if counters is not None:
-            check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,))
-            if counters.shape != (3,) or counters.device != weight.device:
-                raise ValueError(f"counters must be a (3,) int32 tensor on {weight.device}")
+    if scaling == "delayed":  # all three histories before the first cast: the casts roll them as they go
+        check_delayed_args(histories, margin, counters, weight)
+    given = (None, None, None)
+    if x_fp8 is not None:
+        check_x_fp8(x_fp8, x, weight, scaling)
+        given = tuple(x_fp8)
     cached = (None, None, None, None)
     if weight_fp8 is not None:
-        _check_weight_fp8(weight_fp8, weight, scaling, weight_fp8_t)
+        check_weight_fp8(weight_fp8, weight, scaling, weight_fp8_t)
         amax = weight_fp8[2] if scaling == "delayed" else None
         cached = (weight_fp8[0], weight_fp8[1], weight_fp8_t, amax)
     # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
@@ -551,35 +558,6 @@ def float8_linear(
         else tuple(weight.new_empty(0, dtype=torch.float32) for _ in range(3))
     )
     grad_enabled = torch.is_grad_enabled()
-    return _Float8Linear.apply(x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached)
-
-
-def _check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, weight_fp8_t) -> None:
-    """float8_linear's ``weight_fp8`` against the weight and the scaling."""
-    parts = {"tensorwise": ("data", "scale"), "delayed": ("data", "scale", "amax")}.get(scaling)
-    if parts is None:
-        raise ValueError(f'weight_fp8 is a tensorwise or delayed cast; scaling is "{scaling}"')
-    if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != len(parts):
-        raise ValueError(f'weight_fp8 must be ({", ".join(parts)}) under scaling="{scaling}"')
-    wq, sw, *amax = weight_fp8
-    check_tensor("weight_fp8 data", wq, dtypes=(E4M3,))
-    check_tensor("weight_fp8 scale", sw, dtypes=(torch.float32,))
-    if wq.shape != weight.shape or sw.numel() != 1 or wq.device != weight.device:
-        raise ValueError(
-            f"weight_fp8 must be the ({tuple(weight.shape)}) e4m3 weight and a one-element scale on "
-            f"{weight.device}, got shapes {tuple(wq.shape)} and {tuple(sw.shape)} on {wq.device}"
-        )
-    if weight_fp8_t is not None:
-        check_tensor("weight_fp8_t", weight_fp8_t, ndim=2, dtypes=(E4M3,))
-        if weight_fp8_t.shape != weight.shape[::-1] or weight_fp8_t.stride(1) != 1:
-            raise ValueError(
-                f"weight_fp8_t must be the ({weight.shape[1]}, {weight.shape[0]}) e4m3 transpose, "
-                f"contiguous, got shape {tuple(weight_fp8_t.shape)}, strides {weight_fp8_t.stride()}"
-            )
-    if amax:
-        check_tensor("weight_fp8 amax", amax[0], ndim=1, dtypes=(torch.float32,))
-        if amax[0].numel() < 1 or not amax[0].is_contiguous() or amax[0].device != weight.device:
-            raise ValueError(
-                f"weight_fp8 amax must be a contiguous (P,) fp32 tensor with P >= 1 on {weight.device}, "
-                f"got shape {tuple(amax[0].shape)} on {amax[0].device}"
-            )
+    return _Float8Linear.apply(
+        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given
+    )

@@ -32,10 +32,19 @@ import torch
 import torch.nn.functional as F
 
 from tkern.kernels._common import INTERPRET
-from tkern.kernels.norm import INPUT_DTYPES, norm_backward, norm_forward
+from tkern.kernels.norm import INPUT_DTYPES, norm_backward, norm_forward, norm_forward_float8
 from tkern.ops.common import is_compiling
+from tkern.ops.float8 import Float8Input
 
-__all__ = ["add_layer_norm", "add_rms_norm", "layer_norm", "rms_norm", "rms_norm_eps"]
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "can_emit_float8",
+    "layer_norm",
+    "norm_float8",
+    "rms_norm",
+    "rms_norm_eps",
+]
 
 Tensor = torch.Tensor
 #: (d input, dweight, dbias), None where not needed
@@ -154,6 +163,32 @@ class _Norm(torch.autograd.Function):
             dw = None if dw is None else dw.reshape(weight.shape)
             db = None if db is None else db.reshape(bias.shape)
         return _input_grads(ctx, dx, dw, db)
+
+
+class _NormFloat8(torch.autograd.Function):
+    """y = norm(x) on (M, N) tensors, with y's e4m3 cast for the next GEMM as three
+    more outputs (data, data_t, scale; not differentiable). Backward is :class:`_Norm`'s
+    (inputs x, residual (None), weight, bias, eps, rms first, as there)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms, store_t, history, margin, update, counter, rolls):
+        w = None if weight is None else weight.reshape(-1)
+        b = None if bias is None else bias.reshape(-1)
+        out = norm_forward_float8(
+            x, w, b, eps, rms, torch.float8_e4m3fn, store_t=store_t, history=history, margin=margin,
+            update=update, counter=counter, rolls=rolls,
+        )  # fmt: skip
+        ctx.set_materialize_grads(False)
+        ctx.eps, ctx.rms, ctx.has_residual = eps, rms, False
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(x, weight, bias, out.mean, out.rstd)
+        data_t = out.data_t if out.data_t is not None else out.data.new_empty(0)
+        ctx.mark_non_differentiable(out.data, data_t, out.scale)
+        return out.y, out.data, data_t, out.scale
+
+    @staticmethod
+    def backward(ctx, dy, *_fp8):
+        return (*_Norm.backward(ctx, dy), *(None,) * 6)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -305,6 +340,12 @@ def _check_norm_args(
     return math.prod(shape)
 
 
+def can_emit_float8(x: torch.Tensor) -> bool:
+    """Whether :func:`norm_float8` runs on ``x`` (eager only: a plain tensor on a device
+    tkern's kernels run on, not while torch.compile traces)."""
+    return _eager(x)
+
+
 def _eager(x: torch.Tensor) -> bool:
     """Whether the eager Function applies (else the custom op: tracing, meta, subclasses)."""
     return type(x) is torch.Tensor and not x.is_meta and not is_compiling() and (INTERPRET or x.is_cuda)
@@ -400,3 +441,61 @@ def add_rms_norm(
     """``(rms_norm(h), h)`` with ``h = x + residual``, in one pass; as
     :func:`add_layer_norm` for :func:`rms_norm`."""
     return _norm(x, residual, normalized_shape, weight, None, rms_norm_eps(eps), True)
+
+
+def norm_float8(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float | None = None,
+    *,
+    rms: bool = False,
+    store_t: bool = False,
+    history: torch.Tensor | None = None,
+    margin: int = 0,
+    update: bool = True,
+    counter: torch.Tensor | None = None,
+    rolls: tuple = (),
+) -> tuple[torch.Tensor, Float8Input]:
+    """:func:`layer_norm` (``rms=False``) or :func:`rms_norm` whose output also comes
+    cast to e4m3 for the next fp8 GEMM, by the norm's own kernel: the producer half of
+    Transformer Engine's fused LayerNorm-Linear. Give the cast to
+    :func:`tkern.ops.float8.float8_linear` as ``x_fp8`` with that output as ``x``.
+
+    The output is bit for bit :func:`layer_norm`'s / :func:`rms_norm`'s (and so are its
+    gradients), the cast bit for bit the one ``float8_linear`` would make of it:
+    ``"tensorwise"`` (``history`` None): ``to_float8(y)``, two launches (the norm records
+    y's amax as it goes, then one cast pass); ``"delayed"`` (``history``: the GEMM's
+    input amax history): one launch, which with ``update`` records y's amax into the
+    history and into ``rolls`` (see :func:`tkern.kernels.norm.norm_forward_float8`).
+
+    Eager only: under ``torch.compile`` (or for meta tensors, tensor subclasses) it
+    raises; there call the plain norm and let the GEMM layer cast.
+
+    Args:
+        input, normalized_shape, weight, bias: as :func:`layer_norm` (RMSNorm: no bias).
+        eps: None for the norm's default (1e-5; RMSNorm: :func:`rms_norm_eps`).
+        rms: RMSNorm when True.
+        store_t: also cast y^T (the GEMM's wgrad operand; wanted in training).
+        history, margin, update, counter, rolls: delayed scaling, as
+            :func:`~tkern.kernels.norm.norm_forward_float8`'s.
+
+    Returns:
+        ``(y, Float8Input(data, data_t, scale))``: y of the input's shape and dtype;
+        data (M, N) and data_t (N, M) (None without ``store_t``) e4m3 over y's rows.
+    """
+    n = _check_norm_args(input, None, normalized_shape, weight, bias)
+    if rms and bias is not None:
+        raise ValueError("RMSNorm takes no bias")
+    if not _eager(input):
+        raise RuntimeError(
+            "norm_float8 runs eagerly only (its fp8 output is not traced): under torch.compile, for "
+            "meta tensors or tensor subclasses call layer_norm / rms_norm and let the fp8 layer cast"
+        )
+    eps = rms_norm_eps(eps) if rms else (1e-5 if eps is None else float(eps))
+    y, data, data_t, scale = _NormFloat8.apply(
+        input.reshape(-1, n), None, weight, bias, eps, rms, store_t, history, margin, update, counter,
+        tuple(rolls),
+    )  # fmt: skip
+    return y.view(input.shape), Float8Input(data, data_t if store_t else None, scale)

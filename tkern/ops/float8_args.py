@@ -1,0 +1,105 @@
+"""What :func:`tkern.ops.float8.float8_linear` checks of its fp8 arguments before anything
+is launched: delayed scaling's histories, margin and counters, and the casts made elsewhere
+(the weight's, by the optimizer's step; the input's, by its producer: :class:`Float8Input`)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tkern.kernels._common import check_same_device, check_tensor
+
+__all__ = ["CACHED_SCALINGS", "Float8Input", "check_delayed_args", "check_weight_fp8", "check_x_fp8"]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+#: The recipes whose weight cast a :class:`~tkern.ops.float8.Float8WeightCache` holds (and
+#: whose input a producer may cast: :class:`Float8Input`).
+CACHED_SCALINGS = ("tensorwise", "delayed")
+
+
+class Float8Input(NamedTuple):
+    """An fp8 GEMM input already cast by the op that produced it (a norm's fp8 output,
+    :func:`tkern.ops.norm.norm_float8`): :func:`float8_linear`'s ``x_fp8``. Per tensor,
+    e4m3, exactly the cast the layer would make of x (``cast_2d`` under the layer's recipe)."""
+
+    data: torch.Tensor  # (M, K) e4m3, contiguous: x's cast (x as (M, K) rows)
+    data_t: torch.Tensor | None  # (K, M) e4m3, contiguous: the same values transposed (wgrad's operand)
+    scale: torch.Tensor  # 0-dim (or one-element) fp32: x ~ data * scale
+
+
+def check_delayed_args(histories, margin, counters, weight: torch.Tensor) -> None:
+    """``"delayed"``'s (input, weight, grad_output) amax histories, margin and (3,) counters."""
+    if histories is None or len(histories) != 3:
+        raise ValueError('scaling="delayed" needs histories=(input, weight, grad_output) amax histories')
+    for name, h in zip(("input", "weight", "grad_output"), histories, strict=True):
+        check_tensor(f"histories ({name})", h, ndim=1, dtypes=(torch.float32,))
+        if h.numel() < 1 or not h.is_contiguous() or h.device != weight.device:
+            raise ValueError(
+                f"histories ({name}) must be a contiguous (H,) fp32 tensor with H >= 1 on "
+                f"{weight.device}, got shape {tuple(h.shape)} on {h.device}"
+            )
+    if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
+        raise ValueError(f"margin must be an int >= 0, got {margin!r}")
+    if counters is not None:
+        check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,))
+        if counters.shape != (3,) or counters.device != weight.device:
+            raise ValueError(f"counters must be a (3,) int32 tensor on {weight.device}")
+
+
+def check_x_fp8(x_fp8, x: torch.Tensor, weight: torch.Tensor, scaling: str) -> None:
+    """float8_linear's ``x_fp8`` against x (as (M, K) rows) and the scaling."""
+    if scaling not in CACHED_SCALINGS:
+        raise ValueError(f'x_fp8 is a tensorwise or delayed cast; scaling is "{scaling}"')
+    if not isinstance(x_fp8, Float8Input):
+        raise TypeError(f"x_fp8 must be a Float8Input, got {type(x_fp8).__name__}")
+    k = weight.shape[1]
+    m = x.numel() // k if k else 0
+    data, data_t, scale = x_fp8
+    check_tensor("x_fp8 data", data, ndim=2, dtypes=(E4M3,))
+    check_tensor("x_fp8 scale", scale, dtypes=(torch.float32,))
+    if data.shape != (m, k) or not data.is_contiguous() or scale.numel() != 1:
+        raise ValueError(
+            f"x_fp8 must hold x's ({m}, {k}) e4m3 cast, contiguous, and a one-element scale, got "
+            f"shapes {tuple(data.shape)} (contiguous: {data.is_contiguous()}) and {tuple(scale.shape)}"
+        )
+    if data_t is not None:
+        check_tensor("x_fp8 data_t", data_t, ndim=2, dtypes=(E4M3,))
+        if data_t.shape != (k, m) or not data_t.is_contiguous():
+            raise ValueError(
+                f"x_fp8 data_t must be the ({k}, {m}) e4m3 transpose, contiguous, got shape "
+                f"{tuple(data_t.shape)} (contiguous: {data_t.is_contiguous()})"
+            )
+    check_same_device(x=x, x_fp8=data, x_fp8_scale=scale, x_fp8_t=data_t)
+
+
+def check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, weight_fp8_t) -> None:
+    """float8_linear's ``weight_fp8`` against the weight and the scaling."""
+    parts = {"tensorwise": ("data", "scale"), "delayed": ("data", "scale", "amax")}.get(scaling)
+    if parts is None:
+        raise ValueError(f'weight_fp8 is a tensorwise or delayed cast; scaling is "{scaling}"')
+    if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != len(parts):
+        raise ValueError(f'weight_fp8 must be ({", ".join(parts)}) under scaling="{scaling}"')
+    wq, sw, *amax = weight_fp8
+    check_tensor("weight_fp8 data", wq, dtypes=(E4M3,))
+    check_tensor("weight_fp8 scale", sw, dtypes=(torch.float32,))
+    if wq.shape != weight.shape or sw.numel() != 1 or wq.device != weight.device:
+        raise ValueError(
+            f"weight_fp8 must be the ({tuple(weight.shape)}) e4m3 weight and a one-element scale on "
+            f"{weight.device}, got shapes {tuple(wq.shape)} and {tuple(sw.shape)} on {wq.device}"
+        )
+    if weight_fp8_t is not None:
+        check_tensor("weight_fp8_t", weight_fp8_t, ndim=2, dtypes=(E4M3,))
+        if weight_fp8_t.shape != weight.shape[::-1] or weight_fp8_t.stride(1) != 1:
+            raise ValueError(
+                f"weight_fp8_t must be the ({weight.shape[1]}, {weight.shape[0]}) e4m3 transpose, "
+                f"contiguous, got shape {tuple(weight_fp8_t.shape)}, strides {weight_fp8_t.stride()}"
+            )
+    if amax and amax[0] is not None:
+        check_tensor("weight_fp8 amax", amax[0], ndim=1, dtypes=(torch.float32,))
+        if amax[0].numel() < 1 or not amax[0].is_contiguous() or amax[0].device != weight.device:
+            raise ValueError(
+                f"weight_fp8 amax must be a contiguous (P,) fp32 tensor with P >= 1 on {weight.device}, "
+                f"got shape {tuple(amax[0].shape)} on {amax[0].device}"
+            )
