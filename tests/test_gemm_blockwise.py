@@ -176,3 +176,22 @@ def test_the_blockwise_recipe_runs_all_three_gemms_here(launches):
     y.backward(sample(tuple(y.shape), 14))
     assert launches == [(96, 256), (96, 160), (160, 96)]
     assert x.grad is not None and w.grad is not None and bias.grad is not None
+
+
+def test_bench_gemms_blockwise_rows_run_on_this_kernel():
+    # benchmarks/bench_gemm_layouts.py (bench_gemm --sections fp8_layouts, gpu_check.sh's
+    # bench_gemm_fp8_layouts): its blockwise operands in each training layout are what the
+    # recipe launches, K-major, and take this kernel
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_gemm_layouts as bench
+
+    x, w, dy = sample((128, 96), 15), sample((48, 96), 16), sample((128, 48), 17)
+    for layout in bench.LAYOUTS:
+        a, b, sa, sb, block_a, block_b = bench.quantize_operands(
+            "blockwise", layout, *bench.layout_operands(layout, x, w, dy)
+        )
+        assert gemm_blockwise.blockwise_eligible(a, b, block_a, block_b), layout
+        assert block_b == ((128, 1) if layout == "wgrad" else (128, 128))
