@@ -8,9 +8,12 @@ once per 128 elements, so the kernel's K step is one scale block: per step
 ``part = A_k @ B_k`` is a fresh tensor-core product over the 128-wide block (four
 chained k32 ``wgmma`` on Hopper) and ``acc = part * (sa_k * sb_k) + acc`` promotes it
 into the fp32 accumulator with one fused multiply-add per element, as DeepGEMM
-does; the next block's scales are loaded before the dot. A's scales are read
-K-block-major (tkern.kernels.float8.cast_blocks stores 1x128 tiles' scales with
-strides (1, M)), so the load of a tile's row scales for one K block is contiguous.
+does. Each step's scales are loaded before its dot, and Triton's software pipeliner
+issues those loads num_stages - 1 steps ahead with the operand tiles (the prefetch;
+a second copy by hand only held more registers: 1080 B of spills at 128x128). A's
+scales are read K-block-major (tkern.kernels.float8.cast_blocks stores 1x128 tiles'
+scales with strides (1, M)), so a tile's row scales for one K block are contiguous.
+Triton keeps no ``wgmma`` in flight across the FMA (docs/fp8.md says why).
 
 One program per SM walks the output tiles in grouped order (gemm_epilogue.tile_coords,
 as gemm_tma.py), and both operands come K-major through tensor descriptors (what an
@@ -44,7 +47,7 @@ from tkern.kernels.gemm_epilogue import (
 )
 from tkern.kernels.gemm_tma import has_tma, persistent_programs, tma_layout, tma_layouts
 
-#: fp8 operand formats (a pair of e5m2 is refused by tkern.scaled_mm before it gets here).
+#: fp8 operand formats (not both e5m2: the tensor cores have no e5m2 x e5m2 product).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 #: The K extent of a scale block, and the kernel's K step: one per block.
@@ -120,9 +123,8 @@ def _scaled_mm_blockwise_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, k_steps):
             # The K step's scales: a (BLOCK_M,) vector of A's row scales (one contiguous
-            # load: K-block-major) or one value for a 128-row block, and likewise for B.
-            # The software pipeliner issues them num_stages - 1 steps ahead, with the
-            # descriptor loads (the prefetch; a second copy by hand only adds registers).
+            # load: K-block-major) or one value for a 128-row block, and likewise for B;
+            # the software pipeliner issues them num_stages - 1 steps ahead (the prefetch).
             sa = _block_scales(scale_a_ptr, offs_m, mask_m, pid_m * BLOCK_M, k, stride_sam, stride_sak,
                                SCALE_BM, BLOCK_M)  # fmt: skip
             sb = _block_scales(scale_b_ptr, offs_n, mask_n, pid_n * BLOCK_N, k, stride_sbn, stride_sbk,
@@ -220,6 +222,8 @@ def scaled_mm_blockwise(
     """
     check_tensor("a", a, ndim=2, dtypes=FP8_DTYPES)
     check_tensor("b", b, ndim=2, dtypes=FP8_DTYPES)
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise TypeError("a and b cannot both be torch.float8_e5m2 (no such fp8 tensor-core op)")
     (M, K), (Kb, N) = a.shape, b.shape
     if Kb != K:
         raise ValueError(f"b must have shape ({K}, N) for a of shape {tuple(a.shape)}, got {tuple(b.shape)}")
