@@ -875,7 +875,8 @@ def split_k_cases(cc: int) -> list[Case]:
 #: the layout its GEMMs read. Forward x @ W^T (fast accumulation, the bias in the
 #: epilogue); dgrad dY @ W (W^T's cast); wgrad dY^T @ X (dY^T's and X^T's casts) adding
 #: into a fused optimizer's bf16 gradient buffer; blockwise forward and wgrad (block scales
-#: on both operands).
+#: on both operands: on Hopper the recipe's blockwise GEMMs run on gemm_blockwise.py's kernel,
+#: :data:`BLOCKWISE_LAUNCHES`; these serve Ada and the block shapes and operands it does not take).
 FP8_GEMM_LAUNCHES = (
     ("forward", "fp8e4nv", "fp8e4nv", 1, True, False, False),
     ("dgrad", "fp8e5", "fp8e4nv", 1, False, False, True),
