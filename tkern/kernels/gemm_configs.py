@@ -134,9 +134,9 @@ def blockwise_configs(column_scales: bool = False) -> list[triton.Config]:
     columns of X) rather than one value per 128x128 block; the software pipeliner holds
     that vector in registers for every stage in flight, next to the block's fresh product
     and the accumulator. Measured (static_report, sm_90, triton 3.9, ``C +=`` into a bf16
-    gradient): 128x128 on 8 warps spills 96-240 B with 3-4 stages, 128x64 on 4 warps keeps
-    218-219 registers, 64x128 on 4 205, 128x64 on 8 175, no spills; block scales fit
-    128x128 on 8 warps (157 registers)."""
+    gradient): 128x128 on 8 warps spills 96-240 B with 3-4 stages; 128x64 on 4 warps keeps
+    203-204 registers, 64x128 on 4 205, 128x64 on 8 151, no spills. Block scales fit
+    128x128 on 8 warps (152-162 registers) and 64x128 / 128x64 on 4 (159-172), no spills."""
     hook = set_blockwise_block_shapes
     bk = BLOCKWISE_BLOCK_K
     if INTERPRET:
