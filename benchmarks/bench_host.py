@@ -46,9 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib
 import os
-import pkgutil
 import statistics
 import sys
 import time
@@ -60,7 +58,17 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import RESULTS, Mode, Results, device_name, device_slug, targets_markdown  # noqa: E402
+from harness import (  # noqa: E402
+    RESULTS,
+    Mode,
+    Results,
+    device_name,
+    device_slug,
+    kernel_names,
+    patched_launches,
+    targets_markdown,
+    tkern_kernels,
+)
 
 import tkern  # noqa: E402
 import tkern.kernels  # noqa: E402
@@ -97,46 +105,26 @@ class _AllocOnly(torch.autograd.Function):
 # --------------------------------------------------------------------------- stubs
 
 
-def tkern_kernels() -> dict[str, KernelInterface]:
-    """Every Triton kernel object defined in ``tkern.kernels``'s modules, by name."""
-    found = {}
-    for info in pkgutil.iter_modules(tkern.kernels.__path__):
-        module = importlib.import_module(f"tkern.kernels.{info.name}")
-        for name, obj in vars(module).items():
-            if isinstance(obj, KernelInterface):
-                found[f"{info.name}.{name}"] = obj
-    return found
-
-
 @contextlib.contextmanager
 def stubbed_launches() -> Iterator[Counter]:
     """Inside, ``kernel[grid](*args)`` of any Triton kernel is a no-op; the
-    Counter yielded counts the launches by kernel name. Patched on the kernel
-    classes (``__getitem__`` is looked up on the type), restored on exit.
+    Counter yielded counts the launches by kernel name (``harness.patched_launches``).
     Kernel outputs stay unwritten, so what ran under the stubs (an optimizer's
     step count, say) is garbage afterwards: use those objects for timing only.
     The Counter is filled on exit: inside, a stubbed launch only notes its kernel
     (one list append), so the stub adds next to nothing to the time measured."""
     launches: Counter = Counter()
     launched: list[KernelInterface] = []
-    names = {id(k): name for name, k in tkern_kernels().items()}
-    classes = {KernelInterface} | {type(k) for k in tkern_kernels().values()}
-    saved = {cls: cls.__dict__.get("__getitem__") for cls in classes}
+    names = kernel_names()
 
-    def getitem(self, grid):
-        launched.append(self)
+    def getitem(kernel, grid, real):
+        launched.append(kernel)
         return _no_launch
 
-    for cls in classes:
-        cls.__getitem__ = getitem
     try:
-        yield launches
+        with patched_launches(getitem):
+            yield launches
     finally:
-        for cls, original in saved.items():
-            if original is None:
-                del cls.__getitem__
-            else:
-                cls.__getitem__ = original
         launches.update(names.get(id(k), type(k).__name__) for k in launched)
 
 

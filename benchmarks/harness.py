@@ -19,6 +19,9 @@
   ``<name>.png``, and prints a table last.
 * :func:`copy_bandwidth` and :func:`cublas_tflops` measure the device's two
   ceilings once.
+* :func:`patched_launches` puts a function of the caller's in place of
+  ``kernel[grid]`` for every tkern Triton kernel (the launch stubs of bench_host,
+  the step ledger's counting); :func:`tkern_kernels` and :func:`kernel_names` name them.
 * :data:`DEVICES` holds the datasheet peaks and bandwidth of the GPUs the results
   are read against (:func:`device_spec` finds a device's), :func:`model_flops` a
   training step's model FLOPs (the MFU column's numerator, the step ledger's check).
@@ -27,14 +30,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime as _dt
+import importlib
 import json
 import math
+import pkgutil
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,9 +48,11 @@ import torch
 from torch import nn
 
 import tkern  # before triton: on a CPU it must switch Triton's interpreter on first
+import tkern.kernels
 
 # isort: split
 import triton
+from triton.runtime.jit import KernelInterface
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plots  # noqa: E402  (benchmarks/plots.py: the pictures, also drawn by report.py)
@@ -273,6 +281,62 @@ def graph_fields(owner: object, count: GraphCount | None = None) -> dict:
     if count is not None:
         fields.update(graph_captures=count.captures, graph_replays=count.replays)
     return fields
+
+
+# --------------------------------------------------------------------------- tkern's launches
+
+
+def tkern_kernels() -> dict[str, KernelInterface]:
+    """Every Triton kernel object defined in ``tkern.kernels``'s modules, by ``module.name``."""
+    found = {}
+    for info in pkgutil.iter_modules(tkern.kernels.__path__):
+        module = importlib.import_module(f"tkern.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, KernelInterface):
+                found[f"{info.name}.{name}"] = obj
+    return found
+
+
+def kernel_names() -> dict[int, str]:
+    """id -> ``module.name`` of every tkern Triton kernel object and of the kernel
+    objects it wraps (an autotuner's heuristics and jit function: the same kernel)."""
+    names: dict[int, str] = {}
+    for name, obj in tkern_kernels().items():
+        while isinstance(obj, KernelInterface):
+            names.setdefault(id(obj), name)
+            obj = getattr(obj, "fn", None)
+    return names
+
+
+@contextlib.contextmanager
+def patched_launches(getitem: Callable[[KernelInterface, object, Callable], Callable]) -> Iterator[None]:
+    """Inside, ``kernel[grid]`` of any tkern Triton kernel is ``getitem(kernel, grid,
+    real)``, where ``real(kernel, grid)`` is the launch it replaces (call ``real(kernel,
+    grid)(*args)`` to launch for real). Patched on the kernel classes (``__getitem__`` is
+    looked up on the type: an autotuner, its heuristics, its jit function and their base
+    ``KernelInterface``), restored on exit, also when the body raises. The patch costs
+    one dict lookup and one call per launch beyond ``getitem`` itself."""
+    classes = {KernelInterface}
+    for obj in tkern_kernels().values():
+        while isinstance(obj, KernelInterface):
+            classes.add(type(obj))
+            obj = getattr(obj, "fn", None)
+    saved = {cls: cls.__dict__.get("__getitem__") for cls in classes}
+    resolved = {cls: cls.__getitem__ for cls in classes}
+
+    def patched(kernel, grid):
+        return getitem(kernel, grid, resolved.get(type(kernel)) or resolved[KernelInterface])
+
+    for cls in classes:
+        cls.__getitem__ = patched
+    try:
+        yield
+    finally:
+        for cls, original in saved.items():
+            if original is None:
+                del cls.__getitem__
+            else:
+                cls.__getitem__ = original
 
 
 # --------------------------------------------------------------------------- peaks and model FLOPs

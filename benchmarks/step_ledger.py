@@ -87,13 +87,16 @@ from torch.utils.flop_counter import flop_registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train  # noqa: E402
-from harness import DEVICES, RESULTS, DeviceSpec, commit, model_flops, slug  # noqa: E402
-
-import tkern  # noqa: E402
-import tkern.kernels  # noqa: E402
-
-# isort: split
-from triton.runtime.jit import KernelInterface  # noqa: E402
+from harness import (  # noqa: E402
+    DEVICES,
+    RESULTS,
+    DeviceSpec,
+    commit,
+    kernel_names,
+    model_flops,
+    patched_launches,
+    slug,
+)
 
 CATEGORIES = (
     "gemm fwd", "gemm dgrad", "gemm wgrad", "gemm lm head", "attention", "norm", "embedding",
@@ -431,22 +434,6 @@ _READ_WRITE = {
 }  # fmt: skip
 
 
-def kernel_objects() -> dict[int, tuple[str, object]]:
-    """id -> (``module.name``, object) of every Triton kernel object in ``tkern.kernels``
-    and of the functions it wraps (an autotuner's heuristics and jit function)."""
-    import importlib
-    import pkgutil
-
-    found = {}
-    for info in pkgutil.iter_modules(tkern.kernels.__path__):
-        module = importlib.import_module(f"tkern.kernels.{info.name}")
-        for name, obj in vars(module).items():
-            while isinstance(obj, KernelInterface):
-                found.setdefault(id(obj), (f"{info.name}.{name}", obj))
-                obj = getattr(obj, "fn", None)
-    return found
-
-
 def _jit_of(kernel):
     while not hasattr(kernel, "arg_names"):
         kernel = kernel.fn
@@ -511,33 +498,17 @@ def _streamed_bytes(named: dict) -> tuple[int, torch.dtype]:
     return sum(seen.values()), dtype
 
 
-@contextlib.contextmanager
-def _patched_launches(launcher) -> Iterator[None]:
+def _patched_launches(launcher):
     """Inside, ``kernel[grid]`` of any tkern Triton kernel is ``launcher(kernel, grid,
     name, real)``, where ``name`` is ``module.name`` and ``real()`` gives the launch it
-    replaces. Patched on the kernel classes (``__getitem__`` is looked up on the type),
-    restored on exit."""
-    kernels = kernel_objects()
-    names = {key: name for key, (name, _) in kernels.items()}
-    classes = {KernelInterface} | {type(obj) for _, obj in kernels.values()}
-    saved = {cls: cls.__dict__.get("__getitem__") for cls in classes}
-    resolved = {cls: cls.__getitem__ for cls in classes}
+    replaces (``harness.patched_launches``)."""
+    names = kernel_names()
 
-    def getitem(kernel, grid):
-        jit = _jit_of(kernel)
-        name = names.get(id(kernel), names.get(id(jit), type(kernel).__name__))
-        return launcher(kernel, grid, name, lambda: resolved[type(kernel)](kernel, grid))
+    def getitem(kernel, grid, real):
+        name = names.get(id(kernel), names.get(id(_jit_of(kernel)), type(kernel).__name__))
+        return launcher(kernel, grid, name, lambda: real(kernel, grid))
 
-    for cls in classes:
-        cls.__getitem__ = getitem
-    try:
-        yield
-    finally:
-        for cls, original in saved.items():
-            if original is None:
-                del cls.__getitem__
-            else:
-                cls.__getitem__ = original
+    return patched_launches(getitem)
 
 
 def _named_args(kernel, args: tuple, kwargs: dict) -> dict:

@@ -561,6 +561,7 @@ def test_stubbed_launches_run_no_kernel_and_are_restored():
     launches are counted); after them a step updates the params again. (A stubbed
     optimizer's device state, e.g. its step count, is left garbage: timing only.)"""
     import bench_host
+    import harness
 
     def param_and_opt():
         p = torch.zeros(40, dtype=torch.float16, device=DEVICE, requires_grad=True)
@@ -575,10 +576,43 @@ def test_stubbed_launches_run_no_kernel_and_are_restored():
     with bench_host.stubbed_launches() as launches:
         opt.step()
     assert torch.equal(p.detach(), torch.zeros_like(p)) and sum(launches.values()) >= 2
-    assert set(launches) <= set(bench_host.tkern_kernels())
+    assert set(launches) <= set(harness.tkern_kernels())
     p, opt = param_and_opt()
     opt.step()
     assert (p.detach() < 0).all()  # AdamW's first step moves each param by ~ -lr
+
+
+def test_patched_launches_name_each_launch_pass_the_real_one_and_restore_on_error():
+    """harness.patched_launches (under bench_host's stubs and the step ledger's counting):
+    a getitem that forwards to ``real`` computes what the kernel computes, each launch is
+    named by harness.kernel_names, and the classes' own ``__getitem__`` is back after the
+    body, also when it raises."""
+    import harness
+    from triton.runtime.jit import KernelInterface
+
+    kernels = harness.tkern_kernels()
+    classes = {KernelInterface} | {type(k) for k in kernels.values()}
+    before = {cls: cls.__dict__.get("__getitem__") for cls in classes}
+    names = harness.kernel_names()
+    seen = []
+
+    def getitem(kernel, grid, real):
+        seen.append(names[id(kernel)])
+        return real(kernel, grid)
+
+    a = torch.randn(16, 32, dtype=torch.float16, device=DEVICE)
+    b = torch.randn(32, 16, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(RuntimeError, match="the body failed"), harness.patched_launches(getitem):
+        c = tkern.matmul(a, b)
+        raise RuntimeError("the body failed")
+    # fp32 accumulation, one rounding to fp16 at the end: within one fp16 ulp of the float64 product
+    ref = a.double() @ b.double()
+    torch.testing.assert_close(c.double(), ref, rtol=2**-10, atol=2**-10 * ref.abs().max().item())
+    assert seen and set(seen) <= set(kernels) and any(name.startswith("gemm") for name in seen)
+    assert {cls: cls.__dict__.get("__getitem__") for cls in classes} == before
+    launches = len(seen)
+    tkern.matmul(a, b)
+    assert len(seen) == launches  # the patch is gone
 
 
 def test_host_cases_with_launches_on_run_for_real():

@@ -458,7 +458,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(world2):
         _assert_states_match(res["state"], ref_state, exact=True)
         assert all(float(e["step"]) == STEPS - 1 for e in res["state"]["state"].values())
         scales, skipped, p = res["scaler"]
-        assert scales == [256.0, 512.0, 256.0, 256.0, 512.0, 512.0]  # as tests/test_amp.py's DDP-free run
+        assert scales == [256.0, 512.0, 256.0, 256.0, 512.0, 512.0]  # as test_amp_contracts.py's DDP-free run
         assert skipped == [0, 0, 1, 1, 1, 1]
         assert torch.equal(p, torch.full((40,), 1 - 5 * 0.1, dtype=torch.float16))  # 5 applied steps of 0.1
 

@@ -3,10 +3,13 @@ model, through the command itself, and the command's errors on bad input."""
 
 from __future__ import annotations
 
+import copy
+import inspect
 import sys
 
 import pytest
 import torch
+from conftest import rel_err
 
 from tkern.train import gpt_job
 from tkern.train.cli import main
@@ -41,6 +44,32 @@ def test_tkern_fp16_and_bf16_match_fp32_validation_loss(tmp_path, capsys):
     for name in ("tkern", "tkern-bf16"):
         assert float(rows[name][1]) == pytest.approx(fp32, rel=CLAIM_TOLERANCE), out
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.filterwarnings("ignore:convert_network")
+def test_tkern_run_starts_at_torchs_loss_scale_and_keeps_its_first_step():
+    """The tkern run's DynamicLossScaler starts at torch.amp.GradScaler's 2^16. There the CPU
+    job's first step (seed 0) is kept: every fp16 gradient is finite and, divided by S, within
+    test_hf_fused_loss.py's bound for one layer of fp16 rounding (5e-3) of fp32's, the tied
+    embedding and LM head included (its gradient is scaled in fp32 in the fused loss; rounded
+    to fp16 first, 2^16 became inf and the first step was skipped)."""
+    cpu = torch.device("cpu")
+    cfg = gpt_job.default_config(cpu)
+    corpus = gpt_job.prepare(cfg)
+    base, _ = gpt_job.make_model(cfg, corpus.vocab_size)
+    model, opt, scaler, _, _ = gpt_job.build("tkern", base, cfg, cpu)
+    torch_default = inspect.signature(torch.amp.GradScaler).parameters["init_scale"].default
+    assert scaler.get_scale() == torch_default == 2.0**16
+    x, _ = next(iter(gpt_job.Batches(corpus.train, cfg, cpu)))
+    scaler.scale(model(x)).backward()
+    ref = copy.deepcopy(base)
+    ref(x).backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.isfinite(p.grad).all(), name
+        assert rel_err(p.grad.double() / 2.0**16, r.grad) < 5e-3, name
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == 0 and scaler.get_scale() == 2.0**16
 
 
 def test_batches_are_the_same_for_every_run():

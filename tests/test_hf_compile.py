@@ -24,6 +24,7 @@ from conftest import DEVICE, TOL, rel_err
 
 import tkern
 from tkern.flat import grad_is_flat_view
+from tkern.train import gpt_job
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[integrations]')"
@@ -31,19 +32,9 @@ transformers = pytest.importorskip(
 
 
 def _gpt2():
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_positions=32,
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        attn_implementation="sdpa",
-    )
+    """The GPT job's model on a CPU (tkern train --model gpt), over 64 tokens."""
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(DEVICE)
+    return gpt_job.gpt2_lm(gpt_job.default_config(torch.device("cpu")), vocab_size=64).to(DEVICE)
 
 
 def _llama():

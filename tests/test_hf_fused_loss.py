@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
 import tkern.ops.cross_entropy as ce_ops
+from tkern.train import gpt_job
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[integrations]')"
@@ -32,11 +33,9 @@ transformers = pytest.importorskip(
 
 
 def _gpt2():
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
-    )
+    """The GPT job's model on a CPU (tkern train --model gpt), over 64 tokens."""
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(DEVICE).eval()
+    return gpt_job.gpt2_lm(gpt_job.default_config(torch.device("cpu")), vocab_size=64).to(DEVICE).eval()
 
 
 #: One small decoder layer, as Llama-like configs spell it (extra keys are ignored by
@@ -185,6 +184,57 @@ def test_reconvert_without_fused_loss_and_back():
         assert other(ids, labels=ids).logits is None
     tkern.convert_network(model, torch.float32)
     assert "forward" not in model.__dict__ and type(model.lm_head) is torch.nn.Linear
+
+
+# --------------------------------------------------------------------------- the head under float8
+
+
+def _head_loss_reference(model, ids):
+    """HF's causal loss on the base model's hidden states through the head's 16-bit weight,
+    the GEMM and the loss in fp32 (products of bf16 values are exact in fp32)."""
+    hidden = model.model(ids).last_hidden_state.float()
+    logits = hidden @ model.lm_head.weight.float().t()
+    return torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+
+
+@pytest.mark.filterwarnings("ignore:convert_network")  # Llama's RMSNorm and rotary embedding stay fp32
+def test_float8_with_fused_loss_keeps_the_head_16bit():
+    """convert_network(float8=..., fused_loss=True): every Linear with features that are
+    multiples of 16 becomes fp8 but the LM head, whose GEMM the fused loss computes (it has
+    no fp8 one), which stays a 16-bit tkern.nn.Linear; nothing warns about the head. A
+    float8_filter still applies to the rest."""
+    model = tkern.convert_network(_llama(), torch.bfloat16, float8="tensorwise", fused_loss=True)
+    assert type(model.lm_head) is tkern.nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, tkern.Float8Linear)]
+    linears = [n for n, m in _llama().named_modules() if type(m) is torch.nn.Linear and n != "lm_head"]
+    assert fp8 == linears
+    ids = torch.randint(0, 64, (1, 8), device=DEVICE)
+    with torch.no_grad():  # within the fp32 reference's rounding: no fp8 in the head
+        loss = model(ids, labels=ids).loss
+        assert abs(loss.item() - _head_loss_reference(model, ids).item()) < 1e-4
+    only_mlp = tkern.convert_network(
+        _llama(), torch.bfloat16, float8="tensorwise", fused_loss=True, float8_filter=lambda n, m: "mlp" in n
+    )
+    assert {n for n, m in only_mlp.named_modules() if isinstance(m, tkern.Float8Linear)} == {
+        n for n in linears if "mlp" in n
+    }
+
+
+@pytest.mark.filterwarnings("ignore:convert_network")  # Llama's RMSNorm and rotary embedding stay fp32
+def test_a_float8_head_under_the_fused_loss_warns_that_it_trains_in_16_bits():
+    """A head converted to fp8 before the fused loss was installed stays fp8 (the user's
+    choice), and the fused loss computes it in 16 bits anyway: one warning names the module
+    and says so; the loss is the 16-bit head's (the fp8 head's is 1.2e-3 off here)."""
+    model = tkern.convert_network(_llama(), torch.bfloat16, float8="tensorwise")
+    assert isinstance(model.lm_head, tkern.Float8Linear)
+    with pytest.warns(UserWarning, match=r"LM head lm_head \(Float8Linear\) trains in 16 bits") as caught:
+        tkern.convert_network(model, torch.bfloat16, float8="tensorwise", fused_loss=True)
+    assert sum("LM head" in str(w.message) for w in caught) == 1
+    assert isinstance(model.lm_head, tkern.Float8Linear)
+    ids = torch.randint(0, 64, (1, 8), device=DEVICE)
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss
+        assert abs(loss.item() - _head_loss_reference(model, ids).item()) < 1e-4
 
 
 # --------------------------------------------------------------------------- every family, by structure

@@ -164,25 +164,29 @@ def test_never_materializes_the_logits(reduction):
 
 
 def test_default_chunk_rows():
-    # the bytes rule (as many logits per chunk as the input has elements, a power of two)
-    # where it gives at least MIN_CHUNK_ROWS, at most the rows rounded up to a power of two
+    # the power of two nearest the features H (the weight side's bytes per chunk, 12 V H,
+    # about 6/7 of the rows' 14 V per row; the chunk's buffers, 6 rows V, ~1.5x the fp32
+    # weight-gradient sum), at least MIN_CHUNK_ROWS, at most the rows rounded up to a power of two
     assert MIN_CHUNK_ROWS == 128
-    assert default_chunk_rows(8192, 768, 50257) == 128  # 8192 * 768 / 50257 = 125
-    assert default_chunk_rows(8192, 4096, 128256) == 256  # 261.6: the bytes rule, above the floor
-    assert default_chunk_rows(65536, 4096, 32000) == 8192  # 8388.6
+    assert default_chunk_rows(16384, 768, 50257) == 1024  # GPT-2 small: 16 chunks
+    assert default_chunk_rows(8192, 4096, 128256) == 4096  # Llama 3 8B: 2 chunks
+    assert default_chunk_rows(65536, 2304, 256000) == 2048  # Gemma 2: 2^11.17
+    assert default_chunk_rows(65536, 5120, 152064) == 4096  # 2^12.32
     assert default_chunk_rows(3, 4096, 16) == 4  # at most the rows, rounded up
+    assert default_chunk_rows(1000, 4096, 128256) == 1024  # a short batch: one chunk
     # the floor: never tiny GEMMs (issue 37: 32 rows of 32 into 1501 classes took 32 chunks)
     assert default_chunk_rows(32, 32, 1501) == 32  # one chunk, not 32 of one row
     assert default_chunk_rows(10, 2, 10**6) == 16
-    assert default_chunk_rows(188, 31, 123) == 128  # bytes rule 47.4 -> 64, floored: 2 chunks
-    assert default_chunk_rows(8192, 2304, 256000) == 128  # Gemma 2's vocabulary: 73.7 -> 64, floored
+    assert default_chunk_rows(188, 31, 123) == 128  # 32, floored: 2 chunks
     for n in (1, 7, 100, 129, 1000, 5000, 70000):
         for h, v in ((32, 1501), (768, 50257), (4096, 16), (2304, 256000)):
             rows = default_chunk_rows(n, h, v)
             assert rows & (rows - 1) == 0 and rows >= min(n, MIN_CHUNK_ROWS)
-            # above the floor and below all the rows: the bytes rule, within a factor sqrt(2)
+            assert rows < 2 * n or n == 1  # no chunk more than twice the rows
+            # above the floor and below all the rows: H within a factor sqrt(2), V aside
             if MIN_CHUNK_ROWS < rows < n:
-                assert 0.7 <= rows * v / (n * h) <= 1.42, (n, h, v, rows)
+                assert 0.7 <= rows / h <= 1.42, (n, h, v, rows)
+                assert default_chunk_rows(n, h, 2 * v) == rows
 
 
 def test_errors_name_the_argument():

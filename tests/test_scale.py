@@ -1,5 +1,5 @@
 """The loss-scale update kernel's launcher (scale.py): its input checks (the
-scalers' behaviour is tests/test_amp.py's)."""
+scalers' behaviour is tests/test_amp*.py's)."""
 
 from __future__ import annotations
 

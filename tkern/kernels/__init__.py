@@ -41,8 +41,9 @@ float8.py
     Above: ``tkern.to_float8``, ``nn.Float8Linear`` (custom ops ``tkern::to_float8``,
     ``tkern::to_float8_delayed``, ``tkern::roll_amax_history``),
     ``ops.float8.Float8WeightCache`` (refreshed by the fused optimizers' step). Tests:
-    test_float8.py, test_float8_linear.py. Benchmarks: bench_gemm.py (fp8 scaled_mm rows: its
-    casts and GEMM against torch._scaled_mm), bench_train.py (the fp8 recipes).
+    test_float8.py, test_float8_linear.py, test_float8_weight_cast.py. Benchmarks: bench_gemm.py
+    (fp8 scaled_mm rows: its casts and GEMM against torch._scaled_mm), bench_train.py (the fp8
+    recipes).
 activation.py
     kernel: ``_activation_grad_kernel``. Launcher: ``activation_grad``. Above:
     ``ops.linear.linear``'s backward (``tkern::activation_grad``). Tests:
@@ -83,7 +84,7 @@ adam.py, sgd.py (their shared lines in _update.py)
     Benchmarks: bench_optimizer.py, bench_distributed.py, bench_memory.py.
 scale.py
     kernel: ``_update_scale_kernel``. Launcher: ``update_scale``. Above:
-    ``amp.DynamicLossScaler`` and kin. Tests: test_scale.py, test_amp.py.
+    ``amp.DynamicLossScaler`` and kin. Tests: test_scale.py, test_amp*.py.
     Benchmark: bench_optimizer.py (scaler overhead).
 cross_entropy.py
     kernel: ``_cross_entropy_kernel`` (online max and sum over vocabulary chunks in

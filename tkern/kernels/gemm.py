@@ -45,6 +45,7 @@ from tkern.kernels.gemm_configs import (
     operands_ragged,
     transposed,
 )
+from tkern.kernels.gemm_configs import tma_configs as tma_configs  # re-exported (aot_report.py)
 from tkern.kernels.gemm_epilogue import (
     OUT_DTYPES,
     bias_stride,

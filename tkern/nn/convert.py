@@ -31,7 +31,7 @@ from tkern.nn.convert_rules import (
     remove_tkern_hooks,
 )
 from tkern.nn.float8 import Float8Recipe
-from tkern.nn.hf_loss import warn_if_no_fused_loss
+from tkern.nn.hf_loss import fused_loss_heads, warn_if_float8_head, warn_if_no_fused_loss
 from tkern.nn.linear import Linear
 
 # CastInputs / CastOutput: models pickled while they lived here find them by this name
@@ -141,6 +141,20 @@ def _tied_params(model: nn.Module) -> frozenset[int]:
     return frozenset(tied)
 
 
+def _keep_fused_heads_16bit(model: nn.Module, conv: Conversion) -> None:
+    """The LM heads whose GEMM this call's fused loss will compute stay 16-bit layers under
+    a float8 recipe (tkern.linear_cross_entropy has no fp8 GEMM): the float8 filter refuses
+    them and asks the user's (if any) about the rest."""
+    heads = frozenset(map(id, fused_loss_heads(model, qualifying=True).values()))
+    inner = conv.float8_filter
+
+    def without_heads(path: str, module: nn.Module) -> bool:
+        return id(module) not in heads and (inner is None or bool(inner(path, module)))
+
+    if heads:
+        conv.float8_filter = without_heads
+
+
 # --------------------------------------------------------------------------- the entry point
 
 
@@ -243,7 +257,8 @@ def convert_network(
         model: the model (fp32, or converted before).
         dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
         float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or a Float8Recipe:
-            Linear / Conv1D layers with both features multiples of 16 become fp8 layers.
+            Linear / Conv1D layers with both features multiples of 16 become fp8 layers,
+            except an LM head the fused loss computes (it stays 16-bit, warned if it is fp8).
         float8_filter: ``(fully qualified name, module) -> bool``; None converts all.
         fuse_activations: fuse activations into tkern's kernels (above).
         fused_loss: a transformers causal LM called with ``labels`` computes its loss with
@@ -270,8 +285,11 @@ def convert_network(
     if conv.recipe is not None and conv.recipe.enable_fsdp_float8_all_gather:
         conv.tied = _tied_params(model)
     conv.keep_fp32 = keep_in_fp32_patterns(model, dtype)
+    if conv.recipe is not None and fused_loss:
+        _keep_fused_heads_16bit(model, conv)
     _convert(model, "", conv)
     if fused_loss:
         warn_if_no_fused_loss(model)
+        warn_if_float8_head(model)
     _warn(conv)
     return model

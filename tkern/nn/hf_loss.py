@@ -26,6 +26,12 @@ not copied), ``ignore_index`` (-100) and HF's ``num_items_in_batch`` / ``shift_l
 keywords; ``logits`` is None in the output. Without labels (``generate()`` included),
 or with ``logits_to_keep``, the model's own forward runs, untouched. Tied embeddings
 stay tied: the head's weight is read where it lives.
+
+The head's GEMM runs in the head weight's 16-bit dtype: :func:`tkern.linear_cross_entropy`
+has no fp8 GEMM. So ``convert_network(float8=..., fused_loss=True)`` keeps the fused heads
+out of fp8 (:func:`fused_loss_heads`; Transformer Engine and torchao keep the LM head out of
+fp8 too), and where a fused loss's head is an fp8 layer anyway (converted to fp8 before the
+fused loss was installed) :func:`warn_if_float8_head` says that it trains in 16 bits.
 """
 
 from __future__ import annotations
@@ -44,9 +50,11 @@ from tkern.ops.cross_entropy import linear_cross_entropy
 __all__ = [
     "FusedCausalLMLoss",
     "FusedLossPlan",
+    "fused_loss_heads",
     "fused_loss_plan",
     "install_fused_loss",
     "remove_fused_loss",
+    "warn_if_float8_head",
     "warn_if_no_fused_loss",
 ]
 
@@ -467,6 +475,49 @@ def warn_if_no_fused_loss(model: nn.Module) -> None:
         warnings.warn(
             f"convert_network(fused_loss=True): {type(model).__name__} holds no transformers causal LM "
             "(a model with get_output_embeddings()); its loss is computed as before",
+            stacklevel=3,
+        )
+
+
+def fused_loss_heads(model: nn.Module, *, qualifying: bool = False) -> dict[str, nn.Module]:
+    """The LM heads in ``model`` whose GEMM :func:`tkern.linear_cross_entropy` computes,
+    by path: the output embeddings of every model with the fused loss installed and, with
+    ``qualifying``, of every transformers causal LM that qualifies (to which
+    :func:`install_fused_loss` would give it)."""
+    heads = {}
+    for path, module in model.named_modules():
+        fused = module.__dict__.get("forward")
+        if isinstance(fused, FusedCausalLMLoss):
+            name = fused.plan.head
+        elif qualifying and _is_hf_lm(module):
+            try:
+                name = fused_loss_plan(module).head
+            except ValueError:
+                continue
+        else:
+            continue
+        heads[f"{path}.{name}" if path else name] = getattr(module, name)
+    return heads
+
+
+def warn_if_float8_head(model: nn.Module) -> None:
+    """A warning naming each fused loss's LM head in ``model`` that is an fp8 layer
+    (tkern's ``Float8Linear``, or another library's ``Float8...`` class): the fused loss
+    computes that head's GEMM in its weight's 16-bit dtype, not in fp8; the layer's own fp8
+    forward runs only where the fused loss does not (no labels: ``generate()``)."""
+    fp8 = {
+        path: head
+        for path, head in fused_loss_heads(model).items()
+        if type(head).__name__.startswith("Float8")
+    }
+    if fp8:
+        names = ", ".join(f"{path} ({type(head).__name__})" for path, head in fp8.items())
+        dtype = next(iter(fp8.values())).weight.dtype
+        warnings.warn(
+            f"fused loss: the LM head {names} trains in 16 bits ({dtype}), not fp8: "
+            "tkern.linear_cross_entropy computes the head's GEMM and has no fp8 one (its fp8 forward "
+            "runs only without labels). Convert the fp32 model once with both float8 and fused_loss=True "
+            "(the head then stays a 16-bit layer), or with fused_loss=False to train the head in fp8",
             stacklevel=3,
         )
 

@@ -527,9 +527,8 @@ def linear_cross_entropy(
             loss (Gemma 2's ``final_logit_softcapping``), as :func:`cross_entropy`'s;
             applied to each chunk's fp32 logits in the kernel, never materialized.
         ignore_index: as :func:`cross_entropy`; None means -100 (torch's convention).
-        chunk_size: rows per chunk; default :func:`default_chunk_rows` (as many
-            logits per chunk as the input has elements, a power of two, at least
-            ``MIN_CHUNK_ROWS`` = 128 rows or all of them).
+        chunk_size: rows per chunk; default :func:`default_chunk_rows` (the power of
+            two nearest H, at least ``MIN_CHUNK_ROWS`` = 128 rows or all of them).
 
     Returns:
         fp32: a 0-d tensor, or the per-row losses in the target's shape for ``"none"``.

@@ -56,11 +56,6 @@ GPU_RUNS = (*CPU_RUNS, "autocast-compiled", "tkern-fp8", "tkern-graph")
 RUNS = GPU_RUNS
 #: the fraction of the text held out for validation (its end)
 VAL_FRACTION = 0.1
-#: the dynamic scaler's first scale: at GradScaler's 2**16 the first step of the tkern run
-#: overflows an fp16 gradient (the params, so their gradients, are fp16; autocast's are
-#: fp32) and is skipped, which a 16-step CPU run cannot spare: it ends a step behind fp32,
-#: 3.6% off its validation loss where bf16 is 0.02% off. At 2**15 no step is skipped
-INIT_SCALE = 2.0**15
 #: the vocabulary is padded to a multiple of this (tile-friendly GEMMs; fp8 needs 16)
 VOCAB_MULTIPLE = 64
 DEFAULT_DATA = "pydoc_data.topics"
@@ -294,6 +289,30 @@ def passthrough_loss(loss: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def gpt2_lm(cfg: GPTConfig, vocab_size: int) -> nn.Module:
+    """transformers' ``GPT2LMHeadModel`` of ``cfg``'s shape (``n_layer``, ``n_embd``,
+    ``n_head``, ``block_size`` positions) over ``vocab_size`` tokens, built from a config
+    (no weights downloaded; drawn from torch's current seed): dropout off, SDPA attention.
+    The job's model (:func:`make_model`), and the one tests compile and convert.
+    Raises ImportError where transformers is not installed."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    return GPT2LMHeadModel(config)
+
+
 def make_model(cfg: GPTConfig, vocab_size: int) -> tuple[LMLoss, str]:
     """The fp32 model every run starts from (weights drawn with ``cfg.seed``) and
     a line saying which it is."""
@@ -301,7 +320,7 @@ def make_model(cfg: GPTConfig, vocab_size: int) -> tuple[LMLoss, str]:
     blocks = f"{cfg.n_layer} block{'s' * (cfg.n_layer != 1)}"
     shape = f"{blocks}, {cfg.n_embd} wide, {cfg.n_head} heads, {cfg.block_size} characters a sequence"
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        lm = gpt2_lm(cfg, vocab_size)
     except ImportError:
         lm = CharGPT(vocab_size, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.n_head)
         what = (
@@ -309,20 +328,6 @@ def make_model(cfg: GPTConfig, vocab_size: int) -> tuple[LMLoss, str]:
             "installed, so fused_loss has no HF model to fuse (the head's logits feed the loss)"
         )
     else:
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=cfg.block_size,
-            n_embd=cfg.n_embd,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            attn_implementation="sdpa",
-        )
-        lm = GPT2LMHeadModel(config)
         what = f"transformers GPT2LMHeadModel from a config, no weights downloaded ({shape})"
     n = sum(p.numel() for p in lm.parameters())
     return LMLoss(lm), f"{what}, {n / 1e6:.2f}M params"
@@ -344,10 +349,12 @@ def build(name: str, base: LMLoss, cfg: GPTConfig, device: torch.device):
             scaler = None
         else:
             tkern.convert_network(model, norms=True, fused_loss=True)
-            if cfg.scaler == "dynamic":
-                scaler = tkern.DynamicLossScaler(init_scale=INIT_SCALE)
-            else:
-                scaler = SCALERS[cfg.scaler]()
+            # the dynamic scaler from GradScaler's 2**16: the CPU job's first scaled gradients
+            # peak at 0.4x fp16's 65504 (seed 0), so no step is skipped. The params, so their
+            # gradients, are fp16 (autocast's are fp32): a seed whose first gradient is above
+            # 1 (seed 4: the tied embedding and head, 1.04) overflows and skips that step, as
+            # a dynamic scaler should
+            scaler = SCALERS[cfg.scaler]()
         opt = fused_cls(model.parameters(), **hyper)
         opt.track_underflows(every=cfg.underflow_every)  # the Trainer warns when the scale is too low
         if cfg.compile and name != "tkern-graph":  # tkern's ops are custom ops: no graph break
@@ -553,6 +560,7 @@ __all__ = [
     "LMLoss",
     "compare",
     "default_config",
+    "gpt2_lm",
     "load_text",
     "make_corpus",
     "make_model",
