@@ -28,7 +28,8 @@ accumulation (every fp8 row says which in ``accum``, :data:`ACCUM`):
   way by default; tkern has no precise variant of them), and torch's
   ``torch._scaled_mm(..., use_fast_accum=True)`` (impl ``torch fast accum``);
 * ``precise``: partial sums promoted to fp32 at least every 128 of K. tkern's
-  blockwise path (one ``tl.dot`` per K tile, promoted with its scales) and torch's
+  blockwise kernel (gemm_blockwise.py: one ``tl.dot`` per 128-wide scale block,
+  promoted with its scales in one fused multiply-add) and torch's
   default (impl ``torch``, ``use_fast_accum=False``), the only one its blockwise
   GEMM offers.
 
@@ -49,8 +50,10 @@ case as ``tkern pointer`` / ``tkern tma`` (to confirm or move the rule's
 constants). fp8: ``tkern.scaled_mm`` in the same three layouts (e4m3 forward, e5m2
 gradients; e4m3 throughout for blockwise, as Float8Linear casts them), tensorwise,
 rowwise (scales along each operand's non-K dimension) and blockwise, the operands'
-fp8 data in the 16-bit layouts, against ``torch._scaled_mm`` (handed the
-row-major x column-major operands it requires, transposed copies made untimed)
+fp8 data in the 16-bit layouts (blockwise: K-major, as its casts write them, each row's
+``kernel`` naming the one scaled_mm ran: ``blockwise`` for gemm_blockwise.py), against
+``torch._scaled_mm`` (handed the row-major x column-major operands it requires, transposed
+copies made untimed)
 and a bf16 cuBLAS GEMM of the same layout. Targets (GPU): >= 0.95x cuBLAS in every
 layout; fp8 >= 1.5x bf16 (blockwise 1.3x). ``--layouts fwd,dgrad,wgrad`` and
 ``--shapes gpt2,llama`` pick what these sections run; given without

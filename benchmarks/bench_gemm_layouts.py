@@ -17,6 +17,7 @@ from harness import Results, error_line, geomean  # noqa: E402
 
 import tkern  # noqa: E402
 from tkern.kernels import gemm  # noqa: E402
+from tkern.kernels.gemm_blockwise import blockwise_eligible  # noqa: E402
 from tkern.kernels.gemm_plan import POINTER, TMA, GemmPlan  # noqa: E402
 
 #: The training layouts of a linear layer's three GEMMs (--layouts).
@@ -108,7 +109,7 @@ def quantize_operands(scaling: str, layout: str, a, b):
     """``(aq, bq, sa, sb, block_a, block_b)``: ``a`` (M, K) and ``b`` (K, N) cast to fp8 in
     their own layouts with scales for ``tkern.scaled_mm``: tensorwise; rowwise along each
     operand's non-K dimension ((M, 1), (1, N)); blockwise 1x128 for a, 128x128 for a
-    weight b and 128x1 for the wgrad's X (Float8Linear's tiles)."""
+    weight b and 128x1 for the wgrad's X (Float8Linear's tiles), both operands K-major."""
     da, db = FP8_LAYOUT_DTYPES[layout]
     if scaling == "blockwise":
         da = db = torch.float8_e4m3fn
@@ -120,9 +121,11 @@ def quantize_operands(scaling: str, layout: str, a, b):
     aq, sa = tkern.to_float8(a.contiguous(), da, gran_a)
     bq_t, sb_t = tkern.to_float8(b.t().contiguous(), db, gran_b)  # b's columns as rows
     sb = sb_t if sb_t.dim() == 0 else sb_t.t()
-    block_a = (1, 128) if scaling == "blockwise" else None
-    block_b = (128, gran_b[0]) if scaling == "blockwise" else None
-    return _like(aq, a), _like(bq_t.t(), b), sa, sb, block_a, block_b
+    if scaling == "blockwise":
+        # K-major, as the blockwise recipe's casts write every operand (x, W and W^T, dY^T,
+        # X^T): what the blockwise kernel (gemm_blockwise.py) reads through its descriptors
+        return aq, bq_t.t(), sa, sb, (1, 128), (128, gran_b[0])
+    return _like(aq, a), _like(bq_t.t(), b), sa, sb, None, None
 
 
 def bench_fp8_layouts(res: Results, record, mode, models, layouts) -> None:
@@ -166,7 +169,11 @@ def bench_fp8_layouts(res: Results, record, mode, models, layouts) -> None:
                             {"case": case, "impl": "tkern", "error": f"rel error {err:.3g}"}
                         )
                         continue
-                    record(case, "tkern", mine, flops, scaling=scaling, accum=checks.ACCUM[scaling], **extra)
+                    # which kernel scaled_mm runs it on (the blockwise rows: gemm_blockwise.py)
+                    blockwise = block_a is not None and blockwise_eligible(aq, bq, block_a, block_b)
+                    kernel = "blockwise" if blockwise else "pointer"
+                    record(case, "tkern", mine, flops, scaling=scaling, accum=checks.ACCUM[scaling],
+                           kernel=kernel, **extra)  # fmt: skip
                     if scaling == "blockwise":
                         why = "torch's blockwise GEMM is not timed in the training layouts"
                         res.add(case, "torch", None, scaling=scaling, skipped=why, **extra)

@@ -807,6 +807,7 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     if cc >= 89:
         cases += _fp8_gemm_cases(cc)
     if cc >= 90:
+        cases += blockwise_cases(cc)
         configs = gemm_configs_for(cc, tma=True)
         for cfg in configs:
             cases += [tma_case(cfg, v) for v in (*gate_launches(), TMA_WGRAD_INTO, *TMA_STORE_GATE_LAUNCHES)]
@@ -883,7 +884,8 @@ def split_k_cases(cc: int) -> list[Case]:
 #: the layout its GEMMs read. Forward x @ W^T (fast accumulation, the bias in the
 #: epilogue); dgrad dY @ W (W^T's cast); wgrad dY^T @ X (dY^T's and X^T's casts) adding
 #: into a fused optimizer's bf16 gradient buffer; blockwise forward and wgrad (block scales
-#: on both operands).
+#: on both operands: on Hopper the recipe's blockwise GEMMs run on gemm_blockwise.py's kernel,
+#: :data:`BLOCKWISE_LAUNCHES`; these serve Ada and the block shapes and operands it does not take).
 FP8_GEMM_LAUNCHES = (
     ("forward", "fp8e4nv", "fp8e4nv", 1, True, False, False),
     ("dgrad", "fp8e5", "fp8e4nv", 1, False, False, True),
@@ -936,6 +938,71 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
             name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{role},{epi}]"
             # gated=False: their own tests in test_compiled.py (the fp8 facts)
             cases.append(_gemm_case(name, POINTER_KERNEL, cfg, sig, const, aligned, gated=False))
+    return cases
+
+
+BLOCKWISE_KERNEL = "tkern.kernels.gemm_blockwise:_scaled_mm_blockwise_kernel"
+#: The blockwise recipe's GEMMs on Hopper (issue 43 item 5: gemm_blockwise.py, where
+#: scaled_mm routes them), as (name, B's scale block along N (128: a weight's 128x128 blocks;
+#: 1: X's 128x1 columns), bias, ``C +=``, the scale strides the recipe's casts give
+#: (stride_sam, stride_sak, stride_sbk, stride_sbn; None: a run-time value)): forward
+#: x @ W^T with the bias, dgrad dY @ W (W's own scale grid), wgrad dY^T @ X adding into a
+#: fused optimizer's bf16 gradient buffer. A's 1x128 tiles' scales are K-block-major (unit
+#: stride along the rows) in all three.
+BLOCKWISE_LAUNCHES = (
+    ("forward", 128, True, False, (1, None, 1, None)),
+    ("dgrad", 128, False, False, (1, None, None, 1)),
+    ("wgrad", 1, False, True, (1, None, None, 1)),
+)
+
+
+def blockwise_configs_for(cc: int, column_scales: bool) -> list:
+    """The configs the blockwise kernel's autotuner offers on ``cc`` (its pruning counts
+    fp8 tiles at one byte an element)."""
+    from tkern.kernels import gemm_configs
+
+    return gemm_configs.prune_configs(
+        gemm_configs.blockwise_configs(column_scales), cc, tma=True, elem_bytes=1
+    )
+
+
+def blockwise_cases(cc: int) -> list[Case]:
+    """The blockwise kernel (sm_90 and newer: tensor descriptors) on every config offered
+    to each of :data:`BLOCKWISE_LAUNCHES`, C stored through a descriptor (bf16, aligned rows)."""
+    from tkern.kernels.gemm_epilogue import epilogue_parts
+
+    tl = _tl()
+    cases = []
+    for role, scale_bn, bias, into, strides in BLOCKWISE_LAUNCHES:
+        for cfg in blockwise_configs_for(cc, scale_bn == 1):
+            kw = cfg.kwargs
+            bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
+            width = bn // epilogue_parts(kw["EPI_SPLIT"], 0, into)
+            sig = dict(
+                a_desc=f"tensordesc<fp8e4nv[{bm}, {bk}]>", b_desc=f"tensordesc<fp8e4nv[{bn}, {bk}]>",
+                c_desc=f"tensordesc<bf16[{bm}, {width}]>", c_ptr="*bf16", bias_ptr="*bf16",
+                scale_a_ptr="*fp32", scale_b_ptr="*fp32", M="i32", N="i32", K="i32", stride_cm="i32",
+            )  # fmt: skip
+            const = dict(
+                stride_cn=1, stride_bias=1, HAS_BIAS=bias, OUT_DTYPE=tl.bfloat16, UPCAST=False, SCALE_BM=1,
+                SCALE_BN=scale_bn, NUM_SMS=132, C_TMA=True, ACCUMULATE=into, **kw,
+            )  # fmt: skip
+            names = ("stride_sam", "stride_sak", "stride_sbk", "stride_sbn")
+            for name, stride in zip(names, strides, strict=True):
+                if stride is None:
+                    sig[name] = "i32"
+                else:
+                    const[name] = stride
+            for k in const:
+                sig[k] = "constexpr"
+            aligned = ("c_ptr", "bias_ptr", "scale_a_ptr", "scale_b_ptr", "M", "N", "K", "stride_cm")
+            aligned += tuple(n for n, v in zip(names, strides, strict=True) if v is None)
+            epi = ",".join(
+                (["bias"] if bias else []) + (["C+="] if into else []) + [f"B scales 128x{scale_bn}"]
+            )
+            name = f"blockwise_mm[{cfg_name(kw, cfg)},fp8e4nvxfp8e4nv->bf16,{role},{epi}]"
+            # gated=False: their own tests in test_compiled.py (the blockwise facts)
+            cases.append(_gemm_case(name, BLOCKWISE_KERNEL, cfg, sig, const, aligned, gated=False))
     return cases
 
 
@@ -1273,6 +1340,8 @@ def analyse(kernel, case: Case, cc: int, sass: bool = True) -> dict:
         occupancy_pct=occ,
         limiter=limiter,
         wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        # wgmma groups each wait leaves in flight (``wgmma.wait_group N``), in program order
+        wgmma_waits=[int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
         fp8_mma=len(re.findall(r"(?:wgmma\.mma_async|\bmma\.sync)[^;\n]*\.e[45]m[23]", ptx)),
         cp_async_16=len(

@@ -267,6 +267,12 @@ def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_pat
         if r["case"].startswith("fp8 ") and r["impl"] == "tkern" and r["ms"]
     }
     assert fp8 == {(layout, s) for layout in bench_gemm_layouts.LAYOUTS for s in bench_gemm.FP8_SCALINGS}
+    # the blockwise rows run on gemm_blockwise.py's kernel, except where K (101: dgrad over
+    # the odd layer's outputs) leaves no tensor descriptor: the pointer kernel
+    for r in rows:
+        if r["case"].startswith("fp8 blockwise ") and r["impl"] == "tkern":
+            k = int(r["case"].rsplit("x", 1)[1])
+            assert r["kernel"] == ("blockwise" if k % 16 == 0 else "pointer"), r
     assert not res.meta["failed"]
     assert all(r["ms"] is not None or r.get("skipped") for r in rows)
     keys = {t.names()[0] for t in report.TARGETS if t.stem == "gemm"}

@@ -390,6 +390,69 @@ def test_the_fp8_gradient_gemms_promote_their_accumulators_every_k_tile(rows):
             assert all(v > 128 for v in r["imprecise_acc"]), (_name(r), r["imprecise_acc"])
 
 
+def _blockwise(rows) -> list[dict]:
+    return [r for r in rows if r["case"].startswith("blockwise_mm[")]
+
+
+def test_blockwise_fp8_gemm_compiles_for_hopper_on_tma_without_spills(rows):
+    """Issue 43 item 5: the blockwise kernel (gemm_blockwise.py) on every config offered to
+    each GEMM of the blockwise recipe (static_report.BLOCKWISE_LAUNCHES: forward with the
+    bias, dgrad, wgrad adding into a bf16 gradient buffer): fp8 wgmma, 128-deep K steps
+    (one per scale block), both operands through TMA (no cp.async, no ld.global of an
+    operand: descriptors) in >= 2 stages, C stored through TMA, no spills, within the
+    shared memory; compiled for sm_90 only (descriptors: Hopper)."""
+    import static_report
+
+    bw = _blockwise(rows)
+    offered = [static_report.blockwise_configs_for(90, v[1] == 1) for v in static_report.BLOCKWISE_LAUNCHES]
+    assert len(bw) == sum(map(len, offered)) and all(offered)
+    assert {r["target"] for r in bw} == {"sm_90"}
+    for r in bw:
+        assert r["compiled"], f"{_name(r)}: {r.get('error')}"
+        assert r["spill_bytes"] == 0, f"{_name(r)} spills {r['spill_bytes']} B"
+        assert r["wgmma"] > 0 and r["fp8_mma"] == r["wgmma"], f"{_name(r)}: no fp8 wgmma"
+        assert "x128/" in r["case"], f"{_name(r)}: K tile is not the 128-wide scale block"
+        assert r["tma_loads"] > 0 and r["cp_async"] == 0 and r["num_stages"] >= 2, _name(r)
+        assert not {"a_desc", "b_desc"} & set(r["global_access_bits"]), _name(r)
+        assert r["tma_stores"] > 0, _name(r)
+        assert r["smem"] <= static_report.smem_limit(90), _name(r)
+
+
+def test_accumulator_chaining_gemms_keep_a_wgmma_group_in_flight(rows):
+    """What the wgmma wait count shows: Triton makes a loop's ``wgmma`` properly
+    asynchronous only when its result is read in the loop as the next dot's accumulator
+    (WGMMAPipeline.cpp, dotCanBeProperlyAsync); it then waits with
+    ``wgmma.wait_group 1`` inside the K loop (one group in flight while the next one's
+    operands arrive) and with 0 after it. scaled_mm's fp8 GEMMs with per-tensor scales
+    (fast or promoted accumulation) chain that way; the pointer kernel's block-scaled
+    variants (a fresh product scaled per K tile) wait with 0 only."""
+    fp8 = [r for r in rows if r["case"].startswith("scaled_mm[") and r["compiled"]]
+    tensor = [r for r in fp8 if "tensor scales" in r["case"]]
+    block = [r for r in fp8 if "block scales" in r["case"]]
+    assert tensor and block
+    for r in tensor:
+        assert r["wgmma_waits"] and max(r["wgmma_waits"]) >= 1, (_name(r), r["wgmma_waits"])
+    for r in block:
+        assert set(r["wgmma_waits"]) == {0}, (_name(r), r["wgmma_waits"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="triton 3.9 waits for a wgmma whose result the loop reads other than as the next "
+    "dot's accumulator (dotCanBeProperlyAsync): part = dot(a, b) followed by the FMA gets "
+    "wgmma.wait_group 0 right after the dot, so no group stays in flight (docs/fp8.md)",
+)
+def test_blockwise_fp8_gemm_keeps_a_wgmma_group_in_flight(rows):
+    """Issue 43 item 5's target: a ``wgmma.wait_group N`` with N >= 1 in every blockwise
+    variant (the next block's product running while the threads promote the last one).
+    Expected to fail until the compiler (or a warp-specialized kernel) allows it; strict, so
+    that a Triton that does keeps a group in flight turns this into a failure to update."""
+    bw = [r for r in _blockwise(rows) if r["compiled"]]
+    assert bw
+    for r in bw:
+        assert max(r["wgmma_waits"]) >= 1, (_name(r), r["wgmma_waits"])
+
+
 def test_fp8_gemm_on_ada_uses_fp8_mma_sync():
     """sm_89 (Ada: fp8 tensor cores without wgmma): scaled_mm's kernel, on the configs it is
     offered there, compiles to ``mma.sync`` on e4m3 operands (each of Float8Linear's GEMMs on

@@ -189,7 +189,8 @@ def test_scaled_mm_on_hopper_copies_a_non_k_major_operand_once(monkeypatch):
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
 def test_every_scaled_mm_launch_is_one_the_compile_gate_compiles(recipe, launches):
     """The compile gate (tests/test_compiled.py) compiles static_report.FP8_GEMM_LAUNCHES for
-    every config offered to fp8 operands: each scaled_mm launch of a recipe's step must be
+    every config offered to fp8 operands (and BLOCKWISE_LAUNCHES for the blockwise kernel,
+    which the blockwise recipe's GEMMs run on): each scaled_mm launch of a recipe's step must be
     one of them (formats, scale kinds, both operands K-major, the accumulation), with the
     same or a lighter epilogue (no bias, no C +=)."""
     import sys
@@ -206,6 +207,19 @@ def test_every_scaled_mm_launch_is_one_the_compile_gate_compiles(recipe, launche
     _step(layer, opt, x)
     seen = 0
     for name, meta in launches:
+        if name == "_scaled_mm_blockwise_kernel":  # its own cases in the gate (BLOCKWISE_LAUNCHES)
+            seen += 1
+            assert recipe == "blockwise" and meta["SCALE_BM"] == 1, meta
+            assert {meta["args"][0].base.dtype, meta["args"][1].base.dtype} == {torch.float8_e4m3fn}
+            gated = [
+                launch
+                for launch in static_report.BLOCKWISE_LAUNCHES
+                if launch[1] == meta["SCALE_BN"]
+                and (launch[2] or not meta["HAS_BIAS"])
+                and (launch[3] or not meta["ACCUMULATE"])
+            ]
+            assert gated, meta
+            continue
         if name != "_matmul_kernel":
             continue
         seen += 1

@@ -26,6 +26,13 @@ gemm.py, gemm_tma.py, gemm_split.py (their shared rooms: gemm_epilogue.py, gemm_
     ``tkern.scaled_mm``. Tests: test_gemm.py, test_functional.py, test_float8.py,
     test_compiled.py (every offered config compiled, no spills). Benchmarks:
     bench_gemm.py, bench_host.py, static_report.py.
+gemm_blockwise.py
+    kernel: ``_scaled_mm_blockwise_kernel`` (fp8 with 1x128 / 128x128 / 128x1 block scales,
+    one K step per scale block, persistent, TMA). Launchers: ``scaled_mm_blockwise``,
+    ``launch_blockwise`` (``gemm.scaled_mm`` routes its block-scaled calls there where
+    ``blockwise_eligible``). Configs: ``gemm_configs.blockwise_configs``. Above:
+    ``ops.float8.float8_linear`` (the "blockwise" recipe). Tests: test_gemm_blockwise.py,
+    test_compiled.py. Benchmarks: bench_gemm.py (fp8 blockwise rows), static_report.py.
 float8.py
     kernels: ``_amax_partials_kernel``, ``_cast_tensorwise_kernel``,
     ``_roll_history_kernel``, ``_cast_blocks_kernel`` (jit helpers

@@ -36,6 +36,7 @@ from tkern.kernels._common import (
 )
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
 from tkern.kernels.float8 import check_fp8_device
+from tkern.kernels.gemm_blockwise import blockwise_eligible, launch_blockwise
 from tkern.kernels.gemm_configs import (
     VECTOR_ELEMS,
     fp8_gemm_configs,
@@ -920,6 +921,14 @@ def scaled_mm(
             accumulator along all of K (faster, fewer bits: Float8Linear's forward).
             Block scales are promoted every K tile either way. No effect elsewhere.
 
+    Block scales on both operands with 128-wide K blocks and 1 or 128 rows / columns
+    per scale (DeepSeek-V3's 1x128 activations and 128x128 weights, and the blockwise
+    wgrad's 128x1 columns of X), K-major 16-byte aligned operands, on Hopper (or the
+    interpreter) run on the persistent TMA kernel of gemm_blockwise.py (one K step per
+    scale block, promoted with one fused multiply-add). Every other call (before Hopper,
+    other block shapes, one operand block-scaled and the other not, a K that is not a
+    multiple of 16) runs on the pointer kernel, which applies block scales per K tile.
+
     On Hopper (sm_90) an fp8 ``wgmma`` reads both operands K-major (``a`` with unit
     stride along K, ``b`` with unit stride along K: ``b = w.t()`` of a row-major
     ``w`` (N, K)): an operand that is not is copied K-major once before the launch
@@ -965,5 +974,9 @@ def scaled_mm(
     # one element as (1, 1); (M, 1), (1, N) and block grids as they are (2-D, any strides)
     sa = scale_a.reshape(1, 1) if kind_a == SCALE_TENSOR else scale_a
     sb = scale_b.reshape(1, 1) if kind_b == SCALE_TENSOR else scale_b
+    if kind_a == SCALE_BLOCK and kind_b == SCALE_BLOCK and blockwise_eligible(a, b, blk_a, blk_b):
+        # DeepSeek-V3's 1x128 / 128x128 scales on Hopper: one K step per scale block, TMA,
+        # persistent (gemm_blockwise.py); promoted every 128 of K whatever use_fast_accum says
+        return launch_blockwise(a, b, sa, sb, blk_a, blk_b, bias, out_dtype, into, accumulate)
     scales = OperandScales(kind_a, kind_b, sa, sb, blk_a, blk_b, not use_fast_accum)
     return _launch_matmul(a, b, M, N, K, bias, None, out_dtype, None, scales, NO_PROLOGUE, into, accumulate)

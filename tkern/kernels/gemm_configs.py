@@ -110,6 +110,44 @@ def tma_configs() -> list[triton.Config]:
     ]
 
 
+def set_blockwise_block_shapes(nargs: dict) -> None:
+    """Pre-hook of every :func:`blockwise_configs` entry: the descriptors' block shapes
+    are the config's tiles (A (M, K) and B^T (N, K), both K-major; C in column slices)."""
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk]
+    if nargs.get("C_TMA"):
+        parts = gemm_epilogue.epilogue_parts(nargs["EPI_SPLIT"], 0, nargs["ACCUMULATE"])
+        nargs["c_desc"].block_shape = [bm, bn // parts]
+
+
+#: The blockwise kernel's K tile: one 128-wide scale block per step (gemm_blockwise.py).
+BLOCKWISE_BLOCK_K = 128
+
+
+def blockwise_configs(column_scales: bool = False) -> list[triton.Config]:
+    """Tiles of the blockwise fp8 kernel (``_scaled_mm_blockwise_kernel``): K steps of one
+    128-wide scale block, deep TMA pipelines (fp8 is one byte an element: 32 KB a stage
+    for 128x128). The first is the interpreter's.
+
+    ``column_scales``: B's scales are a vector along N (the blockwise wgrad's 128x1
+    columns of X) rather than one value per 128x128 block; the software pipeliner holds
+    that vector in registers for every stage in flight, next to the block's fresh product
+    and the accumulator. Measured (static_report, sm_90, triton 3.9, ``C +=`` into a bf16
+    gradient): 128x128 on 8 warps spills 96-240 B with 3-4 stages; 128x64 on 4 warps keeps
+    203-204 registers, 64x128 on 4 205, 128x64 on 8 151, no spills. Block scales fit
+    128x128 on 8 warps (152-162 registers) and 64x128 / 128x64 on 4 (159-172), no spills."""
+    hook = set_blockwise_block_shapes
+    bk = BLOCKWISE_BLOCK_K
+    if INTERPRET:
+        return [_config(128, 128, bk, 1, 4, pre_hook=hook)]
+    if column_scales:
+        tiles = [(128, 64, 4, 8), (128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 3, 4)]
+    else:
+        tiles = [(128, 128, 4, 8), (128, 128, 3, 8), (128, 128, 5, 8), (64, 128, 6, 4), (128, 64, 6, 4)]
+    return [_config(bm, bn, bk, stages, warps, pre_hook=hook) for bm, bn, stages, warps in tiles]
+
+
 # --------------------------------------------------------------------------- pruning rules
 
 #: Largest shared memory one program may use, by compute capability (H100/H200
@@ -348,7 +386,8 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
         ragged = tma_output_ragged(nargs) if tma else _ragged_args(nargs)
         meta = {**nargs, **kwargs}
         activation, prologue = meta.get("ACTIVATION", 0), meta.get("A_ACT", 0)
-        a = nargs.get("a_ptr")
+        a = nargs.get("a_ptr", nargs.get("a_desc"))
+        a = getattr(a, "base", a)  # a tensor descriptor's tensor
         elem_bytes = a.element_size() if isinstance(a, torch.Tensor) else 2
         blocks = meta.get("SCALE_A") == 3 or meta.get("SCALE_B") == 3  # gemm.SCALE_BLOCK
         return prune_configs(

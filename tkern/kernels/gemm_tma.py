@@ -108,7 +108,7 @@ _matmul_tma_accumulate_kernel = gemm_autotune(
 )(_matmul_tma_kernel.fn)
 
 
-def _tma_layout(t: torch.Tensor) -> str | None:
+def tma_layout(t: torch.Tensor) -> str | None:
     """``"row"`` (unit stride along dim 1), ``"col"`` (unit stride along dim 0)
     or None when a tensor descriptor cannot describe ``t``."""
     size = t.element_size()
@@ -124,7 +124,7 @@ def _tma_layout(t: torch.Tensor) -> str | None:
 def tma_layouts(a: torch.Tensor, b: torch.Tensor) -> tuple[str, str] | None:
     """Both operands' descriptor layouts (``"row"`` or ``"col"``), or None when
     :func:`launch_tma` cannot run on them (a layout missing, or an empty dimension)."""
-    layouts = _tma_layout(a), _tma_layout(b)
+    layouts = tma_layout(a), tma_layout(b)
     return None if None in layouts or min(*a.shape, *b.shape) == 0 else layouts
 
 
@@ -143,7 +143,9 @@ def _major_cc(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 
 
-def _num_programs(device: torch.device) -> int:
+def persistent_programs(device: torch.device) -> int:
+    """Programs a persistent GEMM launches on ``device``: one per SM (a few under the
+    interpreter, which still walks several tiles per program)."""
     if INTERPRET:
         return _INTERPRET_PROGRAMS  # exercises the persistent loop
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -172,9 +174,9 @@ def launch_tma(
     # The TMA-store epilogue where a descriptor can describe C (row-major, 16-byte aligned
     # rows) and nothing else is stored beside it (the pre-activation keeps the pointer
     # epilogue); the block shape is a placeholder the config's pre-hook replaces.
-    c_tma = preact is None and _tma_layout(c) == "row"
+    c_tma = preact is None and tma_layout(c) == "row"
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [16, 16]) if c_tma else c
-    num_sms = _num_programs(a.device)
+    num_sms = persistent_programs(a.device)
     accumulate = into is not None and accumulate
     kernel = _matmul_tma_accumulate_kernel if accumulate else _matmul_tma_kernel
 
