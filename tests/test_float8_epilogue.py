@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICE
+from test_blocks import _ops_over
 from test_float8 import E4M3, assert_gemm_close, fp8_pair, quantize_b, reference, sample
+from test_float8_passes import launches  # noqa: F401 (the fixture)
 
 import tkern
 from tkern.nn.fusion import FusedMLPForward
@@ -224,3 +226,31 @@ def test_blockwise_gpt2_mlp_is_left_eager_with_the_reason():
     with pytest.warns(UserWarning, match="whose GEMM takes no activation under recipe 'blockwise'"):
         model = _convert(_gpt2_fp32(), "blockwise")
     assert "forward" not in vars(model.transformer.h[0].mlp)
+
+
+@absorbs_overflow
+@pytest.mark.parametrize(("scaling", "forward"), [("tensorwise", 6), ("delayed", 4)])
+def test_fp8_mlp_runs_no_torch_op_over_the_activation(scaling, forward, launches, monkeypatch):  # noqa: F811
+    """GPT-2's fp8 MLP after an optimizer step (its weight casts cached), counted through
+    the interpreter: the same Triton launches in forward (tensorwise: x's amax and cast,
+    the GEMM, per layer; delayed: the cast and the GEMM), one more in backward (act' applied
+    to dY, the activation_grad kernel, before c_fc's dY cast), and no torch op over the
+    (tokens, intermediate) activation either way, where HF's gelu_new ran 8 in forward and
+    11 in backward."""
+    fused = _convert(_gpt2_fp32(), scaling)
+    counts = {}
+    for tag, model in (("fused", fused), ("plain", _unfused(fused))):
+        mlp = model.transformer.h[0].mlp
+        opt = tkern.optim.FusedAdamW(mlp.parameters(), lr=1e-3)
+        x = torch.randn(2, 16, 64, device=DEVICE).to(torch.bfloat16).requires_grad_()
+        mlp(x).float().sum().backward()
+        opt.step()  # casts the weights for the next forward
+        launches.clear()
+        with _ops_over(monkeypatch, {(32 * 128, 128)}) as seen:
+            y = mlp(x)
+            n_forward, ops_forward = len(launches), len(seen)
+            y.backward(torch.ones_like(y))
+        counts[tag] = (n_forward, len(launches) - n_forward, ops_forward, len(seen) - ops_forward)
+    assert counts["fused"][0] == counts["plain"][0] == forward, counts
+    assert counts["fused"][1] == counts["plain"][1] + 1, counts
+    assert counts["fused"][2:] == (0, 0) and counts["plain"][2:] == (8, 11), counts
