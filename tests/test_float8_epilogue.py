@@ -254,3 +254,25 @@ def test_fp8_mlp_runs_no_torch_op_over_the_activation(scaling, forward, launches
     assert counts["fused"][0] == counts["plain"][0] == forward, counts
     assert counts["fused"][1] == counts["plain"][1] + 1, counts
     assert counts["fused"][2:] == (0, 0) and counts["plain"][2:] == (8, 11), counts
+
+
+@absorbs_overflow
+def test_torch_compile_fullgraph_matches_eager_with_the_activation():
+    """Traced, the fused forward and its backward run through custom ops (tkern::scaled_mm_act,
+    tkern::activation_grad): one graph, the same bits as eager."""
+    from tkern.nn.float8 import float8_forward
+
+    layer = tkern.nn.Float8Linear(64, 32, device=DEVICE)
+    x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
+    compiled = torch.compile(
+        lambda t: float8_forward(layer, t, "gelu_tanh"), fullgraph=True, backend="aot_eager"
+    )
+    results = []
+    for fn in (lambda t: float8_forward(layer, t, "gelu_tanh"), compiled):
+        layer.weight.grad = layer.bias.grad = None
+        xg = x.clone().requires_grad_()
+        y = fn(xg)
+        y.float().sum().backward()
+        results.append((y.detach(), xg.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
