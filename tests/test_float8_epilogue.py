@@ -276,3 +276,23 @@ def test_torch_compile_fullgraph_matches_eager_with_the_activation():
         results.append((y.detach(), xg.grad, layer.weight.grad, layer.bias.grad))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_fp8_configs_with_an_exp_activation_keep_to_128x128_tiles():
+    """The autotuner's pruning for an fp8 epilogue with an exp/erf activation: the compile
+    gate found the 128x256 and 256x128 tiles spilling there (gemm_configs.FP8_ACT_MAX_TILE);
+    without an activation they stay on offer."""
+    from tkern.kernels.activation import ACTIVATIONS
+    from tkern.kernels.gemm_configs import FP8_ACT_MAX_TILE, fp8_gemm_configs, prune_configs
+
+    def tiles(**kw):
+        return {
+            (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in prune_configs(fp8_gemm_configs(), 90, **kw)
+        }
+
+    plain = tiles(elem_bytes=1)
+    assert (128, 256) in plain and (256, 128) in plain
+    for name in ("gelu_tanh", "silu", "gelu"):
+        kept = tiles(elem_bytes=1, activation=ACTIVATIONS[name])
+        assert kept and all(m * n <= FP8_ACT_MAX_TILE for m, n in kept), (name, kept)
+    assert (128, 128) in tiles(elem_bytes=1, activation=ACTIVATIONS["gelu_tanh"])
