@@ -509,6 +509,7 @@ def gemm_configs_for(
             fp8_configs,
             cc,
             ragged=ragged,
+            activation=activation,
             elem_bytes=1,
             two_accumulators=two_accumulators,
             block_scales=block_scales,
@@ -879,19 +880,23 @@ def split_k_cases(cc: int) -> list[Case]:
 
 
 #: The fp8 GEMMs Float8Linear launches (issue 43), as (name, a format, b format, scale
-#: kind (1 tensor, 3 block), bias, ``C +=``, PRECISE_ACC): every one with both operands
-#: K-major ("NT": A (M, K) and B (K, N) with unit stride along K), since each cast writes
+#: kind (1 tensor, 3 block), bias, ``C +=``, PRECISE_ACC, the epilogue's activation (None,
+#: or one with the pre-activation stored: an MLP's first layer, tkern.nn.fusion)): every one
+#: with both operands K-major ("NT": A (M, K) and B (K, N) with unit stride along K), since each cast writes
 #: the layout its GEMMs read. Forward x @ W^T (fast accumulation, the bias in the
 #: epilogue); dgrad dY @ W (W^T's cast); wgrad dY^T @ X (dY^T's and X^T's casts) adding
 #: into a fused optimizer's bf16 gradient buffer; blockwise forward and wgrad (block scales
 #: on both operands: on Hopper the recipe's blockwise GEMMs run on gemm_blockwise.py's kernel,
 #: :data:`BLOCKWISE_LAUNCHES`; these serve Ada and the block shapes and operands it does not take).
 FP8_GEMM_LAUNCHES = (
-    ("forward", "fp8e4nv", "fp8e4nv", 1, True, False, False),
-    ("dgrad", "fp8e5", "fp8e4nv", 1, False, False, True),
-    ("wgrad", "fp8e5", "fp8e4nv", 1, False, True, True),
-    ("forward", "fp8e4nv", "fp8e4nv", 3, True, False, False),
-    ("wgrad", "fp8e4nv", "fp8e4nv", 3, False, True, True),
+    ("forward", "fp8e4nv", "fp8e4nv", 1, True, False, False, None),
+    ("dgrad", "fp8e5", "fp8e4nv", 1, False, False, True, None),
+    ("wgrad", "fp8e5", "fp8e4nv", 1, False, True, True, None),
+    ("forward", "fp8e4nv", "fp8e4nv", 3, True, False, False, None),
+    ("wgrad", "fp8e4nv", "fp8e4nv", 3, False, True, True, None),
+    # GPT-2's c_fc (gelu_new: the tanh form) and an erf-GELU MLP's first layer (issue 43 item 3)
+    ("forward", "fp8e4nv", "fp8e4nv", 1, True, False, False, "gelu_tanh"),
+    ("forward", "fp8e4nv", "fp8e4nv", 1, True, False, False, "gelu"),
 )
 #: (The lighter launches of each kind, a GEMM without the bias or without ``C +=`` (a wgrad
 #: outside a fused optimizer, blockwise dgrad), are not compiled apart: tests/
@@ -899,10 +904,15 @@ FP8_GEMM_LAUNCHES = (
 #: or a lighter epilogue of one.)
 
 
-def fp8_configs_for(cc: int, scale: int, precise: bool) -> list:
+def fp8_configs_for(cc: int, scale: int, precise: bool, activation: str | None = None) -> list:
     """The configs scaled_mm's autotuner offers on ``cc`` to a launch with this scale kind
-    (1 tensor, 3 block) and accumulation."""
-    return gemm_configs_for(cc, fp8=True, two_accumulators=precise or scale == 3, block_scales=scale == 3)
+    (1 tensor, 3 block), accumulation and epilogue activation."""
+    from tkern.kernels.activation import ACTIVATIONS
+
+    return gemm_configs_for(
+        cc, activation=ACTIVATIONS[activation], fp8=True, two_accumulators=precise or scale == 3,
+        block_scales=scale == 3,
+    )  # fmt: skip
 
 
 def _fp8_gemm_cases(cc: int) -> list[Case]:
@@ -910,14 +920,17 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
     each of :data:`FP8_GEMM_LAUNCHES`."""
     tl = _tl()
     cases = []
-    for role, a_dtype, b_dtype, scale, bias, into, precise in FP8_GEMM_LAUNCHES:
-        for cfg in fp8_configs_for(cc, scale, precise):
+    from tkern.kernels.activation import ACTIVATIONS
+
+    for role, a_dtype, b_dtype, scale, bias, into, precise, activation in FP8_GEMM_LAUNCHES:
+        for cfg in fp8_configs_for(cc, scale, precise, activation):
             kw = cfg.kwargs
             sig = _gemm_sig("fp16", "bf16", "bf16", False)
             sig.update(a_ptr=_ptr(a_dtype), b_ptr=_ptr(b_dtype))
             unit = ("stride_ak", "stride_bk")  # both operands K-major
             const = dict(
-                HAS_BIAS=bias, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=tl.bfloat16,
+                HAS_BIAS=bias, ACTIVATION=ACTIVATIONS[activation], STORE_PREACT=activation is not None,
+                OUT_DTYPE=tl.bfloat16,
                 PREACT_DTYPE=tl.bfloat16, UPCAST=False, EVEN_K=True, SCALE_A=scale, SCALE_B=scale,
                 A_T=False, B_T=True, stride_cn=1, stride_bias=1, **kw,
                 A_ACT=0, STORE_A=False, SUM_A=False, ACCUMULATE=into, PRECISE_ACC=precise,
@@ -934,6 +947,7 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
                 + (["bias"] if bias else [])
                 + ["precise" if precise else "fast"]
                 + (["C+="] if into else [])
+                + ([activation, "preact"] if activation else [])
             )
             name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{role},{epi}]"
             # gated=False: their own tests in test_compiled.py (the fp8 facts)

@@ -346,7 +346,7 @@ def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
 
     fp8 = [r for r in rows if r["case"].startswith("scaled_mm")]
     assert {r["target"] for r in fp8} == {"sm_90"}
-    offered = [static_report.fp8_configs_for(90, v[3], v[6]) for v in static_report.FP8_GEMM_LAUNCHES]
+    offered = [static_report.fp8_configs_for(90, v[3], v[6], v[7]) for v in static_report.FP8_GEMM_LAUNCHES]
     assert len(fp8) == sum(map(len, offered)) and all(offered)
     assert any(r["case"].endswith("fp8e5xfp8e4nv->bf16,NT,wgrad,tensor scales,precise,C+=]") for r in fp8)
     for r in fp8:

@@ -10,6 +10,8 @@ launcher, autotuned or direct, ends there); torch's own kernels through a
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -18,7 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import tkern
 from tkern.kernels import float8 as f8
 from tkern.kernels import gemm
+from tkern.kernels.activation import ACTIVATIONS
 from tkern.nn import Float8Linear
+from tkern.nn.float8 import float8_forward
 
 pytestmark = pytest.mark.skipif(not tkern.INTERPRET, reason="counts launches through Triton's interpreter")
 
@@ -186,13 +190,23 @@ def test_scaled_mm_on_hopper_copies_a_non_k_major_operand_once(monkeypatch):
         assert seen == [expect] and torch.equal(got, want), cc
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
-def test_every_scaled_mm_launch_is_one_the_compile_gate_compiles(recipe, launches):
+@pytest.mark.parametrize(
+    ("recipe", "activation"),
+    [
+        ("tensorwise", None),
+        ("delayed", None),
+        ("blockwise", None),
+        ("delayed", "gelu_tanh"),
+        ("tensorwise", "gelu"),
+    ],
+)
+def test_every_scaled_mm_launch_is_one_the_compile_gate_compiles(recipe, activation, launches):
     """The compile gate (tests/test_compiled.py) compiles static_report.FP8_GEMM_LAUNCHES for
     every config offered to fp8 operands (and BLOCKWISE_LAUNCHES for the blockwise kernel,
     which the blockwise recipe's GEMMs run on): each scaled_mm launch of a recipe's step must be
     one of them (formats, scale kinds, both operands K-major, the accumulation), with the
-    same or a lighter epilogue (no bias, no C +=)."""
+    same or a lighter epilogue (no bias, no C +=); with an MLP's activation fused into the
+    forward (tkern.nn.fusion), the same activation and the pre-activation stored."""
     import sys
     from pathlib import Path
 
@@ -204,7 +218,7 @@ def test_every_scaled_mm_launch_is_one_the_compile_gate_compiles(recipe, launche
     opt = tkern.optim.FusedAdamW(layer.parameters(), lr=1e-3)
     x = torch.randn(128, 128, device=DEVICE).to(torch.bfloat16).requires_grad_()
     launches.clear()
-    _step(layer, opt, x)
+    _step(functools.partial(float8_forward, layer, activation=activation), opt, x)
     seen = 0
     for name, meta in launches:
         if name == "_scaled_mm_blockwise_kernel":  # its own cases in the gate (BLOCKWISE_LAUNCHES)
@@ -233,6 +247,8 @@ def test_every_scaled_mm_launch_is_one_the_compile_gate_compiles(recipe, launche
             and launch[6] == meta["PRECISE_ACC"]
             and (launch[4] or not meta["HAS_BIAS"])
             and (launch[5] or not meta["ACCUMULATE"])
+            and ACTIVATIONS[launch[7]] == meta["ACTIVATION"]
+            and (launch[7] is not None) == meta["STORE_PREACT"]
         ]
         assert gated, meta
     assert seen == 3

@@ -889,8 +889,10 @@ def scaled_mm(
     out: torch.Tensor | None = None,
     accumulate_into: torch.Tensor | None = None,
     use_fast_accum: bool = False,
+    activation: str | None = None,
+    preact: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(a.float() * scale_a) @ (b.float() * scale_b) + bias``, accumulated in
+    """``act((a.float() * scale_a) @ (b.float() * scale_b) + bias)``, accumulated in
     fp32 and rounded once to ``out_dtype``, as ``torch._scaled_mm`` defines its
     scales. The same GEMM kernel as :func:`matmul` (tiles, ordering, epilogue,
     configs), with fp8 operands and the scales applied to the fp32 accumulator.
@@ -920,6 +922,13 @@ def scaled_mm(
             (at most 128 of K) on Hopper; True leaves them in the tensor cores'
             accumulator along all of K (faster, fewer bits: Float8Linear's forward).
             Block scales are promoted every K tile either way. No effect elsewhere.
+        activation: None, ``"relu"``, ``"gelu"`` (erf form), ``"silu"`` or
+            ``"gelu_tanh"``, applied in fp32 in the epilogue after the scales and the
+            bias, as :func:`matmul`'s (a Float8Linear's fused MLP activation).
+            Per-tensor or per-row scales only.
+        preact: optional (M, N) contiguous tensor of ``out_dtype`` that receives
+            the scaled ``a @ b + bias`` before the activation, rounded once (what
+            the activation's gradient needs); per-tensor or per-row scales only.
 
     Block scales on both operands with 128-wide K blocks and 1 or 128 rows / columns
     per scale (DeepSeek-V3's 1x128 activations and 128x128 weights, and the blockwise
@@ -970,6 +979,9 @@ def scaled_mm(
     check_int32_elements("out", (M, N))
     if not isinstance(use_fast_accum, bool):
         raise TypeError(f"use_fast_accum must be True or False, got {use_fast_accum!r}")
+    _check_fp8_epilogue(
+        activation, preact, (M, N), out_dtype, kind_a, kind_b, a, b, scale_a, scale_b, bias, into
+    )
     a, b = k_major_fp8_operands(a, b)
     # one element as (1, 1); (M, 1), (1, N) and block grids as they are (2-D, any strides)
     sa = scale_a.reshape(1, 1) if kind_a == SCALE_TENSOR else scale_a
@@ -979,4 +991,28 @@ def scaled_mm(
         # persistent (gemm_blockwise.py); promoted every 128 of K whatever use_fast_accum says
         return launch_blockwise(a, b, sa, sb, blk_a, blk_b, bias, out_dtype, into, accumulate)
     scales = OperandScales(kind_a, kind_b, sa, sb, blk_a, blk_b, not use_fast_accum)
-    return _launch_matmul(a, b, M, N, K, bias, None, out_dtype, None, scales, NO_PROLOGUE, into, accumulate)
+    return _launch_matmul(
+        a, b, M, N, K, bias, activation, out_dtype, preact, scales, NO_PROLOGUE, into, accumulate
+    )
+
+
+def _check_fp8_epilogue(activation, preact, shape, out_dtype, kind_a, kind_b, *others) -> None:
+    """Raise unless :func:`scaled_mm`'s ``activation`` and ``preact`` are valid for a
+    launch of ``shape`` with scales of kinds ``kind_a`` / ``kind_b``: an activation the
+    epilogue computes; ``preact`` None or a contiguous ``shape`` tensor of ``out_dtype``
+    sharing no memory with the GEMM's ``others``; either only with per-tensor or
+    per-row scales (the pointer kernel's epilogue; the blockwise kernel has none)."""
+    check_activation(activation)
+    if activation is None and preact is None:
+        return
+    if SCALE_BLOCK in (kind_a, kind_b):
+        raise ValueError(
+            "scaled_mm's activation and preact take per-tensor or per-row scales, not block scales"
+        )
+    if preact is not None:
+        check_tensor("preact", preact, ndim=2, dtypes=(out_dtype,))
+        if tuple(preact.shape) != shape or not preact.is_contiguous():
+            raise ValueError(f"preact must be a contiguous {shape} tensor, got shape {tuple(preact.shape)}")
+        check_same_device(a=others[0], preact=preact)
+        if _shares_memory(preact, *others):
+            raise ValueError("preact must not share memory with the GEMM's other tensors")

@@ -15,7 +15,7 @@ import triton
 
 from tkern.kernels import gemm_epilogue, gemm_plan
 from tkern.kernels._common import AUTOTUNE, INTERPRET, autotune
-from tkern.kernels.activation import ACTIVATIONS
+from tkern.kernels.activation import ACTIVATIONS, TRANSCENDENTAL
 
 #: Programs that share a band of A rows (grouped tile order, see gemm_epilogue.tile_coords),
 #: so that band stays in L2.
@@ -219,6 +219,13 @@ ACT_MAX_ACC_ACTIVATIONS = frozenset({ACTIVATIONS["gelu"]})
 #: pre-activation, in bf16 and fp16; the 128x128 tiles (64 values) stay at 255 registers
 #: without spilling. Aligned outputs (16-byte vector stores) fit every TMA config.
 
+#: fp8 operands (scaled_mm, one byte an element), an epilogue with an exp/erf activation
+#: (activation.TRANSCENDENTAL: a Float8Linear's fused MLP activation): at most this many
+#: output elements per tile. Measured (static_report, sm_90, triton 3.9) with tanh-GELU, the
+#: bias and the pre-activation: 128x256 and 256x128 on 8 warps spill 336 and 8 B; every
+#: 128x128 and smaller tile compiles without spills (erf GELU is held to ACT_MAX_ACC anyway).
+FP8_ACT_MAX_TILE = 128 * 128
+
 
 #: Hopper, pointer kernel, an operand prologue (gemm.matmul_backward applying an
 #: activation's gradient to A while loading it): A's and Z's tiles pass through
@@ -303,7 +310,8 @@ def prune_configs(
     :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`; on ragged operands Z's scalar loads count
     in :data:`RAGGED_MAX_LOADS`); ``elem_bytes``: the operands' element size (1 for
     fp8); ``two_accumulators`` (fp8 promoted every K tile): :data:`TWO_ACC_MAX_ACC`,
-    and before Hopper with ``block_scales`` :data:`BLOCK_PRE_HOPPER_MAX_ACC`.
+    and before Hopper with ``block_scales`` :data:`BLOCK_PRE_HOPPER_MAX_ACC`; fp8 operands with
+    an exp/erf ``activation``: :data:`FP8_ACT_MAX_TILE`.
     Never empty: the smallest is kept."""
     limit = smem_limit(cc)
     fits = [c for c in configs if smem_estimate(c, elem_bytes) <= limit]
@@ -317,6 +325,8 @@ def prune_configs(
         fits = [c for c in fits if _cfg_acc(c) <= BLOCK_PRE_HOPPER_MAX_ACC]
     if activation in ACT_MAX_ACC_ACTIVATIONS and (ragged or not tma):
         fits = [c for c in fits if _cfg_acc(c) <= ACT_MAX_ACC]
+    if elem_bytes == 1 and activation in TRANSCENDENTAL:
+        fits = [c for c in fits if _cfg_tile(c) <= FP8_ACT_MAX_TILE]
     if prologue and not tma:
         fits = [c for c in fits if _cfg_acc(c) <= PROLOGUE_MAX_ACC]
         if prologue not in PROLOGUE_SELECT:

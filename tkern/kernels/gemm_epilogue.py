@@ -262,7 +262,7 @@ def epilogue_meta(dtype, bias, activation, out_dtype, preact, accumulate=False) 
         "ACTIVATION": ACTIVATIONS[activation],
         "STORE_PREACT": preact is not None,
         "OUT_DTYPE": tl_dtype(out_dtype),
-        # fp8 operands have no pre-activation output (scaled_mm): the field is unused
+        # fp8 operands (scaled_mm) store their pre-activation in the output dtype
         "PREACT_DTYPE": tl_dtype(dtype if dtype in HALF_DTYPES else out_dtype),
         # the interpreter cannot multiply bf16, and fp8 products are exact in fp32 too
         "UPCAST": INTERPRET and dtype != torch.float16,

@@ -21,7 +21,7 @@ from tkern.nn.float8_fsdp import (
 )
 from tkern.ops.float8 import CACHED_SCALINGS, float8_linear, float8_weight_cache
 
-__all__ = ["FLOAT8_SCALINGS", "Float8Linear", "Float8Recipe", "float8_conv1d_class"]
+__all__ = ["FLOAT8_SCALINGS", "Float8Linear", "Float8Recipe", "float8_conv1d_class", "float8_forward"]
 
 
 #: The scaling recipes of :class:`Float8Recipe`.
@@ -204,8 +204,17 @@ class Float8Layer:
         return (wq, *cached[1:]), weight_fp8_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return float8_forward(self, x)
+
+    def takes_activation(self) -> bool:
+        """Whether :func:`float8_forward` can run an activation in this layer's GEMM
+        epilogue now: a per-tensor recipe and a bf16 / fp16 weight (float8_linear's
+        ``activation``)."""
+        return self.recipe.scaling in CACHED_SCALINGS and self.weight.dtype in HALF_DTYPES
+
+    def _forward(self, x: torch.Tensor, activation: str | None) -> torch.Tensor:
         if self.recipe.enable_fsdp_float8_all_gather:
-            return self._forward_fp8_gathered(x)
+            return self._forward_fp8_gathered(x, activation)
         # x's cast made by its producer (a norm, tkern.nn.float8_norm), used only if x is its output
         producer = None if torch.compiler.is_compiling() else self.__dict__.get("fp8_producer")
         handoff = None if producer is None else producer.take(self, x)
@@ -218,9 +227,10 @@ class Float8Layer:
             x, weight, self.bias, scaling=self.recipe.scaling, margin=self.recipe.margin,
             update=self.training and torch.is_grad_enabled(), histories=self.fp8_histories(),
             weight_fp8=weight_fp8, weight_fp8_t=weight_fp8_t, counters=self.fp8_counters(), x_fp8=x_fp8,
+            activation=activation,
         )  # fmt: skip
 
-    def _forward_fp8_gathered(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_fp8_gathered(self, x: torch.Tensor, activation: str | None) -> torch.Tensor:
         """Under ``enable_fsdp_float8_all_gather``: the weight is FSDP2's fp8-gathered
         one (its data and scale go to the GEMMs as they are) or, outside FSDP2, the
         whole high-precision weight, cast here (tensorwise, as without the option)."""
@@ -238,7 +248,9 @@ class Float8Layer:
             )
         if x.is_floating_point() and x.dtype != weight.dtype:
             x = x.to(weight.dtype)
-        return float8_linear(x, weight, self.bias, scaling="tensorwise", weight_fp8=cast)
+        return float8_linear(
+            x, weight, self.bias, scaling="tensorwise", weight_fp8=cast, activation=activation
+        )
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -252,6 +264,14 @@ class Float8Layer:
         kept = [k for k in missing_keys[before:] if k.removeprefix(prefix) in _HISTORIES]
         for k in kept:
             missing_keys.remove(k)
+
+
+def float8_forward(module: Float8Layer, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    """``module``'s forward (a :class:`Float8Linear` or ``Float8Conv1D``) with ``activation``
+    in its fp8 GEMM's epilogue: the one a fused activation module after it computes
+    (GPT-2's MLP: :mod:`tkern.nn.fusion`). The pre-activation is kept for the backward,
+    which applies act' to dY before its fp8 cast; see :func:`~tkern.ops.float8.float8_linear`."""
+    return module._forward(x, activation)
 
 
 class Float8Linear(Float8Layer, nn.Linear):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
+from tkern.nn.float8 import Float8Layer, float8_forward
 from tkern.nn.linear import Linear, conv1d_class, conv1d_forward, linear_forward
 from tkern.ops.swiglu import swiglu, swiglu_packed
 
@@ -216,10 +217,21 @@ MLP_RULES: dict[str, MLPRule] = {
 
 def _gemm_with_activation(module: nn.Module) -> bool:
     """Whether ``module`` is a tkern GEMM layer that can take an activation in its epilogue
-    (``tkern.nn.Linear`` without one of its own, or ``tkern.nn.Conv1D``; not fp8)."""
+    (``tkern.nn.Linear`` without one of its own, ``tkern.nn.Conv1D``, or an fp8 layer,
+    ``Float8Linear`` / ``Float8Conv1D``, under a per-tensor recipe with bf16 / fp16 weights)."""
     if type(module) is Linear:
         return module.activation is None
+    if isinstance(module, Float8Layer):
+        return module.takes_activation()
     return type(module) is conv1d_class(create=False)
+
+
+def _forward_with_activation(module: nn.Module):
+    """The forward of ``module`` (a layer :func:`_gemm_with_activation` accepts) that takes
+    the activation for its epilogue."""
+    if type(module) is Linear:
+        return linear_forward
+    return float8_forward if isinstance(module, Float8Layer) else conv1d_forward
 
 
 def mlp_rule(module: nn.Module) -> MLPRule | None:
@@ -240,8 +252,16 @@ def _why_not(module: nn.Module, rule: MLPRule) -> str | None:
         return f"its activation {type(act).__name__} is not one tkern's kernels compute"
     up = getattr(module, rule.up)
     if rule.form == "act" and not _gemm_with_activation(up):
-        return f"its {rule.up} is a {type(up).__name__}, whose GEMM takes no activation"
+        return f"its {rule.up} is a {type(up).__name__}, whose GEMM takes no activation{_fp8_why(up)}"
     return None
+
+
+def _fp8_why(module: nn.Module) -> str:
+    """Why an fp8 layer's GEMM takes no activation now (empty for other layers)."""
+    if not isinstance(module, Float8Layer):
+        return ""
+    recipe, dtype = module.recipe.scaling, module.weight.dtype
+    return f" under recipe {recipe!r} with {dtype} weights (it needs a per-tensor recipe, bf16 or fp16)"
 
 
 def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:
@@ -281,8 +301,7 @@ class FusedMLPForward:
         activation = epilogue_activation(getattr(mlp, rule.act))
         up = getattr(mlp, rule.up)
         if rule.form == "act":
-            forward = linear_forward if type(up) is Linear else conv1d_forward
-            h = forward(up, x, activation)
+            h = _forward_with_activation(up)(up, x, activation)
         elif rule.form == "gated":
             h = swiglu(getattr(mlp, rule.gate)(x), up(x), activation)
         else:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
+from tkern.kernels.activation import activation_grad
 from tkern.kernels.float8 import (
     cast_2d,
     cast_2d_prechecked,
@@ -24,12 +25,14 @@ from tkern.kernels.float8 import (
 from tkern.kernels.gemm import scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
 from tkern.ops import common
+from tkern.ops import linear as _linear  # noqa: F401 (registers tkern::activation_grad)
 from tkern.ops.common import as_2d, check_in_features, is_compiling
 from tkern.ops.float8_args import (
     CACHED_SCALINGS,
     E4M3,
     E5M2,
     Float8Input,
+    check_activation_args,
     check_delayed_args,
     check_weight_fp8,
     check_x_fp8,
@@ -161,6 +164,55 @@ def _(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+@torch.library.custom_op("tkern::scaled_mm_act", mutates_args=())
+def _scaled_mm_act_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+    activation: str,
+    store_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act(scaled_mm(...)), pre-activation)`` (:func:`tkern.scaled_mm` with
+    ``activation``; per-tensor scales); the pre-activation is empty unless ``store_preact``."""
+    y, preact = _scaled_mm_act_impl(
+        a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact
+    )
+    return y, a.new_empty(0, dtype=out_dtype) if preact is None else preact
+
+
+def _scaled_mm_act_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
+    """:func:`scaled_mm` with ``activation`` in its epilogue: ``(y, pre-activation or None)``."""
+    preact = None
+    if store_preact:
+        preact = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    y = scaled_mm(
+        a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+        activation=activation, preact=preact,
+    )  # fmt: skip
+    return y, preact
+
+
+@_scaled_mm_act_op.register_fake
+def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
+    shape = (a.shape[0], b.shape[1])
+    return a.new_empty(shape, dtype=out_dtype), a.new_empty(shape if store_preact else (0,), dtype=out_dtype)
+
+
+def _scaled_mm_act_traced(*args):
+    """:func:`_scaled_mm_act_impl` through the custom op (None for a pre-activation not stored)."""
+    y, preact = _scaled_mm_act_op(*args)
+    return y, preact if args[-1] else None
+
+
+def _activation_grad_traced(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
+    """:func:`~tkern.kernels.activation.activation_grad` through its custom op (ops/linear.py's)."""
+    return torch.ops.tkern.activation_grad(dy, z, activation)
+
+
 #: DeepSeek-V3's tiles: activations and gradients in (1, 128), weights in (128, 128);
 #: wgrad reads x with its tiles along M: (128, 1).
 TILE, WEIGHT_BLOCK, TILE_T = (1, 128), (128, 128), (128, 1)
@@ -176,13 +228,20 @@ class _Fp8Ops(NamedTuple):
     cast_blocks: Callable
     roll_amax_history: Callable
     scaled_mm: Callable
+    scaled_mm_act: Callable
+    activation_grad: Callable
 
 
 #: The custom ops (torch.compile, meta and fake tensors: opaque ops with known shapes) and
 #: the launchers under them (eager: the custom ops' Python dispatch costs tens of us of
 #: host time per call, three to five calls per layer and step).
-_TRACED_FP8 = _Fp8Ops(_cast_2d_traced, _cast_blocks_op, _roll_amax_history_op, _scaled_mm_op)
-_EAGER_FP8 = _Fp8Ops(_cast_2d_impl, _cast_blocks_impl, roll_amax_history, _scaled_mm_impl)
+_TRACED_FP8 = _Fp8Ops(
+    _cast_2d_traced, _cast_blocks_op, _roll_amax_history_op, _scaled_mm_op, _scaled_mm_act_traced,
+    _activation_grad_traced,
+)  # fmt: skip
+_EAGER_FP8 = _Fp8Ops(
+    _cast_2d_impl, _cast_blocks_impl, roll_amax_history, _scaled_mm_impl, _scaled_mm_act_impl, activation_grad
+)
 
 
 def _fp8_ops(t: torch.Tensor) -> _Fp8Ops:
@@ -392,11 +451,12 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, bias, recipe, margin, update, grad_enabled, h_x, h_w, h_g, counters,
-        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx,
+        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx, activation,
     ):  # fmt: skip
         n, k = weight.shape
         x2d = as_2d(x, k)
         ops = _fp8_ops(x)
+        preact = None
         # what backward will run (forward itself runs with grad mode off)
         dgrad = grad_enabled and ctx.needs_input_grad[0]
         wgrad = grad_enabled and ctx.needs_input_grad[1]
@@ -434,22 +494,31 @@ class _Float8Linear(torch.autograd.Function):
                 wq, wq_t, sw, _ = ops.cast_2d(
                     weight, E4M3, True, dgrad, None, h_w if delayed else None, ctr[1], margin, update
                 )
-            y = ops.scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype, [], [], FORWARD_FAST_ACCUM)
+            if activation is None:
+                y = ops.scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype, [], [], FORWARD_FAST_ACCUM)
+            else:  # act in the epilogue; its input kept (bf16 / fp16) for act' in backward
+                store = grad_enabled and any(ctx.needs_input_grad[:3])
+                y, preact = ops.scaled_mm_act(
+                    xq, wq.t(), sx, sw, bias, x.dtype, FORWARD_FAST_ACCUM, activation, store
+                )
             saved_sx = sx
             ctx.counter = ctr[2]
         ctx.recipe, ctx.margin, ctx.update = recipe, margin, update
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_shape = x.shape
-        ctx.save_for_backward(saved_x, saved_sx, wq_t if dgrad else None, sw, h_g)
+        ctx.activation = activation
+        ctx.save_for_backward(saved_x, saved_sx, wq_t if dgrad else None, sw, h_g, preact)
         return y.reshape(*x.shape[:-1], n)
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, sx, wq_t, sw, h_g = ctx.saved_tensors
+        x_saved, sx, wq_t, sw, h_g, preact = ctx.saved_tensors
         recipe = ctx.recipe
         dy2d = as_2d(dy, dy.shape[-1])
         ops = _fp8_ops(dy)
+        if ctx.activation is not None:  # dZ = dY * act'(Z) in fp32, rounded once: what the casts read
+            dy2d = ops.activation_grad(dy2d, preact, ctx.activation)
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         dx = dw = db = None
@@ -488,7 +557,7 @@ class _Float8Linear(torch.autograd.Function):
             else:  # dW added into the fused optimizer's flat buffer (_flat_wgrad)
                 _scaled_mm_impl(*operands, GRADIENT_FAST_ACCUM, into=target[1], accumulate=target[2])
                 dw = common.hand_over(target)
-        return dx, dw, db, *(None,) * 15
+        return dx, dw, db, *(None,) * 16
 
 
 def float8_linear(
@@ -504,8 +573,9 @@ def float8_linear(
     weight_fp8_t: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     x_fp8: Float8Input | None = None,
+    activation: str | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
+    """``act(x @ weight.T + bias)`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
     Args:
         x: (..., K) bf16/fp16/fp32; weight: (N, K) of x's dtype; bias: optional (N,).
@@ -540,6 +610,7 @@ def float8_linear(
     check_fp8_device(x.device, "float8_linear (Float8Linear)")
     if scaling not in ("tensorwise", "delayed", "blockwise"):
         raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
+    check_activation_args(activation, scaling, weight.dtype)
     if scaling == "delayed":  # all three histories before the first cast: the casts roll them as they go
         check_delayed_args(histories, margin, counters, weight)
     given = (None, None, None)
@@ -559,5 +630,5 @@ def float8_linear(
     )
     grad_enabled = torch.is_grad_enabled()
     return _Float8Linear.apply(
-        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given
+        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given, activation
     )

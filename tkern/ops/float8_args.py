@@ -8,9 +8,17 @@ from typing import NamedTuple
 
 import torch
 
-from tkern.kernels._common import check_same_device, check_tensor
+from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
+from tkern.kernels.activation import check_activation
 
-__all__ = ["CACHED_SCALINGS", "Float8Input", "check_delayed_args", "check_weight_fp8", "check_x_fp8"]
+__all__ = [
+    "CACHED_SCALINGS",
+    "Float8Input",
+    "check_activation_args",
+    "check_delayed_args",
+    "check_weight_fp8",
+    "check_x_fp8",
+]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -27,6 +35,21 @@ class Float8Input(NamedTuple):
     data: torch.Tensor  # (M, K) e4m3, contiguous: x's cast (x as (M, K) rows)
     data_t: torch.Tensor | None  # (K, M) e4m3, contiguous: the same values transposed (wgrad's operand)
     scale: torch.Tensor  # 0-dim (or one-element) fp32: x ~ data * scale
+
+
+def check_activation_args(activation: str | None, scaling: str, dtype: torch.dtype) -> None:
+    """Raise unless ``activation`` is None or one the fp8 GEMM's epilogue computes for a
+    layer of ``dtype`` under ``scaling``: per-tensor recipes (the blockwise kernel has no
+    activation epilogue), bf16 / fp16 (the pre-activation's gradient kernel takes those)."""
+    check_activation(activation)
+    if activation is None:
+        return
+    if scaling not in CACHED_SCALINGS:
+        raise ValueError(
+            f'activation runs in the fp8 GEMM\'s epilogue under "tensorwise" or "delayed", not "{scaling}"'
+        )
+    if dtype not in HALF_DTYPES:
+        raise TypeError(f"activation needs a bf16 or fp16 layer (its pre-activation's dtype), got {dtype}")
 
 
 def check_delayed_args(histories, margin, counters, weight: torch.Tensor) -> None:
