@@ -4,11 +4,13 @@ per op family, each above the kernels it launches (``tkern/kernels``):
 ``linear.py``    ``tkern.linear`` / ``tkern.matmul``: the GEMM with fused epilogues, forward and
                  backward (custom ops ``tkern::linear_forward``, ``tkern::mm_backward``,
                  ``tkern::activation_grad``)
-``float8.py``    ``float8_linear`` and the fp8 weight cache (custom ops ``tkern::float8_cast_2d``,
+``float8.py``    ``float8_linear`` (custom ops ``tkern::float8_cast_2d``,
                  ``tkern::float8_cast_blocks``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``,
                  ``tkern::scaled_mm_act``: the forward with an MLP's activation in its epilogue)
 ``float8_args.py``  what ``float8_linear`` checks of its fp8 arguments, and ``Float8Input`` (an
                  input cast by its producer, ``norm.norm_float8``)
+``float8_cache.py``  the fp8 weight cache a fused optimizer writes once per step
+                 (``Float8WeightCache``, ``float8_weight_cache``; re-exported by ``float8.py``)
 ``cross_entropy.py``  ``tkern.cross_entropy`` (custom ops ``tkern::cross_entropy_rows``,
                  ``tkern::cross_entropy_backward``) and ``tkern.linear_cross_entropy`` (chunked
                  GEMMs + the fused kernel; the logits never materialized; custom ops
