@@ -1074,6 +1074,24 @@ def fp8_cast_cases() -> list[Case]:
             cases.append(Case(f"to_float8 blocks[bf16->{tag},{label}]", "fp8cast",
                               "tkern.kernels.float8:_cast_blocks_kernel", sig, const,
                               ("x_ptr", "data_ptr", "data_t_ptr", "K", "M", "stride_xm"), warps))  # fmt: skip
+    # the blockwise recipe's x / dY cast: 1x128 tiles of x and of x^T (wgrad's), dY's with dbias
+    const8 = f8.fp8_constants(torch.float8_e4m3fn)
+    for label, store_t, col_sum in (
+        ("x", False, False),
+        ("x+x^T", True, False),
+        ("dY+dY^T+dbias", True, True),
+    ):
+        sig = {"x_ptr": "*bf16", "data_ptr": "*fp8e4nv", "data_t_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+               "scale_t_ptr": "*fp32", "partial_sum_ptr": "*fp32"}  # fmt: skip
+        sig.update(
+            dict.fromkeys(("M", "K", "stride_xm", "stride_sm", "stride_sk", "stride_tk", "stride_tm"), "i32")
+        )
+        const = dict(**const8, TILE=f8.SCALE_TILE, STORE_T=store_t, COL_SUM=col_sum, stride_xk=1)
+        sig.update(dict.fromkeys(const, "constexpr"))
+        cases.append(Case(f"float8 tiles[bf16->e4m3,1x128,{label}]", "fp8cast",
+                          "tkern.kernels.float8:_cast_tiles_kernel", sig, const,
+                          ("x_ptr", "data_ptr", "data_t_ptr", "partial_sum_ptr", "M", "K", "stride_xm"),
+                          f8.CAST_TILES_WARPS))  # fmt: skip
     sig = {"history_ptr": "*fp32", "H": "i32", "partials_ptr": "*fp32", "count": "i32",
            "HBLOCK": "constexpr", "PBLOCK": "constexpr"}  # fmt: skip
     cases.append(Case("to_float8 roll history", "fp8cast", "tkern.kernels.float8:_roll_history_kernel", sig,

@@ -257,17 +257,22 @@ def test_recipe_validation(kwargs, exc, words):
 
 
 @pytest.mark.slow
-def test_torch_compile_fullgraph_matches_eager():
-    m = Float8Linear(64, 32, device=DEVICE)
-    x = torch.randn(8, 64, device=DEVICE, dtype=torch.bfloat16)
+@pytest.mark.parametrize(("recipe", "shape"), [("tensorwise", (8, 64, 32)), ("blockwise", (130, 256, 128))])
+def test_torch_compile_fullgraph_matches_eager(recipe, shape):
+    """Through the custom ops (fake tensors with the eager outputs' strides), bit for bit
+    eager; blockwise with a ragged M (its tile cast's scales K-block-major)."""
+    m_rows, k, n = shape
+    m = Float8Linear(k, n, recipe=recipe, device=DEVICE)
+    x = torch.randn(m_rows, k, device=DEVICE, dtype=torch.bfloat16)
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     y1, y2 = m(x1), compiled(x2)
     y1.float().sum().backward()
-    g1 = m.weight.grad.clone()
-    m.weight.grad = None
+    g1, b1 = m.weight.grad.clone(), m.bias.grad.clone()
+    m.weight.grad = m.bias.grad = None
     y2.float().sum().backward()
-    assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad) and torch.equal(g1, m.weight.grad)
+    assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+    assert torch.equal(g1, m.weight.grad) and torch.equal(b1, m.bias.grad)
 
 
 @pytest.mark.slow

@@ -121,6 +121,25 @@ def test_one_step_launches_within_the_budget_and_no_torch_op_over_dy(recipe, lau
         assert len(fwd) == 2 and len(bwd) == 3
 
 
+def test_blockwise_step_reads_x_and_dy_once(launches):
+    """Blockwise (weights not cached by the optimizer): forward = x's tile cast (x and x^T
+    in one read), W's block cast (W and W^T), the GEMM; backward = dY's tile cast (dY, dY^T
+    and the bias gradient's per-band sums in one read), dgrad, wgrad. No torch op over x or
+    dY: the bias gradient's last sum is over the (M / 128, N) band sums."""
+    torch.manual_seed(0)
+    layer = Float8Linear(256, 384, bias=True, recipe="blockwise", device=DEVICE)
+    x = torch.randn(256, 256, device=DEVICE).to(torch.bfloat16)
+    f8.fp8_constants(torch.float8_e4m3fn)  # computed once per process on the CPU, then cached
+    (fwd, fwd_ops), (bwd, bwd_ops) = _measure(layer, x, launches)
+    fwd_names, bwd_names = [n for n, _ in fwd], [n for n, _ in bwd]
+    assert fwd_names.count("_cast_tiles_kernel") == 1 and "_cast_blocks_kernel" in fwd_names, fwd_names
+    assert len(fwd) == 3 and not fwd_ops, (fwd_names, fwd_ops)
+    assert bwd_names.count("_cast_tiles_kernel") == 1 and len(bwd) == 3, bwd_names
+    assert [meta["COL_SUM"] and meta["STORE_T"] for n, meta in bwd if n == "_cast_tiles_kernel"] == [True]
+    over_dy = [name for name, reads in bwd_ops if reads]
+    assert not over_dy, f"torch ops over dY in the backward: {over_dy}"
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
 @pytest.mark.parametrize("conv1d", [False, True])
 def test_every_fp8_gemm_operand_is_k_major_and_only_the_forward_accumulates_fast(recipe, conv1d, monkeypatch):

@@ -62,6 +62,8 @@ CAST_TM, CAST_TK = (128, 128) if INTERPRET else (64, 64)
 MAX_PROGRAMS = 4 if INTERPRET else 1024
 #: Tile of the row/block kernel: at most this many rows and columns at a time.
 TILE_M, TILE_K = 16, 256
+#: Warps of the (128, 128) tile cast (``_cast_tiles_kernel``): 64 elements a thread.
+CAST_TILES_WARPS = 8
 
 
 @triton.jit
@@ -353,6 +355,56 @@ def _cast_blocks_kernel(
             store_fp8_tile(
                 x, rows, cols, mask, M, K, mult, data_ptr, data_t_ptr, True, STORE_T, FP8_MAX, DTYPE
             )
+
+
+@triton.jit
+def _cast_tiles_kernel(
+    x_ptr,  # (M, K) fp32/fp16/bf16, any strides
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    data_ptr,  # (M, K) DTYPE, contiguous: x cast in 1 x TILE tiles (along K)
+    scale_ptr,  # (M, ceil(K / TILE)) fp32, strides (stride_sm, stride_sk)
+    data_t_ptr,  # (K, M) DTYPE, contiguous: x^T cast in 1 x TILE tiles (along M); unused unless STORE_T
+    scale_t_ptr,  # (K, ceil(M / TILE)) fp32, strides (stride_tk, stride_tm); unused unless STORE_T
+    partial_sum_ptr,  # (ceil(M / TILE), K) fp32: each band of TILE rows summed; unused unless COL_SUM
+    stride_sm,
+    stride_sk,
+    stride_tk,
+    stride_tm,
+    FP8_MAX: tl.constexpr,
+    MULT_AT_EPS: tl.constexpr,
+    EPS_F32: tl.constexpr,
+    DTYPE: tl.constexpr,
+    TILE: tl.constexpr,  # the scale tile's length (DeepSeek-V3's 128)
+    STORE_T: tl.constexpr = False,
+    COL_SUM: tl.constexpr = False,
+):
+    """One program per (TILE, TILE) square of x, read once: each row's amax over
+    the square scales x's 1 x TILE tile of that row, each column's amax the tile of
+    x^T along M (wgrad's operand, K-major), and the column sums of the square are
+    its band's share of x.sum(0) (a bias gradient). Bit for bit two launches of
+    ``_cast_blocks_kernel`` (x and x^T in (1, TILE) blocks), and no third read for
+    the sum."""
+    bi = tl.program_id(0)
+    bj = tl.program_id(1)
+    offs = tl.arange(0, TILE)
+    rows = bi.to(tl.int64) * TILE + offs
+    cols = bj.to(tl.int64) * TILE + offs
+    x, rows, cols, mask = load_tile(x_ptr, rows, cols, M, K, stride_xm, stride_xk)
+    magnitude = tl.abs(x.to(tl.float32))
+    row_mult = amax_to_multiplier(tl.max(magnitude, axis=1), FP8_MAX, MULT_AT_EPS, EPS_F32)
+    tl.store(scale_ptr + rows * stride_sm + bj * stride_sk, reciprocal(row_mult), mask=rows < M)
+    y = to_fp8_saturated(x, row_mult[:, None], FP8_MAX, DTYPE)
+    tl.store(data_ptr + rows[:, None] * K + cols[None, :], y, mask=mask)
+    if STORE_T:
+        col_mult = amax_to_multiplier(tl.max(magnitude, axis=0), FP8_MAX, MULT_AT_EPS, EPS_F32)
+        tl.store(scale_t_ptr + cols * stride_tk + bi * stride_tm, reciprocal(col_mult), mask=cols < K)
+        y_t = to_fp8_saturated(x, col_mult[None, :], FP8_MAX, DTYPE)
+        tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y_t), mask=tl.trans(mask))
+    if COL_SUM:
+        tl.store(partial_sum_ptr + bi * K + cols, tl.sum(x.to(tl.float32), axis=0), mask=cols < K)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -662,6 +714,15 @@ def _cast_blocks(
     return data, scale
 
 
+def block_scales(grid: tuple[int, int], row_tiles: bool, device: torch.device) -> torch.Tensor:
+    """The (rows, K blocks) fp32 scales of a block cast: K-block-major (strides (1, rows))
+    for per-row tiles over more than one K block, as the scaled GEMM reads them; else
+    row-major (one K block: rowwise scales, (M, 1) with unit strides, the same order)."""
+    if row_tiles and grid[1] > 1:
+        return torch.empty(grid[::-1], dtype=torch.float32, device=device).t()
+    return torch.empty(grid, dtype=torch.float32, device=device)
+
+
 def cast_blocks(
     x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], store_t: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -682,10 +743,7 @@ def cast_blocks(
     data = torch.empty((M, K), dtype=dtype, device=x.device)
     data_t = torch.empty((K, M), dtype=dtype, device=x.device) if store_t else None
     grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
-    if bm == 1 and grid[1] > 1:  # one K block (rowwise scales): row-major is the same order
-        scale = torch.empty(grid[::-1], dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty(grid, dtype=torch.float32, device=x.device)
+    scale = block_scales(grid, bm == 1, x.device)
     if M == 0 or K == 0:
         return data, scale, data_t
     tm = min(triton.next_power_of_2(bm), TILE_M)
@@ -695,6 +753,56 @@ def cast_blocks(
         scale.stride(0), scale.stride(1), **fp8_constants(dtype), TM=tm, TK=tk, STORE_T=store_t,
     )  # fmt: skip
     return data, scale, data_t
+
+
+class TileCast(NamedTuple):
+    """:func:`cast_tiles`'s outputs (None where not asked for)."""
+
+    data: torch.Tensor  # (M, K) fp8: x in 1 x 128 tiles
+    scale: torch.Tensor  # (M, ceil(K / 128)) fp32, K-block-major
+    data_t: torch.Tensor | None  # (K, M) fp8: x^T in 1 x 128 tiles (along M)
+    scale_t: torch.Tensor | None  # (K, ceil(M / 128)) fp32, M-block-major
+    col_sum: torch.Tensor | None  # (K,) x.sum(0) in fp32, rounded once to sum_dtype
+
+
+#: The tile of :func:`cast_tiles` (DeepSeek-V3's activation and gradient tiles).
+SCALE_TILE = 128
+
+
+def cast_tiles(
+    x: torch.Tensor, dtype: torch.dtype, store_t: bool = False, sum_dtype: torch.dtype | None = None
+) -> TileCast:
+    """The blockwise recipe's activation / gradient cast in one read of a 2-D ``x`` (M, K):
+    x in (1, 128) tiles (``cast_blocks(x, dtype, (1, 128))``), with ``store_t`` x^T in
+    (1, 128) tiles along M (``cast_blocks(x.t(), dtype, (1, 128))``, wgrad's operand), and
+    with ``sum_dtype`` x.sum(0) summed in fp32 (the bias gradient; per band of 128 rows in
+    the kernel, the bands summed in order after it). The casts are bit for bit those two
+    ``cast_blocks`` calls."""
+    check_tensor("x", x, ndim=2, dtypes=HIGH_DTYPES)
+    check_fp8_dtype(dtype)
+    if sum_dtype is not None and sum_dtype not in HIGH_DTYPES:
+        raise ValueError(f"sum_dtype must be float32, float16 or bfloat16, got {sum_dtype}")
+    M, K = x.shape
+    grid = (triton.cdiv(M, SCALE_TILE), triton.cdiv(K, SCALE_TILE))
+    data = torch.empty((M, K), dtype=dtype, device=x.device)
+    scale = block_scales((M, grid[1]), True, x.device)
+    data_t = scale_t = col_sum = partial = None
+    if store_t:
+        data_t = torch.empty((K, M), dtype=dtype, device=x.device)
+        scale_t = block_scales((K, grid[0]), True, x.device)
+    if sum_dtype is not None:
+        partial = torch.empty(grid[0], K, dtype=torch.float32, device=x.device)
+    if M > 0 and K > 0:
+        _cast_tiles_kernel[grid](
+            x, M, K, x.stride(0), x.stride(1), data, scale,
+            data if data_t is None else data_t, scale if scale_t is None else scale_t,
+            scale if partial is None else partial, scale.stride(0), scale.stride(1),
+            *(scale if scale_t is None else scale_t).stride(), **fp8_constants(dtype), TILE=SCALE_TILE,
+            STORE_T=store_t, COL_SUM=sum_dtype is not None, num_warps=CAST_TILES_WARPS,
+        )  # fmt: skip
+    if sum_dtype is not None:
+        col_sum = partial.sum(0).to(sum_dtype) if M > 0 else torch.zeros(K, dtype=sum_dtype, device=x.device)
+    return TileCast(data, scale, data_t, scale_t, col_sum)
 
 
 def check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:

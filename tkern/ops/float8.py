@@ -15,8 +15,11 @@ import torch
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
 from tkern.kernels.activation import activation_grad
 from tkern.kernels.float8 import (
+    SCALE_TILE,
+    block_scales,
     cast_2d_prechecked,
     cast_blocks,
+    cast_tiles,
     check_fp8_device,
     roll_amax_history,
 )
@@ -116,6 +119,40 @@ def _(x, dtype, bm, bk, store_t):
         x.new_empty((-(-m // bm), -(-k // bk)), dtype=torch.float32),
         x.new_empty((k, m) if store_t else (0,), dtype=dtype),
     )
+
+
+def _cast_tiles_impl(x, dtype, store_t, sum_dtype):
+    """:func:`tkern.kernels.float8.cast_tiles`: ``(data, scale, data_t, scale_t, col_sum)``."""
+    return tuple(cast_tiles(x, dtype, store_t, sum_dtype))
+
+
+@torch.library.custom_op("tkern::float8_cast_tiles", mutates_args=())
+def _cast_tiles_op(
+    x: torch.Tensor, dtype: torch.dtype, store_t: bool, col_sum: bool, sum_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tkern.kernels.float8.cast_tiles` (outputs not asked for come back empty)."""
+    out = _cast_tiles_impl(x, dtype, store_t, sum_dtype if col_sum else None)
+    return tuple(x.new_empty(0, dtype=dtype) if t is None else t for t in out)
+
+
+@_cast_tiles_op.register_fake
+def _(x, dtype, store_t, col_sum, sum_dtype):
+    m, k = x.shape
+    row_bands, col_bands = -(-m // SCALE_TILE), -(-k // SCALE_TILE)
+    return (
+        x.new_empty((m, k), dtype=dtype),
+        block_scales((m, col_bands), True, x.device),
+        x.new_empty((k, m) if store_t else (0,), dtype=dtype),
+        block_scales((k, row_bands), True, x.device) if store_t else x.new_empty(0, dtype=dtype),
+        x.new_empty((k,), dtype=sum_dtype) if col_sum else x.new_empty(0, dtype=dtype),
+    )
+
+
+def _cast_tiles_traced(x, dtype, store_t, sum_dtype):
+    """:func:`_cast_tiles_impl` through the custom op (None where nothing was asked for)."""
+    out = _cast_tiles_op(x, dtype, store_t, sum_dtype is not None, sum_dtype or torch.float32)
+    wanted = (True, True, store_t, store_t, sum_dtype is not None)
+    return tuple(t if w else None for t, w in zip(out, wanted, strict=True))
 
 
 @torch.library.custom_op("tkern::roll_amax_history", mutates_args=("history",))
@@ -225,6 +262,7 @@ class _Fp8Ops(NamedTuple):
 
     cast_2d: Callable
     cast_blocks: Callable
+    cast_tiles: Callable
     roll_amax_history: Callable
     scaled_mm: Callable
     scaled_mm_act: Callable
@@ -235,12 +273,13 @@ class _Fp8Ops(NamedTuple):
 #: the launchers under them (eager: the custom ops' Python dispatch costs tens of us of
 #: host time per call, three to five calls per layer and step).
 _TRACED_FP8 = _Fp8Ops(
-    _cast_2d_traced, _cast_blocks_op, _roll_amax_history_op, _scaled_mm_op, _scaled_mm_act_traced,
-    _activation_grad_traced,
+    _cast_2d_traced, _cast_blocks_op, _cast_tiles_traced, _roll_amax_history_op, _scaled_mm_op,
+    _scaled_mm_act_traced, _activation_grad_traced,
 )  # fmt: skip
 _EAGER_FP8 = _Fp8Ops(
-    _cast_2d_impl, _cast_blocks_impl, roll_amax_history, _scaled_mm_impl, _scaled_mm_act_impl, activation_grad
-)
+    _cast_2d_impl, _cast_blocks_impl, _cast_tiles_impl, roll_amax_history, _scaled_mm_impl,
+    _scaled_mm_act_impl, activation_grad,
+)  # fmt: skip
 
 
 def _fp8_ops(t: torch.Tensor) -> _Fp8Ops:
@@ -264,7 +303,8 @@ class _Float8Linear(torch.autograd.Function):
     each amax in its history within the cast's own launch.
 
     Under "blockwise" (e4m3 everywhere) the wgrad operands need their tiles along
-    M: x^T (in the forward) and dY^T are cast in 1x128 tiles from x and dY themselves."""
+    M: x^T (in the forward) and dY^T are cast in 1x128 tiles in the same read as x's
+    and dY's own tiles (dY's with the bias gradient)."""
 
     @staticmethod
     def forward(
@@ -279,12 +319,11 @@ class _Float8Linear(torch.autograd.Function):
         dgrad = grad_enabled and ctx.needs_input_grad[0]
         wgrad = grad_enabled and ctx.needs_input_grad[1]
         if recipe == "blockwise":
-            xq, sx, _ = ops.cast_blocks(x2d, E4M3, *TILE, False)
+            # x in 1x128 tiles and, for wgrad (which reads x with its tiles along M), x^T in
+            # 1x128 tiles along M: one read of x
+            xq, sx, saved_x, saved_sx, _ = ops.cast_tiles(x2d, E4M3, wgrad, None)
             wq, sw, wq_t = ops.cast_blocks(weight, E4M3, *WEIGHT_BLOCK, dgrad)
             y = ops.scaled_mm(xq, wq.t(), sx, sw.t(), bias, x.dtype, list(TILE), list(WEIGHT_BLOCK), True)
-            saved_x = saved_sx = None
-            if wgrad:  # wgrad reads x with its tiles along M: x^T cast in 1x128 tiles, from x itself
-                saved_x, saved_sx, _ = ops.cast_blocks(x2d.t(), E4M3, *TILE, False)
         else:
             delayed = recipe == "delayed"
             eager = ops is _EAGER_FP8
@@ -341,10 +380,10 @@ class _Float8Linear(torch.autograd.Function):
         bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         dx = dw = db = None
         if recipe == "blockwise":
-            gq, sg, _ = ops.cast_blocks(dy2d, E4M3, *TILE, False)
+            # dY and dY^T (wgrad's, tiles along M) in 1x128 tiles and the bias gradient: one read
+            sum_dtype = ctx.bias_dtype if bias_grad else None
+            gq, sg, gq_t, sg_t, db = ops.cast_tiles(dy2d, E4M3, wgrad, sum_dtype)
             blocks = (list(TILE), list(WEIGHT_BLOCK))
-            if bias_grad:
-                db = dy2d.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         else:
             delayed = recipe == "delayed"
             sum_dtype = ctx.bias_dtype if bias_grad else None
@@ -365,8 +404,7 @@ class _Float8Linear(torch.autograd.Function):
             dx = dx.reshape(ctx.x_shape)
         if wgrad:  # (N, M) @ (M, K): dY^T and X^T's casts read K-major
             if recipe == "blockwise":
-                gtq, sgt, _ = ops.cast_blocks(dy2d.t(), E4M3, *TILE, False)  # tiles along M
-                operands = (gtq, x_saved.t(), sgt, sx.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
+                operands = (gq_t, x_saved.t(), sg_t, sx.t(), None, ctx.w_dtype, list(TILE), list(TILE_T))
             else:
                 operands = (gq_t, x_saved.t(), sg, sx, None, ctx.w_dtype, [], [])
             target = common.flat_wgrad(ctx, ctx.w_dtype) if ops is _EAGER_FP8 else None
