@@ -216,4 +216,5 @@ def remove_float8_norm(module: nn.Module) -> None:
     """Undo :func:`route_float8_norm` on ``module`` (a norm or a consumer)."""
     if isinstance(module.__dict__.get("forward"), Float8NormForward):
         del module.forward
-    module.__dict__.pop("fp8_producer", None)
+    if isinstance(module.__dict__.get("fp8_producer"), Float8NormForward):  # not a GEMM's hand-off
+        del module.__dict__["fp8_producer"]

@@ -36,6 +36,7 @@ from tkern.ops.float8_args import (
     check_x_fp8,
 )
 from tkern.ops.float8_cache import Float8WeightCache, float8_weight_cache
+from tkern.ops.float8_emit import Float8Emit, check_emit_args, emitted_pair, scaled_mm_emit
 
 __all__ = ["CACHED_SCALINGS", "Float8Input", "Float8WeightCache", "float8_linear", "float8_weight_cache"]
 
@@ -269,7 +270,7 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, bias, recipe, margin, update, grad_enabled, h_x, h_w, h_g, counters,
-        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx, activation,
+        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx, activation, emit,
     ):  # fmt: skip
         n, k = weight.shape
         x2d = as_2d(x, k)
@@ -312,7 +313,13 @@ class _Float8Linear(torch.autograd.Function):
                 wq, wq_t, sw, _ = ops.cast_2d(
                     weight, E4M3, True, dgrad, None, h_w if delayed else None, ctr[1], margin, update
                 )
-            if activation is None:
+            emitted = None
+            if emit is not None:  # the epilogue also writes the next layer's input (eager only)
+                store = activation is not None and grad_enabled and any(ctx.needs_input_grad[:3])
+                y, preact, emitted = scaled_mm_emit(
+                    xq, wq.t(), sx, sw, bias, x.dtype, FORWARD_FAST_ACCUM, activation, store, emit
+                )
+            elif activation is None:
                 y = ops.scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype, [], [], FORWARD_FAST_ACCUM)
             else:  # act in the epilogue; its input kept (bf16 / fp16) for act' in backward
                 store = grad_enabled and any(ctx.needs_input_grad[:3])
@@ -327,10 +334,16 @@ class _Float8Linear(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.activation = activation
         ctx.save_for_backward(saved_x, saved_sx, wq_t if dgrad else None, sw, h_g, preact)
-        return y.reshape(*x.shape[:-1], n)
+        y = y.reshape(*x.shape[:-1], n)
+        if emit is None:
+            return y
+        data_t = emitted.data_t if emitted.data_t is not None else emitted.data.new_empty(0)
+        ctx.set_materialize_grads(False)  # no zero gradients made for the fp8 outputs (the norm's way)
+        ctx.mark_non_differentiable(emitted.data, data_t, emitted.scale)
+        return y, emitted.data, data_t, emitted.scale
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *_emitted):
         x_saved, sx, wq_t, sw, h_g, preact = ctx.saved_tensors
         recipe = ctx.recipe
         dy2d = as_2d(dy, dy.shape[-1])
@@ -375,7 +388,7 @@ class _Float8Linear(torch.autograd.Function):
             else:  # dW added into the fused optimizer's flat buffer (_flat_wgrad)
                 _scaled_mm_impl(*operands, GRADIENT_FAST_ACCUM, into=target[1], accumulate=target[2])
                 dw = common.hand_over(target)
-        return dx, dw, db, *(None,) * 16
+        return dx, dw, db, *(None,) * 17
 
 
 def float8_linear(
@@ -392,7 +405,8 @@ def float8_linear(
     counters: torch.Tensor | None = None,
     x_fp8: Float8Input | None = None,
     activation: str | None = None,
-) -> torch.Tensor:
+    emit_fp8: Float8Emit | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Input]:
     """``act(x @ weight.T + bias)`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
     Args:
@@ -419,6 +433,11 @@ def float8_linear(
             amax when ``update``); the forward then does not cast x (x itself still
             flows through autograd, for dgrad). ``data_t`` None: wgrad makes x^T's
             cast with one copy.
+        emit_fp8: a :class:`~tkern.kernels.gemm_emit.Float8Emit` (the next fp8 layer's
+            recipe and scaling state): the forward GEMM's epilogue also writes that
+            layer's input cast (:func:`tkern.scaled_mm`'s ``emit_fp8``) and the call
+            returns ``(y, Float8Input)``, the cast to hand to that layer as its ``x_fp8``
+            with ``y`` as its ``x``. Tensorwise / delayed, bf16 / fp16, eager only.
     """
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
     check_tensor("x", x, dtypes=(weight.dtype,))
@@ -429,6 +448,7 @@ def float8_linear(
     if scaling not in ("tensorwise", "delayed", "blockwise"):
         raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
     check_activation_args(activation, scaling, weight.dtype)
+    check_emit_args(emit_fp8, x, weight, scaling)
     if scaling == "delayed":  # all three histories before the first cast: the casts roll them as they go
         check_delayed_args(histories, margin, counters, weight)
     given = (None, None, None)
@@ -441,12 +461,10 @@ def float8_linear(
         amax = weight_fp8[2] if scaling == "delayed" else None
         cached = (weight_fp8[0], weight_fp8[1], weight_fp8_t, amax)
     # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
-    h = (
-        histories
-        if histories is not None
-        else tuple(weight.new_empty(0, dtype=torch.float32) for _ in range(3))
-    )
+    h = histories if histories is not None else tuple(weight.new_empty(0, dtype=torch.float32) for _ in "xwg")
     grad_enabled = torch.is_grad_enabled()
-    return _Float8Linear.apply(
-        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given, activation
-    )
+    out = _Float8Linear.apply(
+        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given, activation,
+        emit_fp8,
+    )  # fmt: skip
+    return out if emit_fp8 is None else emitted_pair(out, emit_fp8)
