@@ -15,6 +15,8 @@ import pytest
 import torch
 from conftest import DEVICE
 from test_float8_passes import launches  # noqa: F401 (the fixture)
+from test_float8_producers import _gpt2 as _converted_gpt2
+from test_float8_producers import _train
 
 import tkern
 from tkern.kernels.float8 import cast_2d, to_float8, to_float8_delayed_deferred
@@ -183,17 +185,8 @@ def test_float8_linear_checks_emit_fp8():
 
 
 def _gpt2(scaling):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=64, n_layer=1, n_head=2, n_inner=128,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config).to(DEVICE)
-    return tkern.convert_network(
-        model, torch.bfloat16, float8=tkern.nn.Float8Recipe(scaling, history_len=4),
-        float8_filter=lambda n, m: "lm_head" not in n,
-    )  # fmt: skip
+    """test_float8_producers' one-layer GPT-2 LM, converted under ``scaling`` (history of 4)."""
+    return _converted_gpt2(tkern.nn.Float8Recipe(scaling, history_len=4))
 
 
 def _unfused(model):
@@ -202,18 +195,6 @@ def _unfused(model):
     for m in twin.modules():
         remove_float8_emit(m)
     return twin
-
-
-def _train(model, steps, ids):
-    opt = tkern.optim.FusedAdamW(model.parameters(), lr=1e-2)
-    record = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        record += [loss, *(p.grad.clone() for p in model.parameters())]
-        opt.step()  # casts the weights for the next forward
-    return record + [b.clone() for b in model.buffers()]
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "delayed"])

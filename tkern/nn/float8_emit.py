@@ -29,7 +29,6 @@ unchanged.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from torch import nn
 
 from tkern.kernels._common import HALF_DTYPES
 from tkern.nn.float8 import Float8Layer
+from tkern.nn.float8_norm import is_the_output, resolve
 from tkern.ops.float8 import CACHED_SCALINGS, Float8Input
 from tkern.ops.float8_emit import Float8Emit
 from tkern.ops.norm import can_emit_float8
@@ -150,23 +150,9 @@ class Float8GemmEmitter:
         if emission is None or consumer is not self.consumer:
             return None
         self._emission = None
-        if emission.y() is not x or x._version != emission.version:
-            if consumer.recipe.scaling == "delayed" and consumer.training and torch.is_grad_enabled():
-                warnings.warn(
-                    f"{type(consumer).__name__}: its input is not its producer's output, as the block's "
-                    "fp8 emit rule (tkern.nn.float8_emit) says; it casts its input itself, and its "
-                    "amax histories record the producer's amax as well this step",
-                    stacklevel=3,
-                )
+        if not is_the_output(consumer, x, emission.y, emission.version, "producer", "tkern.nn.float8_emit"):
             return None
         return emission.x_fp8, emission.weight
-
-
-def _resolve(block: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return block.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def route_float8_emit(block: nn.Module) -> None:
@@ -183,7 +169,7 @@ def route_float8_emit(block: nn.Module) -> None:
     if not isinstance(block.__dict__.get("forward"), FusedMLPForward):
         return
     for rule in rules:
-        producer, consumer = _resolve(block, rule.producer), _resolve(block, rule.consumer)
+        producer, consumer = resolve(block, rule.producer), resolve(block, rule.consumer)
         if (
             not isinstance(producer, Float8Layer)
             or not isinstance(consumer, Float8Layer)
