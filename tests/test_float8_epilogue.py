@@ -261,8 +261,8 @@ def test_fp8_mlp_runs_no_torch_op_over_the_activation(scaling, forward, launches
 
 @absorbs_overflow
 def test_torch_compile_fullgraph_matches_eager_with_the_activation():
-    """Traced, the fused forward and its backward run through custom ops (tkern::scaled_mm_act,
-    tkern::activation_grad): one graph, the same bits as eager."""
+    """Traced, the fused forward and its backward run through custom ops (tkern::scaled_mm with
+    its activation, tkern::activation_grad): one graph, the same bits as eager."""
     from tkern.nn.float8 import float8_forward
 
     layer = tkern.nn.Float8Linear(64, 32, device=DEVICE)

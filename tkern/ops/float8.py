@@ -141,9 +141,37 @@ def _scaled_mm_op(
     block_a: list[int],
     block_b: list[int],
     use_fast_accum: bool,
-) -> torch.Tensor:
-    """:func:`tkern.scaled_mm`; an empty block list means "not block scales"."""
-    return _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum)
+    activation: str | None = None,
+    store_preact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tkern.scaled_mm`: ``(result, pre-activation)``, the pre-activation empty unless
+    ``store_preact``; an empty block list means "not block scales" (``activation`` and
+    ``store_preact`` take per-tensor or per-row scales)."""
+    if activation is None and not store_preact:
+        y = _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum)
+        return y, a.new_empty(0, dtype=out_dtype)
+    y, preact = _scaled_mm_act_impl(
+        a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact
+    )
+    return y, a.new_empty(0, dtype=out_dtype) if preact is None else preact
+
+
+@_scaled_mm_op.register_fake
+def _(
+    a,
+    b,
+    scale_a,
+    scale_b,
+    bias,
+    out_dtype,
+    block_a,
+    block_b,
+    use_fast_accum,
+    activation=None,
+    store_preact=False,
+):
+    shape = (a.shape[0], b.shape[1])
+    return a.new_empty(shape, dtype=out_dtype), a.new_empty(shape if store_preact else (0,), dtype=out_dtype)
 
 
 def _scaled_mm_impl(
@@ -159,31 +187,6 @@ def _scaled_mm_impl(
     )  # fmt: skip
 
 
-@_scaled_mm_op.register_fake
-def _(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-@torch.library.custom_op("tkern::scaled_mm_act", mutates_args=())
-def _scaled_mm_act_op(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    use_fast_accum: bool,
-    activation: str,
-    store_preact: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(act(scaled_mm(...)), pre-activation)`` (:func:`tkern.scaled_mm` with
-    ``activation``; per-tensor scales); the pre-activation is empty unless ``store_preact``."""
-    y, preact = _scaled_mm_act_impl(
-        a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact
-    )
-    return y, a.new_empty(0, dtype=out_dtype) if preact is None else preact
-
-
 def _scaled_mm_act_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
     """:func:`scaled_mm` with ``activation`` in its epilogue: ``(y, pre-activation or None)``."""
     preact = None
@@ -196,16 +199,17 @@ def _scaled_mm_act_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
     return y, preact
 
 
-@_scaled_mm_act_op.register_fake
-def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
-    shape = (a.shape[0], b.shape[1])
-    return a.new_empty(shape, dtype=out_dtype), a.new_empty(shape if store_preact else (0,), dtype=out_dtype)
+def _scaled_mm_traced(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum):
+    """:func:`_scaled_mm_impl` through the custom op: the result."""
+    return _scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum)[0]
 
 
-def _scaled_mm_act_traced(*args):
+def _scaled_mm_act_traced(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
     """:func:`_scaled_mm_act_impl` through the custom op (None for a pre-activation not stored)."""
-    y, preact = _scaled_mm_act_op(*args)
-    return y, preact if args[-1] else None
+    y, preact = _scaled_mm_op(
+        a, b, scale_a, scale_b, bias, out_dtype, [], [], use_fast_accum, activation, store_preact
+    )
+    return y, preact if store_preact else None
 
 
 def _activation_grad_traced(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -236,7 +240,7 @@ class _Fp8Ops(NamedTuple):
 #: the launchers under them (eager: the custom ops' Python dispatch costs tens of us of
 #: host time per call, three to five calls per layer and step).
 _TRACED_FP8 = _Fp8Ops(
-    _cast_2d_traced, _cast_blocks_op, _roll_amax_history_op, _scaled_mm_op, _scaled_mm_act_traced,
+    _cast_2d_traced, _cast_blocks_op, _roll_amax_history_op, _scaled_mm_traced, _scaled_mm_act_traced,
     _activation_grad_traced,
 )  # fmt: skip
 _EAGER_FP8 = _Fp8Ops(
