@@ -807,6 +807,7 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     cases += split_k_cases(cc)
     if cc >= 89:
         cases += _fp8_gemm_cases(cc)
+        cases += _fp8_emit_cases(cc)
     if cc >= 90:
         cases += blockwise_cases(cc)
         configs = gemm_configs_for(cc, tma=True)
@@ -952,6 +953,61 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
             name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{role},{epi}]"
             # gated=False: their own tests in test_compiled.py (the fp8 facts)
             cases.append(_gemm_case(name, POINTER_KERNEL, cfg, sig, const, aligned, gated=False))
+    return cases
+
+
+EMIT_KERNEL = "tkern.kernels.gemm:_matmul_emit_kernel"
+#: scaled_mm(emit_fp8=...)'s launches (issue 43 item 3: GPT-2's c_fc writing c_proj's e4m3
+#: input): the forward with the bias, gelu_new (tanh form) and its pre-activation stored, as
+#: (scaling, x^T's cast too (training)). "delayed" casts C and C^T in the epilogue and rolls
+#: the history (and a cached weight's) in the last program; "tensorwise" records max |C| only.
+FP8_EMIT_LAUNCHES = (("delayed", True), ("delayed", False), ("tensorwise", True))
+
+
+def _fp8_emit_cases(cc: int) -> list[Case]:
+    """The emitting entry kernel (``gemm._matmul_emit_kernel``: ``_matmul_kernel``'s program
+    body, the emitting epilogue) on every config scaled_mm's autotuner offers to a forward
+    with gelu_tanh (:func:`fp8_configs_for`), for each of :data:`FP8_EMIT_LAUNCHES`: named
+    ``scaled_mm_emit[...]``, held to the fp8 GEMM's facts (test_compiled.py)."""
+    import torch
+
+    from tkern.kernels import float8 as f8
+    from tkern.kernels.activation import ACTIVATIONS
+
+    tl = _tl()
+    cases = []
+    const8 = f8.fp8_constants(torch.float8_e4m3fn)
+    const8["DTYPE8"] = const8.pop("DTYPE")
+    for scaling, store_t in FP8_EMIT_LAUNCHES:
+        delayed = scaling == "delayed"
+        for cfg in fp8_configs_for(cc, 1, False, "gelu_tanh"):
+            kw = cfg.kwargs
+            sig = {
+                k: v
+                for k, v in _gemm_sig("fp16", "bf16", "bf16", False).items()
+                if not k.startswith(("z_", "a_"))
+            }
+            sig.update(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", preact_ptr="*bf16")
+            sig.update(data_ptr="*fp8e4nv", data_t_ptr="*fp8e4nv", counter_ptr="*i32", margin_factor="fp32")
+            for name in ("scale", "partials", "amax", "history", "roll2", "roll2_amax"):
+                sig[f"{name}_ptr"] = "*fp32"
+            sig.update(H="i32", H2="i32", count2="i32")
+            const = dict(
+                HAS_BIAS=True, ACTIVATION=ACTIVATIONS["gelu_tanh"], STORE_PREACT=True, OUT_DTYPE=tl.bfloat16,
+                PREACT_DTYPE=tl.bfloat16, UPCAST=False, EVEN_K=True, SCALE_A=1, SCALE_B=1, A_T=False,
+                B_T=True, stride_cn=1, stride_bias=1, stride_ak=1, stride_bk=1, **kw, PRECISE_ACC=False,
+                DELAYED=delayed, STORE_T=store_t, COUNT=True, ROLL2=delayed, **const8,
+                CHUNK=1024, HBLOCK=16, PBLOCK2=1024,
+            )  # fmt: skip
+            for name in ("stride_am", "stride_bn", "stride_cm"):
+                sig[name] = "i32"
+            for k in const:
+                sig[k] = "constexpr"
+            aligned = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", "data_ptr", "data_t_ptr")
+            aligned += ("M", "N", "K", "stride_am", "stride_bn", "stride_cm")
+            epi = f"tensor scales,bias,fast,gelu_tanh,preact,emit {scaling}{',C^T' if store_t else ''}"
+            name = f"scaled_mm_emit[{cfg_name(kw, cfg)},fp8e4nvxfp8e4nv->bf16,NT,forward,{epi}]"
+            cases.append(_gemm_case(name, EMIT_KERNEL, cfg, sig, const, aligned, gated=False))
     return cases
 
 

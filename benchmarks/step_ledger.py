@@ -474,6 +474,8 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
             nbytes += m * k * named["a_out_ptr"].element_size()
         if named.get("SUM_A"):
             nbytes += m * named["a_sum_ptr"].element_size()
+        if named.get("DELAYED") and "data_ptr" in named:  # the emitting epilogue's fp8 C (and C^T)
+            nbytes += m * n * named["data_ptr"].element_size() * (2 if named.get("STORE_T") else 1)
         return gemm_role(m, n, k, spec, backward), nbytes, 2 * m * n * k, a.dtype
     nbytes, dtype = _streamed_bytes(named)
     return _TRITON_CATEGORY.get(module, "other"), nbytes, 0, dtype

@@ -340,14 +340,20 @@ def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
     """scaled_mm's kernel (the pointer GEMM with fp8 operands; issues 17 and 43): wgmma on
     e4m3/e5m2 operands on sm_90 for every config offered to fp8 operands and every GEMM
     Float8Linear launches (static_report.FP8_GEMM_LAUNCHES: forward, dgrad, wgrad adding
-    into a fused optimizer's gradient buffer, blockwise), no spills; it is not offered
+    into a fused optimizer's gradient buffer, blockwise; FP8_EMIT_LAUNCHES: the emitting
+    epilogue's entry kernel, c_fc writing c_proj's e4m3 input), no spills; it is not offered
     before sm_89 (scaled_mm refuses those GPUs by name)."""
     import static_report
 
     fp8 = [r for r in rows if r["case"].startswith("scaled_mm")]
     assert {r["target"] for r in fp8} == {"sm_90"}
     offered = [static_report.fp8_configs_for(90, v[3], v[6], v[7]) for v in static_report.FP8_GEMM_LAUNCHES]
+    # and the emitting epilogue's entry kernel (scaled_mm(emit_fp8=...)) on a gelu_tanh forward's configs
+    offered += [
+        static_report.fp8_configs_for(90, 1, False, "gelu_tanh") for _ in static_report.FP8_EMIT_LAUNCHES
+    ]
     assert len(fp8) == sum(map(len, offered)) and all(offered)
+    assert {r["kernel"] for r in fp8 if r["case"].startswith("scaled_mm_emit[")} == {"_matmul_emit_kernel"}
     assert any(r["case"].endswith("fp8e5xfp8e4nv->bf16,NT,wgrad,tensor scales,precise,C+=]") for r in fp8)
     for r in fp8:
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"

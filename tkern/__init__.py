@@ -5,6 +5,7 @@ from tkern.amp import DynamicLossScaler, LogNormalLossScaler, StaticLossScaler
 from tkern.kernels import INTERPRET, mode
 from tkern.kernels.float8 import to_float8
 from tkern.kernels.gemm import scaled_mm
+from tkern.kernels.gemm_emit import Float8Emit
 from tkern.nn import Float8Linear, Float8Recipe, convert_network
 from tkern.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from tkern.ops.linear import linear, matmul
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "INTERPRET",
     "DynamicLossScaler",
+    "Float8Emit",
     "Float8Linear",
     "Float8Recipe",
     "LogNormalLossScaler",

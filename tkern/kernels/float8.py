@@ -195,6 +195,25 @@ def roll_if_last(
 
 
 @triton.jit
+def max_of_chunks(vec_ptr, count, CHUNK: tl.constexpr):
+    """The max of ``count`` fp32 values at ``vec_ptr`` (any number: read CHUNK at a
+    time), 0 for none: partial maxima whose number the launch learns at run time
+    (an autotuned GEMM's tiles)."""
+    offs = tl.arange(0, CHUNK)
+    best = tl.zeros((CHUNK,), dtype=tl.float32)
+    for i in range(0, count, CHUNK):
+        best = tl.maximum(best, tl.load(vec_ptr + i + offs, mask=i + offs < count, other=0.0))
+    return tl.max(best, axis=0)
+
+
+@triton.jit
+def roll_value_if_last(history_ptr, H, amax, last, HBLOCK: tl.constexpr):
+    """:func:`roll_if_last` of a value already reduced: the last program (``last``) rolls
+    ``amax`` into the (H,) history; the others write nothing (their length is 0)."""
+    _roll(history_ptr, tl.where(last, H, 0), amax, HBLOCK)
+
+
+@triton.jit
 def _cast_2d_kernel(
     # pointers
     x_ptr,  # (M, K) fp32/fp16/bf16, any strides

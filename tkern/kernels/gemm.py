@@ -35,7 +35,18 @@ from tkern.kernels._common import (
     resolve_launch,
 )
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
-from tkern.kernels.float8 import check_fp8_device
+from tkern.kernels.float8 import (
+    cast_2d_prechecked,
+    check_fp8_device,
+    delayed_multiplier,
+    fp8_constants,
+    last_to_finish,
+    max_of_chunks,
+    reciprocal,
+    release_counter,
+    roll_if_last,
+    roll_value_if_last,
+)
 from tkern.kernels.gemm_blockwise import blockwise_eligible, launch_blockwise
 from tkern.kernels.gemm_configs import (
     VECTOR_ELEMS,
@@ -46,11 +57,13 @@ from tkern.kernels.gemm_configs import (
     transposed,
 )
 from tkern.kernels.gemm_configs import tma_configs as tma_configs  # re-exported (aot_report.py)
+from tkern.kernels.gemm_emit import Float8Emit, Float8Emitted, check_emit, emit_counter
 from tkern.kernels.gemm_epilogue import (
     OUT_DTYPES,
     bias_stride,
     check_matmul_args,
     epilogue,
+    epilogue_emit,
     epilogue_meta,
     tile_coords,
 )
@@ -87,79 +100,18 @@ def _operand_scale(
         )
 
 
-#: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
-_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT"]
-
-
-@gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
-@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
-def _matmul_kernel(
-    # pointers
-    a_ptr,  # (M, K) fp16/bf16
-    b_ptr,  # (K, N) same dtype as a
-    c_ptr,  # (M, N) OUT_DTYPE
-    bias_ptr,  # (N,) a's dtype or fp32; unused unless HAS_BIAS
-    preact_ptr,  # (M, N) a's dtype: A @ B + bias before the activation; unused unless STORE_PREACT
-    # dimensions
-    M,
-    N,
-    K,
-    # strides, in elements
-    stride_am,
-    stride_ak,
-    stride_bk,
-    stride_bn,
-    stride_cm,
-    stride_cn,
-    stride_bias,  # bias's stride: 1, 0 for an expanded bias, or any other
-    # fp8 operand scales (scaled_mm); unused when SCALE_A == SCALE_B == SCALE_NONE
-    scale_a_ptr,  # fp32: (1,), (M, 1), or (ceil(M / block_am), ceil(K / block_ak)) blocks
-    scale_b_ptr,  # fp32: (1,), (1, N), or (ceil(K / block_bk), ceil(N / block_bn)) blocks
-    stride_sam,
-    stride_sak,
-    stride_sbk,
-    stride_sbn,
-    block_am,
-    block_ak,
-    block_bk,
-    block_bn,
-    # the operand prologue (the linear backward); unused unless A_ACT / STORE_A / SUM_A
-    z_ptr,  # (M, K) a's dtype, a's strides: the pre-activation whose act' multiplies A; A_ACT only
-    a_out_ptr,  # (M, K) a's dtype, a's strides: receives A' (the operand fed to the dot); STORE_A only
-    a_sum_ptr,  # (M,) fp32 or a's dtype, contiguous: receives A'.sum(1) summed in fp32; SUM_A only
-    # meta-parameters; constexpr so the untaken branches are compiled out
-    HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
-    STORE_PREACT: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
-    PREACT_DTYPE: tl.constexpr,
-    UPCAST: tl.constexpr,  # multiply in fp32 (the interpreter cannot multiply bf16)
-    A_T: tl.constexpr,  # A is not row-major (e.g. a transposed view): for the autotune key
-    B_T: tl.constexpr,  # B is not row-major (x @ W^T reads W^T in place): for the autotune key
-    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask on the K loop
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see gemm_epilogue.epilogue)
-    SCALE_A: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per row) / _BLOCK
-    SCALE_B: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per column) / _BLOCK
-    A_ACT: tl.constexpr = 0,  # activation code: A' = A * act'(Z) rounded to a's dtype (0: A' = A)
-    STORE_A: tl.constexpr = False,  # the programs of column block 0 store A' (a_out_ptr)
-    SUM_A: tl.constexpr = False,  # the programs of column block 0 store A'.sum(1) (a_sum_ptr)
-    ACCUMULATE: tl.constexpr = False,  # C += A' @ B (C's old value read in the epilogue)
-    PRECISE_ACC: tl.constexpr = False,  # fp8: promote the tensor cores' partial sums every K tile
-):
-    """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
-    accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
-    per tensor/row/column after the K loop, per block inside it. Shapes above.
-
-    The operand prologue serves the linear backward: ``A' = A * act'(Z)`` (dZ from
-    dY and the saved pre-activation, as activation.activation_grad stores it) is
-    built while A's tiles are loaded, and the programs of the first column block
-    (``pid_n == 0``, each of A's row bands has exactly one) store the A' tiles they
-    built and their row sums (dbias): no atomics, every row written once."""
+def _matmul_tile(
+    a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    scale_a_ptr, scale_b_ptr, stride_sam, stride_sak, stride_sbk, stride_sbn,
+    block_am, block_ak, block_bk, block_bn, z_ptr, a_out_ptr, a_sum_ptr,
+    UPCAST: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+    A_ACT: tl.constexpr, STORE_A: tl.constexpr, SUM_A: tl.constexpr, PRECISE_ACC: tl.constexpr,
+):  # fmt: skip
+    """The program body both entry kernels share (``_matmul_kernel``, ``_matmul_emit_kernel``):
+    this program's output tile ``(acc, pid_m, pid_n)``, the fp32 accumulator with the fp8
+    scales applied, before the epilogue (the arguments are the entry kernels')."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -258,6 +210,88 @@ def _matmul_kernel(
     if SUM_A:
         sum_dtype: tl.constexpr = a_sum_ptr.dtype.element_ty
         tl.store(a_sum_ptr + offs_m, cast_rne(a_sum, sum_dtype), mask=mask_m & first_col)
+    return acc, pid_m, pid_n
+
+
+#: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
+_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT"]
+
+
+@gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _matmul_kernel(
+    # pointers
+    a_ptr,  # (M, K) fp16/bf16
+    b_ptr,  # (K, N) same dtype as a
+    c_ptr,  # (M, N) OUT_DTYPE
+    bias_ptr,  # (N,) a's dtype or fp32; unused unless HAS_BIAS
+    preact_ptr,  # (M, N) a's dtype: A @ B + bias before the activation; unused unless STORE_PREACT
+    # dimensions
+    M,
+    N,
+    K,
+    # strides, in elements
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_cm,
+    stride_cn,
+    stride_bias,  # bias's stride: 1, 0 for an expanded bias, or any other
+    # fp8 operand scales (scaled_mm); unused when SCALE_A == SCALE_B == SCALE_NONE
+    scale_a_ptr,  # fp32: (1,), (M, 1), or (ceil(M / block_am), ceil(K / block_ak)) blocks
+    scale_b_ptr,  # fp32: (1,), (1, N), or (ceil(K / block_bk), ceil(N / block_bn)) blocks
+    stride_sam,
+    stride_sak,
+    stride_sbk,
+    stride_sbn,
+    block_am,
+    block_ak,
+    block_bk,
+    block_bn,
+    # the operand prologue (the linear backward); unused unless A_ACT / STORE_A / SUM_A
+    z_ptr,  # (M, K) a's dtype, a's strides: the pre-activation whose act' multiplies A; A_ACT only
+    a_out_ptr,  # (M, K) a's dtype, a's strides: receives A' (the operand fed to the dot); STORE_A only
+    a_sum_ptr,  # (M,) fp32 or a's dtype, contiguous: receives A'.sum(1) summed in fp32; SUM_A only
+    # meta-parameters; constexpr so the untaken branches are compiled out
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0 none, 1 relu, 2 gelu (erf form)
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    UPCAST: tl.constexpr,  # multiply in fp32 (the interpreter cannot multiply bf16)
+    A_T: tl.constexpr,  # A is not row-major (e.g. a transposed view): for the autotune key
+    B_T: tl.constexpr,  # B is not row-major (x @ W^T reads W^T in place): for the autotune key
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no mask on the K loop
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see gemm_epilogue.epilogue)
+    SCALE_A: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per row) / _BLOCK
+    SCALE_B: tl.constexpr = 0,  # SCALE_NONE / _TENSOR / _VECTOR (per column) / _BLOCK
+    A_ACT: tl.constexpr = 0,  # activation code: A' = A * act'(Z) rounded to a's dtype (0: A' = A)
+    STORE_A: tl.constexpr = False,  # the programs of column block 0 store A' (a_out_ptr)
+    SUM_A: tl.constexpr = False,  # the programs of column block 0 store A'.sum(1) (a_sum_ptr)
+    ACCUMULATE: tl.constexpr = False,  # C += A' @ B (C's old value read in the epilogue)
+    PRECISE_ACC: tl.constexpr = False,  # fp8: promote the tensor cores' partial sums every K tile
+):
+    """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
+    accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
+    per tensor/row/column after the K loop, per block inside it. Shapes above.
+
+    The operand prologue serves the linear backward: ``A' = A * act'(Z)`` (dZ from
+    dY and the saved pre-activation, as activation.activation_grad stores it) is
+    built while A's tiles are loaded, and the programs of the first column block
+    (``pid_n == 0``, each of A's row bands has exactly one) store the A' tiles they
+    built and their row sums (dbias): no atomics, every row written once."""
+    acc, pid_m, pid_n = _matmul_tile(
+        a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
+        stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, z_ptr,
+        a_out_ptr, a_sum_ptr, UPCAST, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SCALE_A, SCALE_B, A_ACT,
+        STORE_A, SUM_A, PRECISE_ACC,
+    )  # fmt: skip
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
@@ -278,6 +312,91 @@ _scaled_mm_kernel = gemm_autotune(configs=fp8_gemm_configs(), key=_FP8_AUTOTUNE_
 _scaled_mm_accumulate_kernel = gemm_autotune(
     configs=fp8_gemm_configs(), key=_FP8_AUTOTUNE_KEY, restore=("c_ptr",)
 )(_matmul_kernel.fn)
+
+
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+@triton.jit
+def _matmul_emit_kernel(
+    # the GEMM's pointers, dimensions and strides: _matmul_kernel's (c contiguous)
+    a_ptr, b_ptr, c_ptr, bias_ptr, preact_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    stride_cm, stride_cn, stride_bias, scale_a_ptr, scale_b_ptr, stride_sam, stride_sak, stride_sbk,
+    stride_sbn, block_am, block_ak, block_bk, block_bn,
+    # the next GEMM's input cast (gemm_emit.py)
+    data_ptr,  # (M, N) e4m3, contiguous: C's cast (DELAYED)
+    data_t_ptr,  # (N, M) e4m3, contiguous: C^T's cast (DELAYED and STORE_T)
+    scale_ptr,  # (1,) fp32: 1 / multiplier, written by program 0 (DELAYED)
+    partials_ptr,  # (>= programs,) fp32: each program's max |C| (COUNT)
+    amax_ptr,  # (1,) fp32: max |C|, written by the last program (COUNT, not DELAYED)
+    history_ptr,  # (H,) fp32: the consumer's input amax history (DELAYED); rolled with max |C| (COUNT)
+    counter_ptr,  # (1,) int32, 0 between launches: programs finished (COUNT)
+    roll2_ptr,  # (H2,) fp32: a cached weight's history, rolled with max(roll2_amax) (ROLL2)
+    roll2_amax_ptr,  # (count2,) fp32 (ROLL2)
+    H, H2, count2,
+    margin_factor,  # 2^-margin (DELAYED)
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, STORE_PREACT: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EPI_SPLIT: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
+    PRECISE_ACC: tl.constexpr,
+    DELAYED: tl.constexpr,  # cast C with the history's multiplier in the epilogue
+    STORE_T: tl.constexpr,
+    COUNT: tl.constexpr,  # record max |C| per program; the last reduces it (tensorwise) or rolls it
+    ROLL2: tl.constexpr,
+    FP8_MAX: tl.constexpr, MULT_AT_EPS: tl.constexpr, EPS_F32: tl.constexpr, DTYPE8: tl.constexpr,
+    CHUNK: tl.constexpr,  # partial maxima reduced this many at a time
+    HBLOCK: tl.constexpr,  # a power of two >= H, H2 and 1
+    PBLOCK2: tl.constexpr,  # a power of two >= count2
+):  # fmt: skip
+    """:func:`_matmul_kernel`'s program (``_matmul_tile``, the same code) with an epilogue
+    that also writes the next fp8 GEMM's input (``scaled_mm(emit_fp8=...)``, gemm_emit.py):
+    under DELAYED each tile of C cast with the consumer's history's multiplier into C's
+    and C^T's layouts (``gemm_epilogue.epilogue_emit``); with COUNT every program stores
+    its max |C| and counts itself finished (float8.last_to_finish), and the last one rolls
+    the reduced max into the history (DELAYED; and ROLL2's) or stores it at ``amax_ptr``
+    for the one cast pass that follows (tensorwise). Every program reads the history
+    before it counts itself, so the last one's roll comes after every read."""
+    pid = tl.program_id(0)
+    mult = 1.0
+    if DELAYED:
+        mult = delayed_multiplier(history_ptr, H, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, HBLOCK)
+        if pid == 0:
+            tl.store(scale_ptr, reciprocal(mult))
+    acc, pid_m, pid_n = _matmul_tile(
+        a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
+        stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, c_ptr,
+        c_ptr, c_ptr, UPCAST, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SCALE_A, SCALE_B, 0, False,
+        False, PRECISE_ACC,
+    )  # fmt: skip
+    best = epilogue_emit(
+        acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias, mult,
+        data_ptr, data_t_ptr, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M,
+        BLOCK_N, EPI_SPLIT, DELAYED, STORE_T, FP8_MAX, DTYPE8,
+    )  # fmt: skip
+    if COUNT:
+        nprog = tl.num_programs(0)
+        tl.store(partials_ptr + pid, best)
+        last = last_to_finish(counter_ptr, nprog)
+        amax = max_of_chunks(partials_ptr, tl.where(last, nprog, 0), CHUNK)
+        if DELAYED:
+            roll_value_if_last(history_ptr, H, amax, last, HBLOCK)
+        else:
+            roll_value_if_last(amax_ptr, 1, amax, last, HBLOCK)  # a one-element "history": amax[0]
+        if ROLL2:
+            roll_if_last(roll2_ptr, H2, roll2_amax_ptr, count2, last, PBLOCK2, HBLOCK)
+        release_counter(counter_ptr, last, nprog)
+
+
+_EMIT_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B",
+                      "PRECISE_ACC", "DELAYED", "STORE_T"]  # fmt: skip
+#: scaled_mm(emit_fp8=...)'s launches: the fp8 tiles; the histories a benchmarked config
+#: rolls are put back after it (only the launch itself rolls them).
+_scaled_mm_emit_kernel = gemm_autotune(
+    configs=fp8_gemm_configs(), key=_EMIT_AUTOTUNE_KEY, restore=("history_ptr", "roll2_ptr")
+)(_matmul_emit_kernel)
+#: The smallest fp8 tile: no config launches more programs than (M, N) cut in these.
+_MIN_FP8_TILE = tuple(min(c.kwargs[k] for c in fp8_gemm_configs()) for k in ("BLOCK_M", "BLOCK_N"))
+#: Partial maxima the emitting epilogue's last program reduces at a time.
+EMIT_CHUNK = 1024
 
 
 def matmul(
@@ -891,7 +1010,8 @@ def scaled_mm(
     use_fast_accum: bool = False,
     activation: str | None = None,
     preact: torch.Tensor | None = None,
-) -> torch.Tensor:
+    emit_fp8: Float8Emit | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Emitted]:
     """``act((a.float() * scale_a) @ (b.float() * scale_b) + bias)``, accumulated in
     fp32 and rounded once to ``out_dtype``, as ``torch._scaled_mm`` defines its
     scales. The same GEMM kernel as :func:`matmul` (tiles, ordering, epilogue,
@@ -929,6 +1049,14 @@ def scaled_mm(
         preact: optional (M, N) contiguous tensor of ``out_dtype`` that receives
             the scaled ``a @ b + bias`` before the activation, rounded once (what
             the activation's gradient needs); per-tensor or per-row scales only.
+        emit_fp8: a :class:`~tkern.kernels.gemm_emit.Float8Emit`: the epilogue also
+            writes the next fp8 GEMM's e4m3 input, the cast of this result (as rounded
+            to ``out_dtype``) under that GEMM's recipe, in both layouts (C, and C^T with
+            ``store_t``), bit for bit ``cast_2d`` of the result; ``"delayed"`` in this
+            launch (its history rolled in it with ``update``), ``"tensorwise"`` with
+            max |C| found in this launch and one cast pass after it. Then the call
+            returns ``(result, Float8Emitted(data, data_t, scale))``. Per-tensor or
+            per-row scales, bf16 / fp16 ``out_dtype``, no ``out`` / ``accumulate_into``.
 
     Block scales on both operands with 128-wide K blocks and 1 or 128 rows / columns
     per scale (DeepSeek-V3's 1x128 activations and 128x128 weights, and the blockwise
@@ -982,6 +1110,8 @@ def scaled_mm(
     _check_fp8_epilogue(
         activation, preact, (M, N), out_dtype, kind_a, kind_b, a, b, scale_a, scale_b, bias, into
     )
+    if emit_fp8 is not None:
+        check_emit(emit_fp8, out_dtype, SCALE_BLOCK in (kind_a, kind_b), into, a)
     a, b = k_major_fp8_operands(a, b)
     # one element as (1, 1); (M, 1), (1, N) and block grids as they are (2-D, any strides)
     sa = scale_a.reshape(1, 1) if kind_a == SCALE_TENSOR else scale_a
@@ -991,6 +1121,8 @@ def scaled_mm(
         # persistent (gemm_blockwise.py); promoted every 128 of K whatever use_fast_accum says
         return launch_blockwise(a, b, sa, sb, blk_a, blk_b, bias, out_dtype, into, accumulate)
     scales = OperandScales(kind_a, kind_b, sa, sb, blk_a, blk_b, not use_fast_accum)
+    if emit_fp8 is not None:
+        return launch_emit(a, b, M, N, K, bias, activation, out_dtype, preact, scales, emit_fp8)
     return _launch_matmul(
         a, b, M, N, K, bias, activation, out_dtype, preact, scales, NO_PROLOGUE, into, accumulate
     )
@@ -1016,3 +1148,70 @@ def _check_fp8_epilogue(activation, preact, shape, out_dtype, kind_a, kind_b, *o
         check_same_device(a=others[0], preact=preact)
         if _shares_memory(preact, *others):
             raise ValueError("preact must not share memory with the GEMM's other tensors")
+
+
+def launch_emit(a, b, M, N, K, bias, activation, out_dtype, preact, scales, emit: Float8Emit):
+    """:func:`scaled_mm` with ``emit_fp8`` after its arguments were checked (``a`` and ``b``
+    K-major where the device needs them): ``(C, Float8Emitted)``."""
+    dev = a.device
+    delayed = emit.scaling == "delayed"
+    history = emit.history if delayed else None
+    roll = delayed and emit.update
+    c = torch.empty(M, N, dtype=out_dtype, device=dev)
+    if M == 0 or N == 0:  # no tile, no program: the cast's own launch (it rolls the histories)
+        cast = cast_2d_prechecked(
+            c, emit.dtype, True, emit.store_t, None, history, emit.margin, emit.update, False,
+            emit.counter if roll else None, emit.roll2,
+        )  # fmt: skip
+        return c, Float8Emitted(cast.data, cast.data_t, cast.scale)
+    count = roll or not delayed
+    data = torch.empty((M, N), dtype=emit.dtype, device=dev) if delayed else None
+    data_t = torch.empty((N, M), dtype=emit.dtype, device=dev) if delayed and emit.store_t else None
+    scale = torch.empty((), dtype=torch.float32, device=dev)
+    tiles = triton.cdiv(M, _MIN_FP8_TILE[0]) * triton.cdiv(N, _MIN_FP8_TILE[1])
+    partials = torch.empty(tiles, dtype=torch.float32, device=dev) if count else None
+    amax = torch.empty(1, dtype=torch.float32, device=dev) if not delayed else None
+    counter = (emit.counter if emit.counter is not None else emit_counter(dev)) if count else None
+    roll2 = emit.roll2 if roll else None
+    h2, amax2 = roll2 if roll2 is not None else (c, c)
+    h, n2, count2 = (history.numel() if delayed else 0), h2.numel(), amax2.numel()
+    sa, sb = a.stride(), b.stride()
+    args = (
+        a, b, c, c if bias is None else bias, c if preact is None else preact, M, N, K, *sa, *sb, N, 1,
+        bias_stride(bias), *scales.args(c), *(c if t is None else t for t in (data, data_t)), scale,
+        *(scale if t is None else t for t in (partials, amax, history, counter)), h2, amax2,
+        h, n2 if roll2 is not None else 0, count2 if roll2 is not None else 0, 2.0**-emit.margin,
+    )  # fmt: skip
+    key = ("emit", a.dtype, b.dtype, None if bias is None else bias.dtype, activation, out_dtype,
+           preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, scales.precise_acc,
+           delayed, emit.store_t, count, roll2 is not None, h, n2, count2)  # fmt: skip
+    direct = _LAUNCHES.get(key)
+    if direct is not None and direct.kernel is _scaled_mm_emit_kernel:
+        direct.jit[direct.grid](*args, **direct.kwargs)
+    else:
+
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+        const8 = fp8_constants(emit.dtype)
+        const8["DTYPE8"] = const8.pop("DTYPE")
+        meta = {
+            **epilogue_meta(a.dtype, bias, activation, out_dtype, preact), "A_T": transposed(sa),
+            "B_T": transposed(sb), "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
+            "PRECISE_ACC": scales.precise_acc, "DELAYED": delayed, "STORE_T": emit.store_t,
+            "COUNT": count, "ROLL2": roll2 is not None, **const8, "CHUNK": EMIT_CHUNK,
+            "HBLOCK": triton.next_power_of_2(max(h, n2, 1)), "PBLOCK2": triton.next_power_of_2(count2),
+        }  # fmt: skip
+        del meta["ACCUMULATE"]  # the emitting kernel never adds into C
+        direct = resolve_launch(_scaled_mm_emit_kernel, grid, args, meta)
+        if direct is not None:
+            _LAUNCHES[key] = direct
+    if not delayed:  # the one cast pass, with the max |C| this launch found
+        cast = cast_2d_prechecked(c, emit.dtype, True, emit.store_t, None, None, 0, False, False, None,
+                                  None, amax)  # fmt: skip
+        return c, Float8Emitted(cast.data, cast.data_t, cast.scale)
+    if roll:  # in-place writes, as torch's own would count them
+        for t in (history, None if roll2 is None else roll2[0]):
+            if t is not None and not t.is_inference():
+                torch.autograd.graph.increment_version(t)
+    return c, Float8Emitted(data, data_t, scale)

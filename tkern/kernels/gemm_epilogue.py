@@ -31,6 +31,7 @@ from tkern.kernels.activation import (
     apply_activation,
     check_activation,
 )
+from tkern.kernels.float8 import store_fp8_tile
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -95,7 +96,9 @@ def _epilogue_part(
     ACCUMULATE: tl.constexpr,
 ):
     """Bias, optional pre-activation store, activation, C's old value added
-    (ACCUMULATE) and one masked cast-and-store on WIDTH columns of the fp32 tile."""
+    (ACCUMULATE) and one masked cast-and-store on WIDTH columns of the fp32 tile.
+    Returns ``(stored, cols, mask)``: the values stored (OUT_DTYPE), their columns and
+    mask (:func:`epilogue_emit` casts them to fp8; :func:`epilogue` drops them)."""
     cols = col0 + tl.arange(0, WIDTH)
     mask_n = cols < N
     mask_c = (rows < M)[:, None] & mask_n[None, :]
@@ -109,7 +112,9 @@ def _epilogue_part(
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if ACCUMULATE:  # C += result: one rounding of the fp32 sum, as an fp32 accumulator would
         acc = acc + tl.load(c_ptrs, mask=mask_c, other=0.0).to(tl.float32)
-    tl.store(c_ptrs, cast_rne(acc, OUT_DTYPE), mask=mask_c)
+    out = cast_rne(acc, OUT_DTYPE)
+    tl.store(c_ptrs, out, mask=mask_c)
+    return out, cols, mask_c
 
 
 @triton.jit
@@ -155,6 +160,60 @@ def epilogue(
             stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
             ACCUMULATE,
         )  # fmt: skip
+
+
+@triton.jit
+def epilogue_emit(
+    acc,  # (BLOCK_M, BLOCK_N) fp32 accumulator of tile (pid_m, pid_n)
+    pid_m,
+    pid_n,
+    M,
+    N,
+    c_ptr,  # (M, N) OUT_DTYPE, contiguous
+    bias_ptr,
+    preact_ptr,
+    stride_cm,
+    stride_cn,
+    stride_bias,
+    mult,  # fp32 multiplier of the fp8 cast (CAST only)
+    data_ptr,  # (M, N) fp8 DTYPE8, contiguous: C's cast (CAST only)
+    data_t_ptr,  # (N, M) fp8 DTYPE8, contiguous: C^T's cast (CAST and STORE_T only)
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    PREACT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EPI_SPLIT: tl.constexpr,
+    CAST: tl.constexpr,  # cast C with ``mult`` (the multiplier is known before the launch)
+    STORE_T: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    DTYPE8: tl.constexpr,
+):
+    """:func:`epilogue` (no ``C +=``) that also hands the stored C to the next fp8 GEMM:
+    the max |C| of the tile's valid elements is returned (C as rounded to OUT_DTYPE, what
+    the next GEMM's own cast would read), and with CAST each slice is cast with ``mult``
+    into C's layout and C^T's (float8.store_fp8_tile: the cast ``cast_2d`` makes of C)."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    PARTS: tl.constexpr = EPI_SPLIT if (TRANSCENDENTAL_BITS >> ACTIVATION) & 1 else 1
+    WIDTH: tl.constexpr = BLOCK_N // PARTS
+    slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
+    best = 0.0
+    for i in tl.static_range(PARTS):
+        out, cols, mask = _epilogue_part(
+            slices[i], rows, pid_n * BLOCK_N + i * WIDTH, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm,
+            stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
+            False,
+        )  # fmt: skip
+        y = out.to(tl.float32)
+        best = tl.maximum(best, tl.max(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1), axis=0))
+        if CAST:
+            store_fp8_tile(
+                y, rows.to(tl.int64), cols.to(tl.int64), mask, M, N, mult, data_ptr, data_t_ptr, True,
+                STORE_T, FP8_MAX, DTYPE8,
+            )  # fmt: skip
+    return best
 
 
 @triton.jit

@@ -13,6 +13,7 @@ from torch import nn
 
 from tkern.nn.casting import CastInputs, cast_own, cast_tree, remove_cast_hooks, run_in_fp32
 from tkern.nn.float8 import Float8Linear, Float8Recipe, float8_conv1d_class
+from tkern.nn.float8_emit import remove_float8_emit, route_float8_emit
 from tkern.nn.float8_norm import remove_float8_norm, route_float8_norm
 from tkern.nn.fusion import FusedMLPForward, FusedSequentialForward, route_fusion, route_mlp
 from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss
@@ -347,6 +348,7 @@ def remove_tkern_hooks(module: nn.Module) -> None:
     if isinstance(module.__dict__.get("forward"), (FusedSequentialForward, FusedMLPForward)):
         del module.forward
     remove_float8_norm(module)
+    remove_float8_emit(module)
     remove_fused_loss(module)
 
 
@@ -363,5 +365,8 @@ def _back_tree(module: nn.Module) -> None:
 #: block was left eager (for the warning), or None``. The fusions (tkern/nn/fusion.py):
 #: an ``nn.Sequential``'s Linear + activation, and transformers' MLP blocks by family
 #: (``fusion.MLP_RULES``); and the norms that write their fp8 consumers' input, by block
-#: family (tkern/nn/float8_norm.py, ``FLOAT8_NORM_RULES``).
-POST_RULES: list[Callable[[nn.Module], str | None]] = [route_fusion, route_mlp, route_float8_norm]
+#: family (tkern/nn/float8_norm.py, ``FLOAT8_NORM_RULES``), and the fp8 GEMMs that write the
+#: next one's input, by fused MLP family (tkern/nn/float8_emit.py, ``FLOAT8_EMIT_RULES``).
+POST_RULES: list[Callable[[nn.Module], str | None]] = [
+    route_fusion, route_mlp, route_float8_norm, route_float8_emit,
+]  # fmt: skip

@@ -189,6 +189,10 @@ class Float8Layer:
         """K of the layer's GEMM: the width of the input it takes."""
         return self._gemm_view(self.weight).shape[1]
 
+    def gemm_out_features(self) -> int:
+        """N of the layer's GEMM: the width of its output."""
+        return self._gemm_view(self.weight).shape[0]
+
     def cached_weight_fp8(self) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
         """The optimizer's cast of the weight if a forward now may use it (Float8WeightCache):
         ``(weight_fp8, weight_fp8_t)`` as :func:`~tkern.ops.float8.float8_linear` takes them,
@@ -215,20 +219,28 @@ class Float8Layer:
     def _forward(self, x: torch.Tensor, activation: str | None) -> torch.Tensor:
         if self.recipe.enable_fsdp_float8_all_gather:
             return self._forward_fp8_gathered(x, activation)
-        # x's cast made by its producer (a norm, tkern.nn.float8_norm), used only if x is its output
-        producer = None if torch.compiler.is_compiling() else self.__dict__.get("fp8_producer")
+        # x's cast made by its producer (a norm, tkern.nn.float8_norm; a GEMM, tkern.nn.float8_emit),
+        # used only if x is its output; the next layer's input cast, made by this GEMM's epilogue
+        compiling = torch.compiler.is_compiling()
+        producer = None if compiling else self.__dict__.get("fp8_producer")
         handoff = None if producer is None else producer.take(self, x)
         weight = self._gemm_view(self.weight)
         if x.is_floating_point() and x.dtype != weight.dtype:
             x = x.to(weight.dtype)
+        emitter = None if compiling else self.__dict__.get("fp8_emitter")
+        emit = None if emitter is None else emitter.spec(x, activation)
         x_fp8, cached = (None, self.cached_weight_fp8()) if handoff is None else handoff
         weight_fp8, weight_fp8_t = (None, None) if cached is None else cached
-        return float8_linear(
+        out = float8_linear(
             x, weight, self.bias, scaling=self.recipe.scaling, margin=self.recipe.margin,
             update=self.training and torch.is_grad_enabled(), histories=self.fp8_histories(),
             weight_fp8=weight_fp8, weight_fp8_t=weight_fp8_t, counters=self.fp8_counters(), x_fp8=x_fp8,
-            activation=activation,
+            activation=activation, emit_fp8=emit,
         )  # fmt: skip
+        if emit is None:
+            return out
+        emitter.record(*out)
+        return out[0]
 
     def _forward_fp8_gathered(self, x: torch.Tensor, activation: str | None) -> torch.Tensor:
         """Under ``enable_fsdp_float8_all_gather``: the weight is FSDP2's fp8-gathered

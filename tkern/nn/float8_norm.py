@@ -46,7 +46,9 @@ __all__ = [
     "FLOAT8_NORM_RULES",
     "Float8NormForward",
     "Float8NormRule",
+    "is_the_output",
     "remove_float8_norm",
+    "resolve",
     "route_float8_norm",
 ]
 
@@ -168,19 +170,30 @@ class Float8NormForward:
         if emission is None or id(consumer) not in emission.weights:
             return None
         weight = emission.weights.pop(id(consumer))
-        if emission.y() is not x or x._version != emission.version:
-            if consumer.recipe.scaling == "delayed" and consumer.training and torch.is_grad_enabled():
-                warnings.warn(
-                    f"{type(consumer).__name__}: its input is not its norm's output, as the block's "
-                    "fp8 norm rule (tkern.nn.float8_norm) says; it casts its input itself, and its "
-                    "amax histories record the norm's amax as well this step",
-                    stacklevel=3,
-                )
+        if not is_the_output(consumer, x, emission.y, emission.version, "norm", "tkern.nn.float8_norm"):
             return None
         return emission.x_fp8, weight
 
 
-def _resolve(block: nn.Module, path: str) -> nn.Module | None:
+def is_the_output(consumer: nn.Module, x: torch.Tensor, y: weakref.ref, version: int, what: str, rules: str):
+    """Whether ``x``, ``consumer``'s input, is the producer's output ``y`` (a weak reference)
+    unchanged since (its version then); if not, under ``"delayed"`` in training, warn that the
+    consumer casts its input itself and its histories record the producer's amax as well (the
+    producer, a ``what``, recorded it in its launch, as the rules of module ``rules`` say)."""
+    if y() is x and x._version == version:
+        return True
+    if consumer.recipe.scaling == "delayed" and consumer.training and torch.is_grad_enabled():
+        warnings.warn(
+            f"{type(consumer).__name__}: its input is not its {what}'s output, as the block's "
+            f"fp8 rule ({rules}) says; it casts its input itself, and its "
+            f"amax histories record the {what}'s amax as well this step",
+            stacklevel=4,
+        )
+    return False
+
+
+def resolve(block: nn.Module, path: str) -> nn.Module | None:
+    """``block``'s submodule at ``path``, or None where there is none."""
     try:
         return block.get_submodule(path)
     except AttributeError:
@@ -197,8 +210,8 @@ def route_float8_norm(block: nn.Module) -> None:
     if rules is None or not kind.__module__.startswith("transformers."):
         return
     for rule in rules:
-        norm = _resolve(block, rule.norm)
-        consumers = [_resolve(block, path) for path in rule.consumers]
+        norm = resolve(block, rule.norm)
+        consumers = [resolve(block, path) for path in rule.consumers]
         if (
             type(norm) not in (LayerNorm, RMSNorm)
             or "forward" in norm.__dict__
@@ -216,4 +229,5 @@ def remove_float8_norm(module: nn.Module) -> None:
     """Undo :func:`route_float8_norm` on ``module`` (a norm or a consumer)."""
     if isinstance(module.__dict__.get("forward"), Float8NormForward):
         del module.forward
-    module.__dict__.pop("fp8_producer", None)
+    if isinstance(module.__dict__.get("fp8_producer"), Float8NormForward):  # not a GEMM's hand-off
+        del module.__dict__["fp8_producer"]

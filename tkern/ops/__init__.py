@@ -5,8 +5,10 @@ per op family, each above the kernels it launches (``tkern/kernels``):
                  backward (custom ops ``tkern::linear_forward``, ``tkern::mm_backward``,
                  ``tkern::activation_grad``)
 ``float8.py``    ``float8_linear`` (custom ops ``tkern::float8_cast_2d``,
-                 ``tkern::float8_cast_blocks``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``,
-                 ``tkern::scaled_mm_act``: the forward with an MLP's activation in its epilogue)
+                 ``tkern::float8_cast_blocks``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``:
+                 with an optional activation in its epilogue, an MLP's forward)
+``float8_emit.py``  ``float8_linear``'s ``emit_fp8``: the forward GEMM's epilogue writing the next
+                 fp8 layer's input cast (eager only)
 ``float8_args.py``  what ``float8_linear`` checks of its fp8 arguments, and ``Float8Input`` (an
                  input cast by its producer, ``norm.norm_float8``)
 ``float8_cache.py``  the fp8 weight cache a fused optimizer writes once per step

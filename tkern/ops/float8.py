@@ -39,6 +39,7 @@ from tkern.ops.float8_args import (
     check_x_fp8,
 )
 from tkern.ops.float8_cache import Float8WeightCache, float8_weight_cache
+from tkern.ops.float8_emit import Float8Emit, check_emit_args, emitted_pair, scaled_mm_emit
 
 __all__ = ["CACHED_SCALINGS", "Float8Input", "Float8WeightCache", "float8_linear", "float8_weight_cache"]
 
@@ -177,9 +178,37 @@ def _scaled_mm_op(
     block_a: list[int],
     block_b: list[int],
     use_fast_accum: bool,
-) -> torch.Tensor:
-    """:func:`tkern.scaled_mm`; an empty block list means "not block scales"."""
-    return _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum)
+    activation: str | None = None,
+    store_preact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tkern.scaled_mm`: ``(result, pre-activation)``, the pre-activation empty unless
+    ``store_preact``; an empty block list means "not block scales" (``activation`` and
+    ``store_preact`` take per-tensor or per-row scales)."""
+    if activation is None and not store_preact:
+        y = _scaled_mm_impl(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum)
+        return y, a.new_empty(0, dtype=out_dtype)
+    y, preact = _scaled_mm_act_impl(
+        a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact
+    )
+    return y, a.new_empty(0, dtype=out_dtype) if preact is None else preact
+
+
+@_scaled_mm_op.register_fake
+def _(
+    a,
+    b,
+    scale_a,
+    scale_b,
+    bias,
+    out_dtype,
+    block_a,
+    block_b,
+    use_fast_accum,
+    activation=None,
+    store_preact=False,
+):
+    shape = (a.shape[0], b.shape[1])
+    return a.new_empty(shape, dtype=out_dtype), a.new_empty(shape if store_preact else (0,), dtype=out_dtype)
 
 
 def _scaled_mm_impl(
@@ -195,31 +224,6 @@ def _scaled_mm_impl(
     )  # fmt: skip
 
 
-@_scaled_mm_op.register_fake
-def _(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-@torch.library.custom_op("tkern::scaled_mm_act", mutates_args=())
-def _scaled_mm_act_op(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    use_fast_accum: bool,
-    activation: str,
-    store_preact: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(act(scaled_mm(...)), pre-activation)`` (:func:`tkern.scaled_mm` with
-    ``activation``; per-tensor scales); the pre-activation is empty unless ``store_preact``."""
-    y, preact = _scaled_mm_act_impl(
-        a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact
-    )
-    return y, a.new_empty(0, dtype=out_dtype) if preact is None else preact
-
-
 def _scaled_mm_act_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
     """:func:`scaled_mm` with ``activation`` in its epilogue: ``(y, pre-activation or None)``."""
     preact = None
@@ -232,16 +236,17 @@ def _scaled_mm_act_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
     return y, preact
 
 
-@_scaled_mm_act_op.register_fake
-def _(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
-    shape = (a.shape[0], b.shape[1])
-    return a.new_empty(shape, dtype=out_dtype), a.new_empty(shape if store_preact else (0,), dtype=out_dtype)
+def _scaled_mm_traced(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum):
+    """:func:`_scaled_mm_impl` through the custom op: the result."""
+    return _scaled_mm_op(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum)[0]
 
 
-def _scaled_mm_act_traced(*args):
+def _scaled_mm_act_traced(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
     """:func:`_scaled_mm_act_impl` through the custom op (None for a pre-activation not stored)."""
-    y, preact = _scaled_mm_act_op(*args)
-    return y, preact if args[-1] else None
+    y, preact = _scaled_mm_op(
+        a, b, scale_a, scale_b, bias, out_dtype, [], [], use_fast_accum, activation, store_preact
+    )
+    return y, preact if store_preact else None
 
 
 def _activation_grad_traced(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
@@ -273,7 +278,7 @@ class _Fp8Ops(NamedTuple):
 #: the launchers under them (eager: the custom ops' Python dispatch costs tens of us of
 #: host time per call, three to five calls per layer and step).
 _TRACED_FP8 = _Fp8Ops(
-    _cast_2d_traced, _cast_blocks_op, _cast_tiles_traced, _roll_amax_history_op, _scaled_mm_op,
+    _cast_2d_traced, _cast_blocks_op, _cast_tiles_traced, _roll_amax_history_op, _scaled_mm_traced,
     _scaled_mm_act_traced, _activation_grad_traced,
 )  # fmt: skip
 _EAGER_FP8 = _Fp8Ops(
@@ -309,7 +314,7 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, weight, bias, recipe, margin, update, grad_enabled, h_x, h_w, h_g, counters,
-        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx, activation,
+        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx, activation, emit,
     ):  # fmt: skip
         n, k = weight.shape
         x2d = as_2d(x, k)
@@ -351,7 +356,13 @@ class _Float8Linear(torch.autograd.Function):
                 wq, wq_t, sw, _ = ops.cast_2d(
                     weight, E4M3, True, dgrad, None, h_w if delayed else None, ctr[1], margin, update
                 )
-            if activation is None:
+            emitted = None
+            if emit is not None:  # the epilogue also writes the next layer's input (eager only)
+                store = activation is not None and grad_enabled and any(ctx.needs_input_grad[:3])
+                y, preact, emitted = scaled_mm_emit(
+                    xq, wq.t(), sx, sw, bias, x.dtype, FORWARD_FAST_ACCUM, activation, store, emit
+                )
+            elif activation is None:
                 y = ops.scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype, [], [], FORWARD_FAST_ACCUM)
             else:  # act in the epilogue; its input kept (bf16 / fp16) for act' in backward
                 store = grad_enabled and any(ctx.needs_input_grad[:3])
@@ -366,10 +377,16 @@ class _Float8Linear(torch.autograd.Function):
         ctx.x_shape = x.shape
         ctx.activation = activation
         ctx.save_for_backward(saved_x, saved_sx, wq_t if dgrad else None, sw, h_g, preact)
-        return y.reshape(*x.shape[:-1], n)
+        y = y.reshape(*x.shape[:-1], n)
+        if emit is None:
+            return y
+        data_t = emitted.data_t if emitted.data_t is not None else emitted.data.new_empty(0)
+        ctx.set_materialize_grads(False)  # no zero gradients made for the fp8 outputs (the norm's way)
+        ctx.mark_non_differentiable(emitted.data, data_t, emitted.scale)
+        return y, emitted.data, data_t, emitted.scale
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, *_emitted):
         x_saved, sx, wq_t, sw, h_g, preact = ctx.saved_tensors
         recipe = ctx.recipe
         dy2d = as_2d(dy, dy.shape[-1])
@@ -413,7 +430,7 @@ class _Float8Linear(torch.autograd.Function):
             else:  # dW added into the fused optimizer's flat buffer (_flat_wgrad)
                 _scaled_mm_impl(*operands, GRADIENT_FAST_ACCUM, into=target[1], accumulate=target[2])
                 dw = common.hand_over(target)
-        return dx, dw, db, *(None,) * 16
+        return dx, dw, db, *(None,) * 17
 
 
 def float8_linear(
@@ -430,7 +447,8 @@ def float8_linear(
     counters: torch.Tensor | None = None,
     x_fp8: Float8Input | None = None,
     activation: str | None = None,
-) -> torch.Tensor:
+    emit_fp8: Float8Emit | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, Float8Input]:
     """``act(x @ weight.T + bias)`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
     Args:
@@ -457,6 +475,11 @@ def float8_linear(
             amax when ``update``); the forward then does not cast x (x itself still
             flows through autograd, for dgrad). ``data_t`` None: wgrad makes x^T's
             cast with one copy.
+        emit_fp8: a :class:`~tkern.kernels.gemm_emit.Float8Emit` (the next fp8 layer's
+            recipe and scaling state): the forward GEMM's epilogue also writes that
+            layer's input cast (:func:`tkern.scaled_mm`'s ``emit_fp8``) and the call
+            returns ``(y, Float8Input)``, the cast to hand to that layer as its ``x_fp8``
+            with ``y`` as its ``x``. Tensorwise / delayed, bf16 / fp16, eager only.
     """
     check_tensor("weight", weight, ndim=2, dtypes=(torch.float32, *HALF_DTYPES))
     check_tensor("x", x, dtypes=(weight.dtype,))
@@ -467,6 +490,7 @@ def float8_linear(
     if scaling not in ("tensorwise", "delayed", "blockwise"):
         raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
     check_activation_args(activation, scaling, weight.dtype)
+    check_emit_args(emit_fp8, x, weight, scaling)
     if scaling == "delayed":  # all three histories before the first cast: the casts roll them as they go
         check_delayed_args(histories, margin, counters, weight)
     given = (None, None, None)
@@ -479,12 +503,10 @@ def float8_linear(
         amax = weight_fp8[2] if scaling == "delayed" else None
         cached = (weight_fp8[0], weight_fp8[1], weight_fp8_t, amax)
     # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
-    h = (
-        histories
-        if histories is not None
-        else tuple(weight.new_empty(0, dtype=torch.float32) for _ in range(3))
-    )
+    h = histories if histories is not None else tuple(weight.new_empty(0, dtype=torch.float32) for _ in "xwg")
     grad_enabled = torch.is_grad_enabled()
-    return _Float8Linear.apply(
-        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given, activation
-    )
+    out = _Float8Linear.apply(
+        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given, activation,
+        emit_fp8,
+    )  # fmt: skip
+    return out if emit_fp8 is None else emitted_pair(out, emit_fp8)
