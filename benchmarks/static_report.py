@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -110,6 +111,32 @@ def _ptr(dtype: str) -> str:
 
 _TL_NAME = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 _SIZE = {"fp16": 2, "bf16": 2, "fp32": 4, "i16": 2, "u8": 1}
+
+
+def _with_tail(keys, tail_key) -> Iterator[tuple]:
+    """``(key, tail)`` for a per-element kernel's cases: each key's aligned launch
+    (tail False), and after ``tail_key``'s its tail launch (tail True) too."""
+    for key in keys:
+        yield key, False
+        if key == tail_key:
+            yield key, True
+
+
+def _streaming_case(name, kernel, sig, constexprs, *, aligned, num_warps, block, arrays, tail) -> Case:
+    """A per-element kernel's case ``name[...]`` (``name`` without its closing bracket):
+    its aligned launch (``n`` divisible by 16 too; gated) or its tail (only compiled)."""
+    return Case(
+        name=f"{name}{',tail' if tail else ''}]",
+        family="streaming",
+        kernel=kernel,
+        signature=sig,
+        constexprs=constexprs,
+        aligned=aligned + (() if tail else ("n",)),
+        num_warps=num_warps,
+        arrays=arrays,
+        per_thread=block // (32 * num_warps),
+        gated=not tail,
+    )
 
 
 #: The update kernels' memory modes (issue 18) compiled beside the default fp32 master and
@@ -234,57 +261,46 @@ def _stats_cases() -> list[Case]:
     from tkern.kernels import overflow as ov
 
     cases = []
-    for dtype in ("fp16", "bf16", "fp32"):
-        for tail in (False, True):
-            if tail and dtype != "fp16":
-                continue
-            sig = {"grad_ptr": _ptr(dtype), "n": "i32", "inv_scale_ptr": "*fp32", "partials_ptr": "*fp32"}
-            # the optimizer's launch: TRACK marks the params that overflowed
-            sig |= {"starts_ptr": "*i64", "flags_ptr": "*i32", "n_params": "i32", "base": "i64"}
-            sig |= {"stamp": "i32", "search_steps": "i32", "BLOCK": "constexpr", "TRACK": "constexpr"}
-            cases.append(
-                Case(
-                    name=f"grad_stats[{dtype}{',tail' if tail else ''}]",
-                    family="streaming",
-                    kernel="tkern.kernels.overflow:_grad_stats_kernel",
-                    signature=sig,
-                    constexprs={"BLOCK": ov.BLOCK, "TRACK": True},
-                    aligned=("grad_ptr", "inv_scale_ptr", "partials_ptr") + (() if tail else ("n",)),
-                    num_warps=ov._NUM_WARPS,
-                    arrays=("grad_ptr",),
-                    per_thread=ov.BLOCK // (32 * ov._NUM_WARPS),
-                    gated=not tail,
-                )
+    for dtype, tail in _with_tail(("fp16", "bf16", "fp32"), "fp16"):
+        sig = {"grad_ptr": _ptr(dtype), "n": "i32", "inv_scale_ptr": "*fp32", "partials_ptr": "*fp32"}
+        # the optimizer's launch: TRACK marks the params that overflowed
+        sig |= {"starts_ptr": "*i64", "flags_ptr": "*i32", "n_params": "i32", "base": "i64"}
+        sig |= {"stamp": "i32", "search_steps": "i32", "BLOCK": "constexpr", "TRACK": "constexpr"}
+        cases.append(
+            _streaming_case(
+                f"grad_stats[{dtype}",
+                "tkern.kernels.overflow:_grad_stats_kernel",
+                sig,
+                {"BLOCK": ov.BLOCK, "TRACK": True},
+                aligned=("grad_ptr", "inv_scale_ptr", "partials_ptr"),
+                num_warps=ov._NUM_WARPS,
+                block=ov.BLOCK,
+                arrays=("grad_ptr",),
+                tail=tail,
             )
+        )
     # the sampled zero/subnormal count (opt.track_underflows), per gradient dtype
     import torch
 
-    for dtype in ("fp16", "bf16", "fp32"):
-        for tail in (False, True):
-            if tail and dtype != "fp16":
-                continue
-            sig = {"grad_ptr": _ptr(dtype), "n": "i32", "starts_ptr": "*i64", "ends_ptr": "*i64"}
-            sig |= {"counts_ptr": "*i64", "n_params": "i32", "base": "i64", "search_steps": "i32"}
-            sig |= {"chunks": "i32", "BLOCK": "constexpr", "BITS": "constexpr", "MIN_NORMAL": "constexpr"}
-            torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-            cases.append(
-                Case(
-                    name=f"grad_underflow[{dtype}{',tail' if tail else ''}]",
-                    family="streaming",
-                    kernel="tkern.kernels.overflow:_grad_underflow_kernel",
-                    signature=sig,
-                    constexprs={
-                        "BLOCK": ov.BLOCK,
-                        "BITS": 8 * _SIZE[dtype],
-                        "MIN_NORMAL": ov.MIN_NORMAL_BITS[torch_dtype],
-                    },
-                    aligned=("grad_ptr", "starts_ptr", "ends_ptr", "counts_ptr") + (() if tail else ("n",)),
-                    num_warps=ov._NUM_WARPS,
-                    arrays=("grad_ptr",),
-                    per_thread=ov.BLOCK // (32 * ov._NUM_WARPS),
-                    gated=not tail,
-                )
+    for dtype, tail in _with_tail(("fp16", "bf16", "fp32"), "fp16"):
+        sig = {"grad_ptr": _ptr(dtype), "n": "i32", "starts_ptr": "*i64", "ends_ptr": "*i64"}
+        sig |= {"counts_ptr": "*i64", "n_params": "i32", "base": "i64", "search_steps": "i32"}
+        sig |= {"chunks": "i32", "BLOCK": "constexpr", "BITS": "constexpr", "MIN_NORMAL": "constexpr"}
+        torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        const = {"BLOCK": ov.BLOCK, "BITS": 8 * _SIZE[dtype], "MIN_NORMAL": ov.MIN_NORMAL_BITS[torch_dtype]}
+        cases.append(
+            _streaming_case(
+                f"grad_underflow[{dtype}",
+                "tkern.kernels.overflow:_grad_underflow_kernel",
+                sig,
+                const,
+                aligned=("grad_ptr", "starts_ptr", "ends_ptr", "counts_ptr"),
+                num_warps=ov._NUM_WARPS,
+                block=ov.BLOCK,
+                arrays=("grad_ptr",),
+                tail=tail,
             )
+        )
     sig = {"partials_ptr": "*fp32", "n_rows": "i32", "inv_scale_ptr": "*fp32", "stats_ptr": "*fp32"}
     sig["BLOCK"] = "constexpr"
     cases.append(
@@ -306,27 +322,24 @@ def _activation_cases() -> list[Case]:
 
     tl = _tl()
     cases = []
-    for dtype in ("fp16", "bf16"):
-        for code, aname in ((c, a) for a, c in act.ACTIVATIONS.items() if a is not None):
-            for tail in (False, True):
-                if tail and (dtype, aname) != ("fp16", "gelu"):
-                    continue
-                sig = {"dy_ptr": _ptr(dtype), "z_ptr": _ptr(dtype), "dz_ptr": _ptr(dtype), "n": "i32"}
-                sig.update(ACTIVATION="constexpr", DTYPE="constexpr", BLOCK="constexpr")
-                cases.append(
-                    Case(
-                        name=f"activation_grad[{dtype},{aname}{',tail' if tail else ''}]",
-                        family="streaming",
-                        kernel="tkern.kernels.activation:_activation_grad_kernel",
-                        signature=sig,
-                        constexprs=dict(ACTIVATION=code, DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=act.BLOCK),
-                        aligned=("dy_ptr", "z_ptr", "dz_ptr") + (() if tail else ("n",)),
-                        num_warps=getattr(act, "NUM_WARPS", 4),
-                        arrays=("dy_ptr", "z_ptr", "dz_ptr"),
-                        per_thread=act.BLOCK // (32 * getattr(act, "NUM_WARPS", 4)),
-                        gated=not tail,
-                    )
-                )
+    named = [(aname, code) for aname, code in act.ACTIVATIONS.items() if aname is not None]
+    cases_of = [(dtype, aname, code) for dtype in ("fp16", "bf16") for aname, code in named]
+    for (dtype, aname, code), tail in _with_tail(cases_of, ("fp16", "gelu", act.ACTIVATIONS["gelu"])):
+        sig = {"dy_ptr": _ptr(dtype), "z_ptr": _ptr(dtype), "dz_ptr": _ptr(dtype), "n": "i32"}
+        sig.update(ACTIVATION="constexpr", DTYPE="constexpr", BLOCK="constexpr")
+        cases.append(
+            _streaming_case(
+                f"activation_grad[{dtype},{aname}",
+                "tkern.kernels.activation:_activation_grad_kernel",
+                sig,
+                dict(ACTIVATION=code, DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=act.BLOCK),
+                aligned=("dy_ptr", "z_ptr", "dz_ptr"),
+                num_warps=getattr(act, "NUM_WARPS", 4),
+                block=act.BLOCK,
+                arrays=("dy_ptr", "z_ptr", "dz_ptr"),
+                tail=tail,
+            )
+        )
     return cases
 
 

@@ -576,6 +576,34 @@ def check_lr(lr: float | torch.Tensor, device: torch.device) -> tuple[float | to
     return float(lr), False
 
 
+def update_parts(
+    b: UpdateBuffers,
+    state_names: tuple[str, ...],
+    lr: float | torch.Tensor,
+    *,
+    prechecked: bool,
+    one_pass: bool,
+    found_inf: torch.Tensor | None,
+    barrier: GridBarrier | None,
+    block: int,
+) -> tuple[list[tuple[UpdateBuffers, int]], float | torch.Tensor, bool]:
+    """What every update launcher (:func:`tkern.kernels.adam.adam_update`,
+    :func:`tkern.kernels.sgd.sgd_update`) checks before its launches, raising before any:
+    ``b`` with its ``state_names`` (:func:`check_update_buffers`, skipped when
+    ``prechecked``), the one-pass arguments (:func:`check_one_pass`; a ``barrier`` only
+    with ``one_pass``) and ``lr`` (:func:`check_lr`). Returns ``(parts, lr, lr_on_device)``:
+    the (part, length) runs to launch on (all of ``b`` at once in one pass, else
+    :func:`aligned_parts`) and the kernel's ``lr``."""
+    if not prechecked:
+        check_update_buffers(b, state_names)
+    if one_pass:
+        check_one_pass(b, found_inf, barrier, block)
+    elif barrier is not None:
+        raise ValueError("a grid barrier is for a one-pass launch: pass one_pass=True with it")
+    lr, lr_on_device = check_lr(lr, b.param.device)
+    return ([(b, b.param.numel())] if one_pass else aligned_parts(b)), lr, lr_on_device
+
+
 def aligned_parts(b: UpdateBuffers) -> list[tuple[UpdateBuffers, int]]:
     """``b`` as (part, length) runs: a head whose length is a multiple of 16
     elements (the kernel vectorises it) and, when the length is not, a tail of

@@ -13,10 +13,6 @@ from tkern.kernels._common import INTERPRET, ln_beta, load_or_value, one_minus_p
 from tkern.kernels._update import (
     GridBarrier,
     UpdateBuffers,
-    aligned_parts,
-    check_lr,
-    check_one_pass,
-    check_update_buffers,
     load_grad,
     load_master,
     load_state,
@@ -27,6 +23,7 @@ from tkern.kernels._update import (
     store_state,
     tile_at,
     tile_starts,
+    update_parts,
 )
 from tkern.kernels.overflow import found_inf
 
@@ -181,16 +178,13 @@ def adam_update(
     counts the step. Bit for bit the two-pass step, for up to
     :data:`tkern.kernels._update.GRID_MAX_ELEMENTS` elements (larger works, but is not what
     it is for)."""
-    b = buffers
-    if not prechecked:
-        check_update_buffers(b, ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ()))
-    if one_pass:
-        check_one_pass(b, found_inf, barrier, BLOCK)
-    elif barrier is not None:
-        raise ValueError("a grid barrier is for a one-pass launch: pass one_pass=True with it")
-    lr, lr_on_device = check_lr(lr, b.param.device)
+    names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    parts, lr, lr_on_device = update_parts(
+        buffers, names, lr, prechecked=prechecked, one_pass=one_pass, found_inf=found_inf, barrier=barrier,
+        block=BLOCK,
+    )  # fmt: skip
     decay = 1.0 if lr_on_device else 1.0 - lr * weight_decay
-    for part, n in [(b, b.param.numel())] if one_pass else aligned_parts(b):
+    for part, n in parts:
         m, v = part.kernel_state("exp_avg"), part.kernel_state("exp_avg_sq")
         vmax = part.kernel_state("max_exp_avg_sq" if amsgrad else None)
         grid, stats_args, consts = pass_launch(part, n, BLOCK, NUM_WARPS, one_pass, found_inf, barrier)

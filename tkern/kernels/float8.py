@@ -33,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from tkern.kernels._common import INTERPRET, IS_INTERPRETER, cast_rne, cdiv, check_same_device, check_tensor
+from tkern.kernels._common import (
+    INTERPRET,
+    IS_INTERPRETER,
+    cast_rne,
+    cdiv,
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+)
 
 #: The two fp8 formats and their largest finite values.
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -437,10 +445,19 @@ def device_capability(device: torch.device | str) -> tuple[int, int] | None:
     """The compute capability of ``device`` where tkern's kernels run compiled on it
     (a CUDA device), else None (the CPU under Triton's interpreter, the meta device):
     the one place the fp8 code asks, so a test can answer for a GPU it does not have."""
-    device = torch.device(device)
-    if device.type != "cuda" or INTERPRET:
+    if INTERPRET:  # first: every fp8 launcher asks, on every call
         return None
-    return tuple(torch.cuda.get_device_capability(device))
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    """CUDA device ``index``'s compute capability, asked of torch once per device."""
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 def check_fp8_device(device: torch.device | str, what: str = "tkern's fp8 kernels") -> None:
@@ -464,9 +481,7 @@ def check_fp8_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
         raise TypeError(f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
 
 
-def fp8_constants(dtype: torch.dtype) -> dict:
-    """The constexpr arguments every fp8 cast kernel takes for ``dtype``: FP8_MAX,
-    MULT_AT_EPS, EPS_F32 and DTYPE (Triton's type)."""
+def _fp8_constants(dtype: torch.dtype) -> dict:
     fp8_max = FP8_MAX[dtype]
     return {
         "FP8_MAX": fp8_max,
@@ -474,6 +489,16 @@ def fp8_constants(dtype: torch.dtype) -> dict:
         "EPS_F32": _EPS_F32,
         "DTYPE": _TL_FP8[dtype],
     }
+
+
+#: :func:`fp8_constants` of each fp8 dtype, made once (the cast launchers unpack them).
+_FP8_CONSTANTS = {dt: _fp8_constants(dt) for dt in FP8_DTYPES}
+
+
+def fp8_constants(dtype: torch.dtype) -> dict:
+    """The constexpr arguments every fp8 cast kernel takes for ``dtype``: FP8_MAX,
+    MULT_AT_EPS, EPS_F32 and DTYPE (Triton's type); a new dict the caller may change."""
+    return dict(_FP8_CONSTANTS[dtype])
 
 
 def parse_granularity(granularity, shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -574,17 +599,17 @@ def _launch_cast(
     gi, gj = grid if grid is not None else _grid(m, k, col_sum is not None)
     h2, amax2 = roll2 if roll2 is not None else (amax, amax)
     dummy = amax
-    record = partials is not None
-    pblock = triton.next_power_of_2(max(amax.numel(), amax2.numel(), gi * gj))
+    n_amax, n_amax2, n_h2 = amax.numel(), amax2.numel(), h2.numel()
     _cast_2d_kernel[(gi, gj)](
         x2d, amax, dummy if data is None else data, dummy if data_t is None else data_t,
         scale, dummy if partials is None else partials, dummy if col_sum is None else col_sum,
         dummy if counter is None else counter, h2, amax2,
-        m, k, x2d.stride(0), x2d.stride(1), amax.numel(), amax2.numel(), h2.numel(), 2.0**-margin,
+        m, k, *x2d.stride(), n_amax, n_amax2, n_h2, 2.0**-margin,
         AMAX_ONLY=amax_only, DELAYED=delayed, STORE=data is not None, STORE_T=data_t is not None,
-        RECORD=record, ROLL=counter is not None, ROLL2=roll2 is not None, COL_SUM=col_sum is not None,
-        **fp8_constants(dtype), TM=CAST_TM, TK=CAST_TK, PBLOCK=pblock,
-        HBLOCK=triton.next_power_of_2(max(amax.numel() if delayed else 1, h2.numel())),
+        RECORD=partials is not None, ROLL=counter is not None, ROLL2=roll2 is not None,
+        COL_SUM=col_sum is not None, **_FP8_CONSTANTS[dtype], TM=CAST_TM, TK=CAST_TK,
+        PBLOCK=next_power_of_2(max(n_amax, n_amax2, gi * gj)),
+        HBLOCK=next_power_of_2(max(n_amax if delayed else 1, n_h2)),
     )  # fmt: skip
 
 
@@ -761,15 +786,15 @@ def cast_blocks(
     bm, bk = block
     data = torch.empty((M, K), dtype=dtype, device=x.device)
     data_t = torch.empty((K, M), dtype=dtype, device=x.device) if store_t else None
-    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    grid = (cdiv(M, bm), cdiv(K, bk))
     scale = block_scales(grid, bm == 1, x.device)
     if M == 0 or K == 0:
         return data, scale, data_t
-    tm = min(triton.next_power_of_2(bm), TILE_M)
-    tk = min(triton.next_power_of_2(bk), TILE_K)
+    tm = min(next_power_of_2(bm), TILE_M)
+    tk = min(next_power_of_2(bk), TILE_K)
     _cast_blocks_kernel[grid](
         x, M, K, x.stride(0), x.stride(1), data, data if data_t is None else data_t, scale, bm, bk,
-        scale.stride(0), scale.stride(1), **fp8_constants(dtype), TM=tm, TK=tk, STORE_T=store_t,
+        scale.stride(0), scale.stride(1), **_FP8_CONSTANTS[dtype], TM=tm, TK=tk, STORE_T=store_t,
     )  # fmt: skip
     return data, scale, data_t
 
@@ -802,7 +827,7 @@ def cast_tiles(
     if sum_dtype is not None and sum_dtype not in HIGH_DTYPES:
         raise ValueError(f"sum_dtype must be float32, float16 or bfloat16, got {sum_dtype}")
     M, K = x.shape
-    grid = (triton.cdiv(M, SCALE_TILE), triton.cdiv(K, SCALE_TILE))
+    grid = (cdiv(M, SCALE_TILE), cdiv(K, SCALE_TILE))
     data = torch.empty((M, K), dtype=dtype, device=x.device)
     scale = block_scales((M, grid[1]), True, x.device)
     data_t = scale_t = col_sum = partial = None
@@ -816,7 +841,7 @@ def cast_tiles(
             x, M, K, x.stride(0), x.stride(1), data, scale,
             data if data_t is None else data_t, scale if scale_t is None else scale_t,
             scale if partial is None else partial, scale.stride(0), scale.stride(1),
-            *(scale if scale_t is None else scale_t).stride(), **fp8_constants(dtype), TILE=SCALE_TILE,
+            *(scale if scale_t is None else scale_t).stride(), **_FP8_CONSTANTS[dtype], TILE=SCALE_TILE,
             STORE_T=store_t, COL_SUM=sum_dtype is not None, num_warps=CAST_TILES_WARPS,
         )  # fmt: skip
     if sum_dtype is not None:
@@ -912,7 +937,7 @@ def roll_amax_history(history: torch.Tensor, amax: torch.Tensor) -> None:
     h, count = history.numel(), amax.numel()
     _roll_history_kernel[(1,)](
         history, h, amax, count,
-        HBLOCK=triton.next_power_of_2(h), PBLOCK=triton.next_power_of_2(count),
+        HBLOCK=next_power_of_2(h), PBLOCK=next_power_of_2(count),
     )  # fmt: skip
     if not history.is_inference():  # an in-place write, as torch's own would count it
         torch.autograd.graph.increment_version(history)

@@ -37,8 +37,10 @@ import triton.language as tl
 from tkern.kernels._common import (
     INTERPRET,
     cast_rne,
+    cdiv,
     check_same_device,
     check_tensor,
+    next_power_of_2,
     tl_dtype,
 )
 from tkern.kernels.float8 import (
@@ -95,7 +97,7 @@ _INTERPRET_PROGRAMS = 4
 def block_size(n: int) -> int:
     """The kernels' BLOCK for rows of ``n`` elements: the next power of two, or
     :data:`MAX_BLOCK` (chunked rows) above it."""
-    return min(triton.next_power_of_2(max(n, 1)), MAX_BLOCK)
+    return min(next_power_of_2(max(n, 1)), MAX_BLOCK)
 
 
 def num_warps(block: int) -> int:
@@ -709,7 +711,7 @@ def norm_forward_float8(
     data = torch.empty((M, N), dtype=dtype, device=dev) if delayed else None
     data_t = torch.empty((N, M), dtype=dtype, device=dev) if delayed and store_t else None
     scale = torch.empty((), dtype=torch.float32, device=dev)
-    programs = max(1, min(triton.cdiv(M, FP8_ROWS), MAX_PROGRAMS))
+    programs = max(1, min(cdiv(M, FP8_ROWS), MAX_PROGRAMS))
     partials = torch.empty(programs, dtype=torch.float32, device=dev) if roll or not delayed else None
     if roll and counter is None:
         counter = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -731,8 +733,8 @@ def norm_forward_float8(
         BLOCK=block, DELAYED=delayed, STORE_T=store_t, RECORD=partials is not None,
         ROLL=roll, N_ROLLS=len(rolls), **const8,
         ROWS=FP8_ROWS, TK=FP8_TK,
-        PBLOCK=triton.next_power_of_2(max(programs, history.numel() if delayed else 1, *lengths[1::2])),
-        HBLOCK=triton.next_power_of_2(max(history.numel() if delayed else 1, *lengths[0::2], 1)),
+        PBLOCK=next_power_of_2(max(programs, history.numel() if delayed else 1, *lengths[1::2])),
+        HBLOCK=next_power_of_2(max(history.numel() if delayed else 1, *lengths[0::2], 1)),
         num_warps=num_warps(block),
     )  # fmt: skip
     if delayed:
@@ -818,8 +820,8 @@ def norm_backward(
     dy, x = rows_view(dy), rows_view(x)
     dh = None if dh is None else rows_view(dh)
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    rows = triton.cdiv(M, backward_programs(M, x.device))  # per program
-    programs = triton.cdiv(M, rows) if M else 1
+    rows = cdiv(M, backward_programs(M, x.device))  # per program
+    programs = cdiv(M, rows) if M else 1
     block = block_size(N)
     # one-block rows store their partial sums once; chunked rows add into them
     alloc = torch.empty if block >= N and M else torch.zeros

@@ -12,10 +12,6 @@ from tkern.kernels._common import INTERPRET, load_or_value, tl_dtype
 from tkern.kernels._update import (
     GridBarrier,
     UpdateBuffers,
-    aligned_parts,
-    check_lr,
-    check_one_pass,
-    check_update_buffers,
     load_grad,
     load_master,
     load_state,
@@ -26,6 +22,7 @@ from tkern.kernels._update import (
     store_state,
     tile_at,
     tile_starts,
+    update_parts,
 )
 from tkern.kernels.overflow import found_inf
 
@@ -137,15 +134,11 @@ def sgd_update(
     :func:`tkern.kernels.adam.adam_update`'s (the buffers' checks skipped);
     ``one_pass``, ``found_inf`` and ``barrier``: as its (the whole step in one program, or
     in one grid-wide launch)."""
-    b = buffers
-    if not prechecked:
-        check_update_buffers(b, ("momentum_buffer",) if momentum > 0 else ())
-    if one_pass:
-        check_one_pass(b, found_inf, barrier, BLOCK)
-    elif barrier is not None:
-        raise ValueError("a grid barrier is for a one-pass launch: pass one_pass=True with it")
-    lr, lr_on_device = check_lr(lr, b.param.device)
-    for part, n in [(b, b.param.numel())] if one_pass else aligned_parts(b):
+    parts, lr, lr_on_device = update_parts(
+        buffers, ("momentum_buffer",) if momentum > 0 else (), lr, prechecked=prechecked, one_pass=one_pass,
+        found_inf=found_inf, barrier=barrier, block=BLOCK,
+    )  # fmt: skip
+    for part, n in parts:
         buf = part.kernel_state("momentum_buffer" if momentum > 0 else None)
         grid, stats_args, consts = pass_launch(part, n, BLOCK, NUM_WARPS, one_pass, found_inf, barrier)
         _sgd_kernel[grid](

@@ -502,8 +502,7 @@ def float8_linear(
         check_weight_fp8(weight_fp8, weight, scaling, weight_fp8_t)
         amax = weight_fp8[2] if scaling == "delayed" else None
         cached = (weight_fp8[0], weight_fp8[1], weight_fp8_t, amax)
-    # three distinct placeholders: Dynamo refuses one tensor passed to several inputs
-    h = histories if histories is not None else tuple(weight.new_empty(0, dtype=torch.float32) for _ in "xwg")
+    h = histories if histories is not None else (None, None, None)  # not delayed: no histories
     grad_enabled = torch.is_grad_enabled()
     out = _Float8Linear.apply(
         x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given, activation,
