@@ -275,6 +275,17 @@ def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_pat
             assert r["kernel"] == ("blockwise" if k % 16 == 0 else "pointer"), r
     assert not res.meta["failed"]
     assert all(r["ms"] is not None or r.get("skipped") for r in rows)
+    # issue 43: each fp8 GEMM with Float8Linear's accumulation (forward fast, gradients
+    # promoted), its error against the float64 product of its own fp8 operands, its MFU
+    from tkern.ops.float8 import FORWARD_FAST_ACCUM, GRADIENT_FAST_ACCUM
+
+    fast = {"fwd": FORWARD_FAST_ACCUM, "dgrad": GRADIENT_FAST_ACCUM, "wgrad": GRADIENT_FAST_ACCUM}
+    for r in rows:
+        if r["case"].startswith("fp8 ") and r["impl"] == "tkern":
+            assert r["use_fast_accum"] is fast[r["layout"]], r
+            assert r["accum"] == ("fast" if fast[r["layout"]] and r["scaling"] != "blockwise" else "precise")
+            assert 0 < r["rel_err"] < bench_gemm.FP8_TOL, r
+            assert r["mfu"] is None  # a CPU has no peak to measure against
     keys = {t.names()[0] for t in report.TARGETS if t.stem == "gemm"}
     layout_keys = {f"fp16_{layout}_gpt2_vs_cublas" for layout in bench_gemm_layouts.LAYOUTS}
     layout_keys |= {
