@@ -76,8 +76,9 @@ categories (``step_ledger.kernel_category``), device time per category beside th
 committed ledger's floor, busy against wall, the top kernels with their achieved
 TFLOP/s or GB/s, into ``results/<device>/profile_<recipe>.csv`` and ``profile.png``.
 ``--models`` and ``--recipes`` (comma-separated prefixes; ``=NAME`` one exact
-name) pick a subset. Within a case the baselines run first, so a run cut by its
-time limit has what tkern's rows are compared with.
+name) pick a subset; an item that selects nothing is refused, naming it and the valid
+names, before anything runs (:func:`check_selection`). Within a case the baselines run
+first, so a run cut by its time limit has what tkern's rows are compared with.
 """
 
 from __future__ import annotations
@@ -519,15 +520,8 @@ def cases(smoke: bool, device: torch.device, gpt2_batch: int, models: str | None
     except ImportError:
         print("transformers is not installed: the GPT-2 model is skipped (pip install 'tkern[integrations]')")
     else:
-        lms = (
-            (("gpt2-tiny", GPT2LM, GPT2_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH),
-             ("llama-tiny", LlamaLM, LLAMA_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH))
-            if smoke
-            else (("gpt2-small", GPT2LM, GPT2_SMALL, SEQ, gpt2_batch),
-                  ("llama-like", LlamaLM, LLAMA_LIKE, LLAMA_SEQ, LLAMA_BATCH))
-        )  # fmt: skip
-        for name, cls, config, s, b in lms:
-            case = f"{name}, seq {s}, batch {b}"
+        for name, cls, config, s, b in _language_models(smoke, gpt2_batch):
+            case = _lm_case(name, s, b)
             # GPT-2's batch is drawn from the shared generator whether or not it is picked, and
             # Llama's from its own: the MLPs' batches stay those of every earlier run
             gen = g if cls is GPT2LM else torch.Generator().manual_seed(1)
@@ -545,6 +539,40 @@ def cases(smoke: bool, device: torch.device, gpt2_batch: int, models: str | None
         x = torch.randn(batch, d_in, generator=g).to(device)
         y = torch.randint(0, d_out, (batch,), generator=g).to(device)
         yield case, base, x, y, classify_loss
+
+
+def _language_models(smoke: bool, gpt2_batch: int) -> tuple:
+    """(name, model class, config, seq, batch) of each language model of a run."""
+    if smoke:
+        return (("gpt2-tiny", GPT2LM, GPT2_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH),
+                ("llama-tiny", LlamaLM, LLAMA_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH))  # fmt: skip
+    return (("gpt2-small", GPT2LM, GPT2_SMALL, SEQ, gpt2_batch),
+            ("llama-like", LlamaLM, LLAMA_LIKE, LLAMA_SEQ, LLAMA_BATCH))  # fmt: skip
+
+
+def _lm_case(name: str, seq: int, batch: int) -> str:
+    return f"{name}, seq {seq}, batch {batch}"
+
+
+def case_names(smoke: bool, gpt2_batch: int = 16) -> list[str]:
+    """Every case a run times (what ``--models`` picks from), in :func:`cases`' order."""
+    lms = [_lm_case(name, s, b) for name, _, _, s, b in _language_models(smoke, gpt2_batch)]
+    return lms + list(SMOKE_MLPS if smoke else MLPS)
+
+
+def check_selection(items: str | None, names, flag: str) -> None:
+    """Refuse (SystemExit, before anything runs) a ``--models`` / ``--recipes`` value any of
+    whose comma-separated items (a prefix, or ``=NAME``) selects none of ``names``: a
+    misspelt name would otherwise run nothing and say nothing."""
+    if items is None:
+        return
+    given = [p.strip() for p in items.split(",") if p.strip()]
+    bad = [item for item in given if not any(_picked(n, item) for n in names)] or ([] if given else [items])
+    if bad:
+        raise SystemExit(
+            f"bench_train.py: {flag} {', '.join(map(repr, bad))} selects nothing; "
+            f"the names (a prefix picks every name it starts, =NAME that one): {list(names)}"
+        )
 
 
 def _picked(name: str, prefixes: str | None) -> bool:
@@ -892,6 +920,8 @@ def main(argv: list[str] | None = None) -> Results:
         )
 
     mode, args = setup("train", __doc__, argv, add_arguments)
+    check_selection(args.models, case_names(mode.smoke, args.gpt2_batch), "--models")
+    check_selection(args.recipes, list(RECIPES), "--recipes")
     if args.profile:
         run_profiles(mode, args, mode.out_dir)
         return Results("train", mode, metric=None)
