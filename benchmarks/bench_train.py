@@ -41,7 +41,7 @@ fp32 (:func:`lm_loss`):
 * ``torch autocast compiled``: the same model under ``torch.compile`` (the best
   a torch user has without writing kernels);
 * ``torch autocast bf16``: autocast bf16, no scaler, AdamW(fused=True): the fp8
-  recipes' baseline;
+  recipes' baseline; ``torch autocast bf16 compiled``: the same under ``torch.compile``;
 * ``torchao float8 tensorwise compiled``: torchao's ``convert_to_float8_training``
   (tensorwise, the same module filter) on bf16 params, AdamW(fused=True), under
   ``torch.compile`` as torchao documents it (skipped, with the reason recorded,
@@ -279,6 +279,10 @@ def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool, fp32_mas
 
 
 TORCHAO_FP32_MASTER = "torchao float8 tensorwise compiled, fp32 master"
+#: bf16 autocast under torch.compile: the fp8 recipes' compiled 16-bit peer
+BF16_COMPILED = "torch autocast bf16 compiled"
+#: the recipe whose final loss the ``loss_vs_bf16`` check column reads against, and its bound
+BF16_REFERENCE, BF16_LOSS_MARGIN = "torch autocast bf16", 0.01
 #: tkern's memory modes (FusedAdamW's ``master`` and ``state_dtype``; issue 45 item 4)
 #: (``master="split"`` keeps the master as the bf16 param plus 16 low bits: bf16 params only)
 MEMORY_MODES = {
@@ -299,6 +303,7 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     "torch autocast": lambda b, d, s: _torch(b, d, autocast=torch.float16),
     "torch autocast compiled": lambda b, d, s: _torch(b, d, autocast=torch.float16, compiled=True),
     "torch autocast bf16": lambda b, d, s: _torch(b, d, autocast=torch.bfloat16),
+    BF16_COMPILED: lambda b, d, s: _torch(b, d, autocast=torch.bfloat16, compiled=True),
     "torchao float8 tensorwise compiled": lambda b, d, s: _torchao_fp8(b, d, smoke=s),
     TORCHAO_FP32_MASTER: lambda b, d, s: _torchao_fp8(b, d, smoke=s, fp32_master=True),
     "torch fp32 tf32": lambda b, d, s: _torch(b, d, allow_tf32=True),
@@ -311,7 +316,7 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     **{f"tkern fp8 {r}": (lambda b, d, s, r=r: _tkern_fp8(b, d, r)) for r in FP8_RECIPES},
 }
 #: what a smoke run leaves out: torch.compile of a whole model takes minutes on a CPU
-SMOKE_SKIPS = ("torch autocast compiled", "tkern compiled")
+SMOKE_SKIPS = ("torch autocast compiled", BF16_COMPILED, "tkern compiled")
 #: the master weights each recipe keeps (a row's ``master``): torchao's documented recipe
 #: trains bf16 params with no fp32 copy, which its fp32-master row adds
 MASTERS = {
@@ -583,6 +588,30 @@ def _picked(name: str, prefixes: str | None) -> bool:
     return any(name == p[1:] if p.startswith("=") else name.startswith(p) for p in items)
 
 
+def final_loss(res: Results, case: str, losses: dict[str, float], recipe: str) -> float | None:
+    """``recipe``'s final loss on ``case`` in this run, else the one merged from an earlier
+    run of the same file (a GPU session splits the recipes across calls); None if neither."""
+    if recipe in losses:
+        return losses[recipe]
+    return next((r.get("loss") for r in res.rows if (r["case"], r["impl"]) == (case, recipe)), None)
+
+
+def bf16_check(res: Results, case: str, losses: dict[str, float]) -> None:
+    """Each row of ``case`` trained in this run gets ``loss_vs_bf16`` (its final loss over
+    bf16 autocast's, less 1; that of an earlier run merged into the file when this run has
+    none) and the check column ``loss_within_1pct_of_bf16``; the fp8 recipes' into ``res.meta``."""
+    ref = final_loss(res, case, losses, BF16_REFERENCE)
+    if not ref:
+        return
+    for row in res.rows:
+        if row["case"] == case and row["impl"] in losses:
+            off = losses[row["impl"]] / ref - 1
+            row["loss_vs_bf16"] = round(off, 6)
+            row["loss_within_1pct_of_bf16"] = abs(off) <= BF16_LOSS_MARGIN
+            if row["impl"].startswith("tkern fp8"):
+                res.meta[f"{case}: {row['impl'][6:]} loss within 1% of bf16"] = abs(off) <= BF16_LOSS_MARGIN
+
+
 def summarize(res: Results, case: str, smoke: bool) -> str:
     """The case's target ratios into ``res.meta`` (what report.py reads), and its line."""
 
@@ -597,6 +626,7 @@ def summarize(res: Results, case: str, smoke: bool) -> str:
     res.meta[f"{case}: opt graph vs opt eager"] = ratio("tkern", "tkern opt eager")
     for r in FP8_RECIPES:
         res.meta[f"{case}: fp8 {r} vs autocast bf16"] = ratio(f"tkern fp8 {r}", "torch autocast bf16")
+        res.meta[f"{case}: fp8 {r} vs compiled autocast bf16"] = ratio(f"tkern fp8 {r}", BF16_COMPILED)
         res.meta[f"{case}: fp8 {r} vs torchao float8"] = ratio(
             f"tkern fp8 {r}", "torchao float8 tensorwise compiled"
         )
@@ -971,15 +1001,13 @@ def main(argv: list[str] | None = None) -> Results:
                 **r,
             )
             res.save()  # after every recipe: a timeout loses only the one in progress
-        # the fp32 reference of this run, else the one merged from an earlier run of the same file
-        ref = losses.get(BASELINE)
-        if ref is None:
-            ref = next((r.get("loss") for r in res.rows if (r["case"], r["impl"]) == (case, BASELINE)), None)
+        ref = final_loss(res, case, losses, BASELINE)
         for recipe, loss in losses.items():
             if ref is not None and not abs(loss - ref) <= LOSS_MARGIN * abs(ref):
                 disagree.append(f"{case}: {recipe} loss {loss:.5g} vs {BASELINE} {ref:.5g}")
         # what a memory mode (or any tkern variant) costs in loss against tkern's recipe of
         # the same param dtype (bf16 rows against ``tkern bf16``)
+        bf16_check(res, case, losses)
         for row in res.rows:
             bf16 = row["impl"].startswith(("tkern bf16", "tkern fp8"))
             ref_name = "tkern bf16" if bf16 else "tkern"
@@ -996,7 +1024,18 @@ def main(argv: list[str] | None = None) -> Results:
     summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]
     res.save(plot=True)
     res.print_table(
-        ["ms", "ms_synced", "ms_p90", "mfu", "peak_mib", "loss", "master", "graph_replays"], summary
+        [
+            "ms",
+            "ms_synced",
+            "ms_p90",
+            "mfu",
+            "peak_mib",
+            "loss",
+            "loss_within_1pct_of_bf16",
+            "master",
+            "graph_replays",
+        ],
+        summary,
     )
     if disagree and not mode.smoke:
         raise SystemExit(f"bench_train: recipes disagree on the loss beyond {LOSS_MARGIN:.0%}: {disagree}")
