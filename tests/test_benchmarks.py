@@ -186,6 +186,19 @@ def test_gpu_check_plan_puts_the_unknowns_first():
     assert "=torch autocast compiled" in gpt2 and "=tkern bf16" in gpt2
     caps = [int(line.split(" cap ")[1].split("s")[0]) for line in proc.stdout.splitlines() if " cap " in line]
     assert sum(caps[:5]) <= 420  # the unknowns fit the first call's budget
+    profile = next(line for line in proc.stdout.splitlines() if line.startswith("bench_train_profile"))
+    assert all(f"={r}" in profile for r in ("tkern", "torch autocast compiled", "tkern fp8 tensorwise"))
+    assert all("--shapes gpt2" in line and "--layouts fwd,dgrad,wgrad" in line
+               for line in proc.stdout.splitlines() if line.startswith("bench_gemm_"))  # fmt: skip
+    # the second call has the rest: the fp8 step's peers, the GPT job, memory modes, norms, losses, health
+    more = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), "plan", "more"], capture_output=True, text=True, timeout=60
+    ).stdout
+    for phase in ("bench_train_fp8", "gpt_job", "bench_train_rest", "bench_optimizer_modes", "bench_norm",
+                  "bench_loss", "bench_optimizer_health"):  # fmt: skip
+        assert f"\n{phase} " in f"\n{more}", phase
+    fp8 = next(line for line in more.splitlines() if line.startswith("bench_train_fp8"))
+    assert "=torch autocast bf16 compiled" in fp8 and "torchao" in fp8
 
 
 def test_conv1d_as_linear_computes_the_same_gpt2():
