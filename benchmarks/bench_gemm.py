@@ -47,17 +47,22 @@ tokens), against ``torch.mm`` in the same layouts. ``tkern`` runs the GEMM as
 planned (``gemm_plan.plan_gemm``: each row records its ``plan``, ``split_k``,
 ``tiles`` and ``waves``); with ``--alternatives`` the other kernels run the same
 case as ``tkern pointer`` / ``tkern tma`` (to confirm or move the rule's
-constants). fp8: ``tkern.scaled_mm`` in the same three layouts (e4m3 forward, e5m2
-gradients; e4m3 throughout for blockwise, as Float8Linear casts them), tensorwise,
-rowwise (scales along each operand's non-K dimension) and blockwise, the operands'
-fp8 data in the 16-bit layouts (blockwise: K-major, as its casts write them, each row's
-``kernel`` naming the one scaled_mm ran: ``blockwise`` for gemm_blockwise.py), against
-``torch._scaled_mm`` (handed the row-major x column-major operands it requires, transposed
-copies made untimed)
-and a bf16 cuBLAS GEMM of the same layout. Targets (GPU): >= 0.95x cuBLAS in every
-layout; fp8 >= 1.5x bf16 (blockwise 1.3x). ``--layouts fwd,dgrad,wgrad`` and
-``--shapes gpt2,llama`` pick what these sections run; given without
-``--sections`` they run these two sections alone.
+constants). fp8 (issue 43): ``tkern.scaled_mm`` on the GEMMs Float8Linear launches,
+forward ``x @ W^T``, dgrad ``dY @ W``, wgrad ``dY^T @ X``, each operand cast K-major as
+its casts write them (x and x^T, W and W^T, dY and dY^T; e4m3 forward, e5m2 gradients,
+e4m3 throughout for blockwise) and with its ``use_fast_accum`` (forward fast, the
+gradient GEMMs promoted: ``FORWARD_FAST_ACCUM`` / ``GRADIENT_FAST_ACCUM`` of
+tkern/ops/float8.py), tensorwise, rowwise (scales along each operand's non-K
+dimension) and blockwise (each row's ``kernel`` naming the one scaled_mm ran:
+``blockwise`` for gemm_blockwise.py), against ``torch._scaled_mm`` (or torch's
+blockwise ``scaled_mm``) on the same operands with the same accumulation, and a
+bf16 cuBLAS GEMM (``torch.mm``) of the same layout. Every fp8 row records its TFLOP/s,
+MFU (at the device's dense fp8 peak; bf16 rows at the bf16 peak) and ``rel_err``
+against the float64 product of the same fp8 operands; tkern's its ratio against the
+best peer of the same run (``vs_best_peer``, ``best_peer``) and against bf16
+(``vs_bf16``). Targets (GPU): >= 0.95x cuBLAS in every layout; fp8 >= 1.5x bf16
+(blockwise 1.3x). ``--layouts fwd,dgrad,wgrad`` and ``--shapes gpt2,llama`` pick what
+these sections run; given without ``--sections`` they run these two sections alone.
 
 ``--sections`` picks what runs (default: fp8, transformer, square, linear,
 gelu_compiled, layouts, fp8_layouts).
@@ -289,12 +294,13 @@ def main(argv: list[str] | None = None) -> Results:
 
 
 def _recorder(res: Results, mode):
-    """``record(case, impl, fn, flops, **extra)``: ``fn`` timed into ``res`` with its TFLOP/s."""
+    """``record(case, impl, fn, flops, **extra)``: ``fn`` timed into ``res`` with its TFLOP/s;
+    returns the row."""
 
     def record(case, impl, fn, flops, **extra):
         ms, lo, hi = bench(fn, mode)
         tflops = round(flops / (ms * 1e-3) / 1e12, 2)
-        res.add(case, impl, ms, tflops=tflops, ms_p20=round(lo, 5), ms_p80=round(hi, 5), **extra)
+        return res.add(case, impl, ms, tflops=tflops, ms_p20=round(lo, 5), ms_p80=round(hi, 5), **extra)
 
     return record
 

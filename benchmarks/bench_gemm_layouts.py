@@ -13,12 +13,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm_checks as checks  # noqa: E402  (how a case is checked; torch's fp8 GEMM)
-from harness import Results, error_line, geomean  # noqa: E402
+from harness import Results, device_name, device_spec, error_line, geomean  # noqa: E402
 
 import tkern  # noqa: E402
 from tkern.kernels import gemm  # noqa: E402
 from tkern.kernels.gemm_blockwise import blockwise_eligible  # noqa: E402
 from tkern.kernels.gemm_plan import POINTER, TMA, GemmPlan  # noqa: E402
+from tkern.ops.float8 import FORWARD_FAST_ACCUM, GRADIENT_FAST_ACCUM  # noqa: E402
 
 #: The training layouts of a linear layer's three GEMMs (--layouts).
 LAYOUTS = ("fwd", "dgrad", "wgrad")
@@ -97,19 +98,30 @@ FP8_LAYOUT_DTYPES = {
     "dgrad": (torch.float8_e5m2, torch.float8_e4m3fn),
     "wgrad": (torch.float8_e5m2, torch.float8_e4m3fn),
 }
+#: ``use_fast_accum`` of each layout's GEMM as Float8Linear launches it: the forward's
+#: products summed in the tensor cores' accumulator, the gradients' promoted every K tile
+FP8_LAYOUT_FAST_ACCUM = {
+    "fwd": FORWARD_FAST_ACCUM,
+    "dgrad": GRADIENT_FAST_ACCUM,
+    "wgrad": GRADIENT_FAST_ACCUM,
+}
+#: the peers of an fp8 layout row: bf16 cuBLAS in the same layout (its own case, ``fp8 layout
+#: bf16 ...``) and torch's fp8 GEMM with the row's accumulation (gemm_checks.TORCH_FP8)
+BF16_PEER = "torch bf16"
 
 
-def _like(data: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """``data`` copied into ``ref``'s memory layout (strides), so an fp8 operand is laid
-    out as the 16-bit one it replaces."""
-    return torch.empty_strided(ref.shape, ref.stride(), dtype=data.dtype, device=data.device).copy_(data)
+def fp8_accum(scaling: str, layout: str) -> str:
+    """How ``layout``'s fp8 GEMM accumulates under ``scaling`` (gemm_checks.TORCH_FP8's keys):
+    block scales are promoted every 128 of K whatever ``use_fast_accum`` says."""
+    return "fast" if scaling != "blockwise" and FP8_LAYOUT_FAST_ACCUM[layout] else "precise"
 
 
 def quantize_operands(scaling: str, layout: str, a, b):
-    """``(aq, bq, sa, sb, block_a, block_b)``: ``a`` (M, K) and ``b`` (K, N) cast to fp8 in
-    their own layouts with scales for ``tkern.scaled_mm``: tensorwise; rowwise along each
-    operand's non-K dimension ((M, 1), (1, N)); blockwise 1x128 for a, 128x128 for a
-    weight b and 128x1 for the wgrad's X (Float8Linear's tiles), both operands K-major."""
+    """``(aq, bq, sa, sb, block_a, block_b)``: ``a`` (M, K) and ``b`` (K, N) cast to fp8
+    K-major, as Float8Linear's casts write them (x and x^T, W and W^T, dY and dY^T: ``aq``
+    contiguous, ``bq`` the transpose of a contiguous (N, K) cast), with scales for
+    ``tkern.scaled_mm``: tensorwise; rowwise along each operand's non-K dimension ((M, 1),
+    (1, N)); blockwise 1x128 for a, 128x128 for a weight b and 128x1 for the wgrad's X."""
     da, db = FP8_LAYOUT_DTYPES[layout]
     if scaling == "blockwise":
         da = db = torch.float8_e4m3fn
@@ -121,16 +133,17 @@ def quantize_operands(scaling: str, layout: str, a, b):
     aq, sa = tkern.to_float8(a.contiguous(), da, gran_a)
     bq_t, sb_t = tkern.to_float8(b.t().contiguous(), db, gran_b)  # b's columns as rows
     sb = sb_t if sb_t.dim() == 0 else sb_t.t()
-    if scaling == "blockwise":
-        # K-major, as the blockwise recipe's casts write every operand (x, W and W^T, dY^T,
-        # X^T): what the blockwise kernel (gemm_blockwise.py) reads through its descriptors
-        return aq, bq_t.t(), sa, sb, (1, 128), (128, gran_b[0])
-    return _like(aq, a), _like(bq_t.t(), b), sa, sb, None, None
+    blocks = ((1, 128), (128, gran_b[0])) if scaling == "blockwise" else (None, None)
+    return aq, bq_t.t(), sa, sb, *blocks
 
 
 def bench_fp8_layouts(res: Results, record, mode, models, layouts) -> None:
-    """tkern.scaled_mm in the training layouts against torch._scaled_mm and bf16 cuBLAS."""
+    """tkern.scaled_mm in the training layouts against torch._scaled_mm and bf16 cuBLAS:
+    every row with its TFLOP/s, MFU (at the device's dense fp8 / bf16 peak), its
+    ``rel_err`` against the float64 product of the same fp8 operands, and tkern's with its
+    ratio against the best peer of the same run (``vs_best_peer``, ``best_peer``)."""
     dev = mode.device
+    spec = device_spec(device_name())
     for model in models:
         tokens, layers = SMOKE_SHAPES if mode.smoke else MODEL_SHAPES[model]
         for layer, n_out, k_in in layers[:1] if mode.smoke else layers:  # smoke: the interpreter's time
@@ -143,54 +156,63 @@ def bench_fp8_layouts(res: Results, record, mode, models, layouts) -> None:
                 shape, flops = f"{m}x{n}x{k}", 2 * m * n * k
                 extra = dict(layout=layout, model=model, layer=layer)
                 base = f"fp8 layout bf16 {layout} {model} {layer} {shape}"
-                if not mode.smoke:
+                bf16_row = None
+                if not mode.smoke:  # cuBLAS in the same layout: x @ W^T, dY @ W, dY^T @ X as views
                     ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)  # the same strides
-                    record(base, "torch bf16", lambda ab=ab, bb=bb: ab @ bb, flops, **extra)
+                    bf16_row = record(base, BF16_PEER, lambda ab=ab, bb=bb: ab @ bb, flops, **extra)
+                    _mfu(bf16_row, spec, torch.bfloat16)
                 for scaling in checks.FP8_SCALINGS:
                     case = f"fp8 {scaling} {layout} {model} {layer} {shape}"
-                    aq, bq, sa, sb, block_a, block_b = quantize_operands(scaling, layout, a, b)
-                    ref = (
-                        checks.dequantize(aq, sa) @ checks.dequantize(bq.t(), sb.t() if sb.dim() else sb).t()
-                    )
-                    mine = functools.partial(
-                        tkern.scaled_mm,
-                        aq,
-                        bq,
-                        sa,
-                        sb,
-                        out_dtype=torch.bfloat16,
-                        block_a=block_a,
-                        block_b=block_b,
-                        use_fast_accum=checks.ACCUM[scaling] == "fast",
-                    )
-                    err = checks.rel(mine(), ref)
-                    if not err < checks.FP8_TOL:
-                        res.meta["failed"].append(
-                            {"case": case, "impl": "tkern", "error": f"rel error {err:.3g}"}
-                        )
-                        continue
-                    # which kernel scaled_mm runs it on (the blockwise rows: gemm_blockwise.py)
-                    blockwise = block_a is not None and blockwise_eligible(aq, bq, block_a, block_b)
-                    kernel = "blockwise" if blockwise else "pointer"
-                    record(case, "tkern", mine, flops, scaling=scaling, accum=checks.ACCUM[scaling],
-                           kernel=kernel, **extra)  # fmt: skip
-                    if scaling == "blockwise":
-                        why = "torch's blockwise GEMM is not timed in the training layouts"
-                        res.add(case, "torch", None, scaling=scaling, skipped=why, **extra)
-                        continue
-                    # torch._scaled_mm takes a row-major and b column-major: transposed copies, untimed
-                    ta, tb = aq.contiguous(), bq.t().contiguous().t()
-                    accum = checks.ACCUM[scaling]
-                    try:
-                        theirs = checks.checked_torch_fp8_mm(scaling, ta, tb, sa, sb, accum, ref)
-                    except Exception as exc:  # noqa: BLE001 - the baseline is missing, say why
-                        res.add(case, checks.TORCH_FP8[accum], None, scaling=scaling, accum=accum,
-                                skipped=error_line(exc), **extra)  # fmt: skip
-                        continue
-                    record(
-                        case, checks.TORCH_FP8[accum], theirs, flops, scaling=scaling, accum=accum, **extra
-                    )
+                    _fp8_layout_case(res, record, case, scaling, layout, a, b, flops, extra, spec, bf16_row)
             res.save()
+
+
+def _fp8_layout_case(res, record, case, scaling, layout, a, b, flops, extra, spec, bf16_row) -> None:
+    """One scaling of one layout: tkern checked against the float64 product and timed,
+    then torch's fp8 GEMM with the same accumulation, then tkern's ratio to the best peer."""
+    aq, bq, sa, sb, block_a, block_b = quantize_operands(scaling, layout, a, b)
+    ref = checks.fp64_product(aq, bq, sa, sb)
+    accum = fp8_accum(scaling, layout)
+    fields = dict(scaling=scaling, accum=accum, use_fast_accum=FP8_LAYOUT_FAST_ACCUM[layout], **extra)
+    mine = functools.partial(
+        tkern.scaled_mm, aq, bq, sa, sb, out_dtype=torch.bfloat16, block_a=block_a, block_b=block_b,
+        use_fast_accum=FP8_LAYOUT_FAST_ACCUM[layout],
+    )  # fmt: skip
+    err = checks.rel_err(mine(), ref)
+    if not err < checks.FP8_TOL:
+        res.meta["failed"].append({"case": case, "impl": "tkern", "error": f"rel error {err:.3g}"})
+        return
+    # which kernel scaled_mm runs it on (the blockwise rows: gemm_blockwise.py)
+    blockwise = block_a is not None and blockwise_eligible(aq, bq, block_a, block_b)
+    row = record(case, "tkern", mine, flops, kernel="blockwise" if blockwise else "pointer",
+                 rel_err=_sig(err), **fields)  # fmt: skip
+    _mfu(row, spec, aq.dtype)
+    peers = [bf16_row] if bf16_row is not None else []
+    impl = checks.TORCH_FP8[accum]
+    if bf16_row is not None:  # torch._scaled_mm takes a row-major and b column-major: K-major, as given
+        b_blocks = "BlockWise1x128" if layout == "wgrad" else "BlockWise128x128"
+        try:
+            theirs = checks.checked_torch_fp8_mm(scaling, aq, bq, sa, sb, accum, ref, b_blocks)
+        except Exception as exc:  # noqa: BLE001 - the peer is missing, say why
+            res.add(case, impl, None, skipped=error_line(exc), **fields)
+        else:
+            peer = record(case, impl, theirs, flops, rel_err=_sig(checks.rel_err(theirs(), ref)), **fields)
+            peers.append(_mfu(peer, spec, aq.dtype))
+    if peers:
+        best = min(peers, key=lambda r: r["ms"])
+        row.update(best_peer=best["impl"], vs_best_peer=round(best["ms"] / row["ms"], 3))
+        row["vs_bf16"] = round(bf16_row["ms"] / row["ms"], 3)
+
+
+def _mfu(row: dict, spec, dtype: torch.dtype) -> dict:
+    """``row`` with its ``mfu``: its TFLOP/s over the device's dense peak for ``dtype``
+    (None off the devices :data:`harness.DEVICES` knows, a CPU)."""
+    row["mfu"] = None if spec is None else round(row["tflops"] / spec.peak_tflops(dtype), 4)
+    return row
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.3g}")
 
 
 def layouts_summary(res: Results, models, layouts, smoke: bool) -> list[str]:
@@ -219,9 +241,21 @@ def layouts_summary(res: Results, models, layouts, smoke: bool) -> list[str]:
             ]
             vs = geomean(ratios)
             res.meta[f"fp8_{scaling}_{layout}_vs_bf16"] = checks.rounded(vs)
+            tkern_rows = [
+                r
+                for r in res.rows
+                if r["impl"] == "tkern" and r["case"] in cases and r.get("scaling") == scaling
+            ]
+            best = geomean([r.get("vs_best_peer") or float("nan") for r in tkern_rows])
+            res.meta[f"fp8_{scaling}_{layout}_vs_best_peer"] = checks.rounded(best)
+            mfus = [r["mfu"] for r in tkern_rows if r.get("mfu")]
+            res.meta[f"fp8_{scaling}_{layout}_mfu"] = checks.rounded(geomean(mfus)) if mfus else None
             if not smoke:
                 bound = 1.3 if scaling == "blockwise" else 1.5
-                lines.append(f"fp8 {scaling} {layout}: {vs:.3f}x bf16 cuBLAS (target >= {bound})")
+                lines.append(
+                    f"fp8 {scaling} {layout}: {vs:.3f}x bf16 cuBLAS (target >= {bound}), {best:.3f}x the "
+                    f"best peer, MFU {res.meta[f'fp8_{scaling}_{layout}_mfu']}"
+                )
     return lines
 
 

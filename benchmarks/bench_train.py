@@ -41,7 +41,7 @@ fp32 (:func:`lm_loss`):
 * ``torch autocast compiled``: the same model under ``torch.compile`` (the best
   a torch user has without writing kernels);
 * ``torch autocast bf16``: autocast bf16, no scaler, AdamW(fused=True): the fp8
-  recipes' baseline;
+  recipes' baseline; ``torch autocast bf16 compiled``: the same under ``torch.compile``;
 * ``torchao float8 tensorwise compiled``: torchao's ``convert_to_float8_training``
   (tensorwise, the same module filter) on bf16 params, AdamW(fused=True), under
   ``torch.compile`` as torchao documents it (skipped, with the reason recorded,
@@ -69,15 +69,18 @@ a faster recipe.
 
 Targets on H100/H200 (issues 16, 30): tkern >= 1.2x torch autocast and >= 1.0x the
 compiled autocast recipe on every model; tkern's peak memory <= 0.9x autocast's;
-the fp8 recipes >= 1.4x bf16 autocast on GPT-2 small.
+the fp8 recipes on GPT-2 small >= 1.6x bf16 autocast and >= 1.1x torchao's compiled
+Float8Linear (issue 43), with a final loss within 1% of bf16 autocast's
+(``loss_within_1pct_of_bf16``, every row's check column).
 ``--profile`` profiles the language models' steps instead (:func:`run_profiles`;
 default recipes :data:`PROFILE_RECIPES`): each GPU kernel put in the step ledger's
 categories (``step_ledger.kernel_category``), device time per category beside the
 committed ledger's floor, busy against wall, the top kernels with their achieved
 TFLOP/s or GB/s, into ``results/<device>/profile_<recipe>.csv`` and ``profile.png``.
 ``--models`` and ``--recipes`` (comma-separated prefixes; ``=NAME`` one exact
-name) pick a subset. Within a case the baselines run first, so a run cut by its
-time limit has what tkern's rows are compared with.
+name) pick a subset; an item that selects nothing is refused, naming it and the valid
+names, before anything runs (:func:`check_selection`). Within a case the baselines run
+first, so a run cut by its time limit has what tkern's rows are compared with.
 """
 
 from __future__ import annotations
@@ -278,6 +281,10 @@ def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool, fp32_mas
 
 
 TORCHAO_FP32_MASTER = "torchao float8 tensorwise compiled, fp32 master"
+#: bf16 autocast under torch.compile: the fp8 recipes' compiled 16-bit peer
+BF16_COMPILED = "torch autocast bf16 compiled"
+#: the recipe whose final loss the ``loss_vs_bf16`` check column reads against, and its bound
+BF16_REFERENCE, BF16_LOSS_MARGIN = "torch autocast bf16", 0.01
 #: tkern's memory modes (FusedAdamW's ``master`` and ``state_dtype``; issue 45 item 4)
 #: (``master="split"`` keeps the master as the bf16 param plus 16 low bits: bf16 params only)
 MEMORY_MODES = {
@@ -298,6 +305,7 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     "torch autocast": lambda b, d, s: _torch(b, d, autocast=torch.float16),
     "torch autocast compiled": lambda b, d, s: _torch(b, d, autocast=torch.float16, compiled=True),
     "torch autocast bf16": lambda b, d, s: _torch(b, d, autocast=torch.bfloat16),
+    BF16_COMPILED: lambda b, d, s: _torch(b, d, autocast=torch.bfloat16, compiled=True),
     "torchao float8 tensorwise compiled": lambda b, d, s: _torchao_fp8(b, d, smoke=s),
     TORCHAO_FP32_MASTER: lambda b, d, s: _torchao_fp8(b, d, smoke=s, fp32_master=True),
     "torch fp32 tf32": lambda b, d, s: _torch(b, d, allow_tf32=True),
@@ -310,7 +318,7 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     **{f"tkern fp8 {r}": (lambda b, d, s, r=r: _tkern_fp8(b, d, r)) for r in FP8_RECIPES},
 }
 #: what a smoke run leaves out: torch.compile of a whole model takes minutes on a CPU
-SMOKE_SKIPS = ("torch autocast compiled", "tkern compiled")
+SMOKE_SKIPS = ("torch autocast compiled", BF16_COMPILED, "tkern compiled")
 #: the master weights each recipe keeps (a row's ``master``): torchao's documented recipe
 #: trains bf16 params with no fp32 copy, which its fp32-master row adds
 MASTERS = {
@@ -519,15 +527,8 @@ def cases(smoke: bool, device: torch.device, gpt2_batch: int, models: str | None
     except ImportError:
         print("transformers is not installed: the GPT-2 model is skipped (pip install 'tkern[integrations]')")
     else:
-        lms = (
-            (("gpt2-tiny", GPT2LM, GPT2_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH),
-             ("llama-tiny", LlamaLM, LLAMA_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH))
-            if smoke
-            else (("gpt2-small", GPT2LM, GPT2_SMALL, SEQ, gpt2_batch),
-                  ("llama-like", LlamaLM, LLAMA_LIKE, LLAMA_SEQ, LLAMA_BATCH))
-        )  # fmt: skip
-        for name, cls, config, s, b in lms:
-            case = f"{name}, seq {s}, batch {b}"
+        for name, cls, config, s, b in _language_models(smoke, gpt2_batch):
+            case = _lm_case(name, s, b)
             # GPT-2's batch is drawn from the shared generator whether or not it is picked, and
             # Llama's from its own: the MLPs' batches stay those of every earlier run
             gen = g if cls is GPT2LM else torch.Generator().manual_seed(1)
@@ -547,12 +548,70 @@ def cases(smoke: bool, device: torch.device, gpt2_batch: int, models: str | None
         yield case, base, x, y, classify_loss
 
 
+def _language_models(smoke: bool, gpt2_batch: int) -> tuple:
+    """(name, model class, config, seq, batch) of each language model of a run."""
+    if smoke:
+        return (("gpt2-tiny", GPT2LM, GPT2_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH),
+                ("llama-tiny", LlamaLM, LLAMA_SMOKE, SMOKE_SEQ, SMOKE_GPT2_BATCH))  # fmt: skip
+    return (("gpt2-small", GPT2LM, GPT2_SMALL, SEQ, gpt2_batch),
+            ("llama-like", LlamaLM, LLAMA_LIKE, LLAMA_SEQ, LLAMA_BATCH))  # fmt: skip
+
+
+def _lm_case(name: str, seq: int, batch: int) -> str:
+    return f"{name}, seq {seq}, batch {batch}"
+
+
+def case_names(smoke: bool, gpt2_batch: int = 16) -> list[str]:
+    """Every case a run times (what ``--models`` picks from), in :func:`cases`' order."""
+    lms = [_lm_case(name, s, b) for name, _, _, s, b in _language_models(smoke, gpt2_batch)]
+    return lms + list(SMOKE_MLPS if smoke else MLPS)
+
+
+def check_selection(items: str | None, names, flag: str) -> None:
+    """Refuse (SystemExit, before anything runs) a ``--models`` / ``--recipes`` value any of
+    whose comma-separated items (a prefix, or ``=NAME``) selects none of ``names``: a
+    misspelt name would otherwise run nothing and say nothing."""
+    if items is None:
+        return
+    given = [p.strip() for p in items.split(",") if p.strip()]
+    bad = [item for item in given if not any(_picked(n, item) for n in names)] or ([] if given else [items])
+    if bad:
+        raise SystemExit(
+            f"bench_train.py: {flag} {', '.join(map(repr, bad))} selects nothing; "
+            f"the names (a prefix picks every name it starts, =NAME that one): {list(names)}"
+        )
+
+
 def _picked(name: str, prefixes: str | None) -> bool:
     """Whether ``name`` is among ``prefixes`` (comma-separated; ``=NAME`` is one exact name)."""
     if prefixes is None:
         return True
     items = [p.strip() for p in prefixes.split(",") if p.strip()]
     return any(name == p[1:] if p.startswith("=") else name.startswith(p) for p in items)
+
+
+def final_loss(res: Results, case: str, losses: dict[str, float], recipe: str) -> float | None:
+    """``recipe``'s final loss on ``case`` in this run, else the one merged from an earlier
+    run of the same file (a GPU session splits the recipes across calls); None if neither."""
+    if recipe in losses:
+        return losses[recipe]
+    return next((r.get("loss") for r in res.rows if (r["case"], r["impl"]) == (case, recipe)), None)
+
+
+def bf16_check(res: Results, case: str, losses: dict[str, float]) -> None:
+    """Each row of ``case`` trained in this run gets ``loss_vs_bf16`` (its final loss over
+    bf16 autocast's, less 1; that of an earlier run merged into the file when this run has
+    none) and the check column ``loss_within_1pct_of_bf16``; the fp8 recipes' into ``res.meta``."""
+    ref = final_loss(res, case, losses, BF16_REFERENCE)
+    if not ref:
+        return
+    for row in res.rows:
+        if row["case"] == case and row["impl"] in losses:
+            off = losses[row["impl"]] / ref - 1
+            row["loss_vs_bf16"] = round(off, 6)
+            row["loss_within_1pct_of_bf16"] = abs(off) <= BF16_LOSS_MARGIN
+            if row["impl"].startswith("tkern fp8"):
+                res.meta[f"{case}: {row['impl'][6:]} loss within 1% of bf16"] = abs(off) <= BF16_LOSS_MARGIN
 
 
 def summarize(res: Results, case: str, smoke: bool) -> str:
@@ -569,6 +628,7 @@ def summarize(res: Results, case: str, smoke: bool) -> str:
     res.meta[f"{case}: opt graph vs opt eager"] = ratio("tkern", "tkern opt eager")
     for r in FP8_RECIPES:
         res.meta[f"{case}: fp8 {r} vs autocast bf16"] = ratio(f"tkern fp8 {r}", "torch autocast bf16")
+        res.meta[f"{case}: fp8 {r} vs compiled autocast bf16"] = ratio(f"tkern fp8 {r}", BF16_COMPILED)
         res.meta[f"{case}: fp8 {r} vs torchao float8"] = ratio(
             f"tkern fp8 {r}", "torchao float8 tensorwise compiled"
         )
@@ -597,7 +657,8 @@ def summarize(res: Results, case: str, smoke: bool) -> str:
         f"{case}: tkern {m[f'{case}: vs torch autocast']}x autocast (target >= 1.2), "
         f"{m[f'{case}: vs torch autocast compiled']}x compiled autocast (target >= 1.0); "
         f"whole-step graph {m[f'{case}: whole-step graph vs tkern']}x tkern; "
-        f"fp8 tensorwise {m[f'{case}: fp8 tensorwise vs autocast bf16']}x bf16 autocast (target >= 1.4); "
+        f"fp8 tensorwise {m[f'{case}: fp8 tensorwise vs autocast bf16']}x bf16 autocast (target >= 1.6), "
+        f"{m[f'{case}: fp8 tensorwise vs torchao float8']}x torchao Float8Linear (target >= 1.1); "
         f"peak {mem.get('tkern')} MiB vs autocast {mem.get('torch autocast')} MiB (target <= 0.9x)"
     )
 
@@ -892,6 +953,8 @@ def main(argv: list[str] | None = None) -> Results:
         )
 
     mode, args = setup("train", __doc__, argv, add_arguments)
+    check_selection(args.models, case_names(mode.smoke, args.gpt2_batch), "--models")
+    check_selection(args.recipes, list(RECIPES), "--recipes")
     if args.profile:
         run_profiles(mode, args, mode.out_dir)
         return Results("train", mode, metric=None)
@@ -941,15 +1004,13 @@ def main(argv: list[str] | None = None) -> Results:
                 **r,
             )
             res.save()  # after every recipe: a timeout loses only the one in progress
-        # the fp32 reference of this run, else the one merged from an earlier run of the same file
-        ref = losses.get(BASELINE)
-        if ref is None:
-            ref = next((r.get("loss") for r in res.rows if (r["case"], r["impl"]) == (case, BASELINE)), None)
+        ref = final_loss(res, case, losses, BASELINE)
         for recipe, loss in losses.items():
             if ref is not None and not abs(loss - ref) <= LOSS_MARGIN * abs(ref):
                 disagree.append(f"{case}: {recipe} loss {loss:.5g} vs {BASELINE} {ref:.5g}")
         # what a memory mode (or any tkern variant) costs in loss against tkern's recipe of
         # the same param dtype (bf16 rows against ``tkern bf16``)
+        bf16_check(res, case, losses)
         for row in res.rows:
             bf16 = row["impl"].startswith(("tkern bf16", "tkern fp8"))
             ref_name = "tkern bf16" if bf16 else "tkern"
@@ -966,7 +1027,18 @@ def main(argv: list[str] | None = None) -> Results:
     summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]
     res.save(plot=True)
     res.print_table(
-        ["ms", "ms_synced", "ms_p90", "mfu", "peak_mib", "loss", "master", "graph_replays"], summary
+        [
+            "ms",
+            "ms_synced",
+            "ms_p90",
+            "mfu",
+            "peak_mib",
+            "loss",
+            "loss_within_1pct_of_bf16",
+            "master",
+            "graph_replays",
+        ],
+        summary,
     )
     if disagree and not mode.smoke:
         raise SystemExit(f"bench_train: recipes disagree on the loss beyond {LOSS_MARGIN:.0%}: {disagree}")

@@ -45,23 +45,42 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``data.float() * scale`` with any of to_float8's scales (0-dim, per row,
-    per block) expanded to data's shape."""
+def rel_err(out: torch.Tensor, ref64: torch.Tensor) -> float:
+    """Norm-wise relative error of ``out`` against the float64 ``ref64``, in float64."""
+    return ((out.double() - ref64).norm() / ref64.norm()).item()
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale`` in ``dtype`` with any of to_float8's scales (0-dim, per row,
+    per block) expanded to data's shape (float64: exact, an fp8 value times an fp32
+    scale has at most 28 significant bits)."""
     if scale.dim() == 0:
-        return data.float() * scale
+        return data.to(dtype) * scale.to(dtype)
     (m, k), (sm, sk) = data.shape, scale.shape
     bm, bk = -(-m // sm), -(-k // sk)
     full = scale.repeat_interleave(bm, 0)[:m].repeat_interleave(bk, 1)[:, :k]
-    return data.float() * full
+    return data.to(dtype) * full.to(dtype)
 
 
-def torch_fp8_mm(scaling: str, a, b, sa, sb, accum: str = "precise") -> Callable[[], torch.Tensor]:
+def fp64_product(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """The float64 product of the fp8 operands ``a`` (M, K) and ``b`` (K, N) as
+    ``tkern.scaled_mm`` reads them with their scales (per tensor, ``(M, 1)`` / ``(1, N)``
+    rows, or block grids ``(M/bm, K/bk)`` / ``(K/bk, N/bn)``): every fp8 GEMM row's
+    ``rel_err`` is against it."""
+    sb_t = sb if sb.dim() == 0 else sb.t()
+    return dequantize(a, sa, torch.float64) @ dequantize(b.t(), sb_t, torch.float64).t()
+
+
+def torch_fp8_mm(
+    scaling: str, a, b, sa, sb, accum: str = "precise", b_blocks: str = "BlockWise128x128"
+) -> Callable[[], torch.Tensor]:
     """torch's fp8 GEMM for ``scaling`` as a callable: ``torch._scaled_mm`` for
     tensorwise and rowwise scales (``use_fast_accum`` when ``accum`` is "fast"); for
-    blocks ``F.scaled_mm`` with BlockWise1x128 / BlockWise128x128 (precise only),
-    whose scale layouts are tried in the forms torch documents (as given, or
-    outer-dimension-major). Raises what torch raises if none works."""
+    blocks ``F.scaled_mm`` with BlockWise1x128 for ``a`` and ``b_blocks`` for ``b``
+    (BlockWise128x128 for a weight, BlockWise1x128 for the wgrad's X: one scale per
+    column and 128 of K; precise only), whose scale layouts are tried in the forms
+    torch documents (as given, or outer-dimension-major). Raises what torch raises
+    if none works."""
     if scaling != "blockwise":
         fast = accum == "fast"
         return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
@@ -75,7 +94,7 @@ def torch_fp8_mm(scaling: str, a, b, sa, sb, accum: str = "precise") -> Callable
     errors = []
     for sa_, sb_ in ((sa, sb), (outer_major(sa), sb), (outer_major(sa), sb.t().contiguous())):
         fn = functools.partial(
-            scaled_mm, a, b, sa_, ScalingType.BlockWise1x128, sb_, ScalingType.BlockWise128x128
+            scaled_mm, a, b, sa_, ScalingType.BlockWise1x128, sb_, getattr(ScalingType, b_blocks)
         )
         try:
             fn(output_dtype=torch.bfloat16)
@@ -86,10 +105,12 @@ def torch_fp8_mm(scaling: str, a, b, sa, sb, accum: str = "precise") -> Callable
     raise RuntimeError("torch's blockwise scaled_mm refused every scale layout: " + " | ".join(errors))
 
 
-def checked_torch_fp8_mm(scaling: str, a, b, sa, sb, accum: str, ref) -> Callable[[], torch.Tensor]:
+def checked_torch_fp8_mm(
+    scaling: str, a, b, sa, sb, accum: str, ref, b_blocks: str = "BlockWise128x128"
+) -> Callable[[], torch.Tensor]:
     """:func:`torch_fp8_mm`, checked against ``ref`` (the dequantized operands' product)
     within ``FP8_TOL``; raises what torch raises, or RuntimeError on a wrong result."""
-    theirs = torch_fp8_mm(scaling, a, b, sa, sb, accum)
+    theirs = torch_fp8_mm(scaling, a, b, sa, sb, accum, b_blocks)
     err = rel(theirs(), ref)
     if not err < FP8_TOL:
         raise RuntimeError(f"torch's result differs from the reference: rel error {err:.3g}")

@@ -76,7 +76,12 @@ SHAPES = r"\d+x\d+x\d+"
 GPT2 = TRAIN_MODELS[0][0]
 #: the 16-bit peers of a tkern training step (impl -> the tables' name)
 AUTOCAST_PEERS = ("torch autocast", "torch autocast compiled", "torch autocast bf16")
-FP8_TRAIN_PEERS = ("torch autocast bf16", "torchao float8 tensorwise compiled")
+FP8_TRAIN_PEERS = (
+    "torch autocast bf16",
+    "torch autocast bf16 compiled",
+    "torchao float8 tensorwise compiled",
+    "torchao float8 tensorwise compiled, fp32 master",
+)
 CUBLAS = {"torch": "cuBLAS (torch.matmul)"}
 BIAS_GELU_PEERS = {
     "torch": "torch unfused",
@@ -87,6 +92,11 @@ FP8_GEMM_PEERS = {
     "torch": "torch's fp8 GEMM, precise accumulation",
     "torch fast accum": "torch's fp8 GEMM, fast accumulation",
 }
+#: an fp8 training-layout GEMM's peers: torch's fp8 GEMM on the same case, bf16 cuBLAS in the
+#: same layout on its own case (bench_gemm_layouts: ``fp8 layout bf16 <layout> <model> ...``)
+FP8_LAYOUT_PEERS = {**FP8_GEMM_PEERS, "torch bf16": "bf16 cuBLAS (torch.mm)"}
+FP8_LAYOUT_BF16_CASE = (r"^fp8 \w+ ", "fp8 layout bf16 ")
+GEMM_LAYOUTS = ("fwd", "dgrad", "wgrad")
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,8 @@ class Measure:
         peers: impl -> the tables' name; empty: every impl not named ``tkern...``
             (named by :data:`plots.NAMES`).
         metric: the row field compared (lower is better: ``ms``, ``peak_mib``).
+        peer_case: ``(pattern, replacement)``: ``re.sub`` of a case gives another case
+            whose rows are peers too (a peer timed under its own case name).
     """
 
     label: str
@@ -110,6 +122,7 @@ class Measure:
     tkern: str = "tkern"
     peers: dict[str, str] | tuple[str, ...] = ()
     metric: str = "ms"
+    peer_case: tuple[str, str] | None = None
 
     def peer_names(self, impls) -> dict[str, str]:
         if isinstance(self.peers, dict):
@@ -173,6 +186,17 @@ MEASURES: list[Measure] = [
         )
         for scaling in FP8_SCALINGS
     ],
+    *[
+        Measure(
+            f"fp8 GEMM in training, {scaling} scales, {layout} (Float8Linear's operands and accumulation)",
+            "gemm",
+            rf"fp8 {scaling} {layout} (gpt2|llama) \S+ {SHAPES}",
+            peers=FP8_LAYOUT_PEERS,
+            peer_case=FP8_LAYOUT_BF16_CASE,
+        )
+        for scaling in FP8_SCALINGS
+        for layout in GEMM_LAYOUTS
+    ],
     Measure("layer_norm forward + backward", "norm", r"layer_norm fwd\+bwd \d+x\d+"),
     Measure("rms_norm forward + backward", "norm", r"rms_norm fwd\+bwd \d+x\d+"),
     Measure("cross_entropy forward + backward", "loss", r"cross_entropy fwd\+bwd \d+x\d+"),
@@ -183,7 +207,8 @@ MEASURES: list[Measure] = [
 @dataclass(frozen=True)
 class Comparison:
     """A measure's result in one run: ``ratio`` = the best peer's metric / tkern's
-    (above 1: tkern ahead), over ``cases`` cases, the best peer(s) by name."""
+    (above 1: tkern ahead), over ``cases`` cases, the best peer(s) by name, and tkern's
+    ``mfu`` (its rows' model FLOPs utilisation, geomean; None where the rows have none)."""
 
     measure: Measure
     ratio: float
@@ -191,6 +216,7 @@ class Comparison:
     peers: tuple[str, ...]
     commit: str
     date: str
+    mfu: float | None = None
 
     def verdict(self) -> str:
         if self.ratio >= PAR:
@@ -202,12 +228,16 @@ def compare(measure: Measure, payload: dict) -> Comparison | str | None:
     """The measure in one results file: a :class:`Comparison`; a string when tkern's
     row fell back from its CUDA graph (the reason); None when not measured."""
     pattern = re.compile(measure.cases)
-    by_case: dict[str, dict[str, dict]] = {}
+    every: dict[str, dict[str, dict]] = {}
     for row in payload.get("rows", []):
-        if pattern.fullmatch(str(row.get("case", ""))) and row.get(measure.metric):
-            by_case.setdefault(row["case"], {})[row["impl"]] = row
-    logs, peers, used = [], [], []
-    for impls in by_case.values():
+        if row.get(measure.metric):
+            every.setdefault(str(row.get("case", "")), {})[row["impl"]] = row
+    logs, peers, used, mfus = [], [], [], []
+    for case, impls in every.items():
+        if not pattern.fullmatch(case):
+            continue
+        if measure.peer_case is not None:  # peers timed under a case of their own
+            impls = {**every.get(re.sub(*measure.peer_case, case), {}), **impls}
         mine = impls.get(measure.tkern)
         if mine is not None and (why := fell_back(mine)) is not None:
             return why
@@ -216,6 +246,7 @@ def compare(measure: Measure, payload: dict) -> Comparison | str | None:
             continue
         best = min(names, key=lambda i: impls[i][measure.metric])
         logs.append(math.log(impls[best][measure.metric] / mine[measure.metric]))
+        mfus += [math.log(mine["mfu"])] if mine.get("mfu") else []
         peers.append(names[best])
         used += [mine, impls[best]]
     if not logs:
@@ -229,6 +260,7 @@ def compare(measure: Measure, payload: dict) -> Comparison | str | None:
         tuple(dict.fromkeys(peers)),
         ", ".join(commits),
         dates[-1],
+        round(math.exp(sum(mfus) / len(mfus)), 4) if mfus else None,
     )
 
 
@@ -246,14 +278,14 @@ def summary_lines(folder: str, files: dict) -> list[str]:
     lines = [f"**{device}**, newest run {newest(files)[:10] or '?'}:", ""]
     if found:
         lines += [
-            "| measure | tkern | against the best peer measured | commit | date |",
-            "| --- | --- | --- | --- | --- |",
+            "| measure | tkern | against the best peer measured | tkern's MFU | commit | date |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for c in sorted(found, key=lambda c: -c.ratio):
             over = f" (geomean of {c.cases} cases)" if c.cases > 1 else ""
             lines.append(
                 f"| {c.measure.label}{over} | **{c.verdict()}, {c.ratio:.2f}x** | {' / '.join(c.peers)} "
-                f"| {c.commit} | {c.date} |"
+                f"| {'' if c.mfu is None else f'{c.mfu:.1%}'} | {c.commit} | {c.date} |"
             )
         lines.append("")
     if missing:
@@ -272,7 +304,9 @@ def render_summary(folders: list[tuple[str, str, dict]]) -> str:
         "Per device, newest first: tkern against the fastest other implementation measured in the same",
         "run (the best peer), as the peer's time over tkern's (for memory, the peer's peak over tkern's):",
         f"above 1 tkern is ahead; within {PAR:g}x of 1 is on par; over several cases, their geometric",
-        "mean. Generated by `benchmarks/report.py` from `benchmarks/results/<device>/*.json` alone.",
+        "mean. Beside it tkern's MFU where its rows record one (model FLOPs over the device's dense",
+        "peak: 16-bit for a training step, fp8 for an fp8 GEMM). Generated by `benchmarks/report.py`",
+        "from `benchmarks/results/<device>/*.json` alone; a measure no run has made is listed as such.",
         "",
     ]
     gpu = [(f, files) for f, where, files in folders if where == "gpu" and files]

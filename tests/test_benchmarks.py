@@ -98,7 +98,7 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
     # the report regenerated the README table (between its markers) and the targets list
     readme = (out / "README.md").read_text()
     table = readme.split("<!-- results-table:start -->")[1].split("<!-- results-table:end -->")[0]
-    assert "Targets:" in table and "not measured" in table
+    assert "Targets:" in table and "waiting for a GPU measurement" in table
     targets = (out / "results" / "TARGETS.md").read_text()
     assert "| measure | value | target | status | run |" in targets and "## cpu" in targets
 
@@ -186,6 +186,19 @@ def test_gpu_check_plan_puts_the_unknowns_first():
     assert "=torch autocast compiled" in gpt2 and "=tkern bf16" in gpt2
     caps = [int(line.split(" cap ")[1].split("s")[0]) for line in proc.stdout.splitlines() if " cap " in line]
     assert sum(caps[:5]) <= 420  # the unknowns fit the first call's budget
+    profile = next(line for line in proc.stdout.splitlines() if line.startswith("bench_train_profile"))
+    assert all(f"={r}" in profile for r in ("tkern", "torch autocast compiled", "tkern fp8 tensorwise"))
+    assert all("--shapes gpt2" in line and "--layouts fwd,dgrad,wgrad" in line
+               for line in proc.stdout.splitlines() if line.startswith("bench_gemm_"))  # fmt: skip
+    # the second call has the rest: the fp8 step's peers, the GPT job, memory modes, norms, losses, health
+    more = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), "plan", "more"], capture_output=True, text=True, timeout=60
+    ).stdout
+    for phase in ("bench_train_fp8", "gpt_job", "bench_train_rest", "bench_optimizer_modes", "bench_norm",
+                  "bench_loss", "bench_optimizer_health"):  # fmt: skip
+        assert f"\n{phase} " in f"\n{more}", phase
+    fp8 = next(line for line in more.splitlines() if line.startswith("bench_train_fp8"))
+    assert "=torch autocast bf16 compiled" in fp8 and "torchao" in fp8
 
 
 def test_conv1d_as_linear_computes_the_same_gpt2():
@@ -275,6 +288,17 @@ def test_gemm_layouts_smoke_times_every_layout_and_the_report_reads_them(tmp_pat
             assert r["kernel"] == ("blockwise" if k % 16 == 0 else "pointer"), r
     assert not res.meta["failed"]
     assert all(r["ms"] is not None or r.get("skipped") for r in rows)
+    # issue 43: each fp8 GEMM with Float8Linear's accumulation (forward fast, gradients
+    # promoted), its error against the float64 product of its own fp8 operands, its MFU
+    from tkern.ops.float8 import FORWARD_FAST_ACCUM, GRADIENT_FAST_ACCUM
+
+    fast = {"fwd": FORWARD_FAST_ACCUM, "dgrad": GRADIENT_FAST_ACCUM, "wgrad": GRADIENT_FAST_ACCUM}
+    for r in rows:
+        if r["case"].startswith("fp8 ") and r["impl"] == "tkern":
+            assert r["use_fast_accum"] is fast[r["layout"]], r
+            assert r["accum"] == ("fast" if fast[r["layout"]] and r["scaling"] != "blockwise" else "precise")
+            assert 0 < r["rel_err"] < bench_gemm.FP8_TOL, r
+            assert r["mfu"] is None  # a CPU has no peak to measure against
     keys = {t.names()[0] for t in report.TARGETS if t.stem == "gemm"}
     layout_keys = {f"fp16_{layout}_gpt2_vs_cublas" for layout in bench_gemm_layouts.LAYOUTS}
     layout_keys |= {
@@ -428,7 +452,7 @@ def test_report_judges_each_target_and_names_the_run(tmp_path):
     fp8 = (
         "fp8 scaled_mm e4m3xe4m3 tensorwise / torch's fp8 GEMM, same accumulation (fast), transformer shapes"
     )
-    assert f"| {fp8} |  | >= 0.95 | not measured |" in full
+    assert f"| {fp8} |  | >= 0.95 | waiting for a GPU measurement |" in full  # never a figure made up
     # every target is listed once per folder it applies to
     gpu_targets = [t for t in report.TARGETS if "gpu" in t.where]
     section = full.split("## nvidia-h100-test")[1].split("## host")[0]
@@ -797,15 +821,15 @@ def test_summary_says_where_tkern_is_ahead_and_behind_the_best_peer_newest_devic
     )
     graphed_torch = "torch graphed: capturable AdamW(fused=True) + GradScaler"
     assert (
-        f"| AdamW + loss-scaler step, 1M params | **ahead, 1.50x** | {graphed_torch} | abc1234 "
-        "| 2026-11-25 01:00 UTC |" in summary
+        f"| AdamW + loss-scaler step, 1M params | **ahead, 1.50x** | {graphed_torch} |  | abc1234 "
+        "| 2026-11-25 01:00 UTC |" in summary  # no MFU for an optimizer step: an empty cell
     )
     assert "| training step, GPT-2 small | **behind, 0.50x** | autocast + GradScaler |" in summary
     assert "| peak memory of the training step, GPT-2 small | **ahead, 2.00x** |" in summary
     # geomean over shapes: 2.0x and 0.5x are on par
     assert "| fp16 GEMM, transformer shapes (geomean of 2 cases) | **on par, 1.00x** | cuBLAS" in summary
     at_1b = "| AdamW + loss-scaler step, 1B params | **ahead, 1.50x** | GradScaler + AdamW(fused=True) |"
-    assert f"{at_1b} not recorded |" in summary
+    assert f"{at_1b}  | not recorded |" in summary  # no MFU cell, no commit in the file
     h200 = summary.split("**NVIDIA H100 TEST**")[0]
     assert h200.count("Not measured on this device:") == 1
     assert "; fp8 GEMM, blockwise scales (precise accumulation);" in h200
