@@ -845,7 +845,7 @@ def cast_tiles(
             STORE_T=store_t, COL_SUM=sum_dtype is not None, num_warps=CAST_TILES_WARPS,
         )  # fmt: skip
     if sum_dtype is not None:
-        col_sum = partial.sum(0).to(sum_dtype) if M > 0 else torch.zeros(K, dtype=sum_dtype, device=x.device)
+        col_sum = partial.sum(0).to(sum_dtype)  # (0, K) partials when M == 0: zeros
     return TileCast(data, scale, data_t, scale_t, col_sum)
 
 
