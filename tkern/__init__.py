@@ -2,6 +2,7 @@
 
 from tkern import amp, nn, optim
 from tkern.amp import DynamicLossScaler, LogNormalLossScaler, StaticLossScaler
+from tkern.device import DeviceSpec, device_spec
 from tkern.kernels import INTERPRET, mode
 from tkern.kernels.float8 import to_float8
 from tkern.kernels.gemm import scaled_mm
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "INTERPRET",
+    "DeviceSpec",
     "DynamicLossScaler",
     "Float8Emit",
     "Float8Linear",
@@ -30,6 +32,7 @@ __all__ = [
     "amp",
     "convert_network",
     "cross_entropy",
+    "device_spec",
     "layer_norm",
     "linear",
     "linear_cross_entropy",
