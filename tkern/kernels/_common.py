@@ -22,6 +22,13 @@ What the interpreter gets wrong, and where tkern handles it (all here):
   :func:`cast_rne` rounds by hand under the interpreter.
 * ``@triton.autotune`` with several configs cannot run: :func:`autotune` keeps
   only the first config under the interpreter.
+
+And what it does slowly: every call of a ``@triton.jit`` helper inside a kernel
+(``tl.sum``, ``tl.cdiv``, tkern's own helpers), in every program, patches
+``triton.language`` again, though the launch already patched it and restores it
+when the program grid is done; for small kernels that is half of the interpreter's
+time. :func:`_patch_language_once` makes the nested patch a no-op where the launch's
+patch already covers the helper's modules (``TKERN_INTERPRETER_PATCH_ONCE=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -72,6 +79,55 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 if INTERPRET and _TRITON_FIRST:
     _interpret_triton_language()
+
+
+def _patch_language_once() -> bool:
+    """Patch ``triton.language`` once per launch under the interpreter, not once per
+    jit-helper call: ``triton.runtime.interpreter``'s launch (``GridExecutor``) patches
+    the language, runs every program and restores it; a device function called from a
+    kernel (``InterpretedFunction.__call__``) patches it again on every call, in every
+    program, and never restores that. Wrapped here, a helper's patch returns at once
+    when the running launch already patched every language module the helper sees,
+    and runs in full otherwise (or outside a launch). What runs is unchanged: the
+    language a helper sees is the launch's patched one either way. Returns whether the
+    wrappers were installed (False where this Triton's interpreter lacks the two names,
+    or they are wrapped already)."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if original is None or executor is None or getattr(original, "tkern_once", False):
+        return False
+    languages = (tl, getattr(tl, "core", tl))
+    launches: list[frozenset[int] | None] = []  # per running launch: the modules its patch covers
+
+    def patch_lang(fn):
+        seen = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in languages))
+        if not launches:  # outside any launch: the interpreter's own behaviour
+            return original(fn)
+        if launches[-1] is None:  # the launch's own patch, restored by the launch
+            scope = original(fn)
+            launches[-1] = seen
+            return scope
+        return None if seen <= launches[-1] else original(fn)
+
+    run_grid = executor.__call__
+
+    def run_patched_once(self, *args, **kwargs):
+        launches.append(None)
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    patch_lang.tkern_once = True
+    interpreter._patch_lang = patch_lang
+    executor.__call__ = run_patched_once
+    return True
+
+
+if INTERPRET and os.environ.get("TKERN_INTERPRETER_PATCH_ONCE", "1") != "0":
+    _patch_language_once()
 
 if INTERPRET:
     # numpy, which runs the interpreter's arithmetic, reports fp16 overflow (and
