@@ -498,10 +498,10 @@ def device_gemm_info(device: torch.device) -> tuple[int, bool]:
     :class:`tkern.DeviceSpec` (no TMA on AMD's GPUs: the pointer kernel and split-K):
     ``(0, False)`` under the interpreter and off CUDA (no SM count: the pointer
     kernel alone, as before there was a plan). The tests' seam for a GPU's routing."""
-    if INTERPRET or device.type != "cuda":
+    if device.type != "cuda":
         return 0, False
-    spec = tkdev.device_spec(device)
-    return spec.sms, spec.tma
+    spec = tkdev.device_spec(device)  # the interpreter's spec under TRITON_INTERPRET=1
+    return (0, False) if spec.vendor == "cpu" else (spec.sms, spec.tma)
 
 
 #: How many shapes :func:`plan_gemm_cached` remembers (least recently used dropped past it):
