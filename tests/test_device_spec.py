@@ -221,3 +221,33 @@ def test_only_tkern_device_asks_torch_about_the_gpu():
         if re.search(r"get_device_capability|get_device_properties", p.read_text())
     }
     assert asked == {"tkern/device.py"}
+
+
+def test_tkern_info_plans_for_a_named_gpu_without_it(capsys):
+    from tkern.train import cli
+
+    assert cli.main(["info", "--device", "MI300X"]) == 0
+    out = capsys.readouterr().out
+    gemm_rows = [line.split() for line in out.splitlines() if re.match(r"  (attn|mlp|lm) ", line)]
+    assert len(gemm_rows) == 15 and not any("tma" in row for row in gemm_rows)
+    assert {"forward", "dgrad", "wgrad"} <= {word for row in gemm_rows for word in row}
+    assert SPECS["mi300x"].describe() in out and "waves_per_eu=2" in out and "split_k" in out
+    assert (
+        out.count("refused: ") == 3 and "float8_e4m3fnuz" in out and "MX block-scaled MMA: not native" in out
+    )
+    assert "grid (up to 304 programs" in out
+
+    assert cli.main(["info", "--device", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert " tma " in out and "refused" not in out and "waves_per_eu" not in out
+
+    assert cli.main(["info"]) == 0
+    assert "spec    " + device_spec().describe() in capsys.readouterr().out
+
+
+def test_tkern_info_refuses_an_unknown_device_with_the_names(capsys):
+    from tkern.train import cli
+
+    assert cli.main(["info", "--device", "h300"]) == 2
+    err = capsys.readouterr().err
+    assert "'h300'" in err and all(name in err for name in SPECS) and err.count("\n") == 1

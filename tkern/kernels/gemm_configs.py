@@ -44,17 +44,18 @@ def _config(bm: int, bn: int, bk: int, stages: int, warps: int, pre_hook=None) -
     return triton.Config(meta, num_stages=stages, num_warps=warps, pre_hook=pre_hook)
 
 
-def gemm_configs() -> list[triton.Config]:
+def gemm_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tiles of the pointer kernel (``_matmul_kernel``).
 
     The first entry is the only one used under the interpreter, where big tiles
     matter most (each program costs milliseconds on the CPU, the tile size
     almost nothing). The rest are the tile shapes of Triton's matmul tutorial
     for fp16 on Ampere/Hopper plus 64-deep K tiles, which let Hopper's wgmma
-    issue fewer, larger instructions.
+    issue fewer, larger instructions. ``interpret=False`` gives a GPU's table on a CPU
+    (``tkern info --device``).
     """
     return [
-        _config(128, 128, 64, 3, 8) if not INTERPRET else _config(128, 128, 128, 1, 4),
+        _config(128, 128, 64, 3, 8) if not interpret else _config(128, 128, 128, 1, 4),
         _config(128, 256, 64, 3, 8),
         _config(256, 128, 64, 3, 8),
         _config(128, 256, 64, 4, 8),
@@ -68,20 +69,20 @@ def gemm_configs() -> list[triton.Config]:
     ]
 
 
-def split_k_configs() -> list[triton.Config]:
+def split_k_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tiles of the split-K kernel (gemm_split.py): the pointer kernel's 128 x 128
     entries, since ``gemm_plan.plan_gemm`` counts 128 x 128 tiles when it picks the
     number of splits (another tile would change the waves it planned)."""
     tile = (gemm_plan.PLAN_BLOCK_M, gemm_plan.PLAN_BLOCK_N)
-    return [c for c in gemm_configs() if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == tile]
+    return [c for c in gemm_configs(interpret) if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == tile]
 
 
-def fp8_gemm_configs() -> list[triton.Config]:
+def fp8_gemm_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tiles of the pointer kernel on fp8 operands (``scaled_mm``): 128-deep K tiles
     (one per 128-wide block scale, four k32 ``wgmma`` steps each), which fp8's one
     byte an element leaves room for; the first is the interpreter's."""
     return [
-        _config(128, 128, 128, 3, 8) if not INTERPRET else _config(128, 128, 128, 1, 4),
+        _config(128, 128, 128, 3, 8) if not interpret else _config(128, 128, 128, 1, 4),
         _config(128, 256, 128, 3, 8),
         _config(256, 128, 128, 3, 8),
         _config(128, 128, 128, 4, 4),
