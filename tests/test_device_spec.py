@@ -251,3 +251,14 @@ def test_tkern_info_refuses_an_unknown_device_with_the_names(capsys):
     assert cli.main(["info", "--device", "h300"]) == 2
     err = capsys.readouterr().err
     assert "'h300'" in err and all(name in err for name in SPECS) and err.count("\n") == 1
+
+
+def test_docs_devices_holds_the_support_table_and_the_gates_targets():
+    from tkern.train.device_report import COMPILED_IN_CI, support_table
+
+    root = Path(tkern.__file__).parent.parent
+    page = (root / "docs" / "devices.md").read_text()
+    table = page.split("<!-- support-table:start -->\n")[1].split("\n<!-- support-table:end -->")[0]
+    assert table == support_table(), "docs/devices.md: paste support_table()'s output between the markers"
+    gate = re.search(r"^TARGETS = \(([\d, ]+)\)", (root / "tests" / "test_compiled.py").read_text(), re.M)
+    assert {f"sm_{cc.strip()}" for cc in gate.group(1).split(",") if cc.strip()} == set(COMPILED_IN_CI)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from tkern.device import DeviceSpec, device_spec, spec_names
 
-__all__ = ["GPT2_SMALL", "device_report", "info", "spec_or_usage_error"]
+__all__ = ["COMPILED_IN_CI", "GPT2_SMALL", "device_report", "info", "spec_or_usage_error", "support_table"]
 
 
 class Gemm(NamedTuple):
@@ -144,6 +144,49 @@ def device_report(spec: DeviceSpec) -> str:
     return "\n".join(
         ["spec    " + spec.describe(), *gemm_lines(spec), *fp8_lines(spec), *optimizer_lines(spec)]
     )
+
+
+#: The targets the compile gate (tests/test_compiled.py, its ``TARGETS``) compiles every
+#: offered config for. The other six arches compile on a CPU too (docs/devices.md) and join
+#: the gate in a later change: add them here when they do.
+COMPILED_IN_CI = ("sm_90", "sm_80")
+
+
+def _recipes(spec: DeviceSpec) -> str:
+    """The fp8 recipes' verdict on ``spec``, in a few words."""
+    from tkern.kernels.float8 import fp8_refusal
+    from tkern.ops.float8_args import RECIPE_FORMATS
+
+    refused = [r for r, f in RECIPE_FORMATS.items() if fp8_refusal(spec, r, f) is not None]
+    if not refused:
+        return "all three recipes"
+    if not spec.fp8:
+        return "refused: no fp8 tensor cores"
+    return "refused: FNUZ formats, tkern casts to OCP"
+
+
+def support_table() -> str:
+    """docs/devices.md's GPU x feature table, from :data:`tkern.device.SPECS` and what
+    tkern's planners decide for each (tests check the page holds exactly this)."""
+    from tkern.device import SPECS
+    from tkern.kernels.float8 import format_names
+
+    rows = [
+        "| GPU | arch | 16-bit GEMM kernels | fp8 formats (tkern's recipes) | MX MMA in hardware | graphs "
+        "| FSDP2 | compiled in CI |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for spec in SPECS.values():
+        gemm = "TMA, split-K, pointer" if spec.tma else "split-K, pointer"
+        fp8 = (
+            f"{format_names(spec.fp8_dtypes)} ({_recipes(spec)})" if spec.fp8 else f"none ({_recipes(spec)})"
+        )
+        graphs = "HIP graphs through torch.cuda, untested" if spec.is_amd else "CUDA graphs"
+        fsdp = "torch's FSDP2 over RCCL, untested" if spec.is_amd else "torch's FSDP2 over NCCL"
+        ci = "yes" if spec.arch in COMPILED_IN_CI else "not yet"
+        mx = "native" if spec.mx else "no"
+        rows.append(f"| {spec.name} | {spec.arch} | {gemm} | {fp8} | {mx} | {graphs} | {fsdp} | {ci} |")
+    return "\n".join(rows)
 
 
 def info(device: str | None = None) -> int:
