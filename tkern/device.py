@@ -223,22 +223,20 @@ def _lookup(device) -> tuple[DeviceSpec, bool]:
 
     if INTERPRET:
         return INTERPRETER, True
-    if device.type != "cuda":
-        return _host_compile_spec(), False
-    if not torch.cuda.is_available():
-        return INTERPRETER, False
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _host_compile_spec(device.index if device.type == "cuda" else None), False
     if device.index is None:
         return _real_spec(torch.cuda.current_device()), False
     return _real_spec(device.index), True
 
 
-def _host_compile_spec() -> DeviceSpec:
-    """Triton compiling for host tensors: only an ahead-of-time compile gets here (a fake
-    driver, torch's device queries answering for the target GPU, as
-    ``../shared/tools/aot_report.py`` does); plan for the GPU torch reports, or for the
-    interpreter where torch reports none."""
+def _host_compile_spec(index: int | None) -> DeviceSpec:
+    """Triton compiling where torch has no GPU (host tensors, or CUDA unavailable): only an
+    ahead-of-time compile gets here (a fake driver, torch's device queries answering for
+    the target GPU, as ``../shared/tools/aot_report.py`` does); plan for the GPU torch
+    reports (device ``index``, None: the current one), or the interpreter where it reports none."""
     try:
-        return _real_spec(torch.cuda.current_device())
+        return _real_spec(torch.cuda.current_device() if index is None else index)
     except (AssertionError, RuntimeError):  # no CUDA in this torch, or no GPU
         return INTERPRETER
 

@@ -444,6 +444,10 @@ def compiled_spec(device: torch.device | str) -> DeviceSpec | None:
     it (a GPU), else None (the CPU under Triton's interpreter, the meta device): the one
     place the fp8 code asks (through ``tkern.device.device_spec``, a dict lookup per
     device), so a test can answer for a GPU it does not have."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return None
     spec = tkdev.device_spec(device)
     return None if spec.vendor == "cpu" else spec
 
