@@ -11,6 +11,7 @@ holds every offered config to them on sm_90 and sm_80).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -106,11 +107,10 @@ AMD_STAGES = 2
 AMD_KNOBS = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16}
 
 
+@functools.cache
 def _amd_backend_knobs() -> frozenset:
     """The :data:`AMD_KNOBS` (and ``kpack``) the installed Triton's AMD backend takes."""
     try:
-        import dataclasses
-
         from triton.backends.amd.compiler import HIPOptions
     except ImportError:  # a Triton without its AMD backend: none
         return frozenset()
