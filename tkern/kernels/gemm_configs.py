@@ -101,6 +101,12 @@ AMD_WARP_SIZE = 64
 #: The AMD backend's stream pipeliner: two stages (one tile computing, one loading)
 #: is what Triton's AMD matmul tutorial offers on MI300.
 AMD_STAGES = 2
+#: Compiled on a CPU (triton 3.9, bf16, NT and TN, ``GPUTarget("hip", arch, 64)``): every
+#: config offered on gfx942 keeps to 68-222 VGPRs without spilling and 6-32 KB of LDS (two
+#: stages there hold one LDS buffer: half of :func:`smem_estimate`); the ones the register
+#: rules drop (128 accumulator values a thread: 128x256 and 256x128 on 4 waves, 128x128 on
+#: 2) spill 23-83 VGPRs in TN. On gfx950 the offered configs use 12-66 KB (two buffers:
+#: 128x128x64 needs 67,520 B, just over the estimate, well under its 160 KB), no spills.
 #: Knobs of Triton's AMD matmul tutorial: ``waves_per_eu`` 2 (occupancy hint: two waves
 #: per SIMD, so the register budget per wave is what two leave), ``matrix_instr_nonkdim``
 #: 16 (16x16 MFMA instructions), ``kpack`` 2 on gfx942 (gfx950 deprecates it: 1).
