@@ -1,9 +1,9 @@
 """fp8 on a GPU without fp8 tensor cores (issue 46 item 4): tkern's own error, naming the
 device's compute capability and what is needed, before any kernel is compiled or launched.
 
-The CPU has no capability to ask, so the tests answer for an A100 (8.0) through the one
-seam the fp8 code asks (``tkern.kernels.float8.device_capability``) and count the Triton
-launches through the interpreter (none may start)."""
+The CPU has no GPU to ask, so the tests answer for an A100 (8.0) through the one seam the
+fp8 code asks (``tkern.kernels.float8.compiled_spec``, a :class:`tkern.DeviceSpec`) and
+count the Triton launches through the interpreter (none may start)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from conftest import DEVICE
 from torch import nn
 
 import tkern
+from tkern.device import SPECS
 from tkern.kernels import float8 as f8
 from tkern.nn import Float8Linear
 
@@ -20,13 +21,12 @@ from tkern.nn import Float8Linear
 @pytest.fixture
 def ampere(monkeypatch):
     """Every device answers compute capability 8.0 (sm_80: no fp8 tensor cores)."""
-    monkeypatch.setattr(f8, "device_capability", lambda device: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(f8, "compiled_spec", lambda device: SPECS["a100"])
 
 
 def _assert_the_capability_error(excinfo, what: str) -> None:
     message = str(excinfo.value)
-    for words in (what, "fp8 tensor cores", "8.9", "8.0", "A100"):
+    for words in (what, "fp8 tensor cores", "8.9", "8.0", "a100", "sm_80"):
         assert words in message, (words, message)
 
 
@@ -48,8 +48,7 @@ def test_convert_network_refuses_before_any_module_changes(ampere):
 def test_a_layer_moved_to_such_a_gpu_refuses_at_its_first_call_before_any_kernel(monkeypatch):
     layer = Float8Linear(32, 16, device=DEVICE)  # built where fp8 runs, then "moved"
     x = torch.randn(4, 32, dtype=torch.bfloat16, device=DEVICE)
-    monkeypatch.setattr(f8, "device_capability", lambda device: (8, 6))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 3090")
+    monkeypatch.setattr(f8, "compiled_spec", lambda device: SPECS["a10"])
     launches = []
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -58,7 +57,9 @@ def test_a_layer_moved_to_such_a_gpu_refuses_at_its_first_call_before_any_kernel
         InterpretedFunction, "run", lambda self, *a, **k: launches.append(self) or run(self, *a, **k)
     )
     for call in (lambda: layer(x), lambda: tkern.to_float8(x), lambda: tkern.scaled_mm(*_fp8_pair())):
-        with pytest.raises(RuntimeError, match=r"fp8 tensor cores .* has compute capability 8\.6"):
+        with pytest.raises(
+            RuntimeError, match=r"fp8 tensor cores .* a10 \(nvidia sm_86, capability 8\.6\) has none"
+        ):
             call()
     assert not launches
 
@@ -70,9 +71,9 @@ def _fp8_pair():
 
 
 def test_an_fp8_gpu_and_the_cpu_pass_the_check(monkeypatch):
-    assert f8.device_capability("cpu") is None and f8.device_capability("meta") is None
+    assert f8.compiled_spec("cpu") is None and f8.compiled_spec("meta") is None
     f8.check_fp8_device(DEVICE)
-    for cc in ((8, 9), (9, 0), (10, 0)):
-        monkeypatch.setattr(f8, "device_capability", lambda device, cc=cc: cc)
+    for name in ("l4", "rtx4090", "h100", "b200", "rtx5090", "mi355x"):
+        monkeypatch.setattr(f8, "compiled_spec", lambda device, name=name: SPECS[name])
         f8.check_fp8_device(DEVICE)
         Float8Linear(32, 16, device=DEVICE)

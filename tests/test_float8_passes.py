@@ -18,6 +18,7 @@ from conftest import DEVICE
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import tkern
+from tkern.device import SPECS
 from tkern.kernels import float8 as f8
 from tkern.kernels import gemm
 from tkern.kernels.activation import ACTIVATIONS
@@ -202,11 +203,11 @@ def test_scaled_mm_on_hopper_copies_a_non_k_major_operand_once(monkeypatch):
         "_launch_matmul",
         lambda a, b, *r, **k: seen.append((a.stride(), b.stride())) or real(a, b, *r, **k),
     )
-    for cc, expect in (((8, 9), ((1, 64), (32, 1))), ((9, 0), ((128, 1), (1, 128)))):
-        monkeypatch.setattr(f8, "device_capability", lambda device, cc=cc: cc)
+    for name, expect in (("l4", ((1, 64), (32, 1))), ("h100", ((128, 1), (1, 128)))):
+        monkeypatch.setattr(f8, "compiled_spec", lambda device, name=name: SPECS[name])
         seen.clear()
         got = tkern.scaled_mm(a_mn, b_nk, sa, sw)
-        assert seen == [expect] and torch.equal(got, want), cc
+        assert seen == [expect] and torch.equal(got, want), name
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SPECS", "DeviceSpec", "device_spec", "spec_names"]
+__all__ = [
+    "INTERPRETER",
+    "SPECS",
+    "DeviceSpec",
+    "device_spec",
+    "spec_for_cc",
+    "spec_from_properties",
+    "spec_names",
+]
 
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _FNUZ = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
@@ -169,35 +177,86 @@ def spec_names() -> tuple[str, ...]:
     return tuple(SPECS)
 
 
+#: :func:`device_spec`'s answers by argument (a torch device with an index, a name, the
+#: host under the interpreter): a launcher's question for a GPU tensor is one dict lookup.
+_SPEC_CACHE: dict = {}
+
+
 def device_spec(device: torch.device | str | int | None = None) -> DeviceSpec:
     """The :class:`DeviceSpec` of ``device``.
 
-    ``device`` is a named GPU (``"mi300x"``, see :data:`SPECS`), a torch device or
-    device index of a real GPU (None: the current CUDA/ROCm device), or a CPU / meta
-    device (the :data:`INTERPRETER` spec). A real GPU's spec is built from
-    ``torch.cuda.get_device_properties`` and ``torch.version.hip``; a GPU tkern does not
-    know gets the nearest known family's rules and one warning, never an error.
+    ``device`` is a named GPU (``"mi300x"``, case-insensitive, see :data:`SPECS`), a
+    :class:`DeviceSpec` (returned as it is), a torch device or device index of a real
+    GPU (None: the current CUDA/ROCm device), or a CPU / meta device (the
+    :data:`INTERPRETER` spec under Triton's interpreter; with Triton compiling, as in an
+    ahead-of-time compile on a CPU, the GPU torch reports). A real GPU's spec is built
+    from ``torch.cuda.get_device_properties`` and ``torch.version.hip`` once per device;
+    a GPU tkern does not know gets the nearest known family's rules and one warning,
+    never an error. Raises ``ValueError`` for a name it does not know, listing those it does.
     """
+    try:
+        return _SPEC_CACHE[device]
+    except (KeyError, TypeError):  # TypeError: an unhashable argument
+        pass
+    spec, cacheable = _lookup(device)
+    if cacheable:
+        _SPEC_CACHE[device] = spec
+    return spec
+
+
+def _lookup(device) -> tuple[DeviceSpec, bool]:
+    """:func:`device_spec`'s answer, and whether it holds for the process's life."""
     if isinstance(device, DeviceSpec):
-        return device
+        return device, False
     if isinstance(device, str) and device.lower() in SPECS:
-        return SPECS[device.lower()]
+        return SPECS[device.lower()], True
     if isinstance(device, str) and not _is_device_string(device):
         raise ValueError(f"device must be a torch device or one of {spec_names()}, got {device!r}")
     if device is None:
         if not torch.cuda.is_available():
-            return INTERPRETER
-        device = torch.device("cuda", torch.cuda.current_device())
+            return INTERPRETER, False
+        return _real_spec(torch.cuda.current_device()), False
     if isinstance(device, int):
         device = torch.device("cuda", device)
     device = torch.device(device)
-    if device.type != "cuda":
-        return INTERPRETER
     from tkern.kernels._common import INTERPRET
 
-    if INTERPRET or not torch.cuda.is_available():
+    if INTERPRET:
+        return INTERPRETER, True
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _host_compile_spec(device.index if device.type == "cuda" else None), False
+    if device.index is None:
+        return _real_spec(torch.cuda.current_device()), False
+    return _real_spec(device.index), True
+
+
+def _host_compile_spec(index: int | None) -> DeviceSpec:
+    """Triton compiling where torch has no GPU (host tensors, or CUDA unavailable): only an
+    ahead-of-time compile gets here (a fake driver, torch's device queries answering for
+    the target GPU, as ``../shared/tools/aot_report.py`` does); plan for the GPU torch
+    reports (device ``index``, None: the current one), or the interpreter where it reports none."""
+    try:
+        return _real_spec(torch.cuda.current_device() if index is None else index)
+    except (AssertionError, RuntimeError):  # no CUDA in this torch, or no GPU
         return INTERPRETER
-    return _real_spec(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def spec_for_cc(cc: int) -> DeviceSpec:
+    """The NVIDIA spec of compute capability ``cc`` (e.g. 90, 80, 120): the named spec
+    of that architecture (the nearest older one where none is named), with the opt-in
+    shared memory per block CUDA grants that capability. For callers that plan by an
+    int capability (the compile gate); everything else passes a :class:`DeviceSpec`."""
+    by_arch = {s.cc: s for s in reversed(SPECS.values()) if not s.is_amd}  # the first named per arch
+    older = [c for c in by_arch if c <= cc and c // 10 == cc // 10] or [c for c in by_arch if c <= cc]
+    family = by_arch[max(older) if older else min(by_arch)]
+    return dataclasses.replace(
+        family, capability=(cc // 10, cc % 10), arch=f"sm_{cc}", smem_per_block=_NV_SMEM.get(cc, 101376)
+    )
+
+
+#: NVIDIA's opt-in shared memory per block, by capability (227 KB: sm_90 / sm_100 / sm_103;
+#: 163 KB: sm_80 and Orin's sm_87; 99 KB elsewhere: sm_86, sm_89, sm_120).
+_NV_SMEM = {90: 232448, 100: 232448, 103: 232448, 80: 166912, 87: 166912}
 
 
 def _is_device_string(text: str) -> bool:

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tkern import device as tkdev
+from tkern.device import DeviceSpec
 from tkern.kernels._common import (
     INTERPRET,
     IS_INTERPRETER,
@@ -437,42 +439,57 @@ def _cast_tiles_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-#: fp8 tensor cores, and Triton's e4m3 type (``fp8e4nv``): Ada (sm_89), Hopper (sm_90) or newer.
-FP8_MIN_CC = (8, 9)
-
-
-def device_capability(device: torch.device | str) -> tuple[int, int] | None:
-    """The compute capability of ``device`` where tkern's kernels run compiled on it
-    (a CUDA device), else None (the CPU under Triton's interpreter, the meta device):
-    the one place the fp8 code asks, so a test can answer for a GPU it does not have."""
-    if INTERPRET:  # first: every fp8 launcher asks, on every call
-        return None
+def compiled_spec(device: torch.device | str) -> DeviceSpec | None:
+    """The :class:`tkern.DeviceSpec` of ``device`` where tkern's kernels run compiled on
+    it (a GPU), else None (the CPU under Triton's interpreter, the meta device): the one
+    place the fp8 code asks (through ``tkern.device.device_spec``, a dict lookup per
+    device), so a test can answer for a GPU it does not have."""
     if not isinstance(device, torch.device):
         device = torch.device(device)
     if device.type != "cuda":
         return None
-    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
+    spec = tkdev.device_spec(device)
+    return None if spec.vendor == "cpu" else spec
 
 
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    """CUDA device ``index``'s compute capability, asked of torch once per device."""
-    return tuple(torch.cuda.get_device_capability(index))
+def format_names(dtypes) -> str:
+    """``"float8_e4m3fn, float8_e5m2"`` for those dtypes (``"none"`` for none)."""
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes) or "none"
 
 
-def check_fp8_device(device: torch.device | str, what: str = "tkern's fp8 kernels") -> None:
-    """Raise ``RuntimeError`` unless ``device`` has fp8 tensor cores (compute
-    capability >= 8.9: Ada, Hopper or newer), naming the device, its capability
-    and what needs them. Called before any fp8 kernel is compiled: on an older GPU
-    Triton itself would stop inside its compiler ("type fp8e4nv not supported")."""
-    cc = device_capability(device)
-    if cc is not None and cc < FP8_MIN_CC:
-        device = torch.device(device)
-        raise RuntimeError(
-            f"{what} needs fp8 tensor cores (compute capability >= {FP8_MIN_CC[0]}.{FP8_MIN_CC[1]}: "
-            f"Ada, Hopper or newer); {torch.cuda.get_device_name(device)} ({device}) has compute "
-            f"capability {cc[0]}.{cc[1]}"
+def fp8_refusal(spec: DeviceSpec, what: str, dtypes=()) -> str | None:
+    """Why ``what`` cannot run on a GPU of ``spec`` with fp8 ``dtypes``, or None where it
+    can: no fp8 tensor cores at all, or a format its tensor cores do not take (OCP
+    ``float8_e4m3fn`` on an MI300X, whose native formats are FNUZ). Pure: ``tkern info
+    --device`` and the checks below ask it."""
+    where = f"{spec.name} ({spec.vendor} {spec.arch}, capability {spec.capability[0]}.{spec.capability[1]})"
+    if not spec.fp8:
+        return (
+            f"{what} needs fp8 tensor cores (NVIDIA compute capability >= 8.9: Ada, Hopper or newer; "
+            f"AMD gfx942 / gfx950); {where} has none"
         )
+    missing = [d for d in dict.fromkeys(dtypes) if d not in spec.fp8_dtypes]
+    if not missing:
+        return None
+    fnuz = (
+        "; tkern's fp8 kernels cast to the OCP formats only" if spec.fp8_e4m3 == torch.float8_e4m3fnuz else ""
+    )
+    return (
+        f"{what} uses {format_names(dtypes)}; {where} multiplies {format_names(spec.fp8_dtypes)} natively, "
+        f"not {format_names(missing)} (Triton would emulate it at 16-bit speed){fnuz}"
+    )
+
+
+def check_fp8_device(device: torch.device | str, what: str = "tkern's fp8 kernels", dtypes=()) -> None:
+    """Raise ``RuntimeError`` unless ``device`` has fp8 tensor cores that take every fp8
+    ``dtypes`` natively (:func:`fp8_refusal`: the message names the device, its formats
+    and those asked for). Called before any fp8 kernel is compiled: on a GPU without
+    fp8 Triton itself would stop inside its compiler ("type fp8e4nv not supported")."""
+    spec = compiled_spec(device)
+    if spec is not None:
+        reason = fp8_refusal(spec, what, dtypes)
+        if reason is not None:
+            raise RuntimeError(f"{reason} (device {device})")
 
 
 def check_fp8_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
@@ -526,9 +543,11 @@ def parse_granularity(granularity, shape: tuple[int, ...]) -> tuple[int, int] | 
     )
 
 
-def _check_x(x: torch.Tensor) -> None:
+def _check_x(x: torch.Tensor, dtype: torch.dtype) -> None:
+    """x's dtype, the fp8 ``dtype`` and x's device's fp8 (that format natively)."""
     check_tensor("x", x, dtypes=HIGH_DTYPES)
-    check_fp8_device(x.device, "to_float8")
+    check_fp8_dtype(dtype)
+    check_fp8_device(x.device, "to_float8", (dtype,))
 
 
 def to_float8(
@@ -553,8 +572,7 @@ def to_float8(
     Raises:
         TypeError / ValueError: naming the argument, before anything is launched.
     """
-    _check_x(x)
-    check_fp8_dtype(dtype)
+    _check_x(x, dtype)
     block = parse_granularity(granularity, tuple(x.shape))
     if block is None:
         return _cast_tensorwise(x, dtype)
@@ -656,8 +674,8 @@ def cast_2d(
         :class:`Float8Cast`.
     """
     check_tensor("x", x, ndim=2, dtypes=HIGH_DTYPES)
-    check_fp8_device(x.device, "cast_2d")
     check_fp8_dtype(dtype)
+    check_fp8_device(x.device, "cast_2d", (dtype,))
     if sum_dtype is not None and sum_dtype not in HIGH_DTYPES:
         raise TypeError(f"sum_dtype must be None or one of {HIGH_DTYPES}, got {sum_dtype}")
     if history is not None:
@@ -741,8 +759,7 @@ def to_float8_with_amax(
     Returns:
         ``(data, scale)`` as :func:`to_float8` with ``"tensor"`` granularity.
     """
-    _check_x(x)
-    check_fp8_dtype(dtype)
+    _check_x(x, dtype)
     check_amaxes("amax", amax, x)
     x2d = _as_2d(x)
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -859,8 +876,7 @@ def check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _check_delayed(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int) -> None:
-    _check_x(x)
-    check_fp8_dtype(dtype)
+    _check_x(x, dtype)
     check_amaxes("history", history, x)
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
         raise ValueError(f"margin must be an int >= 0, got {margin!r}")

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tkern import device as tkdev
 from tkern.kernels import float8
 from tkern.kernels._common import (
     INTERPRET,
@@ -492,19 +493,15 @@ def run_plan(
     return _launch(a, sa, b, sb, M, N, K, *args)
 
 
-@functools.cache
-def _device_gemm_info(device: torch.device) -> tuple[int, bool]:
-    props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count, has_tma(device)
-
-
 def device_gemm_info(device: torch.device) -> tuple[int, bool]:
-    """``(SMs, TMA)`` of ``device`` as :func:`gemm_plan.plan_gemm` takes them:
+    """``(SMs, TMA)`` of ``device`` as :func:`gemm_plan.plan_gemm` takes them, from its
+    :class:`tkern.DeviceSpec` (no TMA on AMD's GPUs: the pointer kernel and split-K):
     ``(0, False)`` under the interpreter and off CUDA (no SM count: the pointer
     kernel alone, as before there was a plan). The tests' seam for a GPU's routing."""
-    if INTERPRET or device.type != "cuda":
+    if device.type != "cuda":
         return 0, False
-    return _device_gemm_info(device)
+    spec = tkdev.device_spec(device)  # the interpreter's spec under TRITON_INTERPRET=1
+    return (0, False) if spec.vendor == "cpu" else (spec.sms, spec.tma)
 
 
 #: How many shapes :func:`plan_gemm_cached` remembers (least recently used dropped past it):
@@ -972,21 +969,22 @@ def _check_scale(
     return SCALE_BLOCK, block
 
 
-def _check_fp8_device(device: torch.device) -> None:
-    check_fp8_device(device, "scaled_mm")
+def _check_fp8_device(device: torch.device, dtypes=()) -> None:
+    check_fp8_device(device, "scaled_mm", dtypes)
 
 
-#: The compute capability from which fp8 ``wgmma`` needs both operands K-major in shared
-#: memory (Triton cannot transpose fp8 tiles there: it stages them through registers).
-WGMMA_MIN_CC = (9, 0)
+#: The tensor-core instructions whose fp8 operands must both be K-major in shared memory
+#: (Triton cannot transpose fp8 tiles there: it stages them through registers).
+K_MAJOR_FP8_MMA = frozenset({"wgmma", "tcgen05"})
 
 
 def k_major_fp8_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a`` (M, K) and ``b`` (K, N) as scaled_mm launches them: on Hopper or newer,
+    """``a`` (M, K) and ``b`` (K, N) as scaled_mm launches them: where the device's
+    tensor cores read fp8 from shared memory (:data:`K_MAJOR_FP8_MMA`: Hopper, B200),
     an operand without unit stride along K is copied K-major (one transposing copy);
-    elsewhere (Ada's mma.sync, the interpreter) both as they are."""
-    cc = float8.device_capability(a.device)  # through the module: the one seam tests answer
-    if cc is None or cc < WGMMA_MIN_CC or a.shape[1] <= 1:
+    elsewhere (mma.sync, MFMA, the interpreter) both as they are."""
+    spec = float8.compiled_spec(a.device)  # through the module: the one seam tests answer
+    if spec is None or spec.mma not in K_MAJOR_FP8_MMA or a.shape[1] <= 1:
         return a, b
     if a.stride(1) != 1:
         a = a.contiguous()
@@ -1101,7 +1099,7 @@ def scaled_mm(
     check_same_device(
         a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out, accumulate_into=accumulate_into
     )
-    _check_fp8_device(a.device)
+    _check_fp8_device(a.device, (a.dtype, b.dtype))
     check_int32_addressable("a", a)
     check_int32_addressable("b", b)
     check_int32_elements("out", (M, N))

@@ -10,9 +10,14 @@ holds every offered config to them on sm_90 and sm_80).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 
+from tkern import device as tkdev
+from tkern.device import DeviceSpec
 from tkern.kernels import gemm_epilogue, gemm_plan
 from tkern.kernels._common import AUTOTUNE, INTERPRET, autotune
 from tkern.kernels.activation import ACTIVATIONS, TRANSCENDENTAL
@@ -22,15 +27,16 @@ from tkern.kernels.activation import ACTIVATIONS, TRANSCENDENTAL
 GROUP_M = 8
 
 
-def epi_split(block_m: int, block_n: int, num_warps: int) -> int:
+def epi_split(block_m: int, block_n: int, num_warps: int, warp_size: int = 32) -> int:
     """Column slices of an exp/erf epilogue (GELU, SiLU, tanh-GELU): one per 32 accumulator values a thread
     holds, at most 4 (128x256 on 8 warps: 128 values, 4 slices of 32)."""
-    return max(1, min(4, acc_per_thread(block_m, block_n, num_warps) // 32))
+    return max(1, min(4, acc_per_thread(block_m, block_n, num_warps, warp_size) // 32))
 
 
-def acc_per_thread(block_m: int, block_n: int, num_warps: int) -> int:
-    """fp32 accumulator values each thread holds for a (block_m, block_n) tile."""
-    return block_m * block_n // (32 * num_warps)
+def acc_per_thread(block_m: int, block_n: int, num_warps: int, warp_size: int = 32) -> int:
+    """fp32 accumulator values each thread holds for a (block_m, block_n) tile on
+    ``num_warps`` warps of ``warp_size`` threads (64 on AMD's waves)."""
+    return block_m * block_n // (warp_size * num_warps)
 
 
 def _config(bm: int, bn: int, bk: int, stages: int, warps: int, pre_hook=None) -> triton.Config:
@@ -39,17 +45,18 @@ def _config(bm: int, bn: int, bk: int, stages: int, warps: int, pre_hook=None) -
     return triton.Config(meta, num_stages=stages, num_warps=warps, pre_hook=pre_hook)
 
 
-def gemm_configs() -> list[triton.Config]:
+def gemm_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tiles of the pointer kernel (``_matmul_kernel``).
 
     The first entry is the only one used under the interpreter, where big tiles
     matter most (each program costs milliseconds on the CPU, the tile size
     almost nothing). The rest are the tile shapes of Triton's matmul tutorial
     for fp16 on Ampere/Hopper plus 64-deep K tiles, which let Hopper's wgmma
-    issue fewer, larger instructions.
+    issue fewer, larger instructions. ``interpret=False`` gives a GPU's table on a CPU
+    (``tkern info --device``).
     """
     return [
-        _config(128, 128, 64, 3, 8) if not INTERPRET else _config(128, 128, 128, 1, 4),
+        _config(128, 128, 64, 3, 8) if not interpret else _config(128, 128, 128, 1, 4),
         _config(128, 256, 64, 3, 8),
         _config(256, 128, 64, 3, 8),
         _config(128, 256, 64, 4, 8),
@@ -63,20 +70,20 @@ def gemm_configs() -> list[triton.Config]:
     ]
 
 
-def split_k_configs() -> list[triton.Config]:
+def split_k_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tiles of the split-K kernel (gemm_split.py): the pointer kernel's 128 x 128
     entries, since ``gemm_plan.plan_gemm`` counts 128 x 128 tiles when it picks the
     number of splits (another tile would change the waves it planned)."""
     tile = (gemm_plan.PLAN_BLOCK_M, gemm_plan.PLAN_BLOCK_N)
-    return [c for c in gemm_configs() if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == tile]
+    return [c for c in gemm_configs(interpret) if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == tile]
 
 
-def fp8_gemm_configs() -> list[triton.Config]:
+def fp8_gemm_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tiles of the pointer kernel on fp8 operands (``scaled_mm``): 128-deep K tiles
     (one per 128-wide block scale, four k32 ``wgmma`` steps each), which fp8's one
     byte an element leaves room for; the first is the interpreter's."""
     return [
-        _config(128, 128, 128, 3, 8) if not INTERPRET else _config(128, 128, 128, 1, 4),
+        _config(128, 128, 128, 3, 8) if not interpret else _config(128, 128, 128, 1, 4),
         _config(128, 256, 128, 3, 8),
         _config(256, 128, 128, 3, 8),
         _config(128, 128, 128, 4, 4),
@@ -85,6 +92,59 @@ def fp8_gemm_configs() -> list[triton.Config]:
         _config(64, 64, 128, 4, 4),
         _config(128, 128, 64, 4, 8),
     ]
+
+
+# --------------------------------------------------------------------------- AMD (MFMA)
+
+#: Threads per wave on AMD's GPUs (gfx942, gfx950).
+AMD_WARP_SIZE = 64
+#: The AMD backend's stream pipeliner: two stages (one tile computing, one loading)
+#: is what Triton's AMD matmul tutorial offers on MI300.
+AMD_STAGES = 2
+#: Compiled on a CPU (triton 3.9, bf16, NT and TN, ``GPUTarget("hip", arch, 64)``): every
+#: config offered on gfx942 keeps to 68-222 VGPRs without spilling and 6-32 KB of LDS (two
+#: stages there hold one LDS buffer: half of :func:`smem_estimate`); the ones the register
+#: rules drop (128 accumulator values a thread: 128x256 and 256x128 on 4 waves, 128x128 on
+#: 2) spill 23-83 VGPRs in TN. On gfx950 the offered configs use 12-66 KB (two buffers:
+#: 128x128x64 needs 67,520 B, just over the estimate, well under its 160 KB), no spills.
+#: Knobs of Triton's AMD matmul tutorial: ``waves_per_eu`` 2 (occupancy hint: two waves
+#: per SIMD, so the register budget per wave is what two leave), ``matrix_instr_nonkdim``
+#: 16 (16x16 MFMA instructions), ``kpack`` 2 on gfx942 (gfx950 deprecates it: 1).
+AMD_KNOBS = {"waves_per_eu": 2, "matrix_instr_nonkdim": 16}
+
+
+@functools.cache
+def _amd_backend_knobs() -> frozenset:
+    """The :data:`AMD_KNOBS` (and ``kpack``) the installed Triton's AMD backend takes."""
+    try:
+        from triton.backends.amd.compiler import HIPOptions
+    except ImportError:  # a Triton without its AMD backend: none
+        return frozenset()
+    return frozenset(f.name for f in dataclasses.fields(HIPOptions)) & {*AMD_KNOBS, "kpack"}
+
+
+def amd_configs(configs: list[triton.Config], arch: str = "gfx942") -> list[triton.Config]:
+    """The pointer kernel's ``configs`` as they are offered on an AMD GPU (``arch``):
+    the same tiles on the same number of threads (64-wide waves: half the warps, at
+    least 2), :data:`AMD_STAGES` stages, and the :data:`AMD_KNOBS` the installed Triton
+    accepts (never on NVIDIA, whose backend refuses them). Duplicates dropped."""
+    accepted = _amd_backend_knobs()
+    knobs = {k: v for k, v in AMD_KNOBS.items() if k in accepted}
+    if "kpack" in accepted and arch == "gfx942":
+        knobs["kpack"] = 2
+    out, seen = [], set()
+    for c in configs:
+        kw = c.kwargs
+        tile = (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"])
+        warps = max(2, c.num_warps * 32 // AMD_WARP_SIZE)
+        stages = min(c.num_stages, AMD_STAGES)
+        if (tile, warps, stages) in seen:
+            continue
+        seen.add((tile, warps, stages))
+        meta = {"BLOCK_M": tile[0], "BLOCK_N": tile[1], "BLOCK_K": tile[2], "GROUP_M": kw["GROUP_M"]}
+        meta["EPI_SPLIT"] = epi_split(tile[0], tile[1], warps, AMD_WARP_SIZE)
+        out.append(triton.Config({**meta, **knobs}, num_stages=stages, num_warps=warps, pre_hook=c.pre_hook))
+    return out
 
 
 def set_tma_block_shapes(nargs: dict) -> None:
@@ -157,8 +217,26 @@ _SMEM_DEFAULT = 101376
 
 
 def smem_limit(cc: int) -> int:
-    """:data:`SMEM_LIMIT` for compute capability ``cc`` (e.g. 90)."""
+    """:data:`SMEM_LIMIT` for compute capability ``cc`` (e.g. 90); a :class:`DeviceSpec`'s
+    is its ``smem_per_block``."""
     return SMEM_LIMIT.get(cc, _SMEM_DEFAULT)
+
+
+def as_spec(device: DeviceSpec | int | str) -> DeviceSpec:
+    """``device`` as a :class:`DeviceSpec`: an int is an NVIDIA compute capability
+    (``tkern.device.spec_for_cc``, shared memory from :func:`smem_limit`), a string a
+    named GPU; a spec is returned as it is."""
+    if isinstance(device, int):
+        return dataclasses.replace(tkdev.spec_for_cc(device), smem_per_block=smem_limit(device))
+    return tkdev.device_spec(device)
+
+
+def operands_in_registers(spec: DeviceSpec) -> bool:
+    """Whether the tensor-core instruction keeps its operand fragments in registers next
+    to the accumulator (``mma.sync``: Ampere, Ada, sm_120; MFMA on AMD), so the
+    accumulator gets fewer of them than under wgmma / tcgen05, which read shared memory.
+    The rules measured on sm_80 (``PRE_HOPPER_*``, ``BLOCK_PRE_HOPPER_MAX_ACC``) apply."""
+    return spec.mma in ("mma.sync", "mfma")
 
 
 def smem_estimate(cfg: triton.Config, elem_bytes: int = 2) -> int:
@@ -186,9 +264,9 @@ RAGGED_MAX_TILE = 128 * 64
 RAGGED_MAX_LOADS = 48
 
 
-def loads_per_thread(block_m: int, block_n: int, block_k: int, num_warps: int) -> int:
+def loads_per_thread(block_m: int, block_n: int, block_k: int, num_warps: int, warp_size: int = 32) -> int:
     """Elements of the A (block_m, block_k) and B (block_k, block_n) tiles each thread loads per K step."""
-    return (block_m + block_n) * block_k // (32 * num_warps)
+    return (block_m + block_n) * block_k // (warp_size * num_warps)
 
 
 #: Accumulator values per thread above which the pointer kernel spills before
@@ -269,24 +347,24 @@ def _cfg_tile(c: triton.Config) -> int:
     return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
 
 
-def _cfg_acc(c: triton.Config) -> int:
-    return acc_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps)
+def _cfg_acc(c: triton.Config, warp: int = 32) -> int:
+    return acc_per_thread(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, warp)
 
 
-def _cfg_loads(c: triton.Config, prologue: bool = False) -> int:
+def _cfg_loads(c: triton.Config, warp: int = 32, prologue: bool = False) -> int:
     """Operand elements a thread loads per K step; with a ``prologue`` Z's tile beside A's."""
     block_m = c.kwargs["BLOCK_M"] * (2 if prologue else 1)
-    return loads_per_thread(block_m, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+    return loads_per_thread(block_m, c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, warp)
 
 
-def _cfg_a_values(c: triton.Config) -> int:
+def _cfg_a_values(c: triton.Config, warp: int = 32) -> int:
     """Elements of A's (BLOCK_M, BLOCK_K) tile each thread holds."""
-    return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_K"] // (32 * c.num_warps)
+    return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_K"] // (warp * c.num_warps)
 
 
 def prune_configs(
     configs: list[triton.Config],
-    cc: int,
+    device: DeviceSpec | int | str,
     *,
     tma: bool = False,
     ragged: bool = False,
@@ -296,12 +374,15 @@ def prune_configs(
     two_accumulators: bool = False,
     block_scales: bool = False,
 ) -> list[triton.Config]:
-    """The configs worth trying on compute capability ``cc`` (e.g. 90): those
-    whose shared memory fits; on ``ragged`` operands (see :func:`operands_ragged`)
-    only the tiles whose accumulator and scalar operand loads do not spill
-    there (:data:`RAGGED_MAX_TILE`, :data:`RAGGED_MAX_LOADS`); before Hopper
-    only the tiles whose accumulator leaves room for mma.sync's operands; for
-    the pointer kernel's epilogue applying ``activation`` (an ``ACTIVATIONS`` code) in
+    """The configs worth trying on ``device`` (a :class:`DeviceSpec`; an int is an
+    NVIDIA compute capability, e.g. 90, see :func:`as_spec`): those whose shared memory
+    fits its ``smem_per_block``; every per-thread count with its ``warp_size``; on
+    ``ragged`` operands (see :func:`operands_ragged`) only the tiles whose accumulator
+    and scalar operand loads do not spill there (:data:`RAGGED_MAX_TILE`,
+    :data:`RAGGED_MAX_LOADS`); where the operands sit in registers
+    (:func:`operands_in_registers`: mma.sync, MFMA) only the tiles whose accumulator
+    leaves room for them; for the pointer kernel's epilogue applying ``activation`` (an
+    ``ACTIVATIONS`` code) in
     :data:`ACT_MAX_ACC_ACTIVATIONS` only :data:`ACT_MAX_ACC` accumulator values per
     thread on Hopper (the TMA kernel's too where its output is ``ragged``: see
     :func:`tma_output_ragged`); with an operand ``prologue`` (the ``A_ACT`` code of
@@ -310,32 +391,44 @@ def prune_configs(
     :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`; on ragged operands Z's scalar loads count
     in :data:`RAGGED_MAX_LOADS`); ``elem_bytes``: the operands' element size (1 for
     fp8); ``two_accumulators`` (fp8 promoted every K tile): :data:`TWO_ACC_MAX_ACC`,
-    and before Hopper with ``block_scales`` :data:`BLOCK_PRE_HOPPER_MAX_ACC`; fp8 operands with
+    and with operands in registers and ``block_scales`` :data:`BLOCK_PRE_HOPPER_MAX_ACC`; fp8 operands with
     an exp/erf ``activation``: :data:`FP8_ACT_MAX_TILE`.
     Never empty: the smallest is kept."""
-    limit = smem_limit(cc)
-    fits = [c for c in configs if smem_estimate(c, elem_bytes) <= limit]
+    spec = as_spec(device)
+    w, in_registers = spec.warp_size, operands_in_registers(spec)
+    fits = [c for c in configs if smem_estimate(c, elem_bytes) <= spec.smem_per_block]
     if ragged and not tma:
-        fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c) <= RAGGED_MAX_LOADS]
-    if cc < 90:
-        fits = [c for c in fits if _cfg_acc(c) <= PRE_HOPPER_MAX_ACC]
+        fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c, w) <= RAGGED_MAX_LOADS]
+    if in_registers:
+        fits = [c for c in fits if _cfg_acc(c, w) <= PRE_HOPPER_MAX_ACC]
     if two_accumulators:
-        fits = [c for c in fits if _cfg_acc(c) <= TWO_ACC_MAX_ACC]
-    if block_scales and cc < 90:
-        fits = [c for c in fits if _cfg_acc(c) <= BLOCK_PRE_HOPPER_MAX_ACC]
+        fits = [c for c in fits if _cfg_acc(c, w) <= TWO_ACC_MAX_ACC]
+    if block_scales and in_registers:
+        fits = [c for c in fits if _cfg_acc(c, w) <= BLOCK_PRE_HOPPER_MAX_ACC]
     if activation in ACT_MAX_ACC_ACTIVATIONS and (ragged or not tma):
-        fits = [c for c in fits if _cfg_acc(c) <= ACT_MAX_ACC]
+        fits = [c for c in fits if _cfg_acc(c, w) <= ACT_MAX_ACC]
     if elem_bytes == 1 and activation in TRANSCENDENTAL:
         fits = [c for c in fits if _cfg_tile(c) <= FP8_ACT_MAX_TILE]
     if prologue and not tma:
-        fits = [c for c in fits if _cfg_acc(c) <= PROLOGUE_MAX_ACC]
+        fits = [c for c in fits if _cfg_acc(c, w) <= PROLOGUE_MAX_ACC]
         if prologue not in PROLOGUE_SELECT:
-            fits = [c for c in fits if _cfg_a_values(c) <= PROLOGUE_ACT_MAX_A]
-            if cc < 90:
-                fits = [c for c in fits if _cfg_acc(c) <= PROLOGUE_ACT_PRE_HOPPER_MAX_ACC]
+            fits = [c for c in fits if _cfg_a_values(c, w) <= PROLOGUE_ACT_MAX_A]
+            if in_registers:
+                fits = [c for c in fits if _cfg_acc(c, w) <= PROLOGUE_ACT_PRE_HOPPER_MAX_ACC]
         if ragged:
-            fits = [c for c in fits if _cfg_loads(c, prologue=True) <= RAGGED_MAX_LOADS]
+            fits = [c for c in fits if _cfg_loads(c, w, prologue=True) <= RAGGED_MAX_LOADS]
     return fits or [min(configs, key=smem_estimate)]
+
+
+def offered_configs(
+    configs: list[triton.Config], device: DeviceSpec | int | str, **rules
+) -> list[triton.Config]:
+    """What the autotuner offers on ``device`` from a pointer-kernel table: on AMD its
+    :func:`amd_configs`, then :func:`prune_configs` with ``rules`` (its keywords)."""
+    spec = as_spec(device)
+    if spec.is_amd and not rules.get("tma"):
+        configs = amd_configs(configs, spec.arch)
+    return prune_configs(configs, spec, **rules)
 
 
 # --------------------------------------------------------------------------- operands and devices
@@ -377,10 +470,10 @@ def tma_output_ragged(nargs: dict) -> bool:
     return _ragged((nargs["N"], nargs["stride_cm"]))
 
 
-def _device_cc(nargs: dict) -> int:
+def _device_spec(nargs: dict) -> DeviceSpec:
+    """The spec of the device the launch's first tensor argument is on."""
     t = next(v for v in nargs.values() if isinstance(v, torch.Tensor))
-    major, minor = torch.cuda.get_device_capability(t.device)
-    return 10 * major + minor
+    return tkdev.device_spec(t.device)
 
 
 def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = False, restore: tuple = ()):
@@ -400,8 +493,8 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
         a = getattr(a, "base", a)  # a tensor descriptor's tensor
         elem_bytes = a.element_size() if isinstance(a, torch.Tensor) else 2
         blocks = meta.get("SCALE_A") == 3 or meta.get("SCALE_B") == 3  # gemm.SCALE_BLOCK
-        return prune_configs(
-            configs, _device_cc(nargs), tma=tma, ragged=ragged, activation=activation, prologue=prologue,
+        return offered_configs(
+            configs, _device_spec(nargs), tma=tma, ragged=ragged, activation=activation, prologue=prologue,
             elem_bytes=elem_bytes, two_accumulators=bool(meta.get("PRECISE_ACC")) or blocks,
             block_scales=blocks,
         )  # fmt: skip

@@ -9,12 +9,11 @@ ragged operands on Hopper, ``matmul``) launch it through :func:`launch_tma`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from tkern import device as tkdev
 from tkern.kernels._common import INTERPRET
 from tkern.kernels.gemm_configs import gemm_autotune, tma_configs
 from tkern.kernels.gemm_epilogue import bias_stride, epilogue, epilogue_meta, epilogue_tma, tile_coords
@@ -133,22 +132,19 @@ def tma_eligible(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tma_layouts(a, b) is not None
 
 
-def has_tma(device: torch.device) -> bool:
-    """Whether ``device`` has the tensor memory accelerator (Hopper, sm_90, or newer)."""
-    return not INTERPRET and _major_cc(device) >= 9
+def has_tma(device) -> bool:
+    """Whether ``device`` (a torch device or a :class:`tkern.DeviceSpec`) has the tensor
+    memory accelerator: its spec's ``tma`` (Hopper, sm_90, or newer NVIDIA; never AMD's
+    GPUs, never the interpreter)."""
+    return tkdev.device_spec(device).tma
 
 
-@functools.cache
-def _major_cc(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
-def persistent_programs(device: torch.device) -> int:
+def persistent_programs(device) -> int:
     """Programs a persistent GEMM launches on ``device``: one per SM (a few under the
     interpreter, which still walks several tiles per program)."""
     if INTERPRET:
         return _INTERPRET_PROGRAMS  # exercises the persistent loop
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return tkdev.device_spec(device).sms
 
 
 def launch_tma(

@@ -34,13 +34,13 @@ arrival's branch) trivially. That all P programs meet and agree is proven only o
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from tkern import device as tkdev
 from tkern.kernels._common import INTERPRET, check_tensor
 
 #: The workspace's words (int32).
@@ -103,10 +103,10 @@ class GridBarrier:
     max_programs: int
 
 
-@functools.cache
 def sm_count(device: torch.device) -> int:
-    """The streaming multiprocessors of a CUDA ``device`` (queried once per device)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The streaming multiprocessors (compute units on AMD) of a GPU ``device``: its
+    :class:`tkern.DeviceSpec`'s ``sms`` (asked of torch once per device)."""
+    return tkdev.device_spec(device).sms
 
 
 def device_programs(device: torch.device) -> int:

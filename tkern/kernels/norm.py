@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tkern import device as tkdev
 from tkern.kernels._common import (
     INTERPRET,
     cast_rne,
@@ -684,7 +685,7 @@ def norm_forward_float8(
     if not eps >= 0.0 or eps == float("inf"):
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
     check_fp8_dtype(dtype)
-    check_fp8_device(x.device, "norm_forward_float8")
+    check_fp8_device(x.device, "norm_forward_float8", (dtype,))
     check_same_device(x=x, weight=weight, bias=bias, counter=counter)
     delayed = history is not None
     roll = delayed and update
@@ -768,7 +769,7 @@ def backward_programs(m: int, device: torch.device) -> int:
     if INTERPRET:
         target = _INTERPRET_PROGRAMS
     else:
-        target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        target = PROGRAMS_PER_SM * tkdev.device_spec(device).sms
     return max(min(m, target), 1)
 
 

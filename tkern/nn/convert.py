@@ -33,6 +33,7 @@ from tkern.nn.convert_rules import (
 from tkern.nn.float8 import Float8Recipe
 from tkern.nn.hf_loss import fused_loss_heads, warn_if_float8_head, warn_if_no_fused_loss
 from tkern.nn.linear import Linear
+from tkern.ops.float8_args import recipe_formats
 
 # CastInputs / CastOutput: models pickled while they lived here find them by this name
 __all__ = [
@@ -214,7 +215,9 @@ def _checked_conversion(
         raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
     if recipe is not None:  # before any module changes: a GPU without fp8 tensor cores
         for device in {p.device for p in model.parameters()}:
-            check_fp8_device(device, f"convert_network(float8={recipe.scaling!r})")
+            check_fp8_device(
+                device, f"convert_network(float8={recipe.scaling!r})", recipe_formats(recipe.scaling)
+            )
     return Conversion(dtype, recipe, float8_filter, **flags, norm_dtype=norm_dtype or torch.float32)
 
 

@@ -21,6 +21,7 @@ from tkern.nn.float8_fsdp import (
 )
 from tkern.ops.common import is_compiling
 from tkern.ops.float8 import CACHED_SCALINGS, float8_linear, float8_weight_cache
+from tkern.ops.float8_args import recipe_formats
 
 __all__ = ["FLOAT8_SCALINGS", "Float8Linear", "Float8Recipe", "float8_conv1d_class", "float8_forward"]
 
@@ -107,7 +108,9 @@ class Float8Layer:
         if not isinstance(recipe, Float8Recipe):
             raise TypeError(f"recipe must be a Float8Recipe, got {recipe!r}")
         weight = self.weight
-        check_fp8_device(weight.device, type(self).__name__)
+        check_fp8_device(
+            weight.device, f"{type(self).__name__}({recipe.scaling!r})", recipe_formats(recipe.scaling)
+        )
         if recipe.enable_fsdp_float8_all_gather != is_fp8_all_gather_weight(weight):
             if isinstance(weight, _dtensor_class()):
                 raise ValueError(

@@ -37,6 +37,7 @@ from tkern.ops.float8_args import (
     check_delayed_args,
     check_weight_fp8,
     check_x_fp8,
+    recipe_formats,
 )
 from tkern.ops.float8_cache import Float8WeightCache, float8_weight_cache
 from tkern.ops.float8_emit import Float8Emit, check_emit_args, emitted_pair, scaled_mm_emit
@@ -486,7 +487,7 @@ def float8_linear(
     check_in_features(x, weight)
     check_bias(bias, weight.shape[0], weight.dtype)
     check_same_device(x=x, weight=weight, bias=bias)
-    check_fp8_device(x.device, "float8_linear (Float8Linear)")
+    check_fp8_device(x.device, f"float8_linear (Float8Linear, {scaling!r})", recipe_formats(scaling))
     if scaling not in ("tensorwise", "delayed", "blockwise"):
         raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
     check_activation_args(activation, scaling, weight.dtype)

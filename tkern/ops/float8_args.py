@@ -18,6 +18,7 @@ __all__ = [
     "check_delayed_args",
     "check_weight_fp8",
     "check_x_fp8",
+    "recipe_formats",
 ]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -25,6 +26,16 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 #: The recipes whose weight cast a :class:`~tkern.ops.float8.Float8WeightCache` holds (and
 #: whose input a producer may cast: :class:`Float8Input`).
 CACHED_SCALINGS = ("tensorwise", "delayed")
+
+#: The fp8 formats each recipe casts to: e4m3 for x and W, e5m2 for dY (tensorwise,
+#: delayed); e4m3 everywhere (blockwise). What the device check holds the GPU to.
+RECIPE_FORMATS = {"tensorwise": (E4M3, E5M2), "delayed": (E4M3, E5M2), "blockwise": (E4M3,)}
+
+
+def recipe_formats(scaling: str) -> tuple[torch.dtype, ...]:
+    """The fp8 dtypes recipe ``scaling`` casts to (:data:`RECIPE_FORMATS`; none for a
+    name it does not know, which the recipe's own check refuses)."""
+    return RECIPE_FORMATS.get(scaling, ())
 
 
 class Float8Input(NamedTuple):

@@ -5,7 +5,8 @@
   GPT on real text, the same comparison with bf16 (and on a GPU compiled, fp8 and
   CUDA-graph) runs beside (see :mod:`tkern.train.gpt_job`);
 * ``tkern bench [gemm|optimizer|train|all]`` — the benchmark scripts of a source checkout;
-* ``tkern info`` — device, versions, compiled or interpreted mode.
+* ``tkern info [--device NAME]`` — device, versions, compiled or interpreted mode; with
+  ``--device`` what tkern would run on that GPU (:mod:`tkern.train.device_report`).
 
 Mistakes a user can make end with one line on stderr and exit status 2.
 """
@@ -54,20 +55,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _info(_: argparse.Namespace) -> int:
-    import torch
-    import triton
+def _info(args: argparse.Namespace) -> int:
+    from tkern.train import device_report
 
-    import tkern
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (no CUDA device)"
-    how = "Triton's interpreter on the CPU" if tkern.mode() == "interpreted" else "compiled for the GPU"
-    print(f"tkern   {tkern.__version__}")
-    print(f"device  {device}")
-    print(f"torch   {torch.__version__}")
-    print(f"triton  {triton.__version__}")
-    print(f"mode    {tkern.mode()}  ({how})")
-    return 0
+    try:
+        return device_report.info(args.device)
+    except ValueError as e:  # an unknown --device: its message lists the known names
+        raise UsageError(str(e)) from None
 
 
 def _parsed(text: str, parse: Callable[[str], _T], expected: str) -> _T:
@@ -391,9 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tkern", description="Triton kernels for mixed-precision training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("info", help="device, torch/triton versions, compiled or interpreted mode").set_defaults(
-        func=_info
+    info = sub.add_parser("info", help="device, torch/triton versions, compiled or interpreted mode")
+    info.add_argument(
+        "--device", metavar="NAME", help="plan for this GPU (h100, mi300x, ...: tkern.device.SPECS)"
     )
+    info.set_defaults(func=_info)
 
     train = sub.add_parser(
         "train",
