@@ -88,7 +88,7 @@ def _patch_language_once() -> bool:
     kernel (``InterpretedFunction.__call__``) patches it again on every call, in every
     program, and never restores that. Wrapped here, a helper's patch returns at once
     when the running launch already patched every language module the helper sees,
-    and runs in full otherwise (or outside a launch). What runs is unchanged: the
+    and runs in full otherwise (then once per launch and module) or outside a launch. What runs is unchanged: the
     language a helper sees is the launch's patched one either way. Returns whether the
     wrappers were installed (False where this Triton's interpreter lacks the two names,
     or they are wrapped already)."""
@@ -100,16 +100,28 @@ def _patch_language_once() -> bool:
         return False
     languages = (tl, getattr(tl, "core", tl))
     launches: list[frozenset[int] | None] = []  # per running launch: the modules its patch covers
+    # per globals dict (a module's, kept alive here so that its id is never reused): its language modules
+    modules_seen: dict[int, tuple[dict, frozenset[int]]] = {}
 
     def patch_lang(fn):
-        seen = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in languages))
+        known = modules_seen.get(id(fn.__globals__))
+        if known is None:
+            seen = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in languages))
+            known = modules_seen[id(fn.__globals__)] = (fn.__globals__, seen)
+        seen = known[1]
         if not launches:  # outside any launch: the interpreter's own behaviour
             return original(fn)
         if launches[-1] is None:  # the launch's own patch, restored by the launch
             scope = original(fn)
             launches[-1] = seen
             return scope
-        return None if seen <= launches[-1] else original(fn)
+        if seen <= launches[-1]:
+            return None
+        # a helper seeing a language module the launch did not (tl.sum's module sees tl.core):
+        # the interpreter's own patch, never restored, so it holds for the rest of the launch
+        scope = original(fn)
+        launches[-1] |= seen
+        return scope
 
     run_grid = executor.__call__
 
