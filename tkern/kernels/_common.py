@@ -20,6 +20,8 @@ What the interpreter gets wrong, and where tkern handles it (all here):
   upcast their loads to fp32 anyway.
 * fp32 -> bf16 casts truncate instead of rounding to nearest even:
   :func:`cast_rne` rounds by hand under the interpreter.
+* bf16 -> fp32 casts get subnormals wrong (triton 3.9's ``_convert_float``):
+  :func:`to_f32` widens bf16 on the bits under the interpreter.
 * ``@triton.autotune`` with several configs cannot run: :func:`autotune` keeps
   only the first config under the interpreter.
 """
@@ -223,6 +225,17 @@ def cast_rne(x, DTYPE: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def to_f32(x):
+    """``x`` (fp32, fp16 or bf16) as fp32, exactly. Compiled Triton widens exactly; the
+    interpreter (triton 3.9) turns bf16 subnormals into other values, so there a bf16
+    value is widened on its bits (its 16 bits are fp32's high half)."""
+    if IS_INTERPRETER and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
