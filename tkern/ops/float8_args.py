@@ -37,6 +37,16 @@ class Float8Input(NamedTuple):
     scale: torch.Tensor  # 0-dim (or one-element) fp32: x ~ data * scale
 
 
+#: Every scaling float8_linear takes ("mxfp8": tkern.ops.float8_mx).
+SCALINGS = ("tensorwise", "delayed", "blockwise", "mxfp8")
+
+
+def check_scaling(scaling: object) -> None:
+    """Raise ``ValueError`` unless ``scaling`` is one of :data:`SCALINGS`."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+
+
 def check_activation_args(activation: str | None, scaling: str, dtype: torch.dtype) -> None:
     """Raise unless ``activation`` is None or one the fp8 GEMM's epilogue computes for a
     layer of ``dtype`` under ``scaling``: per-tensor recipes (the blockwise kernel has no
