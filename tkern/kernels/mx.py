@@ -56,7 +56,7 @@ E8M0_NAN = 255
 MAX_POW2 = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 #: An fp8 NaN's magnitude bits (0x7F in both formats; the sign comes from the value).
-FP8_NAN_BITS = 0x7F
+FP8_NAN_BITS = tl.constexpr(0x7F)
 #: Tile of one program: TILE_R rows x TILE_C columns (multiples of the block).
 #: Large under the interpreter, where each program costs milliseconds.
 TILE_R, TILE_C = (64, 128) if INTERPRET else (32, 128)
