@@ -95,3 +95,37 @@ def test_refused_on_hopper(monkeypatch):
     monkeypatch.setattr(tkern.device, "device_spec", lambda device=None: tkern.device.SPECS["h100"])
     with pytest.raises(RuntimeError, match="h100"):
         Float8Linear(64, 32, dtype=torch.bfloat16, recipe="mxfp8", device=DEVICE)
+
+
+@pytest.mark.slow  # ~25 s through the interpreter on a loaded 2-core machine
+def test_a_small_mlp_trains_to_the_bf16_loss():
+    """convert_network(float8="mxfp8") on an MLP (its 16-wide head stays 16-bit: not a multiple
+    of 32) trains to within 1% of bf16's loss."""
+    import copy
+
+    from torch import nn
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g).to(DEVICE)
+    labels = torch.randint(0, 16, (32,), generator=g).to(DEVICE)
+
+    def train(model, steps):
+        opt = tkern.optim.FusedAdamW(model.parameters(), lr=3e-3)
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x).float(), labels)
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    mx_model = tkern.convert_network(copy.deepcopy(base).to(DEVICE), torch.bfloat16, float8="mxfp8")
+    assert [type(m).__name__ for m in mx_model if isinstance(m, nn.Linear)] == ["Float8Linear"] * 2 + [
+        "Linear"
+    ]
+    first = train(tkern.convert_network(copy.deepcopy(base).to(DEVICE), torch.bfloat16), 1)
+    ref = train(tkern.convert_network(copy.deepcopy(base).to(DEVICE), torch.bfloat16), 6)
+    got = train(mx_model, 6)
+    assert ref < 0.95 * first
+    assert abs(got - ref) <= 0.01 * ref, (got, ref)
