@@ -245,6 +245,16 @@ def check_to_mx_args(
     return axis
 
 
+def check_to_mx_both_args(x: object, dtype: torch.dtype, scale_mode: object) -> None:
+    """Raise unless :func:`to_mx_both` can cast ``x``: 2-D, both extents multiples of 32."""
+    _check_args(x, dtype, BLOCK_SIZE, scale_mode)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
+    for axis in (0, 1):
+        _check_axis(x, axis, BLOCK_SIZE)
+    check_int32_addressable("x", x)
+
+
 def _bytes(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """An empty contiguous uint8 tensor of ``shape`` on ``like``'s device (fp8 / e8m0 bits)."""
     return torch.empty(shape, dtype=torch.uint8, device=like.device)
@@ -297,12 +307,7 @@ def to_mx_both(
     (M, K / 32)) and ``data_t, scales_t = to_mx(x.t(), axis=1)`` (blocks along M, stored
     as x^T: (K, M) and (K, M / 32), each contiguous: the K-major operand of a GEMM that
     reduces over M, as the wgrad reduces over tokens). M and K multiples of 32."""
-    _check_args(x, dtype, BLOCK_SIZE, scale_mode)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
-    for axis in (0, 1):
-        _check_axis(x, axis, BLOCK_SIZE)
-    check_int32_addressable("x", x)
+    check_to_mx_both_args(x, dtype, scale_mode)
     M, K = x.shape
     data, scales = _bytes((M, K), x), _bytes((M, K // BLOCK_SIZE), x)
     data_t, scales_t = _bytes((K, M), x), _bytes((K, M // BLOCK_SIZE), x)
@@ -314,4 +319,12 @@ def to_mx_both(
     return data.view(dtype), scales.view(e8m0), data_t.view(dtype), scales_t.view(e8m0)
 
 
-__all__ = ["BLOCK_SIZE", "FP8_DTYPES", "SCALE_MODES", "check_to_mx_args", "to_mx", "to_mx_both"]
+__all__ = [
+    "BLOCK_SIZE",
+    "FP8_DTYPES",
+    "SCALE_MODES",
+    "check_to_mx_args",
+    "check_to_mx_both_args",
+    "to_mx",
+    "to_mx_both",
+]

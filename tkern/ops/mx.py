@@ -72,5 +72,6 @@ def to_mx_both(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`tkern.kernels.mx.to_mx_both` (see there), traceable by torch.compile."""
     if is_compiling():
+        mx.check_to_mx_both_args(x, dtype, scale_mode)
         return _to_mx_both_op(x, dtype, scale_mode)
     return mx.to_mx_both(x, dtype, scale_mode=scale_mode)
