@@ -129,3 +129,15 @@ def test_a_small_mlp_trains_to_the_bf16_loss():
     got = train(mx_model, 6)
     assert ref < 0.95 * first
     assert abs(got - ref) <= 0.01 * ref, (got, ref)
+
+
+def test_compiled_step_is_the_eager_step():
+    layer, x, dy = layer_and_inputs()
+    y = layer(x)
+    y.backward(dy)
+    eager = (y.detach(), x.grad, layer.weight.grad, layer.bias.grad)
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    y = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    y.backward(dy)
+    for got, want in zip((y.detach(), x.grad, layer.weight.grad, layer.bias.grad), eager, strict=True):
+        assert torch.equal(got, want)

@@ -22,7 +22,7 @@ import torch
 
 from tkern.kernels.gemm_mx import check_mx_device
 from tkern.kernels.mx import BLOCK_SIZE, SCALE_MODES
-from tkern.ops import mx as mx_ops
+from tkern.ops import mx as _mx_ops  # noqa: F401 (registers tkern::to_mx and tkern::to_mx_both)
 from tkern.ops.common import as_2d
 
 __all__ = ["MX_GRAD_DTYPES", "check_mx_linear", "mx_float8_linear"]
@@ -32,9 +32,24 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MX_GRAD_DTYPES = (E4M3, E5M2)
 
 
+# The casts and GEMM as custom ops (tkern.ops.mx's, tkern.ops.float8's), eager and traced
+# alike: inside an autograd.Function a compiled graph may not read a tensor's layout, which
+# the launchers' checks do (the layer's arguments are checked once, before the Function).
+
+
 def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
-    """tkern.scaled_mm through its custom op (tkern.ops.float8's), with MX scales."""
+    """tkern.scaled_mm with MX scales."""
     return torch.ops.tkern.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, [], [], False)[0]
+
+
+def _both(t, dtype, scale_mode):
+    """tkern.kernels.mx.to_mx_both: (data, scales, data_t, scales_t)."""
+    return torch.ops.tkern.to_mx_both(t, dtype, scale_mode)
+
+
+def _along_k(t, scale_mode):
+    """tkern.kernels.mx.to_mx along dim 1 in e4m3: (data, scales)."""
+    return torch.ops.tkern.to_mx(t, E4M3, BLOCK_SIZE, 1, scale_mode)
 
 
 class _MxFloat8Linear(torch.autograd.Function):
@@ -47,13 +62,13 @@ class _MxFloat8Linear(torch.autograd.Function):
         dgrad = grad_enabled and ctx.needs_input_grad[0]
         wgrad = grad_enabled and ctx.needs_input_grad[1]
         if wgrad:  # x along K, and along the tokens (x^T, wgrad's K-major operand): one read
-            xq, sx, xq_t, sx_t = mx_ops.to_mx_both(x2d, E4M3, scale_mode=scale_mode)
+            xq, sx, xq_t, sx_t = _both(x2d, E4M3, scale_mode)
         else:
-            (xq, sx), xq_t, sx_t = mx_ops.to_mx(x2d, E4M3, axis=1, scale_mode=scale_mode), None, None
+            (xq, sx), xq_t, sx_t = _along_k(x2d, scale_mode), None, None
         if dgrad:  # W along K, and along out_features (W^T, dgrad's K-major operand)
-            wq, sw, wq_t, sw_t = mx_ops.to_mx_both(weight, E4M3, scale_mode=scale_mode)
+            wq, sw, wq_t, sw_t = _both(weight, E4M3, scale_mode)
         else:
-            (wq, sw), wq_t, sw_t = mx_ops.to_mx(weight, E4M3, axis=1, scale_mode=scale_mode), None, None
+            (wq, sw), wq_t, sw_t = _along_k(weight, scale_mode), None, None
         y = _scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype)
         ctx.save_for_backward(xq_t, sx_t, wq_t, sw_t)
         ctx.grad_dtype, ctx.scale_mode, ctx.x_shape = grad_dtype, scale_mode, x.shape
@@ -68,7 +83,7 @@ class _MxFloat8Linear(torch.autograd.Function):
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = db = None
         # dY along out_features (dgrad) and along the tokens (dY^T, wgrad): one read
-        gq, sg, gq_t, sg_t = mx_ops.to_mx_both(dy2d, ctx.grad_dtype, scale_mode=ctx.scale_mode)
+        gq, sg, gq_t, sg_t = _both(dy2d, ctx.grad_dtype, ctx.scale_mode)
         if dgrad:  # (M, N) @ (N, K), reduced over N
             dx = _scaled_mm(gq, wq_t.t(), sg, sw_t, None, ctx.x_dtype).reshape(ctx.x_shape)
         if wgrad:  # (N, M) @ (M, K), reduced over the tokens
