@@ -117,7 +117,7 @@ def _scaled_mm_mx_kernel(
                      mask=mask_m[:, None] & (kb < K // 32)[None, :], other=127)  # fmt: skip
         sb = tl.load(scale_b_ptr + offs_n[:, None] * stride_sbn + kb[None, :] * stride_sbk,
                      mask=mask_n[:, None] & (kb < K // 32)[None, :], other=127)  # fmt: skip
-        acc = tl.dot_scaled(a, sa, A_FMT, b, sb, B_FMT, acc)
+        acc = tl.dot_scaled(a, sa, A_FMT, b, sb, B_FMT, acc=acc)  # the arguments triton 3.6-3.9 share
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
