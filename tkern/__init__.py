@@ -10,6 +10,7 @@ from tkern.kernels.gemm_emit import Float8Emit
 from tkern.nn import Float8Linear, Float8Recipe, convert_network
 from tkern.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from tkern.ops.linear import linear, matmul
+from tkern.ops.mx import to_mx
 from tkern.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from tkern.ops.swiglu import swiglu
 from tkern.train import Trainer
@@ -44,4 +45,5 @@ __all__ = [
     "scaled_mm",
     "swiglu",
     "to_float8",
+    "to_mx",
 ]

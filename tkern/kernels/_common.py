@@ -20,6 +20,8 @@ What the interpreter gets wrong, and where tkern handles it (all here):
   upcast their loads to fp32 anyway.
 * fp32 -> bf16 casts truncate instead of rounding to nearest even:
   :func:`cast_rne` rounds by hand under the interpreter.
+* bf16 -> fp32 casts get subnormals wrong (triton 3.9's ``_convert_float``):
+  :func:`to_f32` widens bf16 on the bits under the interpreter.
 * ``@triton.autotune`` with several configs cannot run: :func:`autotune` keeps
   only the first config under the interpreter.
 
@@ -88,8 +90,9 @@ def _patch_language_once() -> bool:
     kernel (``InterpretedFunction.__call__``) patches it again on every call, in every
     program, and never restores that. Wrapped here, a helper's patch returns at once
     when the running launch already patched every language module the helper sees,
-    and runs in full otherwise (then once per launch and module) or outside a launch. What runs is unchanged: the
-    language a helper sees is the launch's patched one either way. Returns whether the
+    and runs in full otherwise (then once per launch and module) or outside a launch.
+    What runs is unchanged: the language a helper sees is the launch's patched one
+    either way. Returns whether the
     wrappers were installed (False where this Triton's interpreter lacks the two names,
     or they are wrapped already)."""
     from triton.runtime import interpreter
@@ -291,6 +294,17 @@ def cast_rne(x, DTYPE: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def to_f32(x):
+    """``x`` (fp32, fp16 or bf16) as fp32, exactly. Compiled Triton widens exactly; the
+    interpreter (triton 3.9) turns bf16 subnormals into other values, so there a bf16
+    value is widened on its bits (its 16 bits are fp32's high half)."""
+    if IS_INTERPRETER and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit

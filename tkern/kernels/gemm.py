@@ -68,6 +68,7 @@ from tkern.kernels.gemm_epilogue import (
     epilogue_meta,
     tile_coords,
 )
+from tkern.kernels.gemm_mx import is_mx_scale, scaled_mm_mx
 from tkern.kernels.gemm_plan import POINTER, SPLIT_K, TMA, GemmPlan, plan_gemm
 from tkern.kernels.gemm_split import launch_split_k
 from tkern.kernels.gemm_tma import TMA_ALIGN_BYTES, has_tma, launch_tma, tma_layouts
@@ -1056,6 +1057,13 @@ def scaled_mm(
             returns ``(result, Float8Emitted(data, data_t, scale))``. Per-tensor or
             per-row scales, bf16 / fp16 ``out_dtype``, no ``out`` / ``accumulate_into``.
 
+    MX (block-scaled) operands: ``scale_a`` (M, K / 32) and ``scale_b`` (N, K / 32) of dtype
+    ``torch.float8_e8m0fnu`` (``tkern.to_mx``'s scales of a and of b^T; e4m3 or e5m2 data,
+    e5m2 x e5m2 too) run on gemm_mx.py's kernel, one ``tl.dot_scaled`` per K tile, with
+    ``bias``, ``activation`` and ``preact`` (not ``block_a`` / ``block_b``, ``out``,
+    ``accumulate_into`` or ``emit_fp8``); a GPU without native MX (before Blackwell sm_100
+    and MI355X gfx950) raises ``RuntimeError`` naming the device and its fp8 recipes.
+
     Block scales on both operands with 128-wide K blocks and 1 or 128 rows / columns
     per scale (DeepSeek-V3's 1x128 activations and 128x128 weights, and the blockwise
     wgrad's 128x1 columns of X), K-major 16-byte aligned operands, on Hopper (or the
@@ -1076,6 +1084,10 @@ def scaled_mm(
         TypeError / ValueError: naming the argument, before anything is launched;
         RuntimeError on a GPU without fp8 tensor cores (before Ada, sm_89).
     """
+    if is_mx_scale(scale_a) or is_mx_scale(scale_b):
+        _check_mx_call(block_a, block_b, out, accumulate_into, emit_fp8)
+        return scaled_mm_mx(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, activation=activation,
+                            preact=preact)  # fmt: skip
     check_tensor("a", a, ndim=2, dtypes=FP8_DTYPES)
     check_tensor("b", b, ndim=2, dtypes=FP8_DTYPES)
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
@@ -1124,6 +1136,15 @@ def scaled_mm(
     return _launch_matmul(
         a, b, M, N, K, bias, activation, out_dtype, preact, scales, NO_PROLOGUE, into, accumulate
     )
+
+
+def _check_mx_call(block_a, block_b, out, accumulate_into, emit_fp8) -> None:
+    """Raise ``ValueError`` for a :func:`scaled_mm` argument MX (e8m0) scales do not take."""
+    given = {"block_a": block_a, "block_b": block_b, "out": out, "accumulate_into": accumulate_into,
+             "emit_fp8": emit_fp8}  # fmt: skip
+    named = [k for k, v in given.items() if v is not None]
+    if named:
+        raise ValueError(f"scaled_mm with MX (e8m0) scales takes no {', '.join(named)} (32-wide K blocks)")
 
 
 def _check_fp8_epilogue(activation, preact, shape, out_dtype, kind_a, kind_b, *others) -> None:

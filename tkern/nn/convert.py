@@ -259,7 +259,7 @@ def convert_network(
     Args:
         model: the model (fp32, or converted before).
         dtype: torch.float16 (default) or torch.bfloat16; torch.float32 to convert back.
-        float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or a Float8Recipe:
+        float8: None, ``"tensorwise"``, ``"delayed"``, ``"blockwise"``, ``"mxfp8"`` or a Float8Recipe:
             Linear / Conv1D layers with both features multiples of 16 become fp8 layers,
             except an LM head the fused loss computes (it stays 16-bit, warned if it is fp8).
         float8_filter: ``(fully qualified name, module) -> bool``; None converts all.

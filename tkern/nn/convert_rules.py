@@ -89,13 +89,15 @@ class Conversion:
 
     def wants_float8(self, module: nn.Module, path: str) -> bool:
         """Whether ``module`` (a Linear or GPT-2 Conv1D) becomes an fp8 layer: a recipe is
-        given, both features are multiples of 16, the filter (if any) agrees, and with the
-        recipe's fp8 all-gather its weight is tied to no other module's."""
+        given, both features are multiples of 16 (32 under "mxfp8": each is some GEMM's K,
+        in blocks of 32), the filter (if any) agrees, and with the recipe's fp8 all-gather
+        its weight is tied to no other module's."""
         # features from the weight: (out, in) for a Linear, (in, out) for a Conv1D
+        align = 32 if self.recipe is not None and self.recipe.scaling == "mxfp8" else 16
         wanted = (
             self.recipe is not None
-            and module.weight.shape[0] % 16 == 0
-            and module.weight.shape[1] % 16 == 0
+            and module.weight.shape[0] % align == 0
+            and module.weight.shape[1] % align == 0
             and (self.float8_filter is None or bool(self.float8_filter(path, module)))
         )
         if wanted and id(module.weight) in self.tied and not isinstance(module, Float8Linear):

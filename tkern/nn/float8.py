@@ -12,6 +12,7 @@ from torch import nn
 from tkern.flat import has_grad_view
 from tkern.kernels._common import HALF_DTYPES
 from tkern.kernels.float8 import check_fp8_device
+from tkern.kernels.gemm_mx import check_mx_device
 from tkern.nn.float8_fsdp import (
     Float8AllGatherWeight,
     Float8GatheredWeight,
@@ -22,12 +23,13 @@ from tkern.nn.float8_fsdp import (
 from tkern.ops.common import is_compiling
 from tkern.ops.float8 import CACHED_SCALINGS, float8_linear, float8_weight_cache
 from tkern.ops.float8_args import recipe_formats
+from tkern.ops.float8_mx import MX_GRAD_DTYPES
 
 __all__ = ["FLOAT8_SCALINGS", "Float8Linear", "Float8Recipe", "float8_conv1d_class", "float8_forward"]
 
 
 #: The scaling recipes of :class:`Float8Recipe`.
-FLOAT8_SCALINGS = ("tensorwise", "delayed", "blockwise")
+FLOAT8_SCALINGS = ("tensorwise", "delayed", "blockwise", "mxfp8")
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,11 @@ class Float8Recipe:
             ``Float8LinearConfig()``); ``"delayed"``: Transformer Engine's
             ``DelayedScaling``, the multiplier from the max of an amax history of
             past steps; ``"blockwise"``: DeepSeek-V3's 1x128 tiles for activations
-            and gradients, 128x128 blocks for weights, e4m3 everywhere.
+            and gradients, 128x128 blocks for weights, e4m3 everywhere; ``"mxfp8"``: MX
+            blocks (one e8m0 scale per 32 elements along each GEMM's K: x and W along
+            in_features forward, dY and W along out_features for dgrad, dY and x along
+            the tokens for wgrad), e4m3 by default, on GPUs with native MX (Blackwell
+            sm_100, MI355X gfx950); see tkern.ops.float8_mx.
         history_len: amax history length of ``"delayed"`` (16, as TE's default).
         margin: ``"delayed"``: the multiplier is fp8_max / amax x 2^-margin.
         enable_fsdp_float8_all_gather: under FSDP2 (``fully_shard``), all-gather the
@@ -49,12 +55,15 @@ class Float8Recipe:
             only. The layer's weight becomes a
             :class:`tkern.nn.float8_fsdp.Float8AllGatherWeight`: set the recipe before
             ``fully_shard`` and before building the optimizer. See docs/fsdp.md.
+        grad_dtype: ``"mxfp8"`` only: dY's fp8 format, ``torch.float8_e4m3fn`` (None, the
+            default) or ``torch.float8_e5m2``.
     """
 
     scaling: str = "tensorwise"
     history_len: int = 16
     margin: int = 0
     enable_fsdp_float8_all_gather: bool = False
+    grad_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.scaling not in FLOAT8_SCALINGS:
@@ -68,6 +77,13 @@ class Float8Recipe:
                 f'enable_fsdp_float8_all_gather needs scaling="tensorwise" (one scale per weight, found '
                 f'from the whole weight), got scaling="{self.scaling}"'
             )
+        if self.grad_dtype is not None:
+            if self.scaling != "mxfp8":
+                raise ValueError(f'grad_dtype is the "mxfp8" recipe\'s option, got scaling="{self.scaling}"')
+            if self.grad_dtype not in MX_GRAD_DTYPES:
+                raise TypeError(
+                    f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.grad_dtype}"
+                )
         for name, low in (("history_len", 1), ("margin", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -111,6 +127,8 @@ class Float8Layer:
         check_fp8_device(
             weight.device, f"{type(self).__name__}({recipe.scaling!r})", recipe_formats(recipe.scaling)
         )
+        if recipe.scaling == "mxfp8":
+            check_mx_device(weight.device)
         if recipe.enable_fsdp_float8_all_gather != is_fp8_all_gather_weight(weight):
             if isinstance(weight, _dtensor_class()):
                 raise ValueError(
@@ -253,7 +271,7 @@ class Float8Layer:
             update=self.training and torch.is_grad_enabled(), histories=histories,
             weight_fp8=weight_fp8, weight_fp8_t=weight_fp8_t,
             counters=self._buffers.get(_COUNTERS) if delayed else None, x_fp8=x_fp8, activation=activation,
-            emit_fp8=emit,
+            emit_fp8=emit, **({"grad_dtype": recipe.grad_dtype} if recipe.grad_dtype is not None else {}),
         )  # fmt: skip
         if emit is None:
             return out

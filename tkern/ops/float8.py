@@ -35,12 +35,14 @@ from tkern.ops.float8_args import (
     Float8Input,
     check_activation_args,
     check_delayed_args,
+    check_scaling,
     check_weight_fp8,
     check_x_fp8,
     recipe_formats,
 )
 from tkern.ops.float8_cache import Float8WeightCache, float8_weight_cache
 from tkern.ops.float8_emit import Float8Emit, check_emit_args, emitted_pair, scaled_mm_emit
+from tkern.ops.float8_mx import mx_float8_linear
 
 __all__ = ["CACHED_SCALINGS", "Float8Input", "Float8WeightCache", "float8_linear", "float8_weight_cache"]
 
@@ -449,12 +451,14 @@ def float8_linear(
     x_fp8: Float8Input | None = None,
     activation: str | None = None,
     emit_fp8: Float8Emit | None = None,
+    grad_dtype: torch.dtype = E4M3,
 ) -> torch.Tensor | tuple[torch.Tensor, Float8Input]:
     """``act(x @ weight.T + bias)`` with fp8 GEMMs (see :class:`tkern.nn.Float8Linear`).
 
     Args:
         x: (..., K) bf16/fp16/fp32; weight: (N, K) of x's dtype; bias: optional (N,).
-        scaling: ``"tensorwise"``, ``"delayed"`` or ``"blockwise"``.
+        scaling: ``"tensorwise"``, ``"delayed"``, ``"blockwise"`` or ``"mxfp8"`` (float8_mx.py),
+            whose dY is cast to ``grad_dtype`` (e4m3 or e5m2; fixed in the other recipes).
         margin, update, histories: delayed scaling's margin, whether to roll this
             step's amaxes into the histories, and the (input, weight, grad_output)
             fp32 amax histories (required for ``"delayed"``).
@@ -487,9 +491,11 @@ def float8_linear(
     check_in_features(x, weight)
     check_bias(bias, weight.shape[0], weight.dtype)
     check_same_device(x=x, weight=weight, bias=bias)
+    check_scaling(scaling)
     check_fp8_device(x.device, f"float8_linear (Float8Linear, {scaling!r})", recipe_formats(scaling))
-    if scaling not in ("tensorwise", "delayed", "blockwise"):
-        raise ValueError(f'scaling must be "tensorwise", "delayed" or "blockwise", got {scaling!r}')
+    if scaling == "mxfp8":  # e8m0 blocks of 32 along each GEMM's K; none of the options below
+        return mx_float8_linear(x, weight, bias, grad_dtype=grad_dtype, unused=(activation, emit_fp8,
+                                x_fp8, weight_fp8))  # fmt: skip
     check_activation_args(activation, scaling, weight.dtype)
     check_emit_args(emit_fp8, x, weight, scaling)
     if scaling == "delayed":  # all three histories before the first cast: the casts roll them as they go

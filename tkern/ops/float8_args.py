@@ -29,7 +29,12 @@ CACHED_SCALINGS = ("tensorwise", "delayed")
 
 #: The fp8 formats each recipe casts to: e4m3 for x and W, e5m2 for dY (tensorwise,
 #: delayed); e4m3 everywhere (blockwise). What the device check holds the GPU to.
-RECIPE_FORMATS = {"tensorwise": (E4M3, E5M2), "delayed": (E4M3, E5M2), "blockwise": (E4M3,)}
+RECIPE_FORMATS = {
+    "tensorwise": (E4M3, E5M2),
+    "delayed": (E4M3, E5M2),
+    "blockwise": (E4M3,),
+    "mxfp8": (E4M3,),  # e5m2 too with Float8Recipe(grad_dtype=torch.float8_e5m2)
+}
 
 
 def recipe_formats(scaling: str) -> tuple[torch.dtype, ...]:
@@ -46,6 +51,16 @@ class Float8Input(NamedTuple):
     data: torch.Tensor  # (M, K) e4m3, contiguous: x's cast (x as (M, K) rows)
     data_t: torch.Tensor | None  # (K, M) e4m3, contiguous: the same values transposed (wgrad's operand)
     scale: torch.Tensor  # 0-dim (or one-element) fp32: x ~ data * scale
+
+
+#: Every scaling float8_linear takes ("mxfp8": tkern.ops.float8_mx).
+SCALINGS = ("tensorwise", "delayed", "blockwise", "mxfp8")
+
+
+def check_scaling(scaling: object) -> None:
+    """Raise ``ValueError`` unless ``scaling`` is one of :data:`SCALINGS`."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
 
 
 def check_activation_args(activation: str | None, scaling: str, dtype: torch.dtype) -> None:

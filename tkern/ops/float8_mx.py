@@ -1,0 +1,131 @@
+"""The MXFP8 recipe of Float8Linear: every GEMM on e8m0-scaled fp8 blocks of 32 along its K.
+
+MX scales must run along each GEMM's reduction, so each tensor is cast along two axes
+(torchao's MXFP8 training does the same):
+
+* forward ``y = x W^T``: x and W scaled along in_features (K);
+* dgrad ``dX = dY W``: dY and W scaled along out_features (N);
+* wgrad ``dW = dY^T x``: dY and x scaled along the tokens (M).
+
+Each tensor's two casts come from one read of it (tkern.kernels.mx.to_mx_both): x's in
+the forward (along K, and along M stored as x^T for wgrad), W's in the forward (along K,
+and along N stored as W^T for dgrad), dY's in the backward (along N, and along M stored
+as dY^T). A step is then three Triton launches forward (two casts, one GEMM) and three
+backward (one cast, two GEMMs), plus torch's sum for the bias gradient. The weight is
+cast in the forward (no optimizer-written cache yet). e4m3 everywhere by default;
+``grad_dtype=torch.float8_e5m2`` casts dY to e5m2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tkern.kernels.gemm_mx import check_mx_device
+from tkern.kernels.mx import BLOCK_SIZE, SCALE_MODES
+from tkern.ops import mx as _mx_ops  # noqa: F401 (registers tkern::to_mx and tkern::to_mx_both)
+from tkern.ops.common import as_2d
+
+__all__ = ["MX_GRAD_DTYPES", "check_mx_linear", "mx_float8_linear"]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+#: What dY may be cast to.
+MX_GRAD_DTYPES = (E4M3, E5M2)
+
+
+# The casts and GEMM as custom ops (tkern.ops.mx's, tkern.ops.float8's), eager and traced
+# alike: inside an autograd.Function a compiled graph may not read a tensor's layout, which
+# the launchers' checks do (the layer's arguments are checked once, before the Function).
+
+
+def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
+    """tkern.scaled_mm with MX scales."""
+    return torch.ops.tkern.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, [], [], False)[0]
+
+
+def _both(t, dtype, scale_mode):
+    """tkern.kernels.mx.to_mx_both: (data, scales, data_t, scales_t)."""
+    return torch.ops.tkern.to_mx_both(t, dtype, scale_mode)
+
+
+def _along_k(t, scale_mode):
+    """tkern.kernels.mx.to_mx along dim 1 in e4m3: (data, scales)."""
+    return torch.ops.tkern.to_mx(t, E4M3, BLOCK_SIZE, 1, scale_mode)
+
+
+class _MxFloat8Linear(torch.autograd.Function):
+    """y = x @ W^T + b with MX fp8 GEMMs (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grad_dtype, scale_mode, grad_enabled):
+        n, k = weight.shape
+        x2d = as_2d(x, k)
+        dgrad = grad_enabled and ctx.needs_input_grad[0]
+        wgrad = grad_enabled and ctx.needs_input_grad[1]
+        if wgrad:  # x along K, and along the tokens (x^T, wgrad's K-major operand): one read
+            xq, sx, xq_t, sx_t = _both(x2d, E4M3, scale_mode)
+        else:
+            (xq, sx), xq_t, sx_t = _along_k(x2d, scale_mode), None, None
+        if dgrad:  # W along K, and along out_features (W^T, dgrad's K-major operand)
+            wq, sw, wq_t, sw_t = _both(weight, E4M3, scale_mode)
+        else:
+            (wq, sw), wq_t, sw_t = _along_k(weight, scale_mode), None, None
+        y = _scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype)
+        ctx.save_for_backward(xq_t, sx_t, wq_t, sw_t)
+        ctx.grad_dtype, ctx.scale_mode, ctx.x_shape = grad_dtype, scale_mode, x.shape
+        ctx.w_dtype, ctx.x_dtype = weight.dtype, x.dtype
+        ctx.bias_grad = bias is not None and ctx.needs_input_grad[2]
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq_t, sx_t, wq_t, sw_t = ctx.saved_tensors
+        dy2d = as_2d(dy, dy.shape[-1])
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx = dw = db = None
+        # dY along out_features (dgrad) and along the tokens (dY^T, wgrad): one read
+        gq, sg, gq_t, sg_t = _both(dy2d, ctx.grad_dtype, ctx.scale_mode)
+        if dgrad:  # (M, N) @ (N, K), reduced over N
+            dx = _scaled_mm(gq, wq_t.t(), sg, sw_t, None, ctx.x_dtype).reshape(ctx.x_shape)
+        if wgrad:  # (N, M) @ (M, K), reduced over the tokens
+            dw = _scaled_mm(gq_t, xq_t.t(), sg_t, sx_t, None, ctx.w_dtype)
+        if ctx.bias_grad:
+            db = dy2d.sum(0, dtype=torch.float32).to(ctx.w_dtype)
+        return dx, dw, db, None, None, None
+
+
+def check_mx_linear(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, scale_mode: str) -> None:
+    """Raise unless :func:`mx_float8_linear` runs on these: in and out features and the
+    tokens multiples of 32 (each is some GEMM's K), a known grad dtype and scale mode, a
+    device with native MX."""
+    n, k = weight.shape
+    tokens = x.numel() // max(k, 1)
+    for name, size in (("in_features", k), ("out_features", n), ("tokens (x's leading dimensions)", tokens)):
+        if size % BLOCK_SIZE:
+            raise ValueError(
+                f"the mxfp8 recipe needs {name} a multiple of {BLOCK_SIZE} (it is a GEMM's K), got {size} "
+                f"(x of shape {tuple(x.shape)}, weight {tuple(weight.shape)})"
+            )
+    if grad_dtype not in MX_GRAD_DTYPES:
+        raise TypeError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {grad_dtype}")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    check_mx_device(x.device)
+
+
+def mx_float8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    grad_dtype: torch.dtype = E4M3,
+    scale_mode: str = "floor",
+    unused: tuple = (),
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with MXFP8 GEMMs forward and backward (the module docstring);
+    the arguments checked by the caller (tkern.ops.float8.float8_linear) and
+    :func:`check_mx_linear`. ``unused``: float8_linear's activation, emit_fp8, x_fp8 and
+    weight_fp8, which this recipe does not take (all must be None)."""
+    if any(arg is not None for arg in unused):
+        raise ValueError("the mxfp8 recipe takes no activation, emit_fp8, x_fp8 or weight_fp8")
+    check_mx_linear(x, weight, grad_dtype, scale_mode)
+    return _MxFloat8Linear.apply(x, weight, bias, grad_dtype, scale_mode, torch.is_grad_enabled())
