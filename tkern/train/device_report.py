@@ -110,12 +110,12 @@ def gemm_lines(spec: DeviceSpec, gemms: list[Gemm] = GPT2_SMALL) -> list[str]:
 
 def fp8_lines(spec: DeviceSpec) -> list[str]:
     """The fp8 formats and each recipe's verdict (native, or why it is refused), and MX."""
-    from tkern.kernels.float8 import format_names, fp8_refusal
+    from tkern.kernels.float8 import format_names
     from tkern.ops.float8_args import RECIPE_FORMATS
 
     lines = [f"fp8 formats (native): {format_names(spec.fp8_dtypes)}"]
     for recipe, formats in RECIPE_FORMATS.items():
-        reason = fp8_refusal(spec, f"Float8Linear({recipe!r})", formats)
+        reason = recipe_refusal(spec, recipe)
         verdict = "native" if reason is None else "refused: " + reason
         lines.append(f"  {recipe:<10} ({format_names(formats)}): {verdict}")
     mx = (
@@ -152,17 +152,28 @@ def device_report(spec: DeviceSpec) -> str:
 COMPILED_IN_CI = ("sm_90", "sm_80")
 
 
-def _recipes(spec: DeviceSpec) -> str:
-    """The fp8 recipes' verdict on ``spec``, in a few words."""
+def recipe_refusal(spec: DeviceSpec, recipe: str) -> str | None:
+    """Why Float8Linear(``recipe``) is refused on ``spec`` (its fp8 formats, and for
+    "mxfp8" native MX), or None where it runs."""
     from tkern.kernels.float8 import fp8_refusal
     from tkern.ops.float8_args import RECIPE_FORMATS
 
-    refused = [r for r, f in RECIPE_FORMATS.items() if fp8_refusal(spec, r, f) is not None]
-    if not refused:
-        return "all three recipes"
+    reason = fp8_refusal(spec, f"Float8Linear({recipe!r})", RECIPE_FORMATS[recipe])
+    if reason is None and recipe == "mxfp8" and not spec.mx:
+        reason = f"{spec.name} ({spec.arch}) has no native MX (e8m0 block-scaled) MMA"
+    return reason
+
+
+def _recipes(spec: DeviceSpec) -> str:
+    """The fp8 recipes' verdict on ``spec``, in a few words."""
+    from tkern.ops.float8_args import RECIPE_FORMATS
+
+    runs = [r for r in RECIPE_FORMATS if recipe_refusal(spec, r) is None]
     if not spec.fp8:
         return "refused: no fp8 tensor cores"
-    return "refused: FNUZ formats, tkern casts to OCP"
+    if not runs:
+        return "refused: FNUZ formats, tkern casts to OCP"
+    return ", ".join(runs)
 
 
 def support_table() -> str:
