@@ -55,6 +55,13 @@ swiglu.py
     Above: ``ops.swiglu.swiglu`` / ``swiglu_packed`` (custom ops ``tkern::swiglu``,
     ``tkern::swiglu_backward``), ``tkern.swiglu``, ``nn.fusion.FusedMLPForward`` (Llama-family
     MLPs in ``convert_network``). Tests: test_swiglu.py, test_blocks.py, test_compiled.py.
+rotary.py
+    kernel: ``_rotary_kernel`` (HF's ``rotate_half`` rotary embedding of q and k in one launch,
+    the columns past ``cos.shape[-1]`` passed through; ``INVERSE``: its backward, by -theta),
+    fp32 inside, any strides. Launcher: ``rotary_embedding``. Above: ``ops.rotary.apply_rotary_pos_emb``
+    (custom op ``tkern::rotary``), ``tkern.apply_rotary_pos_emb``, ``nn.rotary.RotaryAttentionForward``
+    (transformers' attention modules by family in ``convert_network``: ``nn.rotary.ROTARY_RULES``).
+    Tests: test_rotary.py.
 norm.py
     kernels: ``_norm_fwd_kernel`` (LayerNorm / RMSNorm of a row per program, fp32
     statistics, optional fused residual ``h = x + residual``), ``_norm_bwd_kernel``
