@@ -20,6 +20,7 @@ import warnings
 import pytest
 import torch
 from conftest import DEVICE, TOL, rel_err
+from test_residual import EXPECTED_ADDS, counting_adds, loss_and_grads
 
 import tkern
 from tkern.kernels.rotary import rotary_embedding
@@ -325,27 +326,18 @@ def test_an_unknown_family_is_warned_once_and_left_to_hf():
     assert "forward" not in model.transformer.h[0].attn.__dict__
 
 
-def _loss_and_grads(model, ids, autocast_dtype=None):
-    model.zero_grad(set_to_none=True)
-    if autocast_dtype is None:
-        loss = model(ids, labels=ids).loss
-    else:
-        with torch.autocast(DEVICE, dtype=autocast_dtype):
-            loss = model(ids, labels=ids).loss
-    loss.float().backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 def test_converted_llama_matches_fp32_and_autocast_and_its_twin_runs_hf(monkeypatch):
-    """tests/test_blocks.py's whole-model bound: the loss within one rounding of fp32, each
-    gradient within twice autocast's distance from fp32 (or two roundings)."""
+    """A converted tiny Llama (rotary on tkern's kernel, the first residual add of each layer in
+    its norm: tests/test_residual.py) against the unconverted model: tests/test_blocks.py's
+    whole-model bound (the loss within one rounding of fp32, each gradient within twice
+    autocast's distance from fp32, or two roundings)."""
     torch.manual_seed(6)
     dtype = torch.bfloat16
     model = transformers.LlamaForCausalLM(_llama_config()).to(DEVICE)
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 64, (2, S), device=DEVICE)
-    ref_loss, ref = _loss_and_grads(model, ids)
-    auto_loss, auto = _loss_and_grads(model, ids, dtype)
+    ref_loss, ref = loss_and_grads(twin, ids)
+    auto_loss, auto = loss_and_grads(twin, ids, dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*rotary_emb.*")  # Llama's inv_freq stays fp32
         tkern.convert_network(model, dtype)
@@ -355,8 +347,10 @@ def test_converted_llama_matches_fp32_and_autocast_and_its_twin_runs_hf(monkeypa
     monkeypatch.setattr(
         tkern.ops.rotary, "rotary_embedding", lambda *a, **k: kernel_calls.append(1) or real_kernel(*a, **k)
     )
-    loss, grads = _loss_and_grads(model, ids)
+    with counting_adds(monkeypatch, (2, S, 64)) as adds:
+        loss, grads = loss_and_grads(model, ids)
     assert len(kernel_calls) == 4  # two layers, forward and backward
+    assert adds.counts == EXPECTED_ADDS
     assert rel_err(loss, ref_loss) < TOL[dtype] and rel_err(auto_loss, ref_loss) < TOL[dtype]
     for name, g in grads.items():
         bound = 2 * max(rel_err(auto[name], ref[name]), TOL[dtype])

@@ -61,7 +61,7 @@ rotary.py
     fp32 inside, any strides. Launcher: ``rotary_embedding``. Above: ``ops.rotary.apply_rotary_pos_emb``
     (custom op ``tkern::rotary``), ``tkern.apply_rotary_pos_emb``, ``nn.rotary.RotaryAttentionForward``
     (transformers' attention modules by family in ``convert_network``: ``nn.rotary.ROTARY_RULES``).
-    Tests: test_rotary.py.
+    Tests: test_rotary.py, test_hf_compile.py.
 norm.py
     kernels: ``_norm_fwd_kernel`` (LayerNorm / RMSNorm of a row per program, fp32
     statistics, optional fused residual ``h = x + residual``), ``_norm_bwd_kernel``
@@ -70,7 +70,9 @@ norm.py
     ones in chunks). Above: ``ops.norm.layer_norm`` / ``rms_norm`` / ``add_layer_norm`` /
     ``add_rms_norm`` (``_Norm``; custom ops ``tkern::norm_forward``,
     ``tkern::norm_backward``), ``nn.LayerNorm``, ``nn.RMSNorm`` (and ``convert_network``'s
-    norm rule). Tests: test_norm.py, test_compiled.py. Benchmark: bench_norm.py.
+    norm rule), ``nn.residual.FusedDecoderForward`` (Llama-family decoder layers' first residual
+    add, in ``convert_network``: ``nn.residual.DECODER_RULES``). Tests: test_norm.py, test_compiled.py,
+    test_residual.py, test_rotary.py (the whole Llama). Benchmark: bench_norm.py.
     ``_norm_fwd_fp8_kernel`` (launcher ``norm_forward_float8``): the forward that also
     writes y's per-tensor e4m3 cast (y and y^T) for the next GEMM, with float8.py's jit
     helpers (delayed: the amax histories rolled in the launch; tensorwise: y's amax, then

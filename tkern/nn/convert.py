@@ -253,6 +253,8 @@ def convert_network(
       attention modules (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi, Phi-3, OLMo 1-2, Granite,
       GPT-NeoX: ``rotary.ROTARY_RULES``) run their rotary embedding as one tkern kernel
       for q and k (:func:`tkern.apply_rotary_pos_emb`), forward and backward.
+      Llama-family decoder layers (``residual.DECODER_RULES``) add their first residual
+      inside :func:`tkern.add_rms_norm` with the second norm, forward and backward.
 
     One warning per module type for what stays fp32 or an MLP block left eager. Converting
     twice is converting once; ``dtype=torch.float32`` converts back. Converted models

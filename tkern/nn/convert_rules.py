@@ -20,6 +20,7 @@ from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss
 from tkern.nn.linear import Linear, conv1d_class, hf_conv1d
 from tkern.nn.loss import LinearCrossEntropy
 from tkern.nn.norm import LayerNorm, RMSNorm
+from tkern.nn.residual import FusedDecoderForward, route_decoder
 from tkern.nn.rotary import RotaryAttentionForward, route_rotary
 from tkern.ops.float8 import float8_weight_cache
 
@@ -361,7 +362,8 @@ def remove_tkern_hooks(module: nn.Module) -> None:
     ``module`` (and only those)."""
     remove_cast_hooks(module)
     if isinstance(
-        module.__dict__.get("forward"), (FusedSequentialForward, FusedMLPForward, RotaryAttentionForward)
+        module.__dict__.get("forward"),
+        (FusedSequentialForward, FusedMLPForward, RotaryAttentionForward, FusedDecoderForward),
     ):
         del module.forward
     remove_float8_norm(module)
@@ -385,5 +387,5 @@ def _back_tree(module: nn.Module) -> None:
 #: family (tkern/nn/float8_norm.py, ``FLOAT8_NORM_RULES``), and the fp8 GEMMs that write the
 #: next one's input, by fused MLP family (tkern/nn/float8_emit.py, ``FLOAT8_EMIT_RULES``).
 POST_RULES: list[Callable[[nn.Module], str | None]] = [
-    route_fusion, route_mlp, route_float8_norm, route_float8_emit,
+    route_fusion, route_mlp, route_float8_norm, route_float8_emit, route_decoder,
 ]  # fmt: skip

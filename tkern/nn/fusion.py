@@ -35,6 +35,7 @@ __all__ = [
     "epilogue_activation",
     "route_fusion",
     "route_mlp",
+    "runs_more_than_forward",
 ]
 
 
@@ -79,7 +80,7 @@ def epilogue_activation(module: nn.Module) -> str | None:
     return None
 
 
-def _runs_more_than_forward(module: nn.Module) -> bool:
+def runs_more_than_forward(module: nn.Module) -> bool:
     """Whether calling ``module`` would run more than its class's forward: the test
     ``nn.Module.__call__`` makes (the module's own hooks and the global ones), or a
     forward replaced on the instance."""
@@ -104,7 +105,7 @@ def _fusable(first: nn.Module, second: nn.Module) -> str | None:
     if type(first) is not Linear or first.activation is not None:
         return None
     activation = epilogue_activation(second)
-    if activation is None or _runs_more_than_forward(first) or _runs_more_than_forward(second):
+    if activation is None or runs_more_than_forward(first) or runs_more_than_forward(second):
         return None
     return activation
 
@@ -268,9 +269,9 @@ def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:
     """Whether ``module`` runs fused on this call: its children as :func:`_why_not` wants
     them, and nothing (a hook, a patched forward) on the modules the fused form does not
     call (the activation; for the "act" form also the GEMM that takes it)."""
-    if _why_not(module, rule) is not None or _runs_more_than_forward(getattr(module, rule.act)):
+    if _why_not(module, rule) is not None or runs_more_than_forward(getattr(module, rule.act)):
         return False
-    return rule.form != "act" or not _runs_more_than_forward(getattr(module, rule.up))
+    return rule.form != "act" or not runs_more_than_forward(getattr(module, rule.up))
 
 
 def _to_weight_dtype(h: torch.Tensor, layer: nn.Module) -> torch.Tensor:

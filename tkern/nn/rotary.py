@@ -82,6 +82,9 @@ def _rebuilt(fn, name: str, value):
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
         globals_ = {**fn.__globals__, name: value}
+        # no __name__: torch.compile would take these globals for the module of that name
+        # (and guard on HF's function); without one it guards on this dict itself
+        globals_.pop("__name__", None)
         new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
     else:
         below = _rebuilt(inner, name, value)
