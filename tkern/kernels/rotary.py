@@ -39,9 +39,11 @@ from tkern.kernels._common import (
     tl_dtype,
 )
 
-#: Elements (rows x half columns) per program: large under the interpreter, where each
-#: program costs milliseconds; on a GPU 2048 (4 warps x 32 threads x 16 elements of each
-#: of the two halves: 128-bit loads of fp16 halves of 8 columns and more).
+#: Elements (rows x half columns, or x pass-through columns where those are wider) per
+#: program: large under the interpreter, where each program costs milliseconds; on a GPU
+#: 2048 (4 warps x 32 threads x 16 elements of each tile: 128-bit loads of 16-bit
+#: values; 48-80 registers, no spills, sm_80 and sm_90, head_dim 64 and 128, full rotary
+#: and a quarter of it, compiled with Triton 3.9).
 ELEMENTS = 65536 if INTERPRET else 2048
 NUM_WARPS = 4
 #: dtypes q and k may have, and cos and sin.
@@ -227,8 +229,9 @@ def rotary_embedding(
     if q_rows + k_rows == 0:
         return q_out, k_out
     block_half = next_power_of_2(rotary_dim // 2)
-    rows = max(1, min(ELEMENTS // block_half, next_power_of_2(max(q_rows, k_rows))))
     block_pass = next_power_of_2(head_dim - rotary_dim)
+    # rows per program: the wider of the two tiles (a half, the pass-through) holds ELEMENTS
+    rows = max(1, min(ELEMENTS // max(block_half, block_pass), next_power_of_2(max(q_rows, k_rows))))
     q_blocks = cdiv(q_rows, rows)
     cos_b = 0 if cos.shape[0] == 1 else cos.stride(0)  # one table for every batch row
     sin_b = 0 if sin.shape[0] == 1 else sin.stride(0)
