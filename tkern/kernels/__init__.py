@@ -70,9 +70,10 @@ norm.py
     ones in chunks). Above: ``ops.norm.layer_norm`` / ``rms_norm`` / ``add_layer_norm`` /
     ``add_rms_norm`` (``_Norm``; custom ops ``tkern::norm_forward``,
     ``tkern::norm_backward``), ``nn.LayerNorm``, ``nn.RMSNorm`` (and ``convert_network``'s
-    norm rule), ``nn.residual.FusedDecoderForward`` (Llama-family decoder layers' first residual
-    add, in ``convert_network``: ``nn.residual.DECODER_RULES``). Tests: test_norm.py, test_compiled.py,
-    test_residual.py, test_rotary.py (the whole Llama). Benchmark: bench_norm.py.
+    norm rule), ``nn.residual.FusedDecoderForward`` (Llama-family decoder layers' and GPT-2
+    blocks' first residual add, in ``convert_network``: ``nn.residual.DECODER_RULES``).
+    Tests: test_norm.py, test_compiled.py, test_residual.py, test_rotary.py (the whole
+    Llama). Benchmark: bench_norm.py.
     ``_norm_fwd_fp8_kernel`` (launcher ``norm_forward_float8``): the forward that also
     writes y's per-tensor e4m3 cast (y and y^T) for the next GEMM, with float8.py's jit
     helpers (delayed: the amax histories rolled in the launch; tensorwise: y's amax, then

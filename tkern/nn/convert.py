@@ -249,12 +249,10 @@ def convert_network(
       (GPT-2, Llama, Mistral, Qwen2/3, Gemma 1-3, Phi, Phi-3, GPT-NeoX, ...:
       ``fusion.MLP_RULES``) run their activation on tkern's kernels in fp32, forward and
       backward (GPT-2's in c_fc's epilogue, Llama's ``act(gate) * up`` as one kernel);
-      a pair or block with a hook on a module it would skip runs unfused; transformers'
-      attention modules (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi, Phi-3, OLMo 1-2, Granite,
-      GPT-NeoX: ``rotary.ROTARY_RULES``) run their rotary embedding as one tkern kernel
-      for q and k (:func:`tkern.apply_rotary_pos_emb`), forward and backward.
-      Llama-family decoder layers (``residual.DECODER_RULES``) add their first residual
-      inside :func:`tkern.add_rms_norm` with the second norm, forward and backward.
+      a pair or block with a hook on a module it would skip runs unfused; HF attention by
+      family (``rotary.ROTARY_RULES``) runs its rotary as :func:`tkern.apply_rotary_pos_emb`;
+      Llama-family decoder layers and GPT-2 blocks (``residual.DECODER_RULES``) add their
+      first residual inside the second norm's kernel, forward and backward.
 
     One warning per module type for what stays fp32 or an MLP block left eager. Converting
     twice is converting once; ``dtype=torch.float32`` converts back. Converted models

@@ -33,6 +33,7 @@ __all__ = [
     "FusedSequentialForward",
     "MLPRule",
     "epilogue_activation",
+    "family_rule",
     "route_fusion",
     "route_mlp",
     "runs_more_than_forward",
@@ -235,15 +236,21 @@ def _forward_with_activation(module: nn.Module):
     return float8_forward if isinstance(module, Float8Layer) else conv1d_forward
 
 
-def mlp_rule(module: nn.Module) -> MLPRule | None:
-    """``module``'s rule: its class, or a base class whose forward it keeps, is named in
-    :data:`MLP_RULES`, and it comes from transformers; else None."""
+def family_rule(module: nn.Module, rules: dict) -> tuple[type | None, object]:
+    """``(cls, rule)``: the transformers class, ``module``'s own or a base class whose forward it
+    keeps, whose name ``rules`` (a family table, by class name) holds, and its rule; else
+    ``(None, None)``. Every per-family table (MLP, rotary, decoder layer) is read through it."""
     forward = type(module).forward
     for cls in type(module).__mro__:
-        rule = MLP_RULES.get(cls.__name__)
+        rule = rules.get(cls.__name__)
         if rule is not None and cls.__module__.startswith("transformers.") and cls.forward is forward:
-            return rule
-    return None
+            return cls, rule
+    return None, None
+
+
+def mlp_rule(module: nn.Module) -> MLPRule | None:
+    """``module``'s rule in :data:`MLP_RULES` (:func:`family_rule`), or None."""
+    return family_rule(module, MLP_RULES)[1]
 
 
 def _why_not(module: nn.Module, rule: MLPRule) -> str | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tkern.nn.fusion import family_rule
 from tkern.ops.rotary import apply_rotary_pos_emb
 
 __all__ = ["ROTARY_RULES", "RotaryAttentionForward", "RotaryRule", "route_rotary"]
@@ -113,15 +114,10 @@ def _contents(cell):
 _FORWARDS: dict[type, object] = {}
 
 
-def _rule_class(module: nn.Module) -> tuple[type, RotaryRule] | tuple[None, None]:
+def _rule_class(module: nn.Module) -> tuple[type | None, RotaryRule | None]:
     """The transformers class (``module``'s or a base whose forward it keeps) named in
     :data:`ROTARY_RULES`, and its rule."""
-    forward = type(module).forward
-    for cls in type(module).__mro__:
-        rule = ROTARY_RULES.get(cls.__name__)
-        if rule is not None and cls.__module__.startswith("transformers.") and cls.forward is forward:
-            return cls, rule
-    return None, None
+    return family_rule(module, ROTARY_RULES)
 
 
 def _rotary_forward(module: nn.Module, rule: RotaryRule):
