@@ -12,6 +12,7 @@ from tkern.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from tkern.ops.linear import linear, matmul
 from tkern.ops.mx import to_mx
 from tkern.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from tkern.ops.rotary import apply_rotary_pos_emb
 from tkern.ops.swiglu import swiglu
 from tkern.train import Trainer
 
@@ -31,6 +32,7 @@ __all__ = [
     "add_layer_norm",
     "add_rms_norm",
     "amp",
+    "apply_rotary_pos_emb",
     "convert_network",
     "cross_entropy",
     "device_spec",

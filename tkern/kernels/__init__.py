@@ -55,6 +55,13 @@ swiglu.py
     Above: ``ops.swiglu.swiglu`` / ``swiglu_packed`` (custom ops ``tkern::swiglu``,
     ``tkern::swiglu_backward``), ``tkern.swiglu``, ``nn.fusion.FusedMLPForward`` (Llama-family
     MLPs in ``convert_network``). Tests: test_swiglu.py, test_blocks.py, test_compiled.py.
+rotary.py
+    kernel: ``_rotary_kernel`` (HF's ``rotate_half`` rotary embedding of q and k in one launch,
+    the columns past ``cos.shape[-1]`` passed through; ``INVERSE``: its backward, by -theta),
+    fp32 inside, any strides. Launcher: ``rotary_embedding``. Above: ``ops.rotary.apply_rotary_pos_emb``
+    (custom op ``tkern::rotary``), ``tkern.apply_rotary_pos_emb``, ``nn.rotary.RotaryAttentionForward``
+    (transformers' attention modules by family in ``convert_network``: ``nn.rotary.ROTARY_RULES``).
+    Tests: test_rotary.py, test_hf_compile.py.
 norm.py
     kernels: ``_norm_fwd_kernel`` (LayerNorm / RMSNorm of a row per program, fp32
     statistics, optional fused residual ``h = x + residual``), ``_norm_bwd_kernel``
@@ -63,7 +70,10 @@ norm.py
     ones in chunks). Above: ``ops.norm.layer_norm`` / ``rms_norm`` / ``add_layer_norm`` /
     ``add_rms_norm`` (``_Norm``; custom ops ``tkern::norm_forward``,
     ``tkern::norm_backward``), ``nn.LayerNorm``, ``nn.RMSNorm`` (and ``convert_network``'s
-    norm rule). Tests: test_norm.py, test_compiled.py. Benchmark: bench_norm.py.
+    norm rule), ``nn.residual.FusedDecoderForward`` (Llama-family decoder layers' and GPT-2
+    blocks' first residual add, in ``convert_network``: ``nn.residual.DECODER_RULES``).
+    Tests: test_norm.py, test_compiled.py, test_residual.py, test_rotary.py (the whole
+    Llama). Benchmark: bench_norm.py.
     ``_norm_fwd_fp8_kernel`` (launcher ``norm_forward_float8``): the forward that also
     writes y's per-tensor e4m3 cast (y and y^T) for the next GEMM, with float8.py's jit
     helpers (delayed: the amax histories rolled in the launch; tensorwise: y's amax, then

@@ -122,6 +122,8 @@ def _warn(conv: Conversion) -> None:
         )
     for (cls, why), paths in conv.eager_blocks.items():
         said.append(f"{_listed(paths)} ({cls.__name__}): left eager, {why}; its activation runs as torch ops")
+    for (cls, why), paths in conv.eager_rotary.items():
+        said.append(f"{_listed(paths)} ({cls.__name__}): rotary embedding left eager, {why}")
     if conv.kept_tied:
         said.append(
             f"{', '.join(conv.kept_tied)} stay {conv.dtype} layers, not fp8: their weight is tied to "
@@ -250,7 +252,10 @@ def convert_network(
       (GPT-2, Llama, Mistral, Qwen2/3, Gemma 1-3, Phi, Phi-3, GPT-NeoX, ...:
       ``fusion.MLP_RULES``) run their activation on tkern's kernels in fp32, forward and
       backward (GPT-2's in c_fc's epilogue, Llama's ``act(gate) * up`` as one kernel);
-      a pair or block with a hook on a module it would skip runs unfused.
+      a pair or block with a hook on a module it would skip runs unfused; HF attention by
+      family (``rotary.ROTARY_RULES``) runs its rotary as :func:`tkern.apply_rotary_pos_emb`;
+      Llama-family decoder layers and GPT-2 blocks (``residual.DECODER_RULES``) add their
+      first residual inside the second norm's kernel, forward and backward.
 
     One warning per module type for what stays fp32 or an MLP block left eager. Converting
     twice is converting once; ``dtype=torch.float32`` converts back. Converted models

@@ -20,6 +20,8 @@ from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss
 from tkern.nn.linear import Linear, conv1d_class, hf_conv1d
 from tkern.nn.loss import LinearCrossEntropy
 from tkern.nn.norm import LayerNorm, RMSNorm
+from tkern.nn.residual import FusedDecoderForward, route_decoder
+from tkern.nn.rotary import RotaryAttentionForward, route_rotary
 from tkern.ops.float8 import float8_weight_cache
 
 __all__ = [
@@ -81,6 +83,8 @@ class Conversion:
     kept_asked: dict[type, list[str]] = field(default_factory=dict)
     #: (block type, why) -> paths of the MLP blocks left eager (for the warning)
     eager_blocks: dict[tuple[type, str], list[str]] = field(default_factory=dict)
+    #: (attention type, why) -> paths of the attention modules whose rotary runs as torch ops
+    eager_rotary: dict[tuple[type, str], list[str]] = field(default_factory=dict)
     #: ids of params more than one module holds (tied weights), when the recipe's fp8
     #: all-gather would replace a weight Parameter (and so untie it)
     tied: frozenset[int] = frozenset()
@@ -218,6 +222,17 @@ def _fused_loss_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     return False
 
 
+def _rotary_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    """With ``fuse_activations``: a transformers attention module of a family in
+    ``rotary.ROTARY_RULES`` runs its rotary embedding on tkern's kernel (tkern/nn/rotary.py),
+    one that calls a rotary function tkern has no rule for is reported. Declines in any case,
+    so that the module's children are converted by the other rules."""
+    why = route_rotary(module) if conv.fuse_activations else None
+    if why is not None:
+        conv.eager_rotary.setdefault((type(module), why), []).append(path or "the model")
+    return False
+
+
 def _castable_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     if not isinstance(module, CASTABLE_TYPES):
         return False
@@ -292,6 +307,7 @@ def _fp32_norm_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
 #: The forward rules, asked in order; the first that returns True converts the module.
 RULES: list[Rule] = [
     _fused_loss_rule,
+    _rotary_rule,
     _keep_in_fp32_rule,
     _float8_linear_rule,
     _linear_rule,
@@ -347,7 +363,10 @@ def remove_tkern_hooks(module: nn.Module) -> None:
     """Remove the hooks and the fused forward a previous convert_network put on
     ``module`` (and only those)."""
     remove_cast_hooks(module)
-    if isinstance(module.__dict__.get("forward"), (FusedSequentialForward, FusedMLPForward)):
+    if isinstance(
+        module.__dict__.get("forward"),
+        (FusedSequentialForward, FusedMLPForward, RotaryAttentionForward, FusedDecoderForward),
+    ):
         del module.forward
     remove_float8_norm(module)
     remove_float8_emit(module)
@@ -370,5 +389,5 @@ def _back_tree(module: nn.Module) -> None:
 #: family (tkern/nn/float8_norm.py, ``FLOAT8_NORM_RULES``), and the fp8 GEMMs that write the
 #: next one's input, by fused MLP family (tkern/nn/float8_emit.py, ``FLOAT8_EMIT_RULES``).
 POST_RULES: list[Callable[[nn.Module], str | None]] = [
-    route_fusion, route_mlp, route_float8_norm, route_float8_emit,
+    route_fusion, route_mlp, route_float8_norm, route_float8_emit, route_decoder,
 ]  # fmt: skip

@@ -33,8 +33,10 @@ __all__ = [
     "FusedSequentialForward",
     "MLPRule",
     "epilogue_activation",
+    "family_rule",
     "route_fusion",
     "route_mlp",
+    "runs_more_than_forward",
 ]
 
 
@@ -79,7 +81,7 @@ def epilogue_activation(module: nn.Module) -> str | None:
     return None
 
 
-def _runs_more_than_forward(module: nn.Module) -> bool:
+def runs_more_than_forward(module: nn.Module) -> bool:
     """Whether calling ``module`` would run more than its class's forward: the test
     ``nn.Module.__call__`` makes (the module's own hooks and the global ones), or a
     forward replaced on the instance."""
@@ -104,7 +106,7 @@ def _fusable(first: nn.Module, second: nn.Module) -> str | None:
     if type(first) is not Linear or first.activation is not None:
         return None
     activation = epilogue_activation(second)
-    if activation is None or _runs_more_than_forward(first) or _runs_more_than_forward(second):
+    if activation is None or runs_more_than_forward(first) or runs_more_than_forward(second):
         return None
     return activation
 
@@ -234,15 +236,21 @@ def _forward_with_activation(module: nn.Module):
     return float8_forward if isinstance(module, Float8Layer) else conv1d_forward
 
 
-def mlp_rule(module: nn.Module) -> MLPRule | None:
-    """``module``'s rule: its class, or a base class whose forward it keeps, is named in
-    :data:`MLP_RULES`, and it comes from transformers; else None."""
+def family_rule(module: nn.Module, rules: dict) -> tuple[type | None, object]:
+    """``(cls, rule)``: the transformers class, ``module``'s own or a base class whose forward it
+    keeps, whose name ``rules`` (a family table, by class name) holds, and its rule; else
+    ``(None, None)``. Every per-family table (MLP, rotary, decoder layer) is read through it."""
     forward = type(module).forward
     for cls in type(module).__mro__:
-        rule = MLP_RULES.get(cls.__name__)
+        rule = rules.get(cls.__name__)
         if rule is not None and cls.__module__.startswith("transformers.") and cls.forward is forward:
-            return rule
-    return None
+            return cls, rule
+    return None, None
+
+
+def mlp_rule(module: nn.Module) -> MLPRule | None:
+    """``module``'s rule in :data:`MLP_RULES` (:func:`family_rule`), or None."""
+    return family_rule(module, MLP_RULES)[1]
 
 
 def _why_not(module: nn.Module, rule: MLPRule) -> str | None:
@@ -268,9 +276,9 @@ def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:
     """Whether ``module`` runs fused on this call: its children as :func:`_why_not` wants
     them, and nothing (a hook, a patched forward) on the modules the fused form does not
     call (the activation; for the "act" form also the GEMM that takes it)."""
-    if _why_not(module, rule) is not None or _runs_more_than_forward(getattr(module, rule.act)):
+    if _why_not(module, rule) is not None or runs_more_than_forward(getattr(module, rule.act)):
         return False
-    return rule.form != "act" or not _runs_more_than_forward(getattr(module, rule.up))
+    return rule.form != "act" or not runs_more_than_forward(getattr(module, rule.up))
 
 
 def _to_weight_dtype(h: torch.Tensor, layer: nn.Module) -> torch.Tensor:

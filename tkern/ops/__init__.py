@@ -25,6 +25,8 @@ per op family, each above the kernels it launches (``tkern/kernels``):
                  ``norm_float8``: the forward that also casts its output to e4m3 for the next GEMM
 ``swiglu.py``    ``tkern.swiglu``, ``swiglu_packed``: a GLU MLP's ``act(gate) * up``, forward and
                  backward in one kernel each (custom ops ``tkern::swiglu``, ``tkern::swiglu_backward``)
+``rotary.py``    ``tkern.apply_rotary_pos_emb``: HF's rotary embedding (partial rotary too), q and k
+                 in one kernel forward and backward (custom op ``tkern::rotary``)
 ``common.py``    what the linear-like ops share: shapes, and the seam that puts dW into a fused
                  optimizer's flat gradient buffer
 """

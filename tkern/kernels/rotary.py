@@ -1,0 +1,246 @@
+"""Rotary position embeddings (RoPE) in HF's ``rotate_half`` convention, q and k in one
+launch, forward and backward, computed in fp32 and rounded once.
+
+transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (Llama, Mistral, Qwen2/3, Gemma,
+Phi-3, OLMo, Granite, GPT-NeoX, Phi) is ``x * cos + rotate_half(x) * sin`` over the first
+``R = cos.shape[-1]`` columns of the head dim, the rest passed through (R = head_dim
+except in the partial-rotary families, GPT-NeoX and Phi-3). With ``x1, x2`` the two halves
+of those R columns (and ``c1, c2, s1, s2`` the halves of cos and sin)::
+
+    y1 = x1 * c1 - x2 * s1          (rotate_half(x) = cat(-x2, x1))
+    y2 = x2 * c2 + x1 * s2
+
+Unfused, torch runs ~6 kernels per tensor (the slices, the negation, the concatenation,
+two products and the sum; GPT-NeoX two more for the pass-through), each rounding to 16
+bits. Here one launch reads q and k once and writes their rotated copies. Its backward is
+the transpose of the same linear map (a rotation by -theta where c1 = c2 and s1 = s2, as
+HF's tables are): ``dx1 = dy1 * c1 + dy2 * s2``, ``dx2 = dy2 * c2 - dy1 * s1``; the same
+kernel with ``INVERSE``. Gradients reach neither cos nor sin.
+
+q is (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim), any strides (the
+transposed views of a projection, the chunks of a packed qkv); cos and sin (batch or 1,
+seq, R), any strides. Every (batch, seq, head) row of q, then of k, is one row of the
+launch: a program rotates ROWS rows, all of q's or all of k's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tkern.kernels._common import (
+    INTERPRET,
+    cast_rne,
+    cdiv,
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+    tl_dtype,
+)
+
+#: Elements (rows x half columns, or x pass-through columns where those are wider) per
+#: program: large under the interpreter, where each program costs milliseconds; on a GPU
+#: 2048 (4 warps x 32 threads x 16 elements of each tile: 128-bit loads of 16-bit
+#: values; 48-80 registers, no spills, sm_80 and sm_90, head_dim 64 and 128, full rotary
+#: and a quarter of it, compiled with Triton 3.9).
+ELEMENTS = 65536 if INTERPRET else 2048
+NUM_WARPS = 4
+#: dtypes q and k may have, and cos and sin.
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _rotate_rows(
+    x_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    block,  # which block of ROWS rows of this tensor
+    heads,
+    seq,
+    rows_total,
+    head_dim,
+    sx_b, sx_h, sx_s, sx_d,
+    so_b, so_h, so_s, so_d,
+    sc_b, sc_s, sc_d,
+    ss_b, ss_s, ss_d,
+    HALF: tl.constexpr,  # R // 2
+    INVERSE: tl.constexpr,
+    DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,  # 0: no pass-through columns (R == head_dim)
+):  # fmt: skip
+    """Rotate ROWS (batch, seq, head) rows of x into out; pass the columns past R through."""
+    r = block.to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64: rows * strides may pass 2^31
+    row_ok = r < rows_total
+    h = r % heads
+    s = (r // heads) % seq
+    b = r // (heads * seq)
+    x_row = (b * sx_b + h * sx_h + s * sx_s)[:, None]
+    o_row = (b * so_b + h * so_h + s * so_s)[:, None]
+    c = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = row_ok[:, None] & (c < HALF)
+    x1 = tl.load(x_ptr + x_row + c * sx_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_row + (c + HALF) * sx_d, mask=mask, other=0.0).to(tl.float32)
+    cos_row = (b * sc_b + s * sc_s)[:, None]
+    sin_row = (b * ss_b + s * ss_s)[:, None]
+    c1 = tl.load(cos_ptr + cos_row + c * sc_d, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cos_row + (c + HALF) * sc_d, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + sin_row + c * ss_d, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + sin_row + (c + HALF) * ss_d, mask=mask, other=0.0).to(tl.float32)
+    if INVERSE:  # the transpose: dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1
+        y1 = x1 * c1 + x2 * s2
+        y2 = x2 * c2 - x1 * s1
+    else:
+        y1 = x1 * c1 - x2 * s1
+        y2 = x2 * c2 + x1 * s2
+    tl.store(out_ptr + o_row + c * so_d, cast_rne(y1, DTYPE), mask=mask)
+    tl.store(out_ptr + o_row + (c + HALF) * so_d, cast_rne(y2, DTYPE), mask=mask)
+    if BLOCK_PASS > 0:  # the partial-rotary families' columns R..head_dim, copied
+        p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
+        pmask = row_ok[:, None] & (p < head_dim)
+        v = tl.load(x_ptr + x_row + p * sx_d, mask=pmask, other=0.0)
+        tl.store(out_ptr + o_row + p * so_d, v, mask=pmask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,  # (B, H, S, D) fp16/bf16/fp32, strides (sq_b, sq_h, sq_s, sq_d)
+    k_ptr,  # (B, Hk, S, D) q's dtype, strides (sk_b, sk_h, sk_s, sk_d)
+    q_out_ptr,  # (B, H, S, D) output, q's dtype, strides (sqo_*)
+    k_out_ptr,  # (B, Hk, S, D) output, q's dtype, strides (sko_*)
+    cos_ptr,  # (B or 1, S, R) fp16/bf16/fp32, strides (sc_b, sc_s, sc_d); sc_b = 0 broadcasts
+    sin_ptr,  # (B or 1, S, R) fp16/bf16/fp32, strides (ss_b, ss_s, ss_d)
+    heads,  # H
+    kv_heads,  # Hk
+    seq,  # S
+    head_dim,  # D
+    q_rows,  # B * S * H
+    k_rows,  # B * S * Hk
+    q_blocks,  # cdiv(q_rows, ROWS): programs below it rotate q, the others k
+    sq_b, sq_h, sq_s, sq_d,
+    sk_b, sk_h, sk_s, sk_d,
+    sqo_b, sqo_h, sqo_s, sqo_d,
+    sko_b, sko_h, sko_s, sko_d,
+    sc_b, sc_s, sc_d,
+    ss_b, ss_s, ss_d,
+    HALF: tl.constexpr,  # R // 2
+    INVERSE: tl.constexpr,  # the backward: rotate by -theta (the transpose)
+    DTYPE: tl.constexpr,  # the outputs' dtype (q's)
+    ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # next_power_of_2(HALF)
+    BLOCK_PASS: tl.constexpr,  # next_power_of_2(D - R), or 0
+):  # fmt: skip
+    """q_out, k_out = rotary(q), rotary(k): fp32 inside, one rounding on each store."""
+    pid = tl.program_id(0)
+    if pid < q_blocks:
+        _rotate_rows(
+            q_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, heads, seq, q_rows, head_dim,
+            sq_b, sq_h, sq_s, sq_d, sqo_b, sqo_h, sqo_s, sqo_d, sc_b, sc_s, sc_d, ss_b, ss_s, ss_d,
+            HALF, INVERSE, DTYPE, ROWS, BLOCK_HALF, BLOCK_PASS,
+        )  # fmt: skip
+    else:
+        _rotate_rows(
+            k_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - q_blocks, kv_heads, seq, k_rows, head_dim,
+            sk_b, sk_h, sk_s, sk_d, sko_b, sko_h, sko_s, sko_d, sc_b, sc_s, sc_d, ss_b, ss_s, ss_d,
+            HALF, INVERSE, DTYPE, ROWS, BLOCK_HALF, BLOCK_PASS,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}"
+
+
+def _check_inputs(q, k, cos, sin) -> None:
+    """TypeError / ValueError naming the argument, its shape and dtype, and what was expected."""
+    for name, t in (("q", q), ("k", k)):
+        check_tensor(name, t, ndim=4, dtypes=DTYPES)
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, ndim=3, dtypes=DTYPES)
+    if k.dtype != q.dtype:
+        raise TypeError(f"k must have q's dtype {q.dtype}, got {_describe(k)}")
+    batch, _, seq, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k must have shape ({batch}, kv_heads, {seq}, {head_dim}) to match q (batch, heads, "
+            f"seq, head_dim) of shape {tuple(q.shape)}, got {_describe(k)}"
+        )
+    rotary_dim = cos.shape[2]
+    if (
+        rotary_dim % 2
+        or not 0 < rotary_dim <= head_dim
+        or cos.shape[0] not in (1, batch)
+        or cos.shape[1] != seq
+    ):
+        raise ValueError(
+            f"cos must have shape (1 or {batch}, {seq}, rotary_dim) with rotary_dim even and at "
+            f"most head_dim {head_dim} (q of shape {tuple(q.shape)}), got {_describe(cos)}"
+        )
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {_describe(sin)}")
+
+
+def _check_output(name: str, out: torch.Tensor, like: torch.Tensor) -> None:
+    check_tensor(name, out, ndim=4, dtypes=(like.dtype,))
+    if out.shape != like.shape:
+        raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {_describe(out)}")
+
+
+def rotary_embedding(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inverse: bool = False,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_embed, k_embed)``: q and k rotated by the angles whose cos and sin are given, over
+    their first ``cos.shape[-1]`` head-dim columns (the rest copied), in one launch.
+
+    Args:
+        q: (batch, heads, seq, head_dim), fp16 / bf16 / fp32, any strides.
+        k: (batch, kv_heads, seq, head_dim), q's dtype, any strides.
+        cos, sin: (batch or 1, seq, rotary_dim), fp16 / bf16 / fp32 (either), any strides;
+            rotary_dim even, at most head_dim.
+        inverse: rotate by -theta (the transpose of the forward map: its backward, where
+            q and k are the outputs' gradients).
+        q_out, k_out: optional outputs of q's / k's shape and q's dtype, any strides (not
+            overlapping the inputs); new contiguous tensors where None.
+    """
+    _check_inputs(q, k, cos, sin)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
+    k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device) if k_out is None else k_out
+    _check_output("q_out", q_out, q)
+    _check_output("k_out", k_out, k)
+    check_same_device(q=q, k=k, cos=cos, sin=sin, q_out=q_out, k_out=k_out)
+    batch, heads, seq, head_dim = q.shape
+    kv_heads, rotary_dim = k.shape[1], cos.shape[2]
+    q_rows, k_rows = batch * seq * heads, batch * seq * kv_heads
+    if q_rows + k_rows == 0:
+        return q_out, k_out
+    block_half = next_power_of_2(rotary_dim // 2)
+    block_pass = next_power_of_2(head_dim - rotary_dim)
+    # rows per program: the wider of the two tiles (a half, the pass-through) holds ELEMENTS
+    rows = max(1, min(ELEMENTS // max(block_half, block_pass), next_power_of_2(max(q_rows, k_rows))))
+    q_blocks = cdiv(q_rows, rows)
+    cos_b = 0 if cos.shape[0] == 1 else cos.stride(0)  # one table for every batch row
+    sin_b = 0 if sin.shape[0] == 1 else sin.stride(0)
+    _rotary_kernel[(q_blocks + cdiv(k_rows, rows),)](
+        q, k, q_out, k_out, cos, sin,
+        heads, kv_heads, seq, head_dim, q_rows, k_rows, q_blocks,
+        *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
+        cos_b, *cos.stride()[1:], sin_b, *sin.stride()[1:],
+        HALF=rotary_dim // 2, INVERSE=bool(inverse), DTYPE=tl_dtype(q.dtype),
+        ROWS=rows, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return q_out, k_out
