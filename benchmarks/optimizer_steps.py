@@ -1,7 +1,8 @@
 """The optimizer steps bench_optimizer.py times, each a callable: tkern's FusedAdamW step
 (:class:`TkernStep`, with its loss scaler; with the health tracking), torchao's AdamW,
-torch's AMP steps (eager, fused, foreach, graphed) and a master-weights step written by
-hand in torch ops; with the host syncs a step makes (:func:`count_syncs`).
+torch's AdamW under a GradScaler (with the options given; as a CUDA graph) and a
+master-weights step written by hand in torch ops (eager or compiled); with the host
+syncs a step makes (:func:`count_syncs`).
 """
 
 from __future__ import annotations
