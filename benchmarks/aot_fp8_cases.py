@@ -7,7 +7,7 @@ fp8 outputs).
 from __future__ import annotations
 
 from aot_gemm_cases import POINTER_KERNEL, _gemm_case, _gemm_sig, gemm_configs_for
-from aot_targets import Case, _ptr, _tl, _tl_fp8, cfg_name
+from aot_targets import Case, _ptr, _tl, _tl_fp8, cfg_name, offered_configs
 
 #: The fp8 GEMMs Float8Linear launches (issue 43), as (name, a format, b format, scale
 #: kind (1 tensor, 3 block), bias, ``C +=``, PRECISE_ACC, the epilogue's activation (None,
@@ -160,9 +160,7 @@ def blockwise_configs_for(cc: int, column_scales: bool) -> list:
     fp8 tiles at one byte an element)."""
     from tkern.kernels import gemm_configs
 
-    return gemm_configs.prune_configs(
-        gemm_configs.blockwise_configs(column_scales), cc, tma=True, elem_bytes=1
-    )
+    return offered_configs(gemm_configs.blockwise_configs(column_scales), cc, tma=True, elem_bytes=1)
 
 
 def blockwise_cases(cc: int) -> list[Case]:

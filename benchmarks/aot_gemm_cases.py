@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from aot_targets import _TL_NAME, Case, _order, _ptr, _tl, cfg_name
+from aot_targets import _TL_NAME, Case, _order, _ptr, _tl, cfg_name, offered_configs
 
 
 def _gemm_sig(dtype, out, bias_dtype, preact, tma=None, sum_dtype=None):
@@ -56,7 +56,7 @@ def gemm_configs_for(
 
     if fp8:
         fp8_configs = gemm_configs.fp8_gemm_configs()
-        return gemm_configs.prune_configs(
+        return offered_configs(
             fp8_configs,
             cc,
             ragged=ragged,
@@ -66,9 +66,7 @@ def gemm_configs_for(
             block_scales=block_scales,
         )
     configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
-    return gemm_configs.prune_configs(
-        configs, cc, tma=tma, ragged=ragged, activation=activation, prologue=prologue
-    )
+    return offered_configs(configs, cc, tma=tma, ragged=ragged, activation=activation, prologue=prologue)
 
 
 def activation_names() -> dict[int, str]:
@@ -348,7 +346,7 @@ def split_k_cases(cc: int) -> list[Case]:
 
     tl = _tl()
     cases = []
-    for cfg in gemm_configs.prune_configs(gemm_configs.split_k_configs(), cc):
+    for cfg in offered_configs(gemm_configs.split_k_configs(), cc):
         kw = cfg.kwargs
         for dtype, sum_a in (("bf16", True), ("fp16", False)):
             sig = dict(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype), ws_ptr="*fp32", sums_ptr="*fp32",

@@ -25,6 +25,15 @@ HW = {
 }
 
 
+def offered_configs(configs: list, cc: int, **rules) -> list:
+    """``configs`` as tkern's autotuner prunes them on target ``cc`` under ``rules``
+    (``gemm_configs.prune_configs``' keywords): the one place every case builder names
+    the target to the pruning."""
+    from tkern.kernels import gemm_configs
+
+    return gemm_configs.prune_configs(configs, cc, **rules)
+
+
 def smem_limit(cc: int) -> int:
     """Largest dynamic shared memory one program may use on target ``cc``."""
     return HW[cc]["smem_block"]
