@@ -318,6 +318,22 @@ def markdown(res: Results) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _print_table(res: Results, smoke: bool) -> None:
+    """The rows as a table, and each target with whether it is met."""
+    print()
+    kind = "smoke, not a measurement" if smoke else "best of 7 loops, us per call"
+    print(f"host cost per call on {res.meta['host_device']} ({kind})")
+    header = ["case", "impl", "us", "us_median", "us_per_tensor", "launches"]
+    table = [[str(r.get(c, "")) for c in header] for r in res.rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
+    for line in [header, ["-" * w for w in widths], *table]:
+        print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)))
+    for key, limit in TARGETS.items():
+        value = res.meta.get(key)
+        if value is not None:
+            print(f"{key}: {value} (target <= {limit}: {'met' if value <= limit else 'NOT met'})")
+
+
 def main(argv: list[str] | None = None) -> Results:
     parser = argparse.ArgumentParser(prog="bench_host.py", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -375,18 +391,7 @@ def main(argv: list[str] | None = None) -> Results:
         res.meta[f"linear_{way}_us"], res.meta[f"floor_{way}_us"] = mine, floor
         res.meta[f"linear_{way}_own_us"] = round(mine - floor, 2)  # beyond what any autograd.Function costs
 
-    print()
-    kind = "smoke, not a measurement" if args.smoke else "best of 7 loops, us per call"
-    print(f"host cost per call on {res.meta['host_device']} ({kind})")
-    header = ["case", "impl", "us", "us_median", "us_per_tensor", "launches"]
-    table = [[str(r.get(c, "")) for c in header] for r in res.rows]
-    widths = [max(len(x) for x in col) for col in zip(header, *table, strict=True)]
-    for line in [header, ["-" * w for w in widths], *table]:
-        print("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)))
-    for key, limit in TARGETS.items():
-        value = res.meta.get(key)
-        if value is not None:
-            print(f"{key}: {value} (target <= {limit}: {'met' if value <= limit else 'NOT met'})")
+    _print_table(res, args.smoke)
     torch.set_num_threads(threads)
     res.meta["load_average"] = [round(x, 2) for x in os.getloadavg()]  # other processes on the CPUs
     ratios = {

@@ -1,0 +1,89 @@
+"""Compiling one case ahead of time for a target (``triton.compile`` with a
+``GPUTarget``, no GPU needed) and reading its facts (:func:`compile_case`); the
+compile gate's questions about one compiled case's PTX and TTGIR (the ordered memory
+operations, the reductions' layouts).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from aot_cases import all_cases
+from aot_read import analyse
+from aot_targets import _SIZE, Case, _fit, _kernel_fn
+
+
+def compile_case(case: Case, cc: int, sass: bool = True) -> dict:
+    """Compile ``case`` for ``GPUTarget("cuda", cc, 32)`` and read its facts (:func:`analyse`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _kernel_fn(case.kernel)
+    case = _fit(case, fn)
+    index = {a: i for i, a in enumerate(fn.arg_names)}
+    attrs = {(index[a],): [["tt.divisibility", 16]] for a in case.aligned}
+    t0 = time.perf_counter()
+    row = dict(case=case.name, kernel=case.kernel.split(":")[1], family=case.family, target=f"sm_{cc}",
+               gated=case.gated, num_warps=case.num_warps, num_stages=case.num_stages)  # fmt: skip
+    try:
+        src = ASTSource(fn, case.signature, case.constexprs, attrs)
+        kernel = triton.compile(
+            src,
+            target=GPUTarget("cuda", cc, 32),
+            options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
+        )
+        row.update(analyse(kernel, case, cc, sass), compiled=True)
+    except Exception as exc:  # recorded; the gate fails on it
+        row.update(compiled=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    row["compile_s"] = round(time.perf_counter() - t0, 2)
+    if case.family == "streaming":
+        size = {a: _SIZE[case.signature[a].lstrip("*")] for a in case.arrays}
+        row["expected_bits"] = {a: min(case.per_thread * s, 16) * 8 for a, s in size.items()}
+        row["per_thread"] = case.per_thread
+    return row
+
+
+def _compiled(name: str, cc: int):
+    """The compile gate's case ``name`` compiled for sm_cc (Triton's compiled kernel)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    case = next(c for c in all_cases(cc, full=False) if c.name == name)
+    fn = _kernel_fn(case.kernel)
+    case = _fit(case, fn)
+    index = {a: i for i, a in enumerate(fn.arg_names)}
+    attrs = {(index[a],): [["tt.divisibility", 16]] for a in case.aligned}
+    return triton.compile(
+        ASTSource(fn, case.signature, case.constexprs, attrs),
+        target=GPUTarget("cuda", cc, 32),
+        options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
+    )
+
+
+def ordered_accesses(name: str, cc: int = 90) -> list[str]:
+    """The PTX memory operations with an ordering (``atom``/``red``/``ld`` with acquire,
+    release, acq_rel or relaxed semantics, and volatile loads) of the compile gate's case
+    ``name`` compiled for sm_cc, in program order, each as its opcode with its guard
+    (``@%p3 atom.global.gpu.acq_rel.add.u32``): what a grid barrier's correctness rests on,
+    which a compiler may fold away (triton 3.6 dropped an acquire whose value went unused)."""
+    ptx = _compiled(name, cc).asm["ptx"]
+    op = r"(?:@!?%\w+\s+)?(?:atom|red|ld)\.[\w.:]*(?:acquire|release|acq_rel|relaxed|volatile)[\w.:]*"
+    return re.findall(op, ptx)
+
+
+def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
+    """``(shape, layout)`` of each fp32 reduction (``tt.reduce``), in program order, of the
+    compile gate's case ``name`` compiled for sm_cc: a reduction's order of additions
+    follows from its layout, so two kernels that must sum alike (pass 1 and the one-pass
+    step) must reduce in the same layouts."""
+    ir = _compiled(name, cc).asm["ttgir"]
+    aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, re.M))
+    found = re.finditer(r"\}\) : \(tensor<([^,>]*), (#\w+)>\) -> f32", ir)
+    return [(m.group(1), aliases.get(m.group(2), m.group(2))) for m in found]
+
+
+def _compile_star(args):
+    return compile_case(*args)

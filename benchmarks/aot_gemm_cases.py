@@ -1,0 +1,387 @@
+"""The GEMM launches tkern's public API makes, as static_report compiles them: the
+configs each autotuner offers on a target, the launches of tkern.linear and its
+backward (:class:`GemmLaunch`), the compile gate's heaviest ones, and the pointer,
+TMA and split-K kernels' cases for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aot_targets import _TL_NAME, Case, _order, _ptr, _tl, cfg_name, offered_configs
+
+
+def _gemm_sig(dtype, out, bias_dtype, preact, tma=None, sum_dtype=None):
+    sig = {}
+    if tma:
+        bm, bn, bk, a_t, b_t = tma
+        sig["a_desc"] = f"tensordesc<{dtype}[{bk}, {bm}]>" if a_t else f"tensordesc<{dtype}[{bm}, {bk}]>"
+        sig["b_desc"] = f"tensordesc<{dtype}[{bn}, {bk}]>" if b_t else f"tensordesc<{dtype}[{bk}, {bn}]>"
+        sig["c_desc"] = _ptr(out)  # tma_case makes it a descriptor for the TMA-store epilogue
+    else:
+        sig.update(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype))
+    sig.update(c_ptr=_ptr(out), bias_ptr=_ptr(bias_dtype or out), preact_ptr=_ptr(dtype if preact else out))
+    sig.update(M="i32", N="i32", K="i32")
+    if not tma:  # the fp8 scales' arguments (unused unless SCALE_A / SCALE_B say otherwise)
+        sig.update(scale_a_ptr="*fp32", scale_b_ptr="*fp32")
+        for name in ("stride_sam", "stride_sak", "stride_sbk", "stride_sbn"):
+            sig[name] = "i32"
+        for name in ("block_am", "block_ak", "block_bk", "block_bn"):
+            sig[name] = "i32"
+        # the operand prologue's pointers (unused unless A_ACT / STORE_A / SUM_A)
+        sig.update(z_ptr=_ptr(dtype), a_out_ptr=_ptr(dtype), a_sum_ptr=_ptr(sum_dtype or "fp32"))
+    return sig
+
+
+POINTER_KERNEL = "tkern.kernels.gemm:_matmul_kernel"
+TMA_KERNEL = "tkern.kernels.gemm_tma:_matmul_tma_kernel"
+
+
+def gemm_configs_for(
+    cc: int,
+    tma: bool = False,
+    ragged: bool = False,
+    activation: int = 0,
+    prologue: int = 0,
+    fp8: bool = False,
+    two_accumulators: bool = False,
+    block_scales: bool = False,
+) -> list:
+    """The configs tkern's autotuner offers on target ``cc`` (after its own pruning),
+    for launches whose epilogue applies ``activation`` (an ACTIVATIONS code), with
+    the operand ``prologue`` (an ``A_ACT`` code) or none; ``fp8``: scaled_mm's
+    (gemm_configs.fp8_gemm_configs, one byte an element), ``two_accumulators`` for
+    its launches promoting every K tile (PRECISE_ACC or block scales)."""
+    from tkern.kernels import gemm_configs
+
+    if fp8:
+        fp8_configs = gemm_configs.fp8_gemm_configs()
+        return offered_configs(
+            fp8_configs,
+            cc,
+            ragged=ragged,
+            activation=activation,
+            elem_bytes=1,
+            two_accumulators=two_accumulators,
+            block_scales=block_scales,
+        )
+    configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
+    return offered_configs(configs, cc, tma=tma, ragged=ragged, activation=activation, prologue=prologue)
+
+
+def activation_names() -> dict[int, str]:
+    """ACTIVATIONS code -> name ("none" for 0), as the cases' labels spell them."""
+    from tkern.kernels.activation import ACTIVATIONS
+
+    return {code: name or "none" for name, code in ACTIVATIONS.items()}
+
+
+def transcendental() -> frozenset:
+    """The activation codes computed with exp/erf (activation.TRANSCENDENTAL)."""
+    from tkern.kernels.activation import TRANSCENDENTAL
+
+    return TRANSCENDENTAL
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmLaunch:
+    """What a GEMM launch specialises on besides its config: operand dtype,
+    output dtype, bias dtype (None: no bias), activation code (0 none, 1 relu,
+    2 gelu, 3 silu, 4 gelu_tanh: activation.ACTIVATIONS), whether the
+    pre-activation is saved, the operand layout (``"NT"``: A row-major, B
+    column-major, i.e. ``x @ W^T``; ``"NN"``, ``"TN"``) and whether the
+    operands are ragged (M, N, K and strides not multiples of 16)."""
+
+    dtype: str = "fp16"
+    out: str = "fp16"
+    bias: str | None = None
+    act: int = 0
+    preact: bool = False
+    layout: str = "NT"
+    ragged: bool = False
+    # the operand prologue (the linear backward, gemm.matmul_backward): the activation
+    # code whose gradient multiplies A, A' stored, A' row sums stored in this dtype
+    a_act: int = 0
+    store_a: bool = False
+    sum_a: str | None = None
+    # the epilogue adds the product to C (``ACCUMULATE``: the wgrad into a flat gradient buffer)
+    accumulate: bool = False
+
+    @property
+    def label(self) -> str:
+        epi = ("bias+" if self.bias else "") + activation_names()[self.act]
+        epi += "+preact" if self.preact else ""
+        bias = f",{self.bias} bias" if self.bias and self.bias != self.dtype else ""
+        label = f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
+        return label + self.prologue_label + (",C+=" if self.accumulate else "")
+
+    @property
+    def prologue_label(self) -> str:
+        """``",A'=..."`` naming the operand prologue, empty without one."""
+        act = {1: "relu'", 2: "gelu'"}.get(self.a_act, f"act{self.a_act}'")
+        parts = ([act] if self.a_act else []) + (["store"] if self.store_a else [])
+        parts += [f"sum {self.sum_a}"] if self.sum_a else []
+        return f",A'={'+'.join(parts)}" if parts else ""
+
+
+HALF = ("fp16", "bf16")
+
+
+def linear_launches() -> list[GemmLaunch]:
+    """Every GEMM launch ``tkern.linear`` makes (and ``tkern.matmul``'s fp32
+    output beside them), aligned: the forward ``x @ W^T`` (NT) with or without
+    a bias (the operands' dtype or fp32), every activation (none, ReLU, GELU,
+    SiLU, tanh-GELU), the pre-activation saved when training (eager saves ReLU's output
+    instead, activation.GRAD_FROM_OUTPUT; the traced door saves it for all); dgrad ``dZ @ W`` (NN) and wgrad
+    ``dZ^T @ X`` (TN) with a plain epilogue, every wgrad also accumulating into a
+    fused optimizer's flat gradient buffer (``C +=``). tests/test_functional.py checks
+    that tkern.linear launches nothing outside this list."""
+    forward = [
+        GemmLaunch(d, out, bias, act, preact, "NT")
+        for d in HALF
+        for out in (d, "fp32")
+        for bias in (None, d, "fp32")
+        for act in activation_names()
+        for preact in ((False, True) if act else (False,))
+    ]
+    backward = [GemmLaunch(d, d, layout=layout) for d in HALF for layout in ("NN", "TN")]
+    backward += backward_prologue_launches()
+    wgrad_into = [dataclasses.replace(v, accumulate=True) for v in backward if v.layout == "TN"]
+    return forward + backward + wgrad_into
+
+
+def backward_prologue_launches() -> list[GemmLaunch]:
+    """The backward GEMMs of ``tkern.linear`` with an operand prologue
+    (gemm.matmul_backward), aligned: dgrad ``dY @ W`` (NN) applying act'(Z) to dY
+    (for functional.PROLOGUE_ACTIVATIONS), storing dZ when wgrad or dbias needs it;
+    wgrad ``dZ^T @ X`` (TN) summing dbias (the bias's dtype, the operands' or fp32)
+    and, when dX is not needed, applying act'(Z^T) itself."""
+    from tkern.functional import PROLOGUE_ACTIVATIONS
+    from tkern.kernels.activation import ACTIVATIONS
+
+    acts = sorted(ACTIVATIONS[a] for a in PROLOGUE_ACTIVATIONS)
+    dgrad = [GemmLaunch(d, d, layout="NN", a_act=act, store_a=store)
+             for d in HALF for act in acts for store in (False, True)]  # fmt: skip
+    wgrad = [GemmLaunch(d, d, layout="TN", a_act=act, sum_a=sum_a)
+             for d in HALF for act in (0, *acts) for sum_a in (None, d, "fp32") if act or sum_a]  # fmt: skip
+    return dgrad + wgrad
+
+
+#: The launches the compile gate compiles for every offered config: the most
+#: register-hungry of :func:`linear_launches`, so a config that does not spill on
+#: them does not spill on the lighter ones. Measured (triton 3.9, every offered
+#: config, sm_90 and sm_80): GELU with the pre-activation saved needs the most
+#: registers next to the accumulator, but which output and bias cost most depends
+#: on the tile: without a bias, bf16 out reaches 255 registers on sm_90's large
+#: tiles (197 with a bias), fp32 out needs up to 30 more than a half one elsewhere,
+#: a bias adds up to 32 on 128x64 tiles; so the forward is compiled four ways (bf16
+#: or fp32 out, with or without a bias), for every activation computed with exp/erf
+#: (GELU here; :func:`gate_launches` adds SiLU and tanh-GELU the same four ways: their
+#: temporaries differ from erf's, so none stands for the others). On aligned operands
+#: the backward GEMMs (plain epilogue) stay below the forward; on ragged operands the
+#: scalar loads dominate and dgrad (NN) or wgrad (TN) is the heaviest (up to 255
+#: registers), so those get both too.
+FORWARD_HEAVIEST = (
+    GemmLaunch("bf16", "bf16", "bf16", 2, True, "NT"),
+    GemmLaunch("bf16", "bf16", None, 2, True, "NT"),
+    GemmLaunch("fp16", "fp32", "fp32", 2, True, "NT"),
+    GemmLaunch("fp16", "fp32", None, 2, True, "NT"),
+)
+BACKWARD = (GemmLaunch("bf16", "bf16", layout="NN"), GemmLaunch("bf16", "bf16", layout="TN"))
+#: The TMA kernel's GELU forwards compiled on a ragged output for every config offered
+#: there: tkern.linear's (half outputs). tkern.matmul's fp32 output with an fp32 bias is
+#: left out: under triton 3.6 it spills 160-168 B on sm_90 even at 128x128 (the smallest
+#: TMA tile; triton 3.9 does not), a known gap of the raw matmul, not of tkern.linear.
+TMA_RAGGED_GATE_LAUNCHES = tuple(
+    dataclasses.replace(v, ragged=True) for v in FORWARD_HEAVIEST if v.out == v.dtype
+)
+#: The TMA kernel's one launch with ``C +=`` (large wgrads into a flat gradient buffer on
+#: Hopper): compiled for every config it is offered, as the forwards are.
+TMA_WGRAD_INTO = GemmLaunch("bf16", "bf16", layout="TN", accumulate=True)
+
+
+#: The TMA kernel's forwards with the TMA-store epilogue (no pre-activation stored: an
+#: inference forward, a GELU whose gradient is not needed, tkern.matmul): the heaviest
+#: epilogues, bias + GELU in bf16 and into fp32, for every config offered.
+TMA_STORE_GATE_LAUNCHES = (
+    GemmLaunch("bf16", "bf16", "bf16", 2, False, "NT"),
+    GemmLaunch("fp16", "fp32", "fp32", 2, False, "NT"),
+)
+
+
+def offered_launch(v: GemmLaunch, offered: bool) -> GemmLaunch:
+    """``v`` if its config is ``offered`` to ``v``'s activation, else the heaviest
+    launch like ``v`` that the config is still offered to (pruned for an activation
+    computed with exp/erf: gemm_configs.ACT_MAX_ACC): ReLU in its place."""
+    return v if offered or v.act not in transcendental() else dataclasses.replace(v, act=1)
+
+
+def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
+    """What the compile gate compiles each offered config for (see :data:`FORWARD_HEAVIEST`):
+    the heaviest forwards for every activation computed with exp/erf."""
+    forward = tuple(
+        dataclasses.replace(v, act=act) for act in sorted(transcendental()) for v in FORWARD_HEAVIEST
+    )
+    launches = forward + (BACKWARD if ragged else ())
+    return tuple(dataclasses.replace(v, ragged=ragged) for v in launches)
+
+
+def pointer_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunch]:
+    """:func:`gate_launches` as the pointer kernel's autotuner offers ``cfg`` to them on
+    target ``cc``: each launch whose activation prunes ``cfg`` replaced by
+    :func:`offered_launch`'s (duplicates dropped)."""
+    name = cfg_name(cfg.kwargs, cfg)
+    out = []
+    for v in gate_launches(ragged):
+        offered = {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, activation=v.act)}
+        out.append(offered_launch(v, name in offered))
+    return list(dict.fromkeys(out))
+
+
+def prologue_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunch]:
+    """The backward GEMMs with an operand prologue (gemm.matmul_backward) the gate
+    compiles ``cfg`` for on target ``cc``, the heaviest of each kind it is offered
+    to: wgrad summing a stored dZ (no prologue: offered every config); dgrad storing
+    dZ and wgrad summing dbias with ReLU's gradient (a select) and GELU's (erf and
+    exp, the most registers), where gemm_configs' prologue rules offer ``cfg``."""
+    name = cfg_name(cfg.kwargs, cfg)
+    wgrad = GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, sum_a="fp32")
+    launches = [wgrad, dataclasses.replace(wgrad, accumulate=True)]
+    for act in (1, 2):
+        if name in {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, prologue=act)}:
+            wgrad = GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, a_act=act, sum_a="bf16")
+            launches += [
+                GemmLaunch("bf16", "bf16", layout="NN", ragged=ragged, a_act=act, store_a=True),
+                wgrad,
+                dataclasses.replace(wgrad, accumulate=True),
+            ]
+    return launches
+
+
+def _gemm_case(name, kernel, cfg, sig, const, aligned, gated=True) -> Case:
+    return Case(
+        name=name,
+        family="gemm",
+        kernel=kernel,
+        signature=_order(sig, kernel),
+        constexprs=const,
+        aligned=tuple(aligned),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        gated=gated,
+    )
+
+
+def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
+    """``_matmul_kernel`` under ``cfg`` as the launcher specialises it for ``v``."""
+    tl = _tl()
+    kw = cfg.kwargs
+    sig = _gemm_sig(v.dtype, v.out, v.bias, v.preact, sum_dtype=v.sum_a)
+    const = dict(
+        HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
+        OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]),
+        UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
+        A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
+        A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
+        PRECISE_ACC=False,
+    )  # fmt: skip
+    # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
+    strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
+    unit = (
+        {"N": "stride_ak", "T": "stride_am"}[v.layout[0]],
+        {"N": "stride_bn", "T": "stride_bk"}[v.layout[1]],
+    )
+    const.update({s: 1 for s in unit}, stride_cn=1, stride_bias=1)
+    for s in (*strides, "stride_cm", "stride_cn", "stride_bias"):
+        sig[s] = "constexpr" if s in const else "i32"
+    for k in const:
+        sig[k] = "constexpr"
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", "stride_cm", "M", "N"]
+    aligned += ["z_ptr", "a_out_ptr", "a_sum_ptr"]  # new tensors (torch allocates them aligned)
+    if not v.ragged:
+        aligned += ["K"] + [s for s in strides if s not in const]
+    return _gemm_case(
+        f"matmul[{cfg_name(kw, cfg)},{v.label}]", POINTER_KERNEL, cfg, sig, const, aligned, gated
+    )
+
+
+def tma_case(cfg, v: GemmLaunch) -> Case:
+    """``_matmul_tma_kernel`` under ``cfg`` as its launcher specialises it for ``v`` (132 SMs)."""
+    tl = _tl()
+    kw = cfg.kwargs
+    a_t, b_t = v.layout[0] == "T", v.layout[1] == "T"
+    sig = _gemm_sig(
+        v.dtype, v.out, v.bias, v.preact, tma=(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], a_t, b_t)
+    )
+    # the TMA-store epilogue where the launcher takes it: C row-major with aligned rows
+    # (not ragged) and no pre-activation stored beside it (gemm_tma.launch_tma)
+    c_tma = not v.preact and not v.ragged
+    const = dict(
+        HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
+        OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
+        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma, **kw,
+    )  # fmt: skip
+    if c_tma:
+        from tkern.kernels.gemm_epilogue import epilogue_parts
+
+        width = kw["BLOCK_N"] // epilogue_parts(kw["EPI_SPLIT"], v.act, v.accumulate)
+        sig["c_desc"] = f"tensordesc<{v.out}[{kw['BLOCK_M']}, {width}]>"
+    sig.update(stride_cm="i32")
+    for k in const:
+        sig[k] = "constexpr"
+    aligned = ("c_ptr", "bias_ptr", "preact_ptr") + (() if v.ragged else ("M", "N", "K", "stride_cm"))
+    return _gemm_case(f"matmul_tma[{cfg_name(kw, cfg)},{v.label}]", TMA_KERNEL, cfg, sig, const, aligned)
+
+
+SPLIT_K_KERNEL = "tkern.kernels.gemm_split:_matmul_split_k_kernel"
+SPLIT_K_REDUCE = "tkern.kernels.gemm_split:_split_k_reduce_kernel"
+
+
+def split_k_cases(cc: int) -> list[Case]:
+    """Split-K (gemm_split.py) as tkern.linear's wgrad launches it (``dZ^T @ X``: A read
+    transposed, "TN"), with and without dbias summed per K range, for every config its
+    autotuner offers on ``cc``; and its reduction pass into a half C (written, or added
+    into a flat gradient buffer with the row sums) and into fp32."""
+    from tkern.kernels import gemm_configs, gemm_split
+
+    tl = _tl()
+    cases = []
+    for cfg in offered_configs(gemm_configs.split_k_configs(), cc):
+        kw = cfg.kwargs
+        for dtype, sum_a in (("bf16", True), ("fp16", False)):
+            sig = dict(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype), ws_ptr="*fp32", sums_ptr="*fp32",
+                       M="i32", N="i32", K="i32", K_CHUNK="i32", stride_am="constexpr", stride_ak="i32",
+                       stride_bk="i32", stride_bn="constexpr")  # fmt: skip
+            const = dict(stride_am=1, stride_bn=1, UPCAST=False, A_T=True, B_T=False, SUM_A=sum_a,
+                         EVEN_K=True, **kw)  # fmt: skip
+            sig.update({k: "constexpr" for k in const})
+            aligned = (
+                "a_ptr",
+                "b_ptr",
+                "ws_ptr",
+                "sums_ptr",
+                "M",
+                "N",
+                "K",
+                "K_CHUNK",
+                "stride_ak",
+                "stride_bk",
+            )
+            name = f"matmul_split_k[{cfg_name(kw, cfg)},{dtype},TN{',A sum' if sum_a else ''}]"
+            cases.append(_gemm_case(name, SPLIT_K_KERNEL, cfg, sig, const, aligned))
+    for out, accumulate, sum_a in (("bf16", False, False), ("bf16", True, True), ("fp32", False, False)):
+        sig = dict(ws_ptr="*fp32", c_ptr=_ptr(out), sums_ptr="*fp32", a_sum_ptr="*fp32", SPLITS="i32",
+                   M="i32", N="i32", stride_cm="i32", stride_cn="constexpr")  # fmt: skip
+        const = dict(stride_cn=1, OUT_DTYPE=getattr(tl, _TL_NAME[out]), ACCUMULATE=accumulate, SUM_A=sum_a,
+                     BLOCK_M=gemm_split.REDUCE_BLOCK_M, BLOCK_N=gemm_split.REDUCE_BLOCK_N)  # fmt: skip
+        sig.update({k: "constexpr" for k in const})
+        label = f"{out}{',C+=' if accumulate else ''}{',A sum' if sum_a else ''}"
+        cases.append(
+            Case(
+                name=f"split_k_reduce[{label}]", family="rowwise", kernel=SPLIT_K_REDUCE,
+                signature=_order(sig, SPLIT_K_REDUCE), constexprs=const,
+                aligned=("ws_ptr", "c_ptr", "sums_ptr", "a_sum_ptr", "M", "N", "stride_cm"),
+                num_warps=gemm_split.REDUCE_WARPS, num_stages=1,
+            )
+        )  # fmt: skip
+    return cases
