@@ -161,6 +161,15 @@ def test_pending_pages_are_pending():
     assert not landed, f"{landed} exist now: remove them from PENDING in tests/test_docs.py"
 
 
+def test_the_testing_page_lists_every_test_file():
+    """docs/testing.md's layout has a line for each tests/test_*.py (issue 55 item 2)."""
+    page = (ROOT / "docs" / "testing.md").read_text()
+    listed = set(re.findall(r"^\| `(test_\w+\.py)` \|", page, re.M))
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert files - listed == set(), f"docs/testing.md does not list {sorted(files - listed)}"
+    assert listed - files == set(), f"docs/testing.md lists missing files {sorted(listed - files)}"
+
+
 def test_readme_is_short_and_links_every_page():
     readme = ROOT / "README.md"
     lines = readme.read_text().splitlines()
