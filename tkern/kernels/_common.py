@@ -30,7 +30,9 @@ And what it does slowly: every call of a ``@triton.jit`` helper inside a kernel
 ``triton.language`` again, though the launch already patched it and restores it
 when the program grid is done; for small kernels that is half of the interpreter's
 time. :func:`_patch_language_once` makes the nested patch a no-op where the launch's
-patch already covers the helper's modules (``TKERN_INTERPRETER_PATCH_ONCE=0`` turns it off).
+patch already covers the helper's modules, and :func:`_memoize_numpy_dtypes` keeps the
+numpy dtype of each Triton type instead of rebuilding a table per element-wise op
+(``TKERN_INTERPRETER_PATCH_ONCE=0`` turns both off).
 """
 
 from __future__ import annotations
@@ -141,8 +143,33 @@ def _patch_language_once() -> bool:
     return True
 
 
+def _memoize_numpy_dtypes() -> bool:
+    """The interpreter's ``_get_np_dtype`` (a Triton type's numpy storage dtype) builds
+    its 18-entry table on every call, thousands of times a launch; the answer depends
+    on the element type alone (a block's, or a scalar's), so it is kept per element type.
+    Returns whether the memo was installed (False where the name is missing or wrapped)."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or getattr(original, "tkern_memo", False):
+        return False
+    memo: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        found = memo.get(element)
+        if found is None:
+            found = memo[element] = original(element)
+        return found
+
+    get_np_dtype.tkern_memo = True
+    interpreter._get_np_dtype = get_np_dtype
+    return True
+
+
 if INTERPRET and os.environ.get("TKERN_INTERPRETER_PATCH_ONCE", "1") != "0":
     _patch_language_once()
+    _memoize_numpy_dtypes()
 
 if INTERPRET:
     # numpy, which runs the interpreter's arithmetic, reports fp16 overflow (and
