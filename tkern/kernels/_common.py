@@ -157,6 +157,8 @@ def _memoize_numpy_dtypes() -> bool:
 
     def get_np_dtype(tt_dtype):
         element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):  # unhashable; stored as uint64 addresses
+            return original(element)
         found = memo.get(element)
         if found is None:
             found = memo[element] = original(element)
