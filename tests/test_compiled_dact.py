@@ -3,8 +3,9 @@ GPU, for sm_90 (the pointer kernel and the TMA kernel) and sm_80 (the pointer ke
 config tkern's autotuner offers such a launch (gemm_configs.prune_configs, the ``GRAD_ACT``
 code counted as an epilogue activation) compiles without spilling registers.
 
-The shape is the dgrad of GPT-2's c_proj (``dY (M, 768) @ W (768, 3072)``, W read through
-Conv1D's transposed weight: B row-major, aligned) writing dZ over the stored pre-activation.
+The launch is the dgrad of an MLP's second layer (``dY (M, 768) @ W (768, 3072)``, aligned)
+writing dZ over the stored pre-activation, with W row-major (``nn.Linear``'s weight) and, for
+GPT-2's tanh-GELU, column-major too (Conv1D's (in, out) weight read transposed in place).
 Compiled mode only (``TRITON_INTERPRET=0``), as tests/test_compiled.py::
 
     TRITON_INTERPRET=0 python -m pytest -m compiled tests/test_compiled_dact.py
@@ -25,8 +26,9 @@ pytestmark = test_compiled.pytestmark
 
 #: (target, kernel) pairs: the TMA kernel exists on Hopper only.
 TARGETS = [(90, "pointer"), (90, "tma"), (80, "pointer")]
-#: The gradients compiled: GPT-2's tanh-GELU, and erf GELU (the most registers).
-GRADS = ["gelu_tanh", "gelu"]
+#: (gradient, B column-major): tanh-GELU (GPT-2's, through Conv1D's weight too) and erf GELU
+#: (the most registers).
+GRADS = [("gelu_tanh", False), ("gelu_tanh", True), ("gelu", False)]
 
 
 def _jit(kernel):
@@ -37,7 +39,7 @@ def _jit(kernel):
     return kernel
 
 
-def _case(kind: str, cfg, grad: int, dtype: str = "bf16"):
+def _case(kind: str, cfg, grad: int, b_t: bool, dtype: str = "bf16"):
     """(jit function, signature, constexprs, aligned arguments) of the dgrad launch under ``cfg``."""
     import triton.language as tl
 
@@ -48,27 +50,30 @@ def _case(kind: str, cfg, grad: int, dtype: str = "bf16"):
     half = tl.bfloat16 if dtype == "bf16" else tl.float16
     const = dict(
         HAS_BIAS=False, ACTIVATION=0, STORE_PREACT=False, OUT_DTYPE=half, PREACT_DTYPE=half, UPCAST=False,
-        A_T=False, B_T=False, ACCUMULATE=False, GRAD_ACT=grad, stride_cn=1, stride_bias=1, **kw,
+        A_T=False, B_T=b_t, ACCUMULATE=False, GRAD_ACT=grad, stride_cn=1, stride_bias=1, **kw,
     )  # fmt: skip
     sig = dict(c_ptr=ptr, bias_ptr=ptr, preact_ptr=ptr, M="i32", N="i32", K="i32", stride_cm="i32")
     if kind == "tma":
         fn = _jit(gemm_tma._matmul_tma_kernel)
         bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
-        sig.update(a_desc=f"tensordesc<{dtype}[{bm}, {bk}]>", b_desc=f"tensordesc<{dtype}[{bk}, {bn}]>")
+        b_block = f"[{bn}, {bk}]" if b_t else f"[{bk}, {bn}]"  # B^T's descriptor when B_T
+        sig.update(a_desc=f"tensordesc<{dtype}[{bm}, {bk}]>", b_desc=f"tensordesc<{dtype}{b_block}>")
         sig["c_desc"] = ptr  # launch_tma: the pointer epilogue (it reads Z beside C)
         const.update(NUM_SMS=132, C_TMA=False)
         aligned = ["c_ptr", "preact_ptr", "M", "N", "K", "stride_cm"]
     else:
         fn = _jit(gemm._matmul_kernel)
-        sig.update(a_ptr=ptr, b_ptr=ptr, stride_am="i32", stride_bk="i32", scale_a_ptr="*fp32",
+        b_stride = "stride_bn" if b_t else "stride_bk"  # the other one is the constant 1
+        sig.update(a_ptr=ptr, b_ptr=ptr, stride_am="i32", scale_a_ptr="*fp32",
                    scale_b_ptr="*fp32", z_ptr=ptr, a_out_ptr=ptr, a_sum_ptr="*fp32")  # fmt: skip
         for name in ("stride_sam", "stride_sak", "stride_sbk", "stride_sbn", "block_am", "block_ak",
                      "block_bk", "block_bn"):  # fmt: skip
             sig[name] = "i32"
-        const.update(stride_ak=1, stride_bn=1, EVEN_K=True, SCALE_A=0, SCALE_B=0, A_ACT=0, STORE_A=False,
+        sig[b_stride] = "i32"
+        const["stride_bk" if b_t else "stride_bn"] = 1
+        const.update(stride_ak=1, EVEN_K=True, SCALE_A=0, SCALE_B=0, A_ACT=0, STORE_A=False,
                      SUM_A=False, PRECISE_ACC=False)  # fmt: skip
-        aligned = ["a_ptr", "b_ptr", "c_ptr", "preact_ptr", "M", "N", "K", "stride_am", "stride_bk",
-                   "stride_cm"]  # fmt: skip
+        aligned = ["a_ptr", "b_ptr", "c_ptr", "preact_ptr", "M", "N", "K", "stride_am", b_stride, "stride_cm"]
     for k in const:
         sig[k] = "constexpr"
     sig = {a: sig.get(a, "constexpr") for a in fn.arg_names}
@@ -76,12 +81,12 @@ def _case(kind: str, cfg, grad: int, dtype: str = "bf16"):
     return fn, sig, const, aligned
 
 
-def _compile(cc: int, kind: str, cfg, grad: int):
+def _compile(cc: int, kind: str, cfg, grad: int, b_t: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn, sig, const, aligned = _case(kind, cfg, grad)
+    fn, sig, const, aligned = _case(kind, cfg, grad, b_t)
     index = {a: i for i, a in enumerate(fn.arg_names)}
     attrs = {(index[a],): [["tt.divisibility", 16]] for a in aligned}
     return triton.compile(
@@ -120,15 +125,15 @@ def _label(cfg) -> str:
     return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} s{cfg.num_stages} w{cfg.num_warps}"
 
 
-@pytest.mark.parametrize("grad", GRADS)
+@pytest.mark.parametrize(("grad", "b_t"), GRADS)
 @pytest.mark.parametrize(("cc", "kind"), TARGETS)
-def test_dgrad_epilogue_variants_compile_without_spills(cc, kind, grad):
+def test_dgrad_epilogue_variants_compile_without_spills(cc, kind, grad, b_t):
     from tkern.kernels.activation import ACTIVATIONS
 
     code = ACTIVATIONS[grad]
     spilled = {}
     for cfg in offered(cc, kind, code):
-        kernel = _compile(cc, kind, cfg, code)
+        kernel = _compile(cc, kind, cfg, code, b_t)
         assert ("wgmma" in kernel.asm["ptx"]) == (cc == 90)  # Hopper's tensor cores; mma.sync before
         regs, spills = regs_and_spills(kernel)
         if spills:
