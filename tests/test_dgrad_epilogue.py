@@ -215,3 +215,28 @@ def test_hooks_and_create_graph_keep_their_meaning(monkeypatch):
     assert torch.equal(gx, ox)  # torch's formulas on the same saved tensors
     # the second order also runs each path's first-order kernels (through y): one rounding apart
     assert rel_err(gx2, ox2) < TOL[torch.float16]
+
+
+def test_both_weight_gradients_go_into_a_fused_optimizers_flat_buffer(wgrad_counts):
+    # tkern Linear weights (inputs 1 and 3 of the function): each wgrad added in place
+    from torch import nn
+
+    from tkern.flat import grad_is_flat_view
+    from tkern.ops.mlp import linear_act_linear
+    from tkern.optim import FusedAdamW
+
+    torch.manual_seed(0)
+    up, down = tkern.nn.Linear(24, 40).to(DEVICE), tkern.nn.Linear(40, 16).to(DEVICE)
+    model = nn.ModuleList([up, down])
+    opt = FusedAdamW(model.parameters(), lr=1e-3)  # noqa: F841 (kept: it owns the flat buffer)
+    x = torch.randn(12, 24, device=DEVICE).half()
+    linear_act_linear(x, up.weight, up.bias, "gelu_tanh", down.weight, down.bias).float().sum().backward()
+    assert wgrad_counts == {"into": 2, "copies": 0}
+    assert all(grad_is_flat_view(p) for p in model.parameters())
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    tkern.linear(
+        tkern.linear(x, up.weight, up.bias, "gelu_tanh"), down.weight, down.bias
+    ).float().sum().backward()
+    for g, p in zip(got, model.parameters(), strict=True):
+        assert rel_err(g, p.grad) < TOL[torch.float16]
