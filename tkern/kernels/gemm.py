@@ -214,19 +214,8 @@ def _matmul_tile(
 
 
 #: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
-_AUTOTUNE_KEY = [
-    "M",
-    "N",
-    "K",
-    "OUT_DTYPE",
-    "ACTIVATION",
-    "A_T",
-    "B_T",
-    "SCALE_A",
-    "SCALE_B",
-    "A_ACT",
-    "GRAD_ACT",
-]
+_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT",
+                 "GRAD_ACT"]  # fmt: skip
 
 
 @gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
@@ -695,23 +684,9 @@ def _kernel_meta(
 
 
 def _launch(
-    a,
-    sa,
-    b,
-    sb,
-    M,
-    N,
-    K,
-    bias,
-    activation,
-    out_dtype,
-    preact,
-    scales,
-    prologue,
-    into=None,
-    accumulate=True,
+    a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue, into=None, accumulate=True,
     grad_act=None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """The pointer kernel on ``a`` (M, K) with strides ``sa`` and ``b`` (K, N) with
     strides ``sb``: explicit strides let a caller pass a tensor for its transpose
     (``linear`` reads W^T from W) without building a view. The hot path of every
