@@ -216,7 +216,8 @@ def _matmul_tile(
 
 
 #: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
-_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT"]
+_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT",
+                 "GRAD_ACT"]  # fmt: skip
 
 
 @gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
@@ -228,7 +229,8 @@ def _matmul_kernel(
     b_ptr,  # (K, N) same dtype as a
     c_ptr,  # (M, N) OUT_DTYPE
     bias_ptr,  # (N,) a's dtype or fp32; unused unless HAS_BIAS
-    preact_ptr,  # (M, N) a's dtype: A @ B + bias before the activation; unused unless STORE_PREACT
+    preact_ptr,  # (M, N) a's dtype, c's strides: A @ B + bias before the activation (STORE_PREACT),
+    # or the Z whose act' multiplies the result (GRAD_ACT); else unused
     # dimensions
     M,
     N,
@@ -278,6 +280,7 @@ def _matmul_kernel(
     SUM_A: tl.constexpr = False,  # the programs of column block 0 store A'.sum(1) (a_sum_ptr)
     ACCUMULATE: tl.constexpr = False,  # C += A' @ B (C's old value read in the epilogue)
     PRECISE_ACC: tl.constexpr = False,  # fp8: promote the tensor cores' partial sums every K tile
+    GRAD_ACT: tl.constexpr = 0,  # activation code: C = (A' @ B) * act'(Z), Z at preact_ptr (0: off)
 ):
     """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
     accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
@@ -287,7 +290,8 @@ def _matmul_kernel(
     dY and the saved pre-activation, as activation.activation_grad stores it) is
     built while A's tiles are loaded, and the programs of the first column block
     (``pid_n == 0``, each of A's row bands has exactly one) store the A' tiles they
-    built and their row sums (dbias): no atomics, every row written once."""
+    built and their row sums (dbias): no atomics, every row written once. The epilogue's
+    ``GRAD_ACT`` serves the layer before: ``dZ = (dY @ W) * act'(Z)`` (matmul_grad_act)."""
     acc, pid_m, pid_n = _matmul_tile(
         a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
         stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, z_ptr,
@@ -297,7 +301,7 @@ def _matmul_kernel(
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-        ACCUMULATE,
+        ACCUMULATE, GRAD_ACT,
     )  # fmt: skip
 
 
@@ -665,7 +669,7 @@ def _launch_matmul(
 
 
 def _kernel_meta(
-    a_dtype, bias, activation, out_dtype, preact, a_t, b_t, scales, prologue, accumulate
+    a_dtype, bias, activation, out_dtype, preact, a_t, b_t, scales, prologue, accumulate, grad_act=None
 ) -> dict:
     """The pointer kernel's constexprs for one launch."""
     return {
@@ -673,12 +677,14 @@ def _kernel_meta(
         "A_T": a_t, "B_T": b_t, "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
         "PRECISE_ACC": scales.precise_acc,
         **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
+        "GRAD_ACT": ACTIVATIONS[None if grad_act is None else grad_act[0]],  # in the key too
     }  # fmt: skip
 
 
 def _launch(
-    a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue, into=None, accumulate=True
-) -> torch.Tensor:
+    a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue, into=None, accumulate=True,
+    grad_act=None,
+) -> torch.Tensor:  # fmt: skip
     """The pointer kernel on ``a`` (M, K) with strides ``sa`` and ``b`` (K, N) with
     strides ``sb``: explicit strides let a caller pass a tensor for its transpose
     (``linear`` reads W^T from W) without building a view. The hot path of every
@@ -686,15 +692,17 @@ def _launch(
     each :data:`_LAUNCHES` key goes through the autotuner, the later ones call the
     config it chose directly (``_common.resolve_launch``). ``into``: an (M, N)
     tensor of ``out_dtype`` (any strides) the result is added to (``accumulate``)
-    or written into, and returned, instead of a new one."""
+    or written into, and returned, instead of a new one. ``grad_act``: ``(activation, z)``,
+    the epilogue's product with act'(z) (z read where a pre-activation would be stored)."""
     c = torch.empty(M, N, dtype=out_dtype, device=a.device) if into is None else into
     if M == 0 or N == 0:
         if prologue is not NO_PROLOGUE:
             _prologue_without_gemm(a, prologue)  # prologue launches pass a with its own strides
         return c
     sc = (N, 1) if into is None else into.stride()
+    pre = preact if grad_act is None else grad_act[1]
     args = (
-        a, b, c, c if bias is None else bias, c if preact is None else preact,
+        a, b, c, c if bias is None else bias, c if pre is None else pre,
         M, N, K, *sa, *sb, *sc, bias_stride(bias),
         *(scales.args(c) if scales is not NO_SCALES else (c, c, *_NO_SCALE_ARGS)),
         *(prologue.args(c) if prologue is not NO_PROLOGUE else (c, c, c)),
@@ -702,7 +710,8 @@ def _launch(
     key = (a.dtype, b.dtype, None if bias is None else bias.dtype, activation, out_dtype,
            preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, prologue.activation,
            prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype,
-           None if into is None else sc, accumulate, scales.precise_acc)  # fmt: skip
+           None if into is None else sc, accumulate, scales.precise_acc,
+           None if grad_act is None else grad_act[0])  # fmt: skip
     accumulate = into is not None and accumulate
     if scales is NO_SCALES:
         kernel = _matmul_accumulate_kernel if accumulate else _matmul_kernel
@@ -718,7 +727,7 @@ def _launch(
 
     meta = _kernel_meta(
         a.dtype, bias, activation, out_dtype, preact, transposed(sa), transposed(sb), scales, prologue,
-        accumulate,
+        accumulate, grad_act,
     )  # fmt: skip
     direct = resolve_launch(kernel, grid, args, meta)
     if direct is not None:
@@ -886,6 +895,57 @@ def matmul_backward_prechecked(
     prologue = OperandPrologue(activation, z, a_out, a_sum)
     sb = b.stride()
     return _launch(a, sa, b, sb, M, N, K, None, None, a.dtype, None, NO_SCALES, prologue, into, accumulate)
+
+
+def matmul_grad_act(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
+    """``(a @ b) * act'(z)``: the product accumulated in fp32, multiplied by the
+    activation's gradient in fp32 in the epilogue and rounded once to ``a``'s dtype.
+
+    The dgrad of the layer after an activation, ``dZ = (dY @ W) * act'(Z)`` with Z the
+    pre-activation the layer before stored (its forward epilogue's ``preact``): dZ in
+    one launch, where ``matmul`` then ``activation.activation_grad`` round dH = dY @ W
+    first and make a second pass over it. On the pointer kernel or, where the plan says
+    so (Hopper), the TMA kernel; never split-K (its reduction has no epilogue).
+
+    Args:
+        a: (M, K) fp16 or bf16, any strides.
+        b: (K, N), ``a``'s dtype, any strides.
+        z: (M, N) contiguous, ``a``'s dtype: the pre-activation.
+        activation: an activation other than None (``"relu"``, ``"gelu"``, ``"silu"``,
+            ``"gelu_tanh"``).
+
+    Returns:
+        A new contiguous (M, N) tensor of ``a``'s dtype.
+
+    Raises:
+        TypeError / ValueError: naming the argument, before anything is launched.
+    """
+    M, N, _, _ = check_matmul_args(a, b, None, None, None, None)
+    check_activation(activation)
+    if activation is None:
+        raise ValueError("matmul_grad_act needs an activation, got None")
+    check_tensor("z", z, ndim=2, dtypes=(a.dtype,))
+    if tuple(z.shape) != (M, N) or not z.is_contiguous():
+        raise ValueError(f"z must be a contiguous ({M}, {N}) tensor, got shape {tuple(z.shape)}")
+    check_same_device(a=a, z=z)
+    return matmul_grad_act_prechecked(a, b, z, activation)
+
+
+def matmul_grad_act_prechecked(
+    a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """:func:`matmul_grad_act` for a caller that checked its arguments (the hot path)."""
+    (M, K), N = a.shape, b.shape[1]
+    grad_act = (activation, z)
+    plan = plan_for(a, b, M, N, K, split=False)
+    if plan.kernel == TMA:
+        layouts = tma_layouts(a, b)
+        if layouts is not None:
+            return launch_tma(a, b, M, N, K, None, None, a.dtype, None, layouts, grad_act=grad_act)
+    sa, sb = a.stride(), b.stride()
+    return _launch(
+        a, sa, b, sb, M, N, K, None, None, a.dtype, None, NO_SCALES, NO_PROLOGUE, grad_act=grad_act
+    )
 
 
 def matmul_tma_persistent(

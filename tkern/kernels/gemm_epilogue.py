@@ -28,6 +28,7 @@ from tkern.kernels.activation import (
     ACTIVATIONS,
     TRANSCENDENTAL,
     TRANSCENDENTAL_BITS,
+    activation_grad_f32,
     apply_activation,
     check_activation,
 )
@@ -94,9 +95,11 @@ def _epilogue_part(
     PREACT_DTYPE: tl.constexpr,
     WIDTH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    GRAD_ACT: tl.constexpr = 0,
 ):
-    """Bias, optional pre-activation store, activation, C's old value added
-    (ACCUMULATE) and one masked cast-and-store on WIDTH columns of the fp32 tile.
+    """Bias, optional pre-activation store, the product with act'(Z) of the Z read at
+    ``preact_ptr`` (GRAD_ACT), activation, C's old value added (ACCUMULATE) and one
+    masked cast-and-store on WIDTH columns of the fp32 tile.
     Returns ``(stored, cols, mask)``: the values stored (OUT_DTYPE), their columns and
     mask (:func:`epilogue_emit` casts them to fp8; :func:`epilogue` drops them)."""
     cols = col0 + tl.arange(0, WIDTH)
@@ -105,9 +108,12 @@ def _epilogue_part(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
+    preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if STORE_PREACT:
-        preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
+    if GRAD_ACT != 0:  # dZ = (dY @ W) * act'(Z) on the unrounded fp32 product: one rounding
+        z = tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
+        acc = activation_grad_f32(acc, z, GRAD_ACT)
     acc = apply_activation(acc, ACTIVATION)
     c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if ACCUMULATE:  # C += result: one rounding of the fp32 sum, as an fp32 accumulator would
@@ -126,7 +132,7 @@ def epilogue(
     N,
     c_ptr,  # (M, N) OUT_DTYPE, strides (stride_cm, stride_cn)
     bias_ptr,  # (N,) with stride stride_bias; unused unless HAS_BIAS
-    preact_ptr,  # (M, N) PREACT_DTYPE, c's strides; unused unless STORE_PREACT
+    preact_ptr,  # (M, N) PREACT_DTYPE, c's strides: stored (STORE_PREACT) or Z read (GRAD_ACT)
     stride_cm,
     stride_cn,
     stride_bias,
@@ -139,6 +145,7 @@ def epilogue(
     BLOCK_N: tl.constexpr,
     EPI_SPLIT: tl.constexpr,  # column slices of an exp/erf epilogue (gemm_configs.epi_split)
     ACCUMULATE: tl.constexpr = False,  # C's old value is added to the result (C += ...)
+    GRAD_ACT: tl.constexpr = 0,  # an ACTIVATIONS code: the result times act'(Z), Z at preact_ptr
 ):
     """Bias, activation and one cast, on the fp32 accumulator; masked stores.
     With ``ACCUMULATE`` the store adds the result to what C holds (the wgrad
@@ -149,16 +156,22 @@ def epilogue(
     of the tile one after the other: erf's temporaries next to a whole 128x256
     (or 4-warp 128x128) accumulator spilled registers; on a slice they fit. So
     does ``ACCUMULATE``: C's old tile next to the whole accumulator spilled
-    160-344 B on sm_90 for fp8 operands (the compile gate's scaled_mm C+= cases)."""
+    160-344 B on sm_90 for fp8 operands (the compile gate's scaled_mm C+= cases).
+
+    With ``GRAD_ACT`` (the linear backward's dgrad of the layer after an activation:
+    ``dZ = (dY @ W) * act'(Z)``) the pre-activation Z, (M, N) with C's strides, is read
+    at ``preact_ptr`` and the fp32 tile multiplied by act'(Z) before the one cast; an
+    exp/erf gradient is sliced as an exp/erf activation is."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or (TRANSCENDENTAL_BITS >> ACTIVATION) & 1 else 1
+    SLICED: tl.constexpr = ((TRANSCENDENTAL_BITS >> ACTIVATION) | (TRANSCENDENTAL_BITS >> GRAD_ACT)) & 1
+    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or SLICED else 1
     WIDTH: tl.constexpr = BLOCK_N // PARTS
     slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
     for i in tl.static_range(PARTS):
         _epilogue_part(
             slices[i], rows, pid_n * BLOCK_N + i * WIDTH, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm,
             stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
-            ACCUMULATE,
+            ACCUMULATE, GRAD_ACT,
         )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from tkern import device as tkdev
 from tkern.kernels._common import INTERPRET
+from tkern.kernels.activation import ACTIVATIONS
 from tkern.kernels.gemm_configs import gemm_autotune, tma_configs
 from tkern.kernels.gemm_epilogue import bias_stride, epilogue, epilogue_meta, epilogue_tma, tile_coords
 
@@ -25,7 +26,7 @@ _INTERPRET_PROGRAMS = 4
 
 
 #: What the TMA kernel's autotuners choose a config by (both: plain and ``C +=``).
-_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "C_TMA"]
+_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "C_TMA", "GRAD_ACT"]
 
 
 @gemm_autotune(configs=tma_configs(), key=_AUTOTUNE_KEY, tma=True)
@@ -37,7 +38,8 @@ def _matmul_tma_kernel(
     c_desc,  # descriptor of C (M, N) when C_TMA (block: BLOCK_M x a column slice); else unused
     c_ptr,  # (M, N) OUT_DTYPE
     bias_ptr,  # (N,) a's dtype or fp32; unused unless HAS_BIAS
-    preact_ptr,  # (M, N) a's dtype: A @ B + bias before the activation; unused unless STORE_PREACT
+    preact_ptr,  # (M, N) a's dtype, c's strides: A @ B + bias before the activation (STORE_PREACT),
+    # or the Z whose act' multiplies the result (GRAD_ACT); else unused
     # dimensions
     M,
     N,
@@ -63,6 +65,7 @@ def _matmul_tma_kernel(
     GROUP_M: tl.constexpr,
     EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see gemm_epilogue.epilogue)
     ACCUMULATE: tl.constexpr = False,  # C += A @ B (C's old value read in the epilogue)
+    GRAD_ACT: tl.constexpr = 0,  # C = (A @ B) * act'(Z), Z at preact_ptr (the pointer epilogue)
 ):
     """C = act(A @ B + bias) (or C += A @ B), fp32 accumulation, persistent (one program per SM
     walks the tiles) with A and B fetched by the tensor memory accelerator
@@ -96,7 +99,7 @@ def _matmul_tma_kernel(
             epilogue(
                 acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
                 HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-                ACCUMULATE,
+                ACCUMULATE, GRAD_ACT,
             )  # fmt: skip
 
 
@@ -148,13 +151,15 @@ def persistent_programs(device) -> int:
 
 
 def launch_tma(
-    a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into=None, accumulate=True
+    a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into=None, accumulate=True, grad_act=None
 ) -> torch.Tensor:
     """``act(a @ b + bias)`` on :func:`_matmul_tma_kernel`, for arguments already
     checked (``gemm_epilogue.check_matmul_args``) and ``layouts`` from
     :func:`tma_layouts` (not None); with ``into`` (an (M, N) tensor of
     ``out_dtype``, any strides), ``into += a @ b`` (``accumulate``, no bias or
-    activation) or the result written into it, returned."""
+    activation) or the result written into it, returned. ``grad_act``: ``(activation,
+    z)``, ``(a @ b) * act'(z)`` for a contiguous (M, N) ``z`` (no bias, activation or
+    preact; a new C), through the pointer epilogue, which reads Z beside C."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_t, b_t = layouts[0] == "col", layouts[1] == "col"
@@ -170,7 +175,7 @@ def launch_tma(
     # The TMA-store epilogue where a descriptor can describe C (row-major, 16-byte aligned
     # rows) and nothing else is stored beside it (the pre-activation keeps the pointer
     # epilogue); the block shape is a placeholder the config's pre-hook replaces.
-    c_tma = preact is None and tma_layout(c) == "row"
+    c_tma = preact is None and grad_act is None and tma_layout(c) == "row"
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [16, 16]) if c_tma else c
     num_sms = persistent_programs(a.device)
     accumulate = into is not None and accumulate
@@ -179,13 +184,15 @@ def launch_tma(
     def grid(meta):
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
+    grad_code, z = (0, preact) if grad_act is None else (ACTIVATIONS[grad_act[0]], grad_act[1])
     kernel[grid](
-        a_desc, b_desc, c_desc, c, bias if bias is not None else c, preact if preact is not None else c,
+        a_desc, b_desc, c_desc, c, bias if bias is not None else c, z if z is not None else c,
         M, N, K, c.stride(0), c.stride(1), bias_stride(bias),
         **epilogue_meta(a.dtype, bias, activation, out_dtype, preact, accumulate),
         A_T=a_t,
         B_T=b_t,
         NUM_SMS=num_sms,
         C_TMA=c_tma,
+        GRAD_ACT=grad_code,
     )  # fmt: skip
     return c

@@ -23,7 +23,8 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from tkern.nn.float8 import Float8Layer, float8_forward
-from tkern.nn.linear import Linear, conv1d_class, conv1d_forward, linear_forward
+from tkern.nn.linear import Linear, compute_operands, conv1d_class, conv1d_forward, linear_forward
+from tkern.ops.mlp import linear_act_linear
 from tkern.ops.swiglu import swiglu, swiglu_packed
 
 __all__ = [
@@ -272,6 +273,40 @@ def _fp8_why(module: nn.Module) -> str:
     return f" under recipe {recipe!r} with {dtype} weights (it needs a per-tensor recipe, bf16 or fp16)"
 
 
+#: Whether an "act" block whose two layers are tkern's 16-bit GEMMs (``Linear`` / ``Conv1D``)
+#: runs as :func:`tkern.ops.mlp.linear_act_linear`: the activation's gradient in the second
+#: layer's dgrad epilogue (no act' pass, no prologue). False: each layer's own backward
+#: (act' a pass of its own over dH); the tests compare the two.
+DGRAD_EPILOGUE = True
+
+
+def _gemm_weight(module: nn.Module) -> torch.Tensor | None:
+    """The (out, in) weight :func:`tkern.linear` takes for a tkern ``Linear`` without an
+    activation or a tkern ``Conv1D`` (its (in, out) weight transposed in place), else None."""
+    if type(module) is Linear and module.activation is None:
+        return module.weight
+    if type(module) is conv1d_class(create=False):
+        return module.weight.t()
+    return None
+
+
+def _act_down(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+    """``down(act(up(x)))`` as one :func:`linear_act_linear` call where :data:`DGRAD_EPILOGUE`
+    and both layers allow (tkern 16-bit GEMMs of one compute dtype, nothing between them,
+    nothing on ``down`` that would see the difference), else None (the caller's path)."""
+    if not DGRAD_EPILOGUE or rule.down is None or rule.mid or rule.to_down_dtype:
+        return None
+    up, down = getattr(mlp, rule.up), getattr(mlp, rule.down)
+    w1, w2 = _gemm_weight(up), _gemm_weight(down)
+    if w1 is None or w2 is None or _runs_more_than_forward(down):
+        return None
+    x, w1 = compute_operands(up, x, w1)
+    _, w2 = compute_operands(down, x, w2)
+    if w2.dtype != w1.dtype:
+        return None
+    return linear_act_linear(x, w1, up.bias, activation, w2, down.bias)
+
+
 def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:
     """Whether ``module`` runs fused on this call: its children as :func:`_why_not` wants
     them, and nothing (a hook, a patched forward) on the modules the fused form does not
@@ -307,6 +342,16 @@ class FusedMLPForward:
         if not _fusable_now(mlp, rule):
             return type(mlp).forward(mlp, x)
         activation = epilogue_activation(getattr(mlp, rule.act))
+        h = _act_down(mlp, rule, x, activation) if rule.form == "act" else None
+        if h is None:  # no single function over act and down: the layers one by one
+            h = self._through_down(x, activation)
+        for name in rule.tail:
+            h = getattr(mlp, name)(h)
+        return h
+
+    def _through_down(self, x, activation):
+        """The rule's form up to ``down``'s output (before ``tail``), layer by layer."""
+        mlp, rule = self.mlp, self.rule
         up = getattr(mlp, rule.up)
         if rule.form == "act":
             h = _forward_with_activation(up)(up, x, activation)
@@ -321,8 +366,6 @@ class FusedMLPForward:
             if rule.to_down_dtype:
                 h = _to_weight_dtype(h, down)
             h = down(h)
-        for name in rule.tail:
-            h = getattr(mlp, name)(h)
         return h
 
     def __repr__(self) -> str:

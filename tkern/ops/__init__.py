@@ -4,6 +4,9 @@ per op family, each above the kernels it launches (``tkern/kernels``):
 ``linear.py``    ``tkern.linear`` / ``tkern.matmul``: the GEMM with fused epilogues, forward and
                  backward (custom ops ``tkern::linear_forward``, ``tkern::mm_backward``,
                  ``tkern::activation_grad``)
+``mlp.py``       ``linear_act_linear``: two linears with an activation between them as one autograd
+                 function, the activation's gradient in the second layer's dgrad epilogue (GPT-2's
+                 MLP, converted by ``nn.fusion``; eager only: traced calls run two ``linear`` calls)
 ``float8.py``    ``float8_linear`` (custom ops ``tkern::float8_cast_2d``,
                  ``tkern::float8_cast_blocks``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``:
                  with an optional activation in its epilogue, an MLP's forward)

@@ -40,12 +40,13 @@ def check_in_features(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None) -> tuple | None:
+def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None, index: int = 1) -> tuple | None:
     """``(weight, view, accumulate)`` when this backward may put dW straight into
     the weight's gradient view in a fused optimizer's flat buffer (the wgrad
     GEMM adds into it, ``C +=``, when ``.grad`` is the view, or writes into it
     when ``.grad`` is None), else None. ``weight``: input 1 of the Function whose
-    backward runs, if the caller has it (a cheap refusal first).
+    backward runs, if the caller has it (a cheap refusal first); ``index``: which input of
+    the Function the weight is (1; a Function over two layers has two).
 
     Autograd's AccumulateGrad adds whatever backward returns into ``.grad``: a
     fresh (N, K) dW costs that allocation and one more pass over the gradient.
@@ -63,7 +64,7 @@ def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None) -> t
     gradient, nor one that does not reach this weight)."""
     if weight is not None and not (weight.is_leaf and has_grad_view(weight)):
         return None  # the common refusal first, before any autograd lookup (host time)
-    node = ctx.next_functions[1][0]
+    node = ctx.next_functions[index][0]
     weight = getattr(node, "variable", None)  # AccumulateGrad's leaf; None: not a leaf
     if weight is None or weight.dtype != dtype or weight._backward_hooks or _will_engine_execute_node is None:
         return None

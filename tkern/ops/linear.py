@@ -69,7 +69,7 @@ _NO_ACT = "none"  # how the custom ops spell activation=None (their schema takes
 # --------------------------------------------------------------------------- shared pieces
 
 
-def _differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
+def differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
     """The three gradients of ``act(x @ W^T + b)`` with torch operations in fp32,
     each cast once to its input's dtype: what the kernels compute, but recorded
     by autograd (used when grad mode is on in backward)."""
@@ -100,7 +100,7 @@ def _differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
     return dx, dw, db
 
 
-def _mm_backward_checked(
+def mm_backward_checked(
     a, b, z, activation, store_a, sum_dtype, transpose_a=False, into=None, accumulate=True
 ):
     """The backward GEMM ``A' @ b`` (``A' = a * act'(z)`` with an ``activation``,
@@ -150,7 +150,7 @@ PROLOGUE_ACTIVATIONS = frozenset({"relu"})
 PROLOGUE_ON_TMA_SHAPES = False
 
 
-def _linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad, dw_target=None):
+def linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad, dw_target=None):
     """The gradients of ``act(x @ W^T + b)`` for both doors of :func:`linear`, from
     ``dy`` (M, N) and the saved pre-activation ``preact``: dX = dZ @ W, dW = dZ^T @ X
     (dZ^T read in place), db = dZ summed over M in fp32, where dZ = dY * act'(Z).
@@ -230,10 +230,10 @@ class _Linear(torch.autograd.Function):
         x2d, weight, bias, preact = ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
-            dx, dw, db = _differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
+            dx, dw, db = differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
             return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
         target = common.flat_wgrad(ctx, x2d.dtype, weight) if needs[1] else None
-        dx, dw, db = _linear_grads(
+        dx, dw, db = linear_grads(
             dy,
             x2d,
             weight,
@@ -241,7 +241,7 @@ class _Linear(torch.autograd.Function):
             ctx.activation,
             needs,
             ctx.bias_dtype,
-            _mm_backward_checked,
+            mm_backward_checked,
             activation_grad,
             target,
         )
@@ -296,7 +296,7 @@ def _(a, b, z, activation, store_a, sum_dtype):
 
 
 def _mm_backward_traced(a, b, z, activation, store_a, sum_dtype, transpose_a=False):
-    """:func:`_mm_backward_checked`'s contract through the custom op (traced backward)."""
+    """:func:`mm_backward_checked`'s contract through the custom op (traced backward)."""
     if transpose_a:  # views are free in a traced graph
         c, a_out, a_sum = _mm_backward_op(
             a.t(), b, None if z is None else z.t(), activation or _NO_ACT, store_a, sum_dtype
@@ -350,7 +350,7 @@ def _linear_setup_context(ctx, inputs, output):
 def _linear_backward(ctx, dy, _dpreact):
     x2d, weight, preact = ctx.saved_tensors
     act = None if ctx.activation == _NO_ACT else ctx.activation
-    dx, dw, db = _linear_grads(
+    dx, dw, db = linear_grads(
         dy,
         x2d,
         weight,
