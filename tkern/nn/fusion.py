@@ -298,7 +298,7 @@ def _act_down(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str) -
         return None
     up, down = getattr(mlp, rule.up), getattr(mlp, rule.down)
     w1, w2 = _gemm_weight(up), _gemm_weight(down)
-    if w1 is None or w2 is None or _runs_more_than_forward(down):
+    if w1 is None or w2 is None or runs_more_than_forward(down):
         return None
     x, w1 = compute_operands(up, x, w1)
     _, w2 = compute_operands(down, x, w2)
