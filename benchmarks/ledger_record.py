@@ -39,8 +39,8 @@ from ledger_costs import (  # noqa: E402
     _mnk,
     _shapes,
     _tensor,
+    aten_launch_bytes,
     attention_flops,
-    footprint,
     triton_cost,
 )
 
@@ -170,8 +170,7 @@ class NoCompute(TorchDispatchMode):
         read = {_key(t): t for t in inputs if _key(t) not in skip_read}
         if name == "embedding":  # reads only the rows it gathers
             read = {_key(args[1]): args[1]}
-        nbytes = sum(footprint(t) for t in read.values())
-        nbytes += sum(footprint(t) for t in {_key(t): t for t in fresh + written}.values())
+        per_launch = aten_launch_bytes(name, args, read, {_key(t): t for t in fresh + written})
         flops, mnk = 0, None
         if name in _GEMM_OPS:
             mnk = _mnk(name, args)
@@ -180,8 +179,9 @@ class NoCompute(TorchDispatchMode):
         elif func._overloadpacket in flop_registry:
             flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         dtype = inputs[0].dtype if inputs else (outs[0].dtype if outs else torch.float32)
-        rec.add(f"aten.{name}", _aten_category(name, outs + written, phase, rec, mnk), nbytes, flops, dtype,
-                _shapes(inputs))  # fmt: skip
+        category = _aten_category(name, outs + written, phase, rec, mnk)
+        for i, nbytes in enumerate(per_launch):  # the FLOPs charged to the op's first launch
+            rec.add(f"aten.{name}", category, nbytes, 0 if i else flops, dtype, _shapes(inputs))
 
 
 def _bound(schema, args, kwargs) -> list:

@@ -53,8 +53,9 @@ the ledger. Categories (:data:`CATEGORIES`; names stable, compared across commit
   it empty for the recipes here).
 
 The floor of a launch is max(FLOPs / peak for its operand dtype, bytes / HBM
-bandwidth), summed per category (``harness.DEVICES`` gives the numbers and where
-they come from). The JSON also holds the analytic FLOPs (:func:`model_flops`,
+bandwidth), summed per category (:func:`device_peaks`: the named ``tkern.device.SPECS``
+entry's peaks; ``--device`` takes any of them, and tkern's GEMMs are routed as that device's
+plan routes them, :func:`device_routing`). The JSON also holds the analytic FLOPs (:func:`model_flops`,
 ``6 x linear params x tokens + 12 x layers x tokens x seq x width``) that the
 ledger's FLOPs agree with within 3% (a test says so).
 
@@ -86,7 +87,6 @@ from bench_models import (  # noqa: E402
     lm_loss,
 )
 from harness import (  # noqa: E402
-    DEVICES,
     RESULTS,
     DeviceSpec,
     commit,
@@ -106,6 +106,9 @@ from ledger_costs import (  # noqa: E402
 from ledger_record import Launch, NoCompute, _Recorder, profiled_launches, recorded_launches  # noqa: E402
 from train_recipes import LR, RECIPES, Built, tf32, trainer_for  # noqa: E402
 
+import tkern.device as tkdev  # noqa: E402
+from tkern.kernels import gemm as tk_gemm  # noqa: E402
+
 #: names moved to the modules above that tests and scripts still read from this one
 __all__ = [
     "RANGE",
@@ -116,6 +119,38 @@ __all__ = [
     "profiled_launches",
     "triton_cost",
 ]
+
+
+# --------------------------------------------------------------------------- the device
+
+#: the named GPUs a ledger can be counted for (``tkern.device.SPECS``)
+DEVICES = tuple(tkdev.SPECS)
+
+
+def device_peaks(name: str) -> DeviceSpec:
+    """The peaks a ledger's floors use, from ``tkern.device.SPECS[name]`` (its datasheet
+    16-bit and fp8 peaks and bandwidth): fp8 at the 16-bit peak where the device has no fp8
+    tensor cores; TF32 at half the 16-bit peak and fp32 without TF32 at a sixteenth (the
+    A100's and H100's datasheet ratios, 1/2 and 1/14.8-1/16: the spec holds no fp32 peak)."""
+    spec = tkdev.SPECS[name]
+    t16 = spec.tflops_16bit
+    source = f"tkern.device.SPECS[{name!r}] (datasheet, dense); TF32 = 1/2 and fp32 = 1/16 of 16-bit"
+    return DeviceSpec(name, spec.tflops_fp8 or t16, t16, t16 / 2, t16 / 16, spec.mem_tbps, source)
+
+
+@contextlib.contextmanager
+def device_routing(name: str) -> Iterator[None]:
+    """tkern's GEMMs routed as on ``name`` (``plan_gemm`` with its SMs and TMA, through
+    ``gemm.device_gemm_info``, the routing's one seam): split-K workspaces and reductions
+    and the TMA kernel where that device's plan takes them, not the pointer kernel that a
+    CPU's plan gives every GEMM."""
+    spec = tkdev.SPECS[name]
+    inner = tk_gemm.device_gemm_info
+    tk_gemm.device_gemm_info = lambda device: (spec.sms, spec.tma)
+    try:
+        yield
+    finally:
+        tk_gemm.device_gemm_info = inner
 
 
 # --------------------------------------------------------------------------- the step
@@ -224,7 +259,7 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
             f"fusion is the profile's), got {recipe!r}"
         )
     if device not in DEVICES:
-        raise ValueError(f"device must be one of {sorted(DEVICES)}, got {device!r}")
+        raise ValueError(f"device must be one of {list(DEVICES)}, got {device!r}")
     spec = MODELS[model]
     cpu = torch.device("cpu")
     ids = torch.randint(0, spec.vocab, (spec.batch, spec.seq), generator=torch.Generator().manual_seed(0))
@@ -266,13 +301,13 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
             m.register_forward_hook(norm_post)
     trainer = trainer_for(built, loss_fn)
     optimizer_phase(built.optimizer, built.scaler, lambda: _optimizer_phase(rec))
-    with recorded_launches(rec), NoCompute(rec), tf32(built.tf32):
+    with recorded_launches(rec), NoCompute(rec), tf32(built.tf32), device_routing(device):
         trainer.train_step([(ids, ids)])  # the optimizer's state is made here: not counted
         rec.on = True
         rec.phase = "forward"
         trainer.train_step([(ids, ids)])
         rec.on = False
-    return Ledger(model, recipe, DEVICES[device], spec, rec.launches, analytic, rec.syncs, built.tf32)
+    return Ledger(model, recipe, device_peaks(device), spec, rec.launches, analytic, rec.syncs, built.tf32)
 
 
 def _next_sequence_nr(rec: _Recorder) -> int:
@@ -389,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="step_ledger.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-small", choices=sorted(MODELS))
     parser.add_argument("--recipe", default="tkern", help=f"one of {ledger_recipes()}")
-    parser.add_argument("--device", default="h200", choices=sorted(DEVICES))
+    parser.add_argument("--device", default="h200", choices=DEVICES)
     parser.add_argument("--json", type=Path, default=None, help="write the ledger here")
     parser.add_argument(
         "--write",

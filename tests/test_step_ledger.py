@@ -141,24 +141,35 @@ def test_ledger_is_deterministic_and_compares(sl, tkern_tiny):
     assert "loss" in sl.table(tkern_tiny)
 
 
-def test_device_specs_and_cli(sl, tmp_path, capsys):
-    import harness
+def test_device_specs_routing_and_cli(sl, tmp_path, capsys, tkern_tiny):
+    """``--device`` takes any named ``tkern.device.SPECS`` entry (issue 52 item 6): the floors
+    come from its peaks, and tkern's GEMMs take the routes that device's plan gives them
+    (issue 54 item 2): the H200's TMA kernel for the aligned head GEMMs, the A100's pointer
+    kernel (no TMA) for all."""
+    from tkern.device import SPECS
 
-    assert harness.device_spec("NVIDIA H200") is harness.DEVICES["h200"]
-    assert harness.device_spec("NVIDIA H100 80GB HBM3") is harness.DEVICES["h100"]
-    assert harness.device_spec("cpu") is None
-    h200 = harness.DEVICES["h200"]
+    assert set(sl.DEVICES) == set(SPECS)
+    h200 = sl.device_peaks("h200")
+    assert (h200.bf16, h200.fp8, h200.hbm_tbps) == (SPECS["h200"].tflops_16bit, SPECS["h200"].tflops_fp8, 4.8)
     assert h200.peak_tflops(torch.float8_e4m3fn) == pytest.approx(
-        2 * h200.peak_tflops(torch.bfloat16), rel=1e-4
+        2 * h200.peak_tflops(torch.bfloat16), rel=1e-3
     )
+    assert sl.device_peaks("a100").fp8 == SPECS["a100"].tflops_16bit  # no fp8 tensor cores
     with pytest.raises(ValueError, match="compiled"):
         sl.run("gpt2-tiny", "torch autocast compiled")
+    with pytest.raises(ValueError, match="device"):
+        sl.run("gpt2-tiny", "tkern", "h300")
     out = tmp_path / "ledger.json"
-    payload = sl.main(["--model", "gpt2-tiny", "--recipe", "tkern", "--device", "h100", "--json", str(out)])
+    payload = sl.main(["--model", "gpt2-tiny", "--recipe", "tkern", "--device", "a100", "--json", str(out)])
     written = json.loads(out.read_text())
-    assert written["device"] == "NVIDIA H100 SXM" and written["totals"] == payload["totals"]
+    assert written["device"] == "a100" and written["totals"] == payload["totals"]
+    assert written["spec"]["bf16_tflops"] == 312.0 and written["spec"]["hbm_tbps"] == 2.039
     assert [c["name"] for c in written["categories"]] == list(sl.CATEGORIES)
     assert "floor ms" in capsys.readouterr().out
+    names = {r["name"] for r in tkern_tiny["ops"]}
+    assert "triton.gemm_tma._matmul_tma_kernel" in names
+    assert not any("tma" in r["name"] for r in written["ops"])
+    assert written["totals"]["floor_ms"] > tkern_tiny["totals"]["floor_ms"]  # the A100's lower peaks
 
 
 def test_gpt2_small_at_its_real_shape_counts_the_known_14_tflop(sl):
@@ -172,5 +183,58 @@ def test_gpt2_small_at_its_real_shape_counts_the_known_14_tflop(sl):
     assert blocks / 1e12 == pytest.approx(8.35, abs=0.01)
     assert cats["gemm lm head"]["flops"] / 1e12 == pytest.approx(3.79, abs=0.01)
     assert cats["attention"]["flops"] / 1e12 == pytest.approx(1.86, abs=0.01)
+    # the H200's plan: split-K (workspace, then its reduction) for the wgrads' few output tiles
+    names = {r["name"] for r in payload["ops"]}
+    assert {
+        "triton.gemm_split._matmul_split_k_kernel",
+        "triton.gemm_split._split_k_reduce_kernel",
+    } <= names, names
     # issue 42's target: at most half the 123.8 GB outside the GEMMs before its fusions
     assert payload["totals"]["bytes_outside_gemms"] <= 0.5 * 123.8e9
+
+
+def test_cross_entropy_kernel_is_charged_every_pass_over_its_logits(sl):
+    """Issue 54 item 4: the kernel reads each logits row once for the lse (pass 1) and once
+    more for the gradient (pass 2, fused into the forward or the backward's own launch)."""
+    import ledger_record
+
+    from tkern.kernels import cross_entropy as ce
+
+    rec = ledger_record._Recorder(sl.MODELS["gpt2-tiny"], False)
+    rec.on = True
+    n, v = 64, 1000
+    logits, target = torch.empty(n, v, dtype=torch.float16), torch.zeros(n, dtype=torch.int64)
+    lse, a = torch.zeros(n), torch.ones(1)
+    with ledger_record.recorded_launches(rec):
+        ce.cross_entropy_forward(logits, target)  # pass 1 only
+        ce.cross_entropy_forward(logits, target, grad=torch.empty_like(logits), a=a)  # both passes
+        ce.cross_entropy_backward(logits, target, lse, a)  # pass 2 only
+    one, both, back = [x.bytes for x in rec.launches if x.name.startswith("triton.cross_entropy")]
+    logits_bytes = n * v * 2
+    assert logits_bytes < one < logits_bytes + 64 * n  # the logits once, a few bytes a row
+    assert both - one >= 2 * logits_bytes  # read again and the gradient written
+    assert 2 * logits_bytes <= back < both  # read once, the gradient written
+
+
+def test_nll_loss_and_slice_backward_are_charged_what_a_gpu_touches(sl):
+    """Issue 54 item 5: nll_loss gathers one logit per row (not the row), its backward
+    zero-fills the gradient and writes one element per row; slice_backward zero-fills the
+    whole gradient, then copies the slice's gradient in (two launches each)."""
+    import ledger_record
+
+    rec = ledger_record._Recorder(sl.MODELS["gpt2-tiny"], False)
+    rec.on = True
+    n, v = 64, 1000
+    with ledger_record.NoCompute(rec):
+        logp, target = torch.empty(n, v), torch.zeros(n, dtype=torch.int64)
+        loss, total = torch.ops.aten.nll_loss_forward(logp, target, None, 1, -100)
+        torch.ops.aten.nll_loss_backward(torch.ones(()), logp, target, None, 1, -100, total)
+        torch.ops.aten.slice_backward(torch.empty(n, v), [n, v + 1], 1, 0, v, 1)
+    by = {}
+    for x in rec.launches:
+        by.setdefault(x.name, []).append(x.bytes)
+    small = n * (8 + 4) + 16  # the targets, one fp32 logit or gradient a row, scalars
+    assert len(by["aten.nll_loss_forward"]) == 1 and by["aten.nll_loss_forward"][0] <= small
+    fill, scatter = by["aten.nll_loss_backward"]
+    assert fill == n * v * 4 and scatter <= small
+    assert by["aten.slice_backward"] == [n * (v + 1) * 4, 2 * n * v * 4]
