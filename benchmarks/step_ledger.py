@@ -59,8 +59,9 @@ plan routes them, :func:`device_routing`). The JSON also holds the analytic FLOP
 ``6 x linear params x tokens + 12 x layers x tokens x seq x width``) that the
 ledger's FLOPs agree with within 3% (a test says so).
 
-What it does not see: the GPU's own choices (a CPU runs torch's CPU kernels:
-autocast's CPU op lists, SDPA's CPU flash kernel and its dispatch, one launch for
+Autocast runs CUDA autocast's op lists (``ledger_autocast``: ``pow`` and the rest of its
+fp32 list in fp32), not the CPU's. What it does not see: the GPU's own choices (a CPU runs
+torch's CPU kernels: SDPA's CPU flash kernel and its dispatch, one launch for
 a multi-tensor op), cache reuse inside a kernel (the bytes are compulsory
 traffic), launch latency, and compiled recipes (torch.compile's fusion is not
 modeled: those recipes are refused; their time is the profile's,
@@ -93,6 +94,7 @@ from harness import (  # noqa: E402
     model_flops,
     slug,
 )
+from ledger_autocast import cuda_autocast_lists  # noqa: E402
 from ledger_costs import (  # noqa: E402
     CATEGORIES,
     GEMM_CATEGORIES,
@@ -301,7 +303,8 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
             m.register_forward_hook(norm_post)
     trainer = trainer_for(built, loss_fn)
     optimizer_phase(built.optimizer, built.scaler, lambda: _optimizer_phase(rec))
-    with recorded_launches(rec), NoCompute(rec), tf32(built.tf32), device_routing(device):
+    routing = device_routing(device)
+    with recorded_launches(rec), NoCompute(rec), tf32(built.tf32), routing, cuda_autocast_lists():
         trainer.train_step([(ids, ids)])  # the optimizer's state is made here: not counted
         rec.on = True
         rec.phase = "forward"

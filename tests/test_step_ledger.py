@@ -238,3 +238,37 @@ def test_nll_loss_and_slice_backward_are_charged_what_a_gpu_touches(sl):
     fill, scatter = by["aten.nll_loss_backward"]
     assert fill == n * v * 4 and scatter <= small
     assert by["aten.slice_backward"] == [n * (v + 1) * 4, 2 * n * v * 4]
+
+
+def test_autocast_runs_cuda_autocasts_op_lists(sl):
+    """Issue 54 item 1: inside ``cuda_autocast_lists`` CPU autocast gives ops the dtypes CUDA
+    autocast gives them (``pow``, ``exp``, ``softmax``, ``layer_norm``, ``sum`` in fp32; ``mv`` in
+    fp16), an explicit dtype is kept, and nothing stays registered after it; every op of the
+    lists is one CUDA autocast registers. In the ledger, HF GPT-2's GELU chain (``pow``,
+    ``tanh``) reads and writes fp32, as on a GPU."""
+    import ledger_autocast as la
+
+    x = torch.randn(4, 8, dtype=torch.float16)
+    with torch.autocast("cpu", torch.float16):
+        assert torch.pow(x, 3.0).dtype == torch.float16  # CPU autocast's lists
+        with la.cuda_autocast_lists():
+            for y in (
+                torch.pow(x, 3.0),
+                torch.exp(x),
+                torch.softmax(x, -1),
+                x.sum(),
+                nn.functional.layer_norm(x, (8,)),
+            ):
+                assert y.dtype == torch.float32
+            assert torch.softmax(x, -1, dtype=torch.float16).dtype == torch.float16
+            assert torch.mv(x.float(), x[0].float()).dtype == torch.float16
+            assert torch.mm(x.float(), x.float().t()).dtype == torch.float16
+        assert torch.pow(x, 3.0).dtype == torch.float16 and torch.exp(x).dtype == torch.float16
+    for name in la.policies():
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "AutocastCUDA"), name
+    payload = sl.run("gpt2-tiny", "torch autocast").payload()
+    spec = sl.MODELS["gpt2-tiny"]
+    gelu_elems = spec.tokens * 4 * spec.width
+    for op in ("aten.pow", "aten.tanh"):
+        row = next(r for r in payload["ops"] if r["name"] == op)
+        assert row["bytes"] == row["launches"] * gelu_elems * 8, op  # fp32 in, fp32 out
