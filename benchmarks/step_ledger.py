@@ -21,7 +21,8 @@ nothing is computed:
   outputs' shapes come from the op's meta kernel and are allocated uninitialised
   (``torch.empty_strided``: untouched pages cost no memory), views and ``set_`` run
   as they are; an op on small tensors only (scalars, statistics, scales, flags: at
-  most :data:`SMALL_BYTES`) is computed, so that what decides anything (a skipped
+  most :data:`SMALL_BYTES`, integer ones and factories such as ``arange`` up to
+  :data:`SMALL_INT_BYTES`) is computed, so that what decides anything (a skipped
   step, ``.item()``) is real and the same on every run; ``.item()`` of a large
   tensor answers 0 (``syncs`` counts them all). Bytes = every input tensor's footprint (a
   broadcast dimension counted once) + every output's + every tensor written in

@@ -272,3 +272,21 @@ def test_autocast_runs_cuda_autocasts_op_lists(sl):
     for op in ("aten.pow", "aten.tanh"):
         row = next(r for r in payload["ops"] if r["name"] == op)
         assert row["bytes"] == row["launches"] * gelu_elems * 8, op  # fp32 in, fp32 out
+
+
+@pytest.mark.parametrize("recipe", ["torch autocast", "tkern"])
+def test_positions_are_real_so_hf_builds_no_packed_sequence_mask(sl, recipe):
+    """Issue 54 item 3: ``arange`` and ops on integer tensors up to ``SMALL_INT_BYTES`` (GPT-2
+    small's (16, 1024) int64 position ids among them) are computed, so HF's packed-sequence
+    check sees positions 0, 1, ... and, as on a GPU, builds no (batch, 1, seq, seq) mask."""
+    import ledger_record
+
+    rec = ledger_record._Recorder(sl.MODELS["gpt2-tiny"], False)
+    with ledger_record.NoCompute(rec):
+        pos = torch.arange(1024).expand(16, 1024).contiguous()
+        assert bool((torch.diff(pos, dim=-1) == 1).all()) and int(pos[3, 7]) == 7
+        assert int(torch.ones(4096, 4096).sum()) == 0  # a large float tensor is still not computed
+    spec = sl.MODELS["gpt2-tiny"]
+    mask = f"({spec.batch}, 1, {spec.seq}, {spec.seq})"
+    launches = sl.run("gpt2-tiny", recipe).launches
+    assert launches and not [x.name for x in launches if mask in x.shapes]
