@@ -106,6 +106,7 @@ _GPU_BYTES = {
     "nll_loss_forward": _nll_forward,
     "nll_loss2d_forward": _nll_forward,
     "nll_loss_backward": _nll_backward,
+    "nll_loss2d_backward": _nll_backward,
     "slice_backward": _slice_backward,
 }
 

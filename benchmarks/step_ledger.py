@@ -296,8 +296,9 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
         if rec.norms == 0:
             rec.norm_nodes[-1] = (rec.norm_nodes[-1][0], _next_sequence_nr(rec))
 
-    model_obj.register_forward_pre_hook(forward_pre)
-    model_obj.register_forward_hook(forward_post)
+    body = getattr(model_obj, "logits_model", model_obj)  # the loss phase starts at its output
+    body.register_forward_pre_hook(forward_pre)
+    body.register_forward_hook(forward_post)
     for m in model_obj.modules():
         if "Norm" in type(m).__name__:  # nn.LayerNorm, HF's LlamaRMSNorm, tkern's norm modules
             m.register_forward_pre_hook(norm_pre)

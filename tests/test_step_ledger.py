@@ -59,6 +59,7 @@ def _llama_flops(cfg: dict, seq: int, batch: int) -> int:
     [
         ("gpt2-tiny", "tkern"),
         ("gpt2-tiny", "torch autocast"),
+        ("gpt2-tiny", "torch autocast fused"),
         ("llama-tiny", "tkern"),
         ("llama-tiny", "tkern fp8 delayed"),
     ],
@@ -290,3 +291,33 @@ def test_positions_are_real_so_hf_builds_no_packed_sequence_mask(sl, recipe):
     mask = f"({spec.batch}, 1, {spec.seq}, {spec.seq})"
     launches = sl.run("gpt2-tiny", recipe).launches
     assert launches and not [x.name for x in launches if mask in x.shapes]
+
+
+def test_the_fused_eager_baseline(sl):
+    """Issue 54 item 6: ``torch autocast fused`` is HF's GPT-2 under autocast with one tanh GELU
+    kernel each way per block (no ``pow`` / ``tanh`` chain) and the loss over a view of the
+    logits (no fp32 copy of the shifted logits): fewer bytes than ``torch autocast``, the same
+    GEMMs, FLOPs and model."""
+    import train_recipes
+
+    spec = sl.MODELS["gpt2-tiny"]
+    fused = sl.run("gpt2-tiny", "torch autocast fused").payload()
+    plain = sl.run("gpt2-tiny", "torch autocast").payload()
+    ops = {r["name"]: r for r in fused["ops"]}
+    assert ops["aten.gelu"]["launches"] == ops["aten.gelu_backward"]["launches"] == spec.layers
+    assert "aten.pow" not in ops and "aten.tanh" not in ops
+    logits = spec.tokens * spec.vocab
+    clones = [r for r in fused["ops"] if r["category"] == "loss" and r["name"] == "aten.clone"]
+    assert all(r["bytes"] < logits for r in clones), clones
+    assert fused["totals"]["flops"] == plain["totals"]["flops"]
+    assert fused["totals"]["bytes"] < plain["totals"]["bytes"]
+    for role in sl.GEMM_CATEGORIES:
+        assert _by_name(fused)[role]["bytes"] == _by_name(plain)[role]["bytes"]
+    # the same function: the loss the wrapper returns is lm_loss of the model's logits
+    torch.manual_seed(0)
+    base = spec.build()
+    model = train_recipes.fused_eager(base)
+    ids = torch.randint(0, spec.vocab, (2, 16))
+    with torch.no_grad():
+        expected = sl.lm_loss(base(ids), ids)
+        assert torch.allclose(model(ids), expected, rtol=1e-5, atol=1e-5)
