@@ -197,7 +197,7 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
     train_rest) run_phase bench_train_rest bench 120 $py $b/bench_train.py --models gpt2,mlp \
         --recipes "$REST" "${SMOKE[@]}" ;;
     train_llama) run_phase bench_train_llama bench 120 $py $b/bench_train.py --models llama \
-        --recipes "=torch autocast,=torch autocast compiled,=tkern,=tkern bf16" "${SMOKE[@]}" ;;
+        --recipes "=torch autocast,=torch autocast fused,=torch autocast compiled,=tkern,=tkern bf16" "${SMOKE[@]}" ;;
     train_profile) run_phase bench_train_profile bench 130 $py $b/bench_train.py --profile --models gpt2 \
         --recipes "$PROFILE" "${SMOKE[@]}" ;;
     gemm_fp8_layouts) gemm_layouts gemm_fp8_layouts fp8_layouts ;;
@@ -238,9 +238,10 @@ ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes optimizer_health o
 # Every other recipe is the second call's (train_fp8, train_rest); the rows of both
 # calls land in one train.json (a subset merges into the file).
 MLP_QUICK="=torch fp32 (no tf32),=torch autocast,=torch autocast compiled,=tkern,=tkern opt eager,=tkern whole-step graph"
-# GPT-2 small (issue 44 item 1): compiled autocast and tkern bf16 were never measured there
+# GPT-2 small (issue 44 item 1): compiled autocast and tkern bf16 were never measured there;
+# the fused eager baseline (issue 54 item 6: one tanh GELU, the loss on a view of the logits)
 # (the fp32 reference of the loss check is the committed train.json's: a subset merges into it)
-GPT2_QUICK="=torch autocast,=torch autocast compiled,=torch autocast bf16,=tkern,=tkern bf16"
+GPT2_QUICK="=torch autocast,=torch autocast fused,=torch autocast compiled,=torch autocast bf16,=tkern,=tkern bf16"
 # issue 43: the fp8 steps (GPT-2 small first, then the MLPs) against their peers: bf16
 # autocast eager and compiled, torchao's Float8Linear compiled (bf16 params as torchao
 # documents it, and with an fp32 master)

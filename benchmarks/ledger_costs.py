@@ -66,6 +66,51 @@ _COPY_OPS = {
 }  # fmt: skip
 
 
+def aten_launch_bytes(name: str, args: tuple, read: dict, written: dict) -> list[int]:
+    """Bytes of each launch an aten op makes on a GPU, from what it reads (``read``) and
+    writes (``written``), tensors by :func:`_key`: one launch touching all of them, but for
+    the ops whose GPU kernels touch something else (:data:`_GPU_BYTES`)."""
+    rule = _GPU_BYTES.get(name)
+    if rule is not None:
+        return rule(args, read, written)
+    return [sum(footprint(t) for t in read.values()) + sum(footprint(t) for t in written.values())]
+
+
+def _others(tensors: dict, skip: torch.Tensor) -> int:
+    return sum(footprint(t) for k, t in tensors.items() if k != _key(skip))
+
+
+def _nll_forward(args, read, written) -> list[int]:
+    """nll_loss: one logit per row gathered (at its target), not the whole row."""
+    logits, target = args[0], args[1]
+    return [target.numel() * logits.element_size() + _others(read, logits) + _others(written, logits)]
+
+
+def _nll_backward(args, read, written) -> list[int]:
+    """nll_loss_backward: the gradient zero-filled (one launch), then one element per row
+    written at its target (the logits themselves are never read)."""
+    grad_input = next(iter(written.values()))
+    rows = args[2].numel()
+    return [footprint(grad_input), _others(read, args[1]) + rows * grad_input.element_size()]
+
+
+def _slice_backward(args, read, written) -> list[int]:
+    """slice_backward: the whole gradient zero-filled (one launch), then the slice's gradient
+    copied into it (read and written)."""
+    grad_input = next(iter(written.values()))
+    return [footprint(grad_input), 2 * footprint(args[0])]
+
+
+#: aten ops whose GPU kernels touch other bytes than their arguments' and outputs' footprints
+_GPU_BYTES = {
+    "nll_loss_forward": _nll_forward,
+    "nll_loss2d_forward": _nll_forward,
+    "nll_loss_backward": _nll_backward,
+    "nll_loss2d_backward": _nll_backward,
+    "slice_backward": _slice_backward,
+}
+
+
 def gemm_role(m: int, n: int, k: int, spec: ModelSpec, backward: bool) -> str:
     """``gemm lm head`` when a dimension is the vocabulary (or a padded copy of it),
     ``gemm wgrad`` when the reduction runs over the step's tokens, else ``gemm dgrad``
@@ -127,6 +172,7 @@ def _aten_category(name: str, outs: list[torch.Tensor], phase: str, rec, mnk) ->
 _TRITON_CATEGORY = {
     "activation": "elementwise",
     "swiglu": "elementwise",  # silu(gate) * up and its gradient (gate and up from one GEMM)
+    "rotary": "elementwise",  # the rotary embedding of q and k, forward and backward
     "norm": "norm",
     "cross_entropy": "loss",
     "float8": "fp8 cast/amax",
@@ -182,7 +228,17 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
             nbytes += m * n * named["data_ptr"].element_size() * (2 if named.get("STORE_T") else 1)
         return gemm_role(m, n, k, spec, backward), nbytes, 2 * m * n * k, a.dtype
     nbytes, dtype = _streamed_bytes(named)
+    if module == "cross_entropy" and "logits_ptr" in named:  # each pass over a row reads its logits again
+        passes = bool(named.get("COMPUTE_LSE")) + bool(named.get("WRITE_GRAD"))
+        nbytes += max(passes - 1, 0) * _logits_bytes(named)
     return _TRITON_CATEGORY.get(module, "other"), nbytes, 0, dtype
+
+
+def _logits_bytes(named: dict) -> int:
+    """Bytes of one pass over the cross-entropy kernel's logits (``n_rows`` x ``n_cols``)."""
+    logits = _tensor(named["logits_ptr"])
+    rows, cols = named.get("n_rows", logits.shape[0]), named.get("n_cols", logits.shape[-1])
+    return int(rows) * int(cols) * logits.element_size()
 
 
 def _streamed_bytes(named: dict) -> tuple[int, torch.dtype]:

@@ -39,8 +39,8 @@ from ledger_costs import (  # noqa: E402
     _mnk,
     _shapes,
     _tensor,
+    aten_launch_bytes,
     attention_flops,
-    footprint,
     triton_cost,
 )
 
@@ -99,13 +99,23 @@ class _Recorder:
 #: scales, flags): the values that decide anything (a skipped step, ``.item()``) are then real and
 #: the same on every run; a larger output is allocated, never written, never read
 SMALL_BYTES = 1 << 16
+#: an integer or boolean tensor up to this many bytes is computed for real too: token ids,
+#: position ids, cache positions and the packed-sequence check HF's masking runs on them
+#: (``(batch, seq)`` int64: 128 KiB at 16 x 1024), so that no mask is built that a GPU would skip
+SMALL_INT_BYTES = 1 << 21
+
+
+def _small(m: torch.Tensor, nbytes: int | None = None) -> bool:
+    """Whether ``m`` (its storage's ``nbytes``, else its elements) is one the ledger computes."""
+    nbytes = m.numel() * m.element_size() if nbytes is None else nbytes
+    return nbytes <= (SMALL_BYTES if m.dtype.is_floating_point or m.dtype.is_complex else SMALL_INT_BYTES)
 
 
 def _allocate(m: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor like the meta tensor ``m`` on ``device``: zeros when small (deterministic
     values for the small ops computed from it), else uninitialised (no page touched)."""
     out = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device)
-    return out.zero_() if out.untyped_storage().nbytes() <= SMALL_BYTES else out
+    return out.zero_() if _small(out, out.untyped_storage().nbytes()) else out
 
 
 def _to_meta(x):
@@ -131,7 +141,7 @@ class NoCompute(TorchDispatchMode):
         if func.is_view or name in _METADATA:
             return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        small = all(t.untyped_storage().nbytes() <= SMALL_BYTES for t in tensors)
+        small = all(_small(t, t.untyped_storage().nbytes()) for t in tensors)
         if name == "_local_scalar_dense":  # .item(): real for a small tensor, else 0 (no value exists)
             self.rec.syncs += self.rec.on
             return func(*args, **kwargs) if small else (False if args[0].dtype == torch.bool else 0)
@@ -152,7 +162,12 @@ class NoCompute(TorchDispatchMode):
             out = _aliased_returns(schema, args, kwargs)
         else:
             meta = func(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))
-            out = pytree.tree_map_only(torch.Tensor, lambda m: _allocate(m, device), meta)
+            if not tensors and all(
+                _small(m) for m in pytree.tree_leaves(meta) if isinstance(m, torch.Tensor)
+            ):
+                out = func(*args, **kwargs)  # a small factory (arange: positions, cache positions): real
+            else:
+                out = pytree.tree_map_only(torch.Tensor, lambda m: _allocate(m, device), meta)
         if name in _ALLOC:
             return out
         self._record(func, name, args, kwargs, out, mutated)
@@ -170,8 +185,7 @@ class NoCompute(TorchDispatchMode):
         read = {_key(t): t for t in inputs if _key(t) not in skip_read}
         if name == "embedding":  # reads only the rows it gathers
             read = {_key(args[1]): args[1]}
-        nbytes = sum(footprint(t) for t in read.values())
-        nbytes += sum(footprint(t) for t in {_key(t): t for t in fresh + written}.values())
+        per_launch = aten_launch_bytes(name, args, read, {_key(t): t for t in fresh + written})
         flops, mnk = 0, None
         if name in _GEMM_OPS:
             mnk = _mnk(name, args)
@@ -180,8 +194,9 @@ class NoCompute(TorchDispatchMode):
         elif func._overloadpacket in flop_registry:
             flops = flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)
         dtype = inputs[0].dtype if inputs else (outs[0].dtype if outs else torch.float32)
-        rec.add(f"aten.{name}", _aten_category(name, outs + written, phase, rec, mnk), nbytes, flops, dtype,
-                _shapes(inputs))  # fmt: skip
+        category = _aten_category(name, outs + written, phase, rec, mnk)
+        for i, nbytes in enumerate(per_launch):  # the FLOPs charged to the op's first launch
+            rec.add(f"aten.{name}", category, nbytes, 0 if i else flops, dtype, _shapes(inputs))
 
 
 def _bound(schema, args, kwargs) -> list:

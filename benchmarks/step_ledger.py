@@ -21,7 +21,8 @@ nothing is computed:
   outputs' shapes come from the op's meta kernel and are allocated uninitialised
   (``torch.empty_strided``: untouched pages cost no memory), views and ``set_`` run
   as they are; an op on small tensors only (scalars, statistics, scales, flags: at
-  most :data:`SMALL_BYTES`) is computed, so that what decides anything (a skipped
+  most :data:`SMALL_BYTES`, integer ones and factories such as ``arange`` up to
+  :data:`SMALL_INT_BYTES`) is computed, so that what decides anything (a skipped
   step, ``.item()``) is real and the same on every run; ``.item()`` of a large
   tensor answers 0 (``syncs`` counts them all). Bytes = every input tensor's footprint (a
   broadcast dimension counted once) + every output's + every tensor written in
@@ -53,13 +54,15 @@ the ledger. Categories (:data:`CATEGORIES`; names stable, compared across commit
   it empty for the recipes here).
 
 The floor of a launch is max(FLOPs / peak for its operand dtype, bytes / HBM
-bandwidth), summed per category (``harness.DEVICES`` gives the numbers and where
-they come from). The JSON also holds the analytic FLOPs (:func:`model_flops`,
+bandwidth), summed per category (:func:`device_peaks`: the named ``tkern.device.SPECS``
+entry's peaks; ``--device`` takes any of them, and tkern's GEMMs are routed as that device's
+plan routes them, :func:`device_routing`). The JSON also holds the analytic FLOPs (:func:`model_flops`,
 ``6 x linear params x tokens + 12 x layers x tokens x seq x width``) that the
 ledger's FLOPs agree with within 3% (a test says so).
 
-What it does not see: the GPU's own choices (a CPU runs torch's CPU kernels:
-autocast's CPU op lists, SDPA's CPU flash kernel and its dispatch, one launch for
+Autocast runs CUDA autocast's op lists (``ledger_autocast``: ``pow`` and the rest of its
+fp32 list in fp32), not the CPU's. What it does not see: the GPU's own choices (a CPU runs
+torch's CPU kernels: SDPA's CPU flash kernel and its dispatch, one launch for
 a multi-tensor op), cache reuse inside a kernel (the bytes are compulsory
 traffic), launch latency, and compiled recipes (torch.compile's fusion is not
 modeled: those recipes are refused; their time is the profile's,
@@ -86,13 +89,13 @@ from bench_models import (  # noqa: E402
     lm_loss,
 )
 from harness import (  # noqa: E402
-    DEVICES,
     RESULTS,
     DeviceSpec,
     commit,
     model_flops,
     slug,
 )
+from ledger_autocast import cuda_autocast_lists  # noqa: E402
 from ledger_costs import (  # noqa: E402
     CATEGORIES,
     GEMM_CATEGORIES,
@@ -106,6 +109,9 @@ from ledger_costs import (  # noqa: E402
 from ledger_record import Launch, NoCompute, _Recorder, profiled_launches, recorded_launches  # noqa: E402
 from train_recipes import LR, RECIPES, Built, tf32, trainer_for  # noqa: E402
 
+import tkern.device as tkdev  # noqa: E402
+from tkern.kernels import gemm as tk_gemm  # noqa: E402
+
 #: names moved to the modules above that tests and scripts still read from this one
 __all__ = [
     "RANGE",
@@ -116,6 +122,38 @@ __all__ = [
     "profiled_launches",
     "triton_cost",
 ]
+
+
+# --------------------------------------------------------------------------- the device
+
+#: the named GPUs a ledger can be counted for (``tkern.device.SPECS``)
+DEVICES = tuple(tkdev.SPECS)
+
+
+def device_peaks(name: str) -> DeviceSpec:
+    """The peaks a ledger's floors use, from ``tkern.device.SPECS[name]`` (its datasheet
+    16-bit and fp8 peaks and bandwidth): fp8 at the 16-bit peak where the device has no fp8
+    tensor cores; TF32 at half the 16-bit peak and fp32 without TF32 at a sixteenth (the
+    A100's and H100's datasheet ratios, 1/2 and 1/14.8-1/16: the spec holds no fp32 peak)."""
+    spec = tkdev.SPECS[name]
+    t16 = spec.tflops_16bit
+    source = f"tkern.device.SPECS[{name!r}] (datasheet, dense); TF32 = 1/2 and fp32 = 1/16 of 16-bit"
+    return DeviceSpec(name, spec.tflops_fp8 or t16, t16, t16 / 2, t16 / 16, spec.mem_tbps, source)
+
+
+@contextlib.contextmanager
+def device_routing(name: str) -> Iterator[None]:
+    """tkern's GEMMs routed as on ``name`` (``plan_gemm`` with its SMs and TMA, through
+    ``gemm.device_gemm_info``, the routing's one seam): split-K workspaces and reductions
+    and the TMA kernel where that device's plan takes them, not the pointer kernel that a
+    CPU's plan gives every GEMM."""
+    spec = tkdev.SPECS[name]
+    inner = tk_gemm.device_gemm_info
+    tk_gemm.device_gemm_info = lambda device: (spec.sms, spec.tma)
+    try:
+        yield
+    finally:
+        tk_gemm.device_gemm_info = inner
 
 
 # --------------------------------------------------------------------------- the step
@@ -224,7 +262,7 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
             f"fusion is the profile's), got {recipe!r}"
         )
     if device not in DEVICES:
-        raise ValueError(f"device must be one of {sorted(DEVICES)}, got {device!r}")
+        raise ValueError(f"device must be one of {list(DEVICES)}, got {device!r}")
     spec = MODELS[model]
     cpu = torch.device("cpu")
     ids = torch.randint(0, spec.vocab, (spec.batch, spec.seq), generator=torch.Generator().manual_seed(0))
@@ -258,21 +296,23 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
         if rec.norms == 0:
             rec.norm_nodes[-1] = (rec.norm_nodes[-1][0], _next_sequence_nr(rec))
 
-    model_obj.register_forward_pre_hook(forward_pre)
-    model_obj.register_forward_hook(forward_post)
+    body = getattr(model_obj, "logits_model", model_obj)  # the loss phase starts at its output
+    body.register_forward_pre_hook(forward_pre)
+    body.register_forward_hook(forward_post)
     for m in model_obj.modules():
         if "Norm" in type(m).__name__:  # nn.LayerNorm, HF's LlamaRMSNorm, tkern's norm modules
             m.register_forward_pre_hook(norm_pre)
             m.register_forward_hook(norm_post)
     trainer = trainer_for(built, loss_fn)
     optimizer_phase(built.optimizer, built.scaler, lambda: _optimizer_phase(rec))
-    with recorded_launches(rec), NoCompute(rec), tf32(built.tf32):
+    routing = device_routing(device)
+    with recorded_launches(rec), NoCompute(rec), tf32(built.tf32), routing, cuda_autocast_lists():
         trainer.train_step([(ids, ids)])  # the optimizer's state is made here: not counted
         rec.on = True
         rec.phase = "forward"
         trainer.train_step([(ids, ids)])
         rec.on = False
-    return Ledger(model, recipe, DEVICES[device], spec, rec.launches, analytic, rec.syncs, built.tf32)
+    return Ledger(model, recipe, device_peaks(device), spec, rec.launches, analytic, rec.syncs, built.tf32)
 
 
 def _next_sequence_nr(rec: _Recorder) -> int:
@@ -389,7 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="step_ledger.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2-small", choices=sorted(MODELS))
     parser.add_argument("--recipe", default="tkern", help=f"one of {ledger_recipes()}")
-    parser.add_argument("--device", default="h200", choices=sorted(DEVICES))
+    parser.add_argument("--device", default="h200", choices=DEVICES)
     parser.add_argument("--json", type=Path, default=None, help="write the ledger here")
     parser.add_argument(
         "--write",

@@ -107,12 +107,44 @@ def _torch_adamw(model: nn.Module, device: torch.device) -> torch.optim.Optimize
 
 
 def _torch(
-    base: nn.Module, device: torch.device, *, autocast=None, compiled=False, allow_tf32=False
+    base: nn.Module, device: torch.device, *, autocast=None, compiled=False, allow_tf32=False, fused=False
 ) -> Built:
-    model = copy.deepcopy(base)
+    model = fused_eager(base) if fused else copy.deepcopy(base)
     opt = _torch_adamw(model, device)
     scaler = torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
     return Built(torch.compile(model) if compiled else model, opt, scaler, autocast, tf32=allow_tf32)
+
+
+class ShiftedLoss(nn.Module):
+    """A language model (:class:`HFLM`) whose forward returns its next-token loss
+    (:func:`bench_models.lm_loss`'s quantity) from its logits without copying them: one
+    ``F.cross_entropy`` over the view ``logits[:, :-1]`` (classes on dim 1) with the labels
+    ``ids[:, 1:]``. ``logits_model``: the model whose output is the logits (the step ledger's
+    loss phase starts after it)."""
+
+    def __init__(self, lm: HFLM) -> None:
+        super().__init__()
+        self.logits_model = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.logits_model(ids)
+        return nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:])
+
+
+#: transformers' tanh-GELU modules (several elementwise kernels each way in eager)
+TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh")
+
+
+def fused_eager(base: nn.Module) -> nn.Module:
+    """A copy of ``base`` as a fair eager baseline (issue 54 item 6): each tanh GELU one
+    ``F.gelu(approximate="tanh")`` (``nn.GELU``), and a language model's loss taken on the
+    shifted labels without a copy of the logits (:class:`ShiftedLoss`)."""
+    model = copy.deepcopy(base)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in TANH_GELUS:
+                setattr(parent, name, nn.GELU(approximate="tanh"))
+    return ShiftedLoss(model) if isinstance(model, HFLM) else model
 
 
 def conv1d_as_linear(model: nn.Module) -> nn.Module:
@@ -153,6 +185,8 @@ def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool, fp32_mas
 TORCHAO_FP32_MASTER = "torchao float8 tensorwise compiled, fp32 master"
 #: bf16 autocast under torch.compile: the fp8 recipes' compiled 16-bit peer
 BF16_COMPILED = "torch autocast bf16 compiled"
+#: autocast with one tanh GELU kernel and the loss on a view of the logits: the eager baseline
+FUSED_EAGER = "torch autocast fused"
 #: tkern's memory modes (FusedAdamW's ``master`` and ``state_dtype``; issue 45 item 4)
 #: (``master="split"`` keeps the master as the bf16 param plus 16 low bits: bf16 params only)
 MEMORY_MODES = {
@@ -172,6 +206,7 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     BASELINE: lambda b, d, s: _torch(b, d),
     "torch autocast": lambda b, d, s: _torch(b, d, autocast=torch.float16),
     "torch autocast compiled": lambda b, d, s: _torch(b, d, autocast=torch.float16, compiled=True),
+    FUSED_EAGER: lambda b, d, s: _torch(b, d, autocast=torch.float16, fused=True),
     "torch autocast bf16": lambda b, d, s: _torch(b, d, autocast=torch.bfloat16),
     BF16_COMPILED: lambda b, d, s: _torch(b, d, autocast=torch.bfloat16, compiled=True),
     "torchao float8 tensorwise compiled": lambda b, d, s: _torchao_fp8(b, d, smoke=s),
