@@ -21,7 +21,7 @@ export TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1
 gate() {  # $1: label; runs the gate with whatever triton PYTHONPATH selects
     local start=$SECONDS
     echo "== compile gate, triton $("$PY" -c 'import triton; print(triton.__version__)') ($1)"
-    "$PY" -m pytest -q -p no:cacheprovider -m compiled tests/test_compiled.py
+    "$PY" -m pytest -q -p no:cacheprovider -m compiled tests/test_compiled*.py
     echo "== triton $1: $((SECONDS - start)) s"
 }
 
