@@ -234,7 +234,9 @@ def test_tkern_info_plans_for_a_named_gpu_without_it(capsys):
     assert {"forward", "dgrad", "wgrad"} <= {word for row in gemm_rows for word in row}
     assert SPECS["mi300x"].describe() in out and "waves_per_eu=2" in out and "split_k" in out
     assert (
-        out.count("refused: ") == len(RECIPE_FORMATS) and "float8_e4m3fnuz" in out and "MX block-scaled MMA: not native" in out
+        out.count("refused: ") == len(RECIPE_FORMATS)
+        and "float8_e4m3fnuz" in out
+        and "MX block-scaled MMA: not native" in out
     )
     assert "grid (up to 304 programs" in out
 
