@@ -476,11 +476,9 @@ def float8_linear(
             amax)`` from ``to_float8_delayed_deferred(weight, histories[1], margin=margin)``
             with the weight history unchanged since, and with ``update`` the forward
             rolls ``amax`` into that history (in its input's cast launch); ``amax``
-            None: that update was made already (by x's producer, in its launch).
-            ``"mxfp8"``: ``(data, scale, scale_t)`` of ``to_mx_both(weight)`` (float8_mx.py's
-            ``check_mx_weight_fp8``), with ``weight_fp8_t`` its ``data_t``.
-        weight_fp8_t: with ``weight_fp8``: the same cast transposed, (K, N) contiguous
-            (dgrad's K-major operand); None: dgrad makes it with one copy (required under mxfp8).
+            None: that update was made already (by x's producer, in its launch). ``"mxfp8"``:
+            ``(data, scale, scale_t)`` of ``to_mx_both(weight)``, ``weight_fp8_t`` its ``data_t``.
+        weight_fp8_t: with ``weight_fp8``: its transpose, (K, N) contiguous (dgrad's operand); None: one copy.
         counters: ``"delayed"``: a (3,) int32 tensor of zeros the three casts count
             their programs on (and leave at zero), kept by the layer; None: each cast
             makes its own.
