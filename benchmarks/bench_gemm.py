@@ -62,10 +62,11 @@ against the float64 product of the same fp8 operands; tkern's its ratio against 
 best peer of the same run (``vs_best_peer``, ``best_peer``) and against bf16
 (``vs_bf16``). Targets (GPU): >= 0.95x cuBLAS in every layout; fp8 >= 1.5x bf16
 (blockwise 1.3x). ``--layouts fwd,dgrad,wgrad`` and ``--shapes gpt2,llama`` pick what
-these sections run; given without ``--sections`` they run these two sections alone.
+these sections run; given without ``--sections`` they run these sections alone (and
+``mx_layouts``: the MXFP8 GEMMs in the same layouts, bench_gemm_mx.py's docstring).
 
 ``--sections`` picks what runs (default: fp8, transformer, square, linear,
-gelu_compiled, layouts, fp8_layouts).
+gelu_compiled, layouts, fp8_layouts, mx_layouts).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gemm_layouts as layouts_sections  # noqa: E402  (sections layouts, fp8_layouts)
+import bench_gemm_mx as mx_section  # noqa: E402  (section mx_layouts)
 from gemm_checks import (  # noqa: E402
     ACCUM,
     CHECK_TOL,
@@ -103,7 +105,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # tkern's two GEMM schedules: the default (one tile per program, pointer loads)
 # and the persistent one with tensor-descriptor (TMA) loads, not yet the default
 GEMMS = {"tkern": tkern.matmul, "tkern tma": matmul_tma_persistent}
-SECTIONS = ("fp8", "transformer", "square", "linear", "gelu_compiled", "layouts", "fp8_layouts")
+SECTIONS = ("fp8", "transformer", "square", "linear", "gelu_compiled", "layouts", "fp8_layouts", "mx_layouts")
 
 
 def bench_linear(record, mode, tokens: int, n: int, k: int) -> None:
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> Results:
             layouts_sections.bench_layouts(res, record, mode, models, layouts, args.alternatives)
         elif section == "fp8_layouts":
             layouts_sections.bench_fp8_layouts(res, record, mode, models, layouts)
+        elif section == "mx_layouts":
+            mx_section.bench_mx_layouts(res, record, mode, models, layouts)
         elif section == "gelu_compiled":
             if mode.smoke:  # a compile per shape: minutes on a CPU, nothing to learn there
                 print("gelu_compiled: skipped in smoke mode (torch.compile)")
@@ -285,6 +289,7 @@ def main(argv: list[str] | None = None) -> Results:
         res.save()  # after every section: a timeout loses only the section in progress
     summary = fp8_summary(res, tokens, fp8_shapes)
     summary += layouts_sections.layouts_summary(res, models, layouts, mode.smoke)
+    summary += mx_section.mx_summary(res, layouts, mode.smoke)
     if not mode.smoke:
         summary += gemm_summary(res, tokens, square, shapes) + gelu_summary(res, tokens, shapes)
     summary += [f"FAILED {f['case']} {f['impl']}: {f['error']}" for f in res.meta["failed"]]

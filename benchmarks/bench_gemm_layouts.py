@@ -282,7 +282,7 @@ def chosen(args, given: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         choice(args.shapes, MODEL_SHAPES, "--shapes"),
     )
     if (args.layouts or args.shapes) and not any(a.startswith("--sections") for a in given):
-        args.sections = ["layouts", "fp8_layouts"]  # the flags name these sections' cases
+        args.sections = ["layouts", "fp8_layouts", "mx_layouts"]  # the flags name these sections' cases
     return layouts, models
 
 

@@ -37,6 +37,12 @@ fp32 (:func:`lm_loss`):
   torch.bfloat16, float8=recipe)`` (Float8Linear wherever in and out features are
   multiples of 16, the LM head aside: its GEMMs run in bf16 inside the fused loss,
   :func:`fp8_body_filter`), FusedAdamW, no loss scale (bf16);
+* ``tkern fp8 mxfp8``: the same with ``float8="mxfp8"`` (MX blocks of 32: layers whose
+  features are multiples of 32, :func:`train_recipes.mx_filter`); ``torchao mxfp8
+  compiled``: torchao's MXFP8 training (``quantize_`` with ``MXFP8TrainingOpConfig``, the
+  same layers) on bf16 params under ``torch.compile`` (smoke: eager, emulated). Both are
+  skipped off Blackwell (sm_100) and MI355X with the refusal as the reason; target
+  (Blackwell): tkern's >= 1.1x torchao's on the Llama-like model;
 * ``torch autocast``: fp32 params, autocast fp16 + GradScaler + AdamW(fused=True);
 * ``torch autocast compiled``: the same model under ``torch.compile`` (the best
   a torch user has without writing kernels);
@@ -146,8 +152,10 @@ from train_recipes import (  # noqa: E402
     SMOKE_SKIPS,
     STEPS,
     TORCHAO_FP32_MASTER,
+    TORCHAO_MX,
     WARMUP,
     Built,
+    RefusedError,
     conv1d_as_linear,
     master_of,
     release,
@@ -355,6 +363,7 @@ def summarize(res: Results, case: str, smoke: bool) -> str:
         res.meta[f"{case}: fp8 {r} vs torchao float8, fp32 master"] = ratio(
             f"tkern fp8 {r}", TORCHAO_FP32_MASTER
         )
+    res.meta[f"{case}: fp8 mxfp8 vs torchao mxfp8"] = ratio("tkern fp8 mxfp8", TORCHAO_MX)
     for mode in MEMORY_MODES:
         if mem.get(mode) and mem.get("torch autocast"):
             res.meta[f"{case}: peak {mode} vs autocast"] = round(mem[mode] / mem["torch autocast"], 3)
@@ -390,7 +399,7 @@ def _run_case(res: Results, mode, case: str, base, x, y, loss_fn, recipes, steps
             print(f"{case} {recipe}: out of memory, skipped")
             res.add(case, recipe, None, skipped="out of memory")
             continue
-        except ImportError as exc:  # an optional peer (torchao) that is not installed
+        except (ImportError, RefusedError) as exc:  # an optional peer not installed, MXFP8 off Blackwell
             res.add(case, recipe, None, skipped=error_line(exc))
             continue
         except Exception as exc:  # record it, keep the other recipes' numbers

@@ -197,7 +197,7 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
     train_rest) run_phase bench_train_rest bench 120 $py $b/bench_train.py --models gpt2,mlp \
         --recipes "$REST" "${SMOKE[@]}" ;;
     train_llama) run_phase bench_train_llama bench 120 $py $b/bench_train.py --models llama \
-        --recipes "=torch autocast,=torch autocast fused,=torch autocast compiled,=tkern,=tkern bf16" "${SMOKE[@]}" ;;
+        --recipes "$LLAMA" "${SMOKE[@]}" ;;
     train_profile) run_phase bench_train_profile bench 130 $py $b/bench_train.py --profile --models gpt2 \
         --recipes "$PROFILE" "${SMOKE[@]}" ;;
     gemm_fp8_layouts) gemm_layouts gemm_fp8_layouts fp8_layouts ;;
@@ -246,6 +246,9 @@ GPT2_QUICK="=torch autocast,=torch autocast fused,=torch autocast compiled,=torc
 # autocast eager and compiled, torchao's Float8Linear compiled (bf16 params as torchao
 # documents it, and with an fp32 master)
 FP8_PEERS="=torch autocast bf16,=torch autocast bf16 compiled,torchao,tkern fp8"
+# the Llama-like model (issue 42), and its MXFP8 step against torchao's MX recipe (issue 53:
+# skipped with the refusal off Blackwell)
+LLAMA="=torch autocast,=torch autocast fused,=torch autocast compiled,=tkern,=tkern bf16,=tkern fp8 mxfp8,=torchao mxfp8 compiled"
 # the profile: tkern, compiled autocast (a torch user's best) and tkern fp8
 PROFILE="=tkern,=torch autocast compiled,=tkern fp8 tensorwise"
 # the second call's other recipes: the fp32 reference of the loss check (the first call's GPT-2 rows

@@ -77,7 +77,7 @@ def evaluate(files: dict[str, dict], where: str) -> list[tuple[Target, float | N
         value = next((payload[k] for k in t.names() if payload.get(k) is not None), None)
         status = t.judge(value)
         if status == NOT_MEASURED and where == "gpu":
-            status = WAITING  # no GPU run has measured it: said so, never a figure made up
+            status = t.waiting  # no GPU run has measured it: said so, never a figure made up
         by_key = {(r.get("case"), r.get("impl")): r for r in payload.get("rows", [])}
         fallbacks = [summary.fell_back(by_key[key]) for key in t.rows if key in by_key]
         fallback = next((f for f in fallbacks if f is not None), None)
@@ -91,7 +91,8 @@ def _counts(rows) -> str:
     statuses = [
         summary.FELL_BACK if s.startswith(summary.FELL_BACK) else s for _, _, s, _ in rows if s != FIGURE
     ]
-    kinds = (MET, MISSED, WAITING if WAITING in statuses else NOT_MEASURED)
+    waiting = tuple(dict.fromkeys(s for s in statuses if s.startswith("waiting for a")))
+    kinds = (MET, MISSED, *(waiting or (NOT_MEASURED,)))
     kinds += (summary.FELL_BACK,) if summary.FELL_BACK in statuses else ()
     return ", ".join(f"{statuses.count(s)} {s}" for s in kinds)
 

@@ -74,6 +74,8 @@ def newest(files: dict) -> str:
 PAR = 1.03
 SHAPES = r"\d+x\d+x\d+"
 GPT2 = TRAIN_MODELS[0][0]
+#: bench_train's Llama-like case (bench_models' issue 42 model; its name as bench_train writes it)
+LLAMA = "llama-like, seq 2048, batch 8"
 #: the 16-bit peers of a tkern training step (impl -> the tables' name)
 AUTOCAST_PEERS = ("torch autocast", "torch autocast compiled", "torch autocast bf16")
 FP8_TRAIN_PEERS = (

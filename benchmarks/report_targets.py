@@ -16,6 +16,8 @@ OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt}
 MET, MISSED, NOT_MEASURED, FIGURE = "met", "missed", "not measured", "figure"
 #: a GPU target with no figure yet: no GPU run has measured its rows (never a figure made up)
 WAITING = "waiting for a GPU measurement"
+#: the same for a target only Blackwell (sm_100) can measure: its rows are refused elsewhere
+WAITING_BLACKWELL = "waiting for a Blackwell measurement"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class Target:
         where: ``"gpu"`` (read in each GPU folder), ``"cpu"`` (in ``results/host``) or both.
         rows: the ``(case, impl)`` rows of the file its figure is computed from:
             a graphed one that replayed nothing makes it ``fell back``.
+        waiting: what a GPU folder says while no run has measured it (:data:`WAITING`,
+            or :data:`WAITING_BLACKWELL` for the MXFP8 targets).
     """
 
     stem: str
@@ -43,6 +47,7 @@ class Target:
     headline: bool = False
     where: tuple[str, ...] = ("gpu",)
     rows: tuple[tuple[str, str], ...] = ()
+    waiting: str = WAITING
 
     def names(self) -> tuple[str, ...]:
         return self.key if isinstance(self.key, tuple) else (self.key,)
@@ -145,6 +150,18 @@ TARGETS: list[Target] = [
             1.3 if scaling == "blockwise" else 1.5,
         )
         for scaling in summary.FP8_SCALINGS
+        for layout in GEMM_LAYOUTS
+    ],
+    # issue 53: the MXFP8 GEMMs in the training layouts (bench_gemm's mx_layouts), Blackwell only
+    *[
+        Target(
+            "gemm",
+            f"mx_{layout}_vs_bf16",
+            f"MXFP8 scaled_mm / bf16 cuBLAS, {layout} layout",
+            ">=",
+            1.8,
+            waiting=WAITING_BLACKWELL,
+        )
         for layout in GEMM_LAYOUTS
     ],
     Target(
@@ -356,6 +373,16 @@ TARGETS: list[Target] = [
         for r in summary.FP8_RECIPES
         for key, peer, bound in FP8_STEP_PEERS
     ],
+    # issue 53: the MXFP8 step on the Llama-like model against torchao's MX recipe
+    Target(
+        "train",
+        f"{summary.LLAMA}: fp8 mxfp8 vs torchao mxfp8",
+        "MXFP8 training step, Llama-like / torchao's MXFP8 recipe compiled",
+        ">=",
+        1.1,
+        rows=((summary.LLAMA, "tkern fp8 mxfp8"),),
+        waiting=WAITING_BLACKWELL,
+    ),
     # norms and loss (issue 28): figures until an issue sets bounds
     Target("norm", "layer_norm_fwd_bwd_vs_torch", "layer_norm fwd + bwd / torch (autocast path)"),
     Target("norm", "rms_norm_fwd_bwd_vs_torch", "rms_norm fwd + bwd / torch (autocast path)"),

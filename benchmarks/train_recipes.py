@@ -25,7 +25,13 @@ import tkern  # noqa: E402
 STEPS, WARMUP = 30, 5
 LR = 1e-4
 BASELINE = "torch fp32 (no tf32)"
-FP8_RECIPES = ("tensorwise", "delayed", "blockwise")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise", "mxfp8")
+#: torchao's MXFP8 training recipe, the peer of ``tkern fp8 mxfp8``
+TORCHAO_MX = "torchao mxfp8 compiled"
+
+
+class RefusedError(Exception):
+    """A recipe this device cannot run (MXFP8 off Blackwell): its row is skipped with the reason."""
 
 
 @contextlib.contextmanager
@@ -97,8 +103,22 @@ def fp8_body_filter(name: str, module: nn.Module) -> bool:
     return fp8_filter(name, module) and not name.endswith("lm_head")
 
 
+def mx_device_check(device: torch.device) -> None:
+    """Raise :class:`RefusedError` unless ``device`` multiplies MX formats natively (Blackwell
+    sm_100, MI355X gfx950, or the interpreter), the reason tkern's MX GEMM gives."""
+    from tkern.kernels.gemm_mx import check_mx_device
+
+    try:
+        check_mx_device(device)
+    except RuntimeError as exc:
+        raise RefusedError(str(exc)) from None
+
+
 def _tkern_fp8(base: nn.Module, device: torch.device, recipe: str) -> Built:
-    model = _converted(base, torch.bfloat16, float8=recipe, float8_filter=fp8_body_filter)
+    if recipe == "mxfp8":
+        mx_device_check(device)
+    layers = mx_filter if recipe == "mxfp8" else fp8_body_filter
+    model = _converted(base, torch.bfloat16, float8=recipe, float8_filter=layers)
     return Built(model, tkern.optim.FusedAdamW(model.parameters(), lr=LR))
 
 
@@ -182,6 +202,36 @@ def _torchao_fp8(base: nn.Module, device: torch.device, *, smoke: bool, fp32_mas
     )
 
 
+def _torchao_mx(base: nn.Module, device: torch.device, *, smoke: bool) -> Built:
+    """torchao 0.18's MXFP8 training (``quantize_`` with ``MXFP8TrainingOpConfig``: each
+    converted Linear's weight wrapped so its GEMMs cast to MXFP8, RCEIL scales, e4m3) on
+    bf16 params, the same module filter less the LM head as tkern's, under ``torch.compile``
+    as torchao documents it; in smoke mode eager and emulated (``KernelPreference.EMULATED``).
+    RefusedError off Blackwell: its GEMMs are cuBLAS's MXFP8."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.quantization import quantize_
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    if not smoke:
+        mx_device_check(device)
+    model = conv1d_as_linear(copy.deepcopy(base)).to(torch.bfloat16)
+    kernels = KernelPreference.EMULATED if smoke else KernelPreference.AUTO
+    quantize_(
+        model,
+        MXFP8TrainingOpConfig(kernel_preference=kernels),
+        filter_fn=lambda m, name: isinstance(m, nn.Linear) and mx_filter(name, m),
+    )
+    return Built(
+        model if smoke else torch.compile(model), _torch_adamw(model, device), autocast=torch.bfloat16
+    )
+
+
+def mx_filter(name: str, module: nn.Module) -> bool:
+    """The layers the MXFP8 recipes convert (tkern's and torchao's): both features multiples
+    of 32 (every GEMM's K holds whole MX blocks), the LM head aside (:func:`fp8_body_filter`)."""
+    return all(d % 32 == 0 for d in module.weight.shape) and not name.endswith("lm_head")
+
+
 TORCHAO_FP32_MASTER = "torchao float8 tensorwise compiled, fp32 master"
 #: bf16 autocast under torch.compile: the fp8 recipes' compiled 16-bit peer
 BF16_COMPILED = "torch autocast bf16 compiled"
@@ -211,6 +261,7 @@ RECIPES: dict[str, Callable[[nn.Module, torch.device, bool], Built]] = {
     BF16_COMPILED: lambda b, d, s: _torch(b, d, autocast=torch.bfloat16, compiled=True),
     "torchao float8 tensorwise compiled": lambda b, d, s: _torchao_fp8(b, d, smoke=s),
     TORCHAO_FP32_MASTER: lambda b, d, s: _torchao_fp8(b, d, smoke=s, fp32_master=True),
+    TORCHAO_MX: lambda b, d, s: _torchao_mx(b, d, smoke=s),
     "torch fp32 tf32": lambda b, d, s: _torch(b, d, allow_tf32=True),
     "tkern": lambda b, d, s: _tkern(b, d),
     "tkern bf16": lambda b, d, s: _tkern(b, d, dtype=torch.bfloat16),
@@ -227,6 +278,7 @@ SMOKE_SKIPS = ("torch autocast compiled", BF16_COMPILED, "tkern compiled")
 MASTERS = {
     "torchao float8 tensorwise compiled": "none (bf16 params)",
     TORCHAO_FP32_MASTER: "fp32 params",
+    TORCHAO_MX: "none (bf16 params)",
     "tkern bf16 master=split": "split",
     "tkern bf16 split + 8-bit state": "split",
 }

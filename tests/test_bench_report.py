@@ -79,3 +79,23 @@ def test_summary_compares_an_fp8_layout_gemm_with_its_best_peer_across_cases_wit
     assert "| 45.0% | abc1234 |" in text
     # a measure no run made is listed as such, never with a figure
     assert "Not measured on this device:" in text and "fp8 GEMM in training, blockwise scales, wgrad" in text
+
+
+def test_mx_targets_wait_for_a_blackwell_measurement_and_name_bench_trains_llama_case(tmp_path):
+    """Issue 53's targets: on a GPU folder that measured none of them (an H200, where the MX
+    rows are refused) they wait for a Blackwell run, not any GPU; the Llama case they read is
+    bench_train's own; once measured they are judged."""
+    import bench_models
+
+    assert report.summary.LLAMA in bench_models.case_names(smoke=False)
+    gpu = tmp_path / "nvidia-h200-test"
+    _write(gpu, "gemm", commit="abc1234")
+    rows = _targets(report.render_targets(tmp_path))
+    llama = "MXFP8 training step, Llama-like / torchao's MXFP8 recipe compiled"
+    labels = [f"MXFP8 scaled_mm / bf16 cuBLAS, {lay} layout" for lay in LAYOUTS]
+    for label, bound in [*((lab, ">= 1.8") for lab in labels), (llama, ">= 1.1")]:
+        assert rows[label] == f"| {label} |  | {bound} | waiting for a Blackwell measurement |  |", label
+    _write(gpu, "gemm", commit="abc1234", mx_fwd_vs_bf16=1.9)
+    assert _targets(report.render_targets(tmp_path))[labels[0]].startswith(
+        f"| {labels[0]} | 1.9 | >= 1.8 | met |"
+    )

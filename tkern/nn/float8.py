@@ -21,7 +21,7 @@ from tkern.nn.float8_fsdp import (
     wrap_weight,
 )
 from tkern.ops.common import is_compiling
-from tkern.ops.float8 import CACHED_SCALINGS, float8_linear, float8_weight_cache
+from tkern.ops.float8 import CACHED_SCALINGS, WEIGHT_CACHE_SCALINGS, float8_linear, float8_weight_cache
 from tkern.ops.float8_args import recipe_formats
 from tkern.ops.float8_mx import MX_GRAD_DTYPES
 
@@ -165,13 +165,13 @@ class Float8Layer:
     def _register_weight_cache(self) -> None:
         """Let a fused optimizer's step write the weight's cast (Float8WeightCache).
 
-        Tensorwise and delayed only. Blockwise is left out: issue 17 asks for the
+        Tensorwise, delayed and mxfp8 (its two casts). Blockwise is left out: issue 17 asks for the
         two per-tensor recipes; the (128, 128)-block cast also depends on the weight
         alone and could be cached the same way, but a Float8Conv1D's stored weight
         is the transpose of the GEMM operand, so its block scales would have to be
         transposed with it (not done yet)."""
         scaling = self.recipe.scaling
-        if scaling not in CACHED_SCALINGS or self.recipe.enable_fsdp_float8_all_gather:
+        if scaling not in WEIGHT_CACHE_SCALINGS or self.recipe.enable_fsdp_float8_all_gather:
             float8_weight_cache(self.weight, register=False)
             return
         history = None
@@ -231,6 +231,9 @@ class Float8Layer:
         cached = None if cache is None else cache.lookup(weight, histories and histories[1])
         if cached is None:
             return None
+        if cache.scaling == "mxfp8":  # (W along K, W^T along N), swapped for Conv1D as the data
+            (wq, sw), (wq_t, sw_t) = self._gemm_casts(cached, (cache.data_t, cache.scale_t))
+            return (wq, sw, sw_t), wq_t
         wq, weight_fp8_t = self._gemm_casts(cached[0], cache.data_t)
         return (wq, *cached[1:]), weight_fp8_t
 

@@ -32,6 +32,7 @@ from tkern.ops.float8_args import (
     CACHED_SCALINGS,
     E4M3,
     E5M2,
+    WEIGHT_CACHE_SCALINGS,
     Float8Input,
     check_activation_args,
     check_delayed_args,
@@ -44,7 +45,14 @@ from tkern.ops.float8_cache import Float8WeightCache, float8_weight_cache
 from tkern.ops.float8_emit import Float8Emit, check_emit_args, emitted_pair, scaled_mm_emit
 from tkern.ops.float8_mx import mx_float8_linear
 
-__all__ = ["CACHED_SCALINGS", "Float8Input", "Float8WeightCache", "float8_linear", "float8_weight_cache"]
+__all__ = [
+    "CACHED_SCALINGS",
+    "WEIGHT_CACHE_SCALINGS",
+    "Float8Input",
+    "Float8WeightCache",
+    "float8_linear",
+    "float8_weight_cache",
+]
 
 
 def _cast_2d_impl(x, dtype, store, store_t, sum_dtype, history, counter, margin, update, roll2=None):
@@ -468,9 +476,9 @@ def float8_linear(
             amax)`` from ``to_float8_delayed_deferred(weight, histories[1], margin=margin)``
             with the weight history unchanged since, and with ``update`` the forward
             rolls ``amax`` into that history (in its input's cast launch); ``amax``
-            None: that update was made already (by x's producer, in its launch).
-        weight_fp8_t: with ``weight_fp8``: the same cast transposed, (K, N) contiguous
-            (dgrad's K-major operand); None: dgrad makes it with one copy.
+            None: that update was made already (by x's producer, in its launch). ``"mxfp8"``:
+            ``(data, scale, scale_t)`` of ``to_mx_both(weight)``, ``weight_fp8_t`` its ``data_t``.
+        weight_fp8_t: with ``weight_fp8``: its transpose, (K, N) contiguous (dgrad's operand); None: one copy.
         counters: ``"delayed"``: a (3,) int32 tensor of zeros the three casts count
             their programs on (and leave at zero), kept by the layer; None: each cast
             makes its own.
@@ -494,8 +502,8 @@ def float8_linear(
     check_scaling(scaling)
     check_fp8_device(x.device, f"float8_linear (Float8Linear, {scaling!r})", recipe_formats(scaling))
     if scaling == "mxfp8":  # e8m0 blocks of 32 along each GEMM's K; none of the options below
-        return mx_float8_linear(x, weight, bias, grad_dtype=grad_dtype, unused=(activation, emit_fp8,
-                                x_fp8, weight_fp8))  # fmt: skip
+        return mx_float8_linear(x, weight, bias, grad_dtype=grad_dtype, weight_fp8=weight_fp8,
+                                weight_fp8_t=weight_fp8_t, unused=(activation, emit_fp8, x_fp8))  # fmt: skip
     check_activation_args(activation, scaling, weight.dtype)
     check_emit_args(emit_fp8, x, weight, scaling)
     if scaling == "delayed":  # all three histories before the first cast: the casts roll them as they go

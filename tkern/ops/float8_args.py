@@ -13,6 +13,7 @@ from tkern.kernels.activation import check_activation
 
 __all__ = [
     "CACHED_SCALINGS",
+    "WEIGHT_CACHE_SCALINGS",
     "Float8Input",
     "check_activation_args",
     "check_delayed_args",
@@ -26,6 +27,9 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 #: The recipes whose weight cast a :class:`~tkern.ops.float8.Float8WeightCache` holds (and
 #: whose input a producer may cast: :class:`Float8Input`).
 CACHED_SCALINGS = ("tensorwise", "delayed")
+#: the recipes whose weight cast a fused optimizer's step writes (Float8WeightCache): the
+#: per-tensor ones and "mxfp8" (its two casts, along K and along N, depend on the weight alone)
+WEIGHT_CACHE_SCALINGS = (*CACHED_SCALINGS, "mxfp8")
 
 #: The fp8 formats each recipe casts to: e4m3 for x and W, e5m2 for dY (tensorwise,
 #: delayed); e4m3 everywhere (blockwise). What the device check holds the GPU to.

@@ -10,7 +10,9 @@ from collections.abc import Callable
 import torch
 
 from tkern.kernels.float8 import cast_2d
-from tkern.ops.float8_args import CACHED_SCALINGS, E4M3
+from tkern.kernels.mx import to_mx_both
+from tkern.ops.float8_args import E4M3, WEIGHT_CACHE_SCALINGS
+from tkern.ops.float8_mx import MX_SCALE_MODE
 
 
 class Float8WeightCache:
@@ -34,6 +36,10 @@ class Float8WeightCache:
 
     ``"tensorwise"``: the cast is ``to_float8(weight)``, which depends on the
     weight alone.
+
+    ``"mxfp8"``: the weight's two MX casts from one read (``to_mx_both``, e4m3, the
+    recipe's scale rule): along K (``data``, ``scale``: the forward's operand) and along
+    N (``data_t``, ``scale_t``: dgrad's), as the recipe's forward would make them.
 
     ``"delayed"``: the forward's cast takes its scale from the weight's amax
     history *at the time of the forward* and, in training, rolls the weight's
@@ -69,14 +75,14 @@ class Float8WeightCache:
         """Set the recipe the cast follows, dropping any cast made before.
 
         Args:
-            scaling: ``"tensorwise"`` or ``"delayed"``.
+            scaling: ``"tensorwise"``, ``"delayed"`` or ``"mxfp8"``.
             history: ``"delayed"`` only: returns the weight's (H,) fp32 amax history
                 as it is now (or None: no cast). It should hold the module only
                 weakly (``weakref.ref``): the cache lives as long as the weight.
             margin: ``"delayed"``'s margin.
         """
-        if scaling not in CACHED_SCALINGS:
-            raise ValueError(f"scaling must be one of {CACHED_SCALINGS}, got {scaling!r}")
+        if scaling not in WEIGHT_CACHE_SCALINGS:
+            raise ValueError(f"scaling must be one of {WEIGHT_CACHE_SCALINGS}, got {scaling!r}")
         if (scaling == "delayed") != (history is not None) or (history is not None and not callable(history)):
             raise ValueError(
                 f'history must be a callable returning the amax history for scaling="delayed" '
@@ -87,7 +93,8 @@ class Float8WeightCache:
         self.scaling, self.margin, self._history = scaling, margin, history
         self.data: torch.Tensor | None = None  # e4m3, the weight's shape, contiguous
         self.data_t: torch.Tensor | None = None  # e4m3, its transpose, contiguous (the same values)
-        self.scale: torch.Tensor | None = None  # 0-dim fp32
+        self.scale: torch.Tensor | None = None  # 0-dim fp32 ("mxfp8": (N, K/32) e8m0)
+        self.scale_t: torch.Tensor | None = None  # "mxfp8": data_t's (K, N/32) e8m0 scales
         self.amax: torch.Tensor | None = None  # "delayed": (P,) fp32, the update the cast put off
         self._stamp: tuple[int, int] | None = None
         self._history_used: torch.Tensor | None = None
@@ -115,17 +122,21 @@ class Float8WeightCache:
                 )
                 self._history_used = history
                 self._history_stamp = (history._version, history.data_ptr())
+            elif self.scaling == "mxfp8":
+                data, scale, data_t, scale_t = to_mx_both(weight.detach(), E4M3, scale_mode=MX_SCALE_MODE)
+                self._keep(data, scale, data_t, None, scale_t)
             else:
                 cast = cast_2d(weight.detach(), E4M3, store_t=True)
-            self._keep(cast.data, cast.scale, cast.data_t, cast.amax)
+            if self.scaling != "mxfp8":
+                self._keep(cast.data, cast.scale, cast.data_t, cast.amax, None)
         self._stamp = (weight._version, weight.data_ptr())
 
     def _keep(self, *cast: torch.Tensor | None) -> None:
-        """Hold ``cast`` (data, scale, data_t, amax or None) in the same tensors step
+        """Hold ``cast`` (data, scale, data_t, amax or None, scale_t or None) in the same tensors step
         after step: copied into the previous step's when their shapes match, so a CUDA
         graph that captured a forward reading them (``Trainer(cuda_graph=True)``) reads
         each replay's cast, not a buffer freed after the capture."""
-        held = (self.data, self.scale, self.data_t, self.amax)
+        held = (self.data, self.scale, self.data_t, self.amax, self.scale_t)
         pairs = [(h, c) for h, c in zip(held, cast, strict=True) if c is not None or h is not None]
         if all(
             h is not None and c is not None and h.shape == c.shape and h.dtype == c.dtype for h, c in pairs
@@ -133,7 +144,7 @@ class Float8WeightCache:
             for h, c in pairs:
                 h.copy_(c)
         else:
-            self.data, self.scale, self.data_t, self.amax = cast
+            self.data, self.scale, self.data_t, self.amax, self.scale_t = cast
 
     def lookup(
         self, weight: torch.Tensor, history: torch.Tensor | None = None
@@ -145,8 +156,9 @@ class Float8WeightCache:
             history: its amax history under ``"delayed"`` (None under ``"tensorwise"``).
 
         Returns:
-            ``(data, scale)`` (tensorwise) or ``(data, scale, amax)`` (delayed: a
-            training forward rolls ``amax`` into ``history``), or None.
+            ``(data, scale)`` (tensorwise; mxfp8, with ``data_t`` and ``scale_t`` beside) or
+            ``(data, scale, amax)`` (delayed: a training forward rolls ``amax`` into
+            ``history``), or None.
         """
         if self._stamp is None or self._stamp != (weight._version, weight.data_ptr()):
             return None

@@ -11,8 +11,9 @@ Each tensor's two casts come from one read of it (tkern.kernels.mx.to_mx_both): 
 the forward (along K, and along M stored as x^T for wgrad), W's in the forward (along K,
 and along N stored as W^T for dgrad), dY's in the backward (along N, and along M stored
 as dY^T). A step is then three Triton launches forward (two casts, one GEMM) and three
-backward (one cast, two GEMMs), plus torch's sum for the bias gradient. The weight is
-cast in the forward (no optimizer-written cache yet). e4m3 everywhere by default;
+backward (one cast, two GEMMs), plus torch's sum for the bias gradient. The weight's two
+casts are written by a fused optimizer's step (tkern.ops.float8_cache.Float8WeightCache,
+given as ``weight_fp8``); without it the forward casts the weight. e4m3 everywhere by default;
 ``grad_dtype=torch.float8_e5m2`` casts dY to e5m2.
 """
 
@@ -25,11 +26,13 @@ from tkern.kernels.mx import BLOCK_SIZE, SCALE_MODES
 from tkern.ops import mx as _mx_ops  # noqa: F401 (registers tkern::to_mx and tkern::to_mx_both)
 from tkern.ops.common import as_2d
 
-__all__ = ["MX_GRAD_DTYPES", "check_mx_linear", "mx_float8_linear"]
+__all__ = ["MX_GRAD_DTYPES", "MX_SCALE_MODE", "check_mx_linear", "check_mx_weight_fp8", "mx_float8_linear"]
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+E4M3, E5M2, E8M0 = torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu
 #: What dY may be cast to.
 MX_GRAD_DTYPES = (E4M3, E5M2)
+#: the scale rule of Float8Linear's MX casts (tkern.kernels.mx: torchao's default)
+MX_SCALE_MODE = "floor"
 
 
 # The casts and GEMM as custom ops (tkern.ops.mx's, tkern.ops.float8's), eager and traced
@@ -56,7 +59,7 @@ class _MxFloat8Linear(torch.autograd.Function):
     """y = x @ W^T + b with MX fp8 GEMMs (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grad_dtype, scale_mode, grad_enabled):
+    def forward(ctx, x, weight, bias, grad_dtype, scale_mode, grad_enabled, cached):
         n, k = weight.shape
         x2d = as_2d(x, k)
         dgrad = grad_enabled and ctx.needs_input_grad[0]
@@ -65,7 +68,9 @@ class _MxFloat8Linear(torch.autograd.Function):
             xq, sx, xq_t, sx_t = _both(x2d, E4M3, scale_mode)
         else:
             (xq, sx), xq_t, sx_t = _along_k(x2d, scale_mode), None, None
-        if dgrad:  # W along K, and along out_features (W^T, dgrad's K-major operand)
+        if cached is not None:  # the optimizer's step cast W both ways (Float8WeightCache)
+            wq, sw, wq_t, sw_t = cached
+        elif dgrad:  # W along K, and along out_features (W^T, dgrad's K-major operand)
             wq, sw, wq_t, sw_t = _both(weight, E4M3, scale_mode)
         else:
             (wq, sw), wq_t, sw_t = _along_k(weight, scale_mode), None, None
@@ -90,7 +95,7 @@ class _MxFloat8Linear(torch.autograd.Function):
             dw = _scaled_mm(gq_t, xq_t.t(), sg_t, sx_t, None, ctx.w_dtype)
         if ctx.bias_grad:
             db = dy2d.sum(0, dtype=torch.float32).to(ctx.w_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def check_mx_linear(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype, scale_mode: str) -> None:
@@ -112,20 +117,46 @@ def check_mx_linear(x: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dty
     check_mx_device(x.device)
 
 
+def check_mx_weight_fp8(weight_fp8: object, weight: torch.Tensor, weight_fp8_t: object) -> None:
+    """Raise unless ``weight_fp8`` = (data (N, K) e4m3, scale (N, K/32) e8m0, scale_t (K, N/32)
+    e8m0) and ``weight_fp8_t`` (K, N) e4m3 contiguous are W's two MX casts' shapes
+    (``to_mx_both(W)``: ``data, scale`` and ``data_t, scale_t``) on W's device."""
+    n, k = weight.shape
+    if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != 3 or weight_fp8_t is None:
+        raise ValueError('weight_fp8 must be (data, scale, scale_t) and weight_fp8_t data_t under "mxfp8"')
+    want = {"data": ((n, k), E4M3), "scale": ((n, k // BLOCK_SIZE), E8M0),
+            "scale_t": ((k, n // BLOCK_SIZE), E8M0), "data_t": ((k, n), E4M3)}  # fmt: skip
+    for (name, (shape, dtype)), t in zip(want.items(), (*weight_fp8, weight_fp8_t), strict=True):
+        ok = isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == shape
+        if not (ok and t.is_contiguous() and t.device == weight.device):
+            raise ValueError(
+                f"weight_fp8's {name} must be a contiguous {shape} {dtype} tensor on {weight.device}, got "
+                + (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t))
+            )
+
+
 def mx_float8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     grad_dtype: torch.dtype = E4M3,
-    scale_mode: str = "floor",
+    scale_mode: str = MX_SCALE_MODE,
+    weight_fp8: tuple | None = None,
+    weight_fp8_t: torch.Tensor | None = None,
     unused: tuple = (),
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with MXFP8 GEMMs forward and backward (the module docstring);
     the arguments checked by the caller (tkern.ops.float8.float8_linear) and
-    :func:`check_mx_linear`. ``unused``: float8_linear's activation, emit_fp8, x_fp8 and
-    weight_fp8, which this recipe does not take (all must be None)."""
+    :func:`check_mx_linear`. ``weight_fp8`` = (data, scale, scale_t) and ``weight_fp8_t``:
+    W's two casts made already (``to_mx_both(W)`` with ``scale_mode``, a Float8WeightCache's;
+    :func:`check_mx_weight_fp8`), so the forward casts x alone. ``unused``: float8_linear's
+    activation, emit_fp8 and x_fp8, which this recipe does not take (all must be None)."""
     if any(arg is not None for arg in unused):
-        raise ValueError("the mxfp8 recipe takes no activation, emit_fp8, x_fp8 or weight_fp8")
+        raise ValueError("the mxfp8 recipe takes no activation, emit_fp8 or x_fp8")
     check_mx_linear(x, weight, grad_dtype, scale_mode)
-    return _MxFloat8Linear.apply(x, weight, bias, grad_dtype, scale_mode, torch.is_grad_enabled())
+    cached = None
+    if weight_fp8 is not None:
+        check_mx_weight_fp8(weight_fp8, weight, weight_fp8_t)
+        cached = (weight_fp8[0], weight_fp8[1], weight_fp8_t, weight_fp8[2])
+    return _MxFloat8Linear.apply(x, weight, bias, grad_dtype, scale_mode, torch.is_grad_enabled(), cached)

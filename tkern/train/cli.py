@@ -421,6 +421,7 @@ def _add_train_options(train: argparse.ArgumentParser) -> None:
 def _add_common_options(train: argparse.ArgumentParser) -> None:
     """The options both jobs take (defaults: :class:`tkern.train.demo.Config`, and for
     the GPT job :func:`tkern.train.gpt_job.default_config`)."""
+    from tkern.nn.float8 import FLOAT8_SCALINGS
     from tkern.train.demo import OPTIMIZER_DEFAULTS, OPTIMIZERS, RUNS, SCALERS, Config
     from tkern.train.gpt_job import CPU_RUNS, GPU_RUNS
 
@@ -460,11 +461,12 @@ def _add_common_options(train: argparse.ArgumentParser) -> None:
     train.add_argument("--plot", metavar="PNG", help="draw the loss curves into this file (default: none)")
     train.add_argument(
         "--float8",
-        choices=("tensorwise", "delayed", "blockwise"),
+        choices=FLOAT8_SCALINGS,
         default=None,
         metavar="RECIPE",
         help="the tkern run in bf16 with fp8 GEMMs (tkern.nn.Float8Linear) of this scaling recipe: "
-        "tensorwise, delayed or blockwise; Linear layers whose sizes are not multiples of 16 stay bf16 "
+        "tensorwise, delayed, blockwise or mxfp8; Linear layers whose sizes are not multiples of 16 "
+        "(32 under mxfp8) stay bf16 "
         "(default: none; gpt on a GPU: a tkern-fp8 run, tensorwise)",
     )
     train.add_argument(

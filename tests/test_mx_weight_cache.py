@@ -1,0 +1,61 @@
+"""The mxfp8 recipe's weight casts written by a fused optimizer's step (Float8WeightCache,
+issue 53): the forward casts only x, and two steps are bit for bit those of a twin that
+casts its weight in every forward."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from conftest import DEVICE
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tkern
+from tkern.functional import float8_weight_cache
+
+
+class _MxCasts(TorchDispatchMode):
+    """The MX cast launches (tkern::to_mx / to_mx_both custom ops) made while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "to_mx" in str(func):
+            self.casts.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_step_writes_both_mx_weight_casts_and_the_forward_casts_only_x():
+    torch.manual_seed(0)
+    cached = tkern.nn.Float8Linear(64, 32, recipe="mxfp8").to(DEVICE, torch.bfloat16)
+    plain = copy.deepcopy(cached)
+    float8_weight_cache(plain.weight, register=False)  # the reference casts in every forward
+    opts = [tkern.optim.FusedAdamW(m.parameters(), lr=1e-2) for m in (cached, plain)]
+    x = torch.randn(32, 64, device=DEVICE).to(torch.bfloat16)
+    for step in range(2):
+        outs, grads = [], []
+        for model, opt in zip((cached, plain), opts, strict=True):
+            xi = x.clone().requires_grad_()  # dgrad too: the weight's cast along N is read
+            with _MxCasts() as seen:
+                y = model(xi)
+            launched = seen.casts
+            y.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(y)
+            grads.append(xi.grad)
+            if model is cached and step > 0:
+                assert launched == [(32, 64)], launched  # x's cast alone: W's came from the step
+        assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]), step
+    assert torch.equal(cached.weight, plain.weight)
+    cache = float8_weight_cache(cached.weight)
+    data, scale, data_t, scale_t = tkern.kernels.mx.to_mx_both(cached.weight.detach())
+    for mine, want in (
+        (cache.data, data),
+        (cache.scale, scale),
+        (cache.data_t, data_t),
+        (cache.scale_t, scale_t),
+    ):
+        assert torch.equal(mine.view(torch.uint8), want.view(torch.uint8))
