@@ -82,6 +82,20 @@ TOL = {
 }
 
 
+class LazyModule:
+    """A module imported at its first attribute read, skipping the test that reads it
+    where it is missing (``pytest.importorskip``). For references whose import probes
+    the device (torchao's mx_formats, transformers' modeling files): imported at a test
+    module's top, they break the suite's collection as a GPU machine would collect it
+    (``TKERN_FAKE_CUDA_COLLECT``, tests/test_gpu_collection.py)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(pytest.importorskip(self._name), attr)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (0 when both are zero)."""
     out, ref = out.double().cpu(), ref.double().cpu()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, LazyModule
 
 import tkern
 from tkern.kernels.mx import to_mx_both
 
-mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
-ScaleCalculationMode = pytest.importorskip("torchao.prototype.mx_formats.config").ScaleCalculationMode
+mx_tensor = LazyModule("torchao.prototype.mx_formats.mx_tensor")
+mx_config = LazyModule("torchao.prototype.mx_formats.config")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MODES = ["floor", "rceil"]
@@ -25,7 +25,7 @@ def reference(x: torch.Tensor, dtype, axis: int, mode: str):
     last = x.detach().cpu().movedim(axis, -1).contiguous()
     if last.dtype == torch.float16:  # torchao takes fp32 / bf16; fp16 -> fp32 is exact
         last = last.float()
-    scales, data = mx_tensor.to_mx(last, dtype, 32, ScaleCalculationMode(mode))
+    scales, data = mx_tensor.to_mx(last, dtype, 32, mx_config.ScaleCalculationMode(mode))
     return data.movedim(-1, axis), scales.movedim(-1, axis)
 
 

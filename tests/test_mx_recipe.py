@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, LazyModule
 
 import tkern
 import tkern.device
 from tkern.nn import Float8Linear, Float8Recipe
 
-mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+mx_tensor = LazyModule("torchao.prototype.mx_formats.mx_tensor")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

@@ -19,7 +19,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, LazyModule, rel_err
 from test_residual import EXPECTED_ADDS, counting_adds, loss_and_grads
 
 import tkern
@@ -27,8 +27,8 @@ from tkern.kernels.rotary import rotary_embedding
 from tkern.nn.rotary import ROTARY_RULES, RotaryAttentionForward, route_rotary
 
 transformers = pytest.importorskip("transformers")
-from transformers.models.gpt_neox import modeling_gpt_neox  # noqa: E402
-from transformers.models.llama import modeling_llama  # noqa: E402
+modeling_gpt_neox = LazyModule("transformers.models.gpt_neox.modeling_gpt_neox")
+modeling_llama = LazyModule("transformers.models.llama.modeling_llama")
 
 B, H, HK, S, D = 2, 4, 2, 16, 32  # GQA: 2 kv heads for 4 query heads
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -285,7 +285,9 @@ def test_a_routed_attention_module_matches_its_twin_and_leaves_hf_alone(family, 
     assert isinstance(attn.__dict__["forward"], RotaryAttentionForward)
     assert dict(attn.named_parameters()) == params and attn.state_dict().keys() == state.keys()
     hf_calls, kernel_calls = [], []
-    family_module = modeling_llama if family == "llama" else modeling_gpt_neox
+    family_module = importlib.import_module(  # the module itself (patched below), not its lazy proxy
+        f"transformers.models.{family}.modeling_{family}"
+    )
     real_hf = family_module.apply_rotary_pos_emb
     monkeypatch.setattr(
         family_module, "apply_rotary_pos_emb", lambda *a, **k: hf_calls.append(1) or real_hf(*a, **k)
