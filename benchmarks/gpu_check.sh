@@ -237,7 +237,7 @@ ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes optimizer_health o
 # the trainer's; on GPT-2 small the same without the compiled and eager-optimizer rows.
 # Every other recipe is the second call's (train_fp8, train_rest); the rows of both
 # calls land in one train.json (a subset merges into the file).
-MLP_QUICK="=torch fp32 (no tf32),=torch autocast,=torch autocast compiled,=tkern,=tkern opt eager,=tkern whole-step graph"
+MLP_QUICK="=torch fp32 (no tf32),=torch autocast,=torch autocast fused,=torch autocast compiled,=tkern,=tkern opt eager,=tkern whole-step graph"
 # GPT-2 small (issue 44 item 1): compiled autocast and tkern bf16 were never measured there;
 # the fused eager baseline (issue 54 item 6: one tanh GELU, the loss on a view of the logits)
 # (the fp32 reference of the loss check is the committed train.json's: a subset merges into it)
