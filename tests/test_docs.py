@@ -1,6 +1,7 @@
 """The README and docs/ pages: every ```python block runs, every relative link resolves.
 
-Code blocks: each ```python block of README.md and docs/*.md is one test case, named
+Code blocks: each ```python block of docs/*.md is one test case (README.md's run in
+tests/test_examples.py, in a fresh interpreter), named
 ``<file>:<line>``. The blocks of one page run in order in ONE namespace (a page builds on
 itself: the README's trainer block goes on from the quick start), a fresh namespace per page,
 on CPU tensors through Triton's interpreter, in a temporary working directory (a block may
@@ -65,7 +66,14 @@ def python_blocks(path: Path) -> list[tuple[int, str]]:
     return [(line, code) for lang, line, code in fenced_blocks(path) if lang == "python"]
 
 
-CASES = [(page, index) for page in PAGES for index in range(len(python_blocks(page)))]
+#: The README's blocks run in tests/test_examples.py (a fresh interpreter, as a user pastes them,
+#: where it also checks that the quick start learns): run here too, they cost a minute twice.
+RUN_ELSEWHERE = {
+    ROOT / "README.md": "tests/test_examples.py::test_readme_quick_start_runs_as_written_and_learns",
+}
+CASES = [
+    (page, index) for page in PAGES if page not in RUN_ELSEWHERE for index in range(len(python_blocks(page)))
+]
 
 
 def case_id(case: tuple[Path, int]) -> str:
