@@ -35,6 +35,7 @@ two fp32 values per row instead of an fp32 copy of the input);
 
     python benchmarks/bench_activation_memory.py          # writes results/host/activation_memory.{json,md}
     python benchmarks/bench_activation_memory.py --smoke  # a small vocabulary; nothing written unless --out
+    python benchmarks/bench_activation_memory.py --tiny   # smaller still (real launches against stubbed)
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ CONFIG = {"n_layer": 2, "n_embd": 128, "n_head": 2, "vocab_size": 50257, "n_posi
 BATCH, SEQ = 2, 128
 SMOKE_CONFIG = {**CONFIG, "vocab_size": 4096, "n_positions": 136}
 SMOKE_BATCH, SMOKE_SEQ = 2, 136
+#: --tiny: the smoke model narrower and one short ragged row, for checking stubbed launches
+#: against real ones through the interpreter (the same code paths: two layers, the smoke's
+#: vocabulary and so its loss chunks; a seventh of its rows)
+TINY_CONFIG = {**SMOKE_CONFIG, "n_embd": 64, "n_positions": 40}
+TINY_BATCH, TINY_SEQ = 1, 40
 DTYPE = torch.bfloat16
 CATEGORIES = ("norms", "linear", "attention", "head + loss", "other")
 AUTOCAST = "torch autocast"
@@ -268,6 +274,9 @@ def main(argv: list[str] | None = None) -> Results:
         "--smoke", action="store_true", help="a small vocabulary; nothing written unless --out"
     )
     parser.add_argument(
+        "--tiny", action="store_true", help="--smoke's model narrower, one 40-token row (implies --smoke)"
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="results folder (default benchmarks/results/host)"
     )
     parser.add_argument(
@@ -278,10 +287,14 @@ def main(argv: list[str] | None = None) -> Results:
         "else stubbed: the same allocations, minutes instead of an hour)",
     )
     args = parser.parse_args(argv)
+    args.smoke = args.smoke or args.tiny
     stub = (args.launches or ("real" if args.smoke else "stubbed")) == "stubbed"
     out_dir = args.out if args.smoke else (args.out or RESULTS / "host")
     mode = Mode(args.smoke, torch.device("cpu"), out_dir)
-    config, batch, seq = (SMOKE_CONFIG, SMOKE_BATCH, SMOKE_SEQ) if args.smoke else (CONFIG, BATCH, SEQ)
+    if args.tiny:
+        config, batch, seq = TINY_CONFIG, TINY_BATCH, TINY_SEQ
+    else:
+        config, batch, seq = (SMOKE_CONFIG, SMOKE_BATCH, SMOKE_SEQ) if args.smoke else (CONFIG, BATCH, SEQ)
     torch.manual_seed(0)
     base = make_model(config)
     ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))

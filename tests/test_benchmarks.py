@@ -331,20 +331,24 @@ def test_activation_memory_smoke_counts_saved_bytes_and_the_largest_tensor(tmp_p
     """Autocast's and tkern's GEMMs-only rows always run; the fused-loss and norms rows
     (and their targets) once convert_network takes fused_loss= and norms=. Stubbed
     launches (how the full-size run avoids an hour of interpreter) allocate and save
-    exactly what real ones do."""
+    exactly what real ones do: checked at --tiny (the smoke's code paths, a seventh of its
+    rows through the interpreter), so the smoke's figures and targets come from stubbed
+    launches as the full-size run's do."""
     pytest.importorskip("transformers")
     import bench_activation_memory as bam
 
-    res = bam.main(["--smoke", "--out", str(tmp_path)])
+    res = bam.main(["--smoke", "--launches", "stubbed", "--out", str(tmp_path)])
     rows = {r["impl"]: r for r in res.rows}
     auto = rows[bam.AUTOCAST]
     # the unfused loss makes the fp32 logits (HF's logits.float()): the largest tensor
     assert auto["largest / fp32 logits"] == 1.0 and auto["norms MiB"] > 0
     assert auto["saved MiB"] == pytest.approx(sum(auto[f"{c} MiB"] for c in bam.CATEGORIES), abs=0.01)
     assert (tmp_path / "activation_memory.md").read_text().count("| torch autocast |") == 1
-    stubbed = {r["impl"]: r for r in bam.main(["--smoke", "--launches", "stubbed"]).rows}
+    real = {r["impl"]: r for r in bam.main(["--tiny", "--launches", "real"]).rows}
+    stubbed = {r["impl"]: r for r in bam.main(["--tiny", "--launches", "stubbed"]).rows}
     run_fields = ("loss", "date", "commit")  # what differs between two runs of the same code
-    for recipe, row in rows.items():
+    assert set(real) == set(stubbed) == set(rows)
+    for recipe, row in real.items():
         assert {k: v for k, v in row.items() if k not in run_fields} == {
             k: v for k, v in stubbed[recipe].items() if k not in run_fields
         }, recipe
