@@ -36,6 +36,10 @@ import pytest
 #: the line prefix of :func:`print_report`
 PREFIX = "GPU-COLLECT"
 RECORDER, INTERPRETER, COMPILE_GATE = "recorder", "interpreter", "compile gate"
+#: the test modules that drive the recorder (each skipped on a GPU machine)
+RECORDER_MODULES = (
+    "test_health", "test_optim_graph", "test_optim_one_pass", "test_trainer_auto", "test_trainer_graph",
+)  # fmt: skip
 
 
 def _codes(code: types.CodeType) -> Iterable[types.CodeType]:
@@ -121,3 +125,31 @@ def print_report(items: Iterable[pytest.Item]) -> None:
     for nodeid, found, reason in report(items):
         status = "runs" if reason is None else "skipped"
         print(f"{PREFIX} {status} {nodeid} | {','.join(found)}", file=sys.stdout)
+
+
+def classified(lines) -> list[tuple[str, str, str]]:
+    """``(status, node id, uses)`` of each GPU-COLLECT line among ``lines``."""
+    rows = []
+    for line in lines:
+        if line.startswith(PREFIX + " "):
+            status, rest = line[len(PREFIX) + 1 :].split(" ", 1)
+            nodeid, uses = rest.split(" | ")
+            rows.append((status, nodeid, uses))
+    return rows
+
+
+def check_the_suite_on_a_gpu_machine(rows: list[tuple[str, str, str]]) -> None:
+    """The whole suite's fake-CUDA collection (``rows`` from :func:`classified`): nothing runs
+    that needs the CPU, and the classifier saw the recorder's tests and the compile gate. The
+    collection itself is the GPU plan's dry run's ``gpu_collection`` phase, which the dry run's
+    test reads (tests/test_benchmarks.py: one collection of the suite, not two;
+    tests/test_gpu_collection.py checks this check on planted lines)."""
+    running = [f"{nodeid} ({uses})" for status, nodeid, uses in rows if status == "runs"]
+    assert running == [], "these would run on a GPU machine:\n" + "\n".join(running)
+    by_use = {u: [n for s, n, uses in rows if u in uses.split(",")] for u in (RECORDER, COMPILE_GATE)}
+    assert len(by_use[RECORDER]) >= 15
+    assert {n.split("::")[0] for n in by_use[RECORDER]} == {f"tests/{m}.py" for m in RECORDER_MODULES}
+    assert by_use[COMPILE_GATE] and all(
+        n.startswith("tests/test_compiled")
+        for n in by_use[COMPILE_GATE]  # test_compiled*.py
+    )

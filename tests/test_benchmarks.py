@@ -104,6 +104,18 @@ def test_dry_run_passes_every_phase_and_writes_what_the_report_reads(dry_run):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the dry run is the CPU's rehearsal of a GPU session")
+def test_dry_run_collects_the_suite_as_a_gpu_machine_would_and_nothing_needs_the_cpu(dry_run):
+    """The dry run's gpu_collection phase (the whole suite collected with CUDA faked,
+    tests/gpu_collection.py): every test that needs the CPU skips there, the recorder's and
+    the compile gate's among them (the suite's one collection of itself)."""
+    import gpu_collection
+
+    _, out = dry_run
+    log = (out / "pytest_gpu.log").read_text().splitlines()
+    gpu_collection.check_the_suite_on_a_gpu_machine(gpu_collection.classified(log))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the dry run is the CPU's rehearsal of a GPU session")
 def test_dry_run_fp8_gemm_rows_cover_every_format_and_scaling(dry_run):
     import bench_gemm
 

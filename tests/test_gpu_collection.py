@@ -35,33 +35,21 @@ def _collect(*paths: str, cwd: Path = ROOT, plugin: bool = False) -> list[tuple[
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = []
-    for line in proc.stdout.splitlines():
-        if line.startswith(gpu_collection.PREFIX + " "):
-            status, rest = line[len(gpu_collection.PREFIX) + 1 :].split(" ", 1)
-            nodeid, uses = rest.split(" | ")
-            rows.append((status, nodeid, uses))
-    return rows
+    return gpu_collection.classified(proc.stdout.splitlines())
 
 
-@pytest.mark.slow
-def test_on_a_gpu_machine_nothing_collected_needs_the_cpu():
-    rows = _collect("tests")
-    running = [f"{nodeid} ({uses})" for status, nodeid, uses in rows if status == "runs"]
-    assert running == [], "these would run on a GPU machine:\n" + "\n".join(running)
-    # the classifier saw what it must: the recorder's tests and the whole compile gate
-    by_use = {u: [n for s, n, uses in rows if u in uses.split(",")] for u in ("recorder", "compile gate")}
-    assert len(by_use["recorder"]) >= 15
-    assert {n.split("::")[0] for n in by_use["recorder"]} == {
-        "tests/test_health.py",
-        "tests/test_optim_graph.py",
-        "tests/test_optim_one_pass.py",
-        "tests/test_trainer_auto.py",
-        "tests/test_trainer_graph.py",
-    }
-    assert by_use["compile gate"] and all(
-        n.startswith("tests/test_compiled") for n in by_use["compile gate"]  # test_compiled*.py
-    )
+def test_the_suite_check_fails_on_a_test_that_would_run():
+    # the whole suite's collection is read by the dry run's test (tests/test_benchmarks.py);
+    # here the check on its lines, so that it can fail
+    suite = [
+        *(f"GPU-COLLECT skipped tests/{m}.py::t | recorder" for m in gpu_collection.RECORDER_MODULES),
+        *(f"GPU-COLLECT skipped tests/test_health.py::t{i} | recorder" for i in range(15)),
+        "GPU-COLLECT skipped tests/test_compiled.py::t | compile gate",
+    ]
+    gpu_collection.check_the_suite_on_a_gpu_machine(gpu_collection.classified(suite))
+    ran = [*suite, "GPU-COLLECT runs tests/test_x.py::t | interpreter"]
+    with pytest.raises(AssertionError, match="would run on a GPU machine"):
+        gpu_collection.check_the_suite_on_a_gpu_machine(gpu_collection.classified(ran))
 
 
 def test_the_check_finds_an_unskipped_recorder_test_through_a_helper(tmp_path):
