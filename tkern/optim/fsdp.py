@@ -61,27 +61,45 @@ optimizers take plain params only.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import sys
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tkern.flat import OWNED, ParamStorage, describe_param
 from tkern.flat.storage import SharedSlots
 from tkern.kernels.overflow import combine_stats
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "DTensorShards",
     "MeshGroups",
     "fsdp_shard_storage",
     "fsdp_storage_bytes",
+    "is_dtensor",
     "mesh_groups",
     "param_storage",
     "split_by_mesh",
 ]
 
-#: The layouts tkern steps: FSDP2's on a 1-D mesh, HSDP's on a 2-D (replicate, shard) mesh.
-_LAYOUTS = {1: (Shard(0),), 2: (Replicate(), Shard(0))}
+#: torch.distributed.tensor, imported where a DTensor is met (a third of ``import tkern``'s
+#: time on a CPU): while no module has imported it, no tensor can be a DTensor.
+_DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor, without importing torch.distributed.tensor when nothing has."""
+    module = sys.modules.get(_DTENSOR_MODULE)
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def _layouts() -> dict[int, tuple]:
+    """The layouts tkern steps: FSDP2's on a 1-D mesh, HSDP's on a 2-D (replicate, shard) mesh."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {1: (Shard(0),), 2: (Replicate(), Shard(0))}
 
 
 class MeshGroups(NamedTuple):
@@ -141,6 +159,8 @@ class DTensorShards(ParamStorage):
     def wrap(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         # as torchao's low-bit optimizers wrap their state: what torch.distributed.checkpoint
         # (get_optimizer_state_dict, dcp.save) needs to place each shard in the whole
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(
             local,
             param.device_mesh,
@@ -156,7 +176,7 @@ class DTensorShards(ParamStorage):
         tensor (one process's state, a torch optimizer's) that ``Shard(0)`` gives this rank
         (by its coordinate on the shard dim: HSDP's replicas take the same rows)."""
         with torch.no_grad():
-            if isinstance(value, DTensor):
+            if is_dtensor(value):
                 if value.device_mesh != param.device_mesh or value.placements != param.placements:
                     value = value.redistribute(param.device_mesh, param.placements)
                 return value.to_local()
@@ -297,18 +317,18 @@ def _add_storages(t: torch.Tensor, into: dict[int, int]) -> None:
 
 
 def _check_dtensor(p: DTensor, name: str) -> None:
-    mesh, placements = p.device_mesh, tuple(p.placements)
-    if mesh.ndim not in _LAYOUTS:
+    mesh, placements, layouts = p.device_mesh, tuple(p.placements), _layouts()
+    if mesh.ndim not in layouts:
         raise ValueError(
             f"{name} is a DTensor on a {mesh.ndim}-D device mesh: tkern's fused optimizers take FSDP2 "
             "params sharded on a 1-D mesh or HSDP's 2-D (replicate, shard) mesh"
         )
-    if placements != _LAYOUTS[mesh.ndim]:
+    if placements != layouts[mesh.ndim]:
         if mesh.ndim == 2:
             raise ValueError(
                 f"{name} is a DTensor on a 2-D device mesh with placements {placements} (tensor "
                 f"parallelism or another layout): on a 2-D mesh tkern's fused optimizers take HSDP's "
-                f"params, placements {_LAYOUTS[2]} (fully_shard on a (replicate, shard) mesh)"
+                f"params, placements {layouts[2]} (fully_shard on a (replicate, shard) mesh)"
             )
         raise ValueError(
             f"{name} is a DTensor with placements {placements}: tkern's fused optimizers take "
@@ -325,7 +345,7 @@ def param_storage(
     the two, a DTensor in neither FSDP2's layout (``Shard(0)`` on a 1-D mesh) nor HSDP's
     (``(Replicate(), Shard(0))`` on a 2-D mesh), a second mesh, or DTensor
     params given to a ZeRO-2 optimizer (``zero``); nothing is changed."""
-    kinds = [isinstance(p, DTensor) for p in params]
+    kinds = [is_dtensor(p) for p in params]
     if not any(kinds):
         return OWNED
     if not all(kinds):
@@ -362,7 +382,7 @@ def split_by_mesh(tensors: list[torch.Tensor]) -> dict[MeshGroups | None, list[t
     out: dict[Any, list[torch.Tensor]] = {}
     for i, t in enumerate(tensors):
         key = None
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             if all(p.is_replicate() for p in t.placements):
                 pass
             else:
