@@ -23,11 +23,11 @@ EXAMPLES = ROOT / "examples"
 @pytest.mark.parametrize(
     "script, args, package",
     [
-        ("custom_loop.py", ["--steps", "12"], None),
-        ("fsdp.py", ["--steps", "12"], None),  # 2 local gloo processes (FSDP2 on CPUs)
+        ("custom_loop.py", ["--steps", "6"], None),
+        ("fsdp.py", ["--steps", "6"], None),  # 2 local gloo processes (FSDP2 on CPUs)
         ("hf_trainer.py", ["--steps", "4"], "transformers"),
-        ("lightning.py", ["--steps", "8"], "lightning"),
-        ("lightning.py", ["--steps", "8", "--manual"], "lightning"),
+        ("lightning.py", ["--steps", "4"], "lightning"),
+        ("lightning.py", ["--steps", "4", "--manual"], "lightning"),
     ],
 )
 def test_example_runs_and_learns(script, args, package):
