@@ -843,6 +843,15 @@ def cast_tiles(
     check_fp8_dtype(dtype)
     if sum_dtype is not None and sum_dtype not in HIGH_DTYPES:
         raise ValueError(f"sum_dtype must be float32, float16 or bfloat16, got {sum_dtype}")
+    return cast_tiles_prechecked(x, dtype, store_t, sum_dtype)
+
+
+def cast_tiles_prechecked(
+    x: torch.Tensor, dtype: torch.dtype, store_t: bool, sum_dtype: torch.dtype | None
+) -> TileCast:
+    """:func:`cast_tiles` for a caller whose arguments are valid (Float8Linear's blockwise
+    forward and backward, on the input :func:`tkern.ops.float8.float8_linear` checked and
+    on dY): the cast and nothing checked again."""
     M, K = x.shape
     grid = (cdiv(M, SCALE_TILE), cdiv(K, SCALE_TILE))
     data = torch.empty((M, K), dtype=dtype, device=x.device)
@@ -950,6 +959,12 @@ def roll_amax_history(history: torch.Tensor, amax: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must be a contiguous 1-D tensor with >= 1 element, got shape {tuple(t.shape)}"
             )
+    roll_amax_history_prechecked(history, amax)
+
+
+def roll_amax_history_prechecked(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """:func:`roll_amax_history` for a caller that checked both (Float8Linear's forward: the
+    layer's weight history and its cached cast's amax, float8_linear's checks)."""
     h, count = history.numel(), amax.numel()
     _roll_history_kernel[(1,)](
         history, h, amax, count,
