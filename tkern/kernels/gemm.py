@@ -38,12 +38,11 @@ from tkern.kernels._common import (
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
 from tkern.kernels.float8 import (
     cast_2d_prechecked,
+    cast_multiplier,
     check_fp8_device,
-    delayed_multiplier,
     fp8_constants,
     last_to_finish,
     max_of_chunks,
-    reciprocal,
     release_counter,
     roll_if_last,
     roll_value_if_last,
@@ -368,9 +367,9 @@ def _matmul_emit_kernel(
     pid = tl.program_id(0)
     mult = 1.0
     if DELAYED:
-        mult = delayed_multiplier(history_ptr, H, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, HBLOCK)
-        if pid == 0:
-            tl.store(scale_ptr, reciprocal(mult))
+        mult = cast_multiplier(
+            history_ptr, H, margin_factor, scale_ptr, pid, True, FP8_MAX, MULT_AT_EPS, EPS_F32, HBLOCK
+        )
     acc, pid_m, pid_n = _matmul_tile(
         a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
         stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, c_ptr,
@@ -1087,6 +1086,7 @@ def scaled_mm(
     activation: str | None = None,
     preact: torch.Tensor | None = None,
     emit_fp8: Float8Emit | None = None,
+    prechecked: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, Float8Emitted]:
     """``act((a.float() * scale_a) @ (b.float() * scale_b) + bias)``, accumulated in fp32 and
     rounded once to ``out_dtype``, as ``torch._scaled_mm`` defines its scales. :func:`matmul`'s
@@ -1100,53 +1100,52 @@ def scaled_mm(
             or block scales (ceil(K / bk), ceil(N / bn)).
         bias: optional (N,) bf16, fp16 or fp32, added after the scales.
         out_dtype: bf16 (default), fp16 or fp32.
-        block_a, block_b: the block shapes (bm, bk) / (bk, bn) of block scales; when
-            omitted, ceil(size / number of scales) per dimension rounded up to a power of
-            two (DeepSeek-V3's (1, 128) and (128, 128) are found from their scales). A
-            block's K extent is a multiple of 128: partial sums are promoted that often.
+        block_a, block_b: the block shapes (bm, bk) / (bk, bn) of block scales; omitted: ceil(size
+            / scales) per dimension rounded up to a power of two (finds DeepSeek-V3's (1, 128) and
+            (128, 128)). K extents are multiples of 128: partial sums are promoted that often.
         out: optional (M, N) tensor of ``out_dtype``, any strides, sharing no memory with
             the other tensors: the result is written into it and returned (``_scaled_mm``'s).
         accumulate_into: like ``out``, but the result is added to it in place (read in
             fp32, rounded once): a Float8Linear's wgrad into a fused optimizer's gradient
             buffer. At most one of the two.
-        use_fast_accum: as ``torch._scaled_mm``'s: False (the default) promotes the
-            fp8 tensor cores' partial sums into the fp32 accumulator every K tile (at most
-            128 of K) on Hopper; True leaves them in the tensor cores' accumulator along K
-            (faster, fewer bits: Float8Linear's forward). Block scales are promoted every
-            K tile either way. No effect elsewhere.
+        use_fast_accum: as ``torch._scaled_mm``'s: False (the default) promotes the fp8 tensor
+            cores' partial sums into the fp32 accumulator every K tile (<= 128 of K) on Hopper;
+            True keeps them in the tensor cores' accumulator (faster, fewer bits: Float8Linear's
+            forward). Block scales are promoted every K tile either way. No effect elsewhere.
         activation: None, ``"relu"``, ``"gelu"`` (erf form), ``"silu"`` or ``"gelu_tanh"``,
             in fp32 in the epilogue after the scales and the bias, as :func:`matmul`'s (a
             Float8Linear's fused MLP activation). Per-tensor or per-row scales only.
-        preact: optional (M, N) contiguous tensor of ``out_dtype`` that receives the scaled
-            ``a @ b + bias`` before the activation, rounded once (what the activation's
-            gradient needs); per-tensor or per-row scales only.
+        preact: optional (M, N) contiguous ``out_dtype`` tensor receiving the scaled ``a @ b +
+            bias`` before the activation, rounded once (for act's gradient); per-tensor or per-row scales.
         emit_fp8: a :class:`~tkern.kernels.gemm_emit.Float8Emit`: the epilogue also writes
             the next fp8 GEMM's e4m3 input in both layouts, bit for bit ``cast_2d`` of the
             result (as rounded to ``out_dtype``) under that GEMM's recipe (gemm_emit.py says
             how), and the call returns ``(result, Float8Emitted(data, data_t, scale))``.
-            Per-tensor or per-row scales, bf16 / fp16 ``out_dtype``, no ``out`` /
-            ``accumulate_into``.
+            Per-tensor or per-row scales, bf16 / fp16 ``out_dtype``, no ``out`` / ``accumulate_into``.
+        prechecked: True from a caller whose fp32-scaled arguments are valid by construction
+            (Float8Linear's own casts): nothing is checked (:func:`scaled_mm_prechecked`).
 
     MX operands (``torch.float8_e8m0fnu`` scales, ``tkern.to_mx``'s) run on
     :func:`~tkern.kernels.gemm_mx.scaled_mm_mx` (shapes there; e5m2 x e5m2 too) with ``bias``,
     ``activation`` and ``preact`` only; a GPU without native MX raises ``RuntimeError``.
     Which kernel runs, and when an operand is copied K-major first: :func:`scaled_mm_prechecked`.
-
-    Returns:
-        A new contiguous (M, N) tensor of ``out_dtype``, or ``out`` / ``accumulate_into``.
+    Returns a new contiguous (M, N) tensor of ``out_dtype``, or ``out`` / ``accumulate_into``.
 
     Raises:
-        TypeError / ValueError: naming the argument, before anything is launched;
-        RuntimeError on a GPU without fp8 tensor cores (before Ada, sm_89).
+        TypeError / ValueError naming the argument, before anything is launched; RuntimeError
+        on a GPU without fp8 tensor cores (before Ada, sm_89).
     """
-    if is_mx_scale(scale_a) or is_mx_scale(scale_b):
+    if prechecked:
+        into, accumulate = (out, False) if accumulate_into is None else (accumulate_into, True)
+    elif is_mx_scale(scale_a) or is_mx_scale(scale_b):
         _check_mx_call(block_a, block_b, out, accumulate_into, emit_fp8)
         return scaled_mm_mx(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, activation=activation,
                             preact=preact)  # fmt: skip
-    into, accumulate = check_scaled_mm_args(
-        a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, out, accumulate_into, use_fast_accum,
-        activation, preact, emit_fp8,
-    )  # fmt: skip
+    else:
+        into, accumulate = check_scaled_mm_args(
+            a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, out, accumulate_into, use_fast_accum,
+            activation, preact, emit_fp8,
+        )  # fmt: skip
     return scaled_mm_prechecked(
         a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, activation, preact, into,
         accumulate, emit_fp8,

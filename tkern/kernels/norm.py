@@ -47,14 +47,13 @@ from tkern.kernels._common import (
 from tkern.kernels.float8 import (
     MAX_PROGRAMS,
     cast_2d_prechecked,
+    cast_multiplier,
     check_amaxes,
     check_fp8_device,
     check_fp8_dtype,
-    delayed_multiplier,
     fp8_constants,
     last_to_finish,
     load_tile,
-    reciprocal,
     release_counter,
     roll_amax_history,
     roll_if_last,
@@ -343,9 +342,9 @@ def _norm_fwd_fp8_kernel(
     nprog = tl.num_programs(0)
     mult = 1.0
     if DELAYED:
-        mult = delayed_multiplier(history_ptr, H, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK)
-        if pid == 0:
-            tl.store(scale_ptr, reciprocal(mult))
+        mult = cast_multiplier(
+            history_ptr, H, margin_factor, scale_ptr, pid, True, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK
+        )
     rows_t = tl.arange(0, ROWS)
     cols_t = tl.arange(0, TK)
     best = 0.0  # max |y| so far: a scalar (a tile held across the rows' code spilled on sm_89)
@@ -527,12 +526,6 @@ def _check_param(name: str, p: torch.Tensor | None, n: int, x: torch.Tensor) -> 
         )
 
 
-def _check_rows(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
-    check_tensor(name, t, ndim=2, dtypes=(x.dtype,))
-    if t.shape != x.shape:
-        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got shape {tuple(t.shape)}")
-
-
 def norm_forward(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -572,7 +565,7 @@ def check_norm_args(x, weight, bias, eps, rms: bool, residual=None) -> None:
         raise ValueError("RMSNorm takes no bias")
     _check_param("bias", bias, N, x)
     if residual is not None:
-        _check_rows("residual", residual, x)
+        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), shape=x.shape)
     if not eps >= 0.0 or eps == float("inf"):
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
 
@@ -841,9 +834,9 @@ def norm_backward(
     """
     check_tensor("x", x, ndim=2, dtypes=INPUT_DTYPES)
     M, N = x.shape
-    _check_rows("dy", dy, x)
+    check_tensor("dy", dy, ndim=2, dtypes=(x.dtype,), shape=x.shape)
     if dh is not None:
-        _check_rows("dh", dh, x)
+        check_tensor("dh", dh, ndim=2, dtypes=(x.dtype,), shape=x.shape)
     _check_param("weight", weight, N, x)
     if need_weight and weight is None:
         raise ValueError("need_weight=True needs the weight")

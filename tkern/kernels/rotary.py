@@ -188,12 +188,6 @@ def _check_inputs(q, k, cos, sin) -> None:
         raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {_describe(sin)}")
 
 
-def _check_output(name: str, out: torch.Tensor, like: torch.Tensor) -> None:
-    check_tensor(name, out, ndim=4, dtypes=(like.dtype,))
-    if out.shape != like.shape:
-        raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {_describe(out)}")
-
-
 def rotary_embedding(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -220,8 +214,8 @@ def rotary_embedding(
     _check_inputs(q, k, cos, sin)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
     k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device) if k_out is None else k_out
-    _check_output("q_out", q_out, q)
-    _check_output("k_out", k_out, k)
+    check_tensor("q_out", q_out, ndim=4, dtypes=(q.dtype,), shape=q.shape)
+    check_tensor("k_out", k_out, ndim=4, dtypes=(q.dtype,), shape=k.shape)
     check_same_device(q=q, k=k, cos=cos, sin=sin, q_out=q_out, k_out=k_out)
     batch, heads, seq, head_dim = q.shape
     kv_heads, rotary_dim = k.shape[1], cos.shape[2]

@@ -122,9 +122,9 @@ def _blocks(m: int, n: int, elements: int) -> tuple[int, int]:
 
 
 def _check_operand(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype | None) -> None:
-    check_tensor(name, t, ndim=2, dtypes=HALF_DTYPES if dtype is None else (dtype,))
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got shape {tuple(t.shape)}")
+    """Raise unless ``t`` is a ``shape`` tensor of ``dtype`` (None: fp16 or bf16) with unit
+    column stride that int32 offsets reach."""
+    check_tensor(name, t, ndim=2, dtypes=HALF_DTYPES if dtype is None else (dtype,), shape=shape)
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
     check_int32_addressable(name, t)

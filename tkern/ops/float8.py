@@ -25,7 +25,7 @@ from tkern.kernels.float8 import (
     roll_amax_history,
     roll_amax_history_prechecked,
 )
-from tkern.kernels.gemm import scaled_mm, scaled_mm_prechecked
+from tkern.kernels.gemm import scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
 from tkern.ops import common
 from tkern.ops import linear as _linear  # noqa: F401 (registers tkern::activation_grad)
@@ -226,26 +226,29 @@ def _(
 
 
 def _scaled_mm_impl(
-    a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, into=None, accumulate=True
-):
+    a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, into=None, accumulate=True,
+    prechecked=False,
+):  # fmt: skip
     """:func:`scaled_mm` with the custom op's arguments (``into``: eager callers
     only; the result is added to it with ``accumulate``, else written into it)."""
     return scaled_mm(
         a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
         block_a=tuple(block_a) if block_a else None, block_b=tuple(block_b) if block_b else None,
         out=None if accumulate else into, accumulate_into=into if accumulate else None,
-        use_fast_accum=use_fast_accum,
+        use_fast_accum=use_fast_accum, prechecked=prechecked,
     )  # fmt: skip
 
 
-def _scaled_mm_act_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
+def _scaled_mm_act_impl(
+    a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact, prechecked=False
+):  # fmt: skip
     """:func:`scaled_mm` with ``activation`` in its epilogue: ``(y, pre-activation or None)``."""
     preact = None
     if store_preact:
         preact = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     y = scaled_mm(
         a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
-        activation=activation, preact=preact,
+        activation=activation, preact=preact, prechecked=prechecked,
     )  # fmt: skip
     return y, preact
 
@@ -254,20 +257,16 @@ def _scaled_mm_eager(
     a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, into=None, accumulate=True
 ):  # fmt: skip
     """:func:`_scaled_mm_impl` on the eager path: the operands are the forward's and
-    backward's own casts, of the shapes and devices :func:`float8_linear` checked, so
-    the GEMM's checks are not made again (``gemm.scaled_mm_prechecked``)."""
-    args = (bias, out_dtype, block_a, block_b, use_fast_accum, None, None, into, accumulate)
-    return scaled_mm_prechecked(a, b, scale_a, scale_b, *args)
+    backward's own casts, of the shapes and devices :func:`float8_linear` checked, so the
+    GEMM checks nothing again (``scaled_mm(prechecked=True)``)."""
+    args = (bias, out_dtype, block_a, block_b, use_fast_accum, into, accumulate)
+    return _scaled_mm_impl(a, b, scale_a, scale_b, *args, prechecked=True)
 
 
 def _scaled_mm_act_eager(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
     """:func:`_scaled_mm_act_impl` on the eager path (:func:`_scaled_mm_eager`'s reason)."""
-    preact = None
-    if store_preact:
-        preact = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    args = (bias, out_dtype, None, None, use_fast_accum, activation, preact)
-    y = scaled_mm_prechecked(a, b, scale_a, scale_b, *args)
-    return y, preact
+    args = (bias, out_dtype, use_fast_accum, activation, store_preact)
+    return _scaled_mm_act_impl(a, b, scale_a, scale_b, *args, prechecked=True)
 
 
 def _cast_tiles_eager(x, dtype, store_t, sum_dtype):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tkern.kernels._common import HALF_DTYPES, INTERPRET
-from tkern.kernels.gemm import scaled_mm_prechecked
+from tkern.kernels.gemm import scaled_mm
 from tkern.kernels.gemm_emit import Float8Emit, check_emit
 from tkern.ops.common import is_compiling
 from tkern.ops.float8_args import CACHED_SCALINGS, Float8Input
@@ -51,11 +51,11 @@ def scaled_mm_emit(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, acti
     preact = None
     if store_preact:
         preact = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    # the forward's own casts of what float8_linear checked (check_emit_args: emit): the
-    # GEMM's checks are not made again
-    y, emitted = scaled_mm_prechecked(
-        a, b, scale_a, scale_b, bias, out_dtype, None, None, use_fast_accum, activation, preact,
-        emit_fp8=emit,
+    # the forward's own casts of what float8_linear checked (emit: check_emit_args), so the
+    # GEMM checks nothing again
+    y, emitted = scaled_mm(
+        a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+        activation=activation, preact=preact, emit_fp8=emit, prechecked=True,
     )  # fmt: skip
     return y, preact, Float8Input(*emitted)
 
