@@ -217,6 +217,16 @@ def rotary_embedding(
     check_tensor("q_out", q_out, ndim=4, dtypes=(q.dtype,), shape=q.shape)
     check_tensor("k_out", k_out, ndim=4, dtypes=(q.dtype,), shape=k.shape)
     check_same_device(q=q, k=k, cos=cos, sin=sin, q_out=q_out, k_out=k_out)
+    return rotary_embedding_prechecked(q, k, cos, sin, inverse, q_out, k_out)
+
+
+def rotary_embedding_prechecked(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool,
+    q_out: torch.Tensor, k_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`rotary_embedding` for a caller whose arguments are valid (``tkern.apply_rotary_pos_emb``'s
+    backward: autograd's gradients of the outputs it checked, the cos and sin its forward saved,
+    new outputs): the launch, nothing checked again."""
     batch, heads, seq, head_dim = q.shape
     kv_heads, rotary_dim = k.shape[1], cos.shape[2]
     q_rows, k_rows = batch * seq * heads, batch * seq * kv_heads
