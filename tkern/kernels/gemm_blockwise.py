@@ -185,14 +185,6 @@ def blockwise_eligible(
     )
 
 
-def _check_grid(name: str, scale: torch.Tensor, want: tuple[int, int], block: tuple[int, int]) -> None:
-    check_tensor(name, scale, ndim=2, dtypes=(torch.float32,))
-    if tuple(scale.shape) != want:
-        raise ValueError(
-            f"{name} must have shape {want} (one scale per {block} block), got {tuple(scale.shape)}"
-        )
-
-
 def scaled_mm_blockwise(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -224,8 +216,11 @@ def scaled_mm_blockwise(
     """
     M, N, K = check_operands(a, b, FP8_DTYPES, refuse_e5m2_pair)
     block_a, block_b = tuple(block_a), tuple(block_b)
-    _check_grid("scale_a", scale_a, (triton.cdiv(M, block_a[0]), triton.cdiv(K, block_a[1])), block_a)
-    _check_grid("scale_b", scale_b, (triton.cdiv(K, block_b[0]), triton.cdiv(N, block_b[1])), block_b)
+    # one scale per block of block_a / block_b
+    grid_a = (triton.cdiv(M, block_a[0]), triton.cdiv(K, block_a[1]))
+    check_tensor("scale_a", scale_a, ndim=2, dtypes=(torch.float32,), shape=grid_a)
+    grid_b = (triton.cdiv(K, block_b[0]), triton.cdiv(N, block_b[1]))
+    check_tensor("scale_b", scale_b, ndim=2, dtypes=(torch.float32,), shape=grid_b)
     check_bias(bias, N, None)
     check_out_dtype(out_dtype)
     check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)

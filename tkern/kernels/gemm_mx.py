@@ -147,14 +147,6 @@ def check_mx_device(device: torch.device) -> None:
     )
 
 
-def _check_mx_scale(name: str, scale: torch.Tensor, want: tuple[int, int]) -> None:
-    check_tensor(name, scale, ndim=2, dtypes=(E8M0,))
-    if tuple(scale.shape) != want:
-        raise ValueError(
-            f"{name} must have shape {want} (one e8m0 scale per 32 of K), got {tuple(scale.shape)}"
-        )
-
-
 def scaled_mm_mx(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -185,8 +177,9 @@ def scaled_mm_mx(
     M, N, K = check_operands(a, b, tuple(MX_FORMATS))
     if K % MX_BLOCK:
         raise ValueError(f"MX operands need K a multiple of {MX_BLOCK}, got K = {K}")
-    _check_mx_scale("scale_a", scale_a, (M, K // MX_BLOCK))
-    _check_mx_scale("scale_b", scale_b, (N, K // MX_BLOCK))
+    # one e8m0 scale per 32 of K: a's rows', b's columns' (as b^T's rows)
+    check_tensor("scale_a", scale_a, ndim=2, dtypes=(E8M0,), shape=(M, K // MX_BLOCK))
+    check_tensor("scale_b", scale_b, ndim=2, dtypes=(E8M0,), shape=(N, K // MX_BLOCK))
     check_out_dtype(out_dtype)
     check_bias(bias, N, None)
     check_activation(activation)
