@@ -197,6 +197,7 @@ def rotary_embedding(
     inverse: bool = False,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
+    prechecked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_embed, k_embed)``: q and k rotated by the angles whose cos and sin are given, over
     their first ``cos.shape[-1]`` head-dim columns (the rest copied), in one launch.
@@ -210,7 +211,12 @@ def rotary_embedding(
             q and k are the outputs' gradients).
         q_out, k_out: optional outputs of q's / k's shape and q's dtype, any strides (not
             overlapping the inputs); new contiguous tensors where None.
+        prechecked: True from a caller whose arguments are valid by construction (the
+            eager backward of ``tkern.apply_rotary_pos_emb``, with both outputs given):
+            nothing is checked (:func:`rotary_embedding_prechecked`).
     """
+    if prechecked:
+        return rotary_embedding_prechecked(q, k, cos, sin, inverse, q_out, k_out)
     _check_inputs(q, k, cos, sin)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
     k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device) if k_out is None else k_out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tkern.kernels.rotary import rotary_embedding, rotary_embedding_prechecked
+from tkern.kernels.rotary import rotary_embedding
 from tkern.ops.common import is_compiling
 
 __all__ = ["apply_rotary_pos_emb"]
@@ -27,15 +27,12 @@ def _rotate(q, k, cos, sin, inverse: bool, unsqueeze_dim: int, checked: bool = T
     """The kernel on q and k in HF's layout for ``unsqueeze_dim`` (1: (batch, heads, seq,
     head_dim); 2: (batch, seq, heads, head_dim)); the outputs new contiguous tensors of
     q's / k's shape in that layout. ``checked`` False: the eager backward, on autograd's
-    gradients of outputs its forward checked (``rotary_embedding_prechecked``)."""
+    gradients of outputs its forward checked (``rotary_embedding(prechecked=True)``)."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device)
     args = (q, k, q_out, k_out) if unsqueeze_dim == 1 else (t.transpose(1, 2) for t in (q, k, q_out, k_out))
     qv, kv, qo, ko = args  # the kernel's (b, h, s, d) order
-    if checked:
-        rotary_embedding(qv, kv, cos, sin, inverse=inverse, q_out=qo, k_out=ko)
-    else:
-        rotary_embedding_prechecked(qv, kv, cos, sin, inverse, qo, ko)
+    rotary_embedding(qv, kv, cos, sin, inverse=inverse, q_out=qo, k_out=ko, prechecked=not checked)
     return q_out, k_out
 
 
