@@ -596,6 +596,21 @@ def test_host_smoke_times_tkern_with_stubs_and_torch():
     floor = {r["case"].split()[1]: r["us"] for r in res.rows if r["impl"] == bench_host.FLOOR}
     assert res.meta["linear_fwd_own_us"] == round(res.meta["linear_fwd_us"] - floor["forward"], 2)
     assert res.meta["linear_bwd_own_us"] == round(res.meta["linear_bwd_us"] - floor["backward"], 2)
+    # the targets are ratios of two rows of this run (issue 55 item 5), tkern's over torch's
+    us = {(r["case"], r["impl"]): r["us"] for r in res.rows}
+    fwd = (
+        us[bench_host.linear_case("forward"), "tkern.linear"]
+        / us[bench_host.linear_case("forward"), "F.linear"]
+    )
+    assert res.meta["linear_fwd_vs_torch"] == round(fwd, 3)
+    loop = bench_host.loop_case(bench_host.SMOKE_TENSOR_COUNTS[-1])
+    ratio = us[loop, bench_host.LOOP_TKERN] / us[loop, bench_host.LOOP_TORCH]
+    assert res.meta[f"step_loop_{bench_host.SMOKE_TENSOR_COUNTS[-1]}_vs_torch"] == round(ratio, 3)
+    # and report.py reads each target bench_host sets, with its bound
+    from report_targets import TARGETS
+
+    host = {t.names()[0]: t.bound for t in TARGETS if t.stem == "host" and t.op}
+    assert host == bench_host.TARGETS
 
 
 def test_stubbed_launches_run_no_kernel_and_are_restored():

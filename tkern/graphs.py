@@ -55,6 +55,7 @@ from tkern.kernels import INTERPRET
 __all__ = [
     "CAPTURE",
     "CaptureError",
+    "HostCounters",
     "EAGER",
     "REPLAY",
     "STRICT_ENV",
@@ -85,6 +86,24 @@ STRICT_ENV = "TKERN_GRAPH_STRICT"
 def strict() -> bool:
     """Whether a failed capture re-raises (``TKERN_GRAPH_STRICT`` set, and not to 0)."""
     return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+class HostCounters:
+    """Host-side counts (an optimizer's steps, a scaler's updates) that a caller must be
+    able to put back when a step's Python ran once without the step counting (a failed
+    CUDA graph capture: ``tkern.train.trainer_graph`` restores them so the step counts
+    once). A subclass names its counts in ``_HOST_COUNTERS``: {key: attribute}."""
+
+    _HOST_COUNTERS: dict[str, str] = {}
+
+    def host_counters(self) -> dict[str, int]:
+        """The host-side counts, for :meth:`restore_host_counters` to put back."""
+        return {key: getattr(self, attr) for key, attr in self._HOST_COUNTERS.items()}
+
+    def restore_host_counters(self, counters: dict[str, int]) -> None:
+        """Put back what :meth:`host_counters` returned."""
+        for key, attr in self._HOST_COUNTERS.items():
+            setattr(self, attr, int(counters[key]))
 
 
 class CaptureError(RuntimeError):

@@ -16,6 +16,7 @@ from tkern.amp.util import (
     map_tensors,
     placed,
 )
+from tkern.graphs import HostCounters
 from tkern.kernels import scale as K
 from tkern.kernels.overflow import FOUND_INF, combine_stats
 from tkern.optim import FusedOptimizer
@@ -24,7 +25,7 @@ from tkern.optim.report import OverflowReport
 __all__ = ["LossScaler"]
 
 
-class LossScaler(ScalerStateDict):
+class LossScaler(HostCounters, ScalerStateDict):
     """What every loss scaler shares; use a subclass.
 
     Args:
@@ -47,6 +48,8 @@ class LossScaler(ScalerStateDict):
     and fp32 reciprocal are finite: ``1/S`` is what the optimizer multiplies
     the gradients by.
     """
+
+    _HOST_COUNTERS = {"updates": "_updates"}  # the updates made (HostCounters)
 
     _scheme = K.STATIC
 
@@ -153,16 +156,6 @@ class LossScaler(ScalerStateDict):
     def skipped_steps(self) -> int:
         """Steps skipped so far (waits for the device)."""
         return 0 if self._state is None else int(self._state[K.SKIPPED].item())
-
-    def host_counters(self) -> dict[str, int]:
-        """The host-side count of updates, for a caller that must take a step again
-        after its Python ran once (a failed CUDA graph capture): it puts them back with
-        :meth:`restore_host_counters`, so the step counts once."""
-        return {"updates": self._updates}
-
-    def restore_host_counters(self, counters: dict[str, int]) -> None:
-        """Put back what :meth:`host_counters` returned."""
-        self._updates = int(counters["updates"])
 
     # ------------------------------------------------------------- the loop
 

@@ -272,10 +272,11 @@ def check_tensor(
     *,
     ndim: int | None = None,
     dtypes: tuple[torch.dtype, ...] | None = None,
+    shape: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Raise ``TypeError``/``ValueError`` naming ``name`` unless ``t`` is a dense
-    tensor with ``ndim`` dimensions and a dtype in ``dtypes``, on a device the
-    current mode can run on."""
+    tensor with ``ndim`` dimensions, a dtype in ``dtypes`` and (when given) the
+    ``shape``, on a device the current mode can run on."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -285,6 +286,8 @@ def check_tensor(
     if dtypes is not None and t.dtype not in dtypes:
         expected = ", ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({expected}), got {_describe(t)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {_describe(t)}")
     if not INTERPRET and t.device.type != "cuda":
         raise ValueError(
             f"{name} is on device {t.device}, but tkern runs compiled kernels on CUDA tensors; "

@@ -651,6 +651,9 @@ def _convert_state_kernel(
 def _convert(
     x: torch.Tensor, buf: torch.Tensor, absmax: torch.Tensor | None, signed: bool, to_state: bool
 ) -> None:
+    """One ``_convert_state_kernel`` launch between ``x`` ((n,) fp32) and the (n,) state buffer
+    ``buf`` (fp32, bf16 or uint8 codes with their (n / QBLOCK,) ``absmax``; ``signed``: the
+    code map of a first moment): ``to_state`` writes ``buf`` from ``x``, else ``x`` from ``buf``."""
     n = buf.numel()
     kind = state_kind(buf.dtype)
     if kind == 2 and (absmax is None or n % QBLOCK or absmax.numel() != n // QBLOCK):

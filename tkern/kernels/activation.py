@@ -160,6 +160,13 @@ def activation_grad(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch
     if z.shape != dy.shape:
         raise ValueError(f"z has shape {tuple(z.shape)} but dy has shape {tuple(dy.shape)}")
     check_same_device(dy=dy, z=z)
+    return activation_grad_prechecked(dy, z, activation)
+
+
+def activation_grad_prechecked(dy: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
+    """:func:`activation_grad` for a caller whose arguments are valid: a backward whose ``dy``
+    autograd gave (the output's shape, dtype and device) and whose ``z`` its forward saved
+    (tkern.linear's, Float8Linear's, the MLP's): the pass, with nothing checked again."""
     dy, z = dy.contiguous(), z.contiguous()
     dz = torch.empty_like(dy)
     flat = dy.view(-1), z.view(-1), dz.view(-1)

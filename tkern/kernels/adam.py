@@ -41,11 +41,11 @@ def _adam_kernel(
     exp_avg_absmax_ptr,  # (n / QBLOCK,) fp32 block absmax of a uint8 first moment
     exp_avg_qmap_ptr,  # (256,) fp32 signed code map
     exp_avg_sq_ptr,  # (n,) second moment, as exp_avg
-    exp_avg_sq_absmax_ptr,
+    exp_avg_sq_absmax_ptr,  # (n / QBLOCK,) fp32, as exp_avg_absmax_ptr
     exp_avg_sq_qmap_ptr,  # (256,) fp32 unsigned code map
     max_exp_avg_sq_ptr,  # (n,) running max of the second moment; unused unless AMSGRAD
-    max_exp_avg_sq_absmax_ptr,
-    max_exp_avg_sq_qmap_ptr,
+    max_exp_avg_sq_absmax_ptr,  # (n / QBLOCK,) fp32, as exp_avg_absmax_ptr
+    max_exp_avg_sq_qmap_ptr,  # (256,) fp32 unsigned code map
     stats_ptr,  # (3,) fp32 pass-1 statistics (ONE_PASS: written here first)
     inv_scale_ptr,  # (1,) fp32
     step_ptr,  # (1,) fp32 applied steps so far; this step is step + 1 (ONE_PASS: counted here)

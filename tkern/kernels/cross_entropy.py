@@ -354,6 +354,11 @@ def _check_column_reach(name: str, t: torch.Tensor) -> None:
 def _launch(
     logits, target, weight, lse, loss, grad, a, b, q, ignore_index, label_smoothing, softcap, compute_lse
 ) -> None:
+    """One ``_cross_entropy_kernel`` launch over the (N, V) ``logits`` (arguments checked by
+    the caller; tensors left None are not read or written, their pointer a dummy): ``ROWS``
+    rows per program, ``lse`` (N,) fp32 read or (``compute_lse``) written, ``loss`` (N,) and
+    ``grad`` (N, V) written when given, ``a`` / ``b`` / ``q`` the gradient's per-row
+    coefficients (the backward's and the fused linear's)."""
     n, v = logits.shape
     if n == 0:
         return
@@ -379,6 +384,7 @@ def _launch(
 
 
 def _check_grad_out(grad: torch.Tensor, logits: torch.Tensor) -> None:
+    """Raise unless ``grad`` can receive the gradient of ``logits`` (their shape, a logit dtype)."""
     check_tensor("grad", grad, ndim=2, dtypes=LOGIT_DTYPES)
     if grad.shape != logits.shape:
         raise ValueError(f"grad must have the logits' shape {tuple(logits.shape)}, got {tuple(grad.shape)}")

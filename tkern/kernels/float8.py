@@ -156,6 +156,26 @@ def delayed_multiplier(
 
 
 @triton.jit
+def cast_multiplier(
+    amax_ptr, count, margin_factor, scale_ptr, pid, DELAYED: tl.constexpr, FP8_MAX: tl.constexpr,
+    MULT_AT_EPS: tl.constexpr, EPS_F32: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The preamble of every per-tensor fp8 cast (``_cast_2d_kernel``'s, the GEMM's emitting
+    epilogue's, the norm's): the multiplier each program scales by, program ``pid`` 0 storing
+    the scale 1 / multiplier at ``scale_ptr`` ((1,) fp32). DELAYED: from the (count,) amax
+    history at ``amax_ptr`` (:func:`delayed_multiplier`, ``margin_factor`` = 2^-margin);
+    else from the max of the ``count`` partial maxima there (current scaling). ``BLOCK``:
+    a power of two >= count."""
+    if DELAYED:
+        mult = delayed_multiplier(amax_ptr, count, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, BLOCK)
+    else:
+        mult = amax_to_multiplier(_max_of(amax_ptr, count, BLOCK), FP8_MAX, MULT_AT_EPS, EPS_F32)
+    if pid == 0:
+        tl.store(scale_ptr, reciprocal(mult))
+    return mult
+
+
+@triton.jit
 def load_tile(x_ptr, rows, cols, row_end, col_end, stride_xm, stride_xk):
     """The (rows, cols) tile of x, masked to the block's end: (x, rows, cols, mask)."""
     mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
@@ -283,12 +303,9 @@ def _cast_2d_kernel(
     nprog = gi * gj
     mult = 1.0
     if not AMAX_ONLY:
-        if DELAYED:
-            mult = delayed_multiplier(amax_ptr, count, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK)
-        else:
-            mult = amax_to_multiplier(_max_of(amax_ptr, count, PBLOCK), FP8_MAX, MULT_AT_EPS, EPS_F32)
-        if pid == 0:
-            tl.store(scale_ptr, reciprocal(mult))
+        mult = cast_multiplier(
+            amax_ptr, count, margin_factor, scale_ptr, pid, DELAYED, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK
+        )
     rows_t = tl.arange(0, TM)
     cols_t = tl.arange(0, TK)
     best = tl.zeros((TM, TK), dtype=tl.float32)
@@ -705,6 +722,14 @@ def cast_2d(
 def cast_2d_prechecked(
     x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax=None
 ):
+    """:func:`cast_2d` for a caller whose arguments are valid (:func:`cast_2d`'s checks passed,
+    or the caller made them so: Float8Linear's forward and backward on the inputs
+    ``float8_linear`` checked, the GEMM's emitting epilogue, the norm's cast), with
+    :func:`cast_2d`'s arguments in its order: the buffers, then one launch (delayed) or
+    two (current scaling: the amax pass unless ``amax`` is given, then the cast).
+
+    Returns:
+        :class:`Float8Cast`; ``amax`` holds the (P,) partial maxima only with ``defer``."""
     m, k = x.shape
     dev = x.device
     data = torch.empty((m, k), dtype=dtype, device=dev) if store else None
@@ -735,6 +760,8 @@ def cast_2d_prechecked(
 
 
 def _cast_tensorwise(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`to_float8`'s ``"tensor"`` granularity on a checked ``x`` of any shape: ``(data of
+    x's shape, 0-dim scale)`` from :func:`cast_2d_prechecked` over x's rows."""
     cast = cast_2d_prechecked(_as_2d(x), dtype, True, False, None, None, 0, False, False, None, None)
     return cast.data.view(x.shape), cast.scale
 
@@ -771,6 +798,8 @@ def to_float8_with_amax(
 def _cast_blocks(
     x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`to_float8` with (bm, bk) block scales on a checked 2-D ``x``: :func:`cast_blocks`'s
+    ``(data, scale)``."""
     data, scale, _ = cast_blocks(x, dtype, block)
     return data, scale
 
@@ -843,6 +872,15 @@ def cast_tiles(
     check_fp8_dtype(dtype)
     if sum_dtype is not None and sum_dtype not in HIGH_DTYPES:
         raise ValueError(f"sum_dtype must be float32, float16 or bfloat16, got {sum_dtype}")
+    return cast_tiles_prechecked(x, dtype, store_t, sum_dtype)
+
+
+def cast_tiles_prechecked(
+    x: torch.Tensor, dtype: torch.dtype, store_t: bool, sum_dtype: torch.dtype | None
+) -> TileCast:
+    """:func:`cast_tiles` for a caller whose arguments are valid (Float8Linear's blockwise
+    forward and backward, on the input :func:`tkern.ops.float8.float8_linear` checked and
+    on dY): the cast and nothing checked again."""
     M, K = x.shape
     grid = (cdiv(M, SCALE_TILE), cdiv(K, SCALE_TILE))
     data = torch.empty((M, K), dtype=dtype, device=x.device)
@@ -876,6 +914,7 @@ def check_amaxes(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
 
 
 def _check_delayed(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int) -> None:
+    """Raise unless ``x`` can be cast to ``dtype`` with delayed scaling from ``history``."""
     _check_x(x, dtype)
     check_amaxes("history", history, x)
     if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
@@ -950,6 +989,12 @@ def roll_amax_history(history: torch.Tensor, amax: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} must be a contiguous 1-D tensor with >= 1 element, got shape {tuple(t.shape)}"
             )
+    roll_amax_history_prechecked(history, amax)
+
+
+def roll_amax_history_prechecked(history: torch.Tensor, amax: torch.Tensor) -> None:
+    """:func:`roll_amax_history` for a caller that checked both (Float8Linear's forward: the
+    layer's weight history and its cached cast's amax, float8_linear's checks)."""
     h, count = history.numel(), amax.numel()
     _roll_history_kernel[(1,)](
         history, h, amax, count,

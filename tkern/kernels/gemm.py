@@ -38,12 +38,11 @@ from tkern.kernels._common import (
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
 from tkern.kernels.float8 import (
     cast_2d_prechecked,
+    cast_multiplier,
     check_fp8_device,
-    delayed_multiplier,
     fp8_constants,
     last_to_finish,
     max_of_chunks,
-    reciprocal,
     release_counter,
     roll_if_last,
     roll_value_if_last,
@@ -60,12 +59,16 @@ from tkern.kernels.gemm_configs import (
 from tkern.kernels.gemm_configs import tma_configs as tma_configs  # re-exported (aot_report.py)
 from tkern.kernels.gemm_emit import Float8Emit, Float8Emitted, check_emit, emit_counter
 from tkern.kernels.gemm_epilogue import (
-    OUT_DTYPES,
     bias_stride,
+    check_bias,
     check_matmul_args,
+    check_operands,
+    check_out_dtype,
+    check_preact,
     epilogue,
     epilogue_emit,
     epilogue_meta,
+    refuse_e5m2_pair,
     tile_coords,
 )
 from tkern.kernels.gemm_mx import is_mx_scale, scaled_mm_mx
@@ -364,9 +367,9 @@ def _matmul_emit_kernel(
     pid = tl.program_id(0)
     mult = 1.0
     if DELAYED:
-        mult = delayed_multiplier(history_ptr, H, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, HBLOCK)
-        if pid == 0:
-            tl.store(scale_ptr, reciprocal(mult))
+        mult = cast_multiplier(
+            history_ptr, H, margin_factor, scale_ptr, pid, True, FP8_MAX, MULT_AT_EPS, EPS_F32, HBLOCK
+        )
     acc, pid_m, pid_n = _matmul_tile(
         a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
         stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, c_ptr,
@@ -993,32 +996,45 @@ def _infer_block(size: int, count: int) -> int:
     return triton.next_power_of_2(max(1, triton.cdiv(size, max(count, 1))))
 
 
+def _scale_layout(
+    scale: torch.Tensor, rows: int, cols: int, vector_shape: tuple[int, int], block
+) -> tuple[int, tuple[int, int]]:
+    """(kind, block shape) of an operand's scale over its (rows, cols) elements, as the
+    kernel reads it, for a scale :func:`_check_scale` accepts: one element (per tensor),
+    ``vector_shape`` (per row of a / column of b), else a 2-D block grid (``block`` or
+    the shape :func:`_infer_block` finds)."""
+    if block is None:
+        if scale.numel() == 1:
+            return SCALE_TENSOR, (1, 1)
+        if tuple(scale.shape) == vector_shape:
+            return SCALE_VECTOR, (1, 1)
+        return SCALE_BLOCK, (_infer_block(rows, scale.shape[0]), _infer_block(cols, scale.shape[1]))
+    return SCALE_BLOCK, (int(block[0]), int(block[1]))
+
+
 def _check_scale(
     name: str, scale: torch.Tensor, rows: int, cols: int, vector_shape: tuple[int, int], block, k_dim: int
 ) -> tuple[int, tuple[int, int]]:
-    """(kind, block shape) of an operand's scale over its (rows, cols) elements;
-    ``k_dim`` is which of the two is K (1 for a, 0 for b)."""
+    """Raise unless ``scale`` is a valid fp32 scale of an operand of (rows, cols) elements
+    (:func:`_scale_layout`'s kinds; ``k_dim``: which of the two is K, 1 for a, 0 for b);
+    its (kind, block shape)."""
     check_tensor(name, scale, dtypes=(torch.float32,))
-    if scale.numel() == 1 and block is None:
-        return SCALE_TENSOR, (1, 1)
-    if tuple(scale.shape) == vector_shape and block is None:
-        return SCALE_VECTOR, (1, 1)
-    if scale.dim() != 2:
+    per_tensor_or_vector = block is None and (scale.numel() == 1 or tuple(scale.shape) == vector_shape)
+    if not per_tensor_or_vector and scale.dim() != 2:
         raise ValueError(
             f"{name} must have one element, shape {vector_shape} or a 2-D block grid; "
             f"got shape {tuple(scale.shape)}"
         )
-    grid = tuple(scale.shape)
-    if block is None:
-        block = (_infer_block(rows, grid[0]), _infer_block(cols, grid[1]))
-    if not (
+    if block is not None and not (
         isinstance(block, (tuple, list))
         and len(block) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in block)
     ):
         raise ValueError(f"the block shape of {name} must be two positive ints, got {block!r}")
-    block = (int(block[0]), int(block[1]))
-    want = (triton.cdiv(rows, block[0]), triton.cdiv(cols, block[1]))
+    kind, block = _scale_layout(scale, rows, cols, vector_shape, block)
+    if kind != SCALE_BLOCK:
+        return kind, block
+    grid, want = tuple(scale.shape), (triton.cdiv(rows, block[0]), triton.cdiv(cols, block[1]))
     if grid != want:
         raise ValueError(
             f"{name} has shape {grid}, but blocks of {block} over ({rows}, {cols}) need {want} scales"
@@ -1070,103 +1086,84 @@ def scaled_mm(
     activation: str | None = None,
     preact: torch.Tensor | None = None,
     emit_fp8: Float8Emit | None = None,
+    prechecked: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, Float8Emitted]:
-    """``act((a.float() * scale_a) @ (b.float() * scale_b) + bias)``, accumulated in
-    fp32 and rounded once to ``out_dtype``, as ``torch._scaled_mm`` defines its
-    scales. The same GEMM kernel as :func:`matmul` (tiles, ordering, epilogue,
-    configs), with fp8 operands and the scales applied to the fp32 accumulator.
+    """``act((a.float() * scale_a) @ (b.float() * scale_b) + bias)``, accumulated in fp32 and
+    rounded once to ``out_dtype``, as ``torch._scaled_mm`` defines its scales. :func:`matmul`'s
+    kernel (tiles, ordering, epilogue, configs) with the scales on the fp32 accumulator.
 
     Args:
         a: (M, K) ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, any strides.
         b: (K, N) fp8, any strides; e5m2 x e5m2 is refused (no such tensor-core op).
-        scale_a: fp32: one element (per tensor), (M, 1) (per row of a), or block
-            scales (ceil(M / bm), ceil(K / bk)).
-        scale_b: fp32: one element, (1, N) (per column of b), or block scales
-            (ceil(K / bk), ceil(N / bn)).
+        scale_a: fp32: one element (per tensor), (M, 1) (per row of a), or block scales
+            (ceil(M / bm), ceil(K / bk)); scale_b: one element, (1, N) (per column of b),
+            or block scales (ceil(K / bk), ceil(N / bn)).
         bias: optional (N,) bf16, fp16 or fp32, added after the scales.
         out_dtype: bf16 (default), fp16 or fp32.
-        block_a, block_b: the block shapes (bm, bk) / (bk, bn) of block scales;
-            when omitted, inferred per dimension as ceil(size / number of scales)
-            rounded up to a power of two (DeepSeek-V3's (1, 128) and (128, 128)
-            blocks are found from their scales). A block's K extent must be a
-            multiple of 128: partial sums are promoted to fp32 at least that often.
-        out: optional (M, N) tensor of ``out_dtype``, any strides, not sharing
-            memory with the other tensors: the result is written into it and it is
-            returned, as ``torch._scaled_mm``'s ``out``.
-        accumulate_into: like ``out``, but the result is added to it in place (read
-            in fp32, rounded once): a Float8Linear's wgrad into a fused
-            optimizer's gradient buffer. At most one of the two.
-        use_fast_accum: as ``torch._scaled_mm``'s: False (the default) promotes the
-            fp8 tensor cores' partial sums into the fp32 accumulator every K tile
-            (at most 128 of K) on Hopper; True leaves them in the tensor cores'
-            accumulator along all of K (faster, fewer bits: Float8Linear's forward).
-            Block scales are promoted every K tile either way. No effect elsewhere.
-        activation: None, ``"relu"``, ``"gelu"`` (erf form), ``"silu"`` or
-            ``"gelu_tanh"``, applied in fp32 in the epilogue after the scales and the
-            bias, as :func:`matmul`'s (a Float8Linear's fused MLP activation).
-            Per-tensor or per-row scales only.
-        preact: optional (M, N) contiguous tensor of ``out_dtype`` that receives
-            the scaled ``a @ b + bias`` before the activation, rounded once (what
-            the activation's gradient needs); per-tensor or per-row scales only.
-        emit_fp8: a :class:`~tkern.kernels.gemm_emit.Float8Emit`: the epilogue also
-            writes the next fp8 GEMM's e4m3 input, the cast of this result (as rounded
-            to ``out_dtype``) under that GEMM's recipe, in both layouts (C, and C^T with
-            ``store_t``), bit for bit ``cast_2d`` of the result; ``"delayed"`` in this
-            launch (its history rolled in it with ``update``), ``"tensorwise"`` with
-            max |C| found in this launch and one cast pass after it. Then the call
-            returns ``(result, Float8Emitted(data, data_t, scale))``. Per-tensor or
-            per-row scales, bf16 / fp16 ``out_dtype``, no ``out`` / ``accumulate_into``.
+        block_a, block_b: the block shapes (bm, bk) / (bk, bn) of block scales; omitted: ceil(size
+            / scales) per dimension rounded up to a power of two (finds DeepSeek-V3's (1, 128) and
+            (128, 128)). K extents are multiples of 128: partial sums are promoted that often.
+        out: optional (M, N) tensor of ``out_dtype``, any strides, sharing no memory with
+            the other tensors: the result is written into it and returned (``_scaled_mm``'s).
+        accumulate_into: like ``out``, but the result is added to it in place (read in
+            fp32, rounded once): a Float8Linear's wgrad into a fused optimizer's gradient
+            buffer. At most one of the two.
+        use_fast_accum: as ``torch._scaled_mm``'s: False (the default) promotes the fp8 tensor
+            cores' partial sums into the fp32 accumulator every K tile (<= 128 of K) on Hopper;
+            True keeps them in the tensor cores' accumulator (faster, fewer bits: Float8Linear's
+            forward). Block scales are promoted every K tile either way. No effect elsewhere.
+        activation: None, ``"relu"``, ``"gelu"`` (erf form), ``"silu"`` or ``"gelu_tanh"``,
+            in fp32 in the epilogue after the scales and the bias, as :func:`matmul`'s (a
+            Float8Linear's fused MLP activation). Per-tensor or per-row scales only.
+        preact: optional (M, N) contiguous ``out_dtype`` tensor receiving the scaled ``a @ b +
+            bias`` before the activation, rounded once (for act's gradient); per-tensor or per-row scales.
+        emit_fp8: a :class:`~tkern.kernels.gemm_emit.Float8Emit`: the epilogue also writes
+            the next fp8 GEMM's e4m3 input in both layouts, bit for bit ``cast_2d`` of the
+            result (as rounded to ``out_dtype``) under that GEMM's recipe (gemm_emit.py says
+            how), and the call returns ``(result, Float8Emitted(data, data_t, scale))``.
+            Per-tensor or per-row scales, bf16 / fp16 ``out_dtype``, no ``out`` / ``accumulate_into``.
+        prechecked: True from a caller whose fp32-scaled arguments are valid by construction
+            (Float8Linear's own casts): nothing is checked (:func:`scaled_mm_prechecked`).
 
-    MX (block-scaled) operands: ``scale_a`` (M, K / 32) and ``scale_b`` (N, K / 32) of dtype
-    ``torch.float8_e8m0fnu`` (``tkern.to_mx``'s scales of a and of b^T; e4m3 or e5m2 data,
-    e5m2 x e5m2 too) run on gemm_mx.py's kernel, one ``tl.dot_scaled`` per K tile, with
-    ``bias``, ``activation`` and ``preact`` (not ``block_a`` / ``block_b``, ``out``,
-    ``accumulate_into`` or ``emit_fp8``); a GPU without native MX (before Blackwell sm_100
-    and MI355X gfx950) raises ``RuntimeError`` naming the device and its fp8 recipes.
-
-    Block scales on both operands with 128-wide K blocks and 1 or 128 rows / columns
-    per scale (DeepSeek-V3's 1x128 activations and 128x128 weights, and the blockwise
-    wgrad's 128x1 columns of X), K-major 16-byte aligned operands, on Hopper (or the
-    interpreter) run on the persistent TMA kernel of gemm_blockwise.py (one K step per
-    scale block, promoted with one fused multiply-add). Every other call (before Hopper,
-    other block shapes, one operand block-scaled and the other not, a K that is not a
-    multiple of 16) runs on the pointer kernel, which applies block scales per K tile.
-
-    On Hopper (sm_90) an fp8 ``wgmma`` reads both operands K-major (``a`` with unit
-    stride along K, ``b`` with unit stride along K: ``b = w.t()`` of a row-major
-    ``w`` (N, K)): an operand that is not is copied K-major once before the launch
-    (Float8Linear's casts write every operand K-major and never pay it).
-
-    Returns:
-        A new contiguous (M, N) tensor of ``out_dtype``, or ``out`` / ``accumulate_into``.
+    MX operands (``torch.float8_e8m0fnu`` scales, ``tkern.to_mx``'s) run on
+    :func:`~tkern.kernels.gemm_mx.scaled_mm_mx` (shapes there; e5m2 x e5m2 too) with ``bias``,
+    ``activation`` and ``preact`` only; a GPU without native MX raises ``RuntimeError``.
+    Which kernel runs, and when an operand is copied K-major first: :func:`scaled_mm_prechecked`.
+    Returns a new contiguous (M, N) tensor of ``out_dtype``, or ``out`` / ``accumulate_into``.
 
     Raises:
-        TypeError / ValueError: naming the argument, before anything is launched;
-        RuntimeError on a GPU without fp8 tensor cores (before Ada, sm_89).
+        TypeError / ValueError naming the argument, before anything is launched; RuntimeError
+        on a GPU without fp8 tensor cores (before Ada, sm_89).
     """
-    if is_mx_scale(scale_a) or is_mx_scale(scale_b):
+    if prechecked:
+        into, accumulate = (out, False) if accumulate_into is None else (accumulate_into, True)
+    elif is_mx_scale(scale_a) or is_mx_scale(scale_b):
         _check_mx_call(block_a, block_b, out, accumulate_into, emit_fp8)
         return scaled_mm_mx(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, activation=activation,
                             preact=preact)  # fmt: skip
-    check_tensor("a", a, ndim=2, dtypes=FP8_DTYPES)
-    check_tensor("b", b, ndim=2, dtypes=FP8_DTYPES)
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise TypeError("a and b cannot both be torch.float8_e5m2: fp8 tensor cores take e4m3 x e4m3, "
-                        "e4m3 x e5m2 and e5m2 x e4m3")  # fmt: skip
-    (M, K), (Kb, N) = a.shape, b.shape
-    if Kb != K:
-        raise ValueError(
-            f"inner dimensions differ: a has shape {tuple(a.shape)} (M, K) and "
-            f"b has shape {tuple(b.shape)} (K, N); expected b.shape[0] == {K}"
-        )
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=OUT_DTYPES)
-        if bias.shape[0] != N:
-            raise ValueError(f"bias must have shape ({N},), got shape {tuple(bias.shape)}")
-    kind_a, blk_a = _check_scale("scale_a", scale_a, M, K, (M, 1), block_a, 1)
-    kind_b, blk_b = _check_scale("scale_b", scale_b, K, N, (1, N), block_b, 0)
+    else:
+        into, accumulate = check_scaled_mm_args(
+            a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, out, accumulate_into, use_fast_accum,
+            activation, preact, emit_fp8,
+        )  # fmt: skip
+    return scaled_mm_prechecked(
+        a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, activation, preact, into,
+        accumulate, emit_fp8,
+    )  # fmt: skip
+
+
+def check_scaled_mm_args(
+    a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, out, accumulate_into, use_fast_accum,
+    activation, preact, emit_fp8,
+) -> tuple[torch.Tensor | None, bool]:  # fmt: skip
+    """Every check :func:`scaled_mm` makes of fp32-scaled operands (its arguments, in its
+    order), raising ``TypeError`` / ``ValueError`` that names the argument (``RuntimeError``
+    on a GPU without fp8 tensor cores); returns where the result goes: ``(into, accumulate)``."""
+    M, N, K = check_operands(a, b, FP8_DTYPES, refuse_e5m2_pair)
+    check_out_dtype(out_dtype)
+    check_bias(bias, N, None)
+    kind_a, _ = _check_scale("scale_a", scale_a, M, K, (M, 1), block_a, 1)
+    kind_b, _ = _check_scale("scale_b", scale_b, K, N, (1, N), block_b, 0)
     into, accumulate = _output_into(out, accumulate_into, (M, N), out_dtype, a, b, scale_a, scale_b, bias)
     check_same_device(
         a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out, accumulate_into=accumulate_into
@@ -1182,6 +1179,34 @@ def scaled_mm(
     )
     if emit_fp8 is not None:
         check_emit(emit_fp8, out_dtype, SCALE_BLOCK in (kind_a, kind_b), into, a)
+    return into, accumulate
+
+
+def scaled_mm_prechecked(
+    a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, activation=None,
+    preact=None, into=None, accumulate=True, emit_fp8=None,
+):  # fmt: skip
+    """:func:`scaled_mm` of fp32-scaled operands for a caller whose arguments are valid
+    (:func:`check_scaled_mm_args` passed, or it made them so: Float8Linear's forward and
+    backward feed the GEMM their own casts): the hot path, no checks repeated. ``into``
+    (``out`` or ``accumulate_into``, with ``accumulate``) may be None; block shapes may
+    be None or empty (inferred, as :func:`scaled_mm`'s).
+
+    Block scales on both operands with 128-wide K blocks and 1 or 128 rows / columns
+    per scale (DeepSeek-V3's 1x128 activations and 128x128 weights, and the blockwise
+    wgrad's 128x1 columns of X), K-major 16-byte aligned operands, on Hopper (or the
+    interpreter) run on the persistent TMA kernel of gemm_blockwise.py (one K step per
+    scale block, promoted with one fused multiply-add). Every other call (before Hopper,
+    other block shapes, one operand block-scaled and the other not, a K that is not a
+    multiple of 16) runs on the pointer kernel, which applies block scales per K tile.
+
+    On Hopper (sm_90) an fp8 ``wgmma`` reads both operands K-major (``a`` with unit
+    stride along K, ``b`` with unit stride along K: ``b = w.t()`` of a row-major
+    ``w`` (N, K)): an operand that is not is copied K-major once before the launch
+    (Float8Linear's casts write every operand K-major and never pay it)."""
+    (M, K), N = a.shape, b.shape[1]
+    kind_a, blk_a = _scale_layout(scale_a, M, K, (M, 1), tuple(block_a) if block_a else None)
+    kind_b, blk_b = _scale_layout(scale_b, K, N, (1, N), tuple(block_b) if block_b else None)
     a, b = k_major_fp8_operands(a, b)
     # one element as (1, 1); (M, 1), (1, N) and block grids as they are (2-D, any strides)
     sa = scale_a.reshape(1, 1) if kind_a == SCALE_TENSOR else scale_a
@@ -1221,9 +1246,7 @@ def _check_fp8_epilogue(activation, preact, shape, out_dtype, kind_a, kind_b, *o
             "scaled_mm's activation and preact take per-tensor or per-row scales, not block scales"
         )
     if preact is not None:
-        check_tensor("preact", preact, ndim=2, dtypes=(out_dtype,))
-        if tuple(preact.shape) != shape or not preact.is_contiguous():
-            raise ValueError(f"preact must be a contiguous {shape} tensor, got shape {tuple(preact.shape)}")
+        check_preact(preact, shape, out_dtype)
         check_same_device(a=others[0], preact=preact)
         if _shares_memory(preact, *others):
             raise ValueError("preact must not share memory with the GEMM's other tensors")

@@ -37,12 +37,14 @@ import triton.language as tl
 from tkern.kernels._common import INTERPRET, check_same_device, check_tensor
 from tkern.kernels.gemm_configs import blockwise_configs, gemm_autotune
 from tkern.kernels.gemm_epilogue import (
-    OUT_DTYPES,
     bias_stride,
     check_bias,
+    check_operands,
+    check_out_dtype,
     epilogue,
     epilogue_meta,
     epilogue_tma,
+    refuse_e5m2_pair,
     tile_coords,
 )
 from tkern.kernels.gemm_tma import has_tma, persistent_programs, tma_layout, tma_layouts
@@ -183,14 +185,6 @@ def blockwise_eligible(
     )
 
 
-def _check_grid(name: str, scale: torch.Tensor, want: tuple[int, int], block: tuple[int, int]) -> None:
-    check_tensor(name, scale, ndim=2, dtypes=(torch.float32,))
-    if tuple(scale.shape) != want:
-        raise ValueError(
-            f"{name} must have shape {want} (one scale per {block} block), got {tuple(scale.shape)}"
-        )
-
-
 def scaled_mm_blockwise(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -220,21 +214,15 @@ def scaled_mm_blockwise(
         when :func:`blockwise_eligible` is false (another layout or block shape: use
         ``tkern.scaled_mm``, which takes them on its pointer kernel).
     """
-    check_tensor("a", a, ndim=2, dtypes=FP8_DTYPES)
-    check_tensor("b", b, ndim=2, dtypes=FP8_DTYPES)
-    if a.dtype == b.dtype == torch.float8_e5m2:
-        raise TypeError("a and b cannot both be torch.float8_e5m2 (no such fp8 tensor-core op)")
-    (M, K), (Kb, N) = a.shape, b.shape
-    if Kb != K:
-        raise ValueError(f"b must have shape ({K}, N) for a of shape {tuple(a.shape)}, got {tuple(b.shape)}")
+    M, N, K = check_operands(a, b, FP8_DTYPES, refuse_e5m2_pair)
     block_a, block_b = tuple(block_a), tuple(block_b)
-    _check_grid("scale_a", scale_a, (triton.cdiv(M, block_a[0]), triton.cdiv(K, block_a[1])), block_a)
-    _check_grid("scale_b", scale_b, (triton.cdiv(K, block_b[0]), triton.cdiv(N, block_b[1])), block_b)
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=OUT_DTYPES)
-        check_bias(bias, N, bias.dtype)  # the shape
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    # one scale per block of block_a / block_b
+    grid_a = (triton.cdiv(M, block_a[0]), triton.cdiv(K, block_a[1]))
+    check_tensor("scale_a", scale_a, ndim=2, dtypes=(torch.float32,), shape=grid_a)
+    grid_b = (triton.cdiv(K, block_b[0]), triton.cdiv(N, block_b[1]))
+    check_tensor("scale_b", scale_b, ndim=2, dtypes=(torch.float32,), shape=grid_b)
+    check_bias(bias, N, None)
+    check_out_dtype(out_dtype)
     check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
     if not blockwise_eligible(a, b, block_a, block_b):
         raise ValueError(

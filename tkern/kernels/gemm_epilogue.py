@@ -278,44 +278,78 @@ def epilogue_parts(epi_split: int, activation: int, accumulate: bool) -> int:
 # --------------------------------------------------------------------------- host side
 
 
-def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
-    """Raise unless ``bias`` is None or an (n,) tensor of ``dtype`` or fp32."""
+def check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype | None) -> None:
+    """Raise unless ``bias`` is None or an (n,) tensor of ``dtype`` or fp32 (``dtype``
+    None: of any of :data:`OUT_DTYPES`, the fp8 GEMMs' bias)."""
     if bias is None:
         return
-    check_tensor("bias", bias, ndim=1, dtypes=(dtype, torch.float32))
+    check_tensor("bias", bias, ndim=1, dtypes=OUT_DTYPES if dtype is None else (dtype, torch.float32))
     if bias.shape[0] != n:
         raise ValueError(f"bias must have shape ({n},), got shape {tuple(bias.shape)}")
 
 
-def check_matmul_args(a, b, bias, activation, out_dtype, preact) -> tuple[int, int, int, torch.dtype]:
-    """Validate :func:`tkern.matmul`'s arguments (see there); return M, N, K and the output dtype."""
-    check_tensor("a", a, ndim=2, dtypes=HALF_DTYPES)
-    check_tensor("b", b, ndim=2, dtypes=HALF_DTYPES)
-    if a.dtype != b.dtype:
-        raise TypeError(f"a and b must have the same dtype, got a {a.dtype} and b {b.dtype}")
+def check_out_dtype(out_dtype: torch.dtype) -> None:
+    """Raise ``TypeError`` unless a GEMM can store ``out_dtype`` (:data:`OUT_DTYPES`)."""
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+
+
+def check_operands(
+    a: torch.Tensor, b: torch.Tensor, dtypes: tuple[torch.dtype, ...], refuse_pair=None
+) -> tuple[int, int, int]:
+    """Raise unless ``a`` (M, K) and ``b`` (K, N) are 2-D tensors of ``dtypes`` whose inner
+    dimensions agree, and ``refuse_pair(a.dtype, b.dtype)`` (when given) returns no message
+    (a ``TypeError`` with the message it returns); every GEMM's operand check. (M, N, K)."""
+    check_tensor("a", a, ndim=2, dtypes=dtypes)
+    check_tensor("b", b, ndim=2, dtypes=dtypes)
+    if refuse_pair is not None and (message := refuse_pair(a.dtype, b.dtype)):
+        raise TypeError(message)
     (M, K), (Kb, N) = a.shape, b.shape
     if Kb != K:
         raise ValueError(
-            f"inner dimensions differ: a has shape {tuple(a.shape)} (M, K) and "
-            f"b has shape {tuple(b.shape)} (K, N); expected b.shape[0] == {K}"
+            f"inner dimensions differ: a has shape {tuple(a.shape)} (M, K), so b must have shape "
+            f"({K}, N), got {tuple(b.shape)}"
         )
+    return M, N, K
+
+
+def _same_dtype(da: torch.dtype, db: torch.dtype) -> str | None:
+    return None if da == db else f"a and b must have the same dtype, got a {da} and b {db}"
+
+
+def refuse_e5m2_pair(da: torch.dtype, db: torch.dtype) -> str | None:
+    """Why fp8 operands of dtypes ``da`` x ``db`` have no tensor-core op (e5m2 x e5m2), or None."""
+    if da == db == torch.float8_e5m2:
+        return (
+            "a and b cannot both be torch.float8_e5m2: fp8 tensor cores take e4m3 x e4m3, "
+            "e4m3 x e5m2 and e5m2 x e4m3"
+        )
+    return None
+
+
+def check_preact(preact: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """Raise unless ``preact`` is None or a contiguous ``shape`` tensor of ``dtype``: where
+    an epilogue stores the pre-activation."""
+    if preact is None:
+        return
+    check_tensor("preact", preact, ndim=2, dtypes=(dtype,))
+    if tuple(preact.shape) != shape or not preact.is_contiguous():
+        raise ValueError(f"preact must be a contiguous {shape} tensor, got shape {tuple(preact.shape)}")
+
+
+def check_matmul_args(a, b, bias, activation, out_dtype, preact) -> tuple[int, int, int, torch.dtype]:
+    """Validate :func:`tkern.matmul`'s arguments (see there); return M, N, K and the output dtype."""
+    M, N, K = check_operands(a, b, HALF_DTYPES, _same_dtype)
     check_bias(bias, N, a.dtype)
     check_activation(activation)
     out_dtype = a.dtype if out_dtype is None else out_dtype
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if preact is not None:
-        check_tensor("preact", preact, ndim=2, dtypes=(a.dtype,))
-        if preact.shape != (M, N) or not preact.is_contiguous():
-            raise ValueError(
-                f"preact must be a contiguous ({M}, {N}) tensor, got shape {tuple(preact.shape)}"
-            )
+    check_out_dtype(out_dtype)
+    check_preact(preact, (M, N), a.dtype)
     check_same_device(a=a, b=b, bias=bias, preact=preact)
     # int32 tile offsets keep the inner loop lean; refuse what they cannot reach
     check_int32_addressable("a", a)
     check_int32_addressable("b", b)
     check_int32_elements("out", (M, N))
-
     return M, N, K, out_dtype
 
 

@@ -32,9 +32,11 @@ from tkern.kernels._common import (
 )
 from tkern.kernels.activation import check_activation
 from tkern.kernels.gemm_epilogue import (
-    OUT_DTYPES,
     bias_stride,
     check_bias,
+    check_operands,
+    check_out_dtype,
+    check_preact,
     epilogue,
     epilogue_meta,
     tile_coords,
@@ -145,14 +147,6 @@ def check_mx_device(device: torch.device) -> None:
     )
 
 
-def _check_mx_scale(name: str, scale: torch.Tensor, want: tuple[int, int]) -> None:
-    check_tensor(name, scale, ndim=2, dtypes=(E8M0,))
-    if tuple(scale.shape) != want:
-        raise ValueError(
-            f"{name} must have shape {want} (one e8m0 scale per 32 of K), got {tuple(scale.shape)}"
-        )
-
-
 def scaled_mm_mx(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -180,28 +174,16 @@ def scaled_mm_mx(
         TypeError / ValueError: naming the argument, before anything is launched;
         RuntimeError on a GPU without native MX (before anything is compiled).
     """
-    for name, t in (("a", a), ("b", b)):
-        check_tensor(name, t, ndim=2, dtypes=tuple(MX_FORMATS))
-    (M, K), (Kb, N) = a.shape, b.shape
-    if Kb != K:
-        raise ValueError(f"inner dimensions differ: a has shape {tuple(a.shape)} (M, K) and b has shape "
-                         f"{tuple(b.shape)} (K, N); expected b.shape[0] == {K}")  # fmt: skip
+    M, N, K = check_operands(a, b, tuple(MX_FORMATS))
     if K % MX_BLOCK:
         raise ValueError(f"MX operands need K a multiple of {MX_BLOCK}, got K = {K}")
-    _check_mx_scale("scale_a", scale_a, (M, K // MX_BLOCK))
-    _check_mx_scale("scale_b", scale_b, (N, K // MX_BLOCK))
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=OUT_DTYPES)
-        check_bias(bias, N, bias.dtype)
+    # one e8m0 scale per 32 of K: a's rows', b's columns' (as b^T's rows)
+    check_tensor("scale_a", scale_a, ndim=2, dtypes=(E8M0,), shape=(M, K // MX_BLOCK))
+    check_tensor("scale_b", scale_b, ndim=2, dtypes=(E8M0,), shape=(N, K // MX_BLOCK))
+    check_out_dtype(out_dtype)
+    check_bias(bias, N, None)
     check_activation(activation)
-    if preact is not None:
-        check_tensor("preact", preact, ndim=2, dtypes=(out_dtype,))
-        if tuple(preact.shape) != (M, N) or not preact.is_contiguous():
-            raise ValueError(
-                f"preact must be a contiguous ({M}, {N}) tensor, got shape {tuple(preact.shape)}"
-            )
+    check_preact(preact, (M, N), out_dtype)
     check_same_device(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, preact=preact)
     check_mx_device(a.device)
     for name, t in (("a", a), ("b", b)):

@@ -47,14 +47,13 @@ from tkern.kernels._common import (
 from tkern.kernels.float8 import (
     MAX_PROGRAMS,
     cast_2d_prechecked,
+    cast_multiplier,
     check_amaxes,
     check_fp8_device,
     check_fp8_dtype,
-    delayed_multiplier,
     fp8_constants,
     last_to_finish,
     load_tile,
-    reciprocal,
     release_counter,
     roll_amax_history,
     roll_if_last,
@@ -343,9 +342,9 @@ def _norm_fwd_fp8_kernel(
     nprog = tl.num_programs(0)
     mult = 1.0
     if DELAYED:
-        mult = delayed_multiplier(history_ptr, H, margin_factor, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK)
-        if pid == 0:
-            tl.store(scale_ptr, reciprocal(mult))
+        mult = cast_multiplier(
+            history_ptr, H, margin_factor, scale_ptr, pid, True, FP8_MAX, MULT_AT_EPS, EPS_F32, PBLOCK
+        )
     rows_t = tl.arange(0, ROWS)
     cols_t = tl.arange(0, TK)
     best = 0.0  # max |y| so far: a scalar (a tile held across the rows' code spilled on sm_89)
@@ -527,12 +526,6 @@ def _check_param(name: str, p: torch.Tensor | None, n: int, x: torch.Tensor) -> 
         )
 
 
-def _check_rows(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
-    check_tensor(name, t, ndim=2, dtypes=(x.dtype,))
-    if t.shape != x.shape:
-        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got shape {tuple(t.shape)}")
-
-
 def norm_forward(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -557,17 +550,30 @@ def norm_forward(
         (contiguous); h (M, N) or None; mean (M,) fp32 or None (RMSNorm);
         rstd (M,) fp32.
     """
+    check_norm_args(x, weight, bias, eps, rms, residual)
+    check_same_device(x=x, residual=residual, weight=weight, bias=bias)
+    return norm_forward_prechecked(x, weight, bias, eps, rms, residual)
+
+
+def check_norm_args(x, weight, bias, eps, rms: bool, residual=None) -> None:
+    """Raise ``TypeError`` / ``ValueError`` naming the argument unless :func:`norm_forward`
+    (and :func:`norm_forward_float8`) can normalize ``x``'s rows with these (devices apart)."""
     check_tensor("x", x, ndim=2, dtypes=INPUT_DTYPES)
-    M, N = x.shape
+    N = x.shape[1]
     _check_param("weight", weight, N, x)
     if bias is not None and rms:
         raise ValueError("RMSNorm takes no bias")
     _check_param("bias", bias, N, x)
     if residual is not None:
-        _check_rows("residual", residual, x)
+        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), shape=x.shape)
     if not eps >= 0.0 or eps == float("inf"):
         raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    check_same_device(x=x, residual=residual, weight=weight, bias=bias)
+
+
+def norm_forward_prechecked(x, weight, bias, eps, rms, residual=None) -> NormForward:
+    """:func:`norm_forward` for arguments already checked (:func:`check_norm_args`, one
+    device): the launch, nothing checked again."""
+    M, N = x.shape
     x = rows_view(x)
     residual = None if residual is None else rows_view(residual)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -672,24 +678,24 @@ def norm_forward_float8(
     Returns:
         :class:`NormFloat8`.
     """
-    check_tensor("x", x, ndim=2, dtypes=INPUT_DTYPES)
-    M, N = x.shape
-    if N < 1:
+    check_norm_args(x, weight, bias, eps, rms)
+    if x.shape[1] < 1:
         raise ValueError(
             f"norm_forward_float8 needs rows of N >= 1 elements, got x of shape {tuple(x.shape)}"
         )
-    _check_param("weight", weight, N, x)
-    if bias is not None and rms:
-        raise ValueError("RMSNorm takes no bias")
-    _check_param("bias", bias, N, x)
-    if not eps >= 0.0 or eps == float("inf"):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    check_cast_args(x, dtype, history, margin, update, counter, rolls)
+    check_same_device(x=x, weight=weight, bias=bias, counter=counter)
+    return norm_forward_float8_prechecked(
+        x, weight, bias, eps, rms, dtype, store_t, history, margin, update, counter, rolls
+    )
+
+
+def check_cast_args(x, dtype, history, margin, update, counter, rolls) -> None:
+    """Raise unless :func:`norm_forward_float8` can cast the norm of ``x`` to ``dtype``
+    with this scaling state (``history`` and the rest; the names as there)."""
     check_fp8_dtype(dtype)
     check_fp8_device(x.device, "norm_forward_float8", (dtype,))
-    check_same_device(x=x, weight=weight, bias=bias, counter=counter)
-    delayed = history is not None
-    roll = delayed and update
-    if delayed:
+    if history is not None:
         check_amaxes("history", history, x)
         if not isinstance(margin, int) or isinstance(margin, bool) or margin < 0:
             raise ValueError(f"margin must be an int >= 0, got {margin!r}")
@@ -697,14 +703,44 @@ def norm_forward_float8(
             check_tensor("counter", counter, ndim=1, dtypes=(torch.int32,))
     elif counter is not None:
         raise ValueError("counter is delayed scaling's: give the history")
-    if rolls and not roll:
+    if rolls and not (history is not None and update):
         raise ValueError("rolls ride on the launch's own history update: they need a history and update")
     _check_rolls(rolls, x)
+
+
+def norm_forward_float8_prechecked(
+    x, weight, bias, eps, rms, dtype, store_t, history, margin, update, counter, rolls
+) -> NormFloat8:
+    """:func:`norm_forward_float8` for arguments already checked (:func:`check_norm_args`,
+    :func:`check_cast_args`, one device): one launch (delayed) or the norm recording y's
+    amax and the cast after it (tensorwise); rows too wide for one block, two launches."""
     x = rows_view(x)
-    block = block_size(N)
-    if block > FP8_MAX_BLOCK or block < N:
+    block = block_size(x.shape[1])
+    if block > FP8_MAX_BLOCK or block < x.shape[1]:
         return _norm_then_cast(x, weight, bias, eps, rms, dtype, store_t, history, margin, update, rolls)
-    dev = x.device
+    out, partials = _launch_norm_fp8(x, weight, bias, eps, rms, dtype, store_t, history, margin, update,
+                                     counter, rolls, block)  # fmt: skip
+    if history is None:  # tensorwise: the cast of y with the amax the norm recorded
+        cast = cast_2d_prechecked(
+            out.y, dtype, True, store_t, None, None, 0, False, False, None, None, partials
+        )
+        return out._replace(data=cast.data, data_t=cast.data_t, scale=cast.scale)
+    if update:  # in-place writes, as torch's own would count them
+        for h in (history, *(h for h, _ in rolls)):
+            if not h.is_inference():
+                torch.autograd.graph.increment_version(h)
+    return out
+
+
+def _launch_norm_fp8(
+    x, weight, bias, eps, rms, dtype, store_t, history, margin, update, counter, rolls, block
+) -> tuple[NormFloat8, torch.Tensor | None]:
+    """One ``_norm_fwd_fp8_kernel`` launch (its docstring): y, the statistics and, delayed,
+    the cast (tensorwise: ``data``, ``data_t`` None and ``scale`` unwritten, for the cast
+    after); returns them and the per-program partial maxima of |y| (None: not recorded)."""
+    (M, N), dev = x.shape, x.device
+    delayed = history is not None
+    roll = delayed and update
     y = torch.empty((M, N), dtype=x.dtype, device=dev)
     mean = None if rms else torch.empty(M, dtype=torch.float32, device=dev)
     rstd = torch.empty(M, dtype=torch.float32, device=dev)
@@ -721,6 +757,7 @@ def norm_forward_float8(
     slots += [(dummy, dummy)] * (MAX_ROLLS - len(slots))
     lengths = [n for h, a in rolls for n in (h.numel(), programs if a is None else a.numel())]
     lengths += [0, 0] * (MAX_ROLLS - len(rolls))
+    h_len = history.numel() if delayed else 0
     const8 = fp8_constants(dtype)
     const8["DTYPE8"] = const8.pop("DTYPE")  # DTYPE is x's
     _norm_fwd_fp8_kernel[(programs,)](
@@ -729,24 +766,16 @@ def norm_forward_float8(
         dummy if data_t is None else data_t, scale,
         partials if partials is not None else dummy, history if delayed else dummy,
         counter if roll else dummy, *(t for pair in slots for t in pair),
-        M, N, x.stride(0), float(eps), history.numel() if delayed else 0, 2.0**-margin, *lengths,
+        M, N, x.stride(0), float(eps), h_len, 2.0**-margin, *lengths,
         IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, DTYPE=tl_dtype(x.dtype),
         BLOCK=block, DELAYED=delayed, STORE_T=store_t, RECORD=partials is not None,
         ROLL=roll, N_ROLLS=len(rolls), **const8,
         ROWS=FP8_ROWS, TK=FP8_TK,
-        PBLOCK=next_power_of_2(max(programs, history.numel() if delayed else 1, *lengths[1::2])),
-        HBLOCK=next_power_of_2(max(history.numel() if delayed else 1, *lengths[0::2], 1)),
+        PBLOCK=next_power_of_2(max(programs, h_len if delayed else 1, *lengths[1::2])),
+        HBLOCK=next_power_of_2(max(h_len if delayed else 1, *lengths[0::2], 1)),
         num_warps=num_warps(block),
     )  # fmt: skip
-    if delayed:
-        if roll:  # in-place writes, as torch's own would count them
-            for h in (history, *(h for h, _ in rolls)):
-                if not h.is_inference():
-                    torch.autograd.graph.increment_version(h)
-    else:
-        cast = cast_2d_prechecked(y, dtype, True, store_t, None, None, 0, False, False, None, None, partials)
-        data, data_t, scale = cast.data, cast.data_t, cast.scale
-    return NormFloat8(y, mean, rstd, data, data_t, scale)
+    return NormFloat8(y, mean, rstd, data, data_t, scale), partials
 
 
 def _norm_then_cast(x, weight, bias, eps, rms, dtype, store_t, history, margin, update, rolls) -> NormFloat8:
@@ -754,7 +783,7 @@ def _norm_then_cast(x, weight, bias, eps, rms, dtype, store_t, history, margin, 
     ``cast_2d`` of y, the histories rolled after it (one launch each). The same results,
     without the saving: the wide row code beside the cast spilled registers (chunked rows
     on sm_89 and sm_90; 8192-wide RMSNorm on sm_89)."""
-    norm = norm_forward(x, weight, bias, eps, rms)
+    norm = norm_forward_prechecked(x, weight, bias, eps, rms)
     roll = history is not None and update
     cast = cast_2d_prechecked(norm.y, dtype, True, store_t, None, history, margin, update, roll, None, None)
     if roll:
@@ -805,9 +834,9 @@ def norm_backward(
     """
     check_tensor("x", x, ndim=2, dtypes=INPUT_DTYPES)
     M, N = x.shape
-    _check_rows("dy", dy, x)
+    check_tensor("dy", dy, ndim=2, dtypes=(x.dtype,), shape=x.shape)
     if dh is not None:
-        _check_rows("dh", dh, x)
+        check_tensor("dh", dh, ndim=2, dtypes=(x.dtype,), shape=x.shape)
     _check_param("weight", weight, N, x)
     if need_weight and weight is None:
         raise ValueError("need_weight=True needs the weight")
@@ -818,6 +847,14 @@ def norm_backward(
         if stat.shape[0] != M or not stat.is_contiguous():
             raise ValueError(f"{name} must be a contiguous ({M},) fp32 tensor, got shape {tuple(stat.shape)}")
     check_same_device(x=x, dy=dy, dh=dh, weight=weight, mean=mean, rstd=rstd)
+    return norm_backward_prechecked(dy, x, weight, mean, rstd, rms, need_weight, bias_dtype, dh)
+
+
+def norm_backward_prechecked(dy, x, weight, mean, rstd, rms, need_weight, bias_dtype, dh) -> NormBackward:
+    """:func:`norm_backward` for a backward that trusts its tensors (``tkern.layer_norm``'s:
+    what its forward checked and saved, and the gradients autograd gives of its outputs):
+    the launch, nothing checked again."""
+    M, N = x.shape
     dy, x = rows_view(dy), rows_view(x)
     dh = None if dh is None else rows_view(dh)
     dx = torch.empty((M, N), dtype=x.dtype, device=x.device)

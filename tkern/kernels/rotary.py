@@ -188,12 +188,6 @@ def _check_inputs(q, k, cos, sin) -> None:
         raise ValueError(f"sin must have cos's shape {tuple(cos.shape)}, got {_describe(sin)}")
 
 
-def _check_output(name: str, out: torch.Tensor, like: torch.Tensor) -> None:
-    check_tensor(name, out, ndim=4, dtypes=(like.dtype,))
-    if out.shape != like.shape:
-        raise ValueError(f"{name} must have shape {tuple(like.shape)}, got {_describe(out)}")
-
-
 def rotary_embedding(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -203,6 +197,7 @@ def rotary_embedding(
     inverse: bool = False,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
+    prechecked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_embed, k_embed)``: q and k rotated by the angles whose cos and sin are given, over
     their first ``cos.shape[-1]`` head-dim columns (the rest copied), in one launch.
@@ -216,13 +211,28 @@ def rotary_embedding(
             q and k are the outputs' gradients).
         q_out, k_out: optional outputs of q's / k's shape and q's dtype, any strides (not
             overlapping the inputs); new contiguous tensors where None.
+        prechecked: True from a caller whose arguments are valid by construction (the
+            eager backward of ``tkern.apply_rotary_pos_emb``, with both outputs given):
+            nothing is checked (:func:`rotary_embedding_prechecked`).
     """
+    if prechecked:
+        return rotary_embedding_prechecked(q, k, cos, sin, inverse, q_out, k_out)
     _check_inputs(q, k, cos, sin)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if q_out is None else q_out
     k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device) if k_out is None else k_out
-    _check_output("q_out", q_out, q)
-    _check_output("k_out", k_out, k)
+    check_tensor("q_out", q_out, ndim=4, dtypes=(q.dtype,), shape=q.shape)
+    check_tensor("k_out", k_out, ndim=4, dtypes=(q.dtype,), shape=k.shape)
     check_same_device(q=q, k=k, cos=cos, sin=sin, q_out=q_out, k_out=k_out)
+    return rotary_embedding_prechecked(q, k, cos, sin, inverse, q_out, k_out)
+
+
+def rotary_embedding_prechecked(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool,
+    q_out: torch.Tensor, k_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`rotary_embedding` for a caller whose arguments are valid (``tkern.apply_rotary_pos_emb``'s
+    backward: autograd's gradients of the outputs it checked, the cos and sin its forward saved,
+    new outputs): the launch, nothing checked again."""
     batch, heads, seq, head_dim = q.shape
     kv_heads, rotary_dim = k.shape[1], cos.shape[2]
     q_rows, k_rows = batch * seq * heads, batch * seq * kv_heads

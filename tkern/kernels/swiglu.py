@@ -122,9 +122,9 @@ def _blocks(m: int, n: int, elements: int) -> tuple[int, int]:
 
 
 def _check_operand(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype | None) -> None:
-    check_tensor(name, t, ndim=2, dtypes=HALF_DTYPES if dtype is None else (dtype,))
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got shape {tuple(t.shape)}")
+    """Raise unless ``t`` is a ``shape`` tensor of ``dtype`` (None: fp16 or bf16) with unit
+    column stride that int32 offsets reach."""
+    check_tensor(name, t, ndim=2, dtypes=HALF_DTYPES if dtype is None else (dtype,), shape=shape)
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
     check_int32_addressable(name, t)
@@ -187,6 +187,14 @@ def swiglu_backward(
     for name, t in (("dh", dh), ("gate", gate), ("up", up), ("dgate", dgate), ("dup", dup)):
         _check_operand(name, t, shape, dh.dtype)
     check_same_device(dh=dh, gate=gate, up=up, dgate=dgate, dup=dup)
+    return swiglu_backward_prechecked(dh, gate, up, activation, dgate, dup)
+
+
+def swiglu_backward_prechecked(dh, gate, up, activation: str, dgate, dup) -> tuple[torch.Tensor, ...]:
+    """:func:`swiglu_backward` for a backward that trusts its tensors (``tkern.swiglu``'s: gate
+    and up checked by its forward and saved, dgate and dup its own, dh autograd's gradient of
+    the output with unit column stride, whose int32 reach alone it checks): the launch."""
+    shape = tuple(dh.shape)
     if dh.numel():
         block_m, block_n = _blocks(*shape, BWD_ELEMENTS)
         _swiglu_bwd_kernel[(cdiv(shape[0], block_m), cdiv(shape[1], block_n))](

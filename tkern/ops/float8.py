@@ -13,15 +13,17 @@ from typing import NamedTuple
 import torch
 
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
-from tkern.kernels.activation import activation_grad
+from tkern.kernels.activation import activation_grad_prechecked
 from tkern.kernels.float8 import (
     SCALE_TILE,
     block_scales,
     cast_2d_prechecked,
     cast_blocks,
     cast_tiles,
+    cast_tiles_prechecked,
     check_fp8_device,
     roll_amax_history,
+    roll_amax_history_prechecked,
 )
 from tkern.kernels.gemm import scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
@@ -36,6 +38,7 @@ from tkern.ops.float8_args import (
     Float8Input,
     check_activation_args,
     check_delayed_args,
+    check_gemm_reach,
     check_scaling,
     check_weight_fp8,
     check_x_fp8,
@@ -223,28 +226,53 @@ def _(
 
 
 def _scaled_mm_impl(
-    a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, into=None, accumulate=True
-):
+    a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, into=None, accumulate=True,
+    prechecked=False,
+):  # fmt: skip
     """:func:`scaled_mm` with the custom op's arguments (``into``: eager callers
     only; the result is added to it with ``accumulate``, else written into it)."""
     return scaled_mm(
         a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
         block_a=tuple(block_a) if block_a else None, block_b=tuple(block_b) if block_b else None,
         out=None if accumulate else into, accumulate_into=into if accumulate else None,
-        use_fast_accum=use_fast_accum,
+        use_fast_accum=use_fast_accum, prechecked=prechecked,
     )  # fmt: skip
 
 
-def _scaled_mm_act_impl(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
+def _scaled_mm_act_impl(
+    a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact, prechecked=False
+):  # fmt: skip
     """:func:`scaled_mm` with ``activation`` in its epilogue: ``(y, pre-activation or None)``."""
     preact = None
     if store_preact:
         preact = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     y = scaled_mm(
         a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
-        activation=activation, preact=preact,
+        activation=activation, preact=preact, prechecked=prechecked,
     )  # fmt: skip
     return y, preact
+
+
+def _scaled_mm_eager(
+    a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum, into=None, accumulate=True
+):  # fmt: skip
+    """:func:`_scaled_mm_impl` on the eager path: the operands are the forward's and
+    backward's own casts, of the shapes and devices :func:`float8_linear` checked, so the
+    GEMM checks nothing again (``scaled_mm(prechecked=True)``)."""
+    args = (bias, out_dtype, block_a, block_b, use_fast_accum, into, accumulate)
+    return _scaled_mm_impl(a, b, scale_a, scale_b, *args, prechecked=True)
+
+
+def _scaled_mm_act_eager(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, activation, store_preact):
+    """:func:`_scaled_mm_act_impl` on the eager path (:func:`_scaled_mm_eager`'s reason)."""
+    args = (bias, out_dtype, use_fast_accum, activation, store_preact)
+    return _scaled_mm_act_impl(a, b, scale_a, scale_b, *args, prechecked=True)
+
+
+def _cast_tiles_eager(x, dtype, store_t, sum_dtype):
+    """:func:`_cast_tiles_impl` on the eager path: x (M, K) is float8_linear's checked input
+    (or dY of its output), so the cast's checks are not made again."""
+    return tuple(cast_tiles_prechecked(x, dtype, store_t, sum_dtype))
 
 
 def _scaled_mm_traced(a, b, scale_a, scale_b, bias, out_dtype, block_a, block_b, use_fast_accum):
@@ -293,8 +321,8 @@ _TRACED_FP8 = _Fp8Ops(
     _scaled_mm_act_traced, _activation_grad_traced,
 )  # fmt: skip
 _EAGER_FP8 = _Fp8Ops(
-    _cast_2d_impl, _cast_blocks_impl, _cast_tiles_impl, roll_amax_history, _scaled_mm_impl,
-    _scaled_mm_act_impl, activation_grad,
+    _cast_2d_impl, _cast_blocks_impl, _cast_tiles_eager, roll_amax_history_prechecked, _scaled_mm_eager,
+    _scaled_mm_act_eager, activation_grad_prechecked,
 )  # fmt: skip
 
 
@@ -303,6 +331,60 @@ def _fp8_ops(t: torch.Tensor) -> _Fp8Ops:
     anything but a plain tensor on a device that runs, else the launchers."""
     plain = type(t) is torch.Tensor and not t.is_meta and not is_compiling()
     return _EAGER_FP8 if plain else _TRACED_FP8
+
+
+class _Float8Call(NamedTuple):
+    """The configuration one :func:`float8_linear` call hands :class:`_Float8Linear` beside
+    its tensors, in one frozen argument: the recipe and its knobs (none of them a tensor
+    autograd tracks; ``emit``'s state is written by the launch, not differentiated)."""
+
+    recipe: str  # "tensorwise", "delayed" or "blockwise"
+    margin: int = 0  # delayed: the power of two kept below fp8_max
+    update: bool = True  # delayed: roll this step's amaxes into the histories
+    grad_enabled: bool = True  # grad mode at the call (forward itself runs without it)
+    activation: str | None = None  # the forward GEMM's epilogue activation
+    emit: Float8Emit | None = None  # the next fp8 layer's input cast, written by the epilogue
+
+
+class _WeightCast(NamedTuple):
+    """The optimizer's cast of the weight (:class:`Float8WeightCache`), handed to the forward
+    instead of casting it there: e4m3 ``data`` (N, K), its ``scale``, ``data_t`` (K, N) or
+    None (one copy when dgrad needs it), and delayed's deferred ``amax`` or None."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    data_t: torch.Tensor | None
+    amax: torch.Tensor | None
+
+
+def _per_tensor_casts(ops, x2d, weight, call, histories, counters, cached, given, dgrad, wgrad):
+    """The tensorwise / delayed forward's fp8 operands: ``((xq, xq^T or None, sx), (wq, sw,
+    wq^T or None), the grad cast's counter)``, each cast made here or taken from ``given``
+    (x's producer's) / ``cached`` (the optimizer's); delayed's histories rolled in the casts'
+    launches (the cached weight's deferred amax too)."""
+    delayed = call.recipe == "delayed"
+    h_x, h_w, _ = histories if delayed else (None, None, None)
+    eager = ops is _EAGER_FP8
+    ctr = (None,) * 3 if counters is None or not eager else tuple(counters[i : i + 1] for i in range(3))
+    amax = None if cached is None else cached.amax
+    roll2 = (h_w, amax) if delayed and call.update and amax is not None else None
+    if given is None:
+        xq, saved_x, sx, _ = ops.cast_2d(
+            x2d, E4M3, True, wgrad, None, h_x, ctr[0], call.margin, call.update, roll2
+        )
+    else:  # x's producer cast it (and recorded its amax); the weight's update on its own
+        xq, saved_x, sx = given
+        if wgrad and saved_x is None:  # a cast without x^T: one copy
+            saved_x = xq.t().contiguous()
+        if roll2 is not None:
+            ops.roll_amax_history(*roll2)
+    if cached is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
+        wq, sw, wq_t = cached.data, cached.scale, cached.data_t
+        if dgrad and wq_t is None:  # a cast without W^T (FSDP2's fp8 all-gather): one copy
+            wq_t = wq.t().contiguous()
+    else:
+        wq, wq_t, sw, _ = ops.cast_2d(weight, E4M3, True, dgrad, None, h_w, ctr[1], call.margin, call.update)
+    return (xq, saved_x, sx), (wq, sw, wq_t), ctr[2]
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -323,73 +405,45 @@ class _Float8Linear(torch.autograd.Function):
     and dY's own tiles (dY's with the bias gradient)."""
 
     @staticmethod
-    def forward(
-        ctx, x, weight, bias, recipe, margin, update, grad_enabled, h_x, h_w, h_g, counters,
-        cached_wq, cached_sw, cached_wq_t, cached_amax, given_xq, given_xq_t, given_sx, activation, emit,
-    ):  # fmt: skip
+    def forward(ctx, x, weight, bias, call: _Float8Call, histories, counters, cached, given):
         n, k = weight.shape
         x2d = as_2d(x, k)
         ops = _fp8_ops(x)
-        preact = None
         # what backward will run (forward itself runs with grad mode off)
-        dgrad = grad_enabled and ctx.needs_input_grad[0]
-        wgrad = grad_enabled and ctx.needs_input_grad[1]
-        if recipe == "blockwise":
+        dgrad = call.grad_enabled and ctx.needs_input_grad[0]
+        wgrad = call.grad_enabled and ctx.needs_input_grad[1]
+        h_g = None if histories is None else histories[2]
+        preact = emitted = ctx.counter = None
+        if call.recipe == "blockwise":
             # x in 1x128 tiles and, for wgrad (which reads x with its tiles along M), x^T in
             # 1x128 tiles along M: one read of x
             xq, sx, saved_x, saved_sx, _ = ops.cast_tiles(x2d, E4M3, wgrad, None)
             wq, sw, wq_t = ops.cast_blocks(weight, E4M3, *WEIGHT_BLOCK, dgrad)
             y = ops.scaled_mm(xq, wq.t(), sx, sw.t(), bias, x.dtype, list(TILE), list(WEIGHT_BLOCK), True)
         else:
-            delayed = recipe == "delayed"
-            eager = ops is _EAGER_FP8
-            ctr = (
-                (None, None, None)
-                if counters is None or not eager
-                else tuple(counters[i : i + 1] for i in range(3))
+            (xq, saved_x, sx), (wq, sw, wq_t), ctx.counter = _per_tensor_casts(
+                ops, x2d, weight, call, histories, counters, cached, given, dgrad, wgrad
             )
-            roll2 = (h_w, cached_amax) if delayed and update and cached_amax is not None else None
-            if given_xq is None:
-                xq, saved_x, sx, _ = ops.cast_2d(
-                    x2d, E4M3, True, wgrad, None, h_x if delayed else None, ctr[0], margin, update, roll2
-                )
-            else:  # x's producer cast it (and recorded its amax); the weight's update on its own
-                xq, saved_x, sx = given_xq, given_xq_t, given_sx
-                if wgrad and saved_x is None:  # a cast without x^T: one copy
-                    saved_x = xq.t().contiguous()
-                if roll2 is not None:
-                    ops.roll_amax_history(*roll2)
-            if cached_wq is not None:  # the optimizer's cast of this very weight (Float8WeightCache)
-                wq, sw, wq_t = cached_wq, cached_sw, cached_wq_t
-                if dgrad and wq_t is None:  # a cast without W^T (FSDP2's fp8 all-gather): one copy
-                    wq_t = wq.t().contiguous()
-            else:
-                wq, wq_t, sw, _ = ops.cast_2d(
-                    weight, E4M3, True, dgrad, None, h_w if delayed else None, ctr[1], margin, update
-                )
-            emitted = None
-            if emit is not None:  # the epilogue also writes the next layer's input (eager only)
-                store = activation is not None and grad_enabled and any(ctx.needs_input_grad[:3])
-                y, preact, emitted = scaled_mm_emit(
-                    xq, wq.t(), sx, sw, bias, x.dtype, FORWARD_FAST_ACCUM, activation, store, emit
-                )
-            elif activation is None:
-                y = ops.scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype, [], [], FORWARD_FAST_ACCUM)
-            else:  # act in the epilogue; its input kept (bf16 / fp16) for act' in backward
-                store = grad_enabled and any(ctx.needs_input_grad[:3])
-                y, preact = ops.scaled_mm_act(
-                    xq, wq.t(), sx, sw, bias, x.dtype, FORWARD_FAST_ACCUM, activation, store
-                )
             saved_sx = sx
-            ctx.counter = ctr[2]
-        ctx.recipe, ctx.margin, ctx.update = recipe, margin, update
+            # the epilogue's activation keeps its input (bf16 / fp16) for act' in backward
+            store = call.activation is not None and call.grad_enabled and any(ctx.needs_input_grad[:3])
+            if call.emit is not None:  # the epilogue also writes the next layer's input (eager only)
+                y, preact, emitted = scaled_mm_emit(
+                    xq, wq.t(), sx, sw, bias, x.dtype, FORWARD_FAST_ACCUM, call.activation, store, call.emit
+                )
+            elif call.activation is None:
+                y = ops.scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype, [], [], FORWARD_FAST_ACCUM)
+            else:
+                y, preact = ops.scaled_mm_act(
+                    xq, wq.t(), sx, sw, bias, x.dtype, FORWARD_FAST_ACCUM, call.activation, store
+                )
+        ctx.call = call
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_shape = x.shape
-        ctx.activation = activation
         ctx.save_for_backward(saved_x, saved_sx, wq_t if dgrad else None, sw, h_g, preact)
         y = y.reshape(*x.shape[:-1], n)
-        if emit is None:
+        if emitted is None:
             return y
         data_t = emitted.data_t if emitted.data_t is not None else emitted.data.new_empty(0)
         ctx.set_materialize_grads(False)  # no zero gradients made for the fp8 outputs (the norm's way)
@@ -399,11 +453,12 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *_emitted):
         x_saved, sx, wq_t, sw, h_g, preact = ctx.saved_tensors
-        recipe = ctx.recipe
+        call = ctx.call
+        recipe = call.recipe
         dy2d = as_2d(dy, dy.shape[-1])
         ops = _fp8_ops(dy)
-        if ctx.activation is not None:  # dZ = dY * act'(Z) in fp32, rounded once: what the casts read
-            dy2d = ops.activation_grad(dy2d, preact, ctx.activation)
+        if call.activation is not None:  # dZ = dY * act'(Z) in fp32, rounded once: what the casts read
+            dy2d = ops.activation_grad(dy2d, preact, call.activation)
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         bias_grad = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         dx = dw = db = None
@@ -423,8 +478,8 @@ class _Float8Linear(torch.autograd.Function):
                 sum_dtype,
                 h_g if delayed else None,
                 ctx.counter,
-                ctx.margin,
-                ctx.update,
+                call.margin,
+                call.update,
             )
             blocks = ([], [])
         if dgrad:  # (M, N) @ (N, K): W^T's cast read K-major
@@ -439,9 +494,9 @@ class _Float8Linear(torch.autograd.Function):
             if target is None:
                 dw = ops.scaled_mm(*operands, GRADIENT_FAST_ACCUM)
             else:  # dW added into the fused optimizer's flat buffer (_flat_wgrad)
-                _scaled_mm_impl(*operands, GRADIENT_FAST_ACCUM, into=target[1], accumulate=target[2])
+                _scaled_mm_eager(*operands, GRADIENT_FAST_ACCUM, into=target[1], accumulate=target[2])
                 dw = common.hand_over(target)
-        return dx, dw, db, *(None,) * 17
+        return dx, dw, db, None, None, None, None, None
 
 
 def float8_linear(
@@ -508,19 +563,14 @@ def float8_linear(
     check_emit_args(emit_fp8, x, weight, scaling)
     if scaling == "delayed":  # all three histories before the first cast: the casts roll them as they go
         check_delayed_args(histories, margin, counters, weight)
-    given = (None, None, None)
     if x_fp8 is not None:
         check_x_fp8(x_fp8, x, weight, scaling)
-        given = tuple(x_fp8)
-    cached = (None, None, None, None)
+    cached = None
     if weight_fp8 is not None:
         check_weight_fp8(weight_fp8, weight, scaling, weight_fp8_t)
         amax = weight_fp8[2] if scaling == "delayed" else None
-        cached = (weight_fp8[0], weight_fp8[1], weight_fp8_t, amax)
-    h = histories if histories is not None else (None, None, None)  # not delayed: no histories
-    grad_enabled = torch.is_grad_enabled()
-    out = _Float8Linear.apply(
-        x, weight, bias, scaling, margin, update, grad_enabled, *h, counters, *cached, *given, activation,
-        emit_fp8,
-    )  # fmt: skip
+        cached = _WeightCast(weight_fp8[0], weight_fp8[1], weight_fp8_t, amax)
+    check_gemm_reach(x, weight)  # int32 offsets: once here for the three GEMMs (fwd, dgrad, wgrad)
+    call = _Float8Call(scaling, margin, update, torch.is_grad_enabled(), activation, emit_fp8)
+    out = _Float8Linear.apply(x, weight, bias, call, histories, counters, cached, x_fp8)
     return out if emit_fp8 is None else emitted_pair(out, emit_fp8)

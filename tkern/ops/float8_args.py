@@ -4,11 +4,18 @@ is launched: delayed scaling's histories, margin and counters, and the casts mad
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
+from tkern.kernels._common import (
+    HALF_DTYPES,
+    check_int32_addressable,
+    check_int32_elements,
+    check_same_device,
+    check_tensor,
+)
 from tkern.kernels.activation import check_activation
 
 __all__ = [
@@ -17,6 +24,7 @@ __all__ = [
     "Float8Input",
     "check_activation_args",
     "check_delayed_args",
+    "check_gemm_reach",
     "check_weight_fp8",
     "check_x_fp8",
     "recipe_formats",
@@ -101,6 +109,17 @@ def check_delayed_args(histories, margin, counters, weight: torch.Tensor) -> Non
             raise ValueError(f"counters must be a (3,) int32 tensor on {weight.device}")
 
 
+def check_gemm_reach(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the int32 offsets of a layer's three fp8 GEMMs (forward,
+    dgrad, wgrad) reach every element they read and write: x as its (M, K) rows, the
+    weight (N, K) and the output (M, N), each as the contiguous casts the GEMMs take."""
+    n, k = weight.shape
+    m = math.prod(x.shape[:-1])
+    check_int32_elements("x", (m, k))
+    check_int32_elements("weight", (n, k))
+    check_int32_elements("output", (m, n))
+
+
 def check_x_fp8(x_fp8, x: torch.Tensor, weight: torch.Tensor, scaling: str) -> None:
     """float8_linear's ``x_fp8`` against x (as (M, K) rows) and the scaling."""
     if scaling not in CACHED_SCALINGS:
@@ -136,6 +155,7 @@ def check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, weig
         raise ValueError(f'weight_fp8 must be ({", ".join(parts)}) under scaling="{scaling}"')
     wq, sw, *amax = weight_fp8
     check_tensor("weight_fp8 data", wq, dtypes=(E4M3,))
+    check_int32_addressable("weight_fp8 data", wq)  # the GEMMs read it with int32 offsets
     check_tensor("weight_fp8 scale", sw, dtypes=(torch.float32,))
     if wq.shape != weight.shape or sw.numel() != 1 or wq.device != weight.device:
         raise ValueError(
@@ -144,6 +164,7 @@ def check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, weig
         )
     if weight_fp8_t is not None:
         check_tensor("weight_fp8_t", weight_fp8_t, ndim=2, dtypes=(E4M3,))
+        check_int32_addressable("weight_fp8_t", weight_fp8_t)
         if weight_fp8_t.shape != weight.shape[::-1] or weight_fp8_t.stride(1) != 1:
             raise ValueError(
                 f"weight_fp8_t must be the ({weight.shape[1]}, {weight.shape[0]}) e4m3 transpose, "

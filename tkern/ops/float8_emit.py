@@ -51,9 +51,11 @@ def scaled_mm_emit(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, acti
     preact = None
     if store_preact:
         preact = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    # the forward's own casts of what float8_linear checked (emit: check_emit_args), so the
+    # GEMM checks nothing again
     y, emitted = scaled_mm(
         a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
-        activation=activation, preact=preact, emit_fp8=emit,
+        activation=activation, preact=preact, emit_fp8=emit, prechecked=True,
     )  # fmt: skip
     return y, preact, Float8Input(*emitted)
 

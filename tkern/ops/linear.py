@@ -43,6 +43,7 @@ from tkern.kernels.activation import (
     GELU_TANH_SATURATED,
     GRAD_FROM_OUTPUT,
     activation_grad,
+    activation_grad_prechecked,
     check_activation,
 )
 from tkern.kernels.gemm import (
@@ -242,7 +243,7 @@ class _Linear(torch.autograd.Function):
             needs,
             ctx.bias_dtype,
             mm_backward_checked,
-            activation_grad,
+            activation_grad_prechecked,  # dy from autograd, preact saved by forward
             target,
         )
         if target is not None:  # dW is in .grad already: autograd adopts that memory

@@ -22,7 +22,7 @@ from tkern.kernels._common import (
     check_same_device,
     check_tensor,
 )
-from tkern.kernels.activation import GRAD_FROM_OUTPUT, activation_grad
+from tkern.kernels.activation import GRAD_FROM_OUTPUT, activation_grad_prechecked
 from tkern.kernels.gemm import linear_prechecked, matmul_grad_act_prechecked
 from tkern.kernels.gemm_epilogue import check_bias
 from tkern.ops import common
@@ -82,9 +82,8 @@ def _layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
     """One layer's (dx, dw, db) from its output gradient (no activation of its own):
     ``linear_grads``, with dW put into a flat gradient buffer where it may (input ``index``)."""
     target = common.flat_wgrad(ctx, x2d.dtype, weight, index) if needs[1] else None
-    dx, dw, db = linear_grads(
-        dy, x2d, weight, None, None, needs, bias_dtype, mm_backward_checked, activation_grad, target
-    )
+    mm, act_grad = mm_backward_checked, activation_grad_prechecked  # tensors autograd and forward made
+    dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs, bias_dtype, mm, act_grad, target)
     if target is not None:
         dw = common.hand_over(target)
     return dx, dw, db

@@ -32,7 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from tkern.kernels._common import INTERPRET
-from tkern.kernels.norm import INPUT_DTYPES, norm_backward, norm_forward, norm_forward_float8
+from tkern.kernels.norm import (
+    INPUT_DTYPES,
+    norm_backward,
+    norm_backward_prechecked,
+    norm_forward,
+    norm_forward_float8,
+)
 from tkern.ops.common import is_compiling
 from tkern.ops.float8 import Float8Input
 
@@ -100,12 +106,13 @@ def _norm_grads(
     rms: bool,
     needs: tuple[bool, bool, bool],
     bias_dtype: torch.dtype | None,
-    backward: Callable[..., Grads] = norm_backward,
+    backward: Callable[..., Grads] | None = None,
 ) -> Grads:
     """(d saved, dweight, dbias) from the kernels (None where not needed). ``dy``
     or ``dh`` may be None (an output not used in the loss); ``needs``: whether the
-    input, weight and bias need gradients; ``weight`` is 1-D. ``backward``: the
-    kernels' :func:`norm_backward`, or the custom op's :func:`_traced_backward`."""
+    input, weight and bias need gradients; ``weight`` is 1-D. ``backward``: the custom
+    op's :func:`_traced_backward`, or None: the kernels' launcher, on the tensors forward
+    checked and saved (``norm_backward_prechecked``: nothing checked again)."""
     need_x, need_w, need_b = needs
     if dy is None:  # y unused: its gradient is zero
         dx = dh if need_x else None
@@ -114,6 +121,8 @@ def _norm_grads(
         zero = saved.new_zeros(saved.shape[-1], dtype=torch.float32)
         return dx, zero.to(weight.dtype) if need_w else None, zero.to(bias_dtype) if need_b else None
     bias_dtype = bias_dtype if need_b else None
+    if backward is None:
+        return norm_backward_prechecked(dy, saved, weight, mean, rstd, rms, need_w, bias_dtype, dh)
     return backward(dy, saved, weight, mean, rstd, rms, need_weight=need_w, bias_dtype=bias_dtype, dh=dh)
 
 

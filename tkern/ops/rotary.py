@@ -23,17 +23,16 @@ def _eager(*tensors: torch.Tensor) -> bool:
     return not is_compiling() and all(type(t) is torch.Tensor and not t.is_meta for t in tensors)
 
 
-def _rotate(q, k, cos, sin, inverse: bool, unsqueeze_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotate(q, k, cos, sin, inverse: bool, unsqueeze_dim: int, checked: bool = True) -> tuple:
     """The kernel on q and k in HF's layout for ``unsqueeze_dim`` (1: (batch, heads, seq,
     head_dim); 2: (batch, seq, heads, head_dim)); the outputs new contiguous tensors of
-    q's / k's shape in that layout."""
+    q's / k's shape in that layout. ``checked`` False: the eager backward, on autograd's
+    gradients of outputs its forward checked (``rotary_embedding(prechecked=True)``)."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device)
-    if unsqueeze_dim == 1:
-        return rotary_embedding(q, k, cos, sin, inverse=inverse, q_out=q_out, k_out=k_out)
-    views = (t.transpose(1, 2) for t in (q, k, q_out, k_out))  # the kernel's (b, h, s, d) order
-    qv, kv, qo, ko = views
-    rotary_embedding(qv, kv, cos, sin, inverse=inverse, q_out=qo, k_out=ko)
+    args = (q, k, q_out, k_out) if unsqueeze_dim == 1 else (t.transpose(1, 2) for t in (q, k, q_out, k_out))
+    qv, kv, qo, ko = args  # the kernel's (b, h, s, d) order
+    rotary_embedding(qv, kv, cos, sin, inverse=inverse, q_out=qo, k_out=ko, prechecked=not checked)
     return q_out, k_out
 
 
@@ -66,7 +65,7 @@ class _Rotary(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             return (*_differentiable(dq, dk, cos, sin, ctx.unsqueeze_dim), None, None, None)
-        return (*_rotate(dq, dk, cos, sin, True, ctx.unsqueeze_dim), None, None, None)
+        return (*_rotate(dq, dk, cos, sin, True, ctx.unsqueeze_dim, checked=False), None, None, None)
 
 
 # --------------------------------------------------------------------------- custom op

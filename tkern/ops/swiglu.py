@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tkern.kernels.swiglu import swiglu_backward, swiglu_forward
+from tkern.kernels._common import check_int32_addressable
+from tkern.kernels.swiglu import swiglu_backward, swiglu_backward_prechecked, swiglu_forward
 from tkern.ops.common import is_compiling
 
 __all__ = ["swiglu", "swiglu_packed"]
@@ -52,6 +53,15 @@ def _differentiable_grads(dh, gate, up, activation):
     return dgate.to(gate.dtype), dup.to(up.dtype)
 
 
+def _backward_kernel(dh, gate, up, activation, dgate, dup):
+    """The eager backward's launch: gate and up are what forward checked and saved, dgate and
+    dup new buffers of their shape; of autograd's ``dh`` (the output's shape and dtype) only
+    the int32 reach is checked (a gradient may be a view into a larger one: torch.cat's)."""
+    dh = _unit_columns(dh)
+    check_int32_addressable("dh", dh)
+    return swiglu_backward_prechecked(dh, gate, up, activation, dgate, dup)
+
+
 class _SwiGLU(torch.autograd.Function):
     """h = act(gate) * up on (M, N) tensors; gate and up saved for backward."""
 
@@ -66,7 +76,8 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             return (*_differentiable_grads(dh, gate, up, ctx.activation), None)
-        dgate, dup = swiglu_backward(_unit_columns(dh), gate, up, ctx.activation)
+        new = (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
+        dgate, dup = _backward_kernel(dh, gate, up, ctx.activation, *new)
         return dgate, dup, None
 
 
@@ -90,7 +101,7 @@ class _SwiGLUPacked(torch.autograd.Function):
                 _differentiable_grads(dh, gate_up[:, :n], gate_up[:, n:], ctx.activation), 1
             ), None
         d = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
-        swiglu_backward(_unit_columns(dh), gate_up[:, :n], gate_up[:, n:], ctx.activation, d[:, :n], d[:, n:])
+        _backward_kernel(dh, gate_up[:, :n], gate_up[:, n:], ctx.activation, d[:, :n], d[:, n:])
         return d, None
 
 

@@ -71,6 +71,7 @@ from typing import Any
 import torch
 
 from tkern.flat import FlatParams, check_modes
+from tkern.graphs import HostCounters
 from tkern.kernels._update import MIN_8BIT_SIZE, UpdateBuffers
 from tkern.kernels.overflow import (
     FOUND_INF,
@@ -128,12 +129,13 @@ def full_signature(cls: type, extra: tuple[inspect.Parameter, ...] = ()) -> insp
     return inspect.Signature([*positional, *keyword.values(), *extra])
 
 
-class FlatGroups:
+class FlatGroups(HostCounters):
     """What a fused optimizer's flat storage is, seen from the optimizer: its flat buffers
     per param group (``_flat``), how they are made and tied to ``self.state``, the params'
     device and modes, and what acts on every buffer at once (``zero_grad``,
     :meth:`refresh_master`). :class:`FusedOptimizer`'s first part."""
 
+    _HOST_COUNTERS = {"steps": "_steps_run"}  # the steps taken (HostCounters)
     _flat: list[list[FlatParams]]
     _device: torch.device | None
     _master: str
@@ -182,16 +184,6 @@ class FlatGroups:
         for i, p in enumerate(flat.params):
             self.state[p] = ParamState(flat, i)
         self._layout_seen[id(flat)] = flat.layout_version
-
-    def host_counters(self) -> dict[str, int]:
-        """The host-side count of steps taken, for a caller that must take a step again
-        after its Python ran once (a failed CUDA graph capture): it puts them back with
-        :meth:`restore_host_counters`, so the step counts once."""
-        return {"steps": self._steps_run}
-
-    def restore_host_counters(self, counters: dict[str, int]) -> None:
-        """Put back what :meth:`host_counters` returned."""
-        self._steps_run = int(counters["steps"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every flat gradient buffer in place (the views stay attached, so
