@@ -1,8 +1,13 @@
 """What tkern does to Triton's interpreter (tkern/kernels/_common.py): the language is
-patched once per launch, not once per jit-helper call (issue 55), and a kernel whose
-helpers are called in every program computes what torch computes."""
+patched once per launch, not once per jit-helper call (issue 55), a kernel whose
+helpers are called in every program computes what torch computes, and int32 arithmetic
+runs as compiled (no overflow asserts) unless TKERN_INTERPRETER_SANITIZE_OVERFLOW=1."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,3 +68,36 @@ def test_the_language_is_restored_after_a_launch():
     _launch(2)
     assert tl.sum is before
     assert tl.arange.__module__ == "triton.language.core"  # the builtin itself, not the patch
+
+
+@triton.jit
+def _int32_kernel(a_ptr, b_ptr, out_ptr, BLOCK: tl.constexpr):
+    """out = a * b + a (all (BLOCK,) int32): int32 arithmetic that may overflow."""
+    offs = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + offs)
+    b = tl.load(b_ptr + offs)
+    tl.store(out_ptr + offs, a * b + a)
+
+
+def test_int32_arithmetic_wraps_as_compiled_with_no_overflow_asserts():
+    """A compiled kernel (no debug) wraps int32 overflow; the interpreter's sanitizer would
+    assert instead, at a third of a GEMM launch's time. Under tkern the interpreter wraps,
+    as torch's int32 arithmetic does."""
+    a = torch.tensor([3, 2**20, -(2**30), 2**31 - 1] * 4, dtype=torch.int32)
+    b = torch.tensor([5, 2**12, 4, 2] * 4, dtype=torch.int32)
+    out = torch.empty_like(a)
+    _int32_kernel[(1,)](a, b, out, BLOCK=16)
+    assert torch.equal(out, a * b + a)
+    assert not interpreter.interpreter_builder.options.sanitize_overflow
+
+
+def test_the_overflow_checks_are_kept_on_request():
+    """TKERN_INTERPRETER_SANITIZE_OVERFLOW=1 leaves Triton's checks on (a fresh interpreter:
+    the option is chosen at import)."""
+    code = (
+        "import tkern.kernels._common; from triton.runtime import interpreter; "
+        "print(interpreter.interpreter_builder.options.sanitize_overflow)"
+    )
+    env = {**os.environ, "TKERN_INTERPRETER_SANITIZE_OVERFLOW": "1", "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]

@@ -32,7 +32,10 @@ when the program grid is done; for small kernels that is half of the interpreter
 time. :func:`_patch_language_once` makes the nested patch a no-op where the launch's
 patch already covers the helper's modules, and :func:`_memoize_numpy_dtypes` keeps the
 numpy dtype of each Triton type instead of rebuilding a table per element-wise op
-(``TKERN_INTERPRETER_PATCH_ONCE=0`` turns both off).
+(``TKERN_INTERPRETER_PATCH_ONCE=0`` turns both off). And it checks every int32 add,
+subtract and multiply for overflow, which compiled kernels do only when built for
+debugging: :func:`_interpret_without_overflow_checks` runs them as compiled
+(``TKERN_INTERPRETER_SANITIZE_OVERFLOW=1`` keeps the checks).
 """
 
 from __future__ import annotations
@@ -169,9 +172,32 @@ def _memoize_numpy_dtypes() -> bool:
     return True
 
 
+def _interpret_without_overflow_checks() -> bool:
+    """Run the interpreter's integer arithmetic as a compiled kernel runs it: Triton's
+    ``sanitize_overflow`` widens every int32 ``+``, ``-`` and ``*`` of a kernel (address
+    arithmetic, mostly) to int64, compares it with int32's range and asserts; compiled,
+    those asserts are removed unless the kernel is built with ``debug=True``, but the
+    interpreter runs them, a third of a GEMM launch's time here. Turned off on the
+    interpreter's builder; ``TKERN_INTERPRETER_SANITIZE_OVERFLOW=1`` keeps Triton's
+    checks (to hunt an int32 overflow on the CPU). Returns whether the option was
+    turned off (False where this Triton's interpreter lacks it)."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not getattr(options, "sanitize_overflow", False):
+        return False
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
+
+
 if INTERPRET and os.environ.get("TKERN_INTERPRETER_PATCH_ONCE", "1") != "0":
     _patch_language_once()
     _memoize_numpy_dtypes()
+if INTERPRET and os.environ.get("TKERN_INTERPRETER_SANITIZE_OVERFLOW", "0") in ("", "0"):
+    _interpret_without_overflow_checks()
 
 if INTERPRET:
     # numpy, which runs the interpreter's arithmetic, reports fp16 overflow (and
