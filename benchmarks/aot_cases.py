@@ -324,7 +324,7 @@ def _norm_cases(full: bool = True) -> list[Case]:
                             else:
                                 sig[name] = "fp32" if name == "eps" else "i32"
                         const = dict(IS_RMS=rms, HAS_WEIGHT=True, DTYPE=getattr(tl, _TL_NAME[dtype]))
-                        const.update(BLOCK=block, CHUNKED=chunked)
+                        const.update(BLOCK=block, CHUNKED=chunked, ROWS=norm.tile_rows(1, block))
                         if kernel == "fwd":
                             const.update(HAS_RESIDUAL=extra, HAS_BIAS=not rms)
                         else:

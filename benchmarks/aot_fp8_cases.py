@@ -323,7 +323,8 @@ def _norm_fp8_cases() -> list[Case]:
                 const = dict(
                     IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=not rms, DTYPE=tl.bfloat16, BLOCK=block,
                     DELAYED=delayed, STORE_T=delayed, RECORD=True, ROLL=roll,
-                    N_ROLLS=n_rolls, **const8, ROWS=norm.FP8_ROWS, TK=norm.FP8_TK, PBLOCK=1024, HBLOCK=16,
+                    N_ROLLS=n_rolls, **const8, ROWS=norm.FP8_ROWS,
+                    NORM_ROWS=norm.tile_rows(norm.FP8_ROWS, block), TK=norm.FP8_TK, PBLOCK=1024, HBLOCK=16,
                 )  # fmt: skip
                 aligned = tuple(k for k in sig if k.endswith("_ptr") or k in ("M", "N", "stride_x"))
                 cases.append(

@@ -109,6 +109,40 @@ def test_forward_and_gradients_match_float64(kind, dtype, n, has_weight, has_bia
         assert rel(db, dbd) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+def test_rows_taken_in_tiles_match_each_row_alone(kind):
+    """Under the interpreter one-block rows are taken ROWS at a time ((ROWS, BLOCK) tiles,
+    ``norm.tile_rows``; one row on a GPU): 200 rows of 4096 are four forward programs of 64
+    rows (the last one 8 rows short) and four backward programs of 50 rows, each in four
+    tiles of 16 (the last one 14 short). Every row's output and dx are bit for bit that row
+    normalized alone, and dweight / dbias within fp32 rounding of the float64 sums."""
+    from tkern.kernels import norm
+
+    n, m = 4096, 200
+    assert norm.tile_rows(m, n, interpret=False) == 1
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, n, generator=gen).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    dy = torch.randn(m, n, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = (1 + 0.5 * torch.randn(n, generator=gen)).to(DEVICE).requires_grad_()
+    b = (0.5 * torch.randn(n, generator=gen)).to(DEVICE).requires_grad_() if kind == "ln" else None
+    call = (lambda t: layer_norm(t, n, w, b, 1e-5)) if kind == "ln" else (lambda t: rms_norm(t, n, w, 1e-5))
+    y = call(x)
+    y.backward(dy)
+    dw, db = w.grad.clone(), None if b is None else b.grad.clone()
+    for i in (0, 63, 64, 199):  # tile edges, the last row
+        xi = x.detach()[i : i + 1].clone().requires_grad_()
+        yi = call(xi)
+        yi.backward(dy[i : i + 1])
+        assert torch.equal(y[i : i + 1], yi), i
+        assert torch.equal(x.grad[i : i + 1], xi.grad), i
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    bd = None if b is None else b.detach().double().requires_grad_()
+    reference(kind, xd, wd, bd, 1e-5).backward(dy.double())
+    assert rel(dw, wd.grad, dy.double().abs().sum(0).norm().item()) < TOL[torch.float32]
+    if b is not None:
+        assert rel(db, bd.grad) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("n", [1500, CHUNKED])  # one block; chunks combined by Chan's formula
 def test_layer_norm_is_accurate_on_offset_fp32_input(n):
     (y, dx, dw, db), (yd, dxd, dwd, dbd), (scale, _) = run_case(

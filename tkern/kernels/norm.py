@@ -92,6 +92,19 @@ PROGRAMS_PER_SM = 2
 #: Backward programs under the interpreter (each costs milliseconds to start):
 #: few, but more than one, so the partial sums are exercised.
 _INTERPRET_PROGRAMS = 4
+#: Elements of the (ROWS, BLOCK) tile one-block rows are taken in under the interpreter,
+#: whose cost is per operation and program, not per element: many rows at once there.
+#: On a GPU ROWS is 1 (a row per program, or per step of the backward's row loop).
+_INTERPRET_TILE = 65536
+
+
+def tile_rows(rows: int, block: int, interpret: bool = INTERPRET) -> int:
+    """ROWS of the (ROWS, BLOCK) tile the kernels take one-block rows in: 1 on a GPU
+    (``interpret=False``: a row per program), under the interpreter the next power of
+    two of ``rows``, up to :data:`_INTERPRET_TILE` elements a tile."""
+    if not interpret:
+        return 1
+    return max(1, min(next_power_of_2(max(rows, 1)), _INTERPRET_TILE // block))
 
 
 def block_size(n: int) -> int:
@@ -123,14 +136,15 @@ def _load_input(x_ptr, res_ptr, h_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr, D
 
 
 @triton.jit
-def _centered(x, mask, n):
-    """(mean, x - mean) of the n unmasked values of fp32 ``x``, 0 where masked,
+def _centered(x, mask, n, AXIS: tl.constexpr):
+    """(mean, x - mean) of the n unmasked values of fp32 ``x`` along AXIS, 0 where masked
+    (AXIS 0: a chunk, the mean a scalar; 1: a (ROWS, BLOCK) tile, the means (ROWS, 1)),
     by the corrected two-pass algorithm: the first mean's rounding error (up to
     ~n * 2^-24 * |mean|, 1e-4 of a unit deviation at an offset of 2000) is
     removed by adding the mean of the deviations from it, computed nearly exactly
     since x and the mean are close (Chan, Golub & LeVeque 1983)."""
-    mean = tl.sum(x, axis=0) / n
-    mean += tl.sum(tl.where(mask, x - mean, 0.0), axis=0) / n
+    mean = tl.sum(x, axis=AXIS, keep_dims=AXIS == 1) / n
+    mean += tl.sum(tl.where(mask, x - mean, 0.0), axis=AXIS, keep_dims=AXIS == 1) / n
     return mean, tl.where(mask, x - mean, 0.0)
 
 
@@ -171,59 +185,82 @@ def _grad_terms(x, dy, w_ptr, cols, mask, mean, rstd, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _norm_row(
+def _norm_rows(
+    row0,  # int64: the first of the ROWS rows of x (and of every (M, N) output) this call normalizes
+    M,  # rows from M on are masked
+    x_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,  # as _norm_fwd_kernel's
+    N, stride_x, stride_res, eps,
+    IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """ROWS one-block rows (BLOCK >= N) held whole in registers as a (ROWS, BLOCK) tile, one
+    read: statistics in fp32 per row, then the normalized rows, rounded once and stored."""
+    rows = row0 + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)[None, :]
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols < N)
+    x = _load_input(
+        x_ptr + rows[:, None] * stride_x, res_ptr + rows[:, None] * stride_res, h_ptr + rows[:, None] * N,
+        cols, mask, HAS_RESIDUAL, DTYPE,
+    )  # fmt: skip
+    if IS_RMS:
+        mean = 0.0
+        var = tl.sum(x * x, axis=1, keep_dims=True) / N
+    else:
+        mean, xc = _centered(x, mask, N, 1)
+        var = tl.sum(xc * xc, axis=1, keep_dims=True) / N
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    _normalize_store(
+        x, y_ptr + rows[:, None] * N, w_ptr, b_ptr, cols, mask, mean, rstd, HAS_WEIGHT, HAS_BIAS, DTYPE
+    )
+    if not IS_RMS:
+        tl.store(mean_ptr + rows[:, None], mean, mask=row_mask[:, None])
+    tl.store(rstd_ptr + rows[:, None], rstd, mask=row_mask[:, None])
+
+
+@triton.jit
+def _norm_row_chunked(
     row,  # int64: the row of x (and of every (M, N) output) this call normalizes
     x_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,  # as _norm_fwd_kernel's
     N, stride_x, stride_res, eps,
     IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DTYPE: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One row: statistics in fp32, then the normalized row, rounded once and stored."""
+    """One row wider than BLOCK, walked in chunks: Chan's combination of each chunk's
+    (count, mean, M2), then a second pass for the normalized row, rounded once and stored."""
     x_ptr += row * stride_x
     res_ptr += row * stride_res
     h_ptr += row * N
     y_ptr += row * N
     offs = tl.arange(0, BLOCK)
-    if not CHUNKED:  # the whole row in registers: one read
-        mask = offs < N
-        x = _load_input(x_ptr, res_ptr, h_ptr, offs, mask, HAS_RESIDUAL, DTYPE)
+    count = 0.0
+    mean = 0.0
+    m2 = 0.0
+    for start in range(0, N, BLOCK):
+        cols = start + offs
+        mask = cols < N
+        x = _load_input(x_ptr, res_ptr, h_ptr, cols, mask, HAS_RESIDUAL, DTYPE)
         if IS_RMS:
-            mean = 0.0
-            var = tl.sum(x * x, axis=0) / N
+            m2 += tl.sum(x * x, axis=0)
         else:
-            mean, xc = _centered(x, mask, N)
-            var = tl.sum(xc * xc, axis=0) / N
-        rstd = 1.0 / tl.sqrt_rn(var + eps)
-        _normalize_store(x, y_ptr, w_ptr, b_ptr, offs, mask, mean, rstd, HAS_WEIGHT, HAS_BIAS, DTYPE)
-    else:  # chunks: Chan's combination of each chunk's (count, mean, M2), then a second pass
-        count = 0.0
-        mean = 0.0
-        m2 = 0.0
-        for start in range(0, N, BLOCK):
-            cols = start + offs
-            mask = cols < N
-            x = _load_input(x_ptr, res_ptr, h_ptr, cols, mask, HAS_RESIDUAL, DTYPE)
-            if IS_RMS:
-                m2 += tl.sum(x * x, axis=0)
-            else:
-                n_chunk = tl.minimum(N - start, BLOCK).to(tl.float32)
-                chunk_mean, xc = _centered(x, mask, n_chunk)
-                delta = chunk_mean - mean
-                total = count + n_chunk
-                mean += delta * (n_chunk / total)
-                m2 += tl.sum(xc * xc, axis=0) + delta * delta * (count * n_chunk / total)
-                count = total
-        rstd = 1.0 / tl.sqrt_rn(m2 / N + eps)
+            n_chunk = tl.minimum(N - start, BLOCK).to(tl.float32)
+            chunk_mean, xc = _centered(x, mask, n_chunk, 0)
+            delta = chunk_mean - mean
+            total = count + n_chunk
+            mean += delta * (n_chunk / total)
+            m2 += tl.sum(xc * xc, axis=0) + delta * delta * (count * n_chunk / total)
+            count = total
+    rstd = 1.0 / tl.sqrt_rn(m2 / N + eps)
+    if HAS_RESIDUAL:
+        tl.debug_barrier()  # h, stored above by other threads, is read back below
+    for start in range(0, N, BLOCK):
+        cols = start + offs
+        mask = cols < N
         if HAS_RESIDUAL:
-            tl.debug_barrier()  # h, stored above by other threads, is read back below
-        for start in range(0, N, BLOCK):
-            cols = start + offs
-            mask = cols < N
-            if HAS_RESIDUAL:
-                x = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            _normalize_store(x, y_ptr, w_ptr, b_ptr, cols, mask, mean, rstd, HAS_WEIGHT, HAS_BIAS, DTYPE)
+            x = tl.load(h_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        _normalize_store(x, y_ptr, w_ptr, b_ptr, cols, mask, mean, rstd, HAS_WEIGHT, HAS_BIAS, DTYPE)
     if not IS_RMS:
         tl.store(mean_ptr + row, mean)
     tl.store(rstd_ptr + row, rstd)
@@ -241,6 +278,7 @@ def _norm_fwd_kernel(
     mean_ptr,  # (M,) fp32 output: row means (LayerNorm only)
     rstd_ptr,  # (M,) fp32 output: 1 / sqrt(var + eps) (RMSNorm: 1 / sqrt(mean(x^2) + eps))
     # dimensions
+    M,
     N,
     stride_x,
     stride_res,
@@ -253,12 +291,20 @@ def _norm_fwd_kernel(
     DTYPE: tl.constexpr,  # x's Triton dtype
     BLOCK: tl.constexpr,  # a power of two: >= N (one-block rows), else the chunk
     CHUNKED: tl.constexpr,  # N > BLOCK: the row is walked in chunks of BLOCK
+    ROWS: tl.constexpr,  # rows per program (tile_rows: 1 on a GPU; chunked rows: 1)
 ):
-    """One row per program: statistics in fp32, then the normalized row, rounded once."""
-    _norm_row(
-        tl.program_id(0).to(tl.int64), x_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
-        N, stride_x, stride_res, eps, IS_RMS, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK, CHUNKED,
-    )  # fmt: skip
+    """ROWS rows per program: statistics in fp32, then the normalized rows, rounded once."""
+    row0 = tl.program_id(0).to(tl.int64) * ROWS
+    if CHUNKED:
+        _norm_row_chunked(
+            row0, x_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
+            N, stride_x, stride_res, eps, IS_RMS, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK,
+        )  # fmt: skip
+    else:
+        _norm_rows(
+            row0, M, x_ptr, res_ptr, h_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr,
+            N, stride_x, stride_res, eps, IS_RMS, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK, ROWS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -323,6 +369,7 @@ def _norm_fwd_fp8_kernel(
     EPS_F32: tl.constexpr,
     DTYPE8: tl.constexpr,
     ROWS: tl.constexpr,  # rows per band (a power of two)
+    NORM_ROWS: tl.constexpr,  # rows normalized at once (tile_rows: 1 on a GPU), a divisor of ROWS
     TK: tl.constexpr,  # tile columns of the cast
     PBLOCK: tl.constexpr,  # a power of two >= the programs, H and every count{i}
     HBLOCK: tl.constexpr,  # a power of two >= H and every H{i}
@@ -331,7 +378,7 @@ def _norm_fwd_fp8_kernel(
     both layouts, for the next GEMM (Transformer Engine's fused LayerNorm-Linear).
 
     Program p takes the bands of ROWS rows p, p + P, ...: each row normalized as
-    ``_norm_fwd_kernel`` does it (the same code: y is bit for bit that kernel's), then
+    ``_norm_fwd_kernel`` does it (the same code, ``_norm_rows``: y is bit for bit that kernel's), then
     the band's y read back in (ROWS, TK) tiles (from cache: this program just wrote
     it) and, under DELAYED, cast with the history's multiplier into y's layout and
     y^T's (the transposed stores ROWS bytes wide), exactly as ``cast_2d`` casts y.
@@ -351,10 +398,10 @@ def _norm_fwd_fp8_kernel(
     for band in range(pid.to(tl.int64), tl.cdiv(M, ROWS), nprog):  # int64: row * N may pass 2^31
         row0 = band * ROWS
         row_end = tl.minimum(row0 + ROWS, M)
-        for r in range(row0, row_end):
-            _norm_row(
-                r, x_ptr, x_ptr, y_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, stride_x, 0, eps,
-                IS_RMS, False, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK, False,
+        for r in range(row0, row_end, NORM_ROWS):
+            _norm_rows(
+                r, row_end, x_ptr, x_ptr, y_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, N, stride_x, 0, eps,
+                IS_RMS, False, HAS_WEIGHT, HAS_BIAS, DTYPE, BLOCK, NORM_ROWS,
             )  # fmt: skip
         tl.debug_barrier()  # the band's y, stored above by other threads, is read back below
         rows = row0 + rows_t
@@ -414,6 +461,7 @@ def _norm_bwd_kernel(
     DTYPE: tl.constexpr,  # x's Triton dtype
     BLOCK: tl.constexpr,  # a power of two: >= N (one-block rows), else the chunk
     CHUNKED: tl.constexpr,  # N > BLOCK: the row is walked in chunks of BLOCK
+    ROWS: tl.constexpr,  # one-block rows per step of the row loop (tile_rows: 1 on a GPU)
 ):
     """Rows ``[pid * rows_per_program, ...)`` of dx, and their dweight / dbias sums.
 
@@ -430,33 +478,36 @@ def _norm_bwd_kernel(
     offs = tl.arange(0, BLOCK)
     dw_ptr += pid.to(tl.int64) * N
     db_ptr += pid.to(tl.int64) * N
-    if not CHUNKED:
-        mask = offs < N
+    if not CHUNKED:  # (ROWS, BLOCK) tiles of whole rows
+        cols = offs[None, :]
         dw_acc = tl.zeros((BLOCK,), tl.float32)
         db_acc = tl.zeros((BLOCK,), tl.float32)
-        for i in range(0, row_end - row_start):
-            r = first_row + i  # int64: r * stride may pass 2^31
-            x = tl.load(x_ptr + r * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + r * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
-            mean = 0.0 if IS_RMS else tl.load(mean_ptr + r)
-            rstd = tl.load(rstd_ptr + r)
-            xhat, wdy = _grad_terms(x, dy, w_ptr, offs, mask, mean, rstd, HAS_WEIGHT)
-            c1 = tl.sum(xhat * wdy, axis=0) / N
+        for i in range(0, row_end - row_start, ROWS):
+            r = first_row + i + tl.arange(0, ROWS)  # int64: r * stride may pass 2^31
+            row_mask = r < row_end
+            mask = row_mask[:, None] & (cols < N)
+            r = r[:, None]
+            x = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + r * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            mean = 0.0 if IS_RMS else tl.load(mean_ptr + r, mask=row_mask[:, None], other=0.0)
+            rstd = tl.load(rstd_ptr + r, mask=row_mask[:, None], other=0.0)
+            xhat, wdy = _grad_terms(x, dy, w_ptr, cols, mask, mean, rstd, HAS_WEIGHT)
+            c1 = tl.sum(xhat * wdy, axis=1, keep_dims=True) / N
             if IS_RMS:
                 dx = (wdy - xhat * c1) * rstd
             else:
-                dx = (wdy - (xhat * c1 + tl.sum(wdy, axis=0) / N)) * rstd
+                dx = (wdy - (xhat * c1 + tl.sum(wdy, axis=1, keep_dims=True) / N)) * rstd
             if HAS_DH:
-                dx += tl.load(dh_ptr + r * stride_dh + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dx_ptr + r * N + offs, cast_rne(dx, DTYPE), mask=mask)
+                dx += tl.load(dh_ptr + r * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + r * N + cols, cast_rne(dx, DTYPE), mask=mask)
             if HAS_DW:
-                dw_acc += dy * xhat
+                dw_acc += tl.sum(dy * xhat, axis=0)
             if HAS_DB:
-                db_acc += dy
+                db_acc += tl.sum(dy, axis=0)
         if HAS_DW:
-            tl.store(dw_ptr + offs, dw_acc, mask=mask)
+            tl.store(dw_ptr + offs, dw_acc, mask=offs < N)
         if HAS_DB:
-            tl.store(db_ptr + offs, db_acc, mask=mask)
+            tl.store(db_ptr + offs, db_acc, mask=offs < N)
     else:
         for i in range(0, row_end - row_start):
             r = first_row + i  # int64: r * stride may pass 2^31
@@ -582,14 +633,15 @@ def norm_forward_prechecked(x, weight, bias, eps, rms, residual=None) -> NormFor
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M and N:
         block = block_size(N)
-        _norm_fwd_kernel[(M,)](
+        rows = tile_rows(M, block) if block >= N else 1
+        _norm_fwd_kernel[(cdiv(M, rows),)](
             x, residual if residual is not None else x, h if h is not None else y, y,
             weight if weight is not None else x, bias if bias is not None else x,
             mean if mean is not None else rstd, rstd,
-            N, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps),
+            M, N, x.stride(0), residual.stride(0) if residual is not None else 0, float(eps),
             IS_RMS=rms, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None, DTYPE=tl_dtype(x.dtype), BLOCK=block, CHUNKED=block < N,
-            num_warps=num_warps(block),
+            ROWS=rows, num_warps=num_warps(block),
         )  # fmt: skip
     elif M:  # N == 0: nothing to normalize (torch gives an empty output too)
         rstd.zero_()
@@ -770,7 +822,7 @@ def _launch_norm_fp8(
         IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, DTYPE=tl_dtype(x.dtype),
         BLOCK=block, DELAYED=delayed, STORE_T=store_t, RECORD=partials is not None,
         ROLL=roll, N_ROLLS=len(rolls), **const8,
-        ROWS=FP8_ROWS, TK=FP8_TK,
+        ROWS=FP8_ROWS, NORM_ROWS=tile_rows(FP8_ROWS, block), TK=FP8_TK,
         PBLOCK=next_power_of_2(max(programs, h_len if delayed else 1, *lengths[1::2])),
         HBLOCK=next_power_of_2(max(h_len if delayed else 1, *lengths[0::2], 1)),
         num_warps=num_warps(block),
@@ -873,7 +925,7 @@ def norm_backward_prechecked(dy, x, weight, mean, rstd, rms, need_weight, bias_d
             M, N, dy.stride(0), dh.stride(0) if dh is not None else 0, x.stride(0), rows,
             IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_DH=dh is not None,
             HAS_DW=need_weight, HAS_DB=bias_dtype is not None, DTYPE=tl_dtype(x.dtype), BLOCK=block,
-            CHUNKED=block < N, num_warps=num_warps(block),
+            CHUNKED=block < N, ROWS=tile_rows(rows, block) if block >= N else 1, num_warps=num_warps(block),
         )  # fmt: skip
     dweight = None if dw_part is None else dw_part.sum(0).to(weight.dtype)
     dbias = None if db_part is None else db_part.sum(0).to(bias_dtype)
