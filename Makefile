@@ -24,7 +24,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/tkern train
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n auto --durations=25 tests
+	$(PY) -m pytest -q -n auto --dist loadgroup --durations=25 tests
 
 # The ahead-of-time compile gate: every kernel compiled for sm_90 and sm_80 on the
 # CPU, under the installed triton and 3.6 (the GPU machines' version).
