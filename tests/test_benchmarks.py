@@ -49,7 +49,7 @@ def dry_run(tmp_path_factory):
         capture_output=True,
         text=True,
         env=env,
-        timeout=900,
+        timeout=1500,  # the phases have their own caps; this bounds a hang on a loaded 2-core machine
     )
     return proc, out
 
