@@ -1,9 +1,10 @@
-"""Compiler facts about every tkern kernel, for NVIDIA targets, on any machine.
+"""Compiler facts about every tkern kernel, for NVIDIA and AMD targets, on any machine.
 
 Triton's compiler runs without a GPU: each kernel is compiled ahead of time with
-``triton.compile`` for Hopper (``GPUTarget("cuda", 90, 32)``) and Ampere
-(``("cuda", 80, 32)``), and its artifacts are read with the ``cuobjdump`` and
-``nvdisasm`` shipped in the triton wheel: registers, local memory (spills),
+``triton.compile`` for a target of tkern.device.SPECS (``GPUTarget(*spec.target)``:
+``("cuda", 90, 32)``, ``("hip", "gfx942", 64)``, ...), and its artifacts are read with
+the ``cuobjdump`` and ``nvdisasm`` shipped in the triton wheel (AMD: the AMDGCN and its
+hsaco metadata, aot_read.analyse_amdgcn): registers, local memory (spills),
 shared memory, an occupancy estimate, wgmma / mma.sync / cp.async / TMA use,
 layout conversions left in the TTGIR, and the width of every global access per
 kernel argument (traced through the PTX). These are compiler facts, not
@@ -112,7 +113,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "static"
 
 
-def run(targets=(90, 80), only: str | None = None, workers: int = 0, full: bool = True) -> list[dict]:
+def run(targets=("sm_90", "sm_80"), only: str | None = None, workers: int = 0, full: bool = True) -> list[dict]:
     """Compile every case for every target (``workers`` processes, 0: ``os.cpu_count()``);
     return the rows (in the same order, whatever the number of workers).
     The gate's set (``full=False``) skips the SASS counts, which it does not check."""

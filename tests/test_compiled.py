@@ -617,7 +617,7 @@ def test_fp8_cast_kernels_compile_without_spills():
 def test_cross_entropy_kernel_compiles_without_spills(rows):
     """tkern.cross_entropy's and linear_cross_entropy's launches (static_report.cross_entropy_cases:
     fp16/bf16/fp32 logits, the forward, the backward from lse, the fused linear launch, the
-    plainest and every option on) for sm_90 and sm_80: every one compiles with no spills.
+    plainest and every option on) for every target: every one compiles with no spills.
     They are in all_cases too (the report and the fixture's gate set)."""
     import static_report
 
@@ -639,7 +639,7 @@ def test_cross_entropy_kernel_compiles_without_spills(rows):
 
 def test_underflow_kernel_compiles_without_spills_at_full_width(rows):
     """The sampled zero/subnormal count (``opt.track_underflows``): fp16, bf16 and fp32
-    gradients and a ragged tail, for sm_90 and sm_80; every one compiles with no spills,
+    gradients and a ragged tail, for every target; every one compiles with no spills,
     the aligned ones read the gradients in full-width (128-bit) loads and keep at least
     half the warp slots busy. They are in all_cases too (the fixture's gate set)."""
     import static_report
