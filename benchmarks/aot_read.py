@@ -108,7 +108,7 @@ def analyse_amdgcn(kernel, case: Case, cc) -> dict:
     mfma = re.findall(r"\bv_mfma_\w+", asm)
     return dict(
         regs=regs, spill_bytes=scratch + 4 * spills, stack=scratch, spill_instructions=None, smem=smem,
-        occupancy_pct=occ, limiter=limiter, wgmma=0, wgmma_waits=[], mma_sync=0, mfma=len(mfma),
+        occupancy_pct=occ, limiter=limiter, wgmma=0, wgmma_waits=[], mma_sync=0, tcgen05=0, mfma=len(mfma),
         fp8_mma=sum(1 for m in mfma if re.search(r"f8|fp8|bf8|scale", m)), cp_async_16=0, cp_async=0,
         tma_loads=0, tma_stores=0, sass_instructions=None, global_access_bits={}, **_ir_facts(kernel),
     )  # fmt: skip

@@ -113,7 +113,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "static"
 
 
-def run(targets=("sm_90", "sm_80"), only: str | None = None, workers: int = 0, full: bool = True) -> list[dict]:
+def run(
+    targets=("sm_90", "sm_80"), only: str | None = None, workers: int = 0, full: bool = True
+) -> list[dict]:
     """Compile every case for every target (``workers`` processes, 0: ``os.cpu_count()``);
     return the rows (in the same order, whatever the number of workers).
     The gate's set (``full=False``) skips the SASS counts, which it does not check."""
