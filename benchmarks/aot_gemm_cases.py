@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from aot_targets import _TL_NAME, Case, _order, _ptr, _tl, cfg_name, offered_configs
+from aot_targets import _TL_NAME, Case, _kernel_fn, _order, _ptr, _tl, cfg_name, offered_configs
 
 
 def _gemm_sig(dtype, out, bias_dtype, preact, tma=None, sum_dtype=None):
@@ -259,12 +259,18 @@ def prologue_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunc
 
 
 def _gemm_case(name, kernel, cfg, sig, const, aligned, gated=True) -> Case:
+    """A GEMM's case; the kernel's constexpr flags with a default that ``const`` does not
+    name (a newer epilogue's, e.g. GRAD_ACT, off) stand at their defaults."""
+    fn = _kernel_fn(kernel)
+    defaults = {
+        p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in sig
+    }
     return Case(
         name=name,
         family="gemm",
         kernel=kernel,
-        signature=_order(sig, kernel),
-        constexprs=const,
+        signature=_order({**sig, **dict.fromkeys(defaults, "constexpr")}, kernel),
+        constexprs={**defaults, **const},
         aligned=tuple(aligned),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
