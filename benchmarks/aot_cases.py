@@ -23,7 +23,7 @@ from aot_gemm_cases import (
     split_k_cases,
     tma_case,
 )
-from aot_targets import _SIZE, _TL_NAME, Case, _ptr, _streaming_case, _tl, _with_tail
+from aot_targets import _SIZE, _TL_NAME, Case, _ptr, _streaming_case, _tl, _with_tail, spec_of, swept
 
 #: The update kernels' memory modes (issue 18) compiled beside the default fp32 master and
 #: fp32 state: (param dtype, MASTER, state kind) -- a split master with 8-bit state, no
@@ -293,6 +293,47 @@ def _swiglu_cases() -> list[Case]:
     return cases
 
 
+def _rotary_aligned(arg: str) -> bool:
+    """The rotary kernel's arguments divisible by 16 on its launcher's contiguous tensors:
+    the pointers, head_dim and the outer strides (multiples of head_dim or R)."""
+    return arg.endswith("_ptr") or arg == "head_dim" or arg[0] == "s" and arg != "seq"
+
+
+def rotary_cases() -> list[Case]:
+    """tkern.rotary_embedding's launch (tkern/kernels/rotary.py) as its launcher makes it for
+    contiguous q, k and tables (the head-dim strides 1, which Triton specialises as
+    constants): head_dim 128 with full rotary (Llama) and a quarter of it (GPT-NeoX's
+    partial rotary, 96 columns passed through), forward and backward (``INVERSE``), fp16 and
+    bf16. A "rowwise" family: its rows are strided, its accesses per half row."""
+    from tkern.kernels import rotary as ro
+
+    tl = _tl()
+    fn = ro._rotary_kernel
+    unit = ("sq_d", "sk_d", "sqo_d", "sko_d", "sc_d", "ss_d")
+    cases = []
+    for dtype in ("fp16", "bf16"):
+        for rot in (128, 32):
+            for inverse in (False, True):
+                bh, bp = ro.next_power_of_2(rot // 2), ro.next_power_of_2(128 - rot)
+                const = dict(HALF=rot // 2, INVERSE=inverse, DTYPE=getattr(tl, _TL_NAME[dtype]))
+                const.update(ROWS=ro.ELEMENTS // max(bh, bp), BLOCK_HALF=bh, BLOCK_PASS=bp)
+                const.update(dict.fromkeys(unit, 1))
+                sig = {a: (_ptr(dtype) if a.endswith("_ptr") else "constexpr" if a in const else "i32")
+                       for a in fn.arg_names}  # fmt: skip
+                cases.append(
+                    Case(
+                        name=f"rotary[{dtype},{'bwd' if inverse else 'fwd'},R={rot}/128]",
+                        family="rowwise",
+                        kernel="tkern.kernels.rotary:_rotary_kernel",
+                        signature=sig,
+                        constexprs=const,
+                        aligned=tuple(a for a in sig if sig[a] != "constexpr" and _rotary_aligned(a)),
+                        num_warps=ro.NUM_WARPS,
+                    )
+                )
+    return cases
+
+
 def _norm_cases(full: bool = True) -> list[Case]:
     """LayerNorm / RMSNorm forward and backward (tkern/kernels/norm.py) as the launchers
     launch them: a 1024-wide row (hidden 768 to 1024), the widest one-block row
@@ -383,10 +424,14 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
     kernel's configs (which serve ragged operands there), plus the TMA kernel's
     other layout and ragged operands once; the pointer kernel's configs also for
     :func:`prologue_gate_launches`. With ``full``, every launch of
-    :func:`linear_launches` on the first aligned config of each kernel offered to it."""
+    :func:`linear_launches` on the first aligned config of each kernel offered to it.
+    The gate (``full=False``) compiles every config on sm_90 and sm_100,
+    the first of each list elsewhere (:func:`aot_targets.swept`); fp8 where the target's
+    tensor cores take OCP e4m3 (:func:`fp8_planned`), the TMA kernels where it has TMA."""
     cases = []
+    pick = (lambda configs: list(configs)) if full else (lambda configs: swept(configs, cc))
     for ragged in (False, True):
-        for cfg in gemm_configs_for(cc, ragged=ragged):
+        for cfg in pick(gemm_configs_for(cc, ragged=ragged)):
             launches = pointer_gate_launches(cc, cfg, ragged)
             cases += [pointer_case(cfg, v, gated=not ragged) for v in launches]
             cases += [pointer_case(cfg, v, gated=not ragged) for v in prologue_gate_launches(cc, cfg, ragged)]
@@ -396,13 +441,13 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
             for v in linear_launches()
             if v not in gate_launches()
         ]
-    cases += split_k_cases(cc)
-    if cc >= 89:
-        cases += _fp8_gemm_cases(cc)
-        cases += _fp8_emit_cases(cc)
-    if cc >= 90:
-        cases += blockwise_cases(cc)
-        configs = gemm_configs_for(cc, tma=True)
+    cases += split_k_cases(cc, pick)
+    if fp8_planned(cc):
+        cases += _fp8_gemm_cases(cc, pick)
+        cases += _fp8_emit_cases(cc, pick)
+    configs = pick(gemm_configs_for(cc, tma=True)) if spec_of(cc).tma else []
+    if configs:  # sm_120's TMA with its 99 KB: whatever the TMA autotuner offers there
+        cases += blockwise_cases(cc, pick)
         for cfg in configs:
             cases += [tma_case(cfg, v) for v in (*gate_launches(), TMA_WGRAD_INTO, *TMA_STORE_GATE_LAUNCHES)]
         # the other layout once: it changes the loads, not the epilogue
@@ -411,11 +456,21 @@ def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
         # a ragged output (scalar stores of C and the pre-activation): every config offered
         # to GELU there (gemm_configs.prune_configs drops the 128x256 tiles that spill), on
         # tkern.linear's forwards (half outputs; TMA_RAGGED_GATE_LAUNCHES says why not fp32)
-        for cfg in gemm_configs_for(cc, tma=True, ragged=True, activation=heavy.act):  # GELU
+        for cfg in pick(gemm_configs_for(cc, tma=True, ragged=True, activation=heavy.act)):  # GELU
             cases += [tma_case(cfg, v) for v in TMA_RAGGED_GATE_LAUNCHES]
         if full:
             cases += [tma_case(configs[0], v) for v in linear_launches() if v not in gate_launches()]
     return cases
+
+
+def fp8_planned(cc) -> bool:
+    """Whether tkern plans fp8 GEMMs on target ``cc``: its tensor cores take the OCP e4m3
+    tkern casts to (``float8.fp8_refusal`` says why not: none before sm_89, FNUZ on gfx942)."""
+    import torch
+
+    from tkern.kernels.float8 import fp8_refusal
+
+    return fp8_refusal(spec_of(cc), "scaled_mm", (torch.float8_e4m3fn,)) is None
 
 
 # --------------------------------------------------------------------------- cross-entropy (issue 28)
@@ -494,5 +549,5 @@ def all_cases(cc: int, full: bool = True) -> list[Case]:
     register-hungry launches of tkern.linear (:func:`gate_launches`); every
     other launch only in the full report)."""
     cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
-    cases += cross_entropy_cases() + _swiglu_cases()
+    cases += cross_entropy_cases() + _swiglu_cases() + rotary_cases()
     return cases + _norm_cases(full) + _scale_cases() + _gemm_cases(cc, full)

@@ -11,11 +11,12 @@ import time
 
 from aot_cases import all_cases
 from aot_read import analyse
-from aot_targets import _SIZE, Case, _fit, _kernel_fn
+from aot_targets import _SIZE, Case, _fit, _kernel_fn, spec_of
 
 
-def compile_case(case: Case, cc: int, sass: bool = True) -> dict:
-    """Compile ``case`` for ``GPUTarget("cuda", cc, 32)`` and read its facts (:func:`analyse`)."""
+def _triton_compile(case: Case, cc):
+    """``case`` compiled by ``triton.compile`` for target ``cc`` (any :func:`spec_of`
+    target: ``GPUTarget(*spec.target)``, CUDA or HIP)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -24,16 +25,22 @@ def compile_case(case: Case, cc: int, sass: bool = True) -> dict:
     case = _fit(case, fn)
     index = {a: i for i, a in enumerate(fn.arg_names)}
     attrs = {(index[a],): [["tt.divisibility", 16]] for a in case.aligned}
+    return triton.compile(
+        ASTSource(fn, case.signature, case.constexprs, attrs),
+        target=GPUTarget(*spec_of(cc).target),
+        options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
+    )
+
+
+def compile_case(case: Case, cc, sass: bool = True) -> dict:
+    """Compile ``case`` for target ``cc`` (:func:`_triton_compile`) and read its facts
+    (:func:`analyse`); the row's ``target`` is the spec's arch (``sm_90``, ``gfx942``)."""
+    case = _fit(case, _kernel_fn(case.kernel))
     t0 = time.perf_counter()
-    row = dict(case=case.name, kernel=case.kernel.split(":")[1], family=case.family, target=f"sm_{cc}",
+    row = dict(case=case.name, kernel=case.kernel.split(":")[1], family=case.family, target=spec_of(cc).arch,
                gated=case.gated, num_warps=case.num_warps, num_stages=case.num_stages)  # fmt: skip
     try:
-        src = ASTSource(fn, case.signature, case.constexprs, attrs)
-        kernel = triton.compile(
-            src,
-            target=GPUTarget("cuda", cc, 32),
-            options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
-        )
+        kernel = _triton_compile(case, cc)
         row.update(analyse(kernel, case, cc, sass), compiled=True)
     except Exception as exc:  # recorded; the gate fails on it
         row.update(compiled=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
@@ -45,22 +52,9 @@ def compile_case(case: Case, cc: int, sass: bool = True) -> dict:
     return row
 
 
-def _compiled(name: str, cc: int):
-    """The compile gate's case ``name`` compiled for sm_cc (Triton's compiled kernel)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    case = next(c for c in all_cases(cc, full=False) if c.name == name)
-    fn = _kernel_fn(case.kernel)
-    case = _fit(case, fn)
-    index = {a: i for i, a in enumerate(fn.arg_names)}
-    attrs = {(index[a],): [["tt.divisibility", 16]] for a in case.aligned}
-    return triton.compile(
-        ASTSource(fn, case.signature, case.constexprs, attrs),
-        target=GPUTarget("cuda", cc, 32),
-        options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
-    )
+def _compiled(name: str, cc):
+    """The compile gate's case ``name`` compiled for target ``cc`` (Triton's compiled kernel)."""
+    return _triton_compile(next(c for c in all_cases(cc, full=False) if c.name == name), cc)
 
 
 def ordered_accesses(name: str, cc: int = 90) -> list[str]:
@@ -72,6 +66,20 @@ def ordered_accesses(name: str, cc: int = 90) -> list[str]:
     ptx = _compiled(name, cc).asm["ptx"]
     op = r"(?:@!?%\w+\s+)?(?:atom|red|ld)\.[\w.:]*(?:acquire|release|acq_rel|relaxed|volatile)[\w.:]*"
     return re.findall(op, ptx)
+
+
+def ordered_accesses_amdgcn(name: str, target: str = "gfx942") -> list[str]:
+    """The AMDGCN a grid barrier's order rests on, of the compile gate's case ``name``
+    compiled for ``target``, in program order: the global atomics (``global_atomic_*``,
+    ``buffer_atomic_*``, ``flat_atomic_*``; ``sc0``/``sc1``/``nt`` scope bits kept), the cache
+    maintenance LLVM emits for release and acquire at agent scope (``buffer_wbl2``: write
+    back L2 before a release; ``buffer_inv``: invalidate before an acquire's later loads), the
+    volatile loads (``sc0 sc1``: past the caches) and the waits on the atomic's return
+    (``s_waitcnt vmcnt(0)``)."""
+    asm = _compiled(name, target).asm["amdgcn"]
+    op = r"^\s*((?:global|buffer|flat)_atomic_\w+[^\n;]*|buffer_wbl2[^\n;]*|buffer_inv[^\n;]*"
+    op += r"|(?:global|buffer|flat)_load_\w+[^\n;]*\bsc0 sc1\b[^\n;]*|s_waitcnt vmcnt\(0\))"
+    return [" ".join(m.split()) for m in re.findall(op, asm, re.M)]
 
 
 def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:

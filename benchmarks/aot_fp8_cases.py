@@ -45,7 +45,7 @@ def fp8_configs_for(cc: int, scale: int, precise: bool, activation: str | None =
     )  # fmt: skip
 
 
-def _fp8_gemm_cases(cc: int) -> list[Case]:
+def _fp8_gemm_cases(cc, pick=list) -> list[Case]:
     """scaled_mm (sm_89 and newer): every config offered (:func:`fp8_configs_for`) to
     each of :data:`FP8_GEMM_LAUNCHES`."""
     tl = _tl()
@@ -53,7 +53,7 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
     from tkern.kernels.activation import ACTIVATIONS
 
     for role, a_dtype, b_dtype, scale, bias, into, precise, activation in FP8_GEMM_LAUNCHES:
-        for cfg in fp8_configs_for(cc, scale, precise, activation):
+        for cfg in pick(fp8_configs_for(cc, scale, precise, activation)):
             kw = cfg.kwargs
             sig = _gemm_sig("fp16", "bf16", "bf16", False)
             sig.update(a_ptr=_ptr(a_dtype), b_ptr=_ptr(b_dtype))
@@ -93,7 +93,7 @@ EMIT_KERNEL = "tkern.kernels.gemm:_matmul_emit_kernel"
 FP8_EMIT_LAUNCHES = (("delayed", True), ("delayed", False), ("tensorwise", True))
 
 
-def _fp8_emit_cases(cc: int) -> list[Case]:
+def _fp8_emit_cases(cc, pick=list) -> list[Case]:
     """The emitting entry kernel (``gemm._matmul_emit_kernel``: ``_matmul_kernel``'s program
     body, the emitting epilogue) on every config scaled_mm's autotuner offers to a forward
     with gelu_tanh (:func:`fp8_configs_for`), for each of :data:`FP8_EMIT_LAUNCHES`: named
@@ -109,7 +109,7 @@ def _fp8_emit_cases(cc: int) -> list[Case]:
     const8["DTYPE8"] = const8.pop("DTYPE")
     for scaling, store_t in FP8_EMIT_LAUNCHES:
         delayed = scaling == "delayed"
-        for cfg in fp8_configs_for(cc, 1, False, "gelu_tanh"):
+        for cfg in pick(fp8_configs_for(cc, 1, False, "gelu_tanh")):
             kw = cfg.kwargs
             sig = {
                 k: v
@@ -163,7 +163,7 @@ def blockwise_configs_for(cc: int, column_scales: bool) -> list:
     return offered_configs(gemm_configs.blockwise_configs(column_scales), cc, tma=True, elem_bytes=1)
 
 
-def blockwise_cases(cc: int) -> list[Case]:
+def blockwise_cases(cc, pick=list) -> list[Case]:
     """The blockwise kernel (sm_90 and newer: tensor descriptors) on every config offered
     to each of :data:`BLOCKWISE_LAUNCHES`, C stored through a descriptor (bf16, aligned rows)."""
     from tkern.kernels.gemm_epilogue import epilogue_parts
@@ -171,7 +171,7 @@ def blockwise_cases(cc: int) -> list[Case]:
     tl = _tl()
     cases = []
     for role, scale_bn, bias, into, strides in BLOCKWISE_LAUNCHES:
-        for cfg in blockwise_configs_for(cc, scale_bn == 1):
+        for cfg in pick(blockwise_configs_for(cc, scale_bn == 1)):
             kw = cfg.kwargs
             bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
             width = bn // epilogue_parts(kw["EPI_SPLIT"], 0, into)

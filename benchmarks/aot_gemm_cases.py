@@ -343,7 +343,7 @@ SPLIT_K_KERNEL = "tkern.kernels.gemm_split:_matmul_split_k_kernel"
 SPLIT_K_REDUCE = "tkern.kernels.gemm_split:_split_k_reduce_kernel"
 
 
-def split_k_cases(cc: int) -> list[Case]:
+def split_k_cases(cc, pick=list) -> list[Case]:
     """Split-K (gemm_split.py) as tkern.linear's wgrad launches it (``dZ^T @ X``: A read
     transposed, "TN"), with and without dbias summed per K range, for every config its
     autotuner offers on ``cc``; and its reduction pass into a half C (written, or added
@@ -352,7 +352,7 @@ def split_k_cases(cc: int) -> list[Case]:
 
     tl = _tl()
     cases = []
-    for cfg in offered_configs(gemm_configs.split_k_configs(), cc):
+    for cfg in pick(offered_configs(gemm_configs.split_k_configs(), cc)):
         kw = cfg.kwargs
         for dtype, sum_a in (("bf16", True), ("fp16", False)):
             sig = dict(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype), ws_ptr="*fp32", sums_ptr="*fp32",

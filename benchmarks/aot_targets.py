@@ -10,45 +10,84 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
-# --------------------------------------------------------------------------- hardware model
+# --------------------------------------------------------------------------- targets
 
-#: Per-SM limits for the occupancy estimate (H100/H200 for sm_90, A100 for sm_80).
-HW = {
-    90: dict(
-        name="H100/H200", regs=65536, smem_sm=233472, smem_block=232448, reserved=1024, warps=64, blocks=32
-    ),
-    80: dict(name="A100", regs=65536, smem_sm=167936, smem_block=166912, reserved=1024, warps=64, blocks=32),
-    # Ada (L4, L40, RTX 4090): the fp8 GEMM's mma.sync target (issue 17); CUDA's compute capability table
-    89: dict(
-        name="L40/L4", regs=65536, smem_sm=102400, smem_block=101376, reserved=1024, warps=48, blocks=24
-    ),  # noqa: E501
-}
+#: The compile gate's targets: one per architecture tkern plans for (tkern.device.SPECS,
+#: so the gate and the specs agree), as each spec's ``arch``.
+GATE_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950")
+#: (the targets whose every offered config the gate compiles, under Triton 3.7 and newer:
+#: ``tkern.train.device_report.COMPILED_EVERY_CONFIG``, sm_90 and sm_100; the others, and
+#: every target under 3.6, the GPU machines' version: the first config per family and layout)
 
 
-def offered_configs(configs: list, cc: int, **rules) -> list:
+def spec_of(target):
+    """``target`` (a :class:`tkern.device.DeviceSpec`, an arch string ``"sm_90"`` /
+    ``"gfx942"``, or an NVIDIA compute capability ``90``) as the first named spec of
+    its arch in ``tkern.device.SPECS`` (the capability's own spec where none is named)."""
+    from tkern import device as tkdev
+
+    if isinstance(target, tkdev.DeviceSpec):
+        return target
+    arch = f"sm_{target}" if isinstance(target, int) else target
+    spec = next((s for s in tkdev.SPECS.values() if s.arch == arch), None)
+    return spec or tkdev.spec_for_cc(int(arch.removeprefix("sm_")))
+
+
+def arch_of(target) -> str:
+    return spec_of(target).arch
+
+
+def swept(configs: list, target) -> list:
+    """``configs`` as the compile gate compiles them on ``target``: all on
+    ``device_report.COMPILED_EVERY_CONFIG`` (under Triton 3.7 and newer), else the first one."""
+    import triton
+
+    from tkern.train.device_report import COMPILED_EVERY_CONFIG
+
+    newer = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
+    return list(configs) if newer and arch_of(target) in COMPILED_EVERY_CONFIG else list(configs[:1])
+
+
+def offered_configs(configs: list, cc, **rules) -> list:
     """``configs`` as tkern's autotuner prunes them on target ``cc`` under ``rules``
     (``gemm_configs.prune_configs``' keywords): the one place every case builder names
     the target to the pruning."""
     from tkern.kernels import gemm_configs
 
-    return gemm_configs.prune_configs(configs, cc, **rules)
+    return gemm_configs.prune_configs(configs, spec_of(cc), **rules)
 
 
-def smem_limit(cc: int) -> int:
-    """Largest dynamic shared memory one program may use on target ``cc``."""
-    return HW[cc]["smem_block"]
+def smem_limit(cc) -> int:
+    """Largest dynamic shared memory (LDS) one program may use on target ``cc``."""
+    return spec_of(cc).smem_per_block
 
 
-def occupancy(regs: int, smem: int, warps: int, cc: int) -> tuple[float, str]:
+def _hw(cc) -> dict:
+    """Per-SM (CU) limits for the occupancy estimate: registers (32-bit, all threads),
+    shared memory, resident warps (waves) and blocks; the allocation granule of a warp's
+    registers. NVIDIA from CUDA's capability table (48 warps on sm_86/89/120); AMD CDNA3/4:
+    4 SIMDs of 512 VGPRs x 64 lanes, 8 waves each, LDS 64 KB (gfx942) / 160 KB (gfx950)."""
+    spec = spec_of(cc)
+    if spec.is_amd:
+        return dict(
+            regs=4 * 512 * 64, smem_sm=spec.smem_per_block, reserved=0, warps=32, blocks=32, granule=8
+        )  # noqa: E501
+    warps = 64 if spec.cc in (80, 90, 100) else 48
+    return dict(
+        regs=65536, smem_sm=spec.smem_per_block + 1024, reserved=1024, warps=warps, blocks=32, granule=8
+    )  # noqa: E501
+
+
+def occupancy(regs: int, smem: int, warps: int, cc) -> tuple[float, str]:
     """(resident warps / maximum warps in %, the limiting resource)."""
-    hw = HW[cc]
-    if smem > hw["smem_block"]:
+    hw, lanes = _hw(cc), spec_of(cc).warp_size
+    if smem > smem_limit(cc):
         return 0.0, "smem over the per-block limit"
-    per_warp = math.ceil(max(regs, 1) * 32 / 256) * 256  # registers are allocated 256 per warp
+    per_warp = math.ceil(max(regs, 1) / hw["granule"]) * hw["granule"] * lanes
     limits = {
         "warps": hw["warps"] // warps,
         "blocks": hw["blocks"],
-        "smem": hw["smem_sm"] // (smem + hw["reserved"]),
+        "smem": hw["smem_sm"] // (smem + hw["reserved"]) if smem + hw["reserved"] else hw["blocks"],
         "registers": (hw["regs"] // per_warp) // warps,
     }
     limiter = min(limits, key=lambda k: (limits[k], k != "warps"))

@@ -1,9 +1,10 @@
-"""Compiler facts about every tkern kernel, for NVIDIA targets, on any machine.
+"""Compiler facts about every tkern kernel, for NVIDIA and AMD targets, on any machine.
 
 Triton's compiler runs without a GPU: each kernel is compiled ahead of time with
-``triton.compile`` for Hopper (``GPUTarget("cuda", 90, 32)``) and Ampere
-(``("cuda", 80, 32)``), and its artifacts are read with the ``cuobjdump`` and
-``nvdisasm`` shipped in the triton wheel: registers, local memory (spills),
+``triton.compile`` for a target of tkern.device.SPECS (``GPUTarget(*spec.target)``:
+``("cuda", 90, 32)``, ``("hip", "gfx942", 64)``, ...), and its artifacts are read with
+the ``cuobjdump`` and ``nvdisasm`` shipped in the triton wheel (AMD: the AMDGCN and its
+hsaco metadata, aot_read.analyse_amdgcn): registers, local memory (spills),
 shared memory, an occupancy estimate, wgmma / mma.sync / cp.async / TMA use,
 layout conversions left in the TTGIR, and the width of every global access per
 kernel argument (traced through the PTX). These are compiler facts, not
@@ -33,8 +34,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from aot_cases import _stats_cases, all_cases, cross_entropy_cases
-from aot_compile import _compile_star, compile_case, ordered_accesses, reduce_layouts
+from aot_cases import _stats_cases, all_cases, cross_entropy_cases, fp8_planned, rotary_cases
+from aot_compile import _compile_star, compile_case, ordered_accesses, ordered_accesses_amdgcn, reduce_layouts
 from aot_fp8_cases import (
     BLOCKWISE_LAUNCHES,
     FP8_EMIT_LAUNCHES,
@@ -62,7 +63,7 @@ from aot_gemm_cases import (
     transcendental,
 )
 from aot_read import analyse, ptx_accesses
-from aot_targets import HW, Case, cfg_name, occupancy, smem_limit
+from aot_targets import GATE_TARGETS, Case, cfg_name, occupancy, smem_limit, spec_of, swept
 
 #: names moved to the modules above that tests and scripts still read from this one
 __all__ = [
@@ -71,12 +72,18 @@ __all__ = [
     "FP8_EMIT_LAUNCHES",
     "FP8_GEMM_LAUNCHES",
     "GemmLaunch",
-    "HW",
+    "GATE_TARGETS",
     "TMA_RAGGED_GATE_LAUNCHES",
     "TMA_STORE_GATE_LAUNCHES",
     "TMA_WGRAD_INTO",
     "_fp8_gemm_cases",
     "_stats_cases",
+    "all_cases",
+    "fp8_planned",
+    "ordered_accesses_amdgcn",
+    "rotary_cases",
+    "spec_of",
+    "swept",
     "analyse",
     "blockwise_cases",
     "blockwise_configs_for",
@@ -106,12 +113,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "static"
 
 
-def run(targets=(90, 80), only: str | None = None, workers: int = 2, full: bool = True) -> list[dict]:
-    """Compile every case for every target (``workers`` processes); return the rows.
+def run(
+    targets=("sm_90", "sm_80"), only: str | None = None, workers: int = 0, full: bool = True
+) -> list[dict]:
+    """Compile every case for every target (``workers`` processes, 0: ``os.cpu_count()``);
+    return the rows (in the same order, whatever the number of workers).
     The gate's set (``full=False``) skips the SASS counts, which it does not check."""
     cases = [(c, cc) for cc in targets for c in all_cases(cc, full) if not only or re.search(only, c.name)]
     jobs = [(c, cc, full) for c, cc in cases]
     jobs.sort(key=lambda j: j[0].family != "gemm")  # the long compiles first: the pool ends together
+    workers = workers or os.cpu_count() or 1
     if workers <= 1:
         return [compile_case(*j) for j in jobs]
     with ProcessPoolExecutor(workers) as pool:
@@ -160,9 +171,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--targets", type=int, nargs="+", default=[90, 80])
+    ap.add_argument("--targets", nargs="+", default=["sm_90", "sm_80"], help=f"of {' '.join(GATE_TARGETS)}")
     ap.add_argument("--only", help="regex on case names")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=0, help="0: os.cpu_count()")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for static.json and static.md")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--gate-set", action="store_true", help="only the compile gate's representative set")

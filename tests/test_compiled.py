@@ -1,23 +1,28 @@
-"""The compile gate: every kernel compiled ahead of time for Hopper (sm_90) and
-Ampere (sm_80), without a GPU, and its machine code held to what tkern is for.
+"""The compile gate: every kernel compiled ahead of time for every architecture tkern
+plans for (:data:`TARGETS`: NVIDIA sm_80 to sm_120, AMD gfx942 and gfx950, one per
+architecture of ``tkern.device.SPECS``), without a GPU, and its machine code held to
+what tkern is for.
 
 The interpreter runs the kernels' Python semantics, not the code a GPU would
-run; this module compiles them with Triton's own compiler for
-``GPUTarget("cuda", 90, 32)`` and ``("cuda", 80, 32)`` and reads registers,
-spills, shared memory, tensor-core and copy instructions, layout conversions
-and global access widths (``benchmarks/static_report.py`` does the compiling
+run; this module compiles them with Triton's own compiler for each target's
+``GPUTarget(*spec.target)`` (CUDA or HIP) and reads registers, spills, shared
+memory (LDS), tensor-core and copy instructions, layout conversions and (CUDA)
+global access widths (``benchmarks/static_report.py`` does the compiling
 and reading; its ``all_cases(cc, full=False)`` says what is covered).
 
 It needs compiled mode (tkern imported with ``TRITON_INTERPRET=0``), so the
 ordinary interpreted test run skips it, and a machine with a GPU skips it too
 (its budget is for what only a GPU can check); CI runs it alone, without a GPU, under each Triton
-version tkern supports, with ``benchmarks/ci_compile_gate.sh``::
+version tkern supports, with ``benchmarks/ci_compile_gate.sh``. Every offered GEMM config
+is compiled on sm_90 and sm_100 (``device_report.COMPILED_EVERY_CONFIG``), the first one per family
+and layout on the other targets and under Triton 3.6 (``aot_targets.swept``)::
 
     TRITON_INTERPRET=0 python -m pytest -m compiled tests/test_compiled.py
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +38,7 @@ pytestmark = [
         reason="the compile gate needs compiled mode: TRITON_INTERPRET=0 (benchmarks/ci_compile_gate.sh)",
     ),
     # CI's job, on a machine without a GPU: on a GPU machine it would compile every
-    # kernel for two targets, minutes of a session's device budget
+    # kernel for eight targets, minutes of a session's device budget
     pytest.mark.skipif(
         torch.cuda.is_available(),
         reason="the compile gate is CI's, run without a GPU (benchmarks/ci_compile_gate.sh)",
@@ -42,7 +47,14 @@ pytestmark = [
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-TARGETS = (90, 80)
+#: One target per architecture of tkern.device.SPECS (test_the_targets_are_the_specs_architectures)
+TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950")
+#: TKERN_GATE_TARGETS="gfx942 sm_86": a local run over those targets only (CI runs them all)
+RUN = tuple(t for t in TARGETS if t in os.environ.get("TKERN_GATE_TARGETS", " ".join(TARGETS)).split())
+NVIDIA = tuple(t for t in RUN if t.startswith("sm_"))
+AMD = tuple(t for t in RUN if t.startswith("gfx"))
+#: The tensor-core instruction each target's GEMMs must use (a row's count of it)
+MMA_FIELD = {"sm_90": "wgmma", "sm_100": "tcgen05", **dict.fromkeys(AMD, "mfma")}
 #: Streaming kernels keep at least half the SM's warp slots busy: they are
 #: bandwidth-bound and hide memory latency with resident warps.
 MIN_STREAMING_OCCUPANCY = 50.0
@@ -52,7 +64,35 @@ MIN_STREAMING_OCCUPANCY = 50.0
 def rows() -> list[dict]:
     import static_report
 
-    return static_report.run(TARGETS, full=False)
+    return static_report.run(RUN, full=False)
+
+
+def _mma(r: dict) -> int:
+    """The row's count of its target's tensor-core instruction (:data:`MMA_FIELD`;
+    mma.sync on sm_80/86/89/120)."""
+    return r[MMA_FIELD.get(r["target"], "mma_sync")]
+
+
+def _swept(target: str) -> bool:
+    import static_report
+
+    return len(static_report.swept([0, 1], target)) == 2
+
+
+def test_the_targets_are_the_specs_architectures():
+    # the gate compiles for what tkern plans for: every architecture tkern.device names, once
+    import static_report
+
+    from tkern.device import SPECS
+
+    assert TARGETS == tuple(dict.fromkeys(s.arch for s in SPECS.values())) == static_report.GATE_TARGETS
+    assert {static_report.spec_of(t).arch for t in TARGETS} == set(TARGETS)
+
+
+def _needs(*targets: str) -> None:
+    """Skip a check about ``targets`` in a local run without any of them (TKERN_GATE_TARGETS)."""
+    if not set(targets) & set(RUN):
+        pytest.skip(f"needs {' or '.join(targets)}: not in TKERN_GATE_TARGETS")
 
 
 def _name(r: dict) -> str:
@@ -77,49 +117,57 @@ def test_every_kernel_and_target_is_covered(rows):
         "_sgd_kernel", "_adam_kernel", "_grad_stats_kernel", "_finalize_stats_kernel",
         "_grad_underflow_kernel", "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
         "_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
+        "_rotary_kernel", "_cross_entropy_kernel", "_matmul_split_k_kernel", "_split_k_reduce_kernel",
     }  # fmt: skip
-    for cc in TARGETS:
-        assert {k for k, t in kernels if t == f"sm_{cc}"} >= expected
-    assert ("_matmul_tma_kernel", "sm_90") in kernels
-    assert ("_matmul_tma_kernel", "sm_80") not in kernels  # not offered before Hopper
+    for cc in RUN:
+        assert {k for k, t in kernels if t == cc} >= expected, cc
+        # the TMA kernels where the target has TMA (Hopper and newer NVIDIA), never on AMD
+        has_tma = static_report.spec_of(cc).tma
+        assert (("_matmul_tma_kernel", cc) in kernels) == has_tma, cc
+        assert (("_scaled_mm_blockwise_kernel", cc) in kernels) == has_tma, cc
     # every config each autotuner offers on each target, on the most register-hungry
     # launches of tkern.linear, which test_no_register_spills then holds to zero spills
     compiled = {(r["case"], r["target"]) for r in rows if r["compiled"]}
-    for cc in TARGETS:
+    for cc in RUN:
         expected = set()
         for ragged in (False, True):
             for act in static_report.transcendental():  # every activation computed with exp/erf
                 offered_act = static_report.gemm_configs_for(cc, ragged=ragged, activation=act)
                 act_ok = {static_report.cfg_name(c.kwargs, c) for c in offered_act}
-                for cfg in static_report.gemm_configs_for(cc, ragged=ragged):
+                for cfg in static_report.swept(static_report.gemm_configs_for(cc, ragged=ragged), cc):
                     for launch in static_report.gate_launches(ragged):
                         if launch.act != act and launch.act in static_report.transcendental():
                             continue
                         offered = static_report.cfg_name(cfg.kwargs, cfg) in act_ok
                         launch = static_report.offered_launch(launch, offered)  # ReLU where pruned
-                        expected.add((static_report.pointer_case(cfg, launch).name, f"sm_{cc}"))
+                        expected.add((static_report.pointer_case(cfg, launch).name, cc))
             # the backward GEMMs' operand prologue (dZ stored, dbias summed, act' applied)
-            for cfg in static_report.gemm_configs_for(cc, ragged=ragged):
+            for cfg in static_report.swept(static_report.gemm_configs_for(cc, ragged=ragged), cc):
                 for launch in static_report.prologue_gate_launches(cc, cfg, ragged):
-                    expected.add((static_report.pointer_case(cfg, launch).name, f"sm_{cc}"))
-        if cc >= 90:
-            for cfg in static_report.gemm_configs_for(cc, tma=True):
+                    expected.add((static_report.pointer_case(cfg, launch).name, cc))
+        if has_tma := static_report.spec_of(cc).tma:
+            for cfg in static_report.swept(static_report.gemm_configs_for(cc, tma=True), cc):
                 for launch in (*static_report.gate_launches(), static_report.TMA_WGRAD_INTO):
-                    expected.add((static_report.tma_case(cfg, launch).name, f"sm_{cc}"))
+                    expected.add((static_report.tma_case(cfg, launch).name, cc))
         assert expected <= compiled, sorted(expected - compiled)
+        names = " ".join(case for case, target in expected if target == cc)
+        # every layout (NT forward, NN dgrad, TN wgrad) on every target, swept or not
+        for layout in ("NT", "NN", "TN"):
+            assert f",{layout}," in names, (cc, layout)
+        assert has_tma == ("matmul_tma[" in names), cc
+        if not _swept(cc):
+            continue
         # the new activations' forwards are among them, on the pointer and the TMA kernel
-        names = " ".join(case for case, target in expected if target == f"sm_{cc}")
         for label in ("bias+silu+preact", "silu+preact", "bias+gelu_tanh+preact", "gelu_tanh+preact"):
             assert f"matmul[128x64x32/s4w4,bf16->bf16,NT,{label}]" in names
-        assert (cc < 90) == ("matmul_tma[" not in names)
         # the wgrad adding into a flat gradient buffer (C +=), with and without its prologue
         assert "matmul[128x64x32/s4w4,bf16->bf16,TN,none,A'=sum fp32,C+=]" in names
-        assert (cc < 90) == ("matmul_tma[128x128x64/s3w8,bf16->bf16,TN,none,C+=]" not in names)
+        assert "matmul_tma[128x128x64/s3w8,bf16->bf16,TN,none,C+=]" in names
     # the one-pass optimizer step, in one program and grid-wide: adam and sgd, fp16 and bf16,
     # plainest and heaviest flags, none spilling (test_no_register_spills holds every row to it)
     for way in ("one-pass", "grid"):
         ok = {(r["case"], r["target"]) for r in rows if r["case"].endswith(f",{way}]") and r["compiled"]}
-        assert len(ok) == 8 * len(TARGETS), sorted(ok)
+        assert len(ok) == 8 * len(RUN), sorted(ok)
         assert not any(r["spill_bytes"] for r in rows if r["case"].endswith(f",{way}]")), way
     activation_grads = {r["case"] for r in rows if r["kernel"] == "_activation_grad_kernel"}
     for name in ("relu", "gelu", "silu", "gelu_tanh"):
@@ -139,7 +187,7 @@ def test_the_one_pass_step_reduces_its_statistics_in_pass_1s_layouts():
         ("fp16", "adam[fp16,decoupled,amsgrad,clip,grid]"),
         ("bf16", "sgd[bf16,plain,grid]"),
     ):
-        for cc in TARGETS:
+        for cc in RUN:
             pass_1 = static_report.reduce_layouts(f"grad_stats[{dtype}]", cc)
             pass_1 += static_report.reduce_layouts("finalize_stats", cc)
             assert len(pass_1) == 6 and static_report.reduce_layouts(one_pass, cc) == pass_1, (one_pass, cc)
@@ -152,7 +200,7 @@ def test_the_grid_barrier_keeps_its_memory_order():
     import static_report
 
     for name in ("adam[fp16,decoupled,amsgrad,clip,grid]", "sgd[bf16,plain,grid]"):
-        for cc in TARGETS:
+        for cc in NVIDIA:
             ops = static_report.ordered_accesses(name, cc)
             guarded = [op.split()[-1] for op in ops if op.startswith("@")]  # one thread's
             assert [op for op in guarded if ".acq_rel.add" in op] == [
@@ -163,6 +211,45 @@ def test_the_grid_barrier_keeps_its_memory_order():
             assert any(op.startswith("ld.volatile.global") for op in ops), ops
 
 
+def _amdgcn_order(ops: list[str]) -> dict[str, int]:
+    """The atomics of an AMDGCN listing (``aot_compile.ordered_accesses_amdgcn``) by the
+    order LLVM gave them at agent scope: ``acq_rel`` (an L2 write-back, ``buffer_wbl2``,
+    before it and an invalidate, ``buffer_inv``, after its return), ``release`` (the
+    write-back only), ``acquire`` (the invalidate only); ``volatile``: loads past the caches."""
+    ops = [op for op in ops if not op.startswith("s_waitcnt")]  # the waits order them; skip
+    out = dict(acq_rel=0, release=0, acquire=0, volatile=sum("_load_" in op for op in ops))
+    for i, op in enumerate(ops):
+        if "_atomic_" not in op:
+            continue
+        before = i > 0 and ops[i - 1].startswith("buffer_wbl2")
+        after = i + 1 < len(ops) and ops[i + 1].startswith("buffer_inv")
+        kind = {(True, True): "acq_rel", (True, False): "release", (False, True): "acquire"}.get(
+            (before, after)
+        )
+        if kind:
+            out[kind] += 1
+    return out
+
+
+def test_the_grid_barrier_keeps_its_memory_order_in_amdgcn():
+    # the same barrier for gfx942 and gfx950: LLVM's AMDGPU memory model at agent scope writes
+    # L2 back before a release (buffer_wbl2 sc1) and invalidates after an acquire (buffer_inv
+    # sc1), each around an atomic whose return it waits for (s_waitcnt vmcnt(0)): the two
+    # arrivals (the barrier's, the finishing ticket's) acq_rel, the last arrival's release, the
+    # waiters' acquire read, their spin on volatile (sc0 sc1) loads -- nothing folded away
+    import static_report
+
+    for name in ("adam[fp16,decoupled,amsgrad,clip,grid]", "sgd[bf16,plain,grid]"):
+        for target in AMD:
+            ops = static_report.ordered_accesses_amdgcn(name, target)
+            order = _amdgcn_order(ops)
+            assert order["acq_rel"] == 2 and order["release"] >= 1 and order["acquire"] >= 1, (target, ops)
+            assert order["volatile"] >= 1, (target, ops)
+            # planted: without the write-back before it the arrival is an acquire only
+            dropped = [op for op in ops if not op.startswith("buffer_wbl2")]
+            assert _amdgcn_order(dropped)["acq_rel"] == 0
+
+
 def test_norm_kernels_compile_for_every_dtype_without_spills(rows):
     # LayerNorm and RMSNorm, forward (with the residual) and backward (with dh, dweight
     # and dbias): a 1024-wide row, the widest one-block row (MAX_BLOCK over 16 warps) and
@@ -170,10 +257,8 @@ def test_norm_kernels_compile_for_every_dtype_without_spills(rows):
     from tkern.kernels.norm import MAX_BLOCK
 
     norms = [r for r in rows if r["kernel"] in ("_norm_fwd_kernel", "_norm_bwd_kernel")]
-    for cc in TARGETS:
-        names = {
-            r["case"] for r in norms if r["target"] == f"sm_{cc}" and r["compiled"] and not r["spill_bytes"]
-        }
+    for cc in RUN:
+        names = {r["case"] for r in norms if r["target"] == cc and r["compiled"] and not r["spill_bytes"]}
         for kernel, extra in (("fwd", ",res"), ("bwd", ",dh")):
             for dtype in ("fp16", "bf16", "fp32"):
                 for norm in ("ln", "rms"):
@@ -195,14 +280,15 @@ def test_no_offered_config_exceeds_shared_memory(rows):
     import static_report
 
     over = [
-        f"{_name(r)}: {r['smem']} B > {static_report.smem_limit(int(r['target'][3:]))} B"
+        f"{_name(r)}: {r['smem']} B > {static_report.smem_limit(r['target'])} B"
         for r in rows
-        if r["compiled"] and r["smem"] > static_report.smem_limit(int(r["target"][3:]))
+        if r["compiled"] and r["smem"] > static_report.smem_limit(r["target"])
     ]
     assert not over, "configs that can never launch are offered:\n" + "\n".join(over)
 
 
 def test_tma_gelu_on_a_ragged_output_offers_only_configs_that_do_not_spill(rows):
+    _needs("sm_90")
     # gemm_configs.prune_configs: with GELU and a ragged output (scalar stores of C and the
     # pre-activation) the TMA kernel's 128x256x64 tiles spilled 772-776 B on sm_90 under
     # triton 3.6 (the demo's 784 -> 1000 GELU layer); they leave the offered set there, and
@@ -233,11 +319,20 @@ def test_tma_configs_over_the_limit_are_not_offered():
     assert "128x128x64/s3w8" in names
 
 
-def test_every_hopper_gemm_config_uses_wgmma(rows):
-    gemms = _of(rows, "gemm", target="sm_90")
-    assert gemms
-    missing = [_name(r) for r in gemms if r["compiled"] and not r["wgmma"]]
-    assert not missing, "no wgmma:\n" + "\n".join(missing)
+def test_every_gemm_uses_its_targets_tensor_core_instruction(rows):
+    # mma.sync on sm_80/86/89/120, wgmma on sm_90, tcgen05 on sm_100, v_mfma on gfx942/950
+    # (MMA_FIELD), on every GEMM row of every target
+    gemms = _of(rows, "gemm")
+    assert {r["target"] for r in gemms} == set(RUN)
+    missing = [_name(r) for r in gemms if r["compiled"] and not _mma(r)]
+    assert not missing, "no tensor-core instruction of the target:\n" + "\n".join(missing)
+
+
+def test_the_tensor_core_check_sees_a_gemm_without_its_instruction(rows):
+    _needs("sm_90")
+    # the check above can fail: an sm_90 GEMM's row read as sm_100's has wgmma, no tcgen05
+    row = next(r for r in _of(rows, "gemm", target="sm_90") if r["compiled"])
+    assert _mma(row) and not _mma({**row, "target": "sm_100"})
 
 
 def test_pointer_gemm_pipelines_with_16_byte_async_copies(rows):
@@ -245,6 +340,7 @@ def test_pointer_gemm_pipelines_with_16_byte_async_copies(rows):
         f"{_name(r)}: {r['cp_async_16']} of {r['cp_async']}"
         for r in _of(rows, "gemm", gated=True)
         if r["kernel"] == "_matmul_kernel"
+        and r["target"] in NVIDIA  # AMD's loads go through registers to LDS
         and r["compiled"]
         and (not r["cp_async"] or r["cp_async_16"] != r["cp_async"])
     ]
@@ -252,6 +348,7 @@ def test_pointer_gemm_pipelines_with_16_byte_async_copies(rows):
 
 
 def test_tma_kernel_loads_through_descriptors(rows):
+    _needs("sm_90", "sm_100", "sm_120")
     tma = [r for r in rows if r["kernel"] == "_matmul_tma_kernel"]
     assert tma and all(r["tma_loads"] > 0 for r in tma if r["compiled"])
 
@@ -263,19 +360,23 @@ def test_split_k_compiles_pipelined_without_spills(rows):
     # and C stores at 128 bits
     split = [r for r in rows if r["kernel"] == "_matmul_split_k_kernel"]
     reduce = [r for r in rows if r["kernel"] == "_split_k_reduce_kernel"]
-    assert {r["target"] for r in split} == {r["target"] for r in reduce} == {f"sm_{cc}" for cc in TARGETS}
+    assert {r["target"] for r in split} == {r["target"] for r in reduce} == set(RUN)
     for r in split:
-        assert r["compiled"] and not r["spill_bytes"], _name(r)
+        assert r["compiled"] and not r["spill_bytes"] and _mma(r), _name(r)
+        if r["target"] in AMD:  # no cp.async, no PTX access widths
+            continue
         assert r["cp_async"] and r["cp_async_16"] == r["cp_async"], _name(r)
-        assert r["wgmma"] or r["target"] != "sm_90", _name(r)
         assert set(r["global_access_bits"]["ws_ptr"]) == {128}, _name(r)
     for r in reduce:
         assert r["compiled"] and not r["spill_bytes"], _name(r)
+        if r["target"] in AMD:
+            continue
         assert set(r["global_access_bits"]["ws_ptr"]) == {128}, _name(r)
         assert set(r["global_access_bits"]["c_ptr"]) == {128}, _name(r)
 
 
 def test_tma_kernel_stores_c_through_descriptors_where_the_launcher_does(rows):
+    _needs("sm_90")
     # the TMA-store epilogue (gemm_epilogue.epilogue_tma): C with aligned rows and no
     # pre-activation beside it (the wgrad into a flat buffer, forwards without one) is
     # stored by bulk tensor copies, on every config offered; a pre-activation keeps the
@@ -296,9 +397,10 @@ def test_streaming_kernels_use_full_width_vector_accesses(rows):
     # move them in one access of min(per_thread * element size, 16) bytes:
     # 128-bit for fp32 and for halves at 8 per thread; 64-bit for halves next
     # to fp32 arrays at 4 per thread (the update kernels, see tkern.kernels.sgd).
+    # (NVIDIA's PTX; on AMD the loads are buffer/global instructions of other widths)
     bad = []
-    streaming = _of(rows, "streaming", gated=True)
-    assert streaming
+    streaming = [r for r in _of(rows, "streaming", gated=True) if r["target"] in NVIDIA]
+    assert {r["target"] for r in streaming} == set(NVIDIA)
     for r in streaming:
         if not r["compiled"]:
             continue
@@ -343,22 +445,50 @@ def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
     into a fused optimizer's gradient buffer, blockwise; FP8_EMIT_LAUNCHES: the emitting
     epilogue's entry kernel, c_fc writing c_proj's e4m3 input), no spills; it is not offered
     before sm_89 (scaled_mm refuses those GPUs by name)."""
+    _needs("sm_89", "sm_90", "sm_100", "sm_120", "gfx950")
     import static_report
 
     fp8 = [r for r in rows if r["case"].startswith("scaled_mm")]
-    assert {r["target"] for r in fp8} == {"sm_90"}
-    offered = [static_report.fp8_configs_for(90, v[3], v[6], v[7]) for v in static_report.FP8_GEMM_LAUNCHES]
-    # and the emitting epilogue's entry kernel (scaled_mm(emit_fp8=...)) on a gelu_tanh forward's configs
-    offered += [
-        static_report.fp8_configs_for(90, 1, False, "gelu_tanh") for _ in static_report.FP8_EMIT_LAUNCHES
-    ]
-    assert len(fp8) == sum(map(len, offered)) and all(offered)
+    # every target whose tensor cores take OCP e4m3: sm_89, sm_90, sm_100, sm_120, gfx950
+    planned = {t for t in RUN if static_report.fp8_planned(t)}
+    assert (
+        {r["target"] for r in fp8} == planned == {"sm_89", "sm_90", "sm_100", "sm_120", "gfx950"} & set(RUN)
+    )
+    for cc in planned:
+        launches = static_report.FP8_GEMM_LAUNCHES
+        offered = [static_report.fp8_configs_for(cc, v[3], v[6], v[7]) for v in launches]
+        # and the emitting epilogue's entry kernel (scaled_mm(emit_fp8=...)) on a gelu_tanh forward's configs
+        offered += [
+            static_report.fp8_configs_for(cc, 1, False, "gelu_tanh") for _ in static_report.FP8_EMIT_LAUNCHES
+        ]
+        of_cc = [r for r in fp8 if r["target"] == cc]
+        assert len(of_cc) == sum(len(static_report.swept(o, cc)) for o in offered) and all(offered), cc
     assert {r["kernel"] for r in fp8 if r["case"].startswith("scaled_mm_emit[")} == {"_matmul_emit_kernel"}
     assert any(r["case"].endswith("fp8e5xfp8e4nv->bf16,NT,wgrad,tensor scales,precise,C+=]") for r in fp8)
     for r in fp8:
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"
         assert r["spill_bytes"] == 0, f"{_name(r)} spills {r['spill_bytes']} B"
-        assert r["wgmma"] > 0 and r["fp8_mma"] > 0, f"{_name(r)}: no fp8 wgmma"
+        assert _mma(r) > 0 and r["fp8_mma"] > 0, f"{_name(r)}: no fp8 tensor-core instruction"
+
+
+def test_the_plan_refuses_fp8_on_gfx942():
+    # MI300X multiplies the FNUZ formats; tkern casts to OCP e4m3/e5m2 only: its fp8 GEMMs are
+    # refused there (float8.fp8_refusal), so the gate plans none (and no TMA on any AMD target)
+    import static_report
+    import torch
+
+    from tkern.kernels.float8 import fp8_refusal
+    from tkern.kernels.gemm_tma import has_tma
+
+    reason = fp8_refusal(static_report.spec_of("gfx942"), "scaled_mm", (torch.float8_e4m3fn,))
+    assert reason and "OCP" in reason
+    assert not static_report.fp8_planned("gfx942") and static_report.fp8_planned("gfx950")
+    assert not any(
+        c.name.startswith(("scaled_mm", "blockwise")) for c in static_report.all_cases("gfx942", False)
+    )
+    for t in AMD:
+        assert not has_tma(static_report.spec_of(t))
+        assert not any("tma" in c.kernel for c in static_report.all_cases(t, full=False)), t
 
 
 def test_every_fp8_gemm_loads_both_operands_k_major_through_pipelined_async_copies(rows):
@@ -367,7 +497,8 @@ def test_every_fp8_gemm_loads_both_operands_k_major_through_pipelined_async_copi
     one stage). Every fp8 GEMM variant the recipes launch (all K-major: the casts write
     each GEMM's layout) loads A and B only through 16-byte cp.async, in >= 3 stages (no
     ld.global of either operand), within the shared memory counted at one byte an element."""
-    fp8 = [r for r in rows if r["case"].startswith("scaled_mm") and r["compiled"]]
+    _needs("sm_89", "sm_90", "sm_100", "sm_120")
+    fp8 = [r for r in rows if r["case"].startswith("scaled_mm") and r["compiled"] and r["target"] in NVIDIA]
     assert fp8
     bad = [
         f"{_name(r)}: cp.async {r['cp_async_16']}/{r['cp_async']}, stages {r['num_stages']}, "
@@ -392,7 +523,7 @@ def test_the_fp8_gradient_gemms_promote_their_accumulators_every_k_tile(rows):
         block_k = int(r["case"].split("[")[1].split("/")[0].split("x")[2])
         if ",precise" in r["case"]:
             assert r["imprecise_acc"] == [block_k] and block_k <= 128, (_name(r), r["imprecise_acc"])
-        else:
+        elif r["target"] == "sm_90":  # the fast accumulation: wgmma's, Triton's default there
             assert all(v > 128 for v in r["imprecise_acc"]), (_name(r), r["imprecise_acc"])
 
 
@@ -407,21 +538,27 @@ def test_blockwise_fp8_gemm_compiles_for_hopper_on_tma_without_spills(rows):
     (one per scale block), both operands through TMA (no cp.async, no ld.global of an
     operand: descriptors) in >= 2 stages, C stored through TMA, no spills, within the
     shared memory; compiled for sm_90 only (descriptors: Hopper)."""
+    _needs("sm_90", "sm_100", "sm_120")
     import static_report
 
     bw = _blockwise(rows)
-    offered = [static_report.blockwise_configs_for(90, v[1] == 1) for v in static_report.BLOCKWISE_LAUNCHES]
-    assert len(bw) == sum(map(len, offered)) and all(offered)
-    assert {r["target"] for r in bw} == {"sm_90"}
+    tma = {t for t in RUN if static_report.spec_of(t).tma}
+    assert {r["target"] for r in bw} == tma == {"sm_90", "sm_100", "sm_120"} & set(RUN)
+    for cc in tma:
+        launches = static_report.BLOCKWISE_LAUNCHES
+        offered = [
+            static_report.swept(static_report.blockwise_configs_for(cc, v[1] == 1), cc) for v in launches
+        ]
+        assert len([r for r in bw if r["target"] == cc]) == sum(map(len, offered)) and all(offered), cc
     for r in bw:
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"
         assert r["spill_bytes"] == 0, f"{_name(r)} spills {r['spill_bytes']} B"
-        assert r["wgmma"] > 0 and r["fp8_mma"] == r["wgmma"], f"{_name(r)}: no fp8 wgmma"
+        assert _mma(r) > 0 and r["fp8_mma"] == _mma(r), f"{_name(r)}: no fp8 tensor-core instruction"
         assert "x128/" in r["case"], f"{_name(r)}: K tile is not the 128-wide scale block"
         assert r["tma_loads"] > 0 and r["cp_async"] == 0 and r["num_stages"] >= 2, _name(r)
         assert not {"a_desc", "b_desc"} & set(r["global_access_bits"]), _name(r)
         assert r["tma_stores"] > 0, _name(r)
-        assert r["smem"] <= static_report.smem_limit(90), _name(r)
+        assert r["smem"] <= static_report.smem_limit(r["target"]), _name(r)
 
 
 def test_accumulator_chaining_gemms_keep_a_wgmma_group_in_flight(rows):
@@ -432,7 +569,8 @@ def test_accumulator_chaining_gemms_keep_a_wgmma_group_in_flight(rows):
     operands arrive) and with 0 after it. scaled_mm's fp8 GEMMs with per-tensor scales
     (fast or promoted accumulation) chain that way; the pointer kernel's block-scaled
     variants (a fresh product scaled per K tile) wait with 0 only."""
-    fp8 = [r for r in rows if r["case"].startswith("scaled_mm[") and r["compiled"]]
+    _needs("sm_90")
+    fp8 = [r for r in rows if r["case"].startswith("scaled_mm[") and r["compiled"] and r["target"] == "sm_90"]
     tensor = [r for r in fp8 if "tensor scales" in r["case"]]
     block = [r for r in fp8 if "block scales" in r["case"]]
     assert tensor and block
@@ -453,7 +591,8 @@ def test_blockwise_fp8_gemm_keeps_a_wgmma_group_in_flight(rows):
     variant (the next block's product running while the threads promote the last one).
     Expected to fail until the compiler (or a warp-specialized kernel) allows it; strict, so
     that a Triton that does keeps a group in flight turns this into a failure to update."""
-    bw = [r for r in _blockwise(rows) if r["compiled"]]
+    _needs("sm_90")
+    bw = [r for r in _blockwise(rows) if r["compiled"] and r["target"] == "sm_90"]
     assert bw
     for r in bw:
         assert max(r["wgmma_waits"]) >= 1, (_name(r), r["wgmma_waits"])
@@ -495,10 +634,10 @@ def test_fp8_cast_kernels_compile_without_spills():
 # --------------------------------------------------------------------------- cross-entropy (issue 28)
 
 
-def test_cross_entropy_kernel_compiles_without_spills():
+def test_cross_entropy_kernel_compiles_without_spills(rows):
     """tkern.cross_entropy's and linear_cross_entropy's launches (static_report.cross_entropy_cases:
     fp16/bf16/fp32 logits, the forward, the backward from lse, the fused linear launch, the
-    plainest and every option on) for sm_90 and sm_80: every one compiles with no spills.
+    plainest and every option on) for every target: every one compiles with no spills.
     They are in all_cases too (the report and the fixture's gate set)."""
     import static_report
 
@@ -507,19 +646,20 @@ def test_cross_entropy_kernel_compiles_without_spills():
         "cross_entropy_fwd[bf16]",
         "linear_cross_entropy[fp32->bf16,weight,smoothing,z]",
     }
-    for cc in TARGETS:
+    by = {(r["case"], r["target"]): r for r in rows}
+    for cc in RUN:
         for case in cases:
-            r = static_report.compile_case(case, cc, sass=False)
-            assert r["compiled"], f"{case.name} on sm_{cc}: {r.get('error')}"
-            assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on sm_{cc}"
+            r = by[case.name, cc]
+            assert r["compiled"], f"{case.name} on {cc}: {r.get('error')}"
+            assert r["spill_bytes"] == 0, f"{case.name} spills {r['spill_bytes']} B on {cc}"
 
 
 # --------------------------------------------------------------------------- health (issue 37 item 7)
 
 
-def test_underflow_kernel_compiles_without_spills_at_full_width():
+def test_underflow_kernel_compiles_without_spills_at_full_width(rows):
     """The sampled zero/subnormal count (``opt.track_underflows``): fp16, bf16 and fp32
-    gradients and a ragged tail, for sm_90 and sm_80; every one compiles with no spills,
+    gradients and a ragged tail, for every target; every one compiles with no spills,
     the aligned ones read the gradients in full-width (128-bit) loads and keep at least
     half the warp slots busy. They are in all_cases too (the fixture's gate set)."""
     import static_report
@@ -528,12 +668,13 @@ def test_underflow_kernel_compiles_without_spills_at_full_width():
     assert {c.name for c in cases} == {
         "grad_underflow[fp16]", "grad_underflow[bf16]", "grad_underflow[fp32]", "grad_underflow[fp16,tail]"
     }  # fmt: skip
-    for cc in TARGETS:
+    by = {(r["case"], r["target"]): r for r in rows}
+    for cc in RUN:
         for case in cases:
-            r = static_report.compile_case(case, cc, sass=False)
-            where = f"{case.name} on sm_{cc}"
+            r = by[case.name, cc]
+            where = f"{case.name} on {cc}"
             assert r["compiled"], f"{where}: {r.get('error')}"
             assert r["spill_bytes"] == 0, f"{where} spills {r['spill_bytes']} B"
-            if case.gated:
+            if case.gated and cc in NVIDIA:
                 assert set(r["global_access_bits"]["grad_ptr"]) == {128}, (where, r["global_access_bits"])
                 assert r["occupancy_pct"] >= MIN_STREAMING_OCCUPANCY, (where, r["regs"], r["occupancy_pct"])

@@ -5,7 +5,8 @@ gemm_tma.py) are autotuned over the tables here; the rules that prune a table
 for a device (shared memory, register pressure, ragged operands) are named
 constants next to the tables, each with the compiler fact it comes from
 (``benchmarks/static_report.py`` measures them; ``tests/test_compiled.py``
-holds every offered config to them on sm_90 and sm_80).
+holds every offered config to them on sm_90 and sm_100, the first of each list on
+the other targets of tkern.device.SPECS).
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ def smem_estimate(cfg: triton.Config, elem_bytes: int = 2) -> int:
     """Shared memory of a config's load pipeline: ``num_stages`` A and B tiles.
     The compiled kernel adds ~1 KB (pointer kernel) to ~34 KB (the TMA
     kernel's epilogue staging); tests/test_compiled.py checks every offered
-    config's compiled size against the limit on sm_90 and sm_80."""
+    config's compiled size against the limit on sm_90 and sm_100 (the first config on
+    the other targets)."""
     kw = cfg.kwargs
     return cfg.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * elem_bytes
 
