@@ -331,7 +331,7 @@ def one_pass_stats(
         first = tl.program_id(0).to(tl.int64)  # the rows' numbers as int64, as pass 1's program ids
         for r in range(first, n_rows, tl.num_programs(0)):
             _store_row(grad_ptr, n, inv_scale, partials_ptr, r, n_rows, BLOCK)
-        grid_barrier(barrier_ptr)  # every program's rows stored before any reduction reads them
+        grid_barrier(barrier_ptr, GRID)  # every program's rows stored before any reduction reads them
     else:
         first = tl.full((), 0, tl.int64)
         for r in range(0, n_rows):
