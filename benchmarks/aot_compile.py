@@ -6,6 +6,7 @@ operations, the reductions' layouts).
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 
@@ -28,7 +29,7 @@ def _triton_compile(case: Case, cc):
     return triton.compile(
         ASTSource(fn, case.signature, case.constexprs, attrs),
         target=GPUTarget(*spec_of(cc).target),
-        options=dict(num_warps=case.num_warps, num_stages=case.num_stages),
+        options=dict(num_warps=case.num_warps, num_stages=case.num_stages, **case.options),
     )
 
 
@@ -52,9 +53,15 @@ def compile_case(case: Case, cc, sass: bool = True) -> dict:
     return row
 
 
+@functools.cache
+def _gate_cases(target: str) -> dict[str, Case]:
+    return {c.name: c for c in all_cases(target, full=False)}
+
+
 def _compiled(name: str, cc):
-    """The compile gate's case ``name`` compiled for target ``cc`` (Triton's compiled kernel)."""
-    return _triton_compile(next(c for c in all_cases(cc, full=False) if c.name == name), cc)
+    """The compile gate's case ``name`` compiled for target ``cc`` (Triton's compiled kernel:
+    from Triton's cache when the gate's rows compiled it)."""
+    return _triton_compile(_gate_cases(spec_of(cc).arch)[name], cc)
 
 
 def ordered_accesses(name: str, cc: int = 90) -> list[str]:
@@ -74,11 +81,12 @@ def ordered_accesses_amdgcn(name: str, target: str = "gfx942") -> list[str]:
     ``buffer_atomic_*``, ``flat_atomic_*``; ``sc0``/``sc1``/``nt`` scope bits kept), the cache
     maintenance LLVM emits for release and acquire at agent scope (``buffer_wbl2``: write
     back L2 before a release; ``buffer_inv``: invalidate before an acquire's later loads), the
-    volatile loads (``sc0 sc1``: past the caches) and the waits on the atomic's return
-    (``s_waitcnt vmcnt(0)``)."""
+    loads with a coherence bit (``sc1``: agent scope, an atomic load's, which is what LLVM
+    makes of an acquire ``atomic_add`` of 0; ``sc0 sc1``: a volatile load, past the caches)
+    and the waits on the atomic's return (``s_waitcnt vmcnt(0)``)."""
     asm = _compiled(name, target).asm["amdgcn"]
     op = r"^\s*((?:global|buffer|flat)_atomic_\w+[^\n;]*|buffer_wbl2[^\n;]*|buffer_inv[^\n;]*"
-    op += r"|(?:global|buffer|flat)_load_\w+[^\n;]*\bsc0 sc1\b[^\n;]*|s_waitcnt vmcnt\(0\))"
+    op += r"|(?:global|buffer|flat)_load_\w+[^\n;]*\bsc1\b[^\n;]*|s_waitcnt vmcnt\(0\))"
     return [" ".join(m.split()) for m in re.findall(op, asm, re.M)]
 
 
