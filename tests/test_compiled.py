@@ -349,7 +349,7 @@ def test_tma_gelu_on_a_ragged_output_offers_only_configs_that_do_not_spill(rows)
     aligned = {static_report.cfg_name(c.kwargs, c) for c in static_report.gemm_configs_for(90, tma=True)}
     assert {"128x256x64/s3w8", "128x256x64/s4w8"} <= aligned  # still offered to aligned outputs
     compiled = {r["case"]: r for r in rows if r["target"] == "sm_90"}
-    for cfg in offered:
+    for cfg in offered if every_config("sm_90") else offered[:1]:  # (Triton 3.6: the first)
         for launch in static_report.TMA_RAGGED_GATE_LAUNCHES:
             case = static_report.tma_case(cfg, launch).name
             assert case in compiled and compiled[case]["compiled"] and not compiled[case]["spill_bytes"], case
@@ -426,8 +426,9 @@ def test_tma_kernel_stores_c_through_descriptors_where_the_launcher_does(rows):
     # the forwards on the first; a pre-activation keeps the pointer epilogue
     by_name = {r["case"]: r for r in rows if r["target"] == "sm_90"}
     configs = static_report.gemm_configs_for(90, tma=True)
-    launches = [(cfg, static_report.TMA_WGRAD_INTO) for cfg in configs]
-    launches += [(configs[0], v) for v in static_report.TMA_STORE_GATE_LAUNCHES]
+    launches = [(cfg, static_report.TMA_WGRAD_INTO) for cfg in configs if every_config("sm_90")]
+    launches += [(configs[0], v) for v in static_report.TMA_STORE_GATE_LAUNCHES if every_config("sm_90")]
+    launches = launches or [(configs[0], static_report.TMA_WGRAD_INTO)]  # (Triton 3.6: the first)
     for cfg, launch in launches:
         r = by_name[static_report.tma_case(cfg, launch).name]
         assert r["compiled"] and not r["spill_bytes"] and r["tma_stores"] > 0, _name(r)
