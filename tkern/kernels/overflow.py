@@ -453,8 +453,12 @@ def _add_counts(row_ptr, packed, first, last, lo, hi):
     """Add one param's counts (``packed``: zeros + subnormals << 16 per lane) and the number
     of its elements ``[first, last)`` in the share ``[lo, hi)`` to its row; nothing when none."""
     counted = tl.maximum(tl.minimum(last, hi) - tl.maximum(first, lo), 0)
-    zeros = tl.sum(packed & 0xFFFF, axis=0).to(tl.int64)
-    subnormals = tl.sum(packed >> 16, axis=0).to(tl.int64)
+    # one reduction of both counts: zeros in the low 32 bits, subnormals in the high (each
+    # sum stays below 2^31: BLOCK lanes of under 2^15)
+    wide = packed.to(tl.int64)
+    both = tl.sum((wide & 0xFFFF) | ((wide >> 16) << 32), axis=0)
+    zeros = both & 0xFFFFFFFF
+    subnormals = both >> 32
     tl.atomic_add(row_ptr + _ZEROS, zeros, mask=counted > 0, sem="relaxed")
     tl.atomic_add(row_ptr + _SUBNORMALS, subnormals, mask=counted > 0, sem="relaxed")
     tl.atomic_add(row_ptr + _COUNTED, counted.to(tl.int64), mask=counted > 0, sem="relaxed")
