@@ -60,6 +60,8 @@ def gemm_configs_for(
     emit_delayed: bool = False,
     sum_a: bool = False,
     accumulate: bool = False,
+    store_preact: bool = False,
+    out_bytes: int = 2,
 ) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning),
     for launches whose epilogue applies ``activation`` (an ACTIVATIONS code), with
@@ -82,7 +84,7 @@ def gemm_configs_for(
         )
     configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
     rules = dict(tma=tma, ragged=ragged, activation=activation, prologue=prologue, sum_a=sum_a)
-    rules.update(accumulate=accumulate)
+    rules.update(accumulate=accumulate, store_preact=store_preact, out_bytes=out_bytes)
     return offered_configs(configs, cc, **rules)
 
 

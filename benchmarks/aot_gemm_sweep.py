@@ -28,7 +28,7 @@ from aot_gemm_cases import (
     pointer_case,
     tma_case,
 )
-from aot_targets import FIRST_CONFIG, REPORT, Case, cfg_name, sweep
+from aot_targets import _SIZE, FIRST_CONFIG, REPORT, Case, cfg_name, sweep
 
 
 def _code(name: str) -> int:
@@ -41,7 +41,7 @@ def offered(cc, cfg, v: GemmLaunch, tma: bool = False) -> bool:
     """Whether tkern's autotuner offers ``cfg`` to launch ``v`` on target ``cc``."""
     act = v.act or v.grad_act  # an epilogue's act' is pruned as an activation is
     rules = dict(tma=tma, ragged=v.ragged, activation=act, prologue=v.a_act, sum_a=v.sum_a is not None)
-    rules.update(accumulate=v.accumulate)
+    rules.update(accumulate=v.accumulate, store_preact=v.preact, out_bytes=_SIZE[v.out])
     configs = gemm_configs_for(cc, **rules)
     return cfg_name(cfg.kwargs, cfg) in {cfg_name(c.kwargs, c) for c in configs}
 
@@ -135,7 +135,7 @@ def tma_heaviest(cc, cfg) -> list[GemmLaunch]:
     bias (bf16 and fp32 out: the most registers on every offered config, sm_90 triton 3.9,
     the bias 4-5 fewer), the wgrad adding into a flat buffer (through the TMA-store
     epilogue), the dgrad epilogue's heaviest act'."""
-    forward = [v for v in FORWARD_HEAVIEST if v.bias is None]
+    forward = [v for v in FORWARD_HEAVIEST if v.bias is None and offered(cc, cfg, v, tma=True)]
     into = _first_offered(cc, cfg, [TMA_WGRAD_INTO], tma=True)  # C's old tile staged: where it fits
     return [*forward, *into, *dgrad_epilogue_launches(cc, cfg, tma=True)[0]]
 
@@ -145,7 +145,7 @@ def tma_others(cc, cfg) -> list[GemmLaunch]:
     forwards, SiLU and tanh-GELU (bf16, no bias: their epilogue is the pointer kernel's,
     compiled there in every variant), the TN layout once, the other dgrad epilogues."""
     acts = [dataclasses.replace(FORWARD_HEAVIEST[1], act=_code(a)) for a in ("silu", "gelu_tanh")]
-    bias = [v for v in FORWARD_HEAVIEST if v.bias is not None]
+    bias = [v for v in FORWARD_HEAVIEST if v.bias is not None and offered(cc, cfg, v, tma=True)]
     layout = dataclasses.replace(FORWARD_HEAVIEST[0], layout="TN")  # it changes the loads, not the epilogue
     return [*bias, *TMA_STORE_GATE_LAUNCHES, *acts, layout, *dgrad_epilogue_launches(cc, cfg, tma=True)[1]]
 

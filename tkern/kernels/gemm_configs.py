@@ -330,6 +330,14 @@ ACT_MAX_ACC_ACTIVATIONS = frozenset({ACTIVATIONS["gelu"]})
 #: The TMA kernel's narrowest tile everywhere else: the tutorial's 128 columns (the 128x64 tile
 #: of :func:`tma_configs` spills 16 B on sm_100 in ``C +=`` at 64 registers).
 TMA_MIN_BLOCK_N = 128
+#: The TMA kernel on an aligned output storing the pre-activation of one of
+#: :data:`ACT_MAX_ACC_ACTIVATIONS` beside an fp32 C, by tensor-core instruction: at least this
+#: many columns a tile. Measured (sm_100, triton 3.9, fp16 -> fp32, GELU, no bias): ptxas holds
+#: the 128x128 tiles (64 accumulator values a thread) at its 128-register step and spills 8 B
+#: there (128x128x64 in 3 and 4 stages, 128x128x128 in 3); 128x256x64 in 3 and 4 stages takes
+#: 148 registers and spills none. (With an fp32 bias the 128x128 tiles took 156, none spilled:
+#: held to the same rule, so one table serves both; bf16 out: 98-134, none spill.)
+TMA_FP32_PREACT_MIN_BLOCK_N = {"tcgen05": 256}
 #: The pointer kernel's tallest tile, by tensor-core instruction: sm_100 (triton 3.9) spills
 #: 80 B on 256x128x64 (255 registers, fp32 out with an fp32 bias), where 128x256x64 stays at
 #: 230-234; sm_90's wgmma fits both (199-239).
@@ -455,6 +463,8 @@ def prune_configs(
     column_scales: bool = False,
     sum_a: bool = False,
     accumulate: bool = False,
+    store_preact: bool = False,
+    out_bytes: int = 2,
 ) -> list[triton.Config]:
     """The configs worth trying on ``device`` (a :class:`DeviceSpec`; an int is an
     NVIDIA compute capability, e.g. 90, see :func:`as_spec`): those whose shared memory
@@ -479,7 +489,8 @@ def prune_configs(
     :data:`EMIT_DELAYED_MAX_N`; ``column_scales`` (the blockwise kernel, B's scales along N):
     :data:`COLUMN_SCALES_MAX_STAGED_ACC`; ``sum_a`` (A's rows summed): :data:`SUM_A_MAX_LOADS`;
     ``accumulate`` (``C +=``) on a TMA kernel: C's old tile counted in the shared memory
-    (:func:`c_staging`).
+    (:func:`c_staging`); ``store_preact`` with ``out_bytes`` 4 (the pre-activation stored
+    beside an fp32 C) on the 16-bit TMA kernel: :data:`TMA_FP32_PREACT_MIN_BLOCK_N`.
     The per-architecture limits (``*_BY_ARCH``, :data:`PROLOGUE_MAX_LOADS`, ...) come from
     the compile gate. Never empty: the smallest is kept."""
     spec = as_spec(device)
@@ -507,6 +518,9 @@ def prune_configs(
         fits = [c for c in fits if _cfg_acc(c, w) <= TMA_RAGGED_ACT_MAX_ACC[spec.mma]]
     elif tma and elem_bytes == 2:  # the 16-bit TMA kernel (tma_configs); the blockwise one's are its own
         fits = [c for c in fits if c.kwargs["BLOCK_N"] >= TMA_MIN_BLOCK_N]
+        fp32_preact = activation in ACT_MAX_ACC_ACTIVATIONS and store_preact and out_bytes == 4
+        if fp32_preact and spec.mma in TMA_FP32_PREACT_MIN_BLOCK_N:
+            fits = [c for c in fits if c.kwargs["BLOCK_N"] >= TMA_FP32_PREACT_MIN_BLOCK_N[spec.mma]]
     if not tma and spec.mma in POINTER_MAX_BLOCK_M:
         fits = [c for c in fits if c.kwargs["BLOCK_M"] <= POINTER_MAX_BLOCK_M[spec.mma]]
     if sum_a and spec.arch in SUM_A_MAX_LOADS:
@@ -602,6 +616,8 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
         a = nargs.get("a_ptr", nargs.get("a_desc"))
         a = getattr(a, "base", a)  # a tensor descriptor's tensor
         elem_bytes = a.element_size() if isinstance(a, torch.Tensor) else 2
+        c = nargs.get("c_ptr")
+        out_bytes = c.element_size() if isinstance(c, torch.Tensor) else 2
         blocks = meta.get("SCALE_A") == 3 or meta.get("SCALE_B") == 3  # gemm.SCALE_BLOCK
         return offered_configs(
             configs, _device_spec(nargs), tma=tma, ragged=ragged, activation=activation, prologue=prologue,
@@ -609,6 +625,7 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
             block_scales=blocks, emit_delayed=bool(meta.get("DELAYED")),
             column_scales=meta.get("SCALE_BN") == 1,  # the blockwise kernel's B scales along N
             sum_a=bool(meta.get("SUM_A")), accumulate=bool(meta.get("ACCUMULATE")),
+            store_preact=bool(meta.get("STORE_PREACT")), out_bytes=out_bytes,
         )  # fmt: skip
 
     return triton.autotune(
