@@ -59,9 +59,8 @@ def test_on_a_gpu_machine_nothing_collected_needs_the_cpu():
         "tests/test_trainer_auto.py",
         "tests/test_trainer_graph.py",
     }
-    assert by_use["compile gate"] and all(
-        n.startswith("tests/test_compiled") for n in by_use["compile gate"]  # test_compiled*.py
-    )
+    # every tests/test_compiled*.py
+    assert by_use["compile gate"] and all(n.startswith("tests/test_compiled") for n in by_use["compile gate"])
 
 
 def test_the_check_finds_an_unskipped_recorder_test_through_a_helper(tmp_path):
