@@ -43,6 +43,7 @@ def compile_case(case: Case, cc, sass: bool = True) -> dict:
     try:
         kernel = _triton_compile(case, cc)
         row.update(analyse(kernel, case, cc, sass), compiled=True)
+        row["reduce_layouts"] = reduce_layouts_of(kernel.asm["ttgir"])
     except Exception as exc:  # recorded; the gate fails on it
         row.update(compiled=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
     row["compile_s"] = round(time.perf_counter() - t0, 2)
@@ -95,7 +96,12 @@ def reduce_layouts(name: str, cc: int = 90) -> list[tuple[str, str]]:
     compile gate's case ``name`` compiled for sm_cc: a reduction's order of additions
     follows from its layout, so two kernels that must sum alike (pass 1 and the one-pass
     step) must reduce in the same layouts."""
-    ir = _compiled(name, cc).asm["ttgir"]
+    return reduce_layouts_of(_compiled(name, cc).asm["ttgir"])
+
+
+def reduce_layouts_of(ir: str) -> list[tuple[str, str]]:
+    """:func:`reduce_layouts` of a compiled kernel's TTGIR ``ir`` (every row's
+    ``reduce_layouts``, read where the gate compiled it: no second compile)."""
     aliases = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, re.M))
     found = re.finditer(r"\}\) : \(tensor<([^,>]*), (#\w+)>\) -> f32", ir)
     return [(m.group(1), aliases.get(m.group(2), m.group(2))) for m in found]
