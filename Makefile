@@ -26,8 +26,8 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n auto --dist loadgroup --durations=25 tests
 
-# The ahead-of-time compile gate: every kernel compiled for sm_90 and sm_80 on the
-# CPU, under the installed triton and 3.6 (the GPU machines' version).
+# The ahead-of-time compile gate: every kernel compiled for sm_80..sm_120, gfx942 and
+# gfx950 on the CPU, under the installed triton and 3.6 (the GPU machines' version).
 compile-gate: $(VENV)/.installed
 	PYTHON=$(PY) bash benchmarks/ci_compile_gate.sh
 

@@ -6,24 +6,30 @@ every case of every kernel for one target.
 
 from __future__ import annotations
 
-import dataclasses
-
-from aot_fp8_cases import _fp8_emit_cases, _fp8_gemm_cases, blockwise_cases
-from aot_gemm_cases import (
-    FORWARD_HEAVIEST,
-    TMA_RAGGED_GATE_LAUNCHES,
-    TMA_STORE_GATE_LAUNCHES,
-    TMA_WGRAD_INTO,
-    gate_launches,
-    gemm_configs_for,
-    linear_launches,
-    pointer_case,
-    pointer_gate_launches,
-    prologue_gate_launches,
-    split_k_cases,
-    tma_case,
+from aot_fp8_cases import (
+    _fp8_emit_cases,
+    _fp8_gemm_cases,
+    blockwise_cases,
+    fp8_cast_cases,
+    mx_cast_cases,
+    mx_gemm_cases,
 )
-from aot_targets import _SIZE, _TL_NAME, Case, _ptr, _streaming_case, _tl, _with_tail
+from aot_gemm_cases import split_k_cases
+from aot_gemm_sweep import pointer_cases, tma_cases
+from aot_targets import (
+    _SIZE,
+    _TL_NAME,
+    REPORT,
+    Case,
+    _ptr,
+    _streaming_case,
+    _tl,
+    _with_tail,
+    depth,
+    every_variant,
+    light_dtype,
+    spec_of,
+)
 
 #: The update kernels' memory modes (issue 18) compiled beside the default fp32 master and
 #: fp32 state: (param dtype, MASTER, state kind) -- a split master with 8-bit state, no
@@ -92,8 +98,9 @@ def _update_signature(
     return sig
 
 
-def _update_cases(opt: str, full: bool = True) -> list[Case]:
+def _update_cases(opt: str, full: bool = True, cc="sm_90") -> list[Case]:
     from tkern.kernels import adam, sgd
+    from tkern.kernels import grid_sync as gs
     from tkern.kernels import overflow as ov
 
     mod = adam if opt == "adam" else sgd
@@ -126,7 +133,8 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
         sig = _update_signature(fn, dtype, held, master, kind, f, prefixes, grid)
         const = {}
         const.update(f, MASTER=_MASTER[master], PARAM_DTYPE=getattr(tl, _TL_NAME[dtype]), BLOCK=mod.BLOCK)
-        const.update(ONE_PASS=single, HAS_FOUND=single and f is heaviest, GRID=grid, STATS_BLOCK=ov.BLOCK)
+        spin = (gs.SPIN_UNCACHED if spec_of(cc).is_amd else gs.SPIN_VOLATILE) if grid else 0  # spin_kind's
+        const.update(ONE_PASS=single, HAS_FOUND=single and f is heaviest, GRID=spin, STATS_BLOCK=ov.BLOCK)
         const.update(dict.fromkeys(kinds, _KIND[kind]))
         if opt == "sgd":
             const.pop("DECOUPLED", None)
@@ -155,6 +163,11 @@ def _update_cases(opt: str, full: bool = True) -> list[Case]:
                 arrays=() if single else tuple(arrays),
                 per_thread=0 if single else per_thread,
                 gated=not tail,
+                # elsewhere: the heaviest flags in bf16, with the fp32 master and the 8-bit state
+                light=tail
+                or f is not heaviest
+                or light_dtype(dtype)
+                or (master, kind) not in (("fp32", "fp32"), ("split", "u8")),
             )
         )
     return cases
@@ -180,6 +193,7 @@ def _stats_cases() -> list[Case]:
                 block=ov.BLOCK,
                 arrays=("grad_ptr",),
                 tail=tail,
+                dtype=dtype,
             )
         )
     # the sampled zero/subnormal count (opt.track_underflows), per gradient dtype
@@ -202,6 +216,7 @@ def _stats_cases() -> list[Case]:
                 block=ov.BLOCK,
                 arrays=("grad_ptr",),
                 tail=tail,
+                dtype=dtype,
             )
         )
     sig = {"partials_ptr": "*fp32", "n_rows": "i32", "inv_scale_ptr": "*fp32", "stats_ptr": "*fp32"}
@@ -241,6 +256,7 @@ def _activation_cases() -> list[Case]:
                 block=act.BLOCK,
                 arrays=("dy_ptr", "z_ptr", "dz_ptr"),
                 tail=tail,
+                dtype=dtype,
             )
         )
     return cases
@@ -288,6 +304,49 @@ def _swiglu_cases() -> list[Case]:
                         num_warps=sw.NUM_WARPS,
                         arrays=ptrs,
                         per_thread=sw.MAX_BLOCK_N // (32 * sw.NUM_WARPS),
+                        light=light_dtype(dtype),
+                    )
+                )
+    return cases
+
+
+def _rotary_aligned(arg: str) -> bool:
+    """The rotary kernel's arguments divisible by 16 on its launcher's contiguous tensors:
+    the pointers, head_dim and the outer strides (multiples of head_dim or R)."""
+    return arg.endswith("_ptr") or arg == "head_dim" or arg[0] == "s" and arg != "seq"
+
+
+def rotary_cases() -> list[Case]:
+    """tkern.rotary_embedding's launch (tkern/kernels/rotary.py) as its launcher makes it for
+    contiguous q, k and tables (the head-dim strides 1, which Triton specialises as
+    constants): head_dim 128 with full rotary (Llama) and a quarter of it (GPT-NeoX's
+    partial rotary, 96 columns passed through), forward and backward (``INVERSE``), fp16 and
+    bf16. A "rowwise" family: its rows are strided, its accesses per half row."""
+    from tkern.kernels import rotary as ro
+
+    tl = _tl()
+    fn = ro._rotary_kernel
+    unit = ("sq_d", "sk_d", "sqo_d", "sko_d", "sc_d", "ss_d")
+    cases = []
+    for dtype in ("fp16", "bf16"):
+        for rot in (128, 32):
+            for inverse in (False, True):
+                bh, bp = ro.next_power_of_2(rot // 2), ro.next_power_of_2(128 - rot)
+                const = dict(HALF=rot // 2, INVERSE=inverse, DTYPE=getattr(tl, _TL_NAME[dtype]))
+                const.update(ROWS=ro.ELEMENTS // max(bh, bp), BLOCK_HALF=bh, BLOCK_PASS=bp)
+                const.update(dict.fromkeys(unit, 1))
+                sig = {a: (_ptr(dtype) if a.endswith("_ptr") else "constexpr" if a in const else "i32")
+                       for a in fn.arg_names}  # fmt: skip
+                cases.append(
+                    Case(
+                        name=f"rotary[{dtype},{'bwd' if inverse else 'fwd'},R={rot}/128]",
+                        family="rowwise",
+                        kernel="tkern.kernels.rotary:_rotary_kernel",
+                        signature=sig,
+                        constexprs=const,
+                        aligned=tuple(a for a in sig if sig[a] != "constexpr" and _rotary_aligned(a)),
+                        num_warps=ro.NUM_WARPS,
+                        light=light_dtype(dtype) or rot == 128,  # elsewhere: the partial rotary
                     )
                 )
     return cases
@@ -344,6 +403,7 @@ def _norm_cases(full: bool = True) -> list[Case]:
                                     k for k in sig if k.endswith("_ptr") or k.startswith(("N", "stride"))
                                 ),
                                 num_warps=norm.num_warps(block),
+                                light=light_dtype(dtype) or rms,  # elsewhere: LayerNorm's bf16 rows
                             )
                         )
     return cases
@@ -376,46 +436,31 @@ def _scale_cases() -> list[Case]:
     return cases
 
 
-def _gemm_cases(cc: int, full: bool = True) -> list[Case]:
-    """Every config each GEMM autotuner offers on target ``cc`` (after its own
-    pruning), compiled for :func:`gate_launches`: the pointer kernel's aligned
-    configs, its ragged configs on ragged operands, and (sm_90 only) the TMA
-    kernel's configs (which serve ragged operands there), plus the TMA kernel's
-    other layout and ragged operands once; the pointer kernel's configs also for
-    :func:`prologue_gate_launches`. With ``full``, every launch of
-    :func:`linear_launches` on the first aligned config of each kernel offered to it."""
-    cases = []
-    for ragged in (False, True):
-        for cfg in gemm_configs_for(cc, ragged=ragged):
-            launches = pointer_gate_launches(cc, cfg, ragged)
-            cases += [pointer_case(cfg, v, gated=not ragged) for v in launches]
-            cases += [pointer_case(cfg, v, gated=not ragged) for v in prologue_gate_launches(cc, cfg, ragged)]
-    if full:
-        cases += [
-            pointer_case(gemm_configs_for(cc, activation=v.act, prologue=v.a_act)[0], v)
-            for v in linear_launches()
-            if v not in gate_launches()
-        ]
-    cases += split_k_cases(cc)
-    if cc >= 89:
-        cases += _fp8_gemm_cases(cc)
-        cases += _fp8_emit_cases(cc)
-    if cc >= 90:
-        cases += blockwise_cases(cc)
-        configs = gemm_configs_for(cc, tma=True)
-        for cfg in configs:
-            cases += [tma_case(cfg, v) for v in (*gate_launches(), TMA_WGRAD_INTO, *TMA_STORE_GATE_LAUNCHES)]
-        # the other layout once: it changes the loads, not the epilogue
-        heavy = FORWARD_HEAVIEST[0]
-        cases.append(tma_case(configs[0], dataclasses.replace(heavy, layout="TN")))
-        # a ragged output (scalar stores of C and the pre-activation): every config offered
-        # to GELU there (gemm_configs.prune_configs drops the 128x256 tiles that spill), on
-        # tkern.linear's forwards (half outputs; TMA_RAGGED_GATE_LAUNCHES says why not fp32)
-        for cfg in gemm_configs_for(cc, tma=True, ragged=True, activation=heavy.act):  # GELU
-            cases += [tma_case(cfg, v) for v in TMA_RAGGED_GATE_LAUNCHES]
-        if full:
-            cases += [tma_case(configs[0], v) for v in linear_launches() if v not in gate_launches()]
+def _gemm_cases(cc, level: str) -> list[Case]:
+    """Every GEMM family tkern's public API launches on target ``cc``, at ``level``
+    (:func:`aot_targets.depth`; the launches and configs: aot_gemm_sweep): the pointer
+    kernel aligned and ragged (with the backward prologue and the dgrad epilogue), split-K,
+    fp8 where the target's tensor cores take OCP e4m3 (:func:`fp8_planned`: scaled_mm, its
+    emitting epilogue), the TMA kernels where it has TMA (the 16-bit GEMM, the blockwise fp8
+    GEMM), the MX GEMM where it has native MX MMA."""
+    cases = pointer_cases(cc, level) + split_k_cases(cc, level)
+    if fp8_planned(cc):
+        cases += _fp8_gemm_cases(cc, level) + _fp8_emit_cases(cc, level)
+    if spec_of(cc).tma:  # sm_120's TMA with its 99 KB: whatever the TMA autotuner offers there
+        cases += blockwise_cases(cc, level) + tma_cases(cc, level)
+    if spec_of(cc).mx:
+        cases += mx_gemm_cases()
     return cases
+
+
+def fp8_planned(cc) -> bool:
+    """Whether tkern plans fp8 GEMMs on target ``cc``: its tensor cores take the OCP e4m3
+    tkern casts to (``float8.fp8_refusal`` says why not: none before sm_89, FNUZ on gfx942)."""
+    import torch
+
+    from tkern.kernels.float8 import fp8_refusal
+
+    return fp8_refusal(spec_of(cc), "scaled_mm", (torch.float8_e4m3fn,)) is None
 
 
 # --------------------------------------------------------------------------- cross-entropy (issue 28)
@@ -481,18 +526,27 @@ def cross_entropy_cases() -> list[Case]:
                 aligned=tuple(k for k in sig if k.endswith("_ptr")),
                 num_warps=ce.num_warps(block),
                 num_stages=ce.NUM_STAGES,
+                light=light_dtype(grad) or not on & {"HAS_WEIGHT", "SMOOTHING"},  # elsewhere: every option on
             )
         )
     return cases
 
 
-def all_cases(cc: int, full: bool = True) -> list[Case]:
-    """Every case for target ``cc``; ``full=False``: the compile gate's
-    representative set (every dtype of every kernel; the plainest, the
-    heaviest and the newest flag combinations of the update kernels; every
-    config each GEMM autotuner offers, aligned and ragged, on the most
-    register-hungry launches of tkern.linear (:func:`gate_launches`); every
-    other launch only in the full report)."""
-    cases = _update_cases("sgd", full) + _update_cases("adam", full) + _stats_cases() + _activation_cases()
-    cases += cross_entropy_cases() + _swiglu_cases()
-    return cases + _norm_cases(full) + _scale_cases() + _gemm_cases(cc, full)
+def all_cases(cc, full: bool = True) -> list[Case]:
+    """Every case for target ``cc``; ``full=False``: the compile gate's set at the target's
+    :func:`aot_targets.depth`: where it compiles every config, every config each GEMM
+    autotuner offers on its heaviest launches (aot_gemm_sweep) and every launch on the first;
+    elsewhere (and under Triton 3.6) each GEMM launch on the first config offered to it. The
+    other kernels: every variant where :func:`aot_targets.every_variant` (every dtype, the
+    plainest, the heaviest and the newest flags of the update kernels), else their heaviest
+    (the cases not marked ``light``)."""
+    level = depth(cc, full)
+    cases = _update_cases("sgd", full, cc) + _update_cases("adam", full, cc)
+    cases += _stats_cases() + _activation_cases()
+    cases += cross_entropy_cases() + _swiglu_cases() + rotary_cases() + _norm_cases(full) + _scale_cases()
+    if fp8_planned(cc):
+        cases += fp8_cast_cases() + mx_cast_cases()
+    if level != REPORT and not every_variant(cc):
+        cases = [c for c in cases if not c.light]
+    cases += _gemm_cases(cc, level)
+    return list({c.name: c for c in cases}.values())  # a launch reached twice compiles once

@@ -7,7 +7,7 @@ fp8 outputs).
 from __future__ import annotations
 
 from aot_gemm_cases import POINTER_KERNEL, _gemm_case, _gemm_sig, gemm_configs_for
-from aot_targets import Case, _ptr, _tl, _tl_fp8, cfg_name, offered_configs
+from aot_targets import REPORT, Case, _ptr, _tl, _tl_fp8, cfg_name, launch_configs, offered_configs
 
 #: The fp8 GEMMs Float8Linear launches (issue 43), as (name, a format, b format, scale
 #: kind (1 tensor, 3 block), bias, ``C +=``, PRECISE_ACC, the epilogue's activation (None,
@@ -32,28 +32,60 @@ FP8_GEMM_LAUNCHES = (
 #: outside a fused optimizer, blockwise dgrad), are not compiled apart: tests/
 #: test_float8_passes.py checks that every scaled_mm launch of the recipes is one of these
 #: or a lighter epilogue of one.)
+#: Of those, the ones that set a config's spill bound (aot_gemm_sweep: every offered config
+#: where the gate compiles every config; the others on the first): the forward with per-tensor
+#: scales (the only one offered the 128-value tiles), with block scales, with tanh-GELU and its
+#: pre-activation, the block-scaled wgrad. Measured (triton 3.9): on every config offered to
+#: both, the promoted dgrad and wgrad with per-tensor scales need fewer registers than the
+#: tanh-GELU forward (sm_90 182 vs 235-246, sm_100 89-156 vs 166-238), erf GELU's too.
+FP8_HEAVIEST = tuple(FP8_GEMM_LAUNCHES[i] for i in (0, 3, 4, 5))
 
 
-def fp8_configs_for(cc: int, scale: int, precise: bool, activation: str | None = None) -> list:
+def fp8_configs_for(
+    cc: int, scale: int, precise: bool, activation: str | None = None, emit_delayed: bool = False
+) -> list:
     """The configs scaled_mm's autotuner offers on ``cc`` to a launch with this scale kind
-    (1 tensor, 3 block), accumulation and epilogue activation."""
+    (1 tensor, 3 block), accumulation and epilogue activation; ``emit_delayed``: the emitting
+    epilogue's delayed cast (:data:`FP8_EMIT_LAUNCHES`)."""
     from tkern.kernels.activation import ACTIVATIONS
 
     return gemm_configs_for(
         cc, activation=ACTIVATIONS[activation], fp8=True, two_accumulators=precise or scale == 3,
-        block_scales=scale == 3,
+        block_scales=scale == 3, emit_delayed=emit_delayed,
     )  # fmt: skip
 
 
-def _fp8_gemm_cases(cc: int) -> list[Case]:
-    """scaled_mm (sm_89 and newer): every config offered (:func:`fp8_configs_for`) to
-    each of :data:`FP8_GEMM_LAUNCHES`."""
+def emit_configs_for(cc: int, scaling: str) -> list:
+    """The configs scaled_mm(emit_fp8=...)'s autotuner offers on ``cc`` to a forward with
+    tanh-GELU emitting with ``scaling`` ("delayed" or "tensorwise")."""
+    return fp8_configs_for(cc, 1, False, "gelu_tanh", emit_delayed=scaling == "delayed")
+
+
+def fp8_case_name(cfg, launch: tuple) -> str:
+    """The gate's name of scaled_mm's case for ``cfg`` and one of :data:`FP8_GEMM_LAUNCHES`."""
+    role, a_dtype, b_dtype, scale, bias, into, precise, activation = launch
+    epi = ",".join(
+        [{1: "tensor", 3: "block"}[scale] + " scales"]
+        + (["bias"] if bias else [])
+        + ["precise" if precise else "fast"]
+        + (["C+="] if into else [])
+        + ([activation, "preact"] if activation else [])
+    )
+    return f"scaled_mm[{cfg_name(cfg.kwargs, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{role},{epi}]"
+
+
+def _fp8_gemm_cases(cc, level: str = REPORT) -> list[Case]:
+    """scaled_mm (sm_89 and newer): the configs offered (:func:`fp8_configs_for`) to each of
+    :data:`FP8_GEMM_LAUNCHES` at ``level`` (every one in the report; :data:`FP8_HEAVIEST`
+    on every config and the others on the first where the gate compiles every config)."""
     tl = _tl()
     cases = []
     from tkern.kernels.activation import ACTIVATIONS
 
-    for role, a_dtype, b_dtype, scale, bias, into, precise, activation in FP8_GEMM_LAUNCHES:
-        for cfg in fp8_configs_for(cc, scale, precise, activation):
+    for launch in FP8_GEMM_LAUNCHES:
+        role, a_dtype, b_dtype, scale, bias, into, precise, activation = launch
+        configs = fp8_configs_for(cc, scale, precise, activation)
+        for cfg in launch_configs(configs, level, launch in FP8_HEAVIEST):
             kw = cfg.kwargs
             sig = _gemm_sig("fp16", "bf16", "bf16", False)
             sig.update(a_ptr=_ptr(a_dtype), b_ptr=_ptr(b_dtype))
@@ -72,15 +104,8 @@ def _fp8_gemm_cases(cc: int) -> list[Case]:
             for k in const:
                 sig[k] = "constexpr"
             aligned = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "M", "N", "K", *strided, "stride_cm")
-            epi = ",".join(
-                [{1: "tensor", 3: "block"}[scale] + " scales"]
-                + (["bias"] if bias else [])
-                + ["precise" if precise else "fast"]
-                + (["C+="] if into else [])
-                + ([activation, "preact"] if activation else [])
-            )
-            name = f"scaled_mm[{cfg_name(kw, cfg)},{a_dtype}x{b_dtype}->bf16,NT,{role},{epi}]"
-            # gated=False: their own tests in test_compiled.py (the fp8 facts)
+            # gated=False: their own tests in test_compiled_fp8.py (the fp8 facts)
+            name = fp8_case_name(cfg, launch)
             cases.append(_gemm_case(name, POINTER_KERNEL, cfg, sig, const, aligned, gated=False))
     return cases
 
@@ -93,7 +118,7 @@ EMIT_KERNEL = "tkern.kernels.gemm:_matmul_emit_kernel"
 FP8_EMIT_LAUNCHES = (("delayed", True), ("delayed", False), ("tensorwise", True))
 
 
-def _fp8_emit_cases(cc: int) -> list[Case]:
+def _fp8_emit_cases(cc, level: str = REPORT) -> list[Case]:
     """The emitting entry kernel (``gemm._matmul_emit_kernel``: ``_matmul_kernel``'s program
     body, the emitting epilogue) on every config scaled_mm's autotuner offers to a forward
     with gelu_tanh (:func:`fp8_configs_for`), for each of :data:`FP8_EMIT_LAUNCHES`: named
@@ -109,7 +134,9 @@ def _fp8_emit_cases(cc: int) -> list[Case]:
     const8["DTYPE8"] = const8.pop("DTYPE")
     for scaling, store_t in FP8_EMIT_LAUNCHES:
         delayed = scaling == "delayed"
-        for cfg in fp8_configs_for(cc, 1, False, "gelu_tanh"):
+        # C^T's cast beside C's: the heavier epilogue (delayed 141-182 registers vs 100-176
+        # without C^T on sm_90, triton 3.9); the tensorwise emit has configs of its own
+        for cfg in launch_configs(emit_configs_for(cc, scaling), level, store_t):
             kw = cfg.kwargs
             sig = {
                 k: v
@@ -155,23 +182,26 @@ BLOCKWISE_LAUNCHES = (
 )
 
 
-def blockwise_configs_for(cc: int, column_scales: bool) -> list:
+def blockwise_configs_for(cc: int, column_scales: bool, accumulate: bool = False) -> list:
     """The configs the blockwise kernel's autotuner offers on ``cc`` (its pruning counts
-    fp8 tiles at one byte an element)."""
+    fp8 tiles at one byte an element, and C's old tile with ``C +=``)."""
     from tkern.kernels import gemm_configs
 
-    return offered_configs(gemm_configs.blockwise_configs(column_scales), cc, tma=True, elem_bytes=1)
+    table = gemm_configs.blockwise_configs(column_scales)
+    rules = dict(tma=True, elem_bytes=1, column_scales=column_scales, accumulate=accumulate)
+    return offered_configs(table, cc, **rules)
 
 
-def blockwise_cases(cc: int) -> list[Case]:
+def blockwise_cases(cc, level: str = REPORT) -> list[Case]:
     """The blockwise kernel (sm_90 and newer: tensor descriptors) on every config offered
     to each of :data:`BLOCKWISE_LAUNCHES`, C stored through a descriptor (bf16, aligned rows)."""
     from tkern.kernels.gemm_epilogue import epilogue_parts
 
     tl = _tl()
     cases = []
-    for role, scale_bn, bias, into, strides in BLOCKWISE_LAUNCHES:
-        for cfg in blockwise_configs_for(cc, scale_bn == 1):
+    for launch in BLOCKWISE_LAUNCHES:  # each its own configs' heaviest
+        role, scale_bn, bias, into, strides = launch
+        for cfg in launch_configs(blockwise_configs_for(cc, scale_bn == 1, into), level, True):
             kw = cfg.kwargs
             bm, bn, bk = kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"]
             width = bn // epilogue_parts(kw["EPI_SPLIT"], 0, into)
@@ -198,7 +228,7 @@ def blockwise_cases(cc: int) -> list[Case]:
                 (["bias"] if bias else []) + (["C+="] if into else []) + [f"B scales 128x{scale_bn}"]
             )
             name = f"blockwise_mm[{cfg_name(kw, cfg)},fp8e4nvxfp8e4nv->bf16,{role},{epi}]"
-            # gated=False: their own tests in test_compiled.py (the blockwise facts)
+            # gated=False: their own tests in test_compiled_fp8.py (the blockwise facts)
             cases.append(_gemm_case(name, BLOCKWISE_KERNEL, cfg, sig, const, aligned, gated=False))
     return cases
 
@@ -210,7 +240,9 @@ def fp8_cast_cases() -> list[Case]:
     (DeepSeek-V3's 1x128 tiles and 128x128 blocks, the weight's writing W^T too) and the
     history roll, from bf16 to e4m3 and e5m2. Compiled for sm_89 and newer, where the fp8
     casts are instructions; they are not part of the streaming family's checks (2-D tiles
-    at any strides)."""
+    at any strides). Where fp8 is planned the gate compiles them, e5m2's on the targets it
+    compiles every config on (``light``: the same code with e5m2's constants) and elsewhere
+    e4m3's heaviest of each kernel (the delayed casts, the blocks writing W^T)."""
     import torch
     import triton
 
@@ -241,9 +273,9 @@ def fp8_cast_cases() -> list[Case]:
             const.update(**const8, TM=f8.CAST_TM, TK=f8.CAST_TK, PBLOCK=1024, HBLOCK=16, stride_xk=1)
             sig.update(dict.fromkeys(const, "constexpr"))
             aligned = ("x_ptr", "data_ptr", "data_t_ptr", "colsum_ptr", "M", "K", "stride_xm")
-            cases.append(
-                Case(f"float8 cast[bf16->{tag},{label}]", "fp8cast", kernel, sig, const, aligned, warps)
-            )
+            light = tag == "e5m2" or "DELAYED" not in on  # elsewhere: e4m3's delayed casts
+            cases.append(Case(f"float8 cast[bf16->{tag},{label}]", "fp8cast", kernel, sig, const, aligned,
+                              warps, light=light))  # fmt: skip
         for bm, bk, store_t in ((1, 128, False), (128, 128, True), (1, 4096, False)):  # tiles, W blocks, rows
             sig = {"x_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32",
                    "data_ptr": "*" + _tl_fp8(dtype), "data_t_ptr": "*" + _tl_fp8(dtype), "scale_ptr": "*fp32",
@@ -256,8 +288,19 @@ def fp8_cast_cases() -> list[Case]:
             label = f"{bm}x{bk}" + (",+T" if store_t else "")
             cases.append(Case(f"to_float8 blocks[bf16->{tag},{label}]", "fp8cast",
                               "tkern.kernels.float8:_cast_blocks_kernel", sig, const,
-                              ("x_ptr", "data_ptr", "data_t_ptr", "K", "M", "stride_xm"), warps))  # fmt: skip
-    # the blockwise recipe's x / dY cast: 1x128 tiles of x and of x^T (wgrad's), dY's with dbias
+                              ("x_ptr", "data_ptr", "data_t_ptr", "K", "M", "stride_xm"), warps,
+                              light=tag == "e5m2" or not store_t))  # fmt: skip
+    return cases + _tile_cast_cases() + _norm_fp8_cases()
+
+
+def _tile_cast_cases() -> list[Case]:
+    """The blockwise recipe's x / dY cast (1x128 tiles of x and of x^T, wgrad's; dY's with
+    dbias: the heaviest, compiled everywhere fp8 is planned) and the history roll."""
+    import torch
+
+    from tkern.kernels import float8 as f8
+
+    cases = []
     const8 = f8.fp8_constants(torch.float8_e4m3fn)
     for label, store_t, col_sum in (
         ("x", False, False),
@@ -274,12 +317,12 @@ def fp8_cast_cases() -> list[Case]:
         cases.append(Case(f"float8 tiles[bf16->e4m3,1x128,{label}]", "fp8cast",
                           "tkern.kernels.float8:_cast_tiles_kernel", sig, const,
                           ("x_ptr", "data_ptr", "data_t_ptr", "partial_sum_ptr", "M", "K", "stride_xm"),
-                          f8.CAST_TILES_WARPS))  # fmt: skip
+                          f8.CAST_TILES_WARPS, light=not col_sum))  # fmt: skip
     sig = {"history_ptr": "*fp32", "H": "i32", "partials_ptr": "*fp32", "count": "i32",
            "HBLOCK": "constexpr", "PBLOCK": "constexpr"}  # fmt: skip
     cases.append(Case("to_float8 roll history", "fp8cast", "tkern.kernels.float8:_roll_history_kernel", sig,
                       {"HBLOCK": 16, "PBLOCK": 1024}, (), 4))  # fmt: skip
-    return cases + _norm_fp8_cases()
+    return cases
 
 
 def _norm_fp8_cases() -> list[Case]:
@@ -336,6 +379,52 @@ def _norm_fp8_cases() -> list[Case]:
                         const,
                         aligned,
                         norm.num_warps(block),
+                        light=not delayed or rms,  # elsewhere: LayerNorm's delayed cast (y^T, the rolls)
                     )  # fmt: skip
                 )
     return cases
+
+
+MX_KERNEL = "tkern.kernels.gemm_mx:_scaled_mm_mx_kernel"
+
+
+def mx_gemm_cases() -> list[Case]:
+    """The MX GEMM (``tl.dot_scaled`` on e4m3 with e8m0 block scales, gemm_mx.py) on every
+    config its autotuner offers (``mx_configs``), as the mxfp8 recipe's forward launches it:
+    the bias in the epilogue, bf16 out. Planned where the target multiplies MX natively
+    (``spec.mx``: sm_100, gfx950); tests/test_compiled_mx.py holds it to the native
+    block-scaled MMA."""
+    from tkern.kernels import gemm_mx
+
+    tl = _tl()
+    fn = gemm_mx._scaled_mm_mx_kernel.fn
+    cases = []
+    for cfg in gemm_mx.mx_configs():
+        sig = dict(a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*bf16", bias_ptr="*bf16", preact_ptr="*bf16",
+                   scale_a_ptr="*u8", scale_b_ptr="*u8")  # fmt: skip
+        sig.update({a: "i32" for a in fn.arg_names if a in ("M", "N", "K") or a.startswith("stride_")})
+        const = dict(A_FMT="e4m3", B_FMT="e4m3", HAS_BIAS=True, ACTIVATION=0, STORE_PREACT=False,
+                     OUT_DTYPE=tl.bfloat16, PREACT_DTYPE=tl.bfloat16, **cfg.kwargs)  # fmt: skip
+        sig.update(dict.fromkeys(const, "constexpr"))
+        name = f"mx_mm[{cfg_name(cfg.kwargs, cfg)},e4m3xe4m3->bf16,NT,forward,e8m0 scales,bias]"
+        aligned = [a for a in sig if a.endswith("_ptr")]  # torch's allocations
+        cases.append(_gemm_case(name, MX_KERNEL, cfg, sig, const, aligned, gated=False))
+    return cases
+
+
+def mx_cast_cases() -> list[Case]:
+    """The MX cast (mx.py, ``_to_mx_kernel``) as the mxfp8 recipe launches it for a weight:
+    bf16 to e4m3 with RCEIL scales (the longer arithmetic), the one-pass pair (blocks along
+    C and along R, ``ALONG_R``) on the launcher's tile. Compiled where fp8 is planned."""
+    from tkern.kernels import mx
+
+    tl = _tl()
+    fn = mx._to_mx_kernel
+    sig = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "data_r_ptr": "*u8", "scale_r_ptr": "*u8"}
+    sig.update({a: "i32" for a in fn.arg_names if a in ("R", "C") or (a.startswith("s") and a not in sig)})
+    const = dict(MODE=1, FP8_MAX=448.0, MAX_POW2=8, DTYPE=tl.float8e4nv, BLOCK=32, TR=mx.TILE_R,
+                 TC=mx.TILE_C, ALONG_R=True)  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    aligned = ("x_ptr", "data_ptr", "scale_ptr", "data_r_ptr", "scale_r_ptr")
+    return [Case("mx cast[bf16->e4m3,RCEIL,along C and R]", "fp8cast", "tkern.kernels.mx:_to_mx_kernel",
+                 sig, const, aligned, 4)]  # fmt: skip

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from aot_targets import _TL_NAME, Case, _kernel_fn, _order, _ptr, _tl, cfg_name, offered_configs
+from aot_targets import (
+    _TL_NAME,
+    REPORT,
+    Case,
+    _kernel_fn,
+    _order,
+    _ptr,
+    _tl,
+    cfg_name,
+    launch_configs,
+    offered_configs,
+)
 
 
 def _gemm_sig(dtype, out, bias_dtype, preact, tma=None, sum_dtype=None):
@@ -46,6 +57,11 @@ def gemm_configs_for(
     fp8: bool = False,
     two_accumulators: bool = False,
     block_scales: bool = False,
+    emit_delayed: bool = False,
+    sum_a: bool = False,
+    accumulate: bool = False,
+    store_preact: bool = False,
+    out_bytes: int = 2,
 ) -> list:
     """The configs tkern's autotuner offers on target ``cc`` (after its own pruning),
     for launches whose epilogue applies ``activation`` (an ACTIVATIONS code), with
@@ -64,9 +80,12 @@ def gemm_configs_for(
             elem_bytes=1,
             two_accumulators=two_accumulators,
             block_scales=block_scales,
+            emit_delayed=emit_delayed,
         )
     configs = gemm_configs.tma_configs() if tma else gemm_configs.gemm_configs()
-    return offered_configs(configs, cc, tma=tma, ragged=ragged, activation=activation, prologue=prologue)
+    rules = dict(tma=tma, ragged=ragged, activation=activation, prologue=prologue, sum_a=sum_a)
+    rules.update(accumulate=accumulate, store_preact=store_preact, out_bytes=out_bytes)
+    return offered_configs(configs, cc, **rules)
 
 
 def activation_names() -> dict[int, str]:
@@ -106,6 +125,9 @@ class GemmLaunch:
     sum_a: str | None = None
     # the epilogue adds the product to C (``ACCUMULATE``: the wgrad into a flat gradient buffer)
     accumulate: bool = False
+    # the epilogue multiplies the product by act'(Z), Z read at preact_ptr (``GRAD_ACT``: the
+    # dgrad of an MLP's second layer writing dZ, ops/mlp.py)
+    grad_act: int = 0
 
     @property
     def label(self) -> str:
@@ -113,7 +135,8 @@ class GemmLaunch:
         epi += "+preact" if self.preact else ""
         bias = f",{self.bias} bias" if self.bias and self.bias != self.dtype else ""
         label = f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
-        return label + self.prologue_label + (",C+=" if self.accumulate else "")
+        grad = f",dZ=dY*{activation_names()[self.grad_act]}'(Z)" if self.grad_act else ""
+        return label + self.prologue_label + (",C+=" if self.accumulate else "") + grad
 
     @property
     def prologue_label(self) -> str:
@@ -167,20 +190,19 @@ def backward_prologue_launches() -> list[GemmLaunch]:
     return dgrad + wgrad
 
 
-#: The launches the compile gate compiles for every offered config: the most
-#: register-hungry of :func:`linear_launches`, so a config that does not spill on
-#: them does not spill on the lighter ones. Measured (triton 3.9, every offered
-#: config, sm_90 and sm_80): GELU with the pre-activation saved needs the most
-#: registers next to the accumulator, but which output and bias cost most depends
-#: on the tile: without a bias, bf16 out reaches 255 registers on sm_90's large
-#: tiles (197 with a bias), fp32 out needs up to 30 more than a half one elsewhere,
-#: a bias adds up to 32 on 128x64 tiles; so the forward is compiled four ways (bf16
-#: or fp32 out, with or without a bias), for every activation computed with exp/erf
-#: (GELU here; :func:`gate_launches` adds SiLU and tanh-GELU the same four ways: their
-#: temporaries differ from erf's, so none stands for the others). On aligned operands
-#: the backward GEMMs (plain epilogue) stay below the forward; on ragged operands the
-#: scalar loads dominate and dgrad (NN) or wgrad (TN) is the heaviest (up to 255
-#: registers), so those get both too.
+#: The forwards that set a pointer-kernel config's spill bound (aot_gemm_sweep: compiled
+#: on every offered config where the gate compiles every config): GELU with the
+#: pre-activation saved needs the most registers next to the accumulator, but which output
+#: and bias cost most depends on the tile: without a bias, bf16 out reaches 255 registers on
+#: sm_90's large tiles (197 with a bias), fp32 out needs up to 30 more than a half one
+#: elsewhere, a bias adds up to 32 on 128x64 tiles; so the forward is compiled four ways
+#: (bf16 or fp32 out, with or without a bias). With GELU (ReLU where GELU's tile rule prunes
+#: the config) these four reach within 2 registers of the most that any activation needs on
+#: every offered config (triton 3.9: sm_90 126-128 for SiLU and tanh-GELU vs 128-164 for GELU
+#: on 128x128x64/s3w8; sm_100 98-134 vs ReLU's 214-234 on 128x256x64), so SiLU and tanh-GELU
+#: are compiled on the first config (aot_gemm_sweep.pointer_others). On ragged operands
+#: the scalar loads dominate and dgrad (NN) or wgrad (TN) is the heaviest (up to 255
+#: registers), so those get both too (:data:`BACKWARD`).
 FORWARD_HEAVIEST = (
     GemmLaunch("bf16", "bf16", "bf16", 2, True, "NT"),
     GemmLaunch("bf16", "bf16", None, 2, True, "NT"),
@@ -202,23 +224,26 @@ TMA_WGRAD_INTO = GemmLaunch("bf16", "bf16", layout="TN", accumulate=True)
 
 #: The TMA kernel's forwards with the TMA-store epilogue (no pre-activation stored: an
 #: inference forward, a GELU whose gradient is not needed, tkern.matmul): the heaviest
-#: epilogues, bias + GELU in bf16 and into fp32, for every config offered.
+#: epilogues, bias + GELU in bf16 and into fp32.
 TMA_STORE_GATE_LAUNCHES = (
     GemmLaunch("bf16", "bf16", "bf16", 2, False, "NT"),
     GemmLaunch("fp16", "fp32", "fp32", 2, False, "NT"),
 )
-
-
-def offered_launch(v: GemmLaunch, offered: bool) -> GemmLaunch:
-    """``v`` if its config is ``offered`` to ``v``'s activation, else the heaviest
-    launch like ``v`` that the config is still offered to (pruned for an activation
-    computed with exp/erf: gemm_configs.ACT_MAX_ACC): ReLU in its place."""
-    return v if offered or v.act not in transcendental() else dataclasses.replace(v, act=1)
+#: The dgrad epilogue's act' (``GRAD_ACT``, ops/mlp.py: ``dZ = (dY @ W2) * act'(Z)``, the
+#: dgrad of an MLP's second layer writing dZ over the stored pre-activation), heaviest first:
+#: erf GELU (the most registers), tanh-GELU (GPT-2's), and tanh-GELU with W read
+#: column-major (Conv1D's (in, out) weight read transposed in place: "NT").
+DGRAD_EPILOGUE_LAUNCHES = (
+    GemmLaunch("bf16", "bf16", layout="NN", grad_act=2),
+    GemmLaunch("bf16", "bf16", layout="NN", grad_act=4),
+    GemmLaunch("bf16", "bf16", layout="NT", grad_act=4),
+)
 
 
 def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
-    """What the compile gate compiles each offered config for (see :data:`FORWARD_HEAVIEST`):
-    the heaviest forwards for every activation computed with exp/erf."""
+    """The forwards the gate compiles (:data:`FORWARD_HEAVIEST` with every activation
+    computed with exp/erf) and on ragged operands the plain backward GEMMs: the launches of
+    :func:`linear_launches` that the full report does not add on their own."""
     forward = tuple(
         dataclasses.replace(v, act=act) for act in sorted(transcendental()) for v in FORWARD_HEAVIEST
     )
@@ -226,45 +251,16 @@ def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
     return tuple(dataclasses.replace(v, ragged=ragged) for v in launches)
 
 
-def pointer_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunch]:
-    """:func:`gate_launches` as the pointer kernel's autotuner offers ``cfg`` to them on
-    target ``cc``: each launch whose activation prunes ``cfg`` replaced by
-    :func:`offered_launch`'s (duplicates dropped)."""
-    name = cfg_name(cfg.kwargs, cfg)
-    out = []
-    for v in gate_launches(ragged):
-        offered = {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, activation=v.act)}
-        out.append(offered_launch(v, name in offered))
-    return list(dict.fromkeys(out))
-
-
-def prologue_gate_launches(cc: int, cfg, ragged: bool = False) -> list[GemmLaunch]:
-    """The backward GEMMs with an operand prologue (gemm.matmul_backward) the gate
-    compiles ``cfg`` for on target ``cc``, the heaviest of each kind it is offered
-    to: wgrad summing a stored dZ (no prologue: offered every config); dgrad storing
-    dZ and wgrad summing dbias with ReLU's gradient (a select) and GELU's (erf and
-    exp, the most registers), where gemm_configs' prologue rules offer ``cfg``."""
-    name = cfg_name(cfg.kwargs, cfg)
-    wgrad = GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, sum_a="fp32")
-    launches = [wgrad, dataclasses.replace(wgrad, accumulate=True)]
-    for act in (1, 2):
-        if name in {cfg_name(c.kwargs, c) for c in gemm_configs_for(cc, ragged=ragged, prologue=act)}:
-            wgrad = GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, a_act=act, sum_a="bf16")
-            launches += [
-                GemmLaunch("bf16", "bf16", layout="NN", ragged=ragged, a_act=act, store_a=True),
-                wgrad,
-                dataclasses.replace(wgrad, accumulate=True),
-            ]
-    return launches
-
-
 def _gemm_case(name, kernel, cfg, sig, const, aligned, gated=True) -> Case:
     """A GEMM's case; the kernel's constexpr flags with a default that ``const`` does not
-    name (a newer epilogue's, e.g. GRAD_ACT, off) stand at their defaults."""
+    name (a newer epilogue's, e.g. GRAD_ACT, off) stand at their defaults; the config's
+    keywords that are no argument of the kernel (AMD's ``waves_per_eu``, ...) are compile
+    options, as Triton's launcher passes them."""
     fn = _kernel_fn(kernel)
     defaults = {
         p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in sig
     }
+    options = {k: v for k, v in cfg.kwargs.items() if k not in fn.arg_names}
     return Case(
         name=name,
         family="gemm",
@@ -275,6 +271,7 @@ def _gemm_case(name, kernel, cfg, sig, const, aligned, gated=True) -> Case:
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         gated=gated,
+        options=options,
     )
 
 
@@ -289,7 +286,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
         A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
-        PRECISE_ACC=False,
+        PRECISE_ACC=False, GRAD_ACT=v.grad_act,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -321,11 +318,12 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
     )
     # the TMA-store epilogue where the launcher takes it: C row-major with aligned rows
     # (not ragged) and no pre-activation stored beside it (gemm_tma.launch_tma)
-    c_tma = not v.preact and not v.ragged
+    c_tma = not v.preact and not v.ragged and not v.grad_act
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
-        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma, **kw,
+        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma,
+        GRAD_ACT=v.grad_act, **kw,
     )  # fmt: skip
     if c_tma:
         from tkern.kernels.gemm_epilogue import epilogue_parts
@@ -343,38 +341,32 @@ SPLIT_K_KERNEL = "tkern.kernels.gemm_split:_matmul_split_k_kernel"
 SPLIT_K_REDUCE = "tkern.kernels.gemm_split:_split_k_reduce_kernel"
 
 
-def split_k_cases(cc: int) -> list[Case]:
+def split_k_cases(cc, level: str = REPORT) -> list[Case]:
     """Split-K (gemm_split.py) as tkern.linear's wgrad launches it (``dZ^T @ X``: A read
-    transposed, "TN"), with and without dbias summed per K range, for every config its
-    autotuner offers on ``cc``; and its reduction pass into a half C (written, or added
-    into a flat gradient buffer with the row sums) and into fp32."""
+    transposed, "TN"), summing dbias per K range in bf16 (the heavier: every config its
+    autotuner offers on ``cc`` at ``level``, :func:`aot_targets.sweep`) and plain in fp16
+    (the first config); and its reduction pass into a half C (written, or added into a flat
+    gradient buffer with the row sums) and into fp32."""
     from tkern.kernels import gemm_configs, gemm_split
 
     tl = _tl()
     cases = []
-    for cfg in offered_configs(gemm_configs.split_k_configs(), cc):
+    table = gemm_configs.split_k_configs()
+    pairs = [
+        (cfg, ("bf16", True)) for cfg in launch_configs(offered_configs(table, cc, sum_a=True), level, True)
+    ]
+    pairs += [(cfg, ("fp16", False)) for cfg in launch_configs(offered_configs(table, cc), level, False)]
+    for cfg, (dtype, sum_a) in pairs:
         kw = cfg.kwargs
-        for dtype, sum_a in (("bf16", True), ("fp16", False)):
-            sig = dict(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype), ws_ptr="*fp32", sums_ptr="*fp32",
-                       M="i32", N="i32", K="i32", K_CHUNK="i32", stride_am="constexpr", stride_ak="i32",
-                       stride_bk="i32", stride_bn="constexpr")  # fmt: skip
-            const = dict(stride_am=1, stride_bn=1, UPCAST=False, A_T=True, B_T=False, SUM_A=sum_a,
-                         EVEN_K=True, **kw)  # fmt: skip
-            sig.update({k: "constexpr" for k in const})
-            aligned = (
-                "a_ptr",
-                "b_ptr",
-                "ws_ptr",
-                "sums_ptr",
-                "M",
-                "N",
-                "K",
-                "K_CHUNK",
-                "stride_ak",
-                "stride_bk",
-            )
-            name = f"matmul_split_k[{cfg_name(kw, cfg)},{dtype},TN{',A sum' if sum_a else ''}]"
-            cases.append(_gemm_case(name, SPLIT_K_KERNEL, cfg, sig, const, aligned))
+        sig = dict(a_ptr=_ptr(dtype), b_ptr=_ptr(dtype), ws_ptr="*fp32", sums_ptr="*fp32",
+                   M="i32", N="i32", K="i32", K_CHUNK="i32", stride_am="constexpr", stride_ak="i32",
+                   stride_bk="i32", stride_bn="constexpr")  # fmt: skip
+        const = dict(stride_am=1, stride_bn=1, UPCAST=False, A_T=True, B_T=False, SUM_A=sum_a,
+                     EVEN_K=True, **kw)  # fmt: skip
+        sig.update({k: "constexpr" for k in const})
+        aligned = ("a_ptr", "b_ptr", "ws_ptr", "sums_ptr", "M", "N", "K", "K_CHUNK", "stride_ak", "stride_bk")
+        name = f"matmul_split_k[{cfg_name(kw, cfg)},{dtype},TN{',A sum' if sum_a else ''}]"
+        cases.append(_gemm_case(name, SPLIT_K_KERNEL, cfg, sig, const, aligned))
     for out, accumulate, sum_a in (("bf16", False, False), ("bf16", True, True), ("fp32", False, False)):
         sig = dict(ws_ptr="*fp32", c_ptr=_ptr(out), sums_ptr="*fp32", a_sum_ptr="*fp32", SPLITS="i32",
                    M="i32", N="i32", stride_cm="i32", stride_cn="constexpr")  # fmt: skip

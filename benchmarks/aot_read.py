@@ -72,10 +72,67 @@ def ptx_accesses(ptx: str, arg_names: list[str]) -> dict[str, list[int]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def analyse(kernel, case: Case, cc: int, sass: bool = True) -> dict:
-    """The facts of a compiled ``case``; ``sass=False`` skips disassembling the
-    cubin (~0.8 s a GEMM): the SASS counts (``spill_instructions``,
+def _ir_facts(kernel) -> dict:
+    """The facts read from the TTGIR and TTIR, alike for every target."""
+    ttgir, ttir = kernel.asm["ttgir"], kernel.asm.get("ttir", "")
+    return dict(
+        convert_layout=ttgir.count("ttg.convert_layout"),
+        # tt.dot's maxNumImpreciseAcc per dot (scaled_mm's PRECISE_ACC: the K tile; 0: the default)
+        imprecise_acc=[int(v) for v in re.findall(r"maxNumImpreciseAcc = (\d+)", ttir)],
+        # elements of each converted tensor: a streaming kernel may move per-block values (the 8-bit
+        # state's absmax, BLOCK / 256 per program) between layouts, never its element arrays
+        convert_layout_elements=[
+            math.prod(int(d) for d in shape.split("x"))
+            for shape in re.findall(r"ttg\.convert_layout [^:]*: tensor<((?:\d+x)*\d+)x\w+", ttgir)
+        ],
+    )
+
+
+def analyse_amdgcn(kernel, case: Case, cc) -> dict:
+    """The facts of ``case`` compiled for an AMD target, from its AMDGCN and the hsaco's
+    metadata in it: VGPRs (``.vgpr_count``), spills (the scratch a wave uses:
+    ``.private_segment_fixed_size`` and the ``ScratchSize`` comment, and ``.vgpr_spill_count``,
+    4 bytes each; ``.sgpr_spill_count`` apart, as ``sgpr_spills``: LLVM spills SGPRs into
+    VGPR lanes, ``v_writelane``, no memory and no lost VGPR budget unless scratch shows it),
+    LDS (Triton's ``shared`` plus the static
+    ``.group_segment_fixed_size``), MFMA instructions (fp8 ones: ``v_mfma_*f8*`` /
+    ``v_mfma_scale_*``); NVIDIA-only facts (wgmma, cp.async, TMA, PTX access widths) are 0 / empty."""
+    asm = kernel.asm["amdgcn"]
+
+    def meta(key: str) -> int:
+        return max((int(v) for v in re.findall(rf"^\s*\.?{key}:?\s+(\d+)", asm, re.M)), default=0)
+
+    scratch = max(meta("private_segment_fixed_size"), *map(int, re.findall(r"ScratchSize: (\d+)", asm)), 0)
+    spills = meta("vgpr_spill_count")
+    smem = kernel.metadata.shared + meta("group_segment_fixed_size")
+    regs = max((int(v) for v in re.findall(r"; TotalNumVgprs: (\d+)", asm)), default=meta("vgpr_count"))
+    occ, limiter = occupancy(regs, smem, case.num_warps, cc)
+    mfma = re.findall(r"\bv_mfma_\w+", asm)
+    mx_mma = len(re.findall(_MX_MMA_AMD, asm))
+    return dict(
+        regs=regs, spill_bytes=scratch + 4 * spills, stack=scratch, sgpr_spills=meta("sgpr_spill_count"),
+        spill_instructions=None, smem=smem,
+        occupancy_pct=occ, limiter=limiter, wgmma=0, wgmma_waits=[], mma_sync=0, tcgen05=0, mfma=len(mfma),
+        fp8_mma=sum(1 for m in mfma if re.search(r"f8|fp8|bf8|scale", m)), mx_mma=mx_mma, cp_async_16=0,
+        cp_async=0,
+        tma_loads=0, tma_stores=0, sass_instructions=None, global_access_bits={}, **_ir_facts(kernel),
+    )  # fmt: skip
+
+
+#: An MMA on fp8 operands in PTX: e4m3/e5m2 ``mma.sync`` and ``wgmma``, tcgen05's kind::f8f6f4
+_FP8_MMA = r"(?:wgmma\.mma_async|\bmma\.sync)[^;\n]*\.e[45]m[23]|tcgen05\.mma\S*f8f6f4"
+#: A native block-scaled (MX) MMA: sm_100's ``tcgen05.mma ... kind::mxf8f6f4.block_scale`` (as
+#: Triton 3.9 writes it), gfx950's ``v_mfma_scale_*``; an emulated ``tl.dot_scaled`` has neither
+_MX_MMA_PTX = r"tcgen05\.mma[\w.:]*kind::mxf8f6f4\.block_scale"
+_MX_MMA_AMD = r"\bv_mfma_scale_\w+"
+
+
+def analyse(kernel, case: Case, cc, sass: bool = True) -> dict:
+    """The facts of a compiled ``case`` (an AMD target's: :func:`analyse_amdgcn`);
+    ``sass=False`` skips disassembling the cubin (~0.8 s a GEMM): the SASS counts (``spill_instructions``,
     ``sass_instructions``) are then None, every other fact is unchanged."""
+    if "amdgcn" in kernel.asm:
+        return analyse_amdgcn(kernel, case, cc)
     asm = kernel.asm
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -97,8 +154,7 @@ def analyse(kernel, case: Case, cc: int, sass: bool = True) -> dict:
         heads[op.split(".")[0]] += n
     smem = kernel.metadata.shared + static_smem
     occ, limiter = occupancy(regs, smem, case.num_warps, cc)
-    ptx, ttgir = asm["ptx"], asm["ttgir"]
-    ttir = asm.get("ttir", "")
+    ptx = asm["ptx"]
     fn = _kernel_fn(case.kernel)
     nonconst = [a for a in fn.arg_names if case.signature[a] != "constexpr"]
     return dict(
@@ -113,7 +169,11 @@ def analyse(kernel, case: Case, cc: int, sass: bool = True) -> dict:
         # wgmma groups each wait leaves in flight (``wgmma.wait_group N``), in program order
         wgmma_waits=[int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         mma_sync=len(re.findall(r"\bmma\.sync", ptx)),
-        fp8_mma=len(re.findall(r"(?:wgmma\.mma_async|\bmma\.sync)[^;\n]*\.e[45]m[23]", ptx)),
+        tcgen05=len(re.findall(r"\btcgen05\.mma", ptx)),
+        mfma=0,
+        # fp8 operands: e4m3/e5m2 mma.sync and wgmma; tcgen05's kind::f8f6f4 (sm_100)
+        fp8_mma=len(re.findall(_FP8_MMA, ptx)),
+        mx_mma=len(re.findall(_MX_MMA_PTX, ptx)),
         cp_async_16=len(
             re.findall(
                 r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)?\s+\[[^\]]+\],\s*\[[^\]]+\],\s*0x10", ptx
@@ -122,15 +182,7 @@ def analyse(kernel, case: Case, cc: int, sass: bool = True) -> dict:
         cp_async=len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
         tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global", ptx)),
         tma_stores=len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::\w+", ptx)),
-        convert_layout=ttgir.count("ttg.convert_layout"),
-        # tt.dot's maxNumImpreciseAcc per dot (scaled_mm's PRECISE_ACC: the K tile; 0: the default)
-        imprecise_acc=[int(v) for v in re.findall(r"maxNumImpreciseAcc = (\d+)", ttir)],
-        # elements of each converted tensor: a streaming kernel may move per-block values (the 8-bit
-        # state's absmax, BLOCK / 256 per program) between layouts, never its element arrays
-        convert_layout_elements=[
-            math.prod(int(d) for d in shape.split("x"))
-            for shape in re.findall(r"ttg\.convert_layout [^:]*: tensor<((?:\d+x)*\d+)x\w+", ttgir)
-        ],
         sass_instructions=sum(ops.values()) if sass else None,
         global_access_bits=ptx_accesses(ptx, nonconst),
+        **_ir_facts(kernel),
     )

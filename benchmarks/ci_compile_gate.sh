@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# The compile gate (tests/test_compiled.py) under each Triton version tkern
+# The compile gate (every tests/test_compiled*.py) under each Triton version tkern
 # supports: the environment's own (3.9 in CI) and 3.6, the version on the GPU
-# machines. No GPU is needed: Triton's compiler targets sm_90 and sm_80 on the
-# CPU with the ptxas/cuobjdump shipped in its wheel.
+# machines. No GPU is needed: Triton's compiler targets sm_80 to sm_120 and AMD's
+# gfx942 / gfx950 on the CPU with the ptxas/cuobjdump and the LLVM AMDGPU backend
+# shipped in its wheel, one process per core (static_report.run), every test file in
+# one pytest process over one compile of the cases. Under 3.6 the gate compiles the
+# reduced set on every target (each GEMM launch on its first offered config, the other
+# kernels' heaviest variants: aot_targets.depth); under 3.9 every offered config on
+# sm_90 and sm_100 too. TKERN_GATE_TARGETS=sm_90,gfx942 runs some targets only.
+#
+# Triton's compile cache is kept per version under $CACHE/triton-cache-<version>
+# (TRITON_CACHE_DIR): the tests that read a case's code again (the grid barrier's
+# order, the reductions' layouts) find it there, and a second run compiles only what
+# changed; CI may keep that directory between runs (e.g. actions/cache keyed on
+# tkern/kernels/).
 #
 # Triton 3.6 is installed alone (--no-deps, ~7 s) into a side directory that is
 # put first on PYTHONPATH for the second run only; torch and everything else
@@ -20,8 +31,11 @@ export TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1
 
 gate() {  # $1: label; runs the gate with whatever triton PYTHONPATH selects
     local start=$SECONDS
-    echo "== compile gate, triton $("$PY" -c 'import triton; print(triton.__version__)') ($1)"
-    "$PY" -m pytest -q -p no:cacheprovider -m compiled tests/test_compiled*.py
+    local version
+    version=$("$PY" -c 'import triton; print(triton.__version__)')
+    echo "== compile gate, triton $version ($1)"
+    TRITON_CACHE_DIR=${TKERN_GATE_TRITON_CACHE:-$CACHE/triton-cache-$version} \
+        "$PY" -m pytest -q -p no:cacheprovider -m compiled tests/test_compiled*.py
     echo "== triton $1: $((SECONDS - start)) s"
 }
 

@@ -1,9 +1,10 @@
-"""Compiler facts about every tkern kernel, for NVIDIA targets, on any machine.
+"""Compiler facts about every tkern kernel, for NVIDIA and AMD targets, on any machine.
 
 Triton's compiler runs without a GPU: each kernel is compiled ahead of time with
-``triton.compile`` for Hopper (``GPUTarget("cuda", 90, 32)``) and Ampere
-(``("cuda", 80, 32)``), and its artifacts are read with the ``cuobjdump`` and
-``nvdisasm`` shipped in the triton wheel: registers, local memory (spills),
+``triton.compile`` for a target of tkern.device.SPECS (``GPUTarget(*spec.target)``:
+``("cuda", 90, 32)``, ``("hip", "gfx942", 64)``, ...), and its artifacts are read with
+the ``cuobjdump`` and ``nvdisasm`` shipped in the triton wheel (AMD: the AMDGCN and its
+hsaco metadata, aot_read.analyse_amdgcn): registers, local memory (spills),
 shared memory, an occupancy estimate, wgmma / mma.sync / cp.async / TMA use,
 layout conversions left in the TTGIR, and the width of every global access per
 kernel argument (traced through the PTX). These are compiler facts, not
@@ -33,19 +34,24 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from aot_cases import _stats_cases, all_cases, cross_entropy_cases
-from aot_compile import _compile_star, compile_case, ordered_accesses, reduce_layouts
+from aot_cases import _stats_cases, all_cases, cross_entropy_cases, fp8_planned, rotary_cases
+from aot_compile import _compile_star, compile_case, ordered_accesses, ordered_accesses_amdgcn, reduce_layouts
 from aot_fp8_cases import (
     BLOCKWISE_LAUNCHES,
     FP8_EMIT_LAUNCHES,
     FP8_GEMM_LAUNCHES,
+    FP8_HEAVIEST,
+    _fp8_emit_cases,
     _fp8_gemm_cases,
     blockwise_cases,
     blockwise_configs_for,
+    emit_configs_for,
+    fp8_case_name,
     fp8_cast_cases,
     fp8_configs_for,
 )
 from aot_gemm_cases import (
+    DGRAD_EPILOGUE_LAUNCHES,
     TMA_RAGGED_GATE_LAUNCHES,
     TMA_STORE_GATE_LAUNCHES,
     TMA_WGRAD_INTO,
@@ -53,51 +59,76 @@ from aot_gemm_cases import (
     gate_launches,
     gemm_configs_for,
     linear_launches,
-    offered_launch,
     pointer_case,
-    pointer_gate_launches,
-    prologue_gate_launches,
     split_k_cases,
     tma_case,
     transcendental,
 )
+from aot_gemm_sweep import offered, pointer_heaviest, pointer_others, tma_heaviest
 from aot_read import analyse, ptx_accesses
-from aot_targets import HW, Case, cfg_name, occupancy, smem_limit
+from aot_targets import (
+    EVERY_CONFIG,
+    FIRST_CONFIG,
+    Case,
+    cfg_name,
+    depth,
+    every_variant,
+    gate_targets,
+    occupancy,
+    smem_limit,
+    spec_of,
+)
 
 #: names moved to the modules above that tests and scripts still read from this one
 __all__ = [
     "BLOCKWISE_LAUNCHES",
     "Case",
+    "DGRAD_EPILOGUE_LAUNCHES",
+    "EVERY_CONFIG",
+    "FIRST_CONFIG",
     "FP8_EMIT_LAUNCHES",
     "FP8_GEMM_LAUNCHES",
+    "FP8_HEAVIEST",
     "GemmLaunch",
-    "HW",
     "TMA_RAGGED_GATE_LAUNCHES",
     "TMA_STORE_GATE_LAUNCHES",
     "TMA_WGRAD_INTO",
+    "_fp8_emit_cases",
     "_fp8_gemm_cases",
     "_stats_cases",
+    "all_cases",
     "analyse",
     "blockwise_cases",
     "blockwise_configs_for",
     "cfg_name",
+    "compile_all",
     "cross_entropy_cases",
+    "depth",
+    "emit_configs_for",
+    "every_variant",
+    "fp8_case_name",
     "fp8_cast_cases",
     "fp8_configs_for",
+    "fp8_planned",
     "gate_launches",
+    "gate_targets",
     "gemm_configs_for",
     "linear_launches",
     "occupancy",
-    "offered_launch",
+    "offered",
     "ordered_accesses",
+    "ordered_accesses_amdgcn",
     "pointer_case",
-    "pointer_gate_launches",
-    "prologue_gate_launches",
+    "pointer_heaviest",
+    "pointer_others",
     "ptx_accesses",
     "reduce_layouts",
+    "rotary_cases",
     "smem_limit",
+    "spec_of",
     "split_k_cases",
     "tma_case",
+    "tma_heaviest",
     "transcendental",
 ]
 
@@ -106,16 +137,40 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "static"
 
 
-def run(targets=(90, 80), only: str | None = None, workers: int = 2, full: bool = True) -> list[dict]:
-    """Compile every case for every target (``workers`` processes); return the rows.
+def run(
+    targets=("sm_90", "sm_80"), only: str | None = None, workers: int = 0, full: bool = True
+) -> list[dict]:
+    """Compile every case for every target (``workers`` processes, 0: ``os.cpu_count()``);
+    return the rows (in the same order, whatever the number of workers).
     The gate's set (``full=False``) skips the SASS counts, which it does not check."""
     cases = [(c, cc) for cc in targets for c in all_cases(cc, full) if not only or re.search(only, c.name)]
-    jobs = [(c, cc, full) for c, cc in cases]
-    jobs.sort(key=lambda j: j[0].family != "gemm")  # the long compiles first: the pool ends together
+    return compile_all([(c, cc, full) for c, cc in cases], workers)
+
+
+#: Kernels whose cases compile longest (the TMA and emitting GEMMs: 2-3x a pointer GEMM's)
+_LONGEST = ("_matmul_tma_kernel", "_matmul_emit_kernel", "_scaled_mm_blockwise_kernel")
+
+
+def compile_all(jobs: list[tuple], workers: int = 0) -> list[dict]:
+    """:func:`compile_case` of each ``(case, target, sass)`` in ``jobs`` on ``workers``
+    processes (0: ``os.cpu_count()``), the longest first and one at a time, so that no
+    worker is left with a long compile while the other idles; the rows in ``jobs``' order."""
+
+    def cost(job) -> int:
+        case = job[0]
+        return 2 if case.kernel.split(":")[1] in _LONGEST else 1 if case.family == "gemm" else 0
+
+    order = sorted(range(len(jobs)), key=lambda i: -cost(jobs[i]))
+    workers = workers or os.cpu_count() or 1
     if workers <= 1:
-        return [compile_case(*j) for j in jobs]
-    with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(_compile_star, jobs, chunksize=2))
+        rows = [compile_case(*jobs[i]) for i in order]
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            rows = list(pool.map(_compile_star, [jobs[i] for i in order], chunksize=1))
+    out = [None] * len(jobs)
+    for i, row in zip(order, rows, strict=True):
+        out[i] = row
+    return out
 
 
 # --------------------------------------------------------------------------- output
@@ -160,9 +215,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--targets", type=int, nargs="+", default=[90, 80])
+    targets = "of sm_80 ... sm_120, gfx942, gfx950"
+    ap.add_argument("--targets", nargs="+", default=["sm_90", "sm_80"], help=targets)
     ap.add_argument("--only", help="regex on case names")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=0, help="0: os.cpu_count()")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for static.json and static.md")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--gate-set", action="store_true", help="only the compile gate's representative set")

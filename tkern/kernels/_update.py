@@ -55,7 +55,7 @@ import triton.language as tl
 
 from tkern.kernels import overflow
 from tkern.kernels._common import INTERPRET, aligned_slices, cast_rne, cdiv, check_tensor
-from tkern.kernels.grid_sync import GridBarrier, check_programs, last_to_finish, launch_options
+from tkern.kernels.grid_sync import GridBarrier, check_programs, last_to_finish, launch_options, spin_kind
 from tkern.kernels.overflow import N_STATS, grad_factor, one_pass_stats
 
 PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -525,7 +525,8 @@ def pass_launch(
     are all written), ``found_inf`` (a GradScaler's, or None) and pass 1's warps (the same
     reductions)."""
     grid = barrier is not None
-    consts = dict(ONE_PASS=one_pass, HAS_FOUND=found_inf is not None, GRID=grid, STATS_BLOCK=overflow.BLOCK)
+    spin = spin_kind(b.param.device) if grid else 0  # GRID: the barrier's spin, grid_sync.SPIN_*
+    consts = dict(ONE_PASS=one_pass, HAS_FOUND=found_inf is not None, GRID=spin, STATS_BLOCK=overflow.BLOCK)
     consts["num_warps"] = overflow.NUM_WARPS if one_pass else num_warps
     if not one_pass:
         return (cdiv(n, block),), (b.stats, b.stats, 0, b.stats), consts

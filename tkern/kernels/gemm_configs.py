@@ -5,7 +5,8 @@ gemm_tma.py) are autotuned over the tables here; the rules that prune a table
 for a device (shared memory, register pressure, ragged operands) are named
 constants next to the tables, each with the compiler fact it comes from
 (``benchmarks/static_report.py`` measures them; ``tests/test_compiled.py``
-holds every offered config to them on sm_90 and sm_80).
+holds every offered config to them on sm_90 and sm_100, the first of each list on
+the other targets of tkern.device.SPECS).
 """
 
 from __future__ import annotations
@@ -73,9 +74,13 @@ def gemm_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
 def split_k_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
     """Tiles of the split-K kernel (gemm_split.py): the pointer kernel's 128 x 128
     entries, since ``gemm_plan.plan_gemm`` counts 128 x 128 tiles when it picks the
-    number of splits (another tile would change the waves it planned)."""
+    number of splits (another tile would change the waves it planned), and 128x128x32 on 8
+    warps: on AMD's 64-wide waves (:func:`amd_configs`: 4 of them) the one 128 x 128 tile
+    with 64 accumulator values a thread and 32-deep K steps, which sums dbias in its K ranges
+    without spilling where 128x128x64 does (:data:`SUM_A_MAX_LOADS`)."""
     tile = (gemm_plan.PLAN_BLOCK_M, gemm_plan.PLAN_BLOCK_N)
-    return [c for c in gemm_configs(interpret) if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == tile]
+    configs = [c for c in gemm_configs(interpret) if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == tile]
+    return configs + ([] if interpret else [_config(*tile, 32, 4, 8)])
 
 
 def fp8_gemm_configs(interpret: bool = INTERPRET) -> list[triton.Config]:
@@ -161,12 +166,14 @@ def set_tma_block_shapes(nargs: dict) -> None:
 def tma_configs() -> list[triton.Config]:
     """Tiles of the persistent tensor-descriptor kernel (``_matmul_tma_kernel``):
     Triton's persistent matmul tutorial's search space for Hopper, 128-row
-    tiles; the pre-hook gives the descriptors each config's block shape."""
+    tiles, and 128x64x64 in 3 stages on 8 warps: the one tile with 32 accumulator values a
+    thread, which a ragged output with GELU needs where mma.sync keeps its operands in
+    registers (sm_120: :data:`TMA_RAGGED_ACT_MAX_ACC`); the pre-hook gives the descriptors
+    each config's block shape."""
+    tutorial = [(128, bn, bk, stages) for bn in (128, 256) for bk in (64, 128) for stages in (3, 4)]
     return [
-        _config(128, bn, bk, stages, 8, pre_hook=set_tma_block_shapes)
-        for bn in (128, 256)
-        for bk in (64, 128)
-        for stages in (3, 4)
+        _config(bm, bn, bk, stages, 8, pre_hook=set_tma_block_shapes)
+        for bm, bn, bk, stages in [*tutorial, (128, 64, 64, 3)]
     ]
 
 
@@ -235,7 +242,7 @@ def operands_in_registers(spec: DeviceSpec) -> bool:
     """Whether the tensor-core instruction keeps its operand fragments in registers next
     to the accumulator (``mma.sync``: Ampere, Ada, sm_120; MFMA on AMD), so the
     accumulator gets fewer of them than under wgmma / tcgen05, which read shared memory.
-    The rules measured on sm_80 (``PRE_HOPPER_*``, ``BLOCK_PRE_HOPPER_MAX_ACC``) apply."""
+    The rules measured on sm_80 (``PRE_HOPPER_*``, ``BLOCK_SCALES_MAX_ACC``'s) apply."""
     return spec.mma in ("mma.sync", "mfma")
 
 
@@ -243,9 +250,20 @@ def smem_estimate(cfg: triton.Config, elem_bytes: int = 2) -> int:
     """Shared memory of a config's load pipeline: ``num_stages`` A and B tiles.
     The compiled kernel adds ~1 KB (pointer kernel) to ~34 KB (the TMA
     kernel's epilogue staging); tests/test_compiled.py checks every offered
-    config's compiled size against the limit on sm_90 and sm_80."""
+    config's compiled size against the limit on sm_90 and sm_100 (the first config on
+    the other targets)."""
     kw = cfg.kwargs
     return cfg.num_stages * (kw["BLOCK_M"] + kw["BLOCK_N"]) * kw["BLOCK_K"] * elem_bytes
+
+
+def c_staging(cfg: triton.Config, out_bytes: int = 2) -> int:
+    """Shared memory the blockwise kernel's ``C +=`` epilogue stages C's old tile in: one
+    column slice (gemm_epilogue.epilogue_parts) of a 16-bit C. Measured (sm_120, triton 3.9):
+    its wgrad's 128x64x128 in 4 stages on 8 warps uses 107,560 B against its pipeline's
+    98,304 (over the 101,376 B there); the 16-bit TMA kernel's ``C +=`` stays within
+    :func:`smem_estimate` (99,376 B for 128x128x64 in 3 stages, estimated 98,304)."""
+    kw = cfg.kwargs
+    return kw["BLOCK_M"] * kw["BLOCK_N"] // gemm_epilogue.epilogue_parts(kw["EPI_SPLIT"], 0, True) * out_bytes
 
 
 #: Largest output tile the pointer kernel is offered on ragged operands: without
@@ -262,6 +280,11 @@ RAGGED_MAX_TILE = 128 * 64
 #: spills 40 B on sm_90 in wgrad's layout (dZ^T @ X, 255 registers, triton 3.9);
 #: 128x64x32, 64x128x32 (48) and 64x32x32 (24) stay at or under 255 without spilling.
 RAGGED_MAX_LOADS = 48
+#: ... by architecture (``DeviceSpec.arch``) where it is lower. gfx950: the 48-element tiles
+#: spill on ragged operands (triton 3.9, 2 waves): 128x64x32 28 B of scratch in dgrad (NN) and
+#: 352 B in wgrad summing dbias (TN), 64x128x32 128 B there; 64x32x32 (24) stays at 106-174
+#: VGPRs. (gfx942 fits the 48-element ones: 160-226.)
+RAGGED_MAX_LOADS_BY_ARCH = {"gfx950": 24}
 
 
 def loads_per_thread(block_m: int, block_n: int, block_k: int, num_warps: int, warp_size: int = 32) -> int:
@@ -297,6 +320,35 @@ ACT_MAX_ACC_ACTIVATIONS = frozenset({ACTIVATIONS["gelu"]})
 #: pre-activation, in bf16 and fp16; the 128x128 tiles (64 values) stay at 255 registers
 #: without spilling. Aligned outputs (16-byte vector stores) fit every TMA config.
 
+#: The TMA kernel on a ragged output with one of :data:`ACT_MAX_ACC_ACTIVATIONS`, by
+#: tensor-core instruction, where the operands sit in registers: at most this many
+#: accumulator values per thread. sm_120 (triton 3.9, GELU, the pre-activation stored):
+#: 128x128x64 on 8 warps (64 values) spills 32-96 B, 128x64x64 on 8 (32) stays at 122-185
+#: registers; sm_100 (tcgen05, the accumulator read out of tensor memory for the scalar
+#: stores): every 128x128 tile spills 8-88 B (255 registers with the bias), 128x64x64 stays at
+#: 110-120. The 128x64 tile serves these launches alone (:data:`TMA_MIN_BLOCK_N`).
+#: The TMA kernel's narrowest tile everywhere else: the tutorial's 128 columns (the 128x64 tile
+#: of :func:`tma_configs` spills 16 B on sm_100 in ``C +=`` at 64 registers).
+TMA_MIN_BLOCK_N = 128
+#: The TMA kernel on an aligned output storing the pre-activation of one of
+#: :data:`ACT_MAX_ACC_ACTIVATIONS` beside an fp32 C, by tensor-core instruction: at least this
+#: many columns a tile. Measured (sm_100, triton 3.9, fp16 -> fp32, GELU, no bias): ptxas holds
+#: the 128x128 tiles (64 accumulator values a thread) at its 128-register step and spills 8 B
+#: there (128x128x64 in 3 and 4 stages, 128x128x128 in 3); 128x256x64 in 3 and 4 stages takes
+#: 148 registers and spills none. (With an fp32 bias the 128x128 tiles took 156, none spilled:
+#: held to the same rule, so one table serves both; bf16 out: 98-134, none spill.)
+TMA_FP32_PREACT_MIN_BLOCK_N = {"tcgen05": 256}
+#: The pointer kernel's tallest tile, by tensor-core instruction: sm_100 (triton 3.9) spills
+#: 80 B on 256x128x64 (255 registers, fp32 out with an fp32 bias), where 128x256x64 stays at
+#: 230-234; sm_90's wgmma fits both (199-239).
+POINTER_MAX_BLOCK_M = {"tcgen05": 128}
+TMA_RAGGED_ACT_MAX_ACC = {"mma.sync": 32, "tcgen05": 32}
+#: A kernel summing A's rows (``SUM_A``: the wgrad's dbias, dZ^T read transposed; split-K's
+#: and the pointer kernel's prologue), by architecture: at most this many operand elements
+#: loaded per thread per K step. gfx950 (triton 3.9, bf16 dbias): split-K's 128x128x64 on 4
+#: waves (64) spills 2 VGPRs, 128x128x32 (32) stays at 154.
+SUM_A_MAX_LOADS = {"gfx950": 48}
+
 #: fp8 operands (scaled_mm, one byte an element), an epilogue with an exp/erf activation
 #: (activation.TRANSCENDENTAL: a Float8Linear's fused MLP activation): at most this many
 #: output elements per tile. Measured (static_report, sm_90, triton 3.9) with tanh-GELU, the
@@ -322,6 +374,17 @@ PROLOGUE_ACT_MAX_A = 16
 #: ... and before Hopper at most this many accumulator values per thread: 64x128x32 on 4
 #: warps (64) spills 8 B on sm_80 under triton 3.6 in dgrad storing dZ; 64x32x32 (16) does not.
 PROLOGUE_ACT_PRE_HOPPER_MAX_ACC = 32
+#: ... and operand elements loaded per thread per K step (A's, Z's and B's tiles), by
+#: architecture. gfx942 (triton 3.9, aligned, bf16, ReLU'): 128x128x64 on 4 waves (96) spills
+#: 180 B of scratch in wgrad summing dbias (dZ^T and Z^T read transposed), 64x64x64 on 2 (96)
+#: reaches all 256 VGPRs; the tiles loading 80 or fewer stay at 118-238. (gfx950: 104-244.)
+PROLOGUE_MAX_LOADS = {"gfx942": 80}
+#: ... and warps and stages, by architecture. sm_120 (triton 3.9, ReLU'): 128x128x64 on 8
+#: warps spills 64 B in dgrad storing dZ (255 registers; sm_80/86/89 keep it at 186-187), and
+#: 64x32x32 in 5 stages 8 B in wgrad (ptxas spills 4 B at 80 registers); the 4-warp tiles in 4
+#: stages stay at 142-186.
+PROLOGUE_MAX_WARPS = {"sm_120": 4}
+PROLOGUE_MAX_STAGES = {"sm_120": 4}
 #: Activation codes whose gradient is a select (``dy`` where ``z > 0``): only
 #: :data:`PROLOGUE_MAX_ACC` holds for them; every other code is held to
 #: :data:`PROLOGUE_ACT_MAX_A` (and :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`) too.
@@ -336,11 +399,34 @@ PROLOGUE_SELECT = frozenset({ACTIVATIONS["relu"]})
 #: 232-448 B with block scales; the 64-value tiles stay at 102-237 registers, no spills. The
 #: forward (fast accumulation, per-tensor scales) fits every fp8 tile (72-233 registers).
 TWO_ACC_MAX_ACC = 64
-#: ... and block scales before Hopper (Ada's mma.sync holds the operand fragments in registers
-#: too): at most this many. Measured (sm_89, triton 3.9): 128x128x128 on 8 warps spills 16 B in
-#: the blockwise wgrad and 64x128x128 on 4 warps 8 B; 64x64x128 on 4 (32 values) stays at 183
-#: registers. (Per-tensor scales promote nothing there: mma.sync accumulates in fp32.)
-BLOCK_PRE_HOPPER_MAX_ACC = 32
+#: ... and block scales, by tensor-core instruction (``DeviceSpec.mma``), where each K tile's
+#: product sits in registers next to the accumulator to be scaled: mma.sync and MFMA hold their
+#: operand fragments there too, tcgen05 loads the product out of tensor memory every K tile. At
+#: most this many. Measured (triton 3.9): on sm_89 128x128x128 on 8 warps spills 16 B in the
+#: blockwise wgrad and 64x128x128 on 4 warps 8 B, 64x64x128 on 4 (32 values) stays at 183
+#: registers; on sm_100 every 64-value tile but 64x128x128 spills 8-112 B (forward with the bias,
+#: wgrad adding into C), 64x64x128 stays at 168. (Per-tensor scales promote nothing there.)
+BLOCK_SCALES_MAX_ACC = {"mma.sync": 32, "mfma": 32, "tcgen05": 32}
+#: fp8 operands (scaled_mm) by tensor-core instruction: at most this many accumulator values per
+#: thread. Measured (static_report, sm_100, triton 3.9, Float8Linear's launches): the 128-value
+#: tiles spill under tcgen05 (128x256x128/s3w8 72 B and 128x128x128 on 4 warps 56 B with the
+#: bias alone, 336 B with tanh-GELU; 256x128x128/s3w8 fits at 208 registers but holds as many),
+#: the 64-value tiles with per-tensor scales stay at 72-238 registers. (sm_90's wgmma fits all.)
+FP8_MAX_ACC = {"tcgen05": 64}
+#: The emitting epilogue with delayed scaling (scaled_mm(emit_fp8=...): C cast with the
+#: history's multiplier into C's and C^T's layouts beside the bf16 C and the pre-activation),
+#: by tensor-core instruction: at most this many columns a tile. Measured (sm_100, triton 3.9,
+#: tanh-GELU, the bias and the pre-activation): every 128-column tile spills 32-360 B, with C^T
+#: or without it (128x128x128/s3w8 296 B, 64x128x128 on 4 warps 360 B); 128x64x128 on 4 warps
+#: stays at 145-160 registers, 64x64x128 at 96-122. (The tensorwise emit, max |C| only, fits.)
+EMIT_DELAYED_MAX_N = {"tcgen05": 64}
+#: The blockwise kernel with B's scales a vector along N (the blockwise wgrad: gemm_blockwise.py,
+#: its ``column_scales`` table), by tensor-core instruction: at most this many accumulator values
+#: a thread times stages in flight (the pipeliner holds each stage's scale vector in registers).
+#: Measured (sm_100, triton 3.9, C += into bf16): 128x64x128 on 4 warps spills 80 B with 4
+#: stages (256) and fits at 252 registers with 3 (192); 128x64x128 on 8 warps (4 stages, 128)
+#: stays at 152. (sm_90's wgmma fits every one: 151-205 registers.)
+COLUMN_SCALES_MAX_STAGED_ACC = {"tcgen05": 192}
 
 
 def _cfg_tile(c: triton.Config) -> int:
@@ -373,6 +459,12 @@ def prune_configs(
     elem_bytes: int = 2,
     two_accumulators: bool = False,
     block_scales: bool = False,
+    emit_delayed: bool = False,
+    column_scales: bool = False,
+    sum_a: bool = False,
+    accumulate: bool = False,
+    store_preact: bool = False,
+    out_bytes: int = 2,
 ) -> list[triton.Config]:
     """The configs worth trying on ``device`` (a :class:`DeviceSpec`; an int is an
     NVIDIA compute capability, e.g. 90, see :func:`as_spec`): those whose shared memory
@@ -390,23 +482,49 @@ def prune_configs(
     tiles (:data:`PROLOGUE_MAX_ACC`, :data:`PROLOGUE_ACT_MAX_A`,
     :data:`PROLOGUE_ACT_PRE_HOPPER_MAX_ACC`; on ragged operands Z's scalar loads count
     in :data:`RAGGED_MAX_LOADS`); ``elem_bytes``: the operands' element size (1 for
-    fp8); ``two_accumulators`` (fp8 promoted every K tile): :data:`TWO_ACC_MAX_ACC`,
-    and with operands in registers and ``block_scales`` :data:`BLOCK_PRE_HOPPER_MAX_ACC`; fp8 operands with
-    an exp/erf ``activation``: :data:`FP8_ACT_MAX_TILE`.
-    Never empty: the smallest is kept."""
+    fp8: :data:`FP8_MAX_ACC` by tensor-core instruction); ``two_accumulators`` (fp8 promoted
+    every K tile): :data:`TWO_ACC_MAX_ACC`, and with ``block_scales``
+    :data:`BLOCK_SCALES_MAX_ACC` by instruction; fp8 operands with an exp/erf ``activation``:
+    :data:`FP8_ACT_MAX_TILE`; ``emit_delayed`` (the emitting epilogue's delayed cast):
+    :data:`EMIT_DELAYED_MAX_N`; ``column_scales`` (the blockwise kernel, B's scales along N):
+    :data:`COLUMN_SCALES_MAX_STAGED_ACC`; ``sum_a`` (A's rows summed): :data:`SUM_A_MAX_LOADS`;
+    ``accumulate`` (``C +=``) on a TMA kernel: C's old tile counted in the shared memory
+    (:func:`c_staging`); ``store_preact`` with ``out_bytes`` 4 (the pre-activation stored
+    beside an fp32 C) on the 16-bit TMA kernel: :data:`TMA_FP32_PREACT_MIN_BLOCK_N`.
+    The per-architecture limits (``*_BY_ARCH``, :data:`PROLOGUE_MAX_LOADS`, ...) come from
+    the compile gate. Never empty: the smallest is kept."""
     spec = as_spec(device)
     w, in_registers = spec.warp_size, operands_in_registers(spec)
-    fits = [c for c in configs if smem_estimate(c, elem_bytes) <= spec.smem_per_block]
+    staged = tma and accumulate and elem_bytes == 1  # the blockwise kernel's C +=
+    fits = [c for c in configs if smem_estimate(c, elem_bytes) + staged * c_staging(c) <= spec.smem_per_block]
+    ragged_loads = RAGGED_MAX_LOADS_BY_ARCH.get(spec.arch, RAGGED_MAX_LOADS)
     if ragged and not tma:
-        fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c, w) <= RAGGED_MAX_LOADS]
+        fits = [c for c in fits if _cfg_tile(c) <= RAGGED_MAX_TILE and _cfg_loads(c, w) <= ragged_loads]
     if in_registers:
         fits = [c for c in fits if _cfg_acc(c, w) <= PRE_HOPPER_MAX_ACC]
     if two_accumulators:
         fits = [c for c in fits if _cfg_acc(c, w) <= TWO_ACC_MAX_ACC]
-    if block_scales and in_registers:
-        fits = [c for c in fits if _cfg_acc(c, w) <= BLOCK_PRE_HOPPER_MAX_ACC]
+    if elem_bytes == 1 and spec.mma in FP8_MAX_ACC:
+        fits = [c for c in fits if _cfg_acc(c, w) <= FP8_MAX_ACC[spec.mma]]
+    if block_scales and spec.mma in BLOCK_SCALES_MAX_ACC:
+        fits = [c for c in fits if _cfg_acc(c, w) <= BLOCK_SCALES_MAX_ACC[spec.mma]]
+    if emit_delayed and spec.mma in EMIT_DELAYED_MAX_N:
+        fits = [c for c in fits if c.kwargs["BLOCK_N"] <= EMIT_DELAYED_MAX_N[spec.mma]]
+    if column_scales and spec.mma in COLUMN_SCALES_MAX_STAGED_ACC:
+        fits = [c for c in fits if c.num_stages * _cfg_acc(c, w) <= COLUMN_SCALES_MAX_STAGED_ACC[spec.mma]]
     if activation in ACT_MAX_ACC_ACTIVATIONS and (ragged or not tma):
         fits = [c for c in fits if _cfg_acc(c, w) <= ACT_MAX_ACC]
+    if activation in ACT_MAX_ACC_ACTIVATIONS and ragged and tma and spec.mma in TMA_RAGGED_ACT_MAX_ACC:
+        fits = [c for c in fits if _cfg_acc(c, w) <= TMA_RAGGED_ACT_MAX_ACC[spec.mma]]
+    elif tma and elem_bytes == 2:  # the 16-bit TMA kernel (tma_configs); the blockwise one's are its own
+        fits = [c for c in fits if c.kwargs["BLOCK_N"] >= TMA_MIN_BLOCK_N]
+        fp32_preact = activation in ACT_MAX_ACC_ACTIVATIONS and store_preact and out_bytes == 4
+        if fp32_preact and spec.mma in TMA_FP32_PREACT_MIN_BLOCK_N:
+            fits = [c for c in fits if c.kwargs["BLOCK_N"] >= TMA_FP32_PREACT_MIN_BLOCK_N[spec.mma]]
+    if not tma and spec.mma in POINTER_MAX_BLOCK_M:
+        fits = [c for c in fits if c.kwargs["BLOCK_M"] <= POINTER_MAX_BLOCK_M[spec.mma]]
+    if sum_a and spec.arch in SUM_A_MAX_LOADS:
+        fits = [c for c in fits if _cfg_loads(c, w) <= SUM_A_MAX_LOADS[spec.arch]]
     if elem_bytes == 1 and activation in TRANSCENDENTAL:
         fits = [c for c in fits if _cfg_tile(c) <= FP8_ACT_MAX_TILE]
     if prologue and not tma:
@@ -416,7 +534,11 @@ def prune_configs(
             if in_registers:
                 fits = [c for c in fits if _cfg_acc(c, w) <= PROLOGUE_ACT_PRE_HOPPER_MAX_ACC]
         if ragged:
-            fits = [c for c in fits if _cfg_loads(c, w, prologue=True) <= RAGGED_MAX_LOADS]
+            fits = [c for c in fits if _cfg_loads(c, w, prologue=True) <= ragged_loads]
+        if spec.arch in PROLOGUE_MAX_LOADS:
+            fits = [c for c in fits if _cfg_loads(c, w, prologue=True) <= PROLOGUE_MAX_LOADS[spec.arch]]
+        fits = [c for c in fits if c.num_warps <= PROLOGUE_MAX_WARPS.get(spec.arch, c.num_warps)]
+        fits = [c for c in fits if c.num_stages <= PROLOGUE_MAX_STAGES.get(spec.arch, c.num_stages)]
     return fits or [min(configs, key=smem_estimate)]
 
 
@@ -494,11 +616,16 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
         a = nargs.get("a_ptr", nargs.get("a_desc"))
         a = getattr(a, "base", a)  # a tensor descriptor's tensor
         elem_bytes = a.element_size() if isinstance(a, torch.Tensor) else 2
+        c = nargs.get("c_ptr")
+        out_bytes = c.element_size() if isinstance(c, torch.Tensor) else 2
         blocks = meta.get("SCALE_A") == 3 or meta.get("SCALE_B") == 3  # gemm.SCALE_BLOCK
         return offered_configs(
             configs, _device_spec(nargs), tma=tma, ragged=ragged, activation=activation, prologue=prologue,
             elem_bytes=elem_bytes, two_accumulators=bool(meta.get("PRECISE_ACC")) or blocks,
-            block_scales=blocks,
+            block_scales=blocks, emit_delayed=bool(meta.get("DELAYED")),
+            column_scales=meta.get("SCALE_BN") == 1,  # the blockwise kernel's B scales along N
+            sum_a=bool(meta.get("SUM_A")), accumulate=bool(meta.get("ACCUMULATE")),
+            store_preact=bool(meta.get("STORE_PREACT")), out_bytes=out_bytes,
         )  # fmt: skip
 
     return triton.autotune(

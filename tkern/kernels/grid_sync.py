@@ -53,14 +53,41 @@ _COUNT_MASK: tl.constexpr = tl.constexpr(0xFFFF)
 _GENERATION: tl.constexpr = tl.constexpr(1 << 16)  # one generation in the word
 #: At most this many programs meet at one barrier (the count's 16 bits).
 MAX_PROGRAMS = 0xFFFF
+#: How the waiters read the barrier's word while they spin: a grid-wide launch's ``GRID``
+#: constexpr (0: no barrier), by vendor (:func:`spin_kind`). NVIDIA: a volatile load
+#: (``ld.volatile.global``). AMD: a volatile load that bypasses the caches
+#: (``cache_modifier=".cv"``: ``sc0 sc1`` on gfx942/gfx950, the memory model's volatile
+#: access): Triton 3.6 compiles a plain volatile load of the one word for AMD into a
+#: ``global_load_dword`` without them, which a CU's L1 may answer from a stale line for as
+#: long as the waiter spins (Triton 3.9 sets the bits itself; NVIDIA's ptxas refuses
+#: ``.volatile`` with ``.cv``).
+SPIN_VOLATILE, SPIN_UNCACHED = 1, 2
+_SPIN_UNCACHED: tl.constexpr = tl.constexpr(SPIN_UNCACHED)
+
+
+def spin_kind(device: torch.device) -> int:
+    """:data:`SPIN_UNCACHED` on an AMD GPU, else :data:`SPIN_VOLATILE` (the interpreter's too)."""
+    if INTERPRET or device.type != "cuda":
+        return SPIN_VOLATILE
+    return SPIN_UNCACHED if tkdev.device_spec(device).is_amd else SPIN_VOLATILE
 
 
 @triton.jit
-def grid_barrier(word_ptr):
+def _spin_load(word_ptr, SPIN: tl.constexpr):
+    """The barrier's word as a waiter reads it while spinning (:data:`SPIN_VOLATILE`)."""
+    if SPIN == _SPIN_UNCACHED:
+        word = tl.load(word_ptr + _BARRIER, volatile=True, cache_modifier=".cv")
+    else:
+        word = tl.load(word_ptr + _BARRIER, volatile=True)
+    return word
+
+
+@triton.jit
+def grid_barrier(word_ptr, SPIN: tl.constexpr):
     """Wait until every program of this launch has arrived; what each wrote before
     arriving is visible to all after. ``word_ptr``: (WORDS,) int32 workspace (module
-    docstring). Every thread of the program calls it (the scalar atomics are one per
-    program)."""
+    docstring); ``SPIN``: how the waiters read it (:data:`SPIN_VOLATILE`). Every thread of
+    the program calls it (the scalar atomics are one per program)."""
     nprog = tl.num_programs(0)
     tl.debug_barrier()  # every thread's stores issued before the program arrives
     arrival = tl.atomic_add(word_ptr + _BARRIER, 1, sem="acq_rel", scope="gpu")
@@ -71,7 +98,7 @@ def grid_barrier(word_ptr):
     else:
         seen = generation
         while seen == generation:
-            while (tl.load(word_ptr + _BARRIER, volatile=True) >> _COUNT_BITS) == generation:
+            while (_spin_load(word_ptr, SPIN) >> _COUNT_BITS) == generation:
                 pass  # every thread spins on volatile loads: no atomics while waiting
             # then one read with acquire semantics, whose value decides the exit: an acquire
             # whose result went unused was dropped by triton 3.6 (an add of 0, folded away)

@@ -331,7 +331,7 @@ def one_pass_stats(
         first = tl.program_id(0).to(tl.int64)  # the rows' numbers as int64, as pass 1's program ids
         for r in range(first, n_rows, tl.num_programs(0)):
             _store_row(grad_ptr, n, inv_scale, partials_ptr, r, n_rows, BLOCK)
-        grid_barrier(barrier_ptr)  # every program's rows stored before any reduction reads them
+        grid_barrier(barrier_ptr, GRID)  # every program's rows stored before any reduction reads them
     else:
         first = tl.full((), 0, tl.int64)
         for r in range(0, n_rows):
@@ -425,9 +425,13 @@ def _grad_underflow_kernel(
     # where param j's slot ends (the last param's: never, within this share)
     nxt = tl.load(starts_ptr + j + 1, mask=j + 1 < n_params, other=_NO_END) - base
     packed = tl.zeros((BLOCK,), dtype=tl.int32)  # zeros + subnormals << 16, per lane
+    # lanes as int32 offsets within the chunk, compared with bounds clamped to [0, BLOCK] (the
+    # same comparisons as on int64 element offsets: 8 fewer 64-bit values a thread, so ptxas
+    # keeps the kernel under its 40-register occupancy step instead of spilling to reach it)
+    lanes = tl.arange(0, BLOCK)
     for start in range(lo, hi, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        g = tl.load(grad_ptr + offs, mask=offs < n, other=1.0)  # 1.0: neither zero nor subnormal
+        # 1.0 past n: neither zero nor subnormal
+        g = tl.load(grad_ptr + start + lanes, mask=lanes < _in_chunk(n, start, BLOCK), other=1.0)
         if BITS == 16:
             mag = g.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
         else:
@@ -436,16 +440,29 @@ def _grad_underflow_kernel(
         hit = tl.where(mag == 0, 1, tl.where(mag < MIN_NORMAL, 1 << 16, 0))
         chunk_end = tl.minimum(start + BLOCK, hi)
         while nxt <= chunk_end:  # param j's slot ends in this chunk: its counts are complete here
-            packed += tl.where((offs >= first) & (offs < last), hit, 0)
+            packed += tl.where(_lanes_in(lanes, first, last, start, BLOCK), hit, 0)
             _add_counts(counts_ptr + j * _N_COUNTS, packed, first, last, lo, hi)
             packed = tl.zeros((BLOCK,), dtype=tl.int32)
             j += 1
             first = nxt
             last = tl.load(ends_ptr + j) - base
             nxt = tl.load(starts_ptr + j + 1, mask=j + 1 < n_params, other=_NO_END) - base
-        packed += tl.where((offs >= first) & (offs < last), hit, 0)
+        packed += tl.where(_lanes_in(lanes, first, last, start, BLOCK), hit, 0)
     # the param the share ends in (its slot goes on past the share, or is the last one)
     _add_counts(counts_ptr + j * _N_COUNTS, packed, first, last, lo, hi)
+
+
+@triton.jit
+def _in_chunk(bound, start, BLOCK: tl.constexpr):
+    """``bound`` (an element offset) relative to a chunk starting at ``start``, clamped to
+    [0, BLOCK] as int32: ``lane < result`` exactly where ``start + lane < bound``."""
+    return tl.minimum(tl.maximum(bound - start, 0), BLOCK).to(tl.int32)
+
+
+@triton.jit
+def _lanes_in(lanes, first, last, start, BLOCK: tl.constexpr):
+    """Which lanes of the chunk at ``start`` hold elements ``[first, last)``."""
+    return (lanes >= _in_chunk(first, start, BLOCK)) & (lanes < _in_chunk(last, start, BLOCK))
 
 
 @triton.jit
@@ -453,8 +470,13 @@ def _add_counts(row_ptr, packed, first, last, lo, hi):
     """Add one param's counts (``packed``: zeros + subnormals << 16 per lane) and the number
     of its elements ``[first, last)`` in the share ``[lo, hi)`` to its row; nothing when none."""
     counted = tl.maximum(tl.minimum(last, hi) - tl.maximum(first, lo), 0)
-    zeros = tl.sum(packed & 0xFFFF, axis=0).to(tl.int64)
-    subnormals = tl.sum(packed >> 16, axis=0).to(tl.int64)
+    # both counts in one reduction, zeros in the low 32 bits and subnormals in the high (each
+    # sum stays below 2^31: BLOCK lanes of under 2^15); two tl.sum kept more values live across
+    # the share's loop (8 B spilled on sm_100 under triton 3.9, at ptxas's 40-register step)
+    wide = packed.to(tl.int64)
+    both = tl.sum((wide & 0xFFFF) | ((wide >> 16) << 32), axis=0)
+    zeros = both & 0xFFFFFFFF
+    subnormals = both >> 32
     tl.atomic_add(row_ptr + _ZEROS, zeros, mask=counted > 0, sem="relaxed")
     tl.atomic_add(row_ptr + _SUBNORMALS, subnormals, mask=counted > 0, sem="relaxed")
     tl.atomic_add(row_ptr + _COUNTED, counted.to(tl.int64), mask=counted > 0, sem="relaxed")

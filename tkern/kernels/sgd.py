@@ -68,7 +68,7 @@ def _sgd_kernel(
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # one program: the statistics, every tile, the step count
     HAS_FOUND: tl.constexpr,
-    GRID: tl.constexpr,  # with ONE_PASS: P programs, each a share of rows and tiles, one grid barrier
+    GRID: tl.constexpr,  # with ONE_PASS: P programs sharing rows and tiles, one grid barrier (its spin)
     STATS_BLOCK: tl.constexpr,  # pass 1's BLOCK (overflow.BLOCK)
 ):
     """Pass 2 of an SGD step over n elements of a flat buffer: skip on overflow, unscale
