@@ -60,7 +60,7 @@ import static_report  # noqa: E402  (benchmarks/: the cases and their compiling)
 TARGETS = static_report.gate_targets()
 #: TKERN_GATE_TARGETS="gfx942,sm_86": a local run over those targets only (CI runs them all)
 RUN = tuple(
-    t for t in TARGETS if t in re.split(r"[,\s]+", os.environ.get("TKERN_GATE_TARGETS", ",".join(TARGETS)))
+    t for t in TARGETS if t in re.split(r"[,\s]+", os.environ.get("TKERN_GATE_TARGETS") or ",".join(TARGETS))
 )
 NVIDIA = tuple(t for t in RUN if t.startswith("sm_"))
 AMD = tuple(t for t in RUN if t.startswith("gfx"))
