@@ -128,6 +128,9 @@ class GemmLaunch:
     # the epilogue multiplies the product by act'(Z), Z read at preact_ptr (``GRAD_ACT``: the
     # dgrad of an MLP's second layer writing dZ, ops/mlp.py)
     grad_act: int = 0
+    # with grad_act: a gated unit's two gradients (``GRAD_GLU``: down's dgrad writing
+    # [d(gate) | d(up)] from the stored [gate | up], gemm.matmul_grad_glu)
+    glu: bool = False
 
     @property
     def label(self) -> str:
@@ -136,6 +139,7 @@ class GemmLaunch:
         bias = f",{self.bias} bias" if self.bias and self.bias != self.dtype else ""
         label = f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
         grad = f",dZ=dY*{activation_names()[self.grad_act]}'(Z)" if self.grad_act else ""
+        grad = grad.replace("'(Z)", "'(G)*U,dU") if self.glu else grad
         return label + self.prologue_label + (",C+=" if self.accumulate else "") + grad
 
     @property
@@ -238,6 +242,10 @@ DGRAD_EPILOGUE_LAUNCHES = (
     GemmLaunch("bf16", "bf16", layout="NN", grad_act=4),
     GemmLaunch("bf16", "bf16", layout="NT", grad_act=4),
 )
+#: The gated unit's dgrad epilogue (``GRAD_GLU``, ops/mlp.py's linear_glu_linear: down's dgrad
+#: reading gate and up and writing both gradients), SwiGLU's (SiLU) with down's (hidden,
+#: intermediate) weight row-major as dgrad reads it.
+GLU_DGRAD_LAUNCHES = (GemmLaunch("bf16", "bf16", layout="NN", grad_act=3, glu=True),)
 
 
 def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
@@ -286,7 +294,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
         A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
-        PRECISE_ACC=False, GRAD_ACT=v.grad_act,
+        PRECISE_ACC=False, GRAD_ACT=v.grad_act, GRAD_GLU=v.glu,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -323,7 +331,7 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
         A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma,
-        GRAD_ACT=v.grad_act, **kw,
+        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, **kw,
     )  # fmt: skip
     if c_tma:
         from tkern.kernels.gemm_epilogue import epilogue_parts

@@ -18,6 +18,7 @@ from aot_gemm_cases import (
     BACKWARD,
     DGRAD_EPILOGUE_LAUNCHES,
     FORWARD_HEAVIEST,
+    GLU_DGRAD_LAUNCHES,
     TMA_RAGGED_GATE_LAUNCHES,
     TMA_STORE_GATE_LAUNCHES,
     TMA_WGRAD_INTO,
@@ -85,8 +86,11 @@ def prologue_launches(cc, cfg, ragged: bool = False, public: bool = False) -> tu
 def dgrad_epilogue_launches(cc, cfg, tma: bool = False) -> tuple[list, list]:
     """The dgrad epilogue's act' (:data:`DGRAD_EPILOGUE_LAUNCHES`) as (heaviest, others) for
     ``cfg``: erf GELU's where its tile rule offers ``cfg`` (an epilogue's act' is pruned as an
-    activation is), else tanh-GELU's; the rest on the first config."""
+    activation is), else tanh-GELU's, and the gated unit's (:data:`GLU_DGRAD_LAUNCHES`: two
+    tiles read and two stored; 242-251 registers on sm_90's 128x256 and 4-warp 128x128 tiles,
+    triton 3.9); the rest on the first config."""
     heaviest = _first_offered(cc, cfg, DGRAD_EPILOGUE_LAUNCHES[:2], tma)
+    heaviest += [v for v in GLU_DGRAD_LAUNCHES if offered(cc, cfg, v, tma)]
     return heaviest, [v for v in DGRAD_EPILOGUE_LAUNCHES if v not in heaviest]
 
 

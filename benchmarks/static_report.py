@@ -52,6 +52,7 @@ from aot_fp8_cases import (
 )
 from aot_gemm_cases import (
     DGRAD_EPILOGUE_LAUNCHES,
+    GLU_DGRAD_LAUNCHES,
     TMA_RAGGED_GATE_LAUNCHES,
     TMA_STORE_GATE_LAUNCHES,
     TMA_WGRAD_INTO,
@@ -89,6 +90,7 @@ __all__ = [
     "FP8_EMIT_LAUNCHES",
     "FP8_GEMM_LAUNCHES",
     "FP8_HEAVIEST",
+    "GLU_DGRAD_LAUNCHES",
     "GemmLaunch",
     "TMA_RAGGED_GATE_LAUNCHES",
     "TMA_STORE_GATE_LAUNCHES",

@@ -7,7 +7,9 @@ target's tensor cores, every config where the gate compiles every config, the fi
 The launch is the dgrad of an MLP's second layer (``dY (M, 768) @ W (768, 3072)``, aligned)
 writing dZ over the stored pre-activation, with W row-major (``nn.Linear``'s weight) and, for
 GPT-2's tanh-GELU, column-major too (Conv1D's (in, out) weight read transposed in place):
-aot_gemm_cases.DGRAD_EPILOGUE_LAUNCHES, compiled in the gate's rows (aot_gemm_sweep).
+aot_gemm_cases.DGRAD_EPILOGUE_LAUNCHES, compiled in the gate's rows (aot_gemm_sweep). The
+gated unit's (``GRAD_GLU``: down's dgrad reading gate and up and writing both gradients,
+aot_gemm_cases.GLU_DGRAD_LAUNCHES) is compiled on the same configs as the heaviest act'.
 Compiled mode only (``TRITON_INTERPRET=0``), as tests/test_compiled.py::
 
     TRITON_INTERPRET=0 python -m pytest -m compiled tests/test_compiled_dact.py
@@ -54,6 +56,9 @@ def test_every_offered_config_takes_the_heaviest_dgrad_epilogue(rows):
                 candidates = static_report.DGRAD_EPILOGUE_LAUNCHES[:2]
                 heaviest = [v for v in candidates if static_report.offered(cc, cfg, v, tma)][:1]
                 assert heaviest and (case(cfg, heaviest[0]).name, cc) in compiled, (cc, kind, cfg)
+                for v in static_report.GLU_DGRAD_LAUNCHES:  # the gated unit's, on every config too
+                    if static_report.offered(cc, cfg, v, tma):
+                        assert (case(cfg, v).name, cc) in compiled, (cc, kind, cfg, v.label)
             if every_config(cc):
                 names = [n for n, t in compiled if t == cc and DACT in n]
                 for v in static_report.DGRAD_EPILOGUE_LAUNCHES:

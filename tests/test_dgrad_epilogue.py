@@ -1,7 +1,9 @@
 """Activation gradients in the dgrad epilogue (issue 54 item 5): ``dZ = (dY @ W) * act'(Z)``
 computed by the GEMM that produces the layer's input gradient (gemm.matmul_grad_act), and
 the converted GPT-2 MLP's backward built on it (tkern.ops.mlp.linear_act_linear): no
-act' pass and no act' prologue, gradients within one rounding of the previous path."""
+act' pass and no act' prologue, gradients within one rounding of the previous path. The
+same for a gated unit (gemm.matmul_grad_glu, ops.mlp.linear_glu_linear: Llama's and Phi-3's
+MLPs): no gated-unit backward launch, and no torch add summing gate's and up's dX."""
 
 from __future__ import annotations
 
@@ -68,15 +70,22 @@ def test_epilogue_is_dy_at_w_times_the_activation_gradient(dtype, activation):
         assert torch.equal(out, old)
 
 
-@pytest.mark.parametrize("dtype", HALF)
-def test_the_tma_kernel_reads_z_in_its_pointer_epilogue(dtype, monkeypatch):
-    # Hopper's routing (gemm.device_gemm_info patched: TMA, ragged M plans the TMA kernel),
-    # the TMA kernel run by the interpreter; descriptor-aligned K and N
+@pytest.fixture
+def hopper_routes(monkeypatch):
+    """Hopper's routing (gemm.device_gemm_info patched: TMA, ragged M plans the TMA kernel),
+    the TMA kernel run by the interpreter; the list of "tma" launches it took."""
     routes = []
     launch_tma = gemm.launch_tma
     monkeypatch.setattr(gemm, "device_gemm_info", lambda device: (132, True))
     monkeypatch.setattr(gemm, "plan_gemm_cached", functools.lru_cache(gemm.plan_gemm_cached.__wrapped__))
     monkeypatch.setattr(gemm, "launch_tma", lambda *a, **k: routes.append("tma") or launch_tma(*a, **k))
+    return routes
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_tma_kernel_reads_z_in_its_pointer_epilogue(dtype, hopper_routes):
+    # descriptor-aligned K and N
+    routes = hopper_routes
     a, b, z = _operands(dtype, 70, 64, 96)
     out = gemm.matmul_grad_act(a, b, z, "gelu_tanh")
     assert routes == ["tma"]
@@ -217,8 +226,10 @@ def test_hooks_and_create_graph_keep_their_meaning(monkeypatch):
     assert rel_err(gx2, ox2) < TOL[torch.float16]
 
 
-def test_both_weight_gradients_go_into_a_fused_optimizers_flat_buffer(wgrad_counts):
-    # tkern Linear weights (inputs 1 and 3 of the function): each wgrad added in place
+@pytest.mark.parametrize("up_bias", [True, False])
+def test_both_weight_gradients_go_into_a_fused_optimizers_flat_buffer(wgrad_counts, up_bias):
+    # tkern Linear weights (inputs 1 and 3 of the function): each wgrad added in place; with
+    # no first bias autograd lists the second weight one slot earlier (next_function_slots)
     from torch import nn
 
     from tkern.flat import grad_is_flat_view
@@ -226,7 +237,7 @@ def test_both_weight_gradients_go_into_a_fused_optimizers_flat_buffer(wgrad_coun
     from tkern.optim import FusedAdamW
 
     torch.manual_seed(0)
-    up, down = tkern.nn.Linear(24, 40).to(DEVICE), tkern.nn.Linear(40, 16).to(DEVICE)
+    up, down = tkern.nn.Linear(24, 40, bias=up_bias).to(DEVICE), tkern.nn.Linear(40, 16).to(DEVICE)
     model = nn.ModuleList([up, down])
     opt = FusedAdamW(model.parameters(), lr=1e-3)  # noqa: F841 (kept: it owns the flat buffer)
     x = torch.randn(12, 24, device=DEVICE).half()
@@ -240,3 +251,139 @@ def test_both_weight_gradients_go_into_a_fused_optimizers_flat_buffer(wgrad_coun
     ).float().sum().backward()
     for g, p in zip(got, model.parameters(), strict=True):
         assert rel_err(g, p.grad) < TOL[torch.float16]
+
+
+# --------------------------------------------------------------------------- gated units
+
+
+def _float64_glu(a, b, gate_up, activation):
+    """[d(gate) | d(up)] of ``act(gate) * up`` for dH = a @ b, in float64 from the half inputs."""
+    n = b.shape[1]
+    g, u = (t.double().requires_grad_() for t in (gate_up[:, :n], gate_up[:, n:]))
+    dg, du = torch.autograd.grad(_TORCH_ACT[activation](g) * u, (g, u), a.double() @ b.double())
+    return torch.cat((dg, du), 1)
+
+
+def _glu_operands(dtype, m, k, n):
+    torch.manual_seed(0)
+    return _randn(m, k, dtype=dtype), _randn(n, k, dtype=dtype, scale=0.2).t(), _randn(m, 2 * n, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu", "relu"])
+def test_glu_epilogue_is_the_gated_units_backward_of_dy_at_w(dtype, activation):
+    # ragged sizes (masked edges in M, N and K), W read transposed in place as dgrad does
+    a, b, gate_up = _glu_operands(dtype, 70, 50, 45)
+    out = gemm.matmul_grad_glu(a, b, gate_up, activation)
+    assert out.dtype == dtype and out.shape == (70, 90) and out.is_contiguous()
+    dh = tkern.matmul(a, b)  # the previous path: dH rounded, then the gated unit's backward
+    old = torch.cat(tkern.kernels.swiglu.swiglu_backward(dh, gate_up[:, :45], gate_up[:, 45:], activation), 1)
+    _check_against_float64(out, old, _float64_glu(a, b, gate_up, activation), dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_tma_kernel_writes_both_glu_gradients_in_its_pointer_epilogue(dtype, hopper_routes):
+    # C is the left half of the (M, 2N) output: the epilogue stores through C's row stride 2N
+    routes = hopper_routes
+    a, b, gate_up = _glu_operands(dtype, 70, 64, 48)
+    out = gemm.matmul_grad_glu(a, b.contiguous(), gate_up, "silu")
+    assert routes == ["tma"]
+    dh = tkern.matmul(a, b)
+    old = torch.cat(tkern.kernels.swiglu.swiglu_backward(dh, gate_up[:, :48], gate_up[:, 48:]), 1)
+    _check_against_float64(out, old, _float64_glu(a, b, gate_up, "silu"), dtype)
+
+
+def test_glu_arguments_are_refused_before_a_launch(launches):
+    a, b, gate_up = _glu_operands(torch.float16, 8, 16, 12)
+    for bad, match in (
+        ((a, b, gate_up, None), "needs the gate's activation"),
+        ((a, b, gate_up, "tanh"), "activation must be one of"),
+        ((a, b, gate_up[:, :12], "silu"), r"contiguous \(8, 24\)"),
+        ((a, b, gate_up.t().contiguous().t(), "silu"), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            gemm.matmul_grad_glu(*bad)
+    with pytest.raises(TypeError, match="gate_up"):
+        gemm.matmul_grad_glu(a, b, gate_up.bfloat16(), "silu")
+    with pytest.raises(ValueError, match="w_down"):
+        tkern.ops.mlp.linear_glu_linear(a, b.t(), None, b.t(), None, "silu", b.t(), None)
+    assert launches == []
+
+
+def _llama_mlp(name="LlamaMLP"):
+    transformers = pytest.importorskip("transformers")
+    family = {"LlamaMLP": ("llama", "LlamaConfig"), "Phi3MLP": ("phi3", "Phi3Config")}[name]
+    config = getattr(transformers, family[1])(hidden_size=32, intermediate_size=40, num_attention_heads=2)
+    module = __import__(f"transformers.models.{family[0]}.modeling_{family[0]}", fromlist=[name])
+    torch.manual_seed(0)
+    return getattr(module, name)(config).to(DEVICE)
+
+
+class _AddsOver(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten adds whose output has ``numel`` elements (launches' own ops not seen: the
+    ``launches`` fixture runs each launch with the modes disabled)."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.seen = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and out.numel() == self.numel:
+            self.seen += 1
+        return out
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("LlamaMLP", torch.bfloat16), ("Phi3MLP", torch.float16)])
+def test_converted_gated_mlp_backward_runs_in_downs_dgrad_epilogue(name, dtype, launches, monkeypatch):
+    # no gated-unit backward launch, one GRAD_GLU dgrad, and x's gradient summed by the GEMMs
+    # (no torch add over (tokens, hidden)); against the previous path and fp32
+    mlp = _llama_mlp(name)
+    x = torch.randn(2, 5, 32, device=DEVICE)
+    ref = _block_grads(mlp, x)  # fp32, HF's own modules
+    convert_network(mlp, dtype)
+    x = x.to(dtype)
+    monkeypatch.setattr(fusion, "DGRAD_EPILOGUE", False)
+    old = _block_grads(mlp, x)
+    assert sum(n == "_swiglu_bwd_kernel" for n, _ in launches) == 1
+    monkeypatch.setattr(fusion, "DGRAD_EPILOGUE", True)
+    launches.clear()
+    with _AddsOver(2 * 5 * 32) as adds:
+        new = _block_grads(mlp, x)
+    assert sum(n == "_swiglu_bwd_kernel" for n, _ in launches) == 0
+    assert [(kw["GRAD_ACT"], kw["GRAD_GLU"]) for _, kw in launches if kw.get("GRAD_GLU")] == [
+        (ACTIVATIONS["silu"], True)
+    ]
+    assert adds.seen == 0
+    assert torch.equal(new[0], old[0])  # the same forward GEMMs and gated unit
+    for got, prev, want in zip(new, old, ref, strict=True):
+        assert got.dtype == dtype
+        assert rel_err(got, prev) < TOL[dtype]  # within one rounding of dH
+        assert rel_err(got, want) <= max(2 * TOL[dtype], 1.01 * rel_err(prev, want))
+
+
+def test_gated_mlp_hooks_create_graph_and_the_flat_buffer(wgrad_counts, monkeypatch):
+    # a hook on up_proj: the layers one by one; create_graph: torch's formulas, as each layer's;
+    # a fused optimizer's flat buffer: the three weight gradients written into it
+    from tkern.flat import grad_is_flat_view
+    from tkern.optim import FusedAdamW
+
+    mlp = convert_network(_llama_mlp(), torch.float16)
+    opt = FusedAdamW(mlp.parameters(), lr=1e-3)  # noqa: F841 (kept: it owns the flat buffer)
+    x = torch.randn(2, 4, 32, device=DEVICE).half().requires_grad_()
+    seen = []
+    handle = mlp.up_proj.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    y_hooked = mlp(x)
+    handle.remove()
+    assert seen == [torch.Size([2, 4, 40])]
+    y = mlp(x)
+    assert torch.equal(y, y_hooked)
+    (gx,) = torch.autograd.grad(y.float().square().sum(), x, create_graph=True)
+    monkeypatch.setattr(fusion, "DGRAD_EPILOGUE", False)
+    (ox,) = torch.autograd.grad(mlp(x).float().square().sum(), x, create_graph=True)
+    assert rel_err(gx, ox) < TOL[torch.float16]  # the same formulas; x's two halves summed once here
+    monkeypatch.setattr(fusion, "DGRAD_EPILOGUE", True)
+    wgrad_counts.update(into=0, copies=0)
+    mlp(x.detach()).float().sum().backward()
+    assert wgrad_counts == {"into": 3, "copies": 0}
+    assert all(grad_is_flat_view(p) for p in mlp.parameters())

@@ -219,6 +219,27 @@ def test_cross_entropy_kernel_is_charged_every_pass_over_its_logits(sl):
     assert 2 * logits_bytes <= back < both  # read once, the gradient written
 
 
+def test_dgrad_epilogues_are_charged_what_they_read_and_write(sl):
+    """The GEMM that produces dZ = (dY @ W) * act'(Z) reads Z beside its operands; a gated
+    unit's (gemm.matmul_grad_glu) reads gate and up and writes d(gate) and d(up)."""
+    import ledger_record
+
+    from tkern.kernels import gemm
+
+    rec = ledger_record._Recorder(sl.MODELS["gpt2-tiny"], False)
+    rec.on = True
+    m, k, n = 64, 32, 48
+    dy, w = torch.empty(m, k, dtype=torch.float16), torch.empty(k, n, dtype=torch.float16)
+    with ledger_record.recorded_launches(rec):
+        tkern.matmul(dy, w)
+        gemm.matmul_grad_act(dy, w, torch.empty(m, n, dtype=torch.float16), "gelu_tanh")
+        gemm.matmul_grad_glu(dy, w, torch.empty(m, 2 * n, dtype=torch.float16), "silu")
+    plain, act, glu = [x.bytes for x in rec.launches if x.name.startswith("triton.gemm")]
+    assert plain == 2 * (m * k + k * n + m * n)
+    assert act == plain + 2 * m * n  # Z read
+    assert glu == plain + 2 * 3 * m * n  # gate and up read, d(up) written beside d(gate)
+
+
 def test_nll_loss_and_slice_backward_are_charged_what_a_gpu_touches(sl):
     """Issue 54 item 5: nll_loss gathers one logit per row (not the row), its backward
     zero-fills the gradient and writes one element per row; slice_backward zero-fills the

@@ -19,11 +19,14 @@ gemm.py, gemm_tma.py, gemm_split.py (their shared rooms: gemm_epilogue.py, gemm_
     ``matmul_backward_prechecked`` (the pointer kernel's operand prologue: an
     activation's gradient applied to A, A' and its row sums stored), ``gemm.matmul_grad_act`` /
     ``matmul_grad_act_prechecked`` (the epilogue's ``GRAD_ACT``: ``(A @ B) * act'(Z)``, the dgrad
-    of an MLP's second layer writing the first's dZ; pointer or TMA kernel), ``gemm.matmul_tma_persistent``,
+    of an MLP's second layer writing the first's dZ; pointer or TMA kernel), ``gemm.matmul_grad_glu`` /
+    ``matmul_grad_glu_prechecked`` (``GRAD_GLU``: a gated unit's ``[d(gate) | d(up)]`` from the
+    dgrad of the layer after it), ``gemm.matmul_tma_persistent``,
     ``gemm.scaled_mm``. Configs: ``gemm_configs.gemm_configs`` /
     ``tma_configs``, pruned per device and operands by ``prune_configs``.
     Above: ``ops.linear.linear`` (``_Linear``; custom ops ``tkern::linear_forward``,
-    ``tkern::mm_backward``), ``ops.mlp.linear_act_linear``, ``ops.float8.float8_linear``
+    ``tkern::mm_backward``), ``ops.mlp.linear_act_linear`` / ``linear_glu_linear``,
+    ``ops.float8.float8_linear``
     (``tkern::scaled_mm``), ``nn.Linear``, ``nn.Conv1D``, ``nn.Float8Linear``, ``tkern.matmul``,
     ``tkern.scaled_mm``. Tests: test_gemm.py, test_functional.py, test_float8.py,
     test_dgrad_epilogue.py, test_compiled.py (every offered config compiled, no spills),

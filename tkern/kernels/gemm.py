@@ -59,6 +59,7 @@ from tkern.kernels.gemm_configs import (
 from tkern.kernels.gemm_configs import tma_configs as tma_configs  # re-exported (aot_report.py)
 from tkern.kernels.gemm_emit import Float8Emit, Float8Emitted, check_emit, emit_counter
 from tkern.kernels.gemm_epilogue import (
+    GradEpilogue,
     bias_stride,
     check_bias,
     check_matmul_args,
@@ -220,7 +221,7 @@ def _matmul_tile(
 
 #: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
 _AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT",
-                 "GRAD_ACT"]  # fmt: skip
+                 "GRAD_ACT", "GRAD_GLU"]  # fmt: skip
 
 
 @gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
@@ -284,6 +285,7 @@ def _matmul_kernel(
     ACCUMULATE: tl.constexpr = False,  # C += A' @ B (C's old value read in the epilogue)
     PRECISE_ACC: tl.constexpr = False,  # fp8: promote the tensor cores' partial sums every K tile
     GRAD_ACT: tl.constexpr = 0,  # activation code: C = (A' @ B) * act'(Z), Z at preact_ptr (0: off)
+    GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (epilogue's GRAD_GLU)
 ):
     """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
     accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
@@ -294,7 +296,8 @@ def _matmul_kernel(
     built while A's tiles are loaded, and the programs of the first column block
     (``pid_n == 0``, each of A's row bands has exactly one) store the A' tiles they
     built and their row sums (dbias): no atomics, every row written once. The epilogue's
-    ``GRAD_ACT`` serves the layer before: ``dZ = (dY @ W) * act'(Z)`` (matmul_grad_act)."""
+    ``GRAD_ACT`` serves the layer before: ``dZ = (dY @ W) * act'(Z)`` (matmul_grad_act),
+    and with ``GRAD_GLU`` a gated unit's d(gate) and d(up) (matmul_grad_glu)."""
     acc, pid_m, pid_n = _matmul_tile(
         a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
         stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, z_ptr,
@@ -304,7 +307,7 @@ def _matmul_kernel(
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-        ACCUMULATE, GRAD_ACT,
+        ACCUMULATE, GRAD_ACT, GRAD_GLU,
     )  # fmt: skip
 
 
@@ -680,7 +683,8 @@ def _kernel_meta(
         "A_T": a_t, "B_T": b_t, "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
         "PRECISE_ACC": scales.precise_acc,
         **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
-        "GRAD_ACT": ACTIVATIONS[None if grad_act is None else grad_act[0]],  # in the key too
+        "GRAD_ACT": ACTIVATIONS[None if grad_act is None else grad_act.activation],  # in the key too
+        "GRAD_GLU": grad_act is not None and grad_act.glu,
     }  # fmt: skip
 
 
@@ -695,15 +699,16 @@ def _launch(
     each :data:`_LAUNCHES` key goes through the autotuner, the later ones call the
     config it chose directly (``_common.resolve_launch``). ``into``: an (M, N)
     tensor of ``out_dtype`` (any strides) the result is added to (``accumulate``)
-    or written into, and returned, instead of a new one. ``grad_act``: ``(activation, z)``,
-    the epilogue's product with act'(z) (z read where a pre-activation would be stored)."""
+    or written into, and returned, instead of a new one. ``grad_act``: a
+    :class:`GradEpilogue`, the epilogue's product with act'(z) (z read where a pre-activation
+    would be stored), or a gated unit's two gradients."""
     c = torch.empty(M, N, dtype=out_dtype, device=a.device) if into is None else into
     if M == 0 or N == 0:
         if prologue is not NO_PROLOGUE:
             _prologue_without_gemm(a, prologue)  # prologue launches pass a with its own strides
         return c
     sc = (N, 1) if into is None else into.stride()
-    pre = preact if grad_act is None else grad_act[1]
+    pre = preact if grad_act is None else grad_act.z
     args = (
         a, b, c, c if bias is None else bias, c if pre is None else pre,
         M, N, K, *sa, *sb, *sc, bias_stride(bias),
@@ -714,7 +719,7 @@ def _launch(
            preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, prologue.activation,
            prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype,
            None if into is None else sc, accumulate, scales.precise_acc,
-           None if grad_act is None else grad_act[0])  # fmt: skip
+           None if grad_act is None else grad_act[::2])  # fmt: skip
     accumulate = into is not None and accumulate
     if scales is NO_SCALES:
         kernel = _matmul_accumulate_kernel if accumulate else _matmul_kernel
@@ -923,32 +928,84 @@ def matmul_grad_act(a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, activatio
     Raises:
         TypeError / ValueError: naming the argument, before anything is launched.
     """
+    _check_grad_epilogue(a, b, "z", z, 1, activation, "matmul_grad_act needs an activation")
+    return matmul_grad_act_prechecked(a, b, z, activation)
+
+
+def _check_grad_epilogue(a, b, name: str, z, width: int, activation, refusal: str) -> None:
+    """A dgrad-epilogue GEMM's checks: ``a @ b``'s operands, an activation (None refused with
+    ``refusal``) and ``z`` (``name``) a contiguous (M, ``width`` N) tensor of ``a``'s dtype."""
     M, N, _, _ = check_matmul_args(a, b, None, None, None, None)
     check_activation(activation)
     if activation is None:
-        raise ValueError("matmul_grad_act needs an activation, got None")
-    check_tensor("z", z, ndim=2, dtypes=(a.dtype,))
-    if tuple(z.shape) != (M, N) or not z.is_contiguous():
-        raise ValueError(f"z must be a contiguous ({M}, {N}) tensor, got shape {tuple(z.shape)}")
-    check_same_device(a=a, z=z)
-    return matmul_grad_act_prechecked(a, b, z, activation)
+        raise ValueError(f"{refusal}, got None")
+    check_tensor(name, z, ndim=2, dtypes=(a.dtype,))
+    if tuple(z.shape) != (M, width * N) or not z.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous ({M}, {width * N}) tensor, got shape {tuple(z.shape)}")
+    check_int32_addressable(name, z)
+    check_same_device(a=a, **{name: z})
 
 
 def matmul_grad_act_prechecked(
     a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, activation: str
 ) -> torch.Tensor:
     """:func:`matmul_grad_act` for a caller that checked its arguments (the hot path)."""
+    return _launch_grad_epilogue(a, b, GradEpilogue(activation, z), None)
+
+
+def _launch_grad_epilogue(a, b, grad_act: GradEpilogue, into) -> torch.Tensor:
+    """A dgrad-epilogue GEMM (``grad_act``) on the kernel the plan names (the pointer or
+    TMA kernel, never split-K: its reduction has no epilogue); C new or ``into``."""
     (M, K), N = a.shape, b.shape[1]
-    grad_act = (activation, z)
     plan = plan_for(a, b, M, N, K, split=False)
     if plan.kernel == TMA:
         layouts = tma_layouts(a, b)
         if layouts is not None:
-            return launch_tma(a, b, M, N, K, None, None, a.dtype, None, layouts, grad_act=grad_act)
+            return launch_tma(a, b, M, N, K, None, None, a.dtype, None, layouts, into, False, grad_act)
     sa, sb = a.stride(), b.stride()
     return _launch(
-        a, sa, b, sb, M, N, K, None, None, a.dtype, None, NO_SCALES, NO_PROLOGUE, grad_act=grad_act
+        a, sa, b, sb, M, N, K, None, None, a.dtype, None, NO_SCALES, NO_PROLOGUE, into, False, grad_act
     )
+
+
+def matmul_grad_glu(a: torch.Tensor, b: torch.Tensor, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The gradients of a gated unit ``h = act(gate) * up`` from the GEMM that produces
+    dH: ``dH = a @ b`` accumulated in fp32, then in the epilogue, in fp32 and each rounded
+    once to ``a``'s dtype, ``d(gate) = dH * up * act'(gate)`` and ``d(up) = dH * act(gate)``.
+
+    The dgrad of the layer after a GLU (Llama's ``down_proj``: ``dH = dY @ W_down``), with
+    ``gate_up`` the gate and up projections side by side (the forward's saved (M, 2N)
+    tensor): one launch writes ``[d(gate) | d(up)]`` as one (M, 2N) tensor, where
+    :func:`matmul` then ``swiglu_backward`` round dH first and pass over it again. On the
+    pointer kernel or, where the plan says so, the TMA kernel; never split-K.
+
+    Args:
+        a: (M, K) fp16 or bf16, any strides (dY).
+        b: (K, N), ``a``'s dtype, any strides (W_down, (hidden, N) read as is).
+        gate_up: (M, 2N) contiguous, ``a``'s dtype: gate in columns ``[0, N)``, up in ``[N, 2N)``.
+        activation: the gate's activation (``"silu"``: SwiGLU; ``"gelu_tanh"``, ``"gelu"``,
+            ``"relu"``).
+
+    Returns:
+        A new contiguous (M, 2N) tensor of ``a``'s dtype: ``[d(gate) | d(up)]``.
+
+    Raises:
+        TypeError / ValueError: naming the argument, before anything is launched.
+    """
+    _check_grad_epilogue(
+        a, b, "gate_up", gate_up, 2, activation, "matmul_grad_glu needs the gate's activation"
+    )
+    return matmul_grad_glu_prechecked(a, b, gate_up, activation)
+
+
+def matmul_grad_glu_prechecked(
+    a: torch.Tensor, b: torch.Tensor, gate_up: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """:func:`matmul_grad_glu` for a caller that checked its arguments (the hot path)."""
+    M, N = a.shape[0], b.shape[1]
+    d = torch.empty(M, 2 * N, dtype=a.dtype, device=a.device)
+    _launch_grad_epilogue(a, b, GradEpilogue(activation, gate_up[:, :N], glu=True), d[:, :N])
+    return d
 
 
 def matmul_tma_persistent(

@@ -10,6 +10,8 @@ their launchers.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,16 @@ from tkern.kernels.activation import (
 from tkern.kernels.float8 import store_fp8_tile
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class GradEpilogue(NamedTuple):
+    """A dgrad epilogue's inputs (the kernels' ``GRAD_ACT`` / ``GRAD_GLU``): ``activation``
+    (a name) and ``z``, the pre-activation (M, N) read with C's strides; with ``glu``, ``z``
+    and C are the left halves of (M, 2N) tensors (gate | up, d(gate) | d(up))."""
+
+    activation: str
+    z: torch.Tensor
+    glu: bool = False
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -96,9 +108,11 @@ def _epilogue_part(
     WIDTH: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     GRAD_ACT: tl.constexpr = 0,
+    GRAD_GLU: tl.constexpr = False,
 ):
     """Bias, optional pre-activation store, the product with act'(Z) of the Z read at
-    ``preact_ptr`` (GRAD_ACT), activation, C's old value added (ACCUMULATE) and one
+    ``preact_ptr`` (GRAD_ACT; with GRAD_GLU the gated unit's two gradients, see
+    :func:`epilogue`), activation, C's old value added (ACCUMULATE) and one
     masked cast-and-store on WIDTH columns of the fp32 tile.
     Returns ``(stored, cols, mask)``: the values stored (OUT_DTYPE), their columns and
     mask (:func:`epilogue_emit` casts them to fp8; :func:`epilogue` drops them)."""
@@ -111,11 +125,18 @@ def _epilogue_part(
     preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if STORE_PREACT:
         tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
-    if GRAD_ACT != 0:  # dZ = (dY @ W) * act'(Z) on the unrounded fp32 product: one rounding
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    if GRAD_GLU:  # dH = dY @ W of h = act(gate) * up: gate at preact_ptr, up N columns right of it
+        g = tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
+        u = tl.load(preact_ptrs + N * stride_cn, mask=mask_c, other=0.0).to(tl.float32)
+        tl.store(
+            c_ptrs + N * stride_cn, cast_rne(acc * apply_activation(g, GRAD_ACT), OUT_DTYPE), mask=mask_c
+        )
+        acc = activation_grad_f32(acc * u, g, GRAD_ACT)  # d(gate), stored below
+    elif GRAD_ACT != 0:  # dZ = (dY @ W) * act'(Z) on the unrounded fp32 product: one rounding
         z = tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
         acc = activation_grad_f32(acc, z, GRAD_ACT)
     acc = apply_activation(acc, ACTIVATION)
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if ACCUMULATE:  # C += result: one rounding of the fp32 sum, as an fp32 accumulator would
         acc = acc + tl.load(c_ptrs, mask=mask_c, other=0.0).to(tl.float32)
     out = cast_rne(acc, OUT_DTYPE)
@@ -146,6 +167,7 @@ def epilogue(
     EPI_SPLIT: tl.constexpr,  # column slices of an exp/erf epilogue (gemm_configs.epi_split)
     ACCUMULATE: tl.constexpr = False,  # C's old value is added to the result (C += ...)
     GRAD_ACT: tl.constexpr = 0,  # an ACTIVATIONS code: the result times act'(Z), Z at preact_ptr
+    GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: the gated unit's d(gate) and d(up) (see below)
 ):
     """Bias, activation and one cast, on the fp32 accumulator; masked stores.
     With ``ACCUMULATE`` the store adds the result to what C holds (the wgrad
@@ -161,17 +183,24 @@ def epilogue(
     With ``GRAD_ACT`` (the linear backward's dgrad of the layer after an activation:
     ``dZ = (dY @ W) * act'(Z)``) the pre-activation Z, (M, N) with C's strides, is read
     at ``preact_ptr`` and the fp32 tile multiplied by act'(Z) before the one cast; an
-    exp/erf gradient is sliced as an exp/erf activation is."""
+    exp/erf gradient is sliced as an exp/erf activation is.
+
+    With ``GRAD_GLU`` too (the dgrad of the layer after a gated unit ``h = act(gate) * up``:
+    the tile is dH = dY @ W), C and the pre-activations are the left halves of (M, 2N)
+    tensors: ``gate`` is read at ``preact_ptr`` and ``up`` N columns to its right, and
+    ``d(gate) = dH * up * act'(gate)`` is stored at C and ``d(up) = dH * act(gate)`` N
+    columns to its right, each from the unrounded fp32 dH and rounded once (the formulas
+    of kernels/swiglu.py's backward)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     SLICED: tl.constexpr = ((TRANSCENDENTAL_BITS >> ACTIVATION) | (TRANSCENDENTAL_BITS >> GRAD_ACT)) & 1
-    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or SLICED else 1
+    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or SLICED or GRAD_GLU else 1
     WIDTH: tl.constexpr = BLOCK_N // PARTS
     slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
     for i in tl.static_range(PARTS):
         _epilogue_part(
             slices[i], rows, pid_n * BLOCK_N + i * WIDTH, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm,
             stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
-            ACCUMULATE, GRAD_ACT,
+            ACCUMULATE, GRAD_ACT, GRAD_GLU,
         )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ _INTERPRET_PROGRAMS = 4
 
 
 #: What the TMA kernel's autotuners choose a config by (both: plain and ``C +=``).
-_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "C_TMA", "GRAD_ACT"]
+_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "C_TMA", "GRAD_ACT", "GRAD_GLU"]
 
 
 @gemm_autotune(configs=tma_configs(), key=_AUTOTUNE_KEY, tma=True)
@@ -66,6 +66,7 @@ def _matmul_tma_kernel(
     EPI_SPLIT: tl.constexpr,  # column slices of the GELU epilogue (see gemm_epilogue.epilogue)
     ACCUMULATE: tl.constexpr = False,  # C += A @ B (C's old value read in the epilogue)
     GRAD_ACT: tl.constexpr = 0,  # C = (A @ B) * act'(Z), Z at preact_ptr (the pointer epilogue)
+    GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (the pointer epilogue)
 ):
     """C = act(A @ B + bias) (or C += A @ B), fp32 accumulation, persistent (one program per SM
     walks the tiles) with A and B fetched by the tensor memory accelerator
@@ -99,7 +100,7 @@ def _matmul_tma_kernel(
             epilogue(
                 acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
                 HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-                ACCUMULATE, GRAD_ACT,
+                ACCUMULATE, GRAD_ACT, GRAD_GLU,
             )  # fmt: skip
 
 
@@ -157,9 +158,10 @@ def launch_tma(
     checked (``gemm_epilogue.check_matmul_args``) and ``layouts`` from
     :func:`tma_layouts` (not None); with ``into`` (an (M, N) tensor of
     ``out_dtype``, any strides), ``into += a @ b`` (``accumulate``, no bias or
-    activation) or the result written into it, returned. ``grad_act``: ``(activation,
-    z)``, ``(a @ b) * act'(z)`` for a contiguous (M, N) ``z`` (no bias, activation or
-    preact; a new C), through the pointer epilogue, which reads Z beside C."""
+    activation) or the result written into it, returned. ``grad_act``: a
+    ``gemm_epilogue.GradEpilogue``, ``(a @ b) * act'(z)`` for an (M, N) ``z`` with C's
+    strides, or a gated unit's two gradients (no bias, activation or preact; C new or
+    ``into``, not accumulated), through the pointer epilogue, which reads Z beside C."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_t, b_t = layouts[0] == "col", layouts[1] == "col"
@@ -184,7 +186,7 @@ def launch_tma(
     def grid(meta):
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    grad_code, z = (0, preact) if grad_act is None else (ACTIVATIONS[grad_act[0]], grad_act[1])
+    grad_code, z = (0, preact) if grad_act is None else (ACTIVATIONS[grad_act.activation], grad_act.z)
     kernel[grid](
         a_desc, b_desc, c_desc, c, bias if bias is not None else c, z if z is not None else c,
         M, N, K, c.stride(0), c.stride(1), bias_stride(bias),
@@ -194,5 +196,6 @@ def launch_tma(
         NUM_SMS=num_sms,
         C_TMA=c_tma,
         GRAD_ACT=grad_code,
+        GRAD_GLU=grad_act is not None and grad_act.glu,
     )  # fmt: skip
     return c

@@ -151,6 +151,13 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu
     _check_operand("gate", gate, shape, None)
     _check_operand("up", up, shape, gate.dtype)
     check_same_device(gate=gate, up=up)
+    return swiglu_forward_prechecked(gate, up, activation)
+
+
+def swiglu_forward_prechecked(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """:func:`swiglu_forward` on tensors the caller made or checked (``tkern.ops.mlp``'s
+    gate and up, the halves of the buffer its GEMMs wrote): the launch."""
+    shape = tuple(gate.shape)
     h = torch.empty(shape, dtype=gate.dtype, device=gate.device)
     if h.numel():
         block_m, block_n = _blocks(*shape, FWD_ELEMENTS)

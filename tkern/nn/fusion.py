@@ -6,7 +6,8 @@
   run their activation on tkern's kernels (:class:`FusedMLPForward`): GPT-2's
   ``c_proj(act(c_fc(x)))`` with the activation in c_fc's GEMM epilogue, Llama's
   ``down(act(gate(x)) * up(x))`` with ``act(gate) * up`` one fused kernel
-  (:func:`tkern.ops.swiglu.swiglu`), T5's two kinds the same way, each computed in fp32
+  (:func:`tkern.ops.swiglu.swiglu`) and its backward in down's dgrad epilogue
+  (:func:`tkern.ops.mlp.linear_glu_linear`), T5's two kinds the same way, each computed in fp32
   and rounded once, forward and backward; no torch op runs over the (tokens,
   intermediate) activation. A transformers block no rule matches that looks like an
   MLP is reported (:func:`route_mlp`: convert_network's "left eager" warning). The
@@ -24,7 +25,7 @@ from torch.nn.modules import module as _torch_module
 
 from tkern.nn.float8 import Float8Layer, float8_forward
 from tkern.nn.linear import Linear, compute_operands, conv1d_class, conv1d_forward, linear_forward
-from tkern.ops.mlp import linear_act_linear
+from tkern.ops.mlp import linear_act_linear, linear_glu_linear
 from tkern.ops.swiglu import swiglu, swiglu_packed
 
 __all__ = [
@@ -275,8 +276,11 @@ def _fp8_why(module: nn.Module) -> str:
 
 #: Whether an "act" block whose two layers are tkern's 16-bit GEMMs (``Linear`` / ``Conv1D``)
 #: runs as :func:`tkern.ops.mlp.linear_act_linear`: the activation's gradient in the second
-#: layer's dgrad epilogue (no act' pass, no prologue). False: each layer's own backward
-#: (act' a pass of its own over dH); the tests compare the two.
+#: layer's dgrad epilogue (no act' pass, no prologue); and a "gated" or "packed" block as
+#: :func:`tkern.ops.mlp.linear_glu_linear`: the gated unit's two gradients in down's dgrad
+#: epilogue (no gated-unit backward pass) and gate's and up's input gradients summed by
+#: their GEMMs. False: each layer's own backward (act' or the gated unit's backward a pass
+#: of its own over dH); the tests compare the two.
 DGRAD_EPILOGUE = True
 
 
@@ -305,6 +309,25 @@ def _act_down(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str) -
     if w2.dtype != w1.dtype:
         return None
     return linear_act_linear(x, w1, up.bias, activation, w2, down.bias)
+
+
+def _glu_down(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+    """``down(act(gate(x)) * up(x))`` (the "gated" form) or ``down(swiglu_packed(up(x)))`` (the
+    "packed" form) as one :func:`linear_glu_linear` call where :data:`DGRAD_EPILOGUE` and the
+    layers allow (tkern 16-bit GEMMs of one compute dtype, nothing between them, nothing on
+    a layer the fused form does not call as a module), else None (the caller's path)."""
+    if not DGRAD_EPILOGUE or rule.down is None or rule.mid or rule.to_down_dtype:
+        return None
+    layers = [getattr(mlp, name) for name in (rule.gate, rule.up, rule.down) if name is not None]
+    weights = [_gemm_weight(layer) for layer in layers]
+    if any(w is None for w in weights) or any(map(runs_more_than_forward, layers)):
+        return None
+    x, w_gate = compute_operands(layers[0], x, weights[0])
+    w_rest = [compute_operands(layer, x, w)[1] for layer, w in zip(layers[1:], weights[1:], strict=True)]
+    if any(w.dtype != w_gate.dtype for w in w_rest):
+        return None
+    w_up, b_up = (w_rest[0], layers[1].bias) if rule.gate is not None else (None, None)
+    return linear_glu_linear(x, w_gate, layers[0].bias, w_up, b_up, activation, w_rest[-1], layers[-1].bias)
 
 
 def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:
@@ -342,7 +365,7 @@ class FusedMLPForward:
         if not _fusable_now(mlp, rule):
             return type(mlp).forward(mlp, x)
         activation = epilogue_activation(getattr(mlp, rule.act))
-        h = _act_down(mlp, rule, x, activation) if rule.form == "act" else None
+        h = (_act_down if rule.form == "act" else _glu_down)(mlp, rule, x, activation)
         if h is None:  # no single function over act and down: the layers one by one
             h = self._through_down(x, activation)
         for name in rule.tail:

@@ -6,7 +6,9 @@ per op family, each above the kernels it launches (``tkern/kernels``):
                  ``tkern::activation_grad``)
 ``mlp.py``       ``linear_act_linear``: two linears with an activation between them as one autograd
                  function, the activation's gradient in the second layer's dgrad epilogue (GPT-2's
-                 MLP, converted by ``nn.fusion``; eager only: traced calls run two ``linear`` calls)
+                 MLP, converted by ``nn.fusion``; eager only: traced calls run two ``linear`` calls);
+                 ``linear_glu_linear``: a gated MLP (Llama's, Phi-3's packed one) the same way,
+                 the gated unit's backward in down's dgrad epilogue (``gemm.matmul_grad_glu``)
 ``float8.py``    ``float8_linear`` (custom ops ``tkern::float8_cast_2d``,
                  ``tkern::float8_cast_blocks``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``:
                  with an optional activation in its epilogue, an MLP's forward)

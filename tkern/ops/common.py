@@ -40,13 +40,26 @@ def check_in_features(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
+def next_function_slots(*inputs) -> tuple[int | None, ...]:
+    """For each of a Function's ``inputs``, its index in the node's ``next_functions``
+    (autograd lists the tensor inputs only: a None bias before a weight moves the weight's
+    index down), None for an input that is not a tensor: what :func:`flat_wgrad`'s
+    ``index`` is for a Function whose inputs may be None."""
+    slots, slot = [], 0
+    for t in inputs:
+        slots.append(slot if isinstance(t, torch.Tensor) else None)
+        slot += isinstance(t, torch.Tensor)
+    return tuple(slots)
+
+
 def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None, index: int = 1) -> tuple | None:
     """``(weight, view, accumulate)`` when this backward may put dW straight into
     the weight's gradient view in a fused optimizer's flat buffer (the wgrad
     GEMM adds into it, ``C +=``, when ``.grad`` is the view, or writes into it
     when ``.grad`` is None), else None. ``weight``: input 1 of the Function whose
     backward runs, if the caller has it (a cheap refusal first); ``index``: which input of
-    the Function the weight is (1; a Function over two layers has two).
+    ``next_functions`` entry the weight is (1; a Function over two layers has two, whose
+    indexes :func:`next_function_slots` gives).
 
     Autograd's AccumulateGrad adds whatever backward returns into ``.grad``: a
     fresh (N, K) dW costs that allocation and one more pass over the gradient.

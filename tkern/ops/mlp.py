@@ -1,5 +1,6 @@
-"""Two linears with an activation between them as one autograd function, for the MLP
-blocks :mod:`tkern.nn.fusion` converts (GPT-2's ``c_proj(gelu_tanh(c_fc(x)))``):
+"""Two linears with an activation (or a gated unit) between them as one autograd function,
+for the MLP blocks :mod:`tkern.nn.fusion` converts (GPT-2's ``c_proj(gelu_tanh(c_fc(x)))``,
+Llama's ``down_proj(silu(gate_proj(x)) * up_proj(x))``):
 
 ``y = act(x @ W1^T + b1) @ W2^T + b2``, forward as two GEMMs (the first with the
 activation in its epilogue, storing the pre-activation Z), backward with the second
@@ -8,6 +9,14 @@ layer's dgrad producing the first layer's gradient dZ directly:
 inside, one rounding), so no pass over dH applies act' and the first layer's dgrad and
 wgrad read dZ as plain operands (no prologue). The same Parameters as two
 :func:`tkern.linear` calls; a tracing, meta or subclass call runs those two calls.
+
+:func:`linear_glu_linear` does the same for a gated MLP ``y = (act(x @ Wg^T + bg) *
+(x @ Wu^T + bu)) @ Wd^T + bd``: gate and up are written side by side into one (M, 2N)
+buffer (two GEMMs, or one over a packed ``gate_up`` weight), the gated unit reads its
+halves, and in backward down's dgrad epilogue (``gemm.matmul_grad_glu``) writes
+``[d(gate) | d(up)]`` from the unrounded fp32 dH, so no gated-unit backward pass runs;
+``dX = d(gate) @ Wg + d(up) @ Wu`` is the second GEMM adding into the first's output (one
+rounding of the fp32 sum), not a torch add of two (M, K) gradients.
 """
 
 from __future__ import annotations
@@ -23,8 +32,15 @@ from tkern.kernels._common import (
     check_tensor,
 )
 from tkern.kernels.activation import GRAD_FROM_OUTPUT, activation_grad_prechecked
-from tkern.kernels.gemm import linear_prechecked, matmul_grad_act_prechecked
+from tkern.kernels.gemm import (
+    linear_prechecked,
+    matmul_backward_prechecked,
+    matmul_grad_act_prechecked,
+    matmul_grad_glu_prechecked,
+    matmul_prechecked,
+)
 from tkern.kernels.gemm_epilogue import check_bias
+from tkern.kernels.swiglu import swiglu_forward_prechecked
 from tkern.ops import common
 from tkern.ops.common import as_2d
 from tkern.ops.linear import (
@@ -34,8 +50,9 @@ from tkern.ops.linear import (
     linear_grads,
     mm_backward_checked,
 )
+from tkern.ops.swiglu import differentiable_glu_grads, swiglu, swiglu_packed
 
-__all__ = ["linear_act_linear"]
+__all__ = ["linear_act_linear", "linear_glu_linear"]
 
 
 class _LinearActLinear(torch.autograd.Function):
@@ -52,6 +69,7 @@ class _LinearActLinear(torch.autograd.Function):
         h = linear_prechecked(x2d, w1, b1, activation, preact)
         y = linear_prechecked(h, w2, b2, None, None)
         ctx.activation = activation
+        ctx.slots = common.next_function_slots(x, w1, b1, w2, b2)
         ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b1, b2))
         ctx.x_shape = x.shape if x2d is not x else None
         ctx.save_for_backward(x2d, w1, b1, h if from_output else preact, h, w2, b2)
@@ -80,8 +98,9 @@ class _LinearActLinear(torch.autograd.Function):
 
 def _layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
     """One layer's (dx, dw, db) from its output gradient (no activation of its own):
-    ``linear_grads``, with dW put into a flat gradient buffer where it may (input ``index``)."""
-    target = common.flat_wgrad(ctx, x2d.dtype, weight, index) if needs[1] else None
+    ``linear_grads``, with dW put into a flat gradient buffer where it may (the weight is the
+    Function's input ``index``)."""
+    target = common.flat_wgrad(ctx, x2d.dtype, weight, ctx.slots[index]) if needs[1] else None
     mm, act_grad = mm_backward_checked, activation_grad_prechecked  # tensors autograd and forward made
     dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs, bias_dtype, mm, act_grad, target)
     if target is not None:
@@ -128,3 +147,151 @@ def linear_act_linear(
         return linear(linear(x, w1, b1, activation), w2, b2)
     y = _LinearActLinear.apply(x, w1, b1, w2, b2, activation)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w2.shape[0])
+
+
+class _LinearGLULinear(torch.autograd.Function):
+    """y = (act(x @ Wg^T + bg) * (x @ Wu^T + bu)) @ Wd^T + bd as (M, N2); ``w_up`` None: ``w_gate``
+    is the packed (2N, K) ``gate_up`` weight. See the module's docstring."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+        x2d = x if x.dim() == 2 else as_2d(x, w_gate.shape[1])
+        n = w_down.shape[1]
+        gate_up = torch.empty(x2d.shape[0], 2 * n, dtype=x.dtype, device=x.device)
+        if w_up is None:  # one GEMM over the packed weight
+            matmul_prechecked(x2d, w_gate.t(), b_gate, None, x.dtype, None, gate_up, False)
+        else:  # gate and up side by side: each GEMM writes its half
+            matmul_prechecked(x2d, w_gate.t(), b_gate, None, x.dtype, None, gate_up[:, :n], False)
+            matmul_prechecked(x2d, w_up.t(), b_up, None, x.dtype, None, gate_up[:, n:], False)
+        h = swiglu_forward_prechecked(gate_up[:, :n], gate_up[:, n:], activation)
+        y = linear_prechecked(h, w_down, b_down, None, None)
+        ctx.activation = activation
+        ctx.slots = common.next_function_slots(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_gate, b_up, b_down))
+        ctx.x_shape = x.shape if x2d is not x else None
+        ctx.save_for_backward(x2d, w_gate, b_gate, w_up, b_up, gate_up, h, w_down, b_down)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, w_gate, b_gate, w_up, b_up, gate_up, h, w_down, b_down = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True: differentiable gradients
+            grads = _differentiable_glu_linear(
+                ctx, dy, x2d, w_gate, b_gate, w_up, b_up, gate_up, h, w_down, b_down
+            )
+        else:
+            _, dwd, dbd = _layer_grads(ctx, dy, h, w_down, (False, *needs[5:7]), ctx.bias_dtypes[2], 5)
+            dx = dwg = dbg = dwu = dbu = None
+            if any(needs[:5]):  # [d(gate) | d(up)] straight from down's dgrad epilogue
+                d = matmul_grad_glu_prechecked(dy, w_down, gate_up, ctx.activation)
+                dx, dwg, dbg, dwu, dbu = _first_grads(ctx, d, x2d, w_gate, w_up, needs)
+            grads = (dx, dwg, dbg, dwu, dbu, dwd, dbd)
+        dx = grads[0]
+        if dx is not None and ctx.x_shape is not None:
+            dx = dx.reshape(ctx.x_shape)
+        return (dx, *grads[1:], None)
+
+
+def _first_grads(ctx, d, x2d, w_gate, w_up, needs):
+    """``(dx, dWg, dbg, dWu, dbu)`` of the first layer(s) from ``d = [d(gate) | d(up)]``
+    (M, 2N): with a packed weight one layer's gradients; else each half's dW and db, and
+    ``dX = d(gate) @ Wg`` with ``d(up) @ Wu`` added into it by the second GEMM."""
+    bias_gate, bias_up = ctx.bias_dtypes[:2]
+    if w_up is None:
+        dx, dwg, dbg = _layer_grads(ctx, d, x2d, w_gate, needs[:3], bias_gate, 1)
+        return dx, dwg, dbg, None, None
+    n = d.shape[1] // 2
+    dg, du = d[:, :n], d[:, n:]
+    _, dwg, dbg = _layer_grads(ctx, dg, x2d, w_gate, (False, *needs[1:3]), bias_gate, 1)
+    _, dwu, dbu = _layer_grads(ctx, du, x2d, w_up, (False, *needs[3:5]), bias_up, 3)
+    dx = None
+    if needs[0]:
+        dx = matmul_backward_prechecked(dg, w_gate, None, None, None, None)
+        matmul_backward_prechecked(du, w_up, None, None, None, None, False, dx, True)
+    return dx, dwg, dbg, dwu, dbu
+
+
+def _differentiable_glu_linear(ctx, dy, x2d, w_gate, b_gate, w_up, b_up, gate_up, h, w_down, b_down):
+    """The seven gradients with torch operations in fp32, each rounded once, recorded by
+    autograd (backward with ``create_graph=True``)."""
+    needs = ctx.needs_input_grad
+    bias_gate, bias_up, bias_down = ctx.bias_dtypes
+    dh, dwd, dbd = differentiable_grads(dy, h, w_down, b_down, None, (any(needs[:5]), *needs[5:7]), bias_down)
+    dx = dwg = dbg = dwu = dbu = None
+    if dh is not None:
+        n = w_down.shape[1]
+        dg, du = differentiable_glu_grads(dh, gate_up[:, :n], gate_up[:, n:], ctx.activation)
+        if w_up is None:
+            dx, dwg, dbg = differentiable_grads(
+                torch.cat((dg, du), 1), x2d, w_gate, b_gate, None, needs[:3], bias_gate
+            )
+        else:
+            dxg, dwg, dbg = differentiable_grads(dg, x2d, w_gate, b_gate, None, needs[:3], bias_gate)
+            dxu, dwu, dbu = differentiable_grads(du, x2d, w_up, b_up, None, (needs[0], *needs[3:5]), bias_up)
+            dx = None if dxg is None else dxg + dxu
+    return dx, dwg, dbg, dwu, dbu, dwd, dbd
+
+
+def _check_glu(x, w_gate, b_gate, w_up, b_up, w_down) -> int:
+    """Raise unless the gate, up and down weights fit one gated MLP on ``x``; returns N, the
+    gated unit's width (``w_down``'s in-features)."""
+    gated = w_gate.shape[0] if w_up is not None else w_gate.shape[0] // 2
+    if w_up is None and w_gate.shape[0] % 2:
+        raise ValueError(
+            f"a packed gate_up weight must have an even first dimension, got {tuple(w_gate.shape)}"
+        )
+    if w_up is not None:
+        check_tensor("w_up", w_up, ndim=2, dtypes=(w_gate.dtype,))
+        if w_up.shape != w_gate.shape:
+            raise ValueError(f"w_up must have w_gate's shape {tuple(w_gate.shape)}, got {tuple(w_up.shape)}")
+        check_bias(b_up, w_up.shape[0], w_up.dtype)
+        check_same_device(x=x, w_up=w_up, b_up=b_up)
+        check_int32_addressable("w_up", w_up)
+    check_tensor("w_down", w_down, ndim=2, dtypes=(w_gate.dtype,))
+    if w_down.shape[1] != gated:
+        raise ValueError(
+            f"w_down must have shape (N2, {gated}) to follow the gated unit, got {tuple(w_down.shape)}"
+        )
+    check_int32_elements("gate_up", (math.prod(x.shape[:-1]), 2 * gated))
+    return gated
+
+
+def linear_glu_linear(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    activation: str,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor | None,
+) -> torch.Tensor:
+    """``linear(swiglu(linear(x, w_gate, b_gate), linear(x, w_up, b_up), activation), w_down,
+    b_down)`` (a Llama MLP) with the gated unit's backward in down's dgrad epilogue and the
+    two first layers' input gradients summed by their GEMMs (see the module's docstring).
+
+    Args:
+        x: (..., K), fp16 or bf16.
+        w_gate: (N, K), ``x``'s dtype; or, with ``w_up`` None, the packed (2N, K) ``gate_up``
+            weight (gate rows first, as Phi-3's ``gate_up_proj``). b_gate: optional, its rows'.
+        w_up: (N, K) like ``w_gate``, or None (packed); b_up: optional (N,).
+        activation: the gate's (``"silu"``: SwiGLU; ``"gelu_tanh"``, ``"gelu"``, ``"relu"``).
+        w_down: (N2, N), ``x``'s dtype; b_down: optional (N2,).
+
+    Returns:
+        (..., N2) tensor of ``x``'s dtype.
+    """
+    if activation is None:
+        raise ValueError("linear_glu_linear needs the gate's activation, got None")
+    eager = check_linear_args(x, w_gate, b_gate, activation)
+    n = _check_glu(x, w_gate, b_gate, w_up, b_up, w_down)
+    check_bias(b_down, w_down.shape[0], w_down.dtype)
+    check_same_device(x=x, w_down=w_down, b_down=b_down)
+    if not eager or n == 0 or w_gate.shape[1] == 0:  # traced, meta, subclass, empty: the calls one by one
+        if w_up is None:
+            return linear(swiglu_packed(linear(x, w_gate, b_gate), activation), w_down, b_down)
+        return linear(swiglu(linear(x, w_gate, b_gate), linear(x, w_up, b_up), activation), w_down, b_down)
+    check_int32_addressable("w_down", w_down)
+    y = _LinearGLULinear.apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w_down.shape[0])

@@ -44,7 +44,7 @@ _TORCH_ACTIVATIONS = {
 }
 
 
-def _differentiable_grads(dh, gate, up, activation):
+def differentiable_glu_grads(dh, gate, up, activation):
     """``(dgate, dup)`` with torch operations in fp32, each rounded once: what the kernel
     computes, recorded by autograd (backward with ``create_graph=True``)."""
     g, u = (t.float() if t.requires_grad else t.detach().float().requires_grad_() for t in (gate, up))
@@ -75,7 +75,7 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
-            return (*_differentiable_grads(dh, gate, up, ctx.activation), None)
+            return (*differentiable_glu_grads(dh, gate, up, ctx.activation), None)
         new = (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) for _ in range(2))
         dgate, dup = _backward_kernel(dh, gate, up, ctx.activation, *new)
         return dgate, dup, None
@@ -98,7 +98,7 @@ class _SwiGLUPacked(torch.autograd.Function):
         n = gate_up.shape[1] // 2
         if torch.is_grad_enabled():  # create_graph=True
             return torch.cat(
-                _differentiable_grads(dh, gate_up[:, :n], gate_up[:, n:], ctx.activation), 1
+                differentiable_glu_grads(dh, gate_up[:, :n], gate_up[:, n:], ctx.activation), 1
             ), None
         d = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
         _backward_kernel(dh, gate_up[:, :n], gate_up[:, n:], ctx.activation, d[:, :n], d[:, n:])
