@@ -131,6 +131,9 @@ class GemmLaunch:
     # with grad_act: a gated unit's two gradients (``GRAD_GLU``: down's dgrad writing
     # [d(gate) | d(up)] from the stored [gate | up], gemm.matmul_grad_glu)
     glu: bool = False
+    # the epilogue adds the (M, N) tensor at preact_ptr (``ADD_RESIDUAL``: the block's last
+    # layer writing the residual stream, ops/mlp.py's ``residual``)
+    residual: bool = False
 
     @property
     def label(self) -> str:
@@ -140,6 +143,7 @@ class GemmLaunch:
         label = f"{self.dtype}->{self.out},{self.layout},{epi}{bias}" + (",ragged" if self.ragged else "")
         grad = f",dZ=dY*{activation_names()[self.grad_act]}'(Z)" if self.grad_act else ""
         grad = grad.replace("'(Z)", "'(G)*U,dU") if self.glu else grad
+        grad += ",+residual" if self.residual else ""
         return label + self.prologue_label + (",C+=" if self.accumulate else "") + grad
 
     @property
@@ -246,6 +250,9 @@ DGRAD_EPILOGUE_LAUNCHES = (
 #: reading gate and up and writing both gradients), SwiGLU's (SiLU) with down's (hidden,
 #: intermediate) weight row-major as dgrad reads it.
 GLU_DGRAD_LAUNCHES = (GemmLaunch("bf16", "bf16", layout="NN", grad_act=3, glu=True),)
+#: The residual stream's add in the block's last GEMM (``ADD_RESIDUAL``: GPT-2's c_proj with
+#: its bias, Llama's down_proj without), the forward with ``nn.Linear``'s weight read in place.
+RESIDUAL_LAUNCHES = (GemmLaunch("bf16", "bf16", "bf16", layout="NT", residual=True),)
 
 
 def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
@@ -294,7 +301,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
         A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
-        PRECISE_ACC=False, GRAD_ACT=v.grad_act, GRAD_GLU=v.glu,
+        PRECISE_ACC=False, GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -326,12 +333,12 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
     )
     # the TMA-store epilogue where the launcher takes it: C row-major with aligned rows
     # (not ragged) and no pre-activation stored beside it (gemm_tma.launch_tma)
-    c_tma = not v.preact and not v.ragged and not v.grad_act
+    c_tma = not v.preact and not v.ragged and not v.grad_act and not v.residual
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
         A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma,
-        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, **kw,
+        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, **kw,
     )  # fmt: skip
     if c_tma:
         from tkern.kernels.gemm_epilogue import epilogue_parts

@@ -19,6 +19,7 @@ from aot_gemm_cases import (
     DGRAD_EPILOGUE_LAUNCHES,
     FORWARD_HEAVIEST,
     GLU_DGRAD_LAUNCHES,
+    RESIDUAL_LAUNCHES,
     TMA_RAGGED_GATE_LAUNCHES,
     TMA_STORE_GATE_LAUNCHES,
     TMA_WGRAD_INTO,
@@ -88,10 +89,12 @@ def dgrad_epilogue_launches(cc, cfg, tma: bool = False) -> tuple[list, list]:
     ``cfg``: erf GELU's where its tile rule offers ``cfg`` (an epilogue's act' is pruned as an
     activation is), else tanh-GELU's, and the gated unit's (:data:`GLU_DGRAD_LAUNCHES`: two
     tiles read and two stored; 242-251 registers on sm_90's 128x256 and 4-warp 128x128 tiles,
-    triton 3.9); the rest on the first config."""
+    triton 3.9); the rest on the first config, with the residual add's forward
+    (:data:`RESIDUAL_LAUNCHES`: one tile more read, 40-188 registers on every sm_90 / sm_100
+    config)."""
     heaviest = _first_offered(cc, cfg, DGRAD_EPILOGUE_LAUNCHES[:2], tma)
     heaviest += [v for v in GLU_DGRAD_LAUNCHES if offered(cc, cfg, v, tma)]
-    return heaviest, [v for v in DGRAD_EPILOGUE_LAUNCHES if v not in heaviest]
+    return heaviest, [v for v in (*DGRAD_EPILOGUE_LAUNCHES, *RESIDUAL_LAUNCHES) if v not in heaviest]
 
 
 #: The forwards of :data:`FORWARD_HEAVIEST` that set a pointer-kernel config's spill bound

@@ -53,6 +53,7 @@ from aot_fp8_cases import (
 from aot_gemm_cases import (
     DGRAD_EPILOGUE_LAUNCHES,
     GLU_DGRAD_LAUNCHES,
+    RESIDUAL_LAUNCHES,
     TMA_RAGGED_GATE_LAUNCHES,
     TMA_STORE_GATE_LAUNCHES,
     TMA_WGRAD_INTO,
@@ -92,6 +93,7 @@ __all__ = [
     "FP8_HEAVIEST",
     "GLU_DGRAD_LAUNCHES",
     "GemmLaunch",
+    "RESIDUAL_LAUNCHES",
     "TMA_RAGGED_GATE_LAUNCHES",
     "TMA_STORE_GATE_LAUNCHES",
     "TMA_WGRAD_INTO",

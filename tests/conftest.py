@@ -9,6 +9,7 @@ else through Triton's interpreter on the CPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from unittest import mock
 
@@ -191,4 +192,39 @@ def wgrad_counts(monkeypatch):
 
     monkeypatch.setattr(common, "flat_wgrad", spy_into)
     monkeypatch.setattr(FlatParams, "_adopt_grad", spy_adopt)
+    return seen
+
+
+@pytest.fixture
+def hopper_routes(monkeypatch):
+    """Hopper's routing (gemm.device_gemm_info patched: TMA, ragged M plans the TMA kernel),
+    the TMA kernel run by the interpreter; the list of "tma" launches it took."""
+    from tkern.kernels import gemm
+
+    routes = []
+    launch_tma = gemm.launch_tma
+    monkeypatch.setattr(gemm, "device_gemm_info", lambda device: (132, True))
+    monkeypatch.setattr(gemm, "plan_gemm_cached", functools.lru_cache(gemm.plan_gemm_cached.__wrapped__))
+    monkeypatch.setattr(gemm, "launch_tma", lambda *a, **k: routes.append("tma") or launch_tma(*a, **k))
+    return routes
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """(kernel name, its keyword meta) of every Triton launch (the interpreter's), each run
+    with the dispatch modes disabled (a test's TorchDispatchMode sees the model's ops only)."""
+    if not tkern.INTERPRET:
+        pytest.skip("counts launches through Triton's interpreter")
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: list[tuple[str, dict]] = []
+    run = InterpretedFunction.run
+
+    def counting(self, *args, **kwargs):
+        seen.append((self.fn.__name__, kwargs))
+        with _disable_current_modes():
+            return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", counting)
     return seen

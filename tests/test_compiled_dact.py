@@ -9,7 +9,9 @@ writing dZ over the stored pre-activation, with W row-major (``nn.Linear``'s wei
 GPT-2's tanh-GELU, column-major too (Conv1D's (in, out) weight read transposed in place):
 aot_gemm_cases.DGRAD_EPILOGUE_LAUNCHES, compiled in the gate's rows (aot_gemm_sweep). The
 gated unit's (``GRAD_GLU``: down's dgrad reading gate and up and writing both gradients,
-aot_gemm_cases.GLU_DGRAD_LAUNCHES) is compiled on the same configs as the heaviest act'.
+aot_gemm_cases.GLU_DGRAD_LAUNCHES) is compiled on the same configs as the heaviest act', and
+the residual stream's add in the block's last GEMM (``ADD_RESIDUAL``, RESIDUAL_LAUNCHES) on
+the first config of each kernel.
 Compiled mode only (``TRITON_INTERPRET=0``), as tests/test_compiled.py::
 
     TRITON_INTERPRET=0 python -m pytest -m compiled tests/test_compiled_dact.py
@@ -19,13 +21,15 @@ from __future__ import annotations
 
 import pytest
 import test_compiled
-from test_compiled import RUN, _mma, _name, every_config, static_report
+from test_compiled import RUN, _mma, _name, every_config, every_variant, static_report
 
 # compiled mode, no GPU: the compile gate's own marks
 pytestmark = test_compiled.pytestmark
 
 #: The dgrad epilogue's case labels (GemmLaunch.label's suffix)
 DACT = ",dZ=dY*"
+#: The residual add's (ADD_RESIDUAL) case labels
+RESIDUAL = ",+residual"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,7 @@ def rows() -> list[dict]:
 
 
 def test_dgrad_epilogue_variants_compile_without_spills(rows):
-    dact = [r for r in rows if DACT in r["case"]]
+    dact = [r for r in rows if DACT in r["case"] or RESIDUAL in r["case"]]
     assert {r["target"] for r in dact} == set(RUN)
     for r in dact:
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"
@@ -63,3 +67,5 @@ def test_every_offered_config_takes_the_heaviest_dgrad_epilogue(rows):
                 names = [n for n, t in compiled if t == cc and DACT in n]
                 for v in static_report.DGRAD_EPILOGUE_LAUNCHES:
                     assert any(n.endswith(v.label + "]") for n in names), (cc, v)
+            for v in static_report.RESIDUAL_LAUNCHES if every_variant(cc) else ():  # first config
+                assert (case(configs[0], v).name, cc) in compiled, (cc, kind, v.label)

@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICE, TOL, rel_err
-from torch.utils._python_dispatch import _disable_current_modes
 
 import tkern
 from tkern.kernels import gemm
@@ -70,18 +69,6 @@ def test_epilogue_is_dy_at_w_times_the_activation_gradient(dtype, activation):
         assert torch.equal(out, old)
 
 
-@pytest.fixture
-def hopper_routes(monkeypatch):
-    """Hopper's routing (gemm.device_gemm_info patched: TMA, ragged M plans the TMA kernel),
-    the TMA kernel run by the interpreter; the list of "tma" launches it took."""
-    routes = []
-    launch_tma = gemm.launch_tma
-    monkeypatch.setattr(gemm, "device_gemm_info", lambda device: (132, True))
-    monkeypatch.setattr(gemm, "plan_gemm_cached", functools.lru_cache(gemm.plan_gemm_cached.__wrapped__))
-    monkeypatch.setattr(gemm, "launch_tma", lambda *a, **k: routes.append("tma") or launch_tma(*a, **k))
-    return routes
-
-
 @pytest.mark.parametrize("dtype", HALF)
 def test_the_tma_kernel_reads_z_in_its_pointer_epilogue(dtype, hopper_routes):
     # descriptor-aligned K and N
@@ -125,25 +112,6 @@ def _loss_and_grads(model, ids):
     loss = model(ids, labels=ids).loss
     loss.float().backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """(kernel name, its keyword meta) of every Triton launch (the interpreter's)."""
-    if not tkern.INTERPRET:
-        pytest.skip("counts launches through Triton's interpreter")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    seen: list[tuple[str, dict]] = []
-    run = InterpretedFunction.run
-
-    def counting(self, *args, **kwargs):
-        seen.append((self.fn.__name__, kwargs))
-        with _disable_current_modes():
-            return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", counting)
-    return seen
 
 
 def _act_launches(seen):

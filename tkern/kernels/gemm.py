@@ -59,7 +59,7 @@ from tkern.kernels.gemm_configs import (
 from tkern.kernels.gemm_configs import tma_configs as tma_configs  # re-exported (aot_report.py)
 from tkern.kernels.gemm_emit import Float8Emit, Float8Emitted, check_emit, emit_counter
 from tkern.kernels.gemm_epilogue import (
-    GradEpilogue,
+    EpilogueRead,
     bias_stride,
     check_bias,
     check_matmul_args,
@@ -221,7 +221,7 @@ def _matmul_tile(
 
 #: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
 _AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT",
-                 "GRAD_ACT", "GRAD_GLU"]  # fmt: skip
+                 "GRAD_ACT", "GRAD_GLU", "ADD_RESIDUAL"]  # fmt: skip
 
 
 @gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
@@ -286,6 +286,7 @@ def _matmul_kernel(
     PRECISE_ACC: tl.constexpr = False,  # fp8: promote the tensor cores' partial sums every K tile
     GRAD_ACT: tl.constexpr = 0,  # activation code: C = (A' @ B) * act'(Z), Z at preact_ptr (0: off)
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (epilogue's GRAD_GLU)
+    ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added (epilogue's ADD_RESIDUAL)
 ):
     """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
     accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
@@ -307,7 +308,7 @@ def _matmul_kernel(
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-        ACCUMULATE, GRAD_ACT, GRAD_GLU,
+        ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL,
     )  # fmt: skip
 
 
@@ -685,6 +686,7 @@ def _kernel_meta(
         **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
         "GRAD_ACT": ACTIVATIONS[None if grad_act is None else grad_act.activation],  # in the key too
         "GRAD_GLU": grad_act is not None and grad_act.glu,
+        "ADD_RESIDUAL": grad_act is not None and grad_act.residual,
     }  # fmt: skip
 
 
@@ -700,8 +702,8 @@ def _launch(
     config it chose directly (``_common.resolve_launch``). ``into``: an (M, N)
     tensor of ``out_dtype`` (any strides) the result is added to (``accumulate``)
     or written into, and returned, instead of a new one. ``grad_act``: a
-    :class:`GradEpilogue`, the epilogue's product with act'(z) (z read where a pre-activation
-    would be stored), or a gated unit's two gradients."""
+    :class:`EpilogueRead`, the epilogue's product with act'(z) (z read where a pre-activation
+    would be stored), a gated unit's two gradients, or a residual added."""
     c = torch.empty(M, N, dtype=out_dtype, device=a.device) if into is None else into
     if M == 0 or N == 0:
         if prologue is not NO_PROLOGUE:
@@ -719,7 +721,7 @@ def _launch(
            preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, prologue.activation,
            prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype,
            None if into is None else sc, accumulate, scales.precise_acc,
-           None if grad_act is None else grad_act[::2])  # fmt: skip
+           None if grad_act is None else (grad_act.activation, grad_act.glu, grad_act.residual))  # fmt: skip
     accumulate = into is not None and accumulate
     if scales is NO_SCALES:
         kernel = _matmul_accumulate_kernel if accumulate else _matmul_kernel
@@ -760,6 +762,16 @@ def linear_prechecked(
     sw = weight.stride()
     return _launch(x, x.stride(), weight, (sw[1], sw[0]), M, N, K, bias, activation, x.dtype, preact,
                    NO_SCALES, NO_PROLOGUE)  # fmt: skip
+
+
+def linear_residual_prechecked(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """``residual + (x @ weight.T + bias)`` in ``x``'s dtype, the add in the epilogue (fp32,
+    one rounding), for a caller that checked its arguments (x (M, K), weight (N, K), residual
+    (M, N) contiguous of ``x``'s dtype): the pre-norm block's last layer writing the residual
+    stream, ``tkern.ops.mlp``'s. The pointer or TMA kernel (never split-K: no epilogue)."""
+    return _launch_grad_epilogue(x, weight.t(), EpilogueRead(None, residual, residual=True), None, bias)
 
 
 def matmul_backward(
@@ -950,21 +962,22 @@ def matmul_grad_act_prechecked(
     a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, activation: str
 ) -> torch.Tensor:
     """:func:`matmul_grad_act` for a caller that checked its arguments (the hot path)."""
-    return _launch_grad_epilogue(a, b, GradEpilogue(activation, z), None)
+    return _launch_grad_epilogue(a, b, EpilogueRead(activation, z), None)
 
 
-def _launch_grad_epilogue(a, b, grad_act: GradEpilogue, into) -> torch.Tensor:
-    """A dgrad-epilogue GEMM (``grad_act``) on the kernel the plan names (the pointer or
-    TMA kernel, never split-K: its reduction has no epilogue); C new or ``into``."""
+def _launch_grad_epilogue(a, b, read: EpilogueRead, into, bias=None) -> torch.Tensor:
+    """A GEMM whose epilogue reads ``read`` (a dgrad epilogue, or a residual added) on the
+    kernel the plan names (the pointer or TMA kernel, never split-K: its reduction has no
+    epilogue); C new or ``into``."""
     (M, K), N = a.shape, b.shape[1]
-    plan = plan_for(a, b, M, N, K, split=False)
-    if plan.kernel == TMA:
-        layouts = tma_layouts(a, b)
+    if device_gemm_info(a.device)[0] > 0:
+        plan = plan_for(a, b, M, N, K, split=False)
+        layouts = tma_layouts(a, b) if plan.kernel == TMA else None
         if layouts is not None:
-            return launch_tma(a, b, M, N, K, None, None, a.dtype, None, layouts, into, False, grad_act)
+            return launch_tma(a, b, M, N, K, bias, None, a.dtype, None, layouts, into, False, read)
     sa, sb = a.stride(), b.stride()
     return _launch(
-        a, sa, b, sb, M, N, K, None, None, a.dtype, None, NO_SCALES, NO_PROLOGUE, into, False, grad_act
+        a, sa, b, sb, M, N, K, bias, None, a.dtype, None, NO_SCALES, NO_PROLOGUE, into, False, read
     )
 
 
@@ -1004,7 +1017,7 @@ def matmul_grad_glu_prechecked(
     """:func:`matmul_grad_glu` for a caller that checked its arguments (the hot path)."""
     M, N = a.shape[0], b.shape[1]
     d = torch.empty(M, 2 * N, dtype=a.dtype, device=a.device)
-    _launch_grad_epilogue(a, b, GradEpilogue(activation, gate_up[:, :N], glu=True), d[:, :N])
+    _launch_grad_epilogue(a, b, EpilogueRead(activation, gate_up[:, :N], glu=True), d[:, :N])
     return d
 
 

@@ -39,14 +39,17 @@ from tkern.kernels.float8 import store_fp8_tile
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class GradEpilogue(NamedTuple):
-    """A dgrad epilogue's inputs (the kernels' ``GRAD_ACT`` / ``GRAD_GLU``): ``activation``
-    (a name) and ``z``, the pre-activation (M, N) read with C's strides; with ``glu``, ``z``
-    and C are the left halves of (M, 2N) tensors (gate | up, d(gate) | d(up))."""
+class EpilogueRead(NamedTuple):
+    """A tensor ``z`` (M, N) the epilogue reads beside C, with C's strides: the pre-activation
+    whose act'(z) multiplies the product (the kernels' ``GRAD_ACT``: ``activation``, a name);
+    with ``glu``, ``z`` and C the left halves of (M, 2N) tensors (gate | up, d(gate) | d(up):
+    ``GRAD_GLU``); with ``residual`` (``activation`` None) added to the result before its one
+    rounding (``ADD_RESIDUAL``: the residual stream's add in the layer's GEMM)."""
 
-    activation: str
+    activation: str | None
     z: torch.Tensor
     glu: bool = False
+    residual: bool = False
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -109,11 +112,13 @@ def _epilogue_part(
     ACCUMULATE: tl.constexpr,
     GRAD_ACT: tl.constexpr = 0,
     GRAD_GLU: tl.constexpr = False,
+    ADD_RESIDUAL: tl.constexpr = False,
 ):
     """Bias, optional pre-activation store, the product with act'(Z) of the Z read at
     ``preact_ptr`` (GRAD_ACT; with GRAD_GLU the gated unit's two gradients, see
-    :func:`epilogue`), activation, C's old value added (ACCUMULATE) and one
-    masked cast-and-store on WIDTH columns of the fp32 tile.
+    :func:`epilogue`), activation, C's old value (ACCUMULATE) or the residual read at
+    ``preact_ptr`` (ADD_RESIDUAL) added, and one masked cast-and-store on WIDTH columns
+    of the fp32 tile.
     Returns ``(stored, cols, mask)``: the values stored (OUT_DTYPE), their columns and
     mask (:func:`epilogue_emit` casts them to fp8; :func:`epilogue` drops them)."""
     cols = col0 + tl.arange(0, WIDTH)
@@ -139,6 +144,8 @@ def _epilogue_part(
     acc = apply_activation(acc, ACTIVATION)
     if ACCUMULATE:  # C += result: one rounding of the fp32 sum, as an fp32 accumulator would
         acc = acc + tl.load(c_ptrs, mask=mask_c, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:  # y = residual + layer(x): one rounding of the fp32 sum
+        acc = acc + tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
     out = cast_rne(acc, OUT_DTYPE)
     tl.store(c_ptrs, out, mask=mask_c)
     return out, cols, mask_c
@@ -168,6 +175,7 @@ def epilogue(
     ACCUMULATE: tl.constexpr = False,  # C's old value is added to the result (C += ...)
     GRAD_ACT: tl.constexpr = 0,  # an ACTIVATIONS code: the result times act'(Z), Z at preact_ptr
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: the gated unit's d(gate) and d(up) (see below)
+    ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added to the result
 ):
     """Bias, activation and one cast, on the fp32 accumulator; masked stores.
     With ``ACCUMULATE`` the store adds the result to what C holds (the wgrad
@@ -190,17 +198,21 @@ def epilogue(
     tensors: ``gate`` is read at ``preact_ptr`` and ``up`` N columns to its right, and
     ``d(gate) = dH * up * act'(gate)`` is stored at C and ``d(up) = dH * act(gate)`` N
     columns to its right, each from the unrounded fp32 dH and rounded once (the formulas
-    of kernels/swiglu.py's backward)."""
+    of kernels/swiglu.py's backward).
+
+    With ``ADD_RESIDUAL`` the tensor at ``preact_ptr`` (C's strides: the residual stream) is
+    added to the result in fp32 before the one rounding, the pre-norm block's ``y = h +
+    layer(x)`` (as ACCUMULATE adds C's old value; sliced as it is)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     SLICED: tl.constexpr = ((TRANSCENDENTAL_BITS >> ACTIVATION) | (TRANSCENDENTAL_BITS >> GRAD_ACT)) & 1
-    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or SLICED or GRAD_GLU else 1
+    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or SLICED or GRAD_GLU or ADD_RESIDUAL else 1
     WIDTH: tl.constexpr = BLOCK_N // PARTS
     slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
     for i in tl.static_range(PARTS):
         _epilogue_part(
             slices[i], rows, pid_n * BLOCK_N + i * WIDTH, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm,
             stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
-            ACCUMULATE, GRAD_ACT, GRAD_GLU,
+            ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL,
         )  # fmt: skip
 
 

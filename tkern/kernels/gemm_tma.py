@@ -26,7 +26,19 @@ _INTERPRET_PROGRAMS = 4
 
 
 #: What the TMA kernel's autotuners choose a config by (both: plain and ``C +=``).
-_AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "C_TMA", "GRAD_ACT", "GRAD_GLU"]
+_AUTOTUNE_KEY = [
+    "M",
+    "N",
+    "K",
+    "OUT_DTYPE",
+    "ACTIVATION",
+    "A_T",
+    "B_T",
+    "C_TMA",
+    "GRAD_ACT",
+    "GRAD_GLU",
+    "ADD_RESIDUAL",
+]
 
 
 @gemm_autotune(configs=tma_configs(), key=_AUTOTUNE_KEY, tma=True)
@@ -67,6 +79,7 @@ def _matmul_tma_kernel(
     ACCUMULATE: tl.constexpr = False,  # C += A @ B (C's old value read in the epilogue)
     GRAD_ACT: tl.constexpr = 0,  # C = (A @ B) * act'(Z), Z at preact_ptr (the pointer epilogue)
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (the pointer epilogue)
+    ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added (epilogue's ADD_RESIDUAL)
 ):
     """C = act(A @ B + bias) (or C += A @ B), fp32 accumulation, persistent (one program per SM
     walks the tiles) with A and B fetched by the tensor memory accelerator
@@ -100,7 +113,7 @@ def _matmul_tma_kernel(
             epilogue(
                 acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
                 HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-                ACCUMULATE, GRAD_ACT, GRAD_GLU,
+                ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL,
             )  # fmt: skip
 
 
@@ -159,9 +172,10 @@ def launch_tma(
     :func:`tma_layouts` (not None); with ``into`` (an (M, N) tensor of
     ``out_dtype``, any strides), ``into += a @ b`` (``accumulate``, no bias or
     activation) or the result written into it, returned. ``grad_act``: a
-    ``gemm_epilogue.GradEpilogue``, ``(a @ b) * act'(z)`` for an (M, N) ``z`` with C's
-    strides, or a gated unit's two gradients (no bias, activation or preact; C new or
-    ``into``, not accumulated), through the pointer epilogue, which reads Z beside C."""
+    ``gemm_epilogue.EpilogueRead``, ``(a @ b) * act'(z)`` for an (M, N) ``z`` with C's
+    strides, a gated unit's two gradients (no bias, activation or preact; C new or
+    ``into``, not accumulated), or ``z`` added to ``act(a @ b + bias)`` (``residual``),
+    through the pointer epilogue, which reads Z beside C."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_t, b_t = layouts[0] == "col", layouts[1] == "col"
@@ -197,5 +211,6 @@ def launch_tma(
         C_TMA=c_tma,
         GRAD_ACT=grad_code,
         GRAD_GLU=grad_act is not None and grad_act.glu,
+        ADD_RESIDUAL=grad_act is not None and grad_act.residual,
     )  # fmt: skip
     return c

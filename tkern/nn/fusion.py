@@ -36,6 +36,7 @@ __all__ = [
     "MLPRule",
     "epilogue_activation",
     "family_rule",
+    "mlp_with_residual",
     "route_fusion",
     "route_mlp",
     "runs_more_than_forward",
@@ -87,6 +88,12 @@ def runs_more_than_forward(module: nn.Module) -> bool:
     """Whether calling ``module`` would run more than its class's forward: the test
     ``nn.Module.__call__`` makes (the module's own hooks and the global ones), or a
     forward replaced on the instance."""
+    return _hooked(module) or "forward" in module.__dict__
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether ``nn.Module.__call__`` would run a hook around ``module``'s forward (its own
+    hooks or the global ones)."""
     hooked = (
         module._forward_pre_hooks
         or module._forward_hooks
@@ -97,7 +104,17 @@ def runs_more_than_forward(module: nn.Module) -> bool:
         or _torch_module._global_backward_pre_hooks
         or _torch_module._global_backward_hooks
     )
-    return bool(hooked) or "forward" in module.__dict__
+    return bool(hooked)
+
+
+def _is_identity(module: nn.Module) -> bool:
+    """Whether calling ``module`` returns its input as it is: ``nn.Identity``, or a dropout
+    in eval mode or with ``p == 0``, with nothing (a hook, a patched forward) on it."""
+    if runs_more_than_forward(module):
+        return False
+    return type(module) is nn.Identity or (
+        type(module) is nn.Dropout and (module.p == 0 or not module.training)
+    )
 
 
 def _fusable(first: nn.Module, second: nn.Module) -> str | None:
@@ -294,7 +311,9 @@ def _gemm_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
-def _act_down(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+def _act_down(
+    mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str, residual=None
+) -> torch.Tensor | None:
     """``down(act(up(x)))`` as one :func:`linear_act_linear` call where :data:`DGRAD_EPILOGUE`
     and both layers allow (tkern 16-bit GEMMs of one compute dtype, nothing between them,
     nothing on ``down`` that would see the difference), else None (the caller's path)."""
@@ -306,12 +325,14 @@ def _act_down(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str) -
         return None
     x, w1 = compute_operands(up, x, w1)
     _, w2 = compute_operands(down, x, w2)
-    if w2.dtype != w1.dtype:
+    if w2.dtype != w1.dtype or (residual is not None and residual.dtype != w1.dtype):
         return None
-    return linear_act_linear(x, w1, up.bias, activation, w2, down.bias)
+    return linear_act_linear(x, w1, up.bias, activation, w2, down.bias, residual)
 
 
-def _glu_down(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+def _glu_down(
+    mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str, residual=None
+) -> torch.Tensor | None:
     """``down(act(gate(x)) * up(x))`` (the "gated" form) or ``down(swiglu_packed(up(x)))`` (the
     "packed" form) as one :func:`linear_glu_linear` call where :data:`DGRAD_EPILOGUE` and the
     layers allow (tkern 16-bit GEMMs of one compute dtype, nothing between them, nothing on
@@ -324,10 +345,13 @@ def _glu_down(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str) -
         return None
     x, w_gate = compute_operands(layers[0], x, weights[0])
     w_rest = [compute_operands(layer, x, w)[1] for layer, w in zip(layers[1:], weights[1:], strict=True)]
-    if any(w.dtype != w_gate.dtype for w in w_rest):
+    if any(w.dtype != w_gate.dtype for w in w_rest) or (
+        residual is not None and residual.dtype != w_gate.dtype
+    ):
         return None
     w_up, b_up = (w_rest[0], layers[1].bias) if rule.gate is not None else (None, None)
-    return linear_glu_linear(x, w_gate, layers[0].bias, w_up, b_up, activation, w_rest[-1], layers[-1].bias)
+    w_down, b_down = w_rest[-1], layers[-1].bias
+    return linear_glu_linear(x, w_gate, layers[0].bias, w_up, b_up, activation, w_down, b_down, residual)
 
 
 def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:
@@ -372,6 +396,16 @@ class FusedMLPForward:
             h = getattr(mlp, name)(h)
         return h
 
+    def with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """``residual + self(x)`` with the add in down's GEMM epilogue where the block runs
+        as one :func:`linear_act_linear` / :func:`linear_glu_linear` call now and its tail
+        returns its input (a dropout in eval mode or with p 0), else None (nothing run)."""
+        mlp, rule = self.mlp, self.rule
+        if not _fusable_now(mlp, rule) or not all(_is_identity(getattr(mlp, n)) for n in rule.tail):
+            return None
+        activation = epilogue_activation(getattr(mlp, rule.act))
+        return (_act_down if rule.form == "act" else _glu_down)(mlp, rule, x, activation, residual)
+
     def _through_down(self, x, activation):
         """The rule's form up to ``down``'s output (before ``tail``), layer by layer."""
         mlp, rule = self.mlp, self.rule
@@ -393,6 +427,21 @@ class FusedMLPForward:
 
     def __repr__(self) -> str:
         return f"tkern.nn.fusion.FusedMLPForward({self.rule.form})"
+
+
+def mlp_with_residual(mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + mlp(x)``, the pre-norm block's last add, computed in the epilogue of the
+    MLP's last GEMM (fp32, one rounding; no torch add over the residual stream either way:
+    its gradient is the output's, passed on) where ``mlp`` is a block converted with
+    ``fuse_activations`` that runs fused now, with no hook of its own
+    (:meth:`FusedMLPForward.with_residual`); else ``mlp`` called as a module and the add
+    a torch add."""
+    forward = vars(mlp).get("forward")
+    if isinstance(forward, FusedMLPForward) and not _hooked(mlp):
+        y = forward.with_residual(x, residual)
+        if y is not None:
+            return y
+    return residual + mlp(x)
 
 
 #: torch's classes in ``torch.nn.modules.activation`` that are not an elementwise activation.

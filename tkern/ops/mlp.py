@@ -34,6 +34,7 @@ from tkern.kernels._common import (
 from tkern.kernels.activation import GRAD_FROM_OUTPUT, activation_grad_prechecked
 from tkern.kernels.gemm import (
     linear_prechecked,
+    linear_residual_prechecked,
     matmul_backward_prechecked,
     matmul_grad_act_prechecked,
     matmul_grad_glu_prechecked,
@@ -55,11 +56,46 @@ from tkern.ops.swiglu import differentiable_glu_grads, swiglu, swiglu_packed
 __all__ = ["linear_act_linear", "linear_glu_linear"]
 
 
+def _second_layer(h, w2, b2, residual):
+    """The second layer's forward GEMM, ``residual`` (when given) added in its epilogue."""
+    if residual is None:
+        return linear_prechecked(h, w2, b2, None, None)
+    return linear_residual_prechecked(h, w2, b2, residual)
+
+
+def _residual_grad(ctx, dy, index):
+    """The residual's gradient: the output's, as it is (no copy), where input ``index`` needs one."""
+    return dy if ctx.needs_input_grad[index] else None
+
+
+def _check_residual(residual, x, w2) -> None:
+    """Raise unless ``residual`` is None or an (..., N2) tensor of ``x``'s leading shape,
+    dtype and device (the residual stream the second layer's output is added to)."""
+    if residual is None:
+        return
+    check_tensor("residual", residual, dtypes=(x.dtype,))
+    shape = (*x.shape[:-1], w2.shape[0])
+    if tuple(residual.shape) != shape:
+        raise ValueError(
+            f"residual must have shape {shape} (x's leading dims, w2's rows), got {tuple(residual.shape)}"
+        )
+    check_same_device(x=x, residual=residual)
+    check_int32_addressable("residual", residual)
+
+
+def _residual_rows(residual, x, w2):
+    """``residual`` (..., N2) as the contiguous (M, N2) tensor the epilogue reads (a view
+    where it is contiguous), or None."""
+    if residual is None:
+        return None
+    return residual.reshape(-1, w2.shape[0]).contiguous()
+
+
 class _LinearActLinear(torch.autograd.Function):
     """y = act(x @ W1^T + b1) @ W2^T + b2 as (M, N2); see the module's docstring."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, activation):
+    def forward(ctx, x, w1, b1, w2, b2, activation, residual):
         x2d = x if x.dim() == 2 else as_2d(x, w1.shape[1])
         save_z = any(ctx.needs_input_grad[:3])
         from_output = activation in GRAD_FROM_OUTPUT  # ReLU: act'(Z) from H, the same mask
@@ -67,7 +103,7 @@ class _LinearActLinear(torch.autograd.Function):
         if save_z and not from_output:
             preact = torch.empty(x2d.shape[0], w1.shape[0], dtype=x.dtype, device=x.device)
         h = linear_prechecked(x2d, w1, b1, activation, preact)
-        y = linear_prechecked(h, w2, b2, None, None)
+        y = _second_layer(h, w2, b2, residual)
         ctx.activation = activation
         ctx.slots = common.next_function_slots(x, w1, b1, w2, b2)
         ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b1, b2))
@@ -93,7 +129,7 @@ class _LinearActLinear(torch.autograd.Function):
                 dx, dw1, db1 = _layer_grads(ctx, dz, x2d, w1, needs[:3], bias1, 1)
         if dx is not None and ctx.x_shape is not None:
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw1, db1, dw2, db2, None
+        return dx, dw1, db1, dw2, db2, None, _residual_grad(ctx, dy, 6)
 
 
 def _layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
@@ -126,15 +162,19 @@ def linear_act_linear(
     activation: str,
     w2: torch.Tensor,
     b2: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``linear(linear(x, w1, b1, activation), w2, b2)`` with the activation's gradient
-    in the second layer's dgrad epilogue (see the module's docstring).
+    """``linear(linear(x, w1, b1, activation), w2, b2)`` (``+ residual``) with the
+    activation's gradient in the second layer's dgrad epilogue (see the module's docstring).
 
     Args:
         x: (..., K), fp16 or bf16.
         w1: (N1, K), ``x``'s dtype; b1: optional (N1,), ``x``'s dtype or fp32.
         activation: an activation :func:`tkern.linear` takes, other than None.
         w2: (N2, N1), ``x``'s dtype, any strides; b2: optional (N2,).
+        residual: optional (..., N2) tensor of ``x``'s dtype, added to the output in the
+            second GEMM's epilogue (fp32, one rounding; the pre-norm block's ``h + mlp(x)``);
+            its gradient is the output's, passed on as it is.
 
     Returns:
         (..., N2) tensor of ``x``'s dtype.
@@ -143,9 +183,11 @@ def linear_act_linear(
         raise ValueError("linear_act_linear needs an activation, got None")
     eager = check_linear_args(x, w1, b1, activation)
     _check_second(x, w1, w2, b2)
+    _check_residual(residual, x, w2)
     if not eager or w1.shape[1] == 0 or w1.shape[0] == 0:  # traced, meta, subclass, empty: two calls
-        return linear(linear(x, w1, b1, activation), w2, b2)
-    y = _LinearActLinear.apply(x, w1, b1, w2, b2, activation)
+        y = linear(linear(x, w1, b1, activation), w2, b2)
+        return y if residual is None else residual + y
+    y = _LinearActLinear.apply(x, w1, b1, w2, b2, activation, _residual_rows(residual, x, w2))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w2.shape[0])
 
 
@@ -154,7 +196,7 @@ class _LinearGLULinear(torch.autograd.Function):
     is the packed (2N, K) ``gate_up`` weight. See the module's docstring."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+    def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, residual):
         x2d = x if x.dim() == 2 else as_2d(x, w_gate.shape[1])
         n = w_down.shape[1]
         gate_up = torch.empty(x2d.shape[0], 2 * n, dtype=x.dtype, device=x.device)
@@ -164,7 +206,7 @@ class _LinearGLULinear(torch.autograd.Function):
             matmul_prechecked(x2d, w_gate.t(), b_gate, None, x.dtype, None, gate_up[:, :n], False)
             matmul_prechecked(x2d, w_up.t(), b_up, None, x.dtype, None, gate_up[:, n:], False)
         h = swiglu_forward_prechecked(gate_up[:, :n], gate_up[:, n:], activation)
-        y = linear_prechecked(h, w_down, b_down, None, None)
+        y = _second_layer(h, w_down, b_down, residual)
         ctx.activation = activation
         ctx.slots = common.next_function_slots(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
         ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (b_gate, b_up, b_down))
@@ -190,7 +232,7 @@ class _LinearGLULinear(torch.autograd.Function):
         dx = grads[0]
         if dx is not None and ctx.x_shape is not None:
             dx = dx.reshape(ctx.x_shape)
-        return (dx, *grads[1:], None)
+        return (dx, *grads[1:], None, _residual_grad(ctx, dy, 8))
 
 
 def _first_grads(ctx, d, x2d, w_gate, w_up, needs):
@@ -266,6 +308,7 @@ def linear_glu_linear(
     activation: str,
     w_down: torch.Tensor,
     b_down: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``linear(swiglu(linear(x, w_gate, b_gate), linear(x, w_up, b_up), activation), w_down,
     b_down)`` (a Llama MLP) with the gated unit's backward in down's dgrad epilogue and the
@@ -278,6 +321,7 @@ def linear_glu_linear(
         w_up: (N, K) like ``w_gate``, or None (packed); b_up: optional (N,).
         activation: the gate's (``"silu"``: SwiGLU; ``"gelu_tanh"``, ``"gelu"``, ``"relu"``).
         w_down: (N2, N), ``x``'s dtype; b_down: optional (N2,).
+        residual: optional (..., N2), as :func:`linear_act_linear`'s.
 
     Returns:
         (..., N2) tensor of ``x``'s dtype.
@@ -288,10 +332,16 @@ def linear_glu_linear(
     n = _check_glu(x, w_gate, b_gate, w_up, b_up, w_down)
     check_bias(b_down, w_down.shape[0], w_down.dtype)
     check_same_device(x=x, w_down=w_down, b_down=b_down)
+    _check_residual(residual, x, w_down)
     if not eager or n == 0 or w_gate.shape[1] == 0:  # traced, meta, subclass, empty: the calls one by one
         if w_up is None:
-            return linear(swiglu_packed(linear(x, w_gate, b_gate), activation), w_down, b_down)
-        return linear(swiglu(linear(x, w_gate, b_gate), linear(x, w_up, b_up), activation), w_down, b_down)
+            h = swiglu_packed(linear(x, w_gate, b_gate), activation)
+        else:
+            h = swiglu(linear(x, w_gate, b_gate), linear(x, w_up, b_up), activation)
+        y = linear(h, w_down, b_down)
+        return y if residual is None else residual + y
     check_int32_addressable("w_down", w_down)
-    y = _LinearGLULinear.apply(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+    y = _LinearGLULinear.apply(
+        x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, _residual_rows(residual, x, w_down)
+    )
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w_down.shape[0])
