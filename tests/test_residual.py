@@ -15,12 +15,15 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEVICE, TOL, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
+from tkern.kernels.norm import MAX_BLOCK
 from tkern.kernels.rotary import _rotary_kernel
 from tkern.nn.residual import DECODER_RULES, FusedDecoderForward
+from tkern.ops.norm import layer_norm, layer_norm_and_residual, rms_norm, rms_norm_and_residual
 
 transformers = pytest.importorskip("transformers")
 
@@ -127,3 +130,114 @@ def test_a_converted_gpt2_block_adds_its_first_residual_in_ln_2(monkeypatch):
         assert rel_err(got, want) < 2 * max(rel_err(autocast, want), TOL[dtype])
     for name, g in out[2].items():
         assert rel_err(g, ref[2][name]) < 2 * max(rel_err(auto[2][name], ref[2][name]), TOL[dtype]), name
+
+
+# ------------------------------------------------- norm1's form: (norm(x), x) from one node
+
+
+def _norm_and_residual(kind, x, n, w, b, eps=1e-5):
+    if kind == "ln":
+        return layer_norm_and_residual(x, n, w, b, eps)
+    return rms_norm_and_residual(x, n, w, eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["ln", "rms"])
+@pytest.mark.parametrize("n", [1023, MAX_BLOCK + 9])  # ragged in one block; chunked rows
+def test_norm_and_residual_sums_xs_two_gradients_in_the_kernel(monkeypatch, kind, dtype, n):
+    """Both outputs used, ``(normed * g1).sum() + (residual * g2).sum()``, against float64
+    torch: normed is bit for bit the plain norm's (the same kernel) and within TOL of float64
+    (one fp32 value rounded once); residual is x's storage, not a copy; x's gradient (norm's
+    vjp of g1 plus g2, both of unit size, summed in fp32 in the backward kernel and rounded
+    once) within TOL, as tests/test_norm.py's add forms; the weight's and bias's (fp32 sums
+    over a few rows) within fp32's TOL; and no torch add over x's shape in backward."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (3, n) if n > MAX_BLOCK else (2, 3, n)
+    x, g1, g2 = (torch.randn(shape, generator=gen).to(dtype).to(DEVICE) for _ in range(3))
+    w = (1 + 0.5 * torch.randn(n, generator=gen)).to(DEVICE).requires_grad_()
+    b = (0.5 * torch.randn(n, generator=gen)).to(DEVICE).requires_grad_() if kind == "ln" else None
+    x.requires_grad_()
+    with counting_adds(monkeypatch, shape) as adds:
+        normed, residual = _norm_and_residual(kind, x, n, w, b)
+        ((normed * g1).float().sum() + (residual * g2).float().sum()).backward()
+    assert adds.counts == (0, 0)
+    assert residual.shape == x.shape and residual.dtype == dtype and torch.equal(residual, x)
+    assert residual._base is x and residual.data_ptr() == x.data_ptr()  # a view, no copy
+    plain = layer_norm(x, n, w, b) if kind == "ln" else rms_norm(x, n, w, 1e-5)
+    assert torch.equal(normed, plain)
+    xd, wd = (t.detach().double().requires_grad_() for t in (x, w))
+    bd = None if b is None else b.detach().double().requires_grad_()
+    yd = F.layer_norm(xd, (n,), wd, bd, 1e-5) if kind == "ln" else F.rms_norm(xd, (n,), wd, 1e-5)
+    ((yd * g1.double()).sum() + (xd * g2.double()).sum()).backward()
+    assert rel_err(normed, yd) < TOL[dtype]
+    assert x.grad.dtype == dtype and rel_err(x.grad, xd.grad) < TOL[dtype]
+    assert rel_err(w.grad, wd.grad) < TOL[torch.float32]
+    if b is not None:
+        assert rel_err(b.grad, bd.grad) < TOL[torch.float32]
+
+
+def test_norm_and_residual_with_one_output_used():
+    """residual alone: x's gradient is residual's, exactly, and the weight's zero; normed
+    alone: exactly the plain norm's gradients (the same backward launch, without dh)."""
+    x = torch.randn(4, 48, device=DEVICE).bfloat16().requires_grad_()
+    w = torch.randn(48, device=DEVICE, requires_grad=True)
+    b = torch.randn(48, device=DEVICE, requires_grad=True)
+    g = torch.randn(4, 48, device=DEVICE).bfloat16()
+    rms_norm_and_residual(x, 48, w)[1].backward(g)
+    assert torch.equal(x.grad, g) and torch.equal(w.grad, torch.zeros_like(w))
+    grads = []
+    for f in (lambda: layer_norm_and_residual(x, 48, w, b)[0], lambda: layer_norm(x, 48, w, b)):
+        x.grad = w.grad = b.grad = None
+        f().backward(g)
+        grads.append((x.grad, w.grad, b.grad))
+    assert all(torch.equal(a, c) for a, c in zip(*grads, strict=True))
+
+
+def test_norm_and_residual_on_meta_tensors_and_under_compile():
+    """Meta tensors and tracing take the custom op, returning ``(norm(x), x)`` (autograd then
+    sums x's gradients): shapes on meta; under torch.compile one graph, the loss bit for bit
+    eager's (the same kernels), the gradients within one fp16 rounding of eager's (eager
+    rounds the fp32 sum once, the traced graph rounds the norm's part, then the fp16 sum)."""
+    xm = torch.empty(2, 3, 16, dtype=torch.bfloat16, device="meta")
+    y, r = rms_norm_and_residual(xm, 16, torch.empty(16, device="meta"))
+    assert y.shape == xm.shape and y.is_meta and r is xm
+    w = torch.randn(32, device=DEVICE, requires_grad=True)
+    b = torch.randn(32, device=DEVICE, requires_grad=True)
+
+    def f(x):
+        normed, residual = layer_norm_and_residual(x, (32,), w, b)
+        return normed.float().square().sum() + (3 * residual.float()).sum()
+
+    x = torch.randn(4, 32, device=DEVICE).half().requires_grad_()
+    explanation = torch._dynamo.explain(f)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    torch._dynamo.reset()
+    out0 = f(x)
+    grads0 = torch.autograd.grad(out0, (x, w, b))
+    out1 = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    grads1 = torch.autograd.grad(out1, (x, w, b))
+    assert torch.equal(out0, out1)
+    assert rel_err(grads1[0], grads0[0]) < TOL[torch.float16]
+    assert torch.equal(grads0[1], grads1[1]) and torch.equal(grads0[2], grads1[2])
+
+
+NORM1_ERRORS = [
+    (lambda x, w: rms_norm_and_residual(x.tolist(), 16), TypeError, "input must be a torch.Tensor"),
+    (lambda x, w: rms_norm_and_residual(x.int(), 16), TypeError, "input must be a float16, bfloat16"),
+    (lambda x, w: rms_norm_and_residual(x, 8, w), ValueError, r"normalized_shape \(8,\) must match"),
+    (lambda x, w: rms_norm_and_residual(x, 16, w[:8]), ValueError, r"weight must have shape \(16,\)"),
+    (lambda x, w: layer_norm_and_residual(x, 16, w.double()), TypeError, "weight must be float32 or input"),
+    (lambda x, w: layer_norm_and_residual(x, 16, w, w[:4]), ValueError, r"bias must have shape \(16,\)"),
+    (lambda x, w: layer_norm_and_residual(x, 16, w, w.bfloat16()), TypeError, "bias must be float32 or"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", NORM1_ERRORS)
+def test_norm_and_residual_bad_arguments_raise_before_launching(monkeypatch, call, error, match):
+    launches = []
+    monkeypatch.setattr(tkern.ops.norm, "norm_forward", lambda *a, **k: launches.append(a))
+    monkeypatch.setattr(tkern.ops.norm, "_norm_forward_op", lambda *a, **k: launches.append(a))
+    x = torch.randn(2, 16, device=DEVICE).half()
+    with pytest.raises(error, match=match):
+        call(x, torch.ones(16, device=DEVICE))
+    assert not launches
