@@ -305,6 +305,8 @@ def test_compile_fullgraph_traces_layer_norm():
 def test_public_names():
     assert tkern.layer_norm is layer_norm and tkern.rms_norm is rms_norm
     assert tkern.add_layer_norm is add_layer_norm and tkern.add_rms_norm is add_rms_norm
+    assert tkern.layer_norm_and_residual is tkern.ops.norm.layer_norm_and_residual
+    assert tkern.rms_norm_and_residual is tkern.ops.norm.rms_norm_and_residual
 
 
 ERRORS = [

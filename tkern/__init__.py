@@ -11,7 +11,14 @@ from tkern.nn import Float8Linear, Float8Recipe, convert_network
 from tkern.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from tkern.ops.linear import linear, matmul
 from tkern.ops.mx import to_mx
-from tkern.ops.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from tkern.ops.norm import (
+    add_layer_norm,
+    add_rms_norm,
+    layer_norm,
+    layer_norm_and_residual,
+    rms_norm,
+    rms_norm_and_residual,
+)
 from tkern.ops.rotary import apply_rotary_pos_emb
 from tkern.ops.swiglu import swiglu
 from tkern.train import Trainer
@@ -37,6 +44,7 @@ __all__ = [
     "cross_entropy",
     "device_spec",
     "layer_norm",
+    "layer_norm_and_residual",
     "linear",
     "linear_cross_entropy",
     "matmul",
@@ -44,6 +52,7 @@ __all__ = [
     "nn",
     "optim",
     "rms_norm",
+    "rms_norm_and_residual",
     "scaled_mm",
     "swiglu",
     "to_float8",

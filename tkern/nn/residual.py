@@ -7,11 +7,14 @@ Llama's and GPT-2's layers are ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``
 :func:`tkern.add_layer_norm`) launch (``h = x + attn_out`` in fp32, rounded once, as torch's
 add), and its backward adds the gradient that ``h`` receives from the second add (the
 residual branch) inside the norm's backward kernel, where autograd would sum the two with a
-torch add over (tokens, hidden). The second add ``y = h + mlp_out`` and the sum of the
-gradients ``x`` receives (``norm1``'s and the residual's) stay torch ops: fusing them needs
-the next layer's norm (or the model's final norm) in this layer, across the decoder layers'
-boundary that HF's model loop draws (it passes one tensor from layer to layer). The layer's
-class, children and Parameters stay as they are: only the instance's ``forward`` is replaced.
+torch add over (tokens, hidden). Likewise ``norm1`` runs as :func:`tkern.rms_norm_and_residual`
+(GPT-2: :func:`tkern.layer_norm_and_residual`), whose second output, a view of ``x``, is the
+add's residual: the gradient ``x`` receives from the residual branch reaches norm1's backward
+kernel, which adds it to norm1's own, so autograd has no sum of x's two gradients left. The
+second add ``y = h + mlp_out`` stays a torch op forward (its backward passes the gradient on,
+no add). A norm1 that is not tkern's, or is hooked, is called as a module and autograd sums x's
+gradients as before. The layer's class, children and Parameters stay as they are: only the
+instance's ``forward`` is replaced.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 
 from tkern.nn.fusion import family_rule, runs_more_than_forward
 from tkern.nn.norm import LayerNorm, RMSNorm
-from tkern.ops.norm import add_layer_norm, add_rms_norm
+from tkern.ops.norm import add_layer_norm, add_rms_norm, layer_norm_and_residual, rms_norm_and_residual
 
 __all__ = ["DECODER_RULES", "DecoderRule", "FusedDecoderForward", "route_decoder"]
 
@@ -70,11 +73,24 @@ _ADD_NORMS = {
 }
 
 
+#: tkern's norm module -> its norm that passes its input on, ``(normed, residual)``, called as
+#: ``(x, norm)``.
+_NORMS_AND_RESIDUAL = {
+    RMSNorm: lambda x, n: rms_norm_and_residual(x, n.normalized_shape, n.weight, n.eps),
+    LayerNorm: lambda x, n: layer_norm_and_residual(x, n.normalized_shape, n.weight, n.bias, n.eps),
+}
+
+
+def _plain(norm: nn.Module | None, table: dict) -> bool:
+    """Whether ``norm`` is one of ``table``'s tkern norms, with nothing (a hook, a patched
+    forward) that skipping its call would skip."""
+    return type(norm) in table and not runs_more_than_forward(norm)
+
+
 def _fusable_now(layer: nn.Module, rule: DecoderRule) -> bool:
     """Whether the layer runs fused on this call: ``norm2`` is tkern's RMSNorm or LayerNorm,
     with nothing (a hook, a patched forward) that skipping its call would skip."""
-    norm2 = getattr(layer, rule.norm2, None)
-    return type(norm2) in _ADD_NORMS and not runs_more_than_forward(norm2)
+    return _plain(getattr(layer, rule.norm2, None), _ADD_NORMS)
 
 
 #: decoder layer class -> its forward's signature (read once per class).
@@ -102,11 +118,12 @@ def _arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict | None:
 
 class FusedDecoderForward:
     """The forward of a transformers decoder layer converted with ``fuse_activations``: the
-    rule's form with ``norm2(x + attn_out)`` one fused add-and-norm launch (the children called
-    as modules otherwise). The deprecated ``past_key_values``, an argument of the rule's
-    ``plain_if_given``, arguments that do not bind, or a norm2 that is not tkern's now (or is
-    hooked) run the class's own forward. Stored as the instance's ``forward``; a module-level
-    class, so the model pickles and deep-copies."""
+    rule's form with ``norm2(x + attn_out)`` one fused add-and-norm launch and, where ``norm1``
+    is tkern's and not hooked, ``norm1(x)`` its ``*_and_residual`` form, whose passed x is that
+    add's residual (the children called as modules otherwise). The deprecated
+    ``past_key_values``, an argument of the rule's ``plain_if_given``, arguments that do not
+    bind, or a norm2 that is not tkern's now (or is hooked) run the class's own forward. Stored
+    as the instance's ``forward``; a module-level class, so the model pickles and deep-copies."""
 
     def __init__(self, layer: nn.Module, rule: DecoderRule) -> None:
         self.layer = layer
@@ -123,7 +140,11 @@ class FusedDecoderForward:
             return type(layer).forward(layer, *args, **kwargs)
         x = named.pop("hidden_states")
         passed = {n: v for n, v in named.items() if n not in rule.not_to_attn}
-        normed = getattr(layer, rule.norm1)(x)
+        norm1 = getattr(layer, rule.norm1)
+        if _plain(norm1, _NORMS_AND_RESIDUAL):  # x's residual-branch gradient: into norm1's kernel
+            normed, x = _NORMS_AND_RESIDUAL[type(norm1)](x, norm1)
+        else:
+            normed = norm1(x)
         attn = getattr(layer, rule.attn)
         attn_out, _ = attn(normed, **passed) if rule.positional else attn(hidden_states=normed, **passed)
         norm2 = getattr(layer, rule.norm2)

@@ -1,5 +1,6 @@
 """The norm family: ``tkern.layer_norm``, ``tkern.rms_norm`` and their fused residual
-forms ``tkern.add_layer_norm`` / ``tkern.add_rms_norm``, with autograd and
+forms ``tkern.add_layer_norm`` / ``tkern.add_rms_norm`` and
+``tkern.layer_norm_and_residual`` / ``tkern.rms_norm_and_residual``, with autograd and
 torch.library custom ops.
 
 Statistics and normalization run in fp32 on the 16-bit input (kernels/norm.py);
@@ -14,7 +15,8 @@ Two doors lead to the same kernels, as for ``tkern.linear``:
 * ``torch.compile`` tracing, meta tensors and tensor subclasses go through the
   custom ops ``tkern::norm_forward`` and ``tkern::norm_backward`` (each with a
   fake implementation; the forward's backward is registered in terms of the
-  backward op).
+  backward op). The ``*_and_residual`` forms return ``(norm(x), x)`` there, and
+  autograd sums x's two gradients (a custom op cannot return an alias of its input).
 
 Second-order gradients (``create_graph=True``): the eager door recomputes the
 norm with torch operations in fp32 from the saved tensors and differentiates
@@ -47,8 +49,10 @@ __all__ = [
     "add_rms_norm",
     "can_emit_float8",
     "layer_norm",
+    "layer_norm_and_residual",
     "norm_float8",
     "rms_norm",
+    "rms_norm_and_residual",
     "rms_norm_eps",
 ]
 
@@ -172,6 +176,21 @@ class _Norm(torch.autograd.Function):
             dw = None if dw is None else dw.reshape(weight.shape)
             db = None if db is None else db.reshape(bias.shape)
         return _input_grads(ctx, dx, dw, db)
+
+
+class _NormAndResidual(torch.autograd.Function):
+    """``(y, x)`` with y = norm(x) on (M, N) ``x``: x itself passed on, which autograd
+    returns as a view of x (no copy). Inputs and backward are :class:`_Norm`'s (residual
+    None), with the passed x's gradient as ``dh``: the backward kernel adds it into dx,
+    where autograd would sum x's two gradients with a torch add."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, rms):
+        return _Norm.forward(ctx, x, None, weight, bias, eps, rms), x
+
+    @staticmethod
+    def backward(ctx, dy, dx_passed):
+        return _Norm.backward(ctx, dy, dx_passed)
 
 
 class _NormFloat8(torch.autograd.Function):
@@ -383,6 +402,21 @@ def _norm(
     return y if residual is None else (y, h.view(x.shape))
 
 
+def _norm_and_residual(
+    x: Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+) -> tuple[Tensor, Tensor]:
+    n = _check_norm_args(x, None, normalized_shape, weight, bias)
+    if not _eager(x):  # the custom op: (norm(x), x), x's two gradients summed by autograd
+        return _norm(x, None, normalized_shape, weight, bias, eps, rms), x
+    y, passed = _NormAndResidual.apply(x.reshape(-1, n), None, weight, bias, eps, rms)
+    return y.view(x.shape), passed.view(x.shape)
+
+
 def layer_norm(
     input: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -450,6 +484,45 @@ def add_rms_norm(
     """``(rms_norm(h), h)`` with ``h = x + residual``, in one pass; as
     :func:`add_layer_norm` for :func:`rms_norm`."""
     return _norm(x, residual, normalized_shape, weight, None, rms_norm_eps(eps), True)
+
+
+def layer_norm_and_residual(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer_norm(x), x)`` from one autograd node: the form of a pre-norm block's first
+    norm, whose input is also the residual (``h = x + attn(norm(x))``).
+
+    ``residual`` is a view of ``x`` (of its (M, N) rows, which is x's storage unless x's
+    strides allow no such view: then of the copy the norm reads), never a copy of its own;
+    pass it on as the residual (e.g. :func:`add_layer_norm`'s). Backward takes both
+    gradients, the normed output's and ``residual``'s, and the norm's backward kernel adds
+    the second into x's gradient (fp32, rounded once) where autograd would sum the two with
+    a torch add over x's shape; either output may go unused. The normed output is exactly
+    :func:`layer_norm`'s. Under ``torch.compile``, for meta tensors or tensor subclasses it
+    returns ``(layer_norm(x), x)`` and autograd sums the gradients.
+
+    Args:
+        x: (..., *normalized_shape), fp16, bf16 or fp32. Other arguments as :func:`layer_norm`.
+
+    Returns:
+        ``(normed, residual)``, both of x's shape and dtype.
+    """
+    return _norm_and_residual(x, normalized_shape, weight, bias, float(eps), False)
+
+
+def rms_norm_and_residual(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x), x)`` from one autograd node; as :func:`layer_norm_and_residual`
+    for :func:`rms_norm` (no bias; ``eps=None``: :func:`rms_norm_eps`)."""
+    return _norm_and_residual(x, normalized_shape, weight, None, rms_norm_eps(eps), True)
 
 
 def norm_float8(
