@@ -11,10 +11,11 @@ torch add over (tokens, hidden). Likewise ``norm1`` runs as :func:`tkern.rms_nor
 (GPT-2: :func:`tkern.layer_norm_and_residual`), whose second output, a view of ``x``, is the
 add's residual: the gradient ``x`` receives from the residual branch reaches norm1's backward
 kernel, which adds it to norm1's own, so autograd has no sum of x's two gradients left. The
-second add ``y = h + mlp_out`` stays a torch op forward (its backward passes the gradient on,
-no add). A norm1 that is not tkern's, or is hooked, is called as a module and autograd sums x's
-gradients as before. The layer's class, children and Parameters stay as they are: only the
-instance's ``forward`` is replaced.
+second add ``y = h + mlp_out`` runs in the epilogue of the MLP's last GEMM (down_proj's,
+c_proj's: :func:`tkern.nn.fusion.mlp_with_residual`; its backward passes the gradient on, no
+add) where the MLP block runs fused, else it is a torch add. A norm1 that is not tkern's, or
+is hooked, is called as a module and autograd sums x's gradients as before. The layer's
+class, children and Parameters stay as they are: only the instance's ``forward`` is replaced.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from tkern.nn.fusion import family_rule, runs_more_than_forward
+from tkern.nn.fusion import family_rule, mlp_with_residual, runs_more_than_forward
 from tkern.nn.norm import LayerNorm, RMSNorm
 from tkern.ops.norm import add_layer_norm, add_rms_norm, layer_norm_and_residual, rms_norm_and_residual
 
@@ -149,7 +150,7 @@ class FusedDecoderForward:
         attn_out, _ = attn(normed, **passed) if rule.positional else attn(hidden_states=normed, **passed)
         norm2 = getattr(layer, rule.norm2)
         y, h = _ADD_NORMS[type(norm2)](attn_out, x, norm2)
-        return h + getattr(layer, rule.mlp)(y)
+        return mlp_with_residual(getattr(layer, rule.mlp), y, h)  # y = h + mlp(...): in its last GEMM
 
     def __repr__(self) -> str:
         return "tkern.nn.residual.FusedDecoderForward()"
