@@ -300,7 +300,10 @@ def run(model: str, recipe: str, device: str = "h200") -> Ledger:
     body.register_forward_pre_hook(forward_pre)
     body.register_forward_hook(forward_post)
     for m in model_obj.modules():
-        if "Norm" in type(m).__name__:  # nn.LayerNorm, HF's LlamaRMSNorm, tkern's norm modules
+        # nn.LayerNorm, HF's LlamaRMSNorm: their aten ops are the norm's. Not tkern's norm modules:
+        # their kernels are the norm's by name, and a hook on one would make a converted decoder
+        # layer run unfused (tkern.nn.residual calls norms it fuses only when nothing is on them)
+        if "Norm" in type(m).__name__ and not type(m).__module__.startswith("tkern."):
             m.register_forward_pre_hook(norm_pre)
             m.register_forward_hook(norm_post)
     trainer = trainer_for(built, loss_fn)
