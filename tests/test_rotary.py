@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import DEVICE, TOL, LazyModule, rel_err
 from test_residual import EXPECTED_ADDS, counting_adds, loss_and_grads
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
 from tkern.kernels.rotary import rotary_embedding
@@ -143,7 +144,8 @@ def test_no_aten_op_makes_a_q_or_k_shaped_tensor_but_the_kernels_outputs(monkeyp
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             made = isinstance(out, torch.Tensor) and out.dim() == 4
-            if made and not busy and func is not torch.ops.aten.empty.memory_format:  # the outputs
+            outputs = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+            if made and not busy and func not in outputs:  # the kernel's outputs are made, no other
                 seen.append(str(func))
             return out
 
@@ -359,3 +361,41 @@ def test_converted_llama_matches_fp32_and_autocast_and_its_twin_runs_hf(monkeypa
         assert rel_err(g, ref[name]) < bound, name
     assert all("forward" not in layer.self_attn.__dict__ for layer in twin.model.layers)
     assert torch.equal(twin(ids, labels=ids).loss, ref_loss)  # HF's own rotary, untouched
+
+
+class _CopiesOver(TorchDispatchMode):
+    """The aten copies (clone, copy_, cat, contiguous's copies) whose output is 4-D (heads
+    split off) with one of ``numels`` elements, outside Triton's launches (the ``launches``
+    fixture disables modes)."""
+
+    COPIES = (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten.cat, torch.ops.aten._to_copy)
+
+    def __init__(self, numels):
+        super().__init__()
+        self.numels, self.seen = numels, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        copied = func.overloadpacket in self.COPIES and isinstance(out, torch.Tensor) and out.dim() == 4
+        if copied and out.numel() in self.numels:
+            self.seen.append(str(func))
+        return out
+
+
+def test_a_converted_llama_copies_no_q_k_v_or_attention_output(launches):
+    """Issue 54 item 6: q and k rotated into their projections' layout (HF's transposed views)
+    and their gradients written back in it, so neither the forward (SDPA's output merge) nor
+    the backward (``view``'s gradient of a transposed dq / dk) copies an activation. HF's
+    cache is off, as a training step runs it (``use_cache=False``: its cat is the cache's)."""
+    model = transformers.LlamaForCausalLM(_llama_config()).to(DEVICE)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*rotary_emb.*")
+        tkern.convert_network(model, torch.bfloat16)
+    ids = torch.randint(0, 64, (2, S), device=DEVICE)
+    cfg = model.config
+    head = cfg.hidden_size // cfg.num_attention_heads
+    numels = {2 * S * cfg.num_attention_heads * head, 2 * S * cfg.num_key_value_heads * head}
+    with _CopiesOver(numels) as copies:
+        model(ids, labels=ids, use_cache=False).loss.float().backward()
+    assert copies.seen == []
+    assert any(name == "_rotary_kernel" for name, _ in launches)

@@ -23,13 +23,18 @@ def _eager(*tensors: torch.Tensor) -> bool:
     return not is_compiling() and all(type(t) is torch.Tensor and not t.is_meta for t in tensors)
 
 
-def _rotate(q, k, cos, sin, inverse: bool, unsqueeze_dim: int, checked: bool = True) -> tuple:
+def _rotate(q, k, cos, sin, inverse: bool, unsqueeze_dim: int, checked: bool = True, strides=None) -> tuple:
     """The kernel on q and k in HF's layout for ``unsqueeze_dim`` (1: (batch, heads, seq,
-    head_dim); 2: (batch, seq, heads, head_dim)); the outputs new contiguous tensors of
-    q's / k's shape in that layout. ``checked`` False: the eager backward, on autograd's
-    gradients of outputs its forward checked (``rotary_embedding(prechecked=True)``)."""
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device)
+    head_dim); 2: (batch, seq, heads, head_dim)); the outputs new tensors of q's / k's shape
+    in that layout, contiguous, or with ``strides`` (a pair: q's and k's). ``checked`` False:
+    the eager backward, on autograd's gradients of outputs its forward checked
+    (``rotary_embedding(prechecked=True)``)."""
+    if strides is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        k_out = torch.empty(k.shape, dtype=q.dtype, device=q.device)
+    else:
+        q_out = torch.empty_strided(q.shape, strides[0], dtype=q.dtype, device=q.device)
+        k_out = torch.empty_strided(k.shape, strides[1], dtype=q.dtype, device=q.device)
     args = (q, k, q_out, k_out) if unsqueeze_dim == 1 else (t.transpose(1, 2) for t in (q, k, q_out, k_out))
     qv, kv, qo, ko = args  # the kernel's (b, h, s, d) order
     rotary_embedding(qv, kv, cos, sin, inverse=inverse, q_out=qo, k_out=ko, prechecked=not checked)
@@ -51,21 +56,38 @@ def _differentiable(dq, dk, cos, sin, unsqueeze_dim: int) -> tuple[torch.Tensor,
     return out[0], out[1]
 
 
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a new dense tensor of ``t``'s shape with ``t``'s dimension order, the
+    largest stride outermost (``t``'s own where it is dense: HF's ``proj(x).view(b, s, h,
+    d).transpose(1, 2)``); computed on the host, no tensor made."""
+    order = sorted(range(t.dim()), key=lambda i: (t.stride(i), -i))  # innermost first
+    strides, step = [0] * t.dim(), 1
+    for i in order:
+        strides[i] = step
+        step *= max(t.shape[i], 1)
+    return tuple(strides)
+
+
 class _Rotary(torch.autograd.Function):
-    """(q_embed, k_embed) = rotary(q), rotary(k); only cos and sin saved for backward."""
+    """(q_embed, k_embed) = rotary(q), rotary(k); only cos and sin saved for backward.
+    Outputs and input gradients in the inputs' dimension order (HF's q and k are transposed
+    views of the projections' outputs): the gradient then reaches the projection through
+    the transpose and the view with no copy (a contiguous dq made ``view``'s backward copy it)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin, unsqueeze_dim):
         ctx.unsqueeze_dim = unsqueeze_dim
+        ctx.strides = (_dense_strides(q), _dense_strides(k))
         ctx.save_for_backward(cos, sin)
-        return _rotate(q, k, cos, sin, False, unsqueeze_dim)
+        return _rotate(q, k, cos, sin, False, unsqueeze_dim, strides=ctx.strides)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             return (*_differentiable(dq, dk, cos, sin, ctx.unsqueeze_dim), None, None, None)
-        return (*_rotate(dq, dk, cos, sin, True, ctx.unsqueeze_dim, checked=False), None, None, None)
+        grads = _rotate(dq, dk, cos, sin, True, ctx.unsqueeze_dim, checked=False, strides=ctx.strides)
+        return (*grads, None, None, None)
 
 
 # --------------------------------------------------------------------------- custom op
@@ -146,7 +168,9 @@ def apply_rotary_pos_emb(
         unsqueeze_dim: 1 or 2, HF's: the heads' dimension of q and k.
 
     Returns:
-        ``(q_embed, k_embed)``: new contiguous tensors of q's / k's shape and q's dtype.
+        ``(q_embed, k_embed)``: new tensors of q's / k's shape and q's dtype, laid out in
+        q's / k's dimension order (a transposed view's order: so are their gradients, with no
+        copy on the way back to the projection); contiguous where traced (the custom op).
     """
     _check(q, k, cos, sin, unsqueeze_dim)
     if position_ids is not None and cos.dim() == 2:
