@@ -15,6 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # A CUDA graph whose capture fails raises in the tests instead of warning and running
 # eager (tkern.graphs): a test that meant to run graphed fails rather than passing eager.
@@ -228,3 +229,19 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(InterpretedFunction, "run", counting)
     return seen
+
+
+class AddsOver(TorchDispatchMode):
+    """Counts the aten adds whose output has ``numel`` elements (``seen``): the torch adds over
+    a (tokens, hidden) stream. Use beside the ``launches`` fixture, which runs each launch with
+    the modes disabled, so the interpreter's own ops are not seen."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.seen = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and out.numel() == self.numel:
+            self.seen += 1
+        return out

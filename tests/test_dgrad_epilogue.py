@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, AddsOver, rel_err
 
 import tkern
 from tkern.kernels import gemm
@@ -287,21 +287,6 @@ def _llama_mlp(name="LlamaMLP"):
     return getattr(module, name)(config).to(DEVICE)
 
 
-class _AddsOver(torch.utils._python_dispatch.TorchDispatchMode):
-    """The aten adds whose output has ``numel`` elements (launches' own ops not seen: the
-    ``launches`` fixture runs each launch with the modes disabled)."""
-
-    def __init__(self, numel):
-        super().__init__()
-        self.numel, self.seen = numel, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and out.numel() == self.numel:
-            self.seen += 1
-        return out
-
-
 @pytest.mark.parametrize(("name", "dtype"), [("LlamaMLP", torch.bfloat16), ("Phi3MLP", torch.float16)])
 def test_converted_gated_mlp_backward_runs_in_downs_dgrad_epilogue(name, dtype, launches, monkeypatch):
     # no gated-unit backward launch, one GRAD_GLU dgrad, and x's gradient summed by the GEMMs
@@ -316,7 +301,7 @@ def test_converted_gated_mlp_backward_runs_in_downs_dgrad_epilogue(name, dtype, 
     assert sum(n == "_swiglu_bwd_kernel" for n, _ in launches) == 1
     monkeypatch.setattr(fusion, "DGRAD_EPILOGUE", True)
     launches.clear()
-    with _AddsOver(2 * 5 * 32) as adds:
+    with AddsOver(2 * 5 * 32) as adds:
         new = _block_grads(mlp, x)
     assert sum(n == "_swiglu_bwd_kernel" for n, _ in launches) == 0
     assert [(kw["GRAD_ACT"], kw["GRAD_GLU"]) for _, kw in launches if kw.get("GRAD_GLU")] == [

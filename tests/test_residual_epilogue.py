@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import DEVICE, TOL, AddsOver, rel_err
 
 from tkern.nn import convert_network, fusion
 from tkern.ops.mlp import linear_act_linear, linear_glu_linear
@@ -96,21 +95,6 @@ def test_a_residual_of_the_wrong_shape_or_dtype_is_refused_before_a_launch(launc
 # --------------------------------------------------------------------------- the blocks
 
 
-class _AddsOver(TorchDispatchMode):
-    """The aten adds with an output of ``numel`` elements (the ``launches`` fixture runs each
-    launch with the modes disabled, so the interpreter's own ops are not seen)."""
-
-    def __init__(self, numel):
-        super().__init__()
-        self.numel, self.seen = numel, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and out.numel() == self.numel:
-            self.seen += 1
-        return out
-
-
 def _mlp(name):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -128,7 +112,7 @@ def _mlp(name):
 def test_mlp_with_residual_runs_no_torch_add_over_the_stream(name, launches):
     mlp = convert_network(_mlp(name), torch.bfloat16)
     x, h = (torch.randn(2, 5, 32, device=DEVICE).bfloat16().requires_grad_() for _ in range(2))
-    with _AddsOver(2 * 5 * 32) as adds:
+    with AddsOver(2 * 5 * 32) as adds:
         y = fusion.mlp_with_residual(mlp, x, h)
         y.float().square().sum().backward()
     assert adds.seen == 0
