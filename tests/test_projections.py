@@ -1,6 +1,7 @@
 """tkern.ops.projections.shared_input_linears (linears reading one input as one autograd node,
 dX summed in the dgrad GEMMs) against float64 and against separate tkern.linear calls, its
-flat-buffer wgrads and its argument checks.
+flat-buffer wgrads and its argument checks; and tkern/nn/projections.py, which runs a converted
+attention's q, k, v projections (``RotaryRule.shared_input``) as one such call.
 
 Tolerances. Each output, dW and db is one GEMM (or reduction) accumulated in fp32 and rounded
 once to its dtype: within ``TOL`` (2u, tests/conftest.py) of float64, and bit-identical to
@@ -11,16 +12,23 @@ larger than dX's terms, ``2 * TOL``.
 
 from __future__ import annotations
 
+import copy
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, LazyModule, rel_err
 
 import tkern
+from tkern.nn import projections
+from tkern.nn.projections import grouped_code
+from tkern.nn.rotary import ROTARY_RULES, RotaryAttentionForward, route_rotary
 from tkern.ops.projections import shared_input_linears
 
 NS = (32, 16, 16)  # GQA: q's width, then k's and v's
 K = 48
+modeling_llama = LazyModule("transformers.models.llama.modeling_llama")
 
 
 def _case(dtype, bias, seed=0):
@@ -165,3 +173,72 @@ def test_meta_and_empty_calls_run_separate_linears():
     ws[1] = ws[1][:0]
     ys = shared_input_linears(x, ws, [bs[0], bs[1][:0], bs[2]])
     assert ys[1].shape == (2, 6, 0) and torch.equal(ys[0], tkern.linear(x, ws[0], bs[0]))
+
+
+# --------------------------------------------------------------------------- the routing
+
+
+@pytest.mark.parametrize("name", sorted(ROTARY_RULES))
+def test_each_rules_projections_are_what_its_forward_calls(name):
+    """A rule's ``shared_input`` children are each called once on one name in its family's
+    forward (its code is rewritten); a family without one calls one packed projection."""
+    rule = ROTARY_RULES[name]
+    family = "gpt_neox" if name == "GPTNeoXAttention" else name.removesuffix("Attention").lower()
+    cls = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
+    inner = cls.forward
+    while hasattr(inner, "__wrapped__"):
+        inner = inner.__wrapped__
+    if rule.shared_input:
+        assert grouped_code(inner, rule.shared_input) is not None
+    else:
+        assert not {"q_proj", "k_proj", "v_proj"} & set(inner.__code__.co_names)
+    assert grouped_code(inner, ("q_proj", "o_proj")) is None  # not called on one input
+
+
+def _llama_attention(dtype):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = "eager"
+    attn = modeling_llama.LlamaAttention(config, layer_idx=0).to(DEVICE)
+    tkern.convert_network(attn, dtype)
+    rope = modeling_llama.LlamaRotaryEmbedding(config).to(DEVICE)
+    x = torch.randn(2, 8, 64, device=DEVICE).to(dtype)
+    return attn, x, {"position_embeddings": rope(x, torch.arange(8, device=DEVICE)[None])}
+
+
+def _run(attn, x, kwargs):
+    x = x.detach().requires_grad_()
+    attn.zero_grad(set_to_none=True)
+    out = attn(x, **kwargs)[0]
+    out.float().square().sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in attn.named_parameters()}
+
+
+def test_a_converted_attention_runs_its_projections_as_one_call_unless_one_is_hooked(monkeypatch):
+    """One shared_input_linears call per forward, the same Parameters and children; a hook on
+    k_proj (or a projection that is not a tkern Linear) gets the three layers called as
+    modules, the hook firing on the same input: the same outputs (the same forward
+    launches), dX within the roundings above and the same dW."""
+    dtype = torch.bfloat16
+    attn, x, kwargs = _llama_attention(dtype)
+    assert isinstance(attn.__dict__["forward"], RotaryAttentionForward)
+    assert route_rotary(copy.deepcopy(attn)) is None
+    calls = []
+    real = projections.shared_input_linears
+    monkeypatch.setattr(projections, "shared_input_linears", lambda *a: calls.append(1) or real(*a))
+    out, gx, grads = _run(attn, x, kwargs)
+    assert len(calls) == 1
+    seen = []
+    handle = attn.k_proj.register_forward_hook(lambda m, args, y: seen.append(args[0]))
+    hooked_out, hooked_gx, hooked_grads = _run(attn, x, kwargs)
+    handle.remove()
+    assert len(calls) == 1 and len(seen) == 1 and seen[0].shape == x.shape
+    assert torch.equal(out, hooked_out)
+    assert rel_err(gx, hooked_gx) < 2 * TOL[dtype]
+    for name, g in grads.items():
+        assert torch.equal(g, hooked_grads[name]), name
+    _run(attn, x, kwargs)
+    assert len(calls) == 2  # the hook removed: one call again
+    attn.v_proj = torch.nn.Linear(64, 32, device=DEVICE, dtype=dtype)
+    _run(attn, x, kwargs)
+    assert len(calls) == 2
