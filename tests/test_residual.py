@@ -31,11 +31,13 @@ transformers = pytest.importorskip("transformers")
 
 #: torch adds over (batch, seq, hidden) in a converted 2-layer Llama's (forward, backward). Per
 #: layer, forward: none (HF runs ``h = x + attn_out``: in add_rms_norm here, and ``y = h +
-#: mlp_out``: in down_proj's epilogue); backward: the sum of norm1's output's three gradients
-#: (q, k, v: two adds) (HF also sums norm2's output's two (gate, up): the second GEMM adds into
-#: the first's dX here, tkern.ops.mlp.linear_glu_linear; and h's two and x's two, norm1's and
-#: the residual's: inside add_rms_norm's and rms_norm_and_residual's backward kernels here).
-EXPECTED_ADDS = (0, 2 * 2)
+#: mlp_out``: in down_proj's epilogue); backward: none (HF sums norm1's output's three gradients,
+#: q's, k's and v's: the k and v dgrad GEMMs add into q's dX here,
+#: tkern.ops.projections.shared_input_linears; norm2's output's two, gate's and up's: the second
+#: GEMM adds into the first's dX, tkern.ops.mlp.linear_glu_linear; and h's two and x's two,
+#: norm1's and the residual's: inside add_rms_norm's and rms_norm_and_residual's backward
+#: kernels here).
+EXPECTED_ADDS = (0, 0)
 
 
 def _forward_body(cls) -> list[str]:

@@ -253,7 +253,8 @@ def convert_network(
       ``fusion.MLP_RULES``) run their activation on tkern's kernels in fp32, forward and
       backward (GPT-2's in c_fc's epilogue, Llama's ``act(gate) * up`` as one kernel);
       a pair or block with a hook on a module it would skip runs unfused; HF attention by
-      family (``rotary.ROTARY_RULES``) runs its rotary as :func:`tkern.apply_rotary_pos_emb`;
+      family (``rotary.ROTARY_RULES``) runs its rotary as :func:`tkern.apply_rotary_pos_emb`
+      and its q, k, v projections as one autograd node (``projections``);
       Llama-family decoder layers and GPT-2 blocks (``residual.DECODER_RULES``) add their
       first residual inside the second norm's kernel, forward and backward.
 

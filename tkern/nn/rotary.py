@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from tkern.nn.fusion import family_rule
+from tkern.nn.projections import CALL, SharedInputCall, grouped_code
 from tkern.ops.rotary import apply_rotary_pos_emb
 
 __all__ = ["ROTARY_RULES", "RotaryAttentionForward", "RotaryRule", "route_rotary"]
@@ -35,13 +36,18 @@ class RotaryRule:
     sin)``. ``partial``: that function rotates only the first ``cos.shape[-1]`` head-dim
     columns and passes the rest through (GPT-NeoX, Phi-3); else it rotates them all
     (Phi slices its ``rotary_ndims`` itself, then calls the full form). tkern's function
-    computes both (tests/test_rotary.py checks each family's source against its rule)."""
+    computes both (tests/test_rotary.py checks each family's source against its rule).
+    ``shared_input``: the children the forward calls, each as ``self.<name>(hidden_states)``, on
+    one input (Llama's q, k, v projections), run as one autograd node whose backward sums their
+    input gradients in the dgrad GEMMs (:mod:`tkern.nn.projections`); empty: none (one packed
+    projection: Phi-3's ``qkv_proj``, GPT-NeoX's ``query_key_value``)."""
 
     function: str = "apply_rotary_pos_emb"
     partial: bool = False
+    shared_input: tuple[str, ...] = ()
 
 
-_FULL = RotaryRule()
+_FULL = RotaryRule(shared_input=("q_proj", "k_proj", "v_proj"))
 _PARTIAL = RotaryRule(partial=True)
 
 #: transformers' attention classes (by name) whose forward calls its modeling module's
@@ -76,19 +82,26 @@ def _innermost(fn):
     return fn
 
 
-def _rebuilt(fn, name: str, value):
+def _rebuilt(fn, name: str, value, group: tuple[str, ...] = ()):
     """``fn`` rebuilt so that its innermost function looks ``name`` up as ``value`` (in a copy
-    of its globals); each wrapper above it rebuilt with its closure's reference to the
-    function below replaced. None where a wrapper holds the function below otherwise."""
+    of its globals) and, where its code calls the children ``group`` as
+    :func:`tkern.nn.projections.grouped_code` wants, calls them as one group; each wrapper
+    above it rebuilt with its closure's reference to the function below replaced. None where
+    a wrapper holds the function below otherwise."""
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
         globals_ = {**fn.__globals__, name: value}
         # no __name__: torch.compile would take these globals for the module of that name
         # (and guard on HF's function); without one it guards on this dict itself
         globals_.pop("__name__", None)
-        new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
+        code = grouped_code(fn, group) if group else None
+        if code is None:
+            code = fn.__code__
+        else:
+            globals_[CALL] = SharedInputCall(group)
+        new = types.FunctionType(code, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
     else:
-        below = _rebuilt(inner, name, value)
+        below = _rebuilt(inner, name, value, group)
         cells = fn.__closure__ or ()
         holds = [i for i, c in enumerate(cells) if _contents(c) is inner]
         if below is None or len(holds) != 1:
@@ -125,7 +138,9 @@ def _rotary_forward(module: nn.Module, rule: RotaryRule):
     cls = type(module)
     forward = _FORWARDS.get(cls)
     if forward is None:
-        forward = _FORWARDS[cls] = _rebuilt(cls.forward, rule.function, apply_rotary_pos_emb)
+        forward = _FORWARDS[cls] = _rebuilt(
+            cls.forward, rule.function, apply_rotary_pos_emb, rule.shared_input
+        )
     return forward
 
 
@@ -133,7 +148,9 @@ class RotaryAttentionForward:
     """The forward of a transformers attention module converted with ``fuse_activations``:
     its class's own forward, except that the rotary embedding (``rule.function``) runs
     :func:`tkern.apply_rotary_pos_emb` (q and k in one kernel, fp32 inside, one rounding,
-    forward and backward). Stored as the instance's ``forward`` (hooks on the module fire as
+    forward and backward), and the projections ``rule.shared_input`` run as one
+    :func:`tkern.ops.projections.shared_input_linears` call where they can
+    (:mod:`tkern.nn.projections`). Stored as the instance's ``forward`` (hooks on the module fire as
     before); a module-level class, so the model pickles and deep-copies."""
 
     def __init__(self, attention: nn.Module, rule: RotaryRule) -> None:

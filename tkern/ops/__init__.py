@@ -9,6 +9,9 @@ per op family, each above the kernels it launches (``tkern/kernels``):
                  MLP, converted by ``nn.fusion``; eager only: traced calls run two ``linear`` calls);
                  ``linear_glu_linear``: a gated MLP (Llama's, Phi-3's packed one) the same way,
                  the gated unit's backward in down's dgrad epilogue (``gemm.matmul_grad_glu``)
+``projections.py``  ``shared_input_linears``: linears that read one input (an attention's q, k, v)
+                 as one autograd function, their input gradients summed by the dgrad GEMMs (eager
+                 only: traced calls run separate ``linear`` calls)
 ``float8.py``    ``float8_linear`` (custom ops ``tkern::float8_cast_2d``,
                  ``tkern::float8_cast_blocks``, ``tkern::roll_amax_history``, ``tkern::scaled_mm``:
                  with an optional activation in its epilogue, an MLP's forward)
