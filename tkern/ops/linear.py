@@ -48,6 +48,7 @@ from tkern.kernels.activation import (
 )
 from tkern.kernels.gemm import (
     linear_prechecked,
+    linear_residual_prechecked,
     matmul,
     matmul_backward,
     matmul_backward_prechecked,
@@ -366,6 +367,48 @@ def _linear_backward(ctx, dy, _dpreact):
 
 
 _linear_forward_op.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+@torch.library.custom_op("tkern::linear_residual", mutates_args=())
+def _linear_residual_op(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """``residual + (x2d @ weight^T + bias)``, the add in the GEMM's epilogue (one rounding):
+    the traced form of ``tkern.ops.mlp``'s ``residual=``, so a compiled block rounds as the
+    eager one does."""
+    return linear_residual_prechecked(x2d, weight, bias, residual.contiguous())
+
+
+@_linear_residual_op.register_fake
+def _(x2d, weight, bias, residual):
+    return x2d.new_empty((x2d.shape[0], weight.shape[0]))
+
+
+def _linear_residual_setup_context(ctx, inputs, output):
+    x2d, weight, bias, _ = inputs
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(x2d, weight)
+
+
+def _linear_residual_backward(ctx, dy):
+    x2d, weight = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    mm, act_grad = _mm_backward_traced, _activation_grad_op
+    dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs[:3], ctx.bias_dtype, mm, act_grad)
+    return dx, dw, db, dy if needs[3] else None
+
+
+_linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup_context)
+
+
+def linear_residual_traced(x, weight, bias, residual):
+    """``residual + linear(x, weight, bias)`` through the custom op ``tkern::linear_residual``
+    (tracing, meta tensors): the add in the GEMM's epilogue, as the eager fused blocks
+    compute it. ``x`` (..., K), ``residual`` (..., N), both of ``weight``'s dtype (checked by
+    the caller)."""
+    n, k = weight.shape
+    y = _linear_residual_op(as_2d(x, k), weight, bias, residual.reshape(-1, n))
+    return y.reshape(*x.shape[:-1], n)
 
 
 def _linear_op(x, weight, bias, activation):

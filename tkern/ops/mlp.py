@@ -49,6 +49,7 @@ from tkern.ops.linear import (
     differentiable_grads,
     linear,
     linear_grads,
+    linear_residual_traced,
     mm_backward_checked,
 )
 from tkern.ops.swiglu import differentiable_glu_grads, swiglu, swiglu_packed
@@ -61,6 +62,16 @@ def _second_layer(h, w2, b2, residual):
     if residual is None:
         return linear_prechecked(h, w2, b2, None, None)
     return linear_residual_prechecked(h, w2, b2, residual)
+
+
+def _last_layer(h, w2, b2, residual):
+    """The traced (or meta, subclass, empty) calls' last layer: ``linear(h, w2, b2)``, with
+    ``residual`` added in its epilogue by the custom op (the eager path's rounding)."""
+    if residual is None:
+        return linear(h, w2, b2)
+    if h.is_meta or h.numel() == 0 or w2.shape[0] == 0 or type(h) is not torch.Tensor:
+        return residual + linear(h, w2, b2)
+    return linear_residual_traced(h, w2, b2, residual)
 
 
 def _residual_grad(ctx, dy, index):
@@ -185,8 +196,7 @@ def linear_act_linear(
     _check_second(x, w1, w2, b2)
     _check_residual(residual, x, w2)
     if not eager or w1.shape[1] == 0 or w1.shape[0] == 0:  # traced, meta, subclass, empty: two calls
-        y = linear(linear(x, w1, b1, activation), w2, b2)
-        return y if residual is None else residual + y
+        return _last_layer(linear(x, w1, b1, activation), w2, b2, residual)
     y = _LinearActLinear.apply(x, w1, b1, w2, b2, activation, _residual_rows(residual, x, w2))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w2.shape[0])
 
@@ -338,8 +348,7 @@ def linear_glu_linear(
             h = swiglu_packed(linear(x, w_gate, b_gate), activation)
         else:
             h = swiglu(linear(x, w_gate, b_gate), linear(x, w_up, b_up), activation)
-        y = linear(h, w_down, b_down)
-        return y if residual is None else residual + y
+        return _last_layer(h, w_down, b_down, residual)
     check_int32_addressable("w_down", w_down)
     y = _LinearGLULinear.apply(
         x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, _residual_rows(residual, x, w_down)
