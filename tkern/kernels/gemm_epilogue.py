@@ -130,18 +130,19 @@ def _epilogue_part(
     preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if STORE_PREACT:
         tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if GRAD_GLU:  # dH = dY @ W of h = act(gate) * up: gate at preact_ptr, up N columns right of it
         g = tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
         u = tl.load(preact_ptrs + N * stride_cn, mask=mask_c, other=0.0).to(tl.float32)
-        tl.store(
-            c_ptrs + N * stride_cn, cast_rne(acc * apply_activation(g, GRAD_ACT), OUT_DTYPE), mask=mask_c
-        )
+        d_up_ptrs = c_ptr + rows[:, None] * stride_cm + (cols + N)[None, :] * stride_cn
+        tl.store(d_up_ptrs, cast_rne(acc * apply_activation(g, GRAD_ACT), OUT_DTYPE), mask=mask_c)
         acc = activation_grad_f32(acc * u, g, GRAD_ACT)  # d(gate), stored below
     elif GRAD_ACT != 0:  # dZ = (dY @ W) * act'(Z) on the unrounded fp32 product: one rounding
         z = tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
         acc = activation_grad_f32(acc, z, GRAD_ACT)
     acc = apply_activation(acc, ACTIVATION)
+    # C's pointers made here, after the activation: made before it they held 16 B more than
+    # sm_90's TMA GELU+preact ragged tiles had (the gate's spill check)
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
     if ACCUMULATE:  # C += result: one rounding of the fp32 sum, as an fp32 accumulator would
         acc = acc + tl.load(c_ptrs, mask=mask_c, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:  # y = residual + layer(x): one rounding of the fp32 sum
