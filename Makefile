@@ -24,7 +24,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/tkern train
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n auto --dist loadgroup --durations=25 tests
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=25 tests
 
 # The ahead-of-time compile gate: every kernel compiled for sm_80..sm_120, gfx942 and
 # gfx950 on the CPU under the installed triton, and sm_80, sm_90, gfx950 under 3.6 (the GPU

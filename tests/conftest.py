@@ -59,26 +59,11 @@ needs_recorder = pytest.mark.skipif(
 )
 
 
-def _shares_a_module_fixture(item: pytest.Item) -> bool:
-    """Whether ``item`` uses a module-scoped fixture: one built once for its module (a dry
-    run of the GPU session, gloo ranks training a model)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs[-1:])
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests of a module that share a module-scoped fixture go to one worker under
-    ``pytest -n auto --dist loadgroup`` (``make test``): each xdist worker builds its own
-    module fixtures, so split between two workers an expensive one (the dry run of the
-    GPU session, minutes) was built twice. And under ``TKERN_FAKE_CUDA_COLLECT=1``: print
-    the GPU-collection report (tests/gpu_collection.py), one line per collected test that
-    needs the CPU."""
-    for item in items:
-        if _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    """Under ``TKERN_FAKE_CUDA_COLLECT=1``: print the GPU-collection report
+    (tests/gpu_collection.py), one line per collected test that needs the CPU. (``make
+    test`` keeps each file's tests on one xdist worker with ``--dist loadfile``, so a module
+    fixture is built once: docs/testing.md.)"""
     if os.environ.get(FAKE_CUDA_ENV) == "1":
         import gpu_collection
 
