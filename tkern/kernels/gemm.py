@@ -676,7 +676,7 @@ def _launch_matmul(
 
 
 def _kernel_meta(
-    a_dtype, bias, activation, out_dtype, preact, a_t, b_t, scales, prologue, accumulate, grad_act=None
+    a_dtype, bias, activation, out_dtype, preact, a_t, b_t, scales, prologue, accumulate, read=None
 ) -> dict:
     """The pointer kernel's constexprs for one launch."""
     return {
@@ -684,15 +684,15 @@ def _kernel_meta(
         "A_T": a_t, "B_T": b_t, "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
         "PRECISE_ACC": scales.precise_acc,
         **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
-        "GRAD_ACT": ACTIVATIONS[None if grad_act is None else grad_act.activation],  # in the key too
-        "GRAD_GLU": grad_act is not None and grad_act.glu,
-        "ADD_RESIDUAL": grad_act is not None and grad_act.residual,
+        "GRAD_ACT": ACTIVATIONS[None if read is None else read.activation],  # in the key too
+        "GRAD_GLU": read is not None and read.glu,
+        "ADD_RESIDUAL": read is not None and read.residual,
     }  # fmt: skip
 
 
 def _launch(
     a, sa, b, sb, M, N, K, bias, activation, out_dtype, preact, scales, prologue, into=None, accumulate=True,
-    grad_act=None,
+    read=None,
 ) -> torch.Tensor:  # fmt: skip
     """The pointer kernel on ``a`` (M, K) with strides ``sa`` and ``b`` (K, N) with
     strides ``sb``: explicit strides let a caller pass a tensor for its transpose
@@ -701,7 +701,7 @@ def _launch(
     each :data:`_LAUNCHES` key goes through the autotuner, the later ones call the
     config it chose directly (``_common.resolve_launch``). ``into``: an (M, N)
     tensor of ``out_dtype`` (any strides) the result is added to (``accumulate``)
-    or written into, and returned, instead of a new one. ``grad_act``: a
+    or written into, and returned, instead of a new one. ``read``: a
     :class:`EpilogueRead`, the epilogue's product with act'(z) (z read where a pre-activation
     would be stored), a gated unit's two gradients, or a residual added."""
     c = torch.empty(M, N, dtype=out_dtype, device=a.device) if into is None else into
@@ -710,7 +710,7 @@ def _launch(
             _prologue_without_gemm(a, prologue)  # prologue launches pass a with its own strides
         return c
     sc = (N, 1) if into is None else into.stride()
-    pre = preact if grad_act is None else grad_act.z
+    pre = preact if read is None else read.z
     args = (
         a, b, c, c if bias is None else bias, c if pre is None else pre,
         M, N, K, *sa, *sb, *sc, bias_stride(bias),
@@ -721,7 +721,7 @@ def _launch(
            preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, prologue.activation,
            prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype,
            None if into is None else sc, accumulate, scales.precise_acc,
-           None if grad_act is None else (grad_act.activation, grad_act.glu, grad_act.residual))  # fmt: skip
+           None if read is None else (read.activation, read.glu, read.residual))  # fmt: skip
     accumulate = into is not None and accumulate
     if scales is NO_SCALES:
         kernel = _matmul_accumulate_kernel if accumulate else _matmul_kernel
@@ -737,7 +737,7 @@ def _launch(
 
     meta = _kernel_meta(
         a.dtype, bias, activation, out_dtype, preact, transposed(sa), transposed(sb), scales, prologue,
-        accumulate, grad_act,
+        accumulate, read,
     )  # fmt: skip
     direct = resolve_launch(kernel, grid, args, meta)
     if direct is not None:
@@ -771,7 +771,7 @@ def linear_residual_prechecked(
     one rounding), for a caller that checked its arguments (x (M, K), weight (N, K), residual
     (M, N) contiguous of ``x``'s dtype): the pre-norm block's last layer writing the residual
     stream, ``tkern.ops.mlp``'s. The pointer or TMA kernel (never split-K: no epilogue)."""
-    return _launch_grad_epilogue(x, weight.t(), EpilogueRead(None, residual, residual=True), None, bias)
+    return _launch_reading(x, weight.t(), EpilogueRead(None, residual, residual=True), None, bias)
 
 
 def matmul_backward(
@@ -962,10 +962,10 @@ def matmul_grad_act_prechecked(
     a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, activation: str
 ) -> torch.Tensor:
     """:func:`matmul_grad_act` for a caller that checked its arguments (the hot path)."""
-    return _launch_grad_epilogue(a, b, EpilogueRead(activation, z), None)
+    return _launch_reading(a, b, EpilogueRead(activation, z), None)
 
 
-def _launch_grad_epilogue(a, b, read: EpilogueRead, into, bias=None) -> torch.Tensor:
+def _launch_reading(a, b, read: EpilogueRead, into, bias=None) -> torch.Tensor:
     """A GEMM whose epilogue reads ``read`` (a dgrad epilogue, or a residual added) on the
     kernel the plan names (the pointer or TMA kernel, never split-K: its reduction has no
     epilogue); C new or ``into``."""
@@ -1017,7 +1017,7 @@ def matmul_grad_glu_prechecked(
     """:func:`matmul_grad_glu` for a caller that checked its arguments (the hot path)."""
     M, N = a.shape[0], b.shape[1]
     d = torch.empty(M, 2 * N, dtype=a.dtype, device=a.device)
-    _launch_grad_epilogue(a, b, EpilogueRead(activation, gate_up[:, :N], glu=True), d[:, :N])
+    _launch_reading(a, b, EpilogueRead(activation, gate_up[:, :N], glu=True), d[:, :N])
     return d
 
 

@@ -165,13 +165,13 @@ def persistent_programs(device) -> int:
 
 
 def launch_tma(
-    a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into=None, accumulate=True, grad_act=None
+    a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into=None, accumulate=True, read=None
 ) -> torch.Tensor:
     """``act(a @ b + bias)`` on :func:`_matmul_tma_kernel`, for arguments already
     checked (``gemm_epilogue.check_matmul_args``) and ``layouts`` from
     :func:`tma_layouts` (not None); with ``into`` (an (M, N) tensor of
     ``out_dtype``, any strides), ``into += a @ b`` (``accumulate``, no bias or
-    activation) or the result written into it, returned. ``grad_act``: a
+    activation) or the result written into it, returned. ``read``: a
     ``gemm_epilogue.EpilogueRead``, ``(a @ b) * act'(z)`` for an (M, N) ``z`` with C's
     strides, a gated unit's two gradients (no bias, activation or preact; C new or
     ``into``, not accumulated), or ``z`` added to ``act(a @ b + bias)`` (``residual``),
@@ -191,7 +191,7 @@ def launch_tma(
     # The TMA-store epilogue where a descriptor can describe C (row-major, 16-byte aligned
     # rows) and nothing else is stored beside it (the pre-activation keeps the pointer
     # epilogue); the block shape is a placeholder the config's pre-hook replaces.
-    c_tma = preact is None and grad_act is None and tma_layout(c) == "row"
+    c_tma = preact is None and read is None and tma_layout(c) == "row"
     c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [16, 16]) if c_tma else c
     num_sms = persistent_programs(a.device)
     accumulate = into is not None and accumulate
@@ -200,7 +200,7 @@ def launch_tma(
     def grid(meta):
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    grad_code, z = (0, preact) if grad_act is None else (ACTIVATIONS[grad_act.activation], grad_act.z)
+    grad_code, z = (0, preact) if read is None else (ACTIVATIONS[read.activation], read.z)
     kernel[grid](
         a_desc, b_desc, c_desc, c, bias if bias is not None else c, z if z is not None else c,
         M, N, K, c.stride(0), c.stride(1), bias_stride(bias),
@@ -210,7 +210,7 @@ def launch_tma(
         NUM_SMS=num_sms,
         C_TMA=c_tma,
         GRAD_ACT=grad_code,
-        GRAD_GLU=grad_act is not None and grad_act.glu,
-        ADD_RESIDUAL=grad_act is not None and grad_act.residual,
+        GRAD_GLU=read is not None and read.glu,
+        ADD_RESIDUAL=read is not None and read.residual,
     )  # fmt: skip
     return c

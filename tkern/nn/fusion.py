@@ -311,22 +311,38 @@ def _gemm_weight(module: nn.Module) -> torch.Tensor | None:
     return None
 
 
+def _one_function_operands(mlp: nn.Module, rule: MLPRule, x: torch.Tensor, residual) -> tuple | None:
+    """``(x, layers, weights)`` for one function over the block: its GEMM layers (gate, up,
+    down: those the rule names, in that order), ``x`` and their weights in the compute dtype,
+    where :data:`DGRAD_EPILOGUE` and the layers allow (tkern 16-bit GEMMs of one compute dtype,
+    ``residual``'s too, nothing between them, nothing on a layer that would see the
+    difference); else None (the caller's path)."""
+    if not DGRAD_EPILOGUE or rule.down is None or rule.mid or rule.to_down_dtype:
+        return None
+    layers = [getattr(mlp, name) for name in (rule.gate, rule.up, rule.down) if name is not None]
+    weights = [_gemm_weight(layer) for layer in layers]
+    if any(w is None for w in weights) or any(map(runs_more_than_forward, layers)):
+        return None
+    x, first = compute_operands(layers[0], x, weights[0])
+    weights = [first] + [
+        compute_operands(layer, x, w)[1] for layer, w in zip(layers[1:], weights[1:], strict=True)
+    ]
+    if any(w.dtype != first.dtype for w in weights) or (
+        residual is not None and residual.dtype != first.dtype
+    ):
+        return None
+    return x, layers, weights
+
+
 def _act_down(
     mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str, residual=None
 ) -> torch.Tensor | None:
-    """``down(act(up(x)))`` as one :func:`linear_act_linear` call where :data:`DGRAD_EPILOGUE`
-    and both layers allow (tkern 16-bit GEMMs of one compute dtype, nothing between them,
-    nothing on ``down`` that would see the difference), else None (the caller's path)."""
-    if not DGRAD_EPILOGUE or rule.down is None or rule.mid or rule.to_down_dtype:
+    """``down(act(up(x)))`` (``+ residual``) as one :func:`linear_act_linear` call where
+    :func:`_one_function_operands` allows, else None (the caller's path)."""
+    operands = _one_function_operands(mlp, rule, x, residual)
+    if operands is None:
         return None
-    up, down = getattr(mlp, rule.up), getattr(mlp, rule.down)
-    w1, w2 = _gemm_weight(up), _gemm_weight(down)
-    if w1 is None or w2 is None or runs_more_than_forward(down):
-        return None
-    x, w1 = compute_operands(up, x, w1)
-    _, w2 = compute_operands(down, x, w2)
-    if w2.dtype != w1.dtype or (residual is not None and residual.dtype != w1.dtype):
-        return None
+    x, (up, down), (w1, w2) = operands
     return linear_act_linear(x, w1, up.bias, activation, w2, down.bias, residual)
 
 
@@ -334,24 +350,15 @@ def _glu_down(
     mlp: nn.Module, rule: MLPRule, x: torch.Tensor, activation: str, residual=None
 ) -> torch.Tensor | None:
     """``down(act(gate(x)) * up(x))`` (the "gated" form) or ``down(swiglu_packed(up(x)))`` (the
-    "packed" form) as one :func:`linear_glu_linear` call where :data:`DGRAD_EPILOGUE` and the
-    layers allow (tkern 16-bit GEMMs of one compute dtype, nothing between them, nothing on
-    a layer the fused form does not call as a module), else None (the caller's path)."""
-    if not DGRAD_EPILOGUE or rule.down is None or rule.mid or rule.to_down_dtype:
+    "packed" form), ``+ residual``, as one :func:`linear_glu_linear` call where
+    :func:`_one_function_operands` allows, else None (the caller's path)."""
+    operands = _one_function_operands(mlp, rule, x, residual)
+    if operands is None:
         return None
-    layers = [getattr(mlp, name) for name in (rule.gate, rule.up, rule.down) if name is not None]
-    weights = [_gemm_weight(layer) for layer in layers]
-    if any(w is None for w in weights) or any(map(runs_more_than_forward, layers)):
-        return None
-    x, w_gate = compute_operands(layers[0], x, weights[0])
-    w_rest = [compute_operands(layer, x, w)[1] for layer, w in zip(layers[1:], weights[1:], strict=True)]
-    if any(w.dtype != w_gate.dtype for w in w_rest) or (
-        residual is not None and residual.dtype != w_gate.dtype
-    ):
-        return None
-    w_up, b_up = (w_rest[0], layers[1].bias) if rule.gate is not None else (None, None)
-    w_down, b_down = w_rest[-1], layers[-1].bias
-    return linear_glu_linear(x, w_gate, layers[0].bias, w_up, b_up, activation, w_down, b_down, residual)
+    x, layers, weights = operands
+    w_up, b_up = (weights[1], layers[1].bias) if rule.gate is not None else (None, None)
+    w_down, b_down = weights[-1], layers[-1].bias
+    return linear_glu_linear(x, weights[0], layers[0].bias, w_up, b_up, activation, w_down, b_down, residual)
 
 
 def _fusable_now(module: nn.Module, rule: MLPRule) -> bool:

@@ -204,6 +204,28 @@ def linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act
     return dx, dw, db
 
 
+def layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
+    """One layer's ``(dx, dw, db)`` inside a Function over several layers (tkern.ops.mlp's,
+    tkern.ops.projections'): :func:`linear_grads` (no activation) on tensors that Function's
+    forward made and autograd's gradient, dW put into a fused optimizer's flat gradient buffer
+    where it may (:func:`common.flat_wgrad`; the weight is the Function's input ``index``,
+    ``ctx.slots`` from :func:`common.next_function_slots`)."""
+    target = common.flat_wgrad(ctx, x2d.dtype, weight, ctx.slots[index]) if needs[1] else None
+    mm, act_grad = mm_backward_checked, activation_grad_prechecked  # tensors autograd and forward made
+    dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs, bias_dtype, mm, act_grad, target)
+    if target is not None:
+        dw = common.hand_over(target)
+    return dx, dw, db
+
+
+def dgrad_into(dy: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor | None) -> torch.Tensor:
+    """``dy @ weight`` as a new dX, or with ``dx`` given ``dx += dy @ weight`` (fp32, one
+    rounding): layers that read one input summing their input gradients in the dgrad GEMMs."""
+    if dx is None:
+        return matmul_backward_prechecked(dy, weight, None, None, None, None)
+    return matmul_backward_prechecked(dy, weight, None, None, None, None, False, dx, True)
+
+
 class _Linear(torch.autograd.Function):
     """y = act(x @ W^T + b) as (M, N); every product through :func:`tkern.matmul`.
 

@@ -31,11 +31,10 @@ from tkern.kernels._common import (
     check_same_device,
     check_tensor,
 )
-from tkern.kernels.activation import GRAD_FROM_OUTPUT, activation_grad_prechecked
+from tkern.kernels.activation import GRAD_FROM_OUTPUT
 from tkern.kernels.gemm import (
     linear_prechecked,
     linear_residual_prechecked,
-    matmul_backward_prechecked,
     matmul_grad_act_prechecked,
     matmul_grad_glu_prechecked,
     matmul_prechecked,
@@ -46,11 +45,11 @@ from tkern.ops import common
 from tkern.ops.common import as_2d
 from tkern.ops.linear import (
     check_linear_args,
+    dgrad_into,
     differentiable_grads,
+    layer_grads,
     linear,
-    linear_grads,
     linear_residual_traced,
-    mm_backward_checked,
 )
 from tkern.ops.swiglu import differentiable_glu_grads, swiglu, swiglu_packed
 
@@ -133,36 +132,26 @@ class _LinearActLinear(torch.autograd.Function):
             if dh is not None:
                 dx, dw1, db1 = differentiable_grads(dh, x2d, w1, b1, ctx.activation, needs[:3], bias1)
         else:
-            _, dw2, db2 = _layer_grads(ctx, dy, h, w2, (False, *needs[3:5]), bias2, 3)
+            _, dw2, db2 = layer_grads(ctx, dy, h, w2, (False, *needs[3:5]), bias2, 3)
             dx = dw1 = db1 = None
             if any(needs[:3]):  # dZ straight from the second layer's dgrad epilogue
                 dz = matmul_grad_act_prechecked(dy, w2, z, ctx.activation)
-                dx, dw1, db1 = _layer_grads(ctx, dz, x2d, w1, needs[:3], bias1, 1)
+                dx, dw1, db1 = layer_grads(ctx, dz, x2d, w1, needs[:3], bias1, 1)
         if dx is not None and ctx.x_shape is not None:
             dx = dx.reshape(ctx.x_shape)
         return dx, dw1, db1, dw2, db2, None, _residual_grad(ctx, dy, 6)
 
 
-def _layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
-    """One layer's (dx, dw, db) from its output gradient (no activation of its own):
-    ``linear_grads``, with dW put into a flat gradient buffer where it may (the weight is the
-    Function's input ``index``)."""
-    target = common.flat_wgrad(ctx, x2d.dtype, weight, ctx.slots[index]) if needs[1] else None
-    mm, act_grad = mm_backward_checked, activation_grad_prechecked  # tensors autograd and forward made
-    dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs, bias_dtype, mm, act_grad, target)
-    if target is not None:
-        dw = common.hand_over(target)
-    return dx, dw, db
-
-
-def _check_second(x, w1, w2, b2) -> None:
-    """Raise unless ``w2`` (N2, N1) and ``b2`` can follow ``w1`` (N1, K) on ``x``'s device."""
-    check_tensor("w2", w2, ndim=2, dtypes=(w1.dtype,))
-    if w2.shape[1] != w1.shape[0]:
-        raise ValueError(f"w2 must have shape (N2, {w1.shape[0]}) to follow w1, got {tuple(w2.shape)}")
+def _check_second(x, width: int, dtype, w2, b2, name: str = "w2", after: str = "w1") -> None:
+    """Raise unless ``w2`` (N2, ``width``) of ``dtype`` and ``b2`` can follow the first layer
+    (``after``: what it is called in the message) on ``x``'s device; ``name``: w2's (its
+    bias's: ``b`` for its ``w``, b2 / b_down)."""
+    check_tensor(name, w2, ndim=2, dtypes=(dtype,))
+    if w2.shape[1] != width:
+        raise ValueError(f"{name} must have shape (N2, {width}) to follow {after}, got {tuple(w2.shape)}")
     check_bias(b2, w2.shape[0], w2.dtype)
-    check_same_device(x=x, w2=w2, b2=b2)
-    check_int32_addressable("w2", w2)
+    check_same_device(x=x, **{name: w2, f"b{name[1:]}": b2})
+    check_int32_addressable(name, w2)
     check_int32_elements("output", (math.prod(x.shape[:-1]), w2.shape[0]))
 
 
@@ -193,7 +182,7 @@ def linear_act_linear(
     if activation is None:
         raise ValueError("linear_act_linear needs an activation, got None")
     eager = check_linear_args(x, w1, b1, activation)
-    _check_second(x, w1, w2, b2)
+    _check_second(x, w1.shape[0], w1.dtype, w2, b2)
     _check_residual(residual, x, w2)
     if not eager or w1.shape[1] == 0 or w1.shape[0] == 0:  # traced, meta, subclass, empty: two calls
         return _last_layer(linear(x, w1, b1, activation), w2, b2, residual)
@@ -233,7 +222,7 @@ class _LinearGLULinear(torch.autograd.Function):
                 ctx, dy, x2d, w_gate, b_gate, w_up, b_up, gate_up, h, w_down, b_down
             )
         else:
-            _, dwd, dbd = _layer_grads(ctx, dy, h, w_down, (False, *needs[5:7]), ctx.bias_dtypes[2], 5)
+            _, dwd, dbd = layer_grads(ctx, dy, h, w_down, (False, *needs[5:7]), ctx.bias_dtypes[2], 5)
             dx = dwg = dbg = dwu = dbu = None
             if any(needs[:5]):  # [d(gate) | d(up)] straight from down's dgrad epilogue
                 d = matmul_grad_glu_prechecked(dy, w_down, gate_up, ctx.activation)
@@ -251,16 +240,13 @@ def _first_grads(ctx, d, x2d, w_gate, w_up, needs):
     ``dX = d(gate) @ Wg`` with ``d(up) @ Wu`` added into it by the second GEMM."""
     bias_gate, bias_up = ctx.bias_dtypes[:2]
     if w_up is None:
-        dx, dwg, dbg = _layer_grads(ctx, d, x2d, w_gate, needs[:3], bias_gate, 1)
+        dx, dwg, dbg = layer_grads(ctx, d, x2d, w_gate, needs[:3], bias_gate, 1)
         return dx, dwg, dbg, None, None
     n = d.shape[1] // 2
     dg, du = d[:, :n], d[:, n:]
-    _, dwg, dbg = _layer_grads(ctx, dg, x2d, w_gate, (False, *needs[1:3]), bias_gate, 1)
-    _, dwu, dbu = _layer_grads(ctx, du, x2d, w_up, (False, *needs[3:5]), bias_up, 3)
-    dx = None
-    if needs[0]:
-        dx = matmul_backward_prechecked(dg, w_gate, None, None, None, None)
-        matmul_backward_prechecked(du, w_up, None, None, None, None, False, dx, True)
+    _, dwg, dbg = layer_grads(ctx, dg, x2d, w_gate, (False, *needs[1:3]), bias_gate, 1)
+    _, dwu, dbu = layer_grads(ctx, du, x2d, w_up, (False, *needs[3:5]), bias_up, 3)
+    dx = dgrad_into(du, w_up, dgrad_into(dg, w_gate, None)) if needs[0] else None
     return dx, dwg, dbg, dwu, dbu
 
 
@@ -285,9 +271,10 @@ def _differentiable_glu_linear(ctx, dy, x2d, w_gate, b_gate, w_up, b_up, gate_up
     return dx, dwg, dbg, dwu, dbu, dwd, dbd
 
 
-def _check_glu(x, w_gate, b_gate, w_up, b_up, w_down) -> int:
-    """Raise unless the gate, up and down weights fit one gated MLP on ``x``; returns N, the
-    gated unit's width (``w_down``'s in-features)."""
+def _check_glu(x, w_gate, w_up, b_up, w_down, b_down) -> int:
+    """Raise unless the gate, up and down weights (and up's and down's biases; gate's is
+    :func:`check_linear_args`') fit one gated MLP on ``x``; returns N, the gated unit's width
+    (``w_down``'s in-features)."""
     gated = w_gate.shape[0] if w_up is not None else w_gate.shape[0] // 2
     if w_up is None and w_gate.shape[0] % 2:
         raise ValueError(
@@ -300,11 +287,7 @@ def _check_glu(x, w_gate, b_gate, w_up, b_up, w_down) -> int:
         check_bias(b_up, w_up.shape[0], w_up.dtype)
         check_same_device(x=x, w_up=w_up, b_up=b_up)
         check_int32_addressable("w_up", w_up)
-    check_tensor("w_down", w_down, ndim=2, dtypes=(w_gate.dtype,))
-    if w_down.shape[1] != gated:
-        raise ValueError(
-            f"w_down must have shape (N2, {gated}) to follow the gated unit, got {tuple(w_down.shape)}"
-        )
+    _check_second(x, gated, w_gate.dtype, w_down, b_down, "w_down", "the gated unit")
     check_int32_elements("gate_up", (math.prod(x.shape[:-1]), 2 * gated))
     return gated
 
@@ -339,9 +322,7 @@ def linear_glu_linear(
     if activation is None:
         raise ValueError("linear_glu_linear needs the gate's activation, got None")
     eager = check_linear_args(x, w_gate, b_gate, activation)
-    n = _check_glu(x, w_gate, b_gate, w_up, b_up, w_down)
-    check_bias(b_down, w_down.shape[0], w_down.dtype)
-    check_same_device(x=x, w_down=w_down, b_down=b_down)
+    n = _check_glu(x, w_gate, w_up, b_up, w_down, b_down)
     _check_residual(residual, x, w_down)
     if not eager or n == 0 or w_gate.shape[1] == 0:  # traced, meta, subclass, empty: the calls one by one
         if w_up is None:
@@ -349,7 +330,6 @@ def linear_glu_linear(
         else:
             h = swiglu(linear(x, w_gate, b_gate), linear(x, w_up, b_up), activation)
         return _last_layer(h, w_down, b_down, residual)
-    check_int32_addressable("w_down", w_down)
     y = _LinearGLULinear.apply(
         x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, _residual_rows(residual, x, w_down)
     )

@@ -16,17 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from tkern.kernels.activation import activation_grad_prechecked
-from tkern.kernels.gemm import linear_prechecked, matmul_backward_prechecked
+from tkern.kernels.gemm import linear_prechecked
 from tkern.ops import common
 from tkern.ops.common import as_2d
-from tkern.ops.linear import (
-    check_linear_args,
-    differentiable_grads,
-    linear,
-    linear_grads,
-    mm_backward_checked,
-)
+from tkern.ops.linear import check_linear_args, dgrad_into, differentiable_grads, layer_grads, linear
 
 __all__ = ["shared_input_linears"]
 
@@ -64,33 +57,15 @@ class _SharedInputLinears(torch.autograd.Function):
                 dxi, dw, db = differentiable_grads(dy, x2d, w, b, None, layer_needs, ctx.bias_dtypes[i])
                 dx = dxi if dx is None or dxi is None else dx + dxi
             else:
-                _, dw, db = _layer_grads(ctx, dy, x2d, w, layer_needs, ctx.bias_dtypes[i], 1 + 2 * i)
+                _, dw, db = layer_grads(
+                    ctx, dy, x2d, w, (False, *layer_needs[1:]), ctx.bias_dtypes[i], 1 + 2 * i
+                )
                 if needs[0]:  # the first dgrad writes dX, the next ones add into it
-                    dx = _dgrad_into(dy, w, dx)
+                    dx = dgrad_into(dy, w, dx)
             grads += [dw, db]
         if dx is not None and ctx.x_shape is not None:
             dx = dx.reshape(ctx.x_shape)
         return (dx, *grads)
-
-
-def _dgrad_into(dy: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor | None) -> torch.Tensor:
-    """``dy @ weight``, or with ``dx`` given, ``dx += dy @ weight`` (fp32, one rounding)."""
-    if dx is None:
-        return matmul_backward_prechecked(dy, weight, None, None, None, None)
-    return matmul_backward_prechecked(dy, weight, None, None, None, None, False, dx, True)
-
-
-def _layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
-    """One layer's ``(None, dW, db)`` from its output gradient (``linear_grads``, no dgrad), dW
-    put into a flat gradient buffer where it may (the weight is the Function's input ``index``)."""
-    target = common.flat_wgrad(ctx, x2d.dtype, weight, ctx.slots[index]) if needs[1] else None
-    mm, act_grad = mm_backward_checked, activation_grad_prechecked  # tensors autograd and forward made
-    _, dw, db = linear_grads(
-        dy, x2d, weight, None, None, (False, *needs[1:]), bias_dtype, mm, act_grad, target
-    )
-    if target is not None:
-        dw = common.hand_over(target)
-    return None, dw, db
 
 
 def _check(x, weights, biases) -> tuple[bool, list]:
