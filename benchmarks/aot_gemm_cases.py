@@ -134,6 +134,12 @@ class GemmLaunch:
     # the epilogue adds the (M, N) tensor at preact_ptr (``ADD_RESIDUAL``: the block's last
     # layer writing the residual stream, ops/mlp.py's ``residual``)
     residual: bool = False
+    # with sum_a and accumulate: the row sums added into a_sum (``ADD_SUM``: dbias into the
+    # bias's flat gradient view beside dW into the weight's)
+    add_sum: bool = False
+    # C column-major (``stride_cm`` 1): dW written through the transposed flat view of a weight
+    # stored (in, out), GPT-2's Conv1D (ops.common.flat_wgrad)
+    out_t: bool = False
 
     @property
     def label(self) -> str:
@@ -144,14 +150,15 @@ class GemmLaunch:
         grad = f",dZ=dY*{activation_names()[self.grad_act]}'(Z)" if self.grad_act else ""
         grad = grad.replace("'(Z)", "'(G)*U,dU") if self.glu else grad
         grad += ",+residual" if self.residual else ""
-        return label + self.prologue_label + (",C+=" if self.accumulate else "") + grad
+        into = (",C^T" if self.out_t else "") + (",C+=" if self.accumulate else "")
+        return label + self.prologue_label + into + grad
 
     @property
     def prologue_label(self) -> str:
         """``",A'=..."`` naming the operand prologue, empty without one."""
         act = {1: "relu'", 2: "gelu'"}.get(self.a_act, f"act{self.a_act}'")
         parts = ([act] if self.a_act else []) + (["store"] if self.store_a else [])
-        parts += [f"sum {self.sum_a}"] if self.sum_a else []
+        parts += [f"sum{'+=' if self.add_sum else ' '}{self.sum_a}"] if self.sum_a else []
         return f",A'={'+'.join(parts)}" if parts else ""
 
 
@@ -178,6 +185,9 @@ def linear_launches() -> list[GemmLaunch]:
     backward = [GemmLaunch(d, d, layout=layout) for d in HALF for layout in ("NN", "TN")]
     backward += backward_prologue_launches()
     wgrad_into = [dataclasses.replace(v, accumulate=True) for v in backward if v.layout == "TN"]
+    # dbias added into the bias's flat view too; dW through a Conv1D weight's transposed view
+    wgrad_into += [dataclasses.replace(v, add_sum=True) for v in wgrad_into if v.sum_a]
+    wgrad_into += [dataclasses.replace(v, out_t=True) for v in wgrad_into]
     return forward + backward + wgrad_into
 
 
@@ -228,6 +238,14 @@ TMA_RAGGED_GATE_LAUNCHES = tuple(
 #: The TMA kernel's one launch with ``C +=`` (large wgrads into a flat gradient buffer on
 #: Hopper): compiled for every config it is offered, as the forwards are.
 TMA_WGRAD_INTO = GemmLaunch("bf16", "bf16", layout="TN", accumulate=True)
+#: The wgrad of a weight stored (in, out) (GPT-2's Conv1D) into its flat view through the
+#: transpose (C column-major, the pointer epilogue): the pointer kernel's with dbias added into
+#: the bias's view, the TMA kernel's plain; on the first config (C's strides change the stores'
+#: layout, not the tile's registers).
+CONV1D_WGRAD_INTO = (
+    GemmLaunch("bf16", "bf16", layout="TN", sum_a="bf16", accumulate=True, add_sum=True, out_t=True),
+)
+TMA_CONV1D_WGRAD_INTO = (dataclasses.replace(TMA_WGRAD_INTO, out_t=True),)
 
 
 #: The TMA kernel's forwards with the TMA-store epilogue (no pre-activation stored: an
@@ -301,7 +319,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         UPCAST=False, EVEN_K=not v.ragged, SCALE_A=0, SCALE_B=0,
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
         A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
-        PRECISE_ACC=False, GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual,
+        PRECISE_ACC=False, GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, ADD_SUM=v.add_sum,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -309,12 +327,13 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         {"N": "stride_ak", "T": "stride_am"}[v.layout[0]],
         {"N": "stride_bn", "T": "stride_bk"}[v.layout[1]],
     )
-    const.update({s: 1 for s in unit}, stride_cn=1, stride_bias=1)
+    c_unit, c_rows = ("stride_cm", "stride_cn") if v.out_t else ("stride_cn", "stride_cm")
+    const.update({s: 1 for s in unit}, stride_bias=1, **{c_unit: 1})
     for s in (*strides, "stride_cm", "stride_cn", "stride_bias"):
         sig[s] = "constexpr" if s in const else "i32"
     for k in const:
         sig[k] = "constexpr"
-    aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", "stride_cm", "M", "N"]
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "preact_ptr", c_rows, "M", "N"]
     aligned += ["z_ptr", "a_out_ptr", "a_sum_ptr"]  # new tensors (torch allocates them aligned)
     if not v.ragged:
         aligned += ["K"] + [s for s in strides if s not in const]
@@ -333,22 +352,23 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
     )
     # the TMA-store epilogue where the launcher takes it: C row-major with aligned rows
     # (not ragged) and no pre-activation stored beside it (gemm_tma.launch_tma)
-    c_tma = not v.preact and not v.ragged and not v.grad_act and not v.residual
+    c_tma = not v.preact and not v.ragged and not v.grad_act and not v.residual and not v.out_t
+    c_unit, c_rows = ("stride_cm", "stride_cn") if v.out_t else ("stride_cn", "stride_cm")
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
-        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_cn=1, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma,
-        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, **kw,
+        A_T=a_t, B_T=b_t, NUM_SMS=132, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma,
+        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, **kw, **{c_unit: 1},
     )  # fmt: skip
     if c_tma:
         from tkern.kernels.gemm_epilogue import epilogue_parts
 
         width = kw["BLOCK_N"] // epilogue_parts(kw["EPI_SPLIT"], v.act, v.accumulate)
         sig["c_desc"] = f"tensordesc<{v.out}[{kw['BLOCK_M']}, {width}]>"
-    sig.update(stride_cm="i32")
+    sig[c_rows] = "i32"
     for k in const:
         sig[k] = "constexpr"
-    aligned = ("c_ptr", "bias_ptr", "preact_ptr") + (() if v.ragged else ("M", "N", "K", "stride_cm"))
+    aligned = ("c_ptr", "bias_ptr", "preact_ptr") + (() if v.ragged else ("M", "N", "K", c_rows))
     return _gemm_case(f"matmul_tma[{cfg_name(kw, cfg)},{v.label}]", TMA_KERNEL, cfg, sig, const, aligned)
 
 
@@ -382,19 +402,31 @@ def split_k_cases(cc, level: str = REPORT) -> list[Case]:
         aligned = ("a_ptr", "b_ptr", "ws_ptr", "sums_ptr", "M", "N", "K", "K_CHUNK", "stride_ak", "stride_bk")
         name = f"matmul_split_k[{cfg_name(kw, cfg)},{dtype},TN{',A sum' if sum_a else ''}]"
         cases.append(_gemm_case(name, SPLIT_K_KERNEL, cfg, sig, const, aligned))
-    for out, accumulate, sum_a in (("bf16", False, False), ("bf16", True, True), ("fp32", False, False)):
-        sig = dict(ws_ptr="*fp32", c_ptr=_ptr(out), sums_ptr="*fp32", a_sum_ptr="*fp32", SPLITS="i32",
-                   M="i32", N="i32", stride_cm="i32", stride_cn="constexpr")  # fmt: skip
-        const = dict(stride_cn=1, OUT_DTYPE=getattr(tl, _TL_NAME[out]), ACCUMULATE=accumulate, SUM_A=sum_a,
-                     BLOCK_M=gemm_split.REDUCE_BLOCK_M, BLOCK_N=gemm_split.REDUCE_BLOCK_N)  # fmt: skip
+    # (out, C +=, row sums, sums added into a bias's view, C column-major: a Conv1D's weight)
+    reduce = [
+        ("bf16", False, False, False, False),
+        ("bf16", True, True, False, False),
+        ("bf16", True, True, True, False),
+        ("bf16", True, True, True, True),
+        ("fp32", False, False, False, False),
+    ]
+    for out, accumulate, sum_a, add_sum, out_t in reduce:
+        c_unit, c_rows = ("stride_cm", "stride_cn") if out_t else ("stride_cn", "stride_cm")
+        sums = _ptr(out if add_sum else "fp32")  # a bias's view (its dtype), or a new fp32 buffer
+        sig = dict(ws_ptr="*fp32", c_ptr=_ptr(out), sums_ptr="*fp32", a_sum_ptr=sums, SPLITS="i32",
+                   M="i32", N="i32", stride_cm="i32", stride_cn="i32")  # fmt: skip
+        const = {c_unit: 1, "OUT_DTYPE": getattr(tl, _TL_NAME[out]), "ACCUMULATE": accumulate,
+                 "SUM_A": sum_a, "BLOCK_M": gemm_split.REDUCE_BLOCK_M,
+                 "BLOCK_N": gemm_split.REDUCE_BLOCK_N, "ADD_SUM": add_sum}  # fmt: skip
         sig.update({k: "constexpr" for k in const})
-        label = f"{out}{',C+=' if accumulate else ''}{',A sum' if sum_a else ''}"
+        label = f"{out}{',C^T' if out_t else ''}{',C+=' if accumulate else ''}{',A sum' if sum_a else ''}"
+        label += "+=" if add_sum else ""
         cases.append(
             Case(
                 name=f"split_k_reduce[{label}]", family="rowwise", kernel=SPLIT_K_REDUCE,
                 signature=_order(sig, SPLIT_K_REDUCE), constexprs=const,
-                aligned=("ws_ptr", "c_ptr", "sums_ptr", "a_sum_ptr", "M", "N", "stride_cm"),
-                num_warps=gemm_split.REDUCE_WARPS, num_stages=1,
+                aligned=("ws_ptr", "c_ptr", "sums_ptr", "a_sum_ptr", "M", "N", c_rows),
+                num_warps=gemm_split.REDUCE_WARPS_C_T if out_t else gemm_split.REDUCE_WARPS, num_stages=1,
             )
         )  # fmt: skip
     return cases

@@ -16,10 +16,12 @@ import dataclasses
 
 from aot_gemm_cases import (
     BACKWARD,
+    CONV1D_WGRAD_INTO,
     DGRAD_EPILOGUE_LAUNCHES,
     FORWARD_HEAVIEST,
     GLU_DGRAD_LAUNCHES,
     RESIDUAL_LAUNCHES,
+    TMA_CONV1D_WGRAD_INTO,
     TMA_RAGGED_GATE_LAUNCHES,
     TMA_STORE_GATE_LAUNCHES,
     TMA_WGRAD_INTO,
@@ -74,10 +76,11 @@ def prologue_launches(cc, cfg, ragged: bool = False, public: bool = False) -> tu
 
     def with_grad(act: int) -> list[GemmLaunch]:
         w = GemmLaunch("bf16", "bf16", layout="TN", ragged=ragged, a_act=act, sum_a="bf16")
-        return [dataclasses.replace(w, accumulate=True), GemmLaunch("bf16", "bf16", layout="NN",
+        return [dataclasses.replace(w, accumulate=True, add_sum=True), GemmLaunch("bf16", "bf16", layout="NN",
                 ragged=ragged, a_act=act, store_a=True), w]  # fmt: skip
 
-    sums = [dataclasses.replace(wgrad, accumulate=True), wgrad]
+    # with C += the row sums are added into the bias's flat view too (ADD_SUM: one load more)
+    sums = [dataclasses.replace(wgrad, accumulate=True, add_sum=True), wgrad]
     heavy, light = [sums[0], *with_grad(grads[0])[:2]] if grads else sums[:1], [sums[1]]
     light += with_grad(grads[0])[2:] if grads else []
     light += [v for a in grads[1:] for v in with_grad(a)]
@@ -123,7 +126,8 @@ def pointer_heaviest(cc, cfg, ragged: bool = False, public: bool = False) -> lis
 
 def pointer_others(cc, cfg, ragged: bool = False) -> list[GemmLaunch]:
     """The pointer kernel's other gate launches: the two other GELU forwards, SiLU's and
-    tanh-GELU's four, the prologue's others, the other dgrad epilogues."""
+    tanh-GELU's four, the prologue's others, the other dgrad epilogues, a Conv1D weight's
+    wgrad into its transposed flat view (:data:`CONV1D_WGRAD_INTO`)."""
     relu = _code("relu")
     gelu = [f for f in FORWARD_HEAVIEST if f not in FORWARD_SPILL_BOUND]
     forward = [
@@ -134,7 +138,8 @@ def pointer_others(cc, cfg, ragged: bool = False) -> list[GemmLaunch]:
     for act in ("silu", "gelu_tanh"):
         forward += _replace(FORWARD_HEAVIEST, act=_code(act), ragged=ragged)
     dact = [] if ragged else dgrad_epilogue_launches(cc, cfg)[1]
-    return [*forward, *prologue_launches(cc, cfg, ragged)[1], *dact]
+    conv1d = [] if ragged else [v for v in CONV1D_WGRAD_INTO if offered(cc, cfg, v)]
+    return [*forward, *prologue_launches(cc, cfg, ragged)[1], *dact, *conv1d]
 
 
 def tma_heaviest(cc, cfg) -> list[GemmLaunch]:
@@ -150,11 +155,14 @@ def tma_heaviest(cc, cfg) -> list[GemmLaunch]:
 def tma_others(cc, cfg) -> list[GemmLaunch]:
     """The TMA kernel's other gate launches: the GELU forwards with a bias, the TMA-store
     forwards, SiLU and tanh-GELU (bf16, no bias: their epilogue is the pointer kernel's,
-    compiled there in every variant), the TN layout once, the other dgrad epilogues."""
+    compiled there in every variant), the TN layout once, the other dgrad epilogues, a Conv1D
+    weight's wgrad into its transposed flat view (the pointer epilogue)."""
     acts = [dataclasses.replace(FORWARD_HEAVIEST[1], act=_code(a)) for a in ("silu", "gelu_tanh")]
     bias = [v for v in FORWARD_HEAVIEST if v.bias is not None and offered(cc, cfg, v, tma=True)]
     layout = dataclasses.replace(FORWARD_HEAVIEST[0], layout="TN")  # it changes the loads, not the epilogue
-    return [*bias, *TMA_STORE_GATE_LAUNCHES, *acts, layout, *dgrad_epilogue_launches(cc, cfg, tma=True)[1]]
+    conv1d = [v for v in TMA_CONV1D_WGRAD_INTO if offered(cc, cfg, v, tma=True)]
+    dact = dgrad_epilogue_launches(cc, cfg, tma=True)[1]
+    return [*bias, *TMA_STORE_GATE_LAUNCHES, *acts, layout, *dact, *conv1d]
 
 
 def pointer_cases(cc, level: str) -> list[Case]:

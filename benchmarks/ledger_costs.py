@@ -225,8 +225,8 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
             nbytes += m * k * named["z_ptr"].element_size()
         if named.get("STORE_A"):
             nbytes += m * k * named["a_out_ptr"].element_size()
-        if named.get("SUM_A"):
-            nbytes += m * named["a_sum_ptr"].element_size()
+        if named.get("SUM_A"):  # written, or read and written (ADD_SUM: dbias into its .grad)
+            nbytes += m * named["a_sum_ptr"].element_size() * (2 if named.get("ADD_SUM") else 1)
         if named.get("DELAYED") and "data_ptr" in named:  # the emitting epilogue's fp8 C (and C^T)
             nbytes += m * n * named["data_ptr"].element_size() * (2 if named.get("STORE_T") else 1)
         return gemm_role(m, n, k, spec, backward), nbytes, 2 * m * n * k, a.dtype

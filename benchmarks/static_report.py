@@ -51,9 +51,11 @@ from aot_fp8_cases import (
     fp8_configs_for,
 )
 from aot_gemm_cases import (
+    CONV1D_WGRAD_INTO,
     DGRAD_EPILOGUE_LAUNCHES,
     GLU_DGRAD_LAUNCHES,
     RESIDUAL_LAUNCHES,
+    TMA_CONV1D_WGRAD_INTO,
     TMA_RAGGED_GATE_LAUNCHES,
     TMA_STORE_GATE_LAUNCHES,
     TMA_WGRAD_INTO,
@@ -97,6 +99,8 @@ __all__ = [
     "TMA_RAGGED_GATE_LAUNCHES",
     "TMA_STORE_GATE_LAUNCHES",
     "TMA_WGRAD_INTO",
+    "CONV1D_WGRAD_INTO",
+    "TMA_CONV1D_WGRAD_INTO",
     "_fp8_emit_cases",
     "_fp8_gemm_cases",
     "_stats_cases",

@@ -209,9 +209,19 @@ def _heaviest_on_the_configs(cc: str, compiled: set) -> None:
             for v in static_report.tma_heaviest(cc, cfg):
                 assert (static_report.tma_case(cfg, v).name, cc) in compiled, (cc, cfg, v)
     if every:  # the wgrad adding into a flat gradient buffer (C +=), with and without its prologue
-        assert ("matmul[128x128x64/s3w8,bf16->bf16,TN,none,A'=sum fp32,C+=]", cc) in compiled
-        assert ("matmul[128x64x32/s4w4,bf16->bf16,TN,none,A'=relu'+sum bf16,C+=]", cc) in compiled
+        # (dbias added into the bias's view beside it: sum+=)
+        assert ("matmul[128x128x64/s3w8,bf16->bf16,TN,none,A'=sum+=fp32,C+=]", cc) in compiled
+        assert ("matmul[128x64x32/s4w4,bf16->bf16,TN,none,A'=relu'+sum+=bf16,C+=]", cc) in compiled
         assert ("matmul_tma[128x128x64/s3w8,bf16->bf16,TN,none,C+=]", cc) in compiled
+        # and a Conv1D weight's through its transposed view (C^T), on some config of each kernel
+        names = {n for n, t in compiled if t == cc}
+        for v in static_report.CONV1D_WGRAD_INTO:
+            assert any(n.startswith("matmul[") and n.endswith(f",{v.label}]") for n in names), (cc, v.label)
+        for v in static_report.TMA_CONV1D_WGRAD_INTO:
+            assert any(n.startswith("matmul_tma[") and n.endswith(f",{v.label}]") for n in names), (
+                cc,
+                v.label,
+            )
 
 
 def test_the_one_pass_step_reduces_its_statistics_in_pass_1s_layouts(rows):

@@ -196,12 +196,12 @@ def test_a_copy_steps_as_the_original_bit_for_bit(cls, kwargs, dtype, wgrad, how
         train_step(model, opt, k, use_side)
         into = wgrad_counts["into"] - start
         train_step(m2, o2, k, use_side)
-        # the copy's gradients take the original's path (the GEMM's, for each weight of a
-        # half-precision tkern.nn.Linear used), and neither copies a gradient into its buffer
+        # the copy's gradients take the original's path (the GEMM's, for each weight and bias
+        # of a half-precision tkern.nn.Linear used), and neither copies a gradient into its buffer
         assert (
             wgrad_counts["into"] - start - into
             == into
-            == (2 + use_side if wgrad and dtype != torch.float32 else 0)
+            == (2 * (2 + use_side) if wgrad and dtype != torch.float32 else 0)
         )
         assert wgrad_counts["copies"] == 0
         assert all(grad_is_flat_view(p) for p in p2)

@@ -327,6 +327,7 @@ def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
 
     names = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
     seen = set()
+    only_into = [False]  # record the wgrads into a flat view alone (a Conv1D weight's pass)
 
     class Recorder:
         def __init__(self, kernel):
@@ -338,6 +339,8 @@ def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
                 a = arg["a_ptr"]
                 # the strides the kernel reads (linear passes W for W^T, dZ for dZ^T)
                 layout = ("N" if arg["stride_ak"] == 1 else "T") + ("N" if arg["stride_bn"] == 1 else "T")
+                if only_into[0] and not meta["ACCUMULATE"]:
+                    return self.kernel[grid](*args, **meta)
                 seen.add(
                     static_report.GemmLaunch(
                         dtype=names[a.dtype],
@@ -350,6 +353,8 @@ def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
                         store_a=meta["STORE_A"],
                         sum_a=names[arg["a_sum_ptr"].dtype] if meta["SUM_A"] else None,
                         accumulate=meta["ACCUMULATE"],
+                        add_sum=meta.get("ADD_SUM", False),
+                        out_t=arg["stride_cm"] == 1 and arg["stride_cn"] != 1,  # C column-major
                     )
                 )
                 return self.kernel[grid](*args, **meta)
@@ -377,6 +382,28 @@ def test_linear_launches_only_what_the_compile_gate_compiles(monkeypatch):
                     if need is not None and need[1]:  # again, dW added into a fused optimizer's buffer
                         tkern.optim.FusedSGD([w], lr=0.1)
                         tkern.linear(x, w, b, activation).sum().backward()
+                        # dW and db both into their buffer's views (db added: ADD_SUM), W as
+                        # stored and W stored (in, out) read transposed (Conv1D's: C^T; its
+                        # wgrad alone: the forward and dgrad read W in other layouts), its
+                        # bias in the buffer or not
+                        for stored_t, bias_flat in ((False, True), (True, True), (True, False)):
+                            only_into[0] = stored_t
+                            x2, w2, b2 = make(
+                                dtype, shape=(16, 32), n=32, bias=b is not None, bias_dtype=bias_dtype
+                            )
+                            for t, wanted in zip(
+                                [t for t in (x2, w2, b2) if t is not None], need, strict=False
+                            ):
+                                t.requires_grad_(wanted)
+                            leaf = w2.detach().t().contiguous().requires_grad_() if stored_t else w2
+                            flat = [
+                                leaf,
+                                *([b2] if bias_flat and b2 is not None and b2.requires_grad else []),
+                            ]
+                            tkern.optim.FusedSGD(flat)
+                            w_read = leaf.t() if stored_t else leaf
+                            tkern.linear(x2, w_read, b2, activation).sum().backward()
+                        only_into[0] = False
     offered = set(static_report.linear_launches())
     assert seen <= offered, sorted(map(str, seen - offered))
     # ReLU's pre-activation is saved by the traced door only (torch.compile, not driven

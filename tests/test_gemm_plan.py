@@ -151,17 +151,24 @@ def test_split_k_matches_float64_and_is_deterministic(dtype, out_dtype, transpos
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_split_k_writes_or_adds_into_a_strided_tensor(dtype, accumulate):
     # the wgrad into a flat gradient buffer: a strided (M, N) view, C += (one rounding of
-    # C + the fp32 sum of the partials) or written; the rest of the buffer untouched
+    # C + the fp32 sum of the partials) or written; the rest of the buffer untouched. The
+    # row sums (dbias) likewise into the bias's view: added (ADD_SUM) or written
     from tkern.kernels.gemm_split import launch_split_k
 
     m, n, k = 40, 30, 640
     a, b = randn(m, k, dtype=dtype), randn(k, n, dtype=dtype, scale=0.2)
     buf = randn(m, n + 6, dtype=dtype)
     c, buf0 = buf[:, 3 : 3 + n], buf.clone()
-    assert launch_split_k(a, a.stride(), b, m, n, k, 2, 384, dtype, None, c, accumulate) is c
+    sums = randn(m, dtype=dtype)
+    sums0 = sums.clone()
+    assert launch_split_k(a, a.stride(), b, m, n, k, 2, 384, dtype, sums, c, accumulate, accumulate) is c
     want = reference(a, b) + (buf0[:, 3 : 3 + n].double() if accumulate else 0)
     assert rel_err(c, want) < TOL[dtype]
     assert torch.equal(buf[:, :3], buf0[:, :3]) and torch.equal(buf[:, 3 + n :], buf0[:, 3 + n :])
+    want_sums = a.double().sum(1) + (sums0.double() if accumulate else 0)
+    # the fp32 sum's own error, then one rounding to the bias's dtype
+    tol = sum_tolerance(a, 1, torch.float32).double() + TOL[dtype] * want_sums.abs()
+    assert ((sums.double() - want_sums).abs() <= tol).all()
 
 
 def test_split_k_refuses_ranges_that_do_not_cover_k():
@@ -246,7 +253,8 @@ def test_split_k_wgrad_adds_into_the_flat_gradient_buffer(dtype, monkeypatch, wg
         return layer.weight.grad.clone(), layer.bias.grad.clone()
 
     fused, ref = run(True), run(False)
-    assert wgrad_counts["into"] == 2 and routes.count("split_k") == 4
+    # weight and bias each micro-batch: the second adds dbias into the bias's view (ADD_SUM)
+    assert wgrad_counts["into"] == 4 and routes.count("split_k") == 4
     tol = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]  # one rounding of the sum a step
     for got, want in zip(fused, ref, strict=True):
         assert rel_err(got, want) < 2 * tol

@@ -248,7 +248,8 @@ def test_wgrad_into_the_flat_buffer_under_ddp_and_zero2_with_no_sync(tmp_path):
     mean = [(a + b) / 2 for a, b in zip(*acc, strict=True)]
     start = [p.detach().float() for p in _wgrad_model().parameters()]
     for res in ranks:
-        assert all(res["used"][:2]) and res["used"].count(True) == 8  # 2 weights x 2 micro x 2 runs
+        # (2 weights + 2 biases) x 2 micro-batches x 2 runs
+        assert all(res["used"][:2]) and res["used"].count(True) == 16
         for got, want in zip(res["ddp_grads"], mean, strict=True):
             assert (got.float() - want).abs().max() <= 4 * 2.0**-11 * want.abs().max()
         for key in ("ddp_params", "zero_params"):

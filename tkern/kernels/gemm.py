@@ -114,10 +114,12 @@ def _matmul_tile(
     UPCAST: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr,
     A_ACT: tl.constexpr, STORE_A: tl.constexpr, SUM_A: tl.constexpr, PRECISE_ACC: tl.constexpr,
+    ADD_SUM: tl.constexpr,
 ):  # fmt: skip
     """The program body both entry kernels share (``_matmul_kernel``, ``_matmul_emit_kernel``):
     this program's output tile ``(acc, pid_m, pid_n)``, the fp32 accumulator with the fp8
-    scales applied, before the epilogue (the arguments are the entry kernels')."""
+    scales applied, before the epilogue (the arguments are the entry kernels'; ``ADD_SUM``:
+    A's row sums are added to what ``a_sum_ptr`` holds, in fp32 with one rounding)."""
     pid_m, pid_n = tile_coords(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -215,6 +217,8 @@ def _matmul_tile(
         acc = acc * sb[None, :]
     if SUM_A:
         sum_dtype: tl.constexpr = a_sum_ptr.dtype.element_ty
+        if ADD_SUM:  # a bias gradient added into .grad (a fused optimizer's flat view)
+            a_sum += tl.load(a_sum_ptr + offs_m, mask=mask_m & first_col, other=0.0).to(tl.float32)
         tl.store(a_sum_ptr + offs_m, cast_rne(a_sum, sum_dtype), mask=mask_m & first_col)
     return acc, pid_m, pid_n
 
@@ -283,6 +287,7 @@ def _matmul_kernel(
     STORE_A: tl.constexpr = False,  # the programs of column block 0 store A' (a_out_ptr)
     SUM_A: tl.constexpr = False,  # the programs of column block 0 store A'.sum(1) (a_sum_ptr)
     ACCUMULATE: tl.constexpr = False,  # C += A' @ B (C's old value read in the epilogue)
+    ADD_SUM: tl.constexpr = False,  # with SUM_A and ACCUMULATE: a_sum_ptr += A'.sum(1) (fp32, one rounding)
     PRECISE_ACC: tl.constexpr = False,  # fp8: promote the tensor cores' partial sums every K tile
     GRAD_ACT: tl.constexpr = 0,  # activation code: C = (A' @ B) * act'(Z), Z at preact_ptr (0: off)
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (epilogue's GRAD_GLU)
@@ -303,7 +308,7 @@ def _matmul_kernel(
         a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
         stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, z_ptr,
         a_out_ptr, a_sum_ptr, UPCAST, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SCALE_A, SCALE_B, A_ACT,
-        STORE_A, SUM_A, PRECISE_ACC,
+        STORE_A, SUM_A, PRECISE_ACC, ADD_SUM,
     )  # fmt: skip
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
@@ -313,11 +318,11 @@ def _matmul_kernel(
 
 
 #: The pointer kernel's launches with ``ACCUMULATE`` (C += A' @ B): the same jit
-#: function under an autotuner of its own that restores C after each config it
-#: benchmarks (every benchmark run adds into C).
-_matmul_accumulate_kernel = gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY, restore=("c_ptr",))(
-    _matmul_kernel.fn
-)
+#: function under an autotuner of its own that restores C (and the row sums ``ADD_SUM``
+#: adds into) after each config it benchmarks (every benchmark run adds into them).
+_matmul_accumulate_kernel = gemm_autotune(
+    configs=gemm_configs(), key=_AUTOTUNE_KEY, restore=("c_ptr", "a_sum_ptr")
+)(_matmul_kernel.fn)
 #: scaled_mm's launches: the same jit function over the fp8 tiles (gemm_configs.fp8_gemm_configs:
 #: 128-deep K tiles, shared memory counted at one byte an element), plain and ``C +=``.
 _FP8_AUTOTUNE_KEY = [*_AUTOTUNE_KEY, "PRECISE_ACC"]
@@ -378,7 +383,7 @@ def _matmul_emit_kernel(
         a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
         stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, c_ptr,
         c_ptr, c_ptr, UPCAST, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SCALE_A, SCALE_B, 0, False,
-        False, PRECISE_ACC,
+        False, PRECISE_ACC, False,
     )  # fmt: skip
     best = epilogue_emit(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias, mult,
@@ -479,16 +484,18 @@ def run_plan(
     accumulate: bool = True,
     a_sum: torch.Tensor | None = None,
     transpose_a: bool = False,
+    add_sum: bool = False,
 ) -> torch.Tensor:
     """``act(a @ b + bias)`` on the kernel ``plan`` names, for arguments already
     checked; with ``transpose_a`` ``a`` is given as its (K, M) transpose and read in
     place. ``a_sum`` (split-K and the pointer kernel): a contiguous (M,) tensor
-    receiving A's row sums, summed in fp32. A TMA plan whose operands a descriptor
-    cannot describe, or with ``a_sum``, runs on the pointer kernel."""
+    receiving A's row sums, summed in fp32 (added to it with ``add_sum``, beside a C
+    accumulated into ``into``). A TMA plan whose operands a descriptor cannot describe,
+    or with ``a_sum``, runs on the pointer kernel."""
     sa = a.stride()[::-1] if transpose_a else a.stride()
     if plan.kernel == SPLIT_K:
         splits, chunk = plan.split_k, plan.k_chunk
-        return launch_split_k(a, sa, b, M, N, K, splits, chunk, out_dtype, a_sum, into, accumulate)
+        return launch_split_k(a, sa, b, M, N, K, splits, chunk, out_dtype, a_sum, into, accumulate, add_sum)
     if plan.kernel == TMA and a_sum is None:
         if transpose_a:
             a = a.t()
@@ -499,7 +506,7 @@ def run_plan(
             # report); descriptors zero-fill the edges and keep wgmma fed. Many waves: the
             # persistent schedule wins (gemm_plan.TMA_MIN_WAVES).
             return launch_tma(a, b, M, N, K, bias, activation, out_dtype, preact, layouts, into, accumulate)
-    prologue = NO_PROLOGUE if a_sum is None else OperandPrologue(a_sum=a_sum)
+    prologue = NO_PROLOGUE if a_sum is None else OperandPrologue(a_sum=a_sum, add_sum=add_sum)
     sb = b.stride()
     args = (bias, activation, out_dtype, preact, NO_SCALES, prologue, into, accumulate)
     return _launch(a, sa, b, sb, M, N, K, *args)
@@ -618,13 +625,15 @@ _LAUNCHES: dict[tuple, DirectLaunch] = {}
 
 class OperandPrologue(NamedTuple):
     """What :func:`matmul_backward`'s kernel does to its A operand (the constexprs
-    ``A_ACT``, ``STORE_A``, ``SUM_A``): ``A' = A * act'(z)`` when ``activation``
-    is set, ``A'`` stored into ``a_out`` and its fp32 row sums into ``a_sum``."""
+    ``A_ACT``, ``STORE_A``, ``SUM_A``, ``ADD_SUM``): ``A' = A * act'(z)`` when ``activation``
+    is set, ``A'`` stored into ``a_out`` and its fp32 row sums into ``a_sum`` (added to what
+    it holds with ``add_sum``, a launch that also accumulates C)."""
 
     activation: str | None = None
     z: torch.Tensor | None = None  # (M, K), a's strides
     a_out: torch.Tensor | None = None  # (M, K), a's strides
     a_sum: torch.Tensor | None = None  # (M,) contiguous
+    add_sum: bool = False
 
     def args(self, dummy: torch.Tensor) -> tuple:
         """The kernel's prologue pointers, ``z_ptr`` to ``a_sum_ptr``."""
@@ -637,6 +646,7 @@ class OperandPrologue(NamedTuple):
             "A_ACT": ACTIVATIONS[self.activation],
             "STORE_A": self.a_out is not None,
             "SUM_A": self.a_sum is not None,
+            "ADD_SUM": self.add_sum,
         }
 
 
@@ -650,7 +660,8 @@ def _prologue_without_gemm(a: torch.Tensor, prologue: OperandPrologue) -> None:
     if prologue.a_out is not None:
         prologue.a_out.copy_(ap)
     if prologue.a_sum is not None:
-        prologue.a_sum.copy_(ap.sum(1, dtype=torch.float32))
+        sums = ap.sum(1, dtype=torch.float32)
+        prologue.a_sum.add_(sums) if prologue.add_sum else prologue.a_sum.copy_(sums)
 
 
 def _launch_matmul(
@@ -719,7 +730,8 @@ def _launch(
     )  # fmt: skip
     key = (a.dtype, b.dtype, None if bias is None else bias.dtype, activation, out_dtype,
            preact is not None, M, N, K, sa, sb, scales.kind_a, scales.kind_b, prologue.activation,
-           prologue.a_out is not None, None if prologue.a_sum is None else prologue.a_sum.dtype,
+           prologue.a_out is not None,
+           None if prologue.a_sum is None else (prologue.a_sum.dtype, prologue.add_sum),
            None if into is None else sc, accumulate, scales.precise_acc,
            None if read is None else (read.activation, read.glu, read.residual))  # fmt: skip
     accumulate = into is not None and accumulate
@@ -889,6 +901,7 @@ def matmul_backward_prechecked(
     transpose_a: bool = False,
     into: torch.Tensor | None = None,
     accumulate: bool = True,
+    add_sum: bool = False,
 ) -> torch.Tensor:
     """:func:`matmul_backward` for a caller that made or checked its arguments
     (:func:`tkern.linear`'s backward): the hot path, no checks repeated.
@@ -896,10 +909,16 @@ def matmul_backward_prechecked(
     ``transpose_a``: ``a``, ``z`` and ``a_out`` are given as their transposes
     (K, M), read in place through swapped strides (the wgrad ``dZ^T @ X``
     without a view per call); ``a_sum`` is still (M,). ``into``: the
-    ``accumulate_into`` (``accumulate``) or ``out`` tensor, or None."""
+    ``accumulate_into`` (``accumulate``) or ``out`` tensor, or None. ``add_sum``: the
+    row sums are added to ``a_sum`` (a bias gradient into its ``.grad``, beside dW added
+    into ``into``: only with ``accumulate``)."""
+    if add_sum and (into is None or not accumulate or a_sum is None):
+        raise ValueError("add_sum adds the row sums into a_sum beside a product accumulated into `into`")
     if transpose_a and (a.numel() == 0 or b.shape[1] == 0):  # the empty shapes take views
         t = [None if v is None else v.t() for v in (a, z, a_out)]
-        return matmul_backward_prechecked(t[0], b, activation, t[1], t[2], a_sum, False, into, accumulate)
+        return matmul_backward_prechecked(
+            t[0], b, activation, t[1], t[2], a_sum, False, into, accumulate, add_sum
+        )
     (M, K), N = (a.shape[::-1] if transpose_a else a.shape), b.shape[1]
     if activation is None and a_out is None:
         # plain, or with A's row sums (dbias): planned (split-K sums them per K range; the
@@ -907,12 +926,13 @@ def matmul_backward_prechecked(
         plan = _NO_PLAN
         if device_gemm_info(a.device)[0] > 0:
             plan = plan_for(a.t() if transpose_a else a, b, M, N, K)
-        return run_plan(plan, a, b, M, N, K, None, None, a.dtype, None, into, accumulate, a_sum, transpose_a)
+        args = (None, None, a.dtype, None, into, accumulate, a_sum, transpose_a, add_sum)
+        return run_plan(plan, a, b, M, N, K, *args)
     # The TMA and split-K kernels have no act' prologue and store no A': these launches
     # take the pointer kernel on every GPU, ragged operands on Hopper included (its
     # configs for them are pruned so that nothing spills); the dot runs on the same A'.
     sa = a.stride()[::-1] if transpose_a else a.stride()
-    prologue = OperandPrologue(activation, z, a_out, a_sum)
+    prologue = OperandPrologue(activation, z, a_out, a_sum, add_sum)
     sb = b.stride()
     return _launch(a, sa, b, sb, M, N, K, None, None, a.dtype, None, NO_SCALES, prologue, into, accumulate)
 

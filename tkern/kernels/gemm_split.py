@@ -32,6 +32,10 @@ from tkern.kernels.gemm_plan import SPLIT_K_ALIGN
 REDUCE_BLOCK_M, REDUCE_BLOCK_N = 32, 128
 #: Warps of a reduction program.
 REDUCE_WARPS = 4
+#: Warps of a reduction program into a column-major C (a weight stored (in, out), GPT-2's
+#: Conv1D, written through its transposed flat view): the tile goes through shared memory to
+#: be stored along M, and at 4 warps that spills 8 B on sm_100 (triton 3.9; none at 8).
+REDUCE_WARPS_C_T = 8
 
 _AUTOTUNE_KEY = ["M", "N", "K", "K_CHUNK", "A_T", "B_T", "SUM_A"]
 
@@ -127,10 +131,12 @@ def _split_k_reduce_kernel(
     SUM_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ADD_SUM: tl.constexpr = False,  # with SUM_A: a_sum += the row sums (its old value read in fp32)
 ):
     """C = sum over s of ws[s] (plus C's old value with ACCUMULATE), summed in fp32 in
     split order and rounded once, one (BLOCK_M, BLOCK_N) tile per program; the
-    programs of column block 0 sum the row sums likewise."""
+    programs of column block 0 sum the row sums likewise (plus a_sum's old value with
+    ADD_SUM: a bias gradient added into its ``.grad``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -150,6 +156,8 @@ def _split_k_reduce_kernel(
         total = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for s in range(0, SPLITS):
             total += tl.load(sums_ptr + s * M + rows, mask=mask_s, other=0.0)
+        if ADD_SUM:
+            total += tl.load(a_sum_ptr + rows, mask=mask_s, other=0.0).to(tl.float32)
         tl.store(a_sum_ptr + rows, cast_rne(total, a_sum_ptr.dtype.element_ty), mask=mask_s)
 
 
@@ -166,10 +174,12 @@ def launch_split_k(
     a_sum: torch.Tensor | None = None,
     into: torch.Tensor | None = None,
     accumulate: bool = True,
+    add_sum: bool = False,
 ) -> torch.Tensor:
     """``a @ b`` (``a`` read with strides ``sa``) as ``splits`` K ranges of ``k_chunk``
     and an ordered reduction, for arguments already checked (gemm.py's launchers);
-    ``a_sum``: a contiguous (M,) tensor receiving a's row sums (fp32 accumulated);
+    ``a_sum``: a contiguous (M,) tensor receiving a's row sums (fp32 accumulated; added to
+    what it holds with ``add_sum``);
     ``into``: an (M, N) tensor of ``out_dtype`` the product is added to
     (``accumulate``) or written into, and returned, instead of a new one."""
     if k_chunk % SPLIT_K_ALIGN or splits < 1 or (splits - 1) * k_chunk >= K or splits * k_chunk < K:
@@ -194,6 +204,7 @@ def launch_split_k(
     _split_k_reduce_kernel[(triton.cdiv(M, REDUCE_BLOCK_M), triton.cdiv(N, REDUCE_BLOCK_N))](
         ws, c, sums, c if a_sum is None else a_sum, splits, M, N, *c.stride(),
         OUT_DTYPE=meta["OUT_DTYPE"], ACCUMULATE=into is not None and accumulate, SUM_A=a_sum is not None,
-        BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N, num_warps=REDUCE_WARPS,
+        BLOCK_M=REDUCE_BLOCK_M, BLOCK_N=REDUCE_BLOCK_N, ADD_SUM=add_sum and a_sum is not None,
+        num_warps=REDUCE_WARPS if c.stride(1) == 1 or N == 1 else REDUCE_WARPS_C_T,
     )  # fmt: skip
     return c

@@ -17,7 +17,7 @@ import torch
 
 from tkern.flat import has_grad_view, take_grad_view
 
-__all__ = ["as_2d", "check_in_features", "flat_wgrad", "hand_over", "is_compiling"]
+__all__ = ["as_2d", "check_in_features", "flat_wgrad", "hand_over", "is_compiling", "may_have_view"]
 
 is_compiling = torch.compiler.is_compiling  # bound once: the fast checks run on every call
 # Whether the running backward will execute an autograd node; raises for a leaf's
@@ -56,10 +56,15 @@ def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None, inde
     """``(weight, view, accumulate)`` when this backward may put dW straight into
     the weight's gradient view in a fused optimizer's flat buffer (the wgrad
     GEMM adds into it, ``C +=``, when ``.grad`` is the view, or writes into it
-    when ``.grad`` is None), else None. ``weight``: input 1 of the Function whose
+    when ``.grad`` is None), else None. ``weight``: input ``index`` of the Function whose
     backward runs, if the caller has it (a cheap refusal first); ``index``: which input of
     ``next_functions`` entry the weight is (1; a Function over two layers has two, whose
     indexes :func:`next_function_slots` gives).
+
+    The Function's input may also be the transpose of the leaf (``W.t()``: GPT-2's
+    ``Conv1D`` stores its weight (in, out)): ``view`` is then the flat view transposed,
+    the (N, K) strides the GEMM writes dW with, and the tensor :func:`hand_over` returns
+    goes back through autograd's transpose as the leaf's own (K, N) memory.
 
     Autograd's AccumulateGrad adds whatever backward returns into ``.grad``: a
     fresh (N, K) dW costs that allocation and one more pass over the gradient.
@@ -75,9 +80,12 @@ def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None, inde
     hook that would rewrite the gradient before it is accumulated, and a backward
     that accumulates into ``.grad`` (not ``autograd.grad()``, which captures the
     gradient, nor one that does not reach this weight)."""
-    if weight is not None and not (weight.is_leaf and has_grad_view(weight)):
+    if weight is not None and not may_have_view(weight):
         return None  # the common refusal first, before any autograd lookup (host time)
     node = ctx.next_functions[index][0]
+    transposed = node is not None and node.name() == _TRANSPOSE_NODE
+    if transposed:  # W.t() of a leaf: its one input is the leaf's AccumulateGrad
+        node = node.next_functions[0][0]
     weight = getattr(node, "variable", None)  # AccumulateGrad's leaf; None: not a leaf
     if weight is None or weight.dtype != dtype or weight._backward_hooks or _will_engine_execute_node is None:
         return None
@@ -89,7 +97,23 @@ def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None, inde
     except RuntimeError:  # autograd.grad() captures the gradient: it must not land in .grad
         return None
     taken = take_grad_view(weight)
-    return None if taken is None else (weight, *taken)
+    if taken is None:
+        return None
+    view, accumulate = taken
+    return weight, view.t() if transposed else view, accumulate
+
+
+#: The autograd node of ``W.t()`` (a 2-D transpose), through which :func:`flat_wgrad`
+#: finds a transposed leaf weight.
+_TRANSPOSE_NODE = "TBackward0"
+
+
+def may_have_view(weight: torch.Tensor) -> bool:
+    """Whether ``weight``, a leaf or a view of one (``W.t()``), may have a flat gradient view."""
+    if weight.is_leaf:
+        return has_grad_view(weight)
+    base = weight._base
+    return base is not None and base.is_leaf and has_grad_view(base)
 
 
 def hand_over(target: tuple) -> torch.Tensor:

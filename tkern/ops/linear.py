@@ -59,6 +59,7 @@ from tkern.kernels.gemm_epilogue import check_bias
 from tkern.kernels.gemm_plan import POINTER, TMA
 from tkern.ops import common
 from tkern.ops.common import as_2d, check_in_features, is_compiling
+from tkern.ops.common import may_have_view as _may_have_view
 
 __all__ = ["check_linear_args", "linear", "linear_args_plainly_valid", "matmul"]
 
@@ -103,7 +104,7 @@ def differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
 
 
 def mm_backward_checked(
-    a, b, z, activation, store_a, sum_dtype, transpose_a=False, into=None, accumulate=True
+    a, b, z, activation, store_a, sum_dtype, transpose_a=False, into=None, accumulate=True, sums_into=None
 ):
     """The backward GEMM ``A' @ b`` (``A' = a * act'(z)`` with an ``activation``,
     else ``a``) on operands the caller made or checked, with ``A'`` (``store_a``)
@@ -111,9 +112,15 @@ def mm_backward_checked(
     ``(A' @ b, A' or None, sums or None)`` (gemm.matmul_backward). With
     ``transpose_a`` the GEMM is ``A'^T @ b``: ``a`` and ``z`` are read transposed in
     place and ``A'`` is returned in ``a``'s layout. ``into``: a tensor the product
-    is added to (``accumulate``) or written into, and returned, instead of a new one."""
-    a_out, a_sum = _prologue_outputs(a, store_a, sum_dtype, transpose_a)
-    c = matmul_backward_prechecked(a, b, activation, z, a_out, a_sum, transpose_a, into, accumulate)
+    is added to (``accumulate``) or written into, and returned, instead of a new one.
+    ``sums_into``: ``(tensor, add)``, where the row sums go instead of a new tensor,
+    added to it with ``add`` (only beside a product accumulated into ``into``)."""
+    if sums_into is None:
+        a_out, a_sum = _prologue_outputs(a, store_a, sum_dtype, transpose_a)
+        add_sum = False
+    else:
+        (a_out, _), (a_sum, add_sum) = _prologue_outputs(a, store_a, None, transpose_a), sums_into
+    c = matmul_backward_prechecked(a, b, activation, z, a_out, a_sum, transpose_a, into, accumulate, add_sum)
     return c, a_out, a_sum
 
 
@@ -152,7 +159,9 @@ PROLOGUE_ACTIVATIONS = frozenset({"relu"})
 PROLOGUE_ON_TMA_SHAPES = False
 
 
-def linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad, dw_target=None):
+def linear_grads(
+    dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act_grad, dw_target=None, db_target=None
+):
     """The gradients of ``act(x @ W^T + b)`` for both doors of :func:`linear`, from
     ``dy`` (M, N) and the saved pre-activation ``preact``: dX = dZ @ W, dW = dZ^T @ X
     (dZ^T read in place), db = dZ summed over M in fp32, where dZ = dY * act'(Z).
@@ -170,7 +179,9 @@ def linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act
     neither GEMM falls to the pointer kernel's scalar loads.
     ``mm(a, b, z, activation, store_a, sum_dtype, transpose_a) -> (c, A', sums)`` and
     ``act_grad`` are the launchers (eager) or the custom ops (traced). ``dw_target``
-    (eager only): where dW goes in place (:func:`common.flat_wgrad`)."""
+    (eager only): where dW goes in place (:func:`common.flat_wgrad`); ``db_target``
+    likewise for db, used where the wgrad GEMM sums it (db is then ``db_target``'s
+    view: :func:`flat_grads` hands it over) and dW goes into ``dw_target``."""
     need_dx, need_dw = needs[0], needs[1]
     sum_dtype = bias_dtype if needs[2] else None  # None: no bias, or it needs no gradient
     (m, n), k = dy.shape, weight.shape[1]
@@ -197,25 +208,56 @@ def linear_grads(dy, x2d, weight, preact, activation, needs, bias_dtype, mm, act
             dz, z, act = dz_stored, None, None
     if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs (or the K ranges)
         into = () if dw_target is None else dw_target[1:]  # (view, accumulate)
-        dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True, *into)  # dZ^T and Z^T read in place
+        sums = _sums_into(dw_target, db_target) if sum_in_gemm is not None else None
+        extra = {} if sums is None else {"sums_into": sums}  # (the traced mm takes no targets)
+        dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True, *into, **extra)  # dZ^T, Z^T in place
         db = sums if sum_in_gemm is not None else None
     if sum_dtype is not None and db is None:  # dbias alone or beside a TMA wgrad: dZ reduced
         db = dz.sum(0, dtype=torch.float32).to(sum_dtype)
     return dx, dw, db
 
 
+def _sums_into(dw_target, db_target) -> tuple | None:
+    """Where the wgrad GEMM's row sums (db) go: ``(view, add)`` into the bias's flat view
+    beside dW into the weight's, where the launch allows (adding needs dW added too: the
+    launch that adds is the one whose autotuner restores what it adds into), else None."""
+    if dw_target is None or db_target is None or (db_target[2] and not dw_target[2]):
+        return None
+    return db_target[1], db_target[2]
+
+
+def flat_targets(ctx, needs, dtype, bias_dtype, w_index=1, b_index=2) -> tuple:
+    """``(dw_target, db_target)`` (:func:`common.flat_wgrad`) of a layer whose weight is the
+    Function's input ``w_index`` and bias ``b_index``: dW and db straight into a fused
+    optimizer's flat gradient views where they may go (None each where not)."""
+    dw_target = common.flat_wgrad(ctx, dtype, None, w_index) if needs[1] else None
+    if dw_target is None or not needs[2] or bias_dtype is None or b_index is None:
+        return dw_target, None
+    return dw_target, common.flat_wgrad(ctx, bias_dtype, None, b_index)
+
+
+def flat_grads(dw, db, dw_target, db_target) -> tuple:
+    """``(dw, db)`` as backward returns them: each one written into its flat view
+    (:func:`flat_targets`) handed over to autograd (:func:`common.hand_over`)."""
+    if dw_target is not None:
+        dw = common.hand_over(dw_target)
+    if db_target is not None and db is db_target[1]:
+        db = common.hand_over(db_target)
+    return dw, db
+
+
 def layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
     """One layer's ``(dx, dw, db)`` inside a Function over several layers (tkern.ops.mlp's,
     tkern.ops.projections'): :func:`linear_grads` (no activation) on tensors that Function's
-    forward made and autograd's gradient, dW put into a fused optimizer's flat gradient buffer
-    where it may (:func:`common.flat_wgrad`; the weight is the Function's input ``index``,
-    ``ctx.slots`` from :func:`common.next_function_slots`)."""
-    target = common.flat_wgrad(ctx, x2d.dtype, weight, ctx.slots[index]) if needs[1] else None
+    forward made and autograd's gradient, dW and db put into a fused optimizer's flat gradient
+    buffer where they may (:func:`flat_targets`; the weight is the Function's input ``index``
+    and its bias the next, ``ctx.slots`` from :func:`common.next_function_slots`)."""
+    targets = (None, None)
+    if needs[1] and _may_have_view(weight):  # the common refusal first (host time)
+        targets = flat_targets(ctx, needs, x2d.dtype, bias_dtype, ctx.slots[index], ctx.slots[index + 1])
     mm, act_grad = mm_backward_checked, activation_grad_prechecked  # tensors autograd and forward made
-    dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs, bias_dtype, mm, act_grad, target)
-    if target is not None:
-        dw = common.hand_over(target)
-    return dx, dw, db
+    dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs, bias_dtype, mm, act_grad, *targets)
+    return (dx, *flat_grads(dw, db, *targets))
 
 
 def dgrad_into(dy: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor | None) -> torch.Tensor:
@@ -256,7 +298,9 @@ class _Linear(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             dx, dw, db = differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
             return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
-        target = common.flat_wgrad(ctx, x2d.dtype, weight) if needs[1] else None
+        targets = (None, None)
+        if needs[1] and _may_have_view(weight):  # the common refusal first (host time)
+            targets = flat_targets(ctx, needs, x2d.dtype, ctx.bias_dtype)
         dx, dw, db = linear_grads(
             dy,
             x2d,
@@ -267,10 +311,9 @@ class _Linear(torch.autograd.Function):
             ctx.bias_dtype,
             mm_backward_checked,
             activation_grad_prechecked,  # dy from autograd, preact saved by forward
-            target,
+            *targets,
         )
-        if target is not None:  # dW is in .grad already: autograd adopts that memory
-            dw = common.hand_over(target)
+        dw, db = flat_grads(dw, db, *targets)  # dW / db in .grad already: autograd adopts that memory
         return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
 
 
