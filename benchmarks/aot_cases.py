@@ -406,6 +406,47 @@ def _norm_cases(full: bool = True) -> list[Case]:
                                 light=light_dtype(dtype) or rms,  # elsewhere: LayerNorm's bf16 rows
                             )
                         )
+    return cases + _norm_grad_cases(full)
+
+
+def _norm_grad_cases(full: bool = True) -> list[Case]:
+    """The norms' dweight / dbias reduction (``_norm_param_grads_kernel``) as
+    ``param_grads_prechecked`` launches it on a GPU: the narrowest and the widest column
+    block (``REDUCE_MIN_COLS`` / ``REDUCE_MAX_COLS``, ROWS filling ``REDUCE_TILE``), for
+    params in fp32 (the mixed-precision rule), bf16 and fp16. The gate's set: LayerNorm's
+    (dweight and dbias) added into the flat buffer, fp32 and bf16 on every target (fp16
+    where every variant is compiled); the full report adds RMSNorm's and the plain writes."""
+    from tkern.kernels import norm
+
+    tl = _tl()
+    fn = norm._norm_param_grads_kernel
+    cases = []
+    for dtype in ("fp32", "bf16", "fp16"):
+        for cols in (norm.REDUCE_MIN_COLS, norm.REDUCE_MAX_COLS):
+            for rms, acc in ((False, True), (True, True), (False, False)) if full else ((False, True),):
+                sig = {
+                    a: "*fp32" if a.endswith("part_ptr") else _ptr(dtype)
+                    for a in fn.arg_names
+                    if a.endswith("_ptr")
+                }
+                sig.update(P="i32", N="i32")
+                sig.update({a: "constexpr" for a in fn.arg_names if a not in sig})
+                const = dict(HAS_DW=True, HAS_DB=not rms, ACC_DW=acc, ACC_DB=acc and not rms)
+                const.update(DW_DTYPE=getattr(tl, _TL_NAME[dtype]), DB_DTYPE=getattr(tl, _TL_NAME[dtype]))
+                const.update(ROWS=norm.REDUCE_TILE // cols, COLS=cols)
+                flags = ("rms" if rms else "ln") + (",acc" if acc else "")
+                cases.append(
+                    Case(
+                        name=f"norm_param_grads[{dtype},{flags},{cols} cols]",
+                        family="rowwise",
+                        kernel=f"tkern.kernels.norm:{fn.__name__}",
+                        signature=sig,
+                        constexprs=const,
+                        aligned=tuple(a for a in sig if a.endswith("_ptr") or a == "N"),  # 16-byte rows
+                        num_warps=norm.REDUCE_WARPS,
+                        light=dtype == "fp16" or rms or not acc,  # elsewhere: LayerNorm's, added in
+                    )
+                )
     return cases
 
 

@@ -230,11 +230,25 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
         if named.get("DELAYED") and "data_ptr" in named:  # the emitting epilogue's fp8 C (and C^T)
             nbytes += m * n * named["data_ptr"].element_size() * (2 if named.get("STORE_T") else 1)
         return gemm_role(m, n, k, spec, backward), nbytes, 2 * m * n * k, a.dtype
+    if name == "norm._norm_param_grads_kernel":
+        return "norm", _param_grads_bytes(named), 0, torch.float32
     nbytes, dtype = _streamed_bytes(named)
     if module == "cross_entropy" and "logits_ptr" in named:  # each pass over a row reads its logits again
         passes = bool(named.get("COMPUTE_LSE")) + bool(named.get("WRITE_GRAD"))
         nbytes += max(passes - 1, 0) * _logits_bytes(named)
     return _TRITON_CATEGORY.get(module, "other"), nbytes, 0, dtype
+
+
+def _param_grads_bytes(named: dict) -> int:
+    """The norm's dweight / dbias reduction: for each output it makes, the (P, N) fp32
+    partial sums read and the (N,) gradient written, or read and written where it adds into
+    it (a fused optimizer's flat buffer); the absent output's dummy pointers touch nothing."""
+    p, n = int(named["P"]), int(named["N"])
+    nbytes = 0
+    for out, has, acc in (("dw_ptr", "HAS_DW", "ACC_DW"), ("db_ptr", "HAS_DB", "ACC_DB")):
+        if named.get(has):
+            nbytes += 4 * p * n + n * _tensor(named[out]).element_size() * (2 if named.get(acc) else 1)
+    return nbytes
 
 
 def _logits_bytes(named: dict) -> int:

@@ -142,8 +142,9 @@ def _of(rows, family=None, gated=None, target=None):
 KERNELS = {
     "_sgd_kernel", "_adam_kernel", "_grad_stats_kernel", "_finalize_stats_kernel",
     "_grad_underflow_kernel", "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
-    "_norm_fwd_kernel", "_norm_bwd_kernel", "_swiglu_fwd_kernel", "_swiglu_bwd_kernel",
-    "_rotary_kernel", "_cross_entropy_kernel", "_matmul_split_k_kernel", "_split_k_reduce_kernel",
+    "_norm_fwd_kernel", "_norm_bwd_kernel", "_norm_param_grads_kernel", "_swiglu_fwd_kernel",
+    "_swiglu_bwd_kernel", "_rotary_kernel", "_cross_entropy_kernel", "_matmul_split_k_kernel",
+    "_split_k_reduce_kernel",
 }  # fmt: skip
 
 
@@ -327,6 +328,19 @@ def test_norm_kernels_compile_for_every_dtype_without_spills(rows):
                 for norm in ("ln", "rms") if every_variant(cc) else ("ln",):
                     for width in ("1024", f"{MAX_BLOCK}", f"chunks of {MAX_BLOCK}"):
                         assert f"norm_{kernel}[{dtype},{norm}{extra},{width}]" in names, (cc, names)
+
+
+def test_norm_param_grads_compile_without_spills(rows):
+    # the dweight / dbias reduction, added into the flat buffer, at both column blocks: fp32
+    # and bf16 params on every target, fp16 too where every variant is compiled
+    from tkern.kernels.norm import REDUCE_MAX_COLS, REDUCE_MIN_COLS
+
+    grads = [r for r in rows if r["kernel"] == "_norm_param_grads_kernel"]
+    for cc in RUN:
+        names = {r["case"] for r in grads if r["target"] == cc and r["compiled"] and not r["spill_bytes"]}
+        for dtype in ("fp32", "bf16", "fp16") if every_variant(cc) else ("fp32", "bf16"):
+            for cols in (REDUCE_MIN_COLS, REDUCE_MAX_COLS):
+                assert f"norm_param_grads[{dtype},ln,acc,{cols} cols]" in names, (cc, names)
 
 
 def test_everything_compiles(rows):

@@ -240,6 +240,32 @@ def test_dgrad_epilogues_are_charged_what_they_read_and_write(sl):
     assert glu == plain + 2 * 3 * m * n  # gate and up read, d(up) written beside d(gate)
 
 
+def test_norm_parameter_gradients_are_charged_their_partials_and_gradients(sl):
+    """The norm's dweight / dbias reduction (one launch for both) reads the backward's (P, N)
+    fp32 partials for each output and writes the (N,) gradient, or reads and writes it where
+    it adds into a fused optimizer's flat buffer; RMSNorm has no dbias."""
+    import ledger_record
+
+    from tkern.kernels import norm
+
+    rec = ledger_record._Recorder(sl.MODELS["gpt2-tiny"], False)
+    rec.on = True
+    p, n = 4, 96
+    w16 = torch.empty(n, dtype=torch.float16)
+    parts = [torch.empty(p, n) for _ in range(2)]
+    with ledger_record.recorded_launches(rec):
+        norm.param_grads_prechecked(*parts, (torch.empty(n), False), (torch.empty(n), False))
+        norm.param_grads_prechecked(*parts, (w16, True), (torch.empty(n), False))
+        norm.param_grads_prechecked(parts[0], None, (torch.empty(n), False), None)
+    costs = [(x.category, x.bytes) for x in rec.launches if x.name == "triton.norm._norm_param_grads_kernel"]
+    partials = 4 * p * n
+    assert costs == [
+        ("norm", 2 * (partials + 4 * n)),
+        ("norm", partials + 2 * 2 * n + partials + 4 * n),
+        ("norm", partials + 4 * n),
+    ]
+
+
 def test_nll_loss_and_slice_backward_are_charged_what_a_gpu_touches(sl):
     """Issue 54 item 5: nll_loss gathers one logit per row (not the row), its backward
     zero-fills the gradient and writes one element per row; slice_backward zero-fills the

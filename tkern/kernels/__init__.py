@@ -71,7 +71,9 @@ rotary.py
 norm.py
     kernels: ``_norm_fwd_kernel`` (LayerNorm / RMSNorm of a row per program, fp32
     statistics, optional fused residual ``h = x + residual``), ``_norm_bwd_kernel``
-    (dx, and dweight / dbias as fp32 partial sums per program). Launchers:
+    (dx, and dweight / dbias as fp32 partial sums per program), ``_norm_param_grads_kernel``
+    (both reduced over the programs in one launch, written or added into a fused
+    optimizer's flat gradient views). Launchers:
     ``norm_forward``, ``norm_backward`` (rows up to ``MAX_BLOCK`` in one block, longer
     ones in chunks). Above: ``ops.norm.layer_norm`` / ``rms_norm`` / ``add_layer_norm`` /
     ``add_rms_norm`` (``_Norm``; custom ops ``tkern::norm_forward``,

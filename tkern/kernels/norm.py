@@ -17,8 +17,10 @@ Precision, the rules every path keeps:
 * the mean (LayerNorm) and ``rstd = 1 / sqrt(var + eps)`` are stored per row in
   fp32 for the backward, which recomputes ``xhat`` from the input;
 * backward: dx computed in fp32 and rounded once; dweight / dbias summed in fp32
-  per program into a ``(num_programs, N)`` buffer, then reduced once on the host
-  (``sum(0)``) and cast to the parameter's dtype.
+  per program into a ``(num_programs, N)`` buffer, then reduced over the programs in
+  fp32 in a fixed order by one more launch for both (``_norm_param_grads_kernel``),
+  which rounds each once to its parameter's dtype, into a new tensor or (gradient
+  accumulation into a fused optimizer's flat buffer) added to the gradient there.
 
 Rows of up to :data:`MAX_BLOCK` elements are held in registers whole (one
 block, one read of the input); longer rows are walked in chunks of
@@ -43,6 +45,7 @@ from tkern.kernels._common import (
     check_tensor,
     next_power_of_2,
     tl_dtype,
+    to_f32,
 )
 from tkern.kernels.float8 import (
     MAX_PROGRAMS,
@@ -92,6 +95,19 @@ PROGRAMS_PER_SM = 2
 #: Backward programs under the interpreter (each costs milliseconds to start):
 #: few, but more than one, so the partial sums are exercised.
 _INTERPRET_PROGRAMS = 4
+#: Columns of dweight / dbias one program of the partial sums' reduction
+#: (``_norm_param_grads_kernel``) takes: about one program per SM (768 wide: 24 programs,
+#: 4096 on 132 SMs: 128), at least a 128-byte line of fp32 of each partial row (32), at
+#: most 256.
+REDUCE_MIN_COLS = 32
+REDUCE_MAX_COLS = 256
+#: Elements of the (ROWS, COLS) tile of partials it sums per step: 16 fp32 registers a
+#: thread over :data:`REDUCE_WARPS` warps, for each of dweight's and dbias's tiles.
+REDUCE_TILE = 2048
+REDUCE_WARPS = 4
+#: Its columns per program under the interpreter: few programs, several for a ragged N
+#: past it (masked).
+_INTERPRET_REDUCE_COLS = 512
 #: Elements of the (ROWS, BLOCK) tile one-block rows are taken in under the interpreter,
 #: whose cost is per operation and program, not per element: many rows at once there.
 #: On a GPU ROWS is 1 (a row per program, or per step of the backward's row loop).
@@ -541,6 +557,57 @@ def _norm_bwd_kernel(
                     tl.store(db_ptr + cols, tl.load(db_ptr + cols, mask=mask) + dy, mask=mask)
 
 
+@triton.jit
+def _sum_partials(part_ptr, out_ptr, P, N, cols, col_mask, ACC: tl.constexpr, DTYPE: tl.constexpr,
+                  ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+    """Columns ``cols`` of the (P, N) fp32 partials summed over P in fp32, in a fixed order
+    ((ROWS, COLS) tiles from row 0 down, each tile's rows summed by one tree), with ACC
+    added to what ``out_ptr`` holds (fp32), and stored rounded once to DTYPE."""
+    acc = tl.zeros((COLS,), tl.float32)
+    rows = tl.arange(0, ROWS)
+    for p in range(0, P, ROWS):
+        r = p + rows
+        mask = (r < P)[:, None] & col_mask[None, :]
+        part = tl.load(part_ptr + r[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
+        acc += tl.sum(part, axis=0)
+    if ACC:
+        acc += to_f32(tl.load(out_ptr + cols, mask=col_mask, other=0.0))
+    tl.store(out_ptr + cols, cast_rne(acc, DTYPE), mask=col_mask)
+
+
+@triton.jit
+def _norm_param_grads_kernel(
+    # pointers
+    dw_part_ptr,  # (P, N) fp32: _norm_bwd_kernel's dweight partial sums, a row per program (HAS_DW)
+    db_part_ptr,  # (P, N) fp32: its dbias partial sums (HAS_DB)
+    dw_ptr,  # (N,) contiguous, DW_DTYPE: dweight, written (or with ACC_DW added into) (HAS_DW)
+    db_ptr,  # (N,) contiguous, DB_DTYPE: dbias, likewise with ACC_DB (HAS_DB)
+    # dimensions
+    P,
+    N,
+    # meta-parameters
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    ACC_DW: tl.constexpr,  # add into dw_ptr's gradient (a flat buffer's .grad), else overwrite it
+    ACC_DB: tl.constexpr,
+    DW_DTYPE: tl.constexpr,  # dweight's Triton dtype (fp32, fp16 or bf16)
+    DB_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,  # partial rows summed per step (a power of two)
+    COLS: tl.constexpr,  # columns per program (a power of two)
+):
+    """dweight and dbias of one norm from the backward's per-program partial sums, one
+    launch for both: program c sums columns ``[c * COLS, (c + 1) * COLS)`` of each (P, N)
+    buffer over its P rows in fp32 in a fixed order (deterministic), adds the gradient
+    already there where ACC (fp32), and stores the result rounded once. Columns past N
+    are masked (ragged N)."""
+    cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    col_mask = cols < N
+    if HAS_DW:
+        _sum_partials(dw_part_ptr, dw_ptr, P, N, cols, col_mask, ACC_DW, DW_DTYPE, ROWS, COLS)
+    if HAS_DB:
+        _sum_partials(db_part_ptr, db_ptr, P, N, cols, col_mask, ACC_DB, DB_DTYPE, ROWS, COLS)
+
+
 # --------------------------------------------------------------------------- launchers
 
 
@@ -865,6 +932,9 @@ def norm_backward(
     need_weight: bool = True,
     bias_dtype: torch.dtype | None = None,
     dh: torch.Tensor | None = None,
+    dweight_out: torch.Tensor | None = None,
+    dbias_out: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> NormBackward:
     """Gradients of :func:`norm_forward` from its saved input and statistics.
 
@@ -877,12 +947,16 @@ def norm_backward(
         need_weight: whether to return dweight (needs a weight).
         bias_dtype: the bias's dtype when dbias is wanted, else None.
         dh: optional (M, N) upstream gradient of h (the residual form), added to dx.
+        dweight_out, dbias_out: optional (N,) contiguous tensors of the weight's dtype /
+            ``bias_dtype`` that receive dweight / dbias (then returned) instead of new ones.
+        accumulate: add dweight / dbias into the given outputs (in fp32, rounded once:
+            gradient accumulation), instead of overwriting them.
 
     Returns:
         :class:`NormBackward` ``(dx, dweight, dbias)``: dx (M, N) in x's dtype,
         rounded once from fp32; dweight in weight's dtype and dbias in
-        ``bias_dtype``, each summed over rows in fp32 and cast once, or None
-        where not asked for.
+        ``bias_dtype``, each summed over rows in fp32 (a fixed order: the same bits on
+        every run) and cast once, or None where not asked for.
     """
     check_tensor("x", x, ndim=2, dtypes=INPUT_DTYPES)
     M, N = x.shape
@@ -898,14 +972,49 @@ def norm_backward(
         check_tensor(name, stat, ndim=1, dtypes=(torch.float32,))
         if stat.shape[0] != M or not stat.is_contiguous():
             raise ValueError(f"{name} must be a contiguous ({M},) fp32 tensor, got shape {tuple(stat.shape)}")
-    check_same_device(x=x, dy=dy, dh=dh, weight=weight, mean=mean, rstd=rstd)
-    return norm_backward_prechecked(dy, x, weight, mean, rstd, rms, need_weight, bias_dtype, dh)
+    if bias_dtype is not None and bias_dtype not in (torch.float32, x.dtype):
+        raise TypeError(f"bias_dtype must be float32 or x's dtype {x.dtype}, got {bias_dtype}")
+    _check_out("dweight_out", dweight_out, need_weight, weight.dtype if need_weight else None, N)
+    _check_out("dbias_out", dbias_out, bias_dtype is not None, bias_dtype, N)
+    check_same_device(
+        x=x, dy=dy, dh=dh, weight=weight, mean=mean, rstd=rstd, dweight_out=dweight_out, dbias_out=dbias_out
+    )
+    into = [None if out is None else (out, bool(accumulate)) for out in (dweight_out, dbias_out)]
+    return norm_backward_prechecked(dy, x, weight, mean, rstd, rms, need_weight, bias_dtype, dh, *into)
 
 
-def norm_backward_prechecked(dy, x, weight, mean, rstd, rms, need_weight, bias_dtype, dh) -> NormBackward:
+def _check_out(name: str, out: torch.Tensor | None, wanted: bool, dtype, n: int) -> None:
+    """Raise unless ``out`` is None or a contiguous (n,) tensor of ``dtype`` for a gradient
+    that is ``wanted``."""
+    if out is None:
+        return
+    if not wanted:
+        raise ValueError(f"{name} is given but its gradient is not asked for")
+    check_tensor(name, out, ndim=1, dtypes=(dtype,), shape=(n,))
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def norm_backward_prechecked(
+    dy, x, weight, mean, rstd, rms, need_weight, bias_dtype, dh, dw_into=None, db_into=None
+) -> NormBackward:
     """:func:`norm_backward` for a backward that trusts its tensors (``tkern.layer_norm``'s:
     what its forward checked and saved, and the gradients autograd gives of its outputs):
-    the launch, nothing checked again."""
+    two launches, nothing checked again. ``dw_into`` / ``db_into``: ``(out, accumulate)``
+    where dweight / dbias go, (N,) contiguous of the weight's dtype / ``bias_dtype``, written
+    or (``accumulate``) added into (a fused optimizer's flat gradient view); None: new tensors."""
+    dx, dw_part, db_part = _backward_partials(dy, x, weight, mean, rstd, rms, need_weight, bias_dtype, dh)
+    N = x.shape[1]
+    dw_into = dw_into or (None if dw_part is None else (x.new_empty(N, dtype=weight.dtype), False))
+    db_into = db_into or (None if db_part is None else (x.new_empty(N, dtype=bias_dtype), False))
+    if dw_part is not None or db_part is not None:
+        param_grads_prechecked(dw_part, db_part, dw_into, db_into)
+    return NormBackward(dx, None if dw_into is None else dw_into[0], None if db_into is None else db_into[0])
+
+
+def _backward_partials(dy, x, weight, mean, rstd, rms, need_weight, bias_dtype, dh) -> tuple:
+    """``_norm_bwd_kernel``'s launch: dx and the (P, N) fp32 partial sums of dweight and
+    dbias (None where not asked for)."""
     M, N = x.shape
     dy, x = rows_view(dy), rows_view(x)
     dh = None if dh is None else rows_view(dh)
@@ -927,6 +1036,36 @@ def norm_backward_prechecked(dy, x, weight, mean, rstd, rms, need_weight, bias_d
             HAS_DW=need_weight, HAS_DB=bias_dtype is not None, DTYPE=tl_dtype(x.dtype), BLOCK=block,
             CHUNKED=block < N, ROWS=tile_rows(rows, block) if block >= N else 1, num_warps=num_warps(block),
         )  # fmt: skip
-    dweight = None if dw_part is None else dw_part.sum(0).to(weight.dtype)
-    dbias = None if db_part is None else db_part.sum(0).to(bias_dtype)
-    return NormBackward(dx, dweight, dbias)
+    return dx, dw_part, db_part
+
+
+def reduce_layout(p: int, n: int, device: torch.device) -> tuple[int, int]:
+    """``(ROWS, COLS)`` of ``_norm_param_grads_kernel`` over (p, n) partials on ``device``:
+    COLS from the device's SMs (:data:`REDUCE_MIN_COLS` to :data:`REDUCE_MAX_COLS`), ROWS
+    filling a :data:`REDUCE_TILE` tile, at most the next power of two of p."""
+    if INTERPRET:
+        cols = min(next_power_of_2(max(n, 1)), _INTERPRET_REDUCE_COLS)
+    else:
+        per_sm = next_power_of_2(cdiv(max(n, 1), tkdev.device_spec(device).sms))
+        cols = min(max(per_sm, REDUCE_MIN_COLS), REDUCE_MAX_COLS)
+    return min(next_power_of_2(max(p, 1)), max(REDUCE_TILE // cols, 1)), cols
+
+
+def param_grads_prechecked(dw_part, db_part, dw_into, db_into) -> None:
+    """dweight and dbias from the backward's (P, N) fp32 partial sums (``dw_part`` /
+    ``db_part``, None: not wanted) in one launch: each summed over P in fp32 in a fixed
+    order and stored rounded once into ``dw_into`` / ``db_into``'s ``out`` ((N,),
+    contiguous), or with ``accumulate`` added to what it holds (fp32, one rounding)."""
+    part = dw_part if dw_part is not None else db_part
+    P, N = part.shape
+    if not N:
+        return
+    rows, cols = reduce_layout(P, N, part.device)
+    dw, acc_w = dw_into if dw_part is not None else (part, False)
+    db, acc_b = db_into if db_part is not None else (part, False)
+    _norm_param_grads_kernel[(cdiv(N, cols),)](
+        part if dw_part is None else dw_part, part if db_part is None else db_part, dw, db, P, N,
+        HAS_DW=dw_part is not None, HAS_DB=db_part is not None, ACC_DW=acc_w, ACC_DB=acc_b,
+        DW_DTYPE=tl_dtype(dw.dtype), DB_DTYPE=tl_dtype(db.dtype), ROWS=rows, COLS=cols,
+        num_warps=REDUCE_WARPS,
+    )  # fmt: skip

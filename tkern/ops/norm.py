@@ -41,6 +41,7 @@ from tkern.kernels.norm import (
     norm_forward,
     norm_forward_float8,
 )
+from tkern.ops import common
 from tkern.ops.common import is_compiling
 from tkern.ops.float8 import Float8Input
 
@@ -111,12 +112,14 @@ def _norm_grads(
     needs: tuple[bool, bool, bool],
     bias_dtype: torch.dtype | None,
     backward: Callable[..., Grads] | None = None,
+    into: tuple = (None, None),
 ) -> Grads:
     """(d saved, dweight, dbias) from the kernels (None where not needed). ``dy``
     or ``dh`` may be None (an output not used in the loss); ``needs``: whether the
     input, weight and bias need gradients; ``weight`` is 1-D. ``backward``: the custom
     op's :func:`_traced_backward`, or None: the kernels' launcher, on the tensors forward
-    checked and saved (``norm_backward_prechecked``: nothing checked again)."""
+    checked and saved (``norm_backward_prechecked``: nothing checked again), which puts
+    dweight / dbias into ``into``'s ``(out, accumulate)`` where given (:func:`_eager_grads`)."""
     need_x, need_w, need_b = needs
     if dy is None:  # y unused: its gradient is zero
         dx = dh if need_x else None
@@ -126,7 +129,7 @@ def _norm_grads(
         return dx, zero.to(weight.dtype) if need_w else None, zero.to(bias_dtype) if need_b else None
     bias_dtype = bias_dtype if need_b else None
     if backward is None:
-        return norm_backward_prechecked(dy, saved, weight, mean, rstd, rms, need_w, bias_dtype, dh)
+        return norm_backward_prechecked(dy, saved, weight, mean, rstd, rms, need_w, bias_dtype, dh, *into)
     return backward(dy, saved, weight, mean, rstd, rms, need_weight=need_w, bias_dtype=bias_dtype, dh=dh)
 
 
@@ -144,6 +147,33 @@ def _input_grads(ctx, dx: Tensor | None, dw: Tensor | None, db: Tensor | None) -
     return dx if ctx.needs_input_grad[0] else None, dres, dw, db, None, None
 
 
+def _keep(ctx, saved: Tensor, inputs: tuple, mean: Tensor | None, rstd: Tensor) -> None:
+    """What both eager forwards keep for :meth:`_Norm.backward` from their ``inputs`` (x,
+    residual, weight, bias, eps, rms), ``saved`` (x, or h) and the statistics."""
+    x, residual, weight, bias, eps, rms = inputs
+    ctx.set_materialize_grads(False)
+    ctx.eps, ctx.rms, ctx.has_residual = eps, rms, residual is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.slots = common.next_function_slots(x, residual, weight, bias)  # weight's, bias's in next_functions
+    # bias: a reference, for its dtype, shape and the create_graph=True path
+    ctx.save_for_backward(saved, weight, bias, mean, rstd)
+
+
+def _eager_grads(ctx, dy, dh, saved, weight, bias, mean, rstd, needs) -> Grads:
+    """:meth:`_Norm.backward`'s gradients from the kernels, dweight and dbias each written or
+    added into its fused optimizer's flat gradient view where :func:`common.flat_wgrad`
+    allows (then handed to autograd over that memory, :func:`common.hand_over`), else new
+    tensors of its shape (and for an unused y, zeros as usual)."""
+    tw = common.flat_wgrad(ctx, weight.dtype, weight, ctx.slots[2]) if needs[1] and dy is not None else None
+    tb = common.flat_wgrad(ctx, bias.dtype, bias, ctx.slots[3]) if needs[2] and dy is not None else None
+    into = tuple(None if t is None else (t[1].view(-1), t[2]) for t in (tw, tb))  # (view, accumulate)
+    w = None if weight is None else weight.reshape(-1)
+    dx, dw, db = _norm_grads(dy, dh, saved, w, mean, rstd, ctx.rms, needs, ctx.bias_dtype, None, into)
+    dw = common.hand_over(tw) if tw is not None else None if dw is None else dw.reshape(weight.shape)
+    db = common.hand_over(tb) if tb is not None else None if db is None else db.reshape(bias.shape)
+    return dx, dw, db
+
+
 class _Norm(torch.autograd.Function):
     """y = norm(x) (and, with a residual, h = x + residual) on (M, N) tensors.
 
@@ -155,27 +185,17 @@ class _Norm(torch.autograd.Function):
         w = None if weight is None else weight.reshape(-1)
         b = None if bias is None else bias.reshape(-1)
         y, h, mean, rstd = norm_forward(x, w, b, eps, rms, residual)
-        ctx.set_materialize_grads(False)
-        ctx.eps, ctx.rms, ctx.has_residual = eps, rms, residual is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        # bias: a reference, for its dtype, shape and the create_graph=True path
-        ctx.save_for_backward(x if h is None else h, weight, bias, mean, rstd)
+        _keep(ctx, x if h is None else h, (x, residual, weight, bias, eps, rms), mean, rstd)
         return y if h is None else (y, h)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
         saved, weight, bias, mean, rstd = ctx.saved_tensors
         needs = _needs(ctx)
-        if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
-            if dy is None:
-                dy = torch.zeros_like(saved)
-            dx, dw, db = _differentiable_grads(dy, dh, saved, weight, bias, ctx.eps, ctx.rms, needs)
-        else:
-            w = None if weight is None else weight.reshape(-1)
-            dx, dw, db = _norm_grads(dy, dh, saved, w, mean, rstd, ctx.rms, needs, ctx.bias_dtype)
-            dw = None if dw is None else dw.reshape(weight.shape)
-            db = None if db is None else db.reshape(bias.shape)
-        return _input_grads(ctx, dx, dw, db)
+        if not torch.is_grad_enabled():
+            return _input_grads(ctx, *_eager_grads(ctx, dy, dh, saved, weight, bias, mean, rstd, needs))
+        dy = torch.zeros_like(saved) if dy is None else dy  # create_graph=True: differentiable again
+        return _input_grads(ctx, *_differentiable_grads(dy, dh, saved, weight, bias, ctx.eps, ctx.rms, needs))
 
 
 class _NormAndResidual(torch.autograd.Function):
@@ -206,10 +226,7 @@ class _NormFloat8(torch.autograd.Function):
             x, w, b, eps, rms, torch.float8_e4m3fn, store_t=store_t, history=history, margin=margin,
             update=update, counter=counter, rolls=rolls,
         )  # fmt: skip
-        ctx.set_materialize_grads(False)
-        ctx.eps, ctx.rms, ctx.has_residual = eps, rms, False
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(x, weight, bias, out.mean, out.rstd)
+        _keep(ctx, x, (x, residual, weight, bias, eps, rms), out.mean, out.rstd)
         data_t = out.data_t if out.data_t is not None else out.data.new_empty(0)
         ctx.mark_non_differentiable(out.data, data_t, out.scale)
         return out.y, out.data, data_t, out.scale
