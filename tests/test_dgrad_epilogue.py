@@ -199,8 +199,9 @@ def test_hooks_and_create_graph_keep_their_meaning(monkeypatch):
 
 @pytest.mark.parametrize("up_bias", [True, False])
 def test_both_weight_gradients_go_into_a_fused_optimizers_flat_buffer(wgrad_counts, up_bias):
-    # tkern Linear weights (inputs 1 and 3 of the function): each wgrad added in place; with
-    # no first bias autograd lists the second weight one slot earlier (next_function_slots)
+    # tkern Linear weights (inputs 1 and 3 of the function): each wgrad added in place, and
+    # each bias's dbias beside it; with no first bias autograd lists the second weight one slot
+    # earlier (next_function_slots)
     from torch import nn
 
     from tkern.flat import grad_is_flat_view
@@ -213,7 +214,7 @@ def test_both_weight_gradients_go_into_a_fused_optimizers_flat_buffer(wgrad_coun
     opt = FusedAdamW(model.parameters(), lr=1e-3)  # noqa: F841 (kept: it owns the flat buffer)
     x = torch.randn(12, 24, device=DEVICE).half()
     linear_act_linear(x, up.weight, up.bias, "gelu_tanh", down.weight, down.bias).float().sum().backward()
-    assert wgrad_counts == {"into": 2, "copies": 0}
+    assert wgrad_counts == {"into": 2 + 1 + up_bias, "copies": 0}
     assert all(grad_is_flat_view(p) for p in model.parameters())
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)

@@ -17,7 +17,17 @@ import torch
 
 from tkern.flat import has_grad_view, take_grad_view
 
-__all__ = ["as_2d", "check_in_features", "flat_wgrad", "hand_over", "is_compiling", "may_have_view"]
+__all__ = [
+    "as_2d",
+    "check_in_features",
+    "flat_grads",
+    "flat_targets",
+    "flat_wgrad",
+    "hand_over",
+    "is_compiling",
+    "may_have_view",
+    "sums_into",
+]
 
 is_compiling = torch.compiler.is_compiling  # bound once: the fast checks run on every call
 # Whether the running backward will execute an autograd node; raises for a leaf's
@@ -123,3 +133,32 @@ def hand_over(target: tuple) -> torch.Tensor:
     _increment_version(view)  # the kernel wrote it: "has a gradient" (flat.FlatParams)
     weight.grad = None
     return view.detach()
+
+
+def sums_into(dw_target, db_target) -> tuple | None:
+    """Where the wgrad GEMM's row sums (db) go: ``(view, add)`` into the bias's flat view
+    beside dW into the weight's, where the launch allows (adding needs dW added too: the
+    launch that adds is the one whose autotuner restores what it adds into), else None."""
+    if dw_target is None or db_target is None or (db_target[2] and not dw_target[2]):
+        return None
+    return db_target[1], db_target[2]
+
+
+def flat_targets(ctx, needs, dtype, bias_dtype, w_index=1, b_index=2) -> tuple:
+    """``(dw_target, db_target)`` (:func:`flat_wgrad`) of a layer whose weight is the
+    Function's input ``w_index`` and bias ``b_index``: dW and db straight into a fused
+    optimizer's flat gradient views where they may go (None each where not)."""
+    dw_target = flat_wgrad(ctx, dtype, None, w_index) if needs[1] else None
+    if dw_target is None or not needs[2] or bias_dtype is None or b_index is None:
+        return dw_target, None
+    return dw_target, flat_wgrad(ctx, bias_dtype, None, b_index)
+
+
+def flat_grads(dw, db, dw_target, db_target) -> tuple:
+    """``(dw, db)`` as backward returns them: each one written into its flat view
+    (:func:`flat_targets`) handed over to autograd (:func:`hand_over`)."""
+    if dw_target is not None:
+        dw = hand_over(dw_target)
+    if db_target is not None and db is db_target[1]:
+        db = hand_over(db_target)
+    return dw, db

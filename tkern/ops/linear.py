@@ -69,9 +69,6 @@ _NO_ACT = "none"  # how the custom ops spell activation=None (their schema takes
 # --------------------------------------------------------------------------- shared pieces
 
 
-# --------------------------------------------------------------------------- shared pieces
-
-
 def differentiable_grads(dy, x2d, weight, bias, activation, needs, bias_dtype):
     """The three gradients of ``act(x @ W^T + b)`` with torch operations in fp32,
     each cast once to its input's dtype: what the kernels compute, but recorded
@@ -181,7 +178,7 @@ def linear_grads(
     ``act_grad`` are the launchers (eager) or the custom ops (traced). ``dw_target``
     (eager only): where dW goes in place (:func:`common.flat_wgrad`); ``db_target``
     likewise for db, used where the wgrad GEMM sums it (db is then ``db_target``'s
-    view: :func:`flat_grads` hands it over) and dW goes into ``dw_target``."""
+    view: :func:`common.flat_grads` hands it over) and dW goes into ``dw_target``."""
     need_dx, need_dw = needs[0], needs[1]
     sum_dtype = bias_dtype if needs[2] else None  # None: no bias, or it needs no gradient
     (m, n), k = dy.shape, weight.shape[1]
@@ -208,7 +205,7 @@ def linear_grads(
             dz, z, act = dz_stored, None, None
     if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs (or the K ranges)
         into = () if dw_target is None else dw_target[1:]  # (view, accumulate)
-        sums = _sums_into(dw_target, db_target) if sum_in_gemm is not None else None
+        sums = common.sums_into(dw_target, db_target) if sum_in_gemm is not None else None
         extra = {} if sums is None else {"sums_into": sums}  # (the traced mm takes no targets)
         dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True, *into, **extra)  # dZ^T, Z^T in place
         db = sums if sum_in_gemm is not None else None
@@ -217,47 +214,20 @@ def linear_grads(
     return dx, dw, db
 
 
-def _sums_into(dw_target, db_target) -> tuple | None:
-    """Where the wgrad GEMM's row sums (db) go: ``(view, add)`` into the bias's flat view
-    beside dW into the weight's, where the launch allows (adding needs dW added too: the
-    launch that adds is the one whose autotuner restores what it adds into), else None."""
-    if dw_target is None or db_target is None or (db_target[2] and not dw_target[2]):
-        return None
-    return db_target[1], db_target[2]
-
-
-def flat_targets(ctx, needs, dtype, bias_dtype, w_index=1, b_index=2) -> tuple:
-    """``(dw_target, db_target)`` (:func:`common.flat_wgrad`) of a layer whose weight is the
-    Function's input ``w_index`` and bias ``b_index``: dW and db straight into a fused
-    optimizer's flat gradient views where they may go (None each where not)."""
-    dw_target = common.flat_wgrad(ctx, dtype, None, w_index) if needs[1] else None
-    if dw_target is None or not needs[2] or bias_dtype is None or b_index is None:
-        return dw_target, None
-    return dw_target, common.flat_wgrad(ctx, bias_dtype, None, b_index)
-
-
-def flat_grads(dw, db, dw_target, db_target) -> tuple:
-    """``(dw, db)`` as backward returns them: each one written into its flat view
-    (:func:`flat_targets`) handed over to autograd (:func:`common.hand_over`)."""
-    if dw_target is not None:
-        dw = common.hand_over(dw_target)
-    if db_target is not None and db is db_target[1]:
-        db = common.hand_over(db_target)
-    return dw, db
-
-
 def layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
     """One layer's ``(dx, dw, db)`` inside a Function over several layers (tkern.ops.mlp's,
     tkern.ops.projections'): :func:`linear_grads` (no activation) on tensors that Function's
     forward made and autograd's gradient, dW and db put into a fused optimizer's flat gradient
-    buffer where they may (:func:`flat_targets`; the weight is the Function's input ``index``
+    buffer where they may (:func:`common.flat_targets`; the weight is the Function's input ``index``
     and its bias the next, ``ctx.slots`` from :func:`common.next_function_slots`)."""
     targets = (None, None)
     if needs[1] and _may_have_view(weight):  # the common refusal first (host time)
-        targets = flat_targets(ctx, needs, x2d.dtype, bias_dtype, ctx.slots[index], ctx.slots[index + 1])
+        targets = common.flat_targets(
+            ctx, needs, x2d.dtype, bias_dtype, ctx.slots[index], ctx.slots[index + 1]
+        )
     mm, act_grad = mm_backward_checked, activation_grad_prechecked  # tensors autograd and forward made
     dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs, bias_dtype, mm, act_grad, *targets)
-    return (dx, *flat_grads(dw, db, *targets))
+    return (dx, *common.flat_grads(dw, db, *targets))
 
 
 def dgrad_into(dy: torch.Tensor, weight: torch.Tensor, dx: torch.Tensor | None) -> torch.Tensor:
@@ -300,7 +270,7 @@ class _Linear(torch.autograd.Function):
             return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
         targets = (None, None)
         if needs[1] and _may_have_view(weight):  # the common refusal first (host time)
-            targets = flat_targets(ctx, needs, x2d.dtype, ctx.bias_dtype)
+            targets = common.flat_targets(ctx, needs, x2d.dtype, ctx.bias_dtype)
         dx, dw, db = linear_grads(
             dy,
             x2d,
@@ -313,7 +283,7 @@ class _Linear(torch.autograd.Function):
             activation_grad_prechecked,  # dy from autograd, preact saved by forward
             *targets,
         )
-        dw, db = flat_grads(dw, db, *targets)  # dW / db in .grad already: autograd adopts that memory
+        dw, db = common.flat_grads(dw, db, *targets)  # dW / db in .grad already: autograd adopts that memory
         return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
 
 
