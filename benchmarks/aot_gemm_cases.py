@@ -44,6 +44,13 @@ def _gemm_sig(dtype, out, bias_dtype, preact, tma=None, sum_dtype=None):
     return sig
 
 
+def _c_strides(out_t: bool) -> tuple[str, str]:
+    """``(the unit stride, the other)`` of C's two: ``stride_cn`` is 1 for a row-major C, and
+    ``stride_cm`` for a column-major one (``out_t``: a Conv1D weight's transposed flat view),
+    specialised to the constant 1 as Triton's launcher does."""
+    return ("stride_cm", "stride_cn") if out_t else ("stride_cn", "stride_cm")
+
+
 POINTER_KERNEL = "tkern.kernels.gemm:_matmul_kernel"
 TMA_KERNEL = "tkern.kernels.gemm_tma:_matmul_tma_kernel"
 
@@ -327,7 +334,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         {"N": "stride_ak", "T": "stride_am"}[v.layout[0]],
         {"N": "stride_bn", "T": "stride_bk"}[v.layout[1]],
     )
-    c_unit, c_rows = ("stride_cm", "stride_cn") if v.out_t else ("stride_cn", "stride_cm")
+    c_unit, c_rows = _c_strides(v.out_t)
     const.update({s: 1 for s in unit}, stride_bias=1, **{c_unit: 1})
     for s in (*strides, "stride_cm", "stride_cn", "stride_bias"):
         sig[s] = "constexpr" if s in const else "i32"
@@ -353,7 +360,7 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
     # the TMA-store epilogue where the launcher takes it: C row-major with aligned rows
     # (not ragged) and no pre-activation stored beside it (gemm_tma.launch_tma)
     c_tma = not v.preact and not v.ragged and not v.grad_act and not v.residual and not v.out_t
-    c_unit, c_rows = ("stride_cm", "stride_cn") if v.out_t else ("stride_cn", "stride_cm")
+    c_unit, c_rows = _c_strides(v.out_t)
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
@@ -411,7 +418,7 @@ def split_k_cases(cc, level: str = REPORT) -> list[Case]:
         ("fp32", False, False, False, False),
     ]
     for out, accumulate, sum_a, add_sum, out_t in reduce:
-        c_unit, c_rows = ("stride_cm", "stride_cn") if out_t else ("stride_cn", "stride_cm")
+        c_unit, c_rows = _c_strides(out_t)
         sums = _ptr(out if add_sum else "fp32")  # a bias's view (its dtype), or a new fp32 buffer
         sig = dict(ws_ptr="*fp32", c_ptr=_ptr(out), sums_ptr="*fp32", a_sum_ptr=sums, SPLITS="i32",
                    M="i32", N="i32", stride_cm="i32", stride_cn="i32")  # fmt: skip

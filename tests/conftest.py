@@ -108,6 +108,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff if denom == 0 else diff / denom
 
 
+def eager_and_compiled(f, x: torch.Tensor, params: tuple) -> tuple:
+    """``f(x)`` run eagerly and under ``torch.compile(fullgraph=True, backend="aot_eager")``,
+    after asserting that Dynamo traces it as one graph with no break: ``(out0, grads0, out1,
+    grads1)``, the gradients those of ``(x, *params)``."""
+    explanation = torch._dynamo.explain(f)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    torch._dynamo.reset()
+    out0 = f(x)
+    grads0 = torch.autograd.grad(out0, (x, *params))
+    out1 = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    grads1 = torch.autograd.grad(out1, (x, *params))
+    return out0, grads0, out1, grads1
+
+
 @pytest.fixture
 def device() -> str:
     return DEVICE

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL
+from conftest import DEVICE, TOL, eager_and_compiled
 from torch import nn
 
 import tkern
@@ -290,13 +290,7 @@ def test_compile_fullgraph_traces_layer_norm():
         return layer_norm(x, (32,), w, b).float().square().sum()
 
     x = torch.randn(4, 32, device=DEVICE).half().requires_grad_()
-    explanation = torch._dynamo.explain(f)(x)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
-    torch._dynamo.reset()
-    out0 = f(x)
-    grads0 = torch.autograd.grad(out0, (x, w, b))
-    out1 = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
-    grads1 = torch.autograd.grad(out1, (x, w, b))
+    out0, grads0, out1, grads1 = eager_and_compiled(f, x, (w, b))
     assert torch.equal(out0, out1)  # the same kernels on the same inputs
     for a, c in zip(grads0, grads1, strict=True):
         assert torch.equal(a, c)

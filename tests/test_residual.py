@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, eager_and_compiled, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
@@ -225,13 +225,7 @@ def test_norm_and_residual_on_meta_tensors_and_under_compile():
         return normed.float().square().sum() + (3 * residual.float()).sum()
 
     x = torch.randn(4, 32, device=DEVICE).half().requires_grad_()
-    explanation = torch._dynamo.explain(f)(x)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
-    torch._dynamo.reset()
-    out0 = f(x)
-    grads0 = torch.autograd.grad(out0, (x, w, b))
-    out1 = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
-    grads1 = torch.autograd.grad(out1, (x, w, b))
+    out0, grads0, out1, grads1 = eager_and_compiled(f, x, (w, b))
     assert torch.equal(out0, out1)
     assert rel_err(grads1[0], grads0[0]) < TOL[torch.float16]
     assert torch.equal(grads0[1], grads1[1]) and torch.equal(grads0[2], grads1[2])

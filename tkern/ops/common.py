@@ -25,7 +25,6 @@ __all__ = [
     "flat_wgrad",
     "hand_over",
     "is_compiling",
-    "may_have_view",
     "sums_into",
 ]
 
@@ -90,7 +89,7 @@ def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None, inde
     hook that would rewrite the gradient before it is accumulated, and a backward
     that accumulates into ``.grad`` (not ``autograd.grad()``, which captures the
     gradient, nor one that does not reach this weight)."""
-    if weight is not None and not may_have_view(weight):
+    if weight is not None and not _may_have_view(weight):
         return None  # the common refusal first, before any autograd lookup (host time)
     node = ctx.next_functions[index][0]
     transposed = node is not None and node.name() == _TRANSPOSE_NODE
@@ -118,7 +117,7 @@ def flat_wgrad(ctx, dtype: torch.dtype, weight: torch.Tensor | None = None, inde
 _TRANSPOSE_NODE = "TBackward0"
 
 
-def may_have_view(weight: torch.Tensor) -> bool:
+def _may_have_view(weight: torch.Tensor) -> bool:
     """Whether ``weight``, a leaf or a view of one (``W.t()``), may have a flat gradient view."""
     if weight.is_leaf:
         return has_grad_view(weight)
@@ -144,11 +143,12 @@ def sums_into(dw_target, db_target) -> tuple | None:
     return db_target[1], db_target[2]
 
 
-def flat_targets(ctx, needs, dtype, bias_dtype, w_index=1, b_index=2) -> tuple:
-    """``(dw_target, db_target)`` (:func:`flat_wgrad`) of a layer whose weight is the
-    Function's input ``w_index`` and bias ``b_index``: dW and db straight into a fused
-    optimizer's flat gradient views where they may go (None each where not)."""
-    dw_target = flat_wgrad(ctx, dtype, None, w_index) if needs[1] else None
+def flat_targets(ctx, needs, weight, bias_dtype, w_index=1, b_index=2) -> tuple:
+    """``(dw_target, db_target)`` (:func:`flat_wgrad`) of a layer whose ``weight`` (as the
+    GEMMs read it: the leaf or ``W.t()``) is the Function's input ``w_index`` and bias
+    ``b_index``: dW and db straight into a fused optimizer's flat gradient views where they
+    may go (None each where not)."""
+    dw_target = flat_wgrad(ctx, weight.dtype, weight, w_index) if needs[1] else None
     if dw_target is None or not needs[2] or bias_dtype is None or b_index is None:
         return dw_target, None
     return dw_target, flat_wgrad(ctx, bias_dtype, None, b_index)

@@ -59,7 +59,6 @@ from tkern.kernels.gemm_epilogue import check_bias
 from tkern.kernels.gemm_plan import POINTER, TMA
 from tkern.ops import common
 from tkern.ops.common import as_2d, check_in_features, is_compiling
-from tkern.ops.common import may_have_view as _may_have_view
 
 __all__ = ["check_linear_args", "linear", "linear_args_plainly_valid", "matmul"]
 
@@ -205,8 +204,8 @@ def linear_grads(
             dz, z, act = dz_stored, None, None
     if need_dw:  # (N, M) @ (M, K), dbias from the first column of programs (or the K ranges)
         into = () if dw_target is None else dw_target[1:]  # (view, accumulate)
-        sums = common.sums_into(dw_target, db_target) if sum_in_gemm is not None else None
-        extra = {} if sums is None else {"sums_into": sums}  # (the traced mm takes no targets)
+        sums_target = common.sums_into(dw_target, db_target) if sum_in_gemm is not None else None
+        extra = {} if sums_target is None else {"sums_into": sums_target}  # (the traced mm takes none)
         dw, _, sums = mm(dz, x2d, z, act, False, sum_in_gemm, True, *into, **extra)  # dZ^T, Z^T in place
         db = sums if sum_in_gemm is not None else None
     if sum_dtype is not None and db is None:  # dbias alone or beside a TMA wgrad: dZ reduced
@@ -220,11 +219,7 @@ def layer_grads(ctx, dy, x2d, weight, needs, bias_dtype, index):
     forward made and autograd's gradient, dW and db put into a fused optimizer's flat gradient
     buffer where they may (:func:`common.flat_targets`; the weight is the Function's input ``index``
     and its bias the next, ``ctx.slots`` from :func:`common.next_function_slots`)."""
-    targets = (None, None)
-    if needs[1] and _may_have_view(weight):  # the common refusal first (host time)
-        targets = common.flat_targets(
-            ctx, needs, x2d.dtype, bias_dtype, ctx.slots[index], ctx.slots[index + 1]
-        )
+    targets = common.flat_targets(ctx, needs, weight, bias_dtype, ctx.slots[index], ctx.slots[index + 1])
     mm, act_grad = mm_backward_checked, activation_grad_prechecked  # tensors autograd and forward made
     dx, dw, db = linear_grads(dy, x2d, weight, None, None, needs, bias_dtype, mm, act_grad, *targets)
     return (dx, *common.flat_grads(dw, db, *targets))
@@ -268,9 +263,7 @@ class _Linear(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a graph autograd can differentiate again
             dx, dw, db = differentiable_grads(dy, x2d, weight, bias, ctx.activation, needs, ctx.bias_dtype)
             return dx if dx is None or ctx.x_shape is None else dx.reshape(ctx.x_shape), dw, db, None
-        targets = (None, None)
-        if needs[1] and _may_have_view(weight):  # the common refusal first (host time)
-            targets = common.flat_targets(ctx, needs, x2d.dtype, ctx.bias_dtype)
+        targets = common.flat_targets(ctx, needs, weight, ctx.bias_dtype)
         dx, dw, db = linear_grads(
             dy,
             x2d,
