@@ -16,6 +16,7 @@ from aot_fp8_cases import (
 )
 from aot_gemm_cases import split_k_cases
 from aot_gemm_sweep import pointer_cases, tma_cases
+from aot_rotary_cases import rotary_cases, rotary_table_cases
 from aot_targets import (
     _SIZE,
     _TL_NAME,
@@ -310,48 +311,6 @@ def _swiglu_cases() -> list[Case]:
     return cases
 
 
-def _rotary_aligned(arg: str) -> bool:
-    """The rotary kernel's arguments divisible by 16 on its launcher's contiguous tensors:
-    the pointers, head_dim and the outer strides (multiples of head_dim or R)."""
-    return arg.endswith("_ptr") or arg == "head_dim" or arg[0] == "s" and arg != "seq"
-
-
-def rotary_cases() -> list[Case]:
-    """tkern.rotary_embedding's launch (tkern/kernels/rotary.py) as its launcher makes it for
-    contiguous q, k and tables (the head-dim strides 1, which Triton specialises as
-    constants): head_dim 128 with full rotary (Llama) and a quarter of it (GPT-NeoX's
-    partial rotary, 96 columns passed through), forward and backward (``INVERSE``), fp16 and
-    bf16. A "rowwise" family: its rows are strided, its accesses per half row."""
-    from tkern.kernels import rotary as ro
-
-    tl = _tl()
-    fn = ro._rotary_kernel
-    unit = ("sq_d", "sk_d", "sqo_d", "sko_d", "sc_d", "ss_d")
-    cases = []
-    for dtype in ("fp16", "bf16"):
-        for rot in (128, 32):
-            for inverse in (False, True):
-                bh, bp = ro.next_power_of_2(rot // 2), ro.next_power_of_2(128 - rot)
-                const = dict(HALF=rot // 2, INVERSE=inverse, DTYPE=getattr(tl, _TL_NAME[dtype]))
-                const.update(ROWS=ro.ELEMENTS // max(bh, bp), BLOCK_HALF=bh, BLOCK_PASS=bp)
-                const.update(dict.fromkeys(unit, 1))
-                sig = {a: (_ptr(dtype) if a.endswith("_ptr") else "constexpr" if a in const else "i32")
-                       for a in fn.arg_names}  # fmt: skip
-                cases.append(
-                    Case(
-                        name=f"rotary[{dtype},{'bwd' if inverse else 'fwd'},R={rot}/128]",
-                        family="rowwise",
-                        kernel="tkern.kernels.rotary:_rotary_kernel",
-                        signature=sig,
-                        constexprs=const,
-                        aligned=tuple(a for a in sig if sig[a] != "constexpr" and _rotary_aligned(a)),
-                        num_warps=ro.NUM_WARPS,
-                        light=light_dtype(dtype) or rot == 128,  # elsewhere: the partial rotary
-                    )
-                )
-    return cases
-
-
 def _norm_cases(full: bool = True) -> list[Case]:
     """LayerNorm / RMSNorm forward and backward (tkern/kernels/norm.py) as the launchers
     launch them: a 1024-wide row (hidden 768 to 1024), the widest one-block row
@@ -584,7 +543,8 @@ def all_cases(cc, full: bool = True) -> list[Case]:
     level = depth(cc, full)
     cases = _update_cases("sgd", full, cc) + _update_cases("adam", full, cc)
     cases += _stats_cases() + _activation_cases()
-    cases += cross_entropy_cases() + _swiglu_cases() + rotary_cases() + _norm_cases(full) + _scale_cases()
+    cases += cross_entropy_cases() + _swiglu_cases() + rotary_cases() + rotary_table_cases()
+    cases += _norm_cases(full) + _scale_cases()
     if fp8_planned(cc):
         cases += fp8_cast_cases() + mx_cast_cases()
     if level != REPORT and not every_variant(cc):

@@ -172,7 +172,9 @@ def _aten_category(name: str, outs: list[torch.Tensor], phase: str, rec, mnk) ->
 _TRITON_CATEGORY = {
     "activation": "elementwise",
     "swiglu": "elementwise",  # silu(gate) * up and its gradient (gate and up from one GEMM)
-    "rotary": "elementwise",  # the rotary embedding of q and k, forward and backward
+    # the rotary embedding of q and k, forward and backward; and its cos / sin tables
+    # (_rotary_tables_kernel: each argument once, the position ids, inv_freq and both tables)
+    "rotary": "elementwise",
     "norm": "norm",
     "cross_entropy": "loss",
     "float8": "fp8 cast/amax",

@@ -143,8 +143,8 @@ KERNELS = {
     "_sgd_kernel", "_adam_kernel", "_grad_stats_kernel", "_finalize_stats_kernel",
     "_grad_underflow_kernel", "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
     "_norm_fwd_kernel", "_norm_bwd_kernel", "_norm_param_grads_kernel", "_swiglu_fwd_kernel",
-    "_swiglu_bwd_kernel", "_rotary_kernel", "_cross_entropy_kernel", "_matmul_split_k_kernel",
-    "_split_k_reduce_kernel",
+    "_swiglu_bwd_kernel", "_rotary_kernel", "_rotary_tables_kernel", "_cross_entropy_kernel",
+    "_matmul_split_k_kernel", "_split_k_reduce_kernel",
 }  # fmt: skip
 
 

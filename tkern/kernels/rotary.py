@@ -254,3 +254,142 @@ def rotary_embedding_prechecked(
         ROWS=rows, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, num_warps=NUM_WARPS,
     )  # fmt: skip
     return q_out, k_out
+
+
+# --------------------------------------------------------------------------- cos / sin tables
+#
+# HF's rotary embedding modules (``LlamaRotaryEmbedding`` and its per-family twins) compute
+# ``freqs = position_ids[..., None].float() * inv_freq``, ``emb = cat(freqs, freqs)``,
+# ``cos = emb.cos() * attention_scaling`` (and sin), then ``.to(x.dtype)``: about ten torch
+# launches per step. Here one launch: each program takes ROWS (batch, seq) rows and the
+# HALF frequencies, computes the fp32 angle exactly as HF does (one fp32 product), its cos
+# and sin in fp32 times the scaling, rounds once, and writes each to both halves.
+
+#: (rows x half columns) per program of the tables kernel: large under the interpreter; on a
+#: GPU 1024 (4 warps x 32 threads x 8 angles, each with its cos and sin)
+TABLE_ELEMENTS = 65536 if INTERPRET else 1024
+#: dtypes of the tables' position ids
+POSITION_DTYPES = (torch.int32, torch.int64)
+#: pi / 2 in two fp64 parts (fdlibm's pio2_1, 33 bits, and pio2_1t): ``k * _PIO2_HI`` is exact
+#: for k < 2^20 (angles below 1.6e6 rad), so ``a - k pi/2`` keeps ~50 bits of the angle's
+#: remainder; beyond, it loses what fp64 rounds of k * pi/2 (2^-53 of the angle)
+_PIO2_HI: tl.constexpr = tl.constexpr(1.57079632673412561417e00)
+_PIO2_LO: tl.constexpr = tl.constexpr(6.07710050650619224932e-11)
+_TWO_OVER_PI: tl.constexpr = tl.constexpr(0.63661977236758134308)
+#: cephes' sinf / cosf minimax polynomials on [-pi/4, pi/4] (about an fp32 ulp): libdevice's
+#: precise sinf / cosf keep a Payne-Hanek reduction with a stack array (spilled on sm_90)
+_SIN_1: tl.constexpr = tl.constexpr(-1.6666654611e-1)
+_SIN_2: tl.constexpr = tl.constexpr(8.3321608736e-3)
+_SIN_3: tl.constexpr = tl.constexpr(-1.9515295891e-4)
+_COS_1: tl.constexpr = tl.constexpr(4.166664568298827e-2)
+_COS_2: tl.constexpr = tl.constexpr(-1.388731625493765e-3)
+_COS_3: tl.constexpr = tl.constexpr(2.443315711809948e-5)
+
+
+@triton.jit
+def _cos_sin(angle):
+    """(cos(angle), sin(angle)) of fp32 ``angle``, in fp32: the remainder of angle / (pi/2)
+    found in fp64 (the constants as fp64 tensors: a float literal would be fp32), then
+    cephes' polynomials on it, and the quadrant's signs and swap."""
+    a = angle.to(tl.float64)
+    k = tl.floor(a * tl.full([], _TWO_OVER_PI, tl.float64) + 0.5)
+    r = ((a - k * tl.full([], _PIO2_HI, tl.float64)) - k * tl.full([], _PIO2_LO, tl.float64)).to(tl.float32)
+    z = r * r
+    sin_r = r + r * z * (_SIN_1 + z * (_SIN_2 + z * _SIN_3))
+    cos_r = 1.0 - 0.5 * z + z * z * (_COS_1 + z * (_COS_2 + z * _COS_3))
+    q = k.to(tl.int64) & 3  # the quadrant: two's complement keeps it right for negative k
+    swap = (q & 1) == 1
+    cos = tl.where(swap, sin_r, cos_r)
+    sin = tl.where(swap, cos_r, sin_r)
+    cos = tl.where((q == 1) | (q == 2), -cos, cos)
+    sin = tl.where(q >= 2, -sin, sin)
+    return cos, sin
+
+
+@triton.jit
+def _rotary_tables_kernel(
+    inv_freq_ptr,  # (HALF,) fp32, stride s_f
+    pos_ptr,  # (B, S) int32/int64 position ids, strides (sp_b, sp_s)
+    cos_ptr,  # (B, S, 2 * HALF) output, DTYPE, contiguous
+    sin_ptr,  # (B, S, 2 * HALF) output, DTYPE, contiguous
+    rows,  # B * S
+    seq,  # S
+    s_f,
+    sp_b, sp_s,
+    scaling,  # fp32: HF's attention_scaling
+    HALF: tl.constexpr,  # inv_freq's length: the tables' last dim is 2 * HALF
+    DTYPE: tl.constexpr,  # the tables' dtype
+    ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # next_power_of_2(HALF)
+):  # fmt: skip
+    """cos, sin = cos(emb) * scaling, sin(emb) * scaling with emb = cat(freqs, freqs) and
+    freqs = position * inv_freq, all in fp32; one rounding to DTYPE on each store."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # int64: rows * 2 HALF may pass 2^31
+    row_ok = r < rows
+    b, s = r // seq, r % seq
+    pos = tl.load(pos_ptr + b * sp_b + s * sp_s, mask=row_ok, other=0).to(tl.float32)
+    c = tl.arange(0, BLOCK_HALF)
+    col_ok = c < HALF
+    inv_freq = tl.load(inv_freq_ptr + c * s_f, mask=col_ok, other=0.0)
+    angle = pos[:, None] * inv_freq[None, :]  # fp32, as HF's product rounds
+    cos, sin = _cos_sin(angle)
+    cos = cast_rne(cos * scaling, DTYPE)
+    sin = cast_rne(sin * scaling, DTYPE)
+    out = r[:, None] * (2 * HALF) + c[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(cos_ptr + out, cos, mask=mask)
+    tl.store(cos_ptr + out + HALF, cos, mask=mask)
+    tl.store(sin_ptr + out, sin, mask=mask)
+    tl.store(sin_ptr + out + HALF, sin, mask=mask)
+
+
+def _check_table_inputs(position_ids, inv_freq, attention_scaling, dtype) -> None:
+    """TypeError / ValueError naming the argument, before any launch."""
+    check_tensor("position_ids", position_ids, ndim=2, dtypes=POSITION_DTYPES)
+    check_tensor("inv_freq", inv_freq, ndim=1, dtypes=(torch.float32,))
+    if inv_freq.numel() == 0:
+        raise ValueError(f"inv_freq must have at least one frequency, got {_describe(inv_freq)}")
+    if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, (int, float)):
+        raise TypeError(f"attention_scaling must be a float, got {attention_scaling!r}")
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+    check_same_device(position_ids=position_ids, inv_freq=inv_freq)
+
+
+def rotary_tables(
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` as transformers' rotary embedding modules return them, in one launch.
+
+    ``emb = cat(freqs, freqs)`` with ``freqs = position_ids[..., None].float() * inv_freq``
+    (an fp32 product, as HF's); ``cos = cos(emb) * attention_scaling`` and ``sin`` alike,
+    computed in fp32 and rounded once to ``dtype``.
+
+    Args:
+        position_ids: (batch, seq) int32 / int64, any strides (a broadcast batch too).
+        inv_freq: (half,) fp32, the module's ``inv_freq`` buffer.
+        attention_scaling: the module's ``attention_scaling`` (1.0 but for yarn and kin).
+        dtype: the tables' dtype: fp16, bf16 or fp32 (HF's ``x.dtype``).
+
+    Returns:
+        ``(cos, sin)``: new contiguous (batch, seq, 2 * half) tensors of ``dtype``.
+    """
+    _check_table_inputs(position_ids, inv_freq, attention_scaling, dtype)
+    batch, seq = position_ids.shape
+    half = inv_freq.shape[0]
+    cos = torch.empty((batch, seq, 2 * half), dtype=dtype, device=position_ids.device)
+    sin = torch.empty((batch, seq, 2 * half), dtype=dtype, device=position_ids.device)
+    n_rows = batch * seq
+    if n_rows == 0:
+        return cos, sin
+    block_half = next_power_of_2(half)
+    rows = max(1, min(TABLE_ELEMENTS // block_half, next_power_of_2(n_rows)))
+    _rotary_tables_kernel[(cdiv(n_rows, rows),)](
+        inv_freq, position_ids, cos, sin, n_rows, seq, inv_freq.stride(0), *position_ids.stride(),
+        float(attention_scaling),
+        HALF=half, DTYPE=tl_dtype(dtype), ROWS=rows, BLOCK_HALF=block_half, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return cos, sin

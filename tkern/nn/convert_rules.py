@@ -22,6 +22,7 @@ from tkern.nn.loss import LinearCrossEntropy
 from tkern.nn.norm import LayerNorm, RMSNorm
 from tkern.nn.residual import FusedDecoderForward, route_decoder
 from tkern.nn.rotary import RotaryAttentionForward, route_rotary
+from tkern.nn.rotary_tables import RotaryTablesForward, route_rotary_tables
 from tkern.ops.float8 import float8_weight_cache
 
 __all__ = [
@@ -233,6 +234,21 @@ def _rotary_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     return False
 
 
+def _rotary_tables_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    """With ``fuse_activations``: a transformers rotary embedding of a family in
+    ``rotary_tables.ROTARY_TABLES_RULES`` computes its (cos, sin) on tkern's kernel, its
+    buffers untouched (fp32) and its input not cast; one whose rope type recomputes
+    ``inv_freq`` per call runs HF's forward in fp32 and is reported."""
+    if not conv.fuse_activations:
+        return False
+    routed, why = route_rotary_tables(module)
+    if why is not None:
+        conv.eager_rotary.setdefault((type(module), why), []).append(path or "the model")
+        run_in_fp32(module, conv.dtype)
+        return True
+    return routed
+
+
 def _castable_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     if not isinstance(module, CASTABLE_TYPES):
         return False
@@ -309,6 +325,7 @@ RULES: list[Rule] = [
     _fused_loss_rule,
     _rotary_rule,
     _keep_in_fp32_rule,
+    _rotary_tables_rule,
     _float8_linear_rule,
     _linear_rule,
     _conv1d_rule,
@@ -365,7 +382,13 @@ def remove_tkern_hooks(module: nn.Module) -> None:
     remove_cast_hooks(module)
     if isinstance(
         module.__dict__.get("forward"),
-        (FusedSequentialForward, FusedMLPForward, RotaryAttentionForward, FusedDecoderForward),
+        (
+            FusedSequentialForward,
+            FusedMLPForward,
+            RotaryAttentionForward,
+            RotaryTablesForward,
+            FusedDecoderForward,
+        ),
     ):
         del module.forward
     remove_float8_norm(module)

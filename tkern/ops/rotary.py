@@ -1,6 +1,8 @@
 """Rotary position embeddings, ``tkern.apply_rotary_pos_emb``: HF's function of that name
 (``rotate_half`` convention, partial rotary included), differentiable, on
-kernels/rotary.py (q and k in one launch, fp32 inside, one rounding).
+kernels/rotary.py (q and k in one launch, fp32 inside, one rounding); and
+:func:`rotary_tables`, the (cos, sin) tables HF's rotary embedding modules compute, in one
+launch (torch operations with the same math where traced).
 
 Two doors to the same kernel, as ops/swiglu.py has: eager calls go through a plain
 ``torch.autograd.Function``; ``torch.compile`` tracing, meta tensors and tensor subclasses
@@ -12,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
+from tkern.kernels import rotary as _kernels
 from tkern.kernels.rotary import rotary_embedding
 from tkern.ops.common import is_compiling
 
-__all__ = ["apply_rotary_pos_emb"]
+__all__ = ["apply_rotary_pos_emb", "rotary_tables"]
 
 
 def _eager(*tensors: torch.Tensor) -> bool:
@@ -178,3 +181,39 @@ def apply_rotary_pos_emb(
     if _eager(q, k, cos, sin):
         return _Rotary.apply(q, k, cos, sin, unsqueeze_dim)
     return _rotary_op(q, k, cos, sin, False, unsqueeze_dim)
+
+
+def _tables_by_torch(position_ids, inv_freq, attention_scaling, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's rotary embedding forward, as torch operations: the kernel's math (fp32 angles,
+    cos and sin times the scaling in fp32, one rounding to ``dtype``), for tracing."""
+    freqs = position_ids[..., None].float() * inv_freq.to(device=position_ids.device, dtype=torch.float32)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
+
+
+def rotary_tables(
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attention_scaling: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, as transformers' rotary embedding modules (``LlamaRotaryEmbedding``
+    and kin) compute them from their ``inv_freq`` and ``attention_scaling``: ``emb =
+    cat(freqs, freqs)`` with ``freqs = position_ids[..., None].float() * inv_freq`` (fp32),
+    ``cos(emb) * attention_scaling`` and ``sin(emb) * attention_scaling``, rounded once to
+    ``dtype``. One kernel launch (kernels.rotary.rotary_tables); under ``torch.compile``, on
+    meta tensors or tensor subclasses, torch operations with the same math. Not
+    differentiable (HF's tables reach no parameter).
+
+    Args:
+        position_ids: (batch, seq) int32 / int64.
+        inv_freq: (rotary_dim // 2,) fp32.
+        attention_scaling: the module's ``attention_scaling``.
+        dtype: the tables' dtype, fp16 / bf16 / fp32 (HF's: its input ``x``'s).
+
+    Returns:
+        ``(cos, sin)``: (batch, seq, rotary_dim) tensors of ``dtype``.
+    """
+    if _eager(position_ids, inv_freq):
+        return _kernels.rotary_tables(position_ids, inv_freq, attention_scaling, dtype)
+    return _tables_by_torch(position_ids, inv_freq, attention_scaling, dtype)
