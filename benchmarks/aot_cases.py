@@ -16,6 +16,7 @@ from aot_fp8_cases import (
 )
 from aot_gemm_cases import split_k_cases
 from aot_gemm_sweep import pointer_cases, tma_cases
+from aot_loss_cases import cross_entropy_cases
 from aot_rotary_cases import rotary_cases, rotary_table_cases
 from aot_targets import (
     _SIZE,
@@ -461,75 +462,6 @@ def fp8_planned(cc) -> bool:
     from tkern.kernels.float8 import fp8_refusal
 
     return fp8_refusal(spec_of(cc), "scaled_mm", (torch.float8_e4m3fn,)) is None
-
-
-# --------------------------------------------------------------------------- cross-entropy (issue 28)
-
-
-def cross_entropy_cases() -> list[Case]:
-    """The launches tkern.cross_entropy and linear_cross_entropy make on a GPU (one row per
-    program, ``block_v`` of a large vocabulary): cross_entropy's forward (loss and lse) and
-    backward (the gradient from lse, per-row coefficients), and the fused launch of
-    linear_cross_entropy (fp32 logits, 16-bit gradient) with every option on. A "rowwise"
-    family: its reductions across a row are not streaming accesses."""
-    from tkern.kernels import cross_entropy as ce
-
-    tl = _tl()
-    fn = ce._cross_entropy_kernel
-    block = ce.block_v(50257)  # GPT-2's vocabulary: the largest chunk
-    flags = ("HAS_WEIGHT", "SMOOTHING", "SOFTCAP", "COMPUTE_LSE", "WRITE_LOSS", "WRITE_GRAD")
-    flags += ("HAS_B", "HAS_Q")
-    passes = {"fwd": {"COMPUTE_LSE", "WRITE_LOSS"}, "bwd,z": {"WRITE_GRAD", "HAS_B"}}
-    options = {"": set(), "weight,smoothing,softcap": {"HAS_WEIGHT", "SMOOTHING", "SOFTCAP"}}
-    launches = [  # (name, logits dtype, grad dtype, flags on)
-        (
-            f"cross_entropy_{p.split(',')[0]}[{','.join(filter(None, (d, o, *p.split(',')[1:])))}]",
-            d,
-            d,
-            on | opt,
-        )
-        for d in ("fp16", "bf16", "fp32")
-        for p, on in passes.items()
-        for o, opt in options.items()
-    ]
-    fused = {"COMPUTE_LSE", "WRITE_LOSS", "WRITE_GRAD", "HAS_WEIGHT", "SMOOTHING", "HAS_Q"}
-    for grad in ("fp16", "bf16"):
-        launches.append((f"linear_cross_entropy[fp32->{grad},weight,smoothing,z]", "fp32", grad, fused))
-    cases = []
-    for name, dtype, grad, on in launches:
-        sig = {}
-        for arg in fn.arg_names:
-            if arg == "logits_ptr":
-                sig[arg] = _ptr(dtype)
-            elif arg == "grad_ptr":
-                sig[arg] = _ptr(grad)
-            elif arg == "target_ptr":
-                sig[arg] = "*i64"
-            elif arg.endswith("_ptr"):
-                sig[arg] = "*fp32"
-            elif arg in ("smoothing", "softcap"):
-                sig[arg] = "fp32"
-            elif arg.isupper() or arg in ("stride_lc", "stride_gc"):
-                sig[arg] = "constexpr"
-            else:
-                sig[arg] = "i32"
-        const = {f: f in on for f in flags}
-        const.update(stride_lc=1, stride_gc=1, ROWS=ce.rows_per_program(block), BLOCK_V=block)
-        const["GRAD_DTYPE"] = getattr(tl, _TL_NAME[grad])
-        cases.append(
-            Case(
-                name=name,
-                family="rowwise",
-                kernel="tkern.kernels.cross_entropy:_cross_entropy_kernel",
-                signature=sig,
-                constexprs=const,
-                aligned=tuple(k for k in sig if k.endswith("_ptr")),
-                num_warps=ce.num_warps(block),
-                num_stages=ce.NUM_STAGES,
-                light=light_dtype(grad) or not on & {"HAS_WEIGHT", "SMOOTHING"},  # elsewhere: every option on
-            )
-        )
-    return cases
 
 
 def all_cases(cc, full: bool = True) -> list[Case]:

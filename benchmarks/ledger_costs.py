@@ -234,6 +234,8 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
         return gemm_role(m, n, k, spec, backward), nbytes, 2 * m * n * k, a.dtype
     if name == "norm._norm_param_grads_kernel":
         return "norm", _param_grads_bytes(named), 0, torch.float32
+    if name == "cross_entropy._target_stats_kernel":
+        return "loss", _target_stats_bytes(named), 0, torch.float32
     nbytes, dtype = _streamed_bytes(named)
     if module == "cross_entropy" and "logits_ptr" in named:  # each pass over a row reads its logits again
         passes = bool(named.get("COMPUTE_LSE")) + bool(named.get("WRITE_GRAD"))
@@ -250,6 +252,16 @@ def _param_grads_bytes(named: dict) -> int:
     for out, has, acc in (("dw_ptr", "HAS_DW", "ACC_DW"), ("db_ptr", "HAS_DB", "ACC_DB")):
         if named.get(has):
             nbytes += 4 * p * n + n * _tensor(named[out]).element_size() * (2 if named.get(acc) else 1)
+    return nbytes
+
+
+def _target_stats_bytes(named: dict) -> int:
+    """The targets' check and the loss's scalars: the (N,) targets read, with class weights
+    one fp32 weight gathered per target (at most the (V,) weights), the 5 fp32 stats written."""
+    n = int(named["n_rows"])
+    nbytes = n * _tensor(named["target_ptr"]).element_size() + 5 * 4
+    if named.get("HAS_WEIGHT"):
+        nbytes += 4 * min(n, int(named["n_cols"]))
     return nbytes
 
 

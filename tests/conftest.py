@@ -143,7 +143,7 @@ def sum_tolerance(values: torch.Tensor, dim: int, out_dtype: torch.dtype) -> tor
     return tol
 
 
-SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy")
 
 
 @contextlib.contextmanager

@@ -144,7 +144,7 @@ KERNELS = {
     "_grad_underflow_kernel", "_activation_grad_kernel", "_update_scale_kernel", "_matmul_kernel",
     "_norm_fwd_kernel", "_norm_bwd_kernel", "_norm_param_grads_kernel", "_swiglu_fwd_kernel",
     "_swiglu_bwd_kernel", "_rotary_kernel", "_rotary_tables_kernel", "_cross_entropy_kernel",
-    "_matmul_split_k_kernel", "_split_k_reduce_kernel",
+    "_matmul_split_k_kernel", "_split_k_reduce_kernel", "_target_stats_kernel",
 }  # fmt: skip
 
 
@@ -523,6 +523,7 @@ def test_cross_entropy_kernel_compiles_without_spills(rows):
     assert {c.name for c in cases} >= {
         "cross_entropy_fwd[bf16]",
         "linear_cross_entropy[fp32->bf16,weight,smoothing,z]",
+        "cross_entropy_target_stats[i64,weight,mean]",
     }
     by = {(r["case"], r["target"]): r for r in rows}
     for cc in RUN:  # every option on in bf16 on every target; all where every variant is compiled

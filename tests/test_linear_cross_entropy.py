@@ -40,7 +40,7 @@ def _inputs(dtype, n=N, h=H, v=V, seed=0, bias_dtype=None):
 
 def _reference(x, w, b, target, grad_out=None, weight=None, z_loss=0.0, reduction="mean", softcap=None, **kw):
     """(loss, dx, dw, db) in float64: F.linear, the softcap, F.cross_entropy, the z-loss."""
-    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    leaves = [None if t is None else t.detach().double().requires_grad_() for t in (x, w, b)]
     logits = F.linear(*leaves)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
@@ -51,7 +51,7 @@ def _reference(x, w, b, target, grad_out=None, weight=None, z_loss=0.0, reductio
         z = z_loss * torch.logsumexp(logits, -1) ** 2 * valid
         loss = loss + {"none": z, "sum": z.sum(), "mean": z.sum() / valid.sum()}[reduction]
     loss.backward(torch.ones_like(loss) if grad_out is None else grad_out.double())
-    return loss.detach(), *(t.grad for t in leaves)
+    return loss.detach(), *(None if t is None else t.grad for t in leaves)
 
 
 def _run(x, w, b, target, grad_out=None, **kw):
@@ -108,11 +108,15 @@ def test_fp32_bias_with_half_input_and_leading_shape():
 
 def test_loss_scale_scales_every_gradient_exactly():
     # loss * S under a loss scaler: S a power of two multiplies every gradient exactly
+    # wherever the unscaled one is a normal fp16 number: the weight's and the bias's
+    # gradients are rounded once from their fp32 sums times S, so where the unscaled one
+    # is subnormal or 0 (|g| < 2^-14) the scaled one keeps the digits it loses
     x, w, b, target, _ = _inputs(torch.float16, n=24)
     _, *plain = _run(x, w, b, target)
     _, *scaled = _run(x, w, b, target, grad_out=torch.tensor(1024.0, device=DEVICE))
     for p, s in zip(plain, scaled, strict=True):
-        assert torch.equal(p.float() * 1024, s.float())
+        normal = p.abs() >= torch.finfo(torch.float16).tiny
+        assert normal.float().mean() > 0.5 and torch.equal((p.float() * 1024)[normal], s.float()[normal])
 
 
 def test_no_grad_computes_the_loss_only():
@@ -144,7 +148,8 @@ class _LargestAllocation(TorchDispatchMode):
 def test_never_materializes_the_logits(reduction):
     # 8 chunks of 4 rows over 512 classes: the largest tensor allowed is a chunk's fp32
     # logits (C * V * 4 bytes; also the fp32 (V, H) weight-gradient sum), 1/8 of the
-    # (N, V) fp32 logits; nothing the size of the logits is saved for backward.
+    # (N, V) fp32 logits; nothing the size of the logits is saved for backward (the largest
+    # saved: the weight gradient's fp32 (V, H) sum, kept from forward for backward's one launch).
     n, h, v, chunk = 32, 4, 512, 4
     x, w, b, target, _ = _inputs(torch.float16, n=n, h=h, v=v)
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
@@ -160,7 +165,7 @@ def test_never_materializes_the_logits(reduction):
         )
         loss.sum().backward()
     assert mode.largest <= max(chunk * v * 4, v * h * 4, n * h * 2) == n * v * 4 // 8, mode.largest
-    assert max(saved) <= v * h * 2, saved
+    assert max(saved) <= v * h * 4, saved
 
 
 def test_default_chunk_rows():
@@ -337,3 +342,63 @@ def test_no_host_sync_per_call(monkeypatch):
     assert calls == []
     ref = _reference(x, w, b, target, **kw)
     assert rel_err(out[0], ref[0]) <= LOSS_TOL and rel_err(out[2], ref[2]) <= TOL[torch.bfloat16]
+
+
+class _AtenLaunches(TorchDispatchMode):
+    """The aten ops that launch a kernel (not views, allocations or host reads), by name;
+    beside conftest's ``launches`` fixture, which runs Triton's launches with the modes off."""
+
+    FREE = {"empty", "empty_strided", "empty_like", "new_empty", "detach", "alias", "_local_scalar_dense"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if not func.is_view and name not in self.FREE:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+def test_the_loss_launches_nothing_around_its_kernels(launches, z_loss):
+    # issue 54: one launch checks the targets and makes the reduction's scalars, each chunk's
+    # launch writes its slice of the rows and lse (no cat), the weight's gradient leaves
+    # backward in one launch from its fp32 sum (no round trip through fp16): the aten ops
+    # left are the loss's sum times a (and the z-loss's terms) and backward's two products
+    x, w, _, target, _ = _inputs(torch.float16, n=40)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    grad = torch.tensor(1024.0, device=DEVICE)
+    with _AtenLaunches() as mode:
+        loss = tkern.linear_cross_entropy(xl, wl, target, chunk_size=16, z_loss=z_loss)
+        loss.backward(grad)
+    names = [n for n, _ in launches]
+    assert names.count("_target_stats_kernel") == 1 and names.count("_cross_entropy_kernel") == 3
+    z_ops = ["mul", "sum", "mul", "add"] if z_loss else []
+    assert mode.ops == ["sum", "mul", *z_ops, "mul", "mul"], mode.ops
+    ref = _reference(x, w, None, target, grad_out=grad, z_loss=z_loss)
+    assert rel_err(loss, ref[0]) <= LOSS_TOL
+    assert rel_err(xl.grad, ref[1]) <= TOL[torch.float16] and rel_err(wl.grad, ref[2]) <= TOL[torch.float16]
+
+
+def test_flat_weight_gradient_is_one_rounding_of_the_fp32_sum(monkeypatch):
+    # the weight's gradient added into the fused optimizer's flat view by one launch:
+    # view + gw32 * S in fp32, rounded once to fp16 -- against the float64 reference times
+    # S, within the fp32 sum's error and one fp16 rounding of each element (half an ulp)
+    from tkern.flat import grad_is_flat_view
+    from tkern.optim import FusedAdamW
+
+    x, _, _, target, _ = _inputs(torch.float16, n=48)
+    head = tkern.nn.LinearCrossEntropy(H, V, dtype=torch.float16, device=DEVICE)
+    opt = FusedAdamW(head.parameters(), lr=1e-3)  # kept alive: it owns the flat buffer
+    scale = 3.0  # not a power of two: the product itself rounds (in fp32)
+    for _ in range(2):
+        (head(x, target) * scale).backward()
+    assert grad_is_flat_view(head.weight) and opt.param_groups
+    ref = 2 * scale * _reference(x, head.weight, head.bias, target)[2]
+    got = head.weight.grad.double()
+    half_ulp = torch.finfo(torch.float16).eps / 2 * ref.abs() + torch.finfo(torch.float16).tiny
+    # per element: the second add's rounding (half an ulp of the sum) plus the first's
+    # (half an ulp of one share) plus the fp32 sums' error (H-term products, 2^-20 relative)
+    assert torch.all((got - ref).abs() <= 2 * half_ulp + 2.0**-20 * ref.abs().max())

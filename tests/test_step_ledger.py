@@ -212,7 +212,11 @@ def test_cross_entropy_kernel_is_charged_every_pass_over_its_logits(sl):
         ce.cross_entropy_forward(logits, target)  # pass 1 only
         ce.cross_entropy_forward(logits, target, grad=torch.empty_like(logits), a=a)  # both passes
         ce.cross_entropy_backward(logits, target, lse, a)  # pass 2 only
-    one, both, back = [x.bytes for x in rec.launches if x.name.startswith("triton.cross_entropy")]
+    kernel = [x.bytes for x in rec.launches if x.name == "triton.cross_entropy._cross_entropy_kernel"]
+    one, both, back = kernel
+    # the targets' check before each forward: the (n,) int64 targets read, 5 fp32 stats written
+    stats = [x.bytes for x in rec.launches if x.name == "triton.cross_entropy._target_stats_kernel"]
+    assert stats == [n * 8 + 20] * 2
     logits_bytes = n * v * 2
     assert logits_bytes < one < logits_bytes + 64 * n  # the logits once, a few bytes a row
     assert both - one >= 2 * logits_bytes  # read again and the gradient written

@@ -22,15 +22,19 @@ to a few ulp relative for every ``x / c`` (torch's own fp32 accuracy). A row who
 row is zeros. A target outside ``[0, V)`` gives a NaN loss (never an
 out-of-bounds read); :func:`check_targets` reports it first.
 
-Target check (:func:`check_targets`), one reduction over the targets and never a
-device-to-host sync: on the CPU (``HOST_CHECK_DEVICES``) a ``ValueError`` naming the
-first bad target, raised before the launch; on a GPU a device-side assert
-(``torch._assert_async``) queued before the launch, which fails the stream (a
+Target check (:func:`target_stats`, :func:`check_targets`): one launch of
+``_target_stats_kernel`` over the targets, which also gives the reduction's scalars (the
+non-ignored count, the mean's denominator, the gradient's coefficients), and never a
+device-to-host sync on a GPU: on the CPU (``HOST_CHECK_DEVICES``) a ``ValueError`` naming the
+first bad target, raised before the loss's launches; on a GPU a device-side assert
+(``torch._assert_async``) queued before them, which fails the stream (a
 device-side assert error at the next sync) instead of letting a wrong target
 train silently. The kernel's NaN is the backstop where the check is skipped.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -277,33 +281,156 @@ def _cross_entropy_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
+# --------------------------------------------------------------------------- the targets' check and scalars
+
+
+#: Targets one loop iteration of :func:`_target_stats_kernel` reads per lane block.
+STATS_BLOCK = 1024
+#: Warps of its one program (8 targets per thread per iteration).
+STATS_WARPS = 4
+#: Slots of the (5,) fp32 tensor :func:`target_stats` returns: 1 when every target is in
+#: range (0 otherwise), the non-ignored count, the mean's denominator, and the gradient
+#: coefficients ``a`` (of the loss terms) and ``q`` (of lse^2, a z-loss).
+STAT_OK, STAT_COUNT, STAT_DENOM, STAT_A, STAT_Q = range(5)
+N_STATS = 5
+
+
+@triton.jit
+def _reciprocal(x):
+    """``1 / x`` of an fp32 scalar, +inf at 0 as IEEE division gives, without dividing by
+    zero (the interpreter's numpy would warn)."""
+    return tl.where(x == 0.0, float("inf"), 1.0 / tl.where(x == 0.0, 1.0, x))
+
+
+@triton.jit
+def _target_stats_kernel(
+    target_ptr,  # (N,) int32/int64, contiguous
+    weight_ptr,  # (V,) fp32 class weights, contiguous (read when HAS_WEIGHT)
+    stats_ptr,  # (5,) fp32 out: ok flag, count, denominator, a, q (the STAT_* slots)
+    n_rows,  # N
+    n_cols,  # V
+    ignore_index,
+    z_loss,  # fp32: the z-loss's weight (0: q is 0)
+    HAS_WEIGHT: tl.constexpr,
+    MEAN: tl.constexpr,  # a = 1 / denominator, q = z_loss / count; else a = 1, q = z_loss
+    BLOCK: tl.constexpr,
+):
+    """One program over all the targets, in a fixed order (each lane sums its targets in
+    turn, then one tree over the lanes: the same result on every run): whether every
+    target is in ``[0, V)`` or ``ignore_index``, the non-ignored count (exact, int32), the
+    mean's denominator (the count, or the summed class weights of the non-ignored targets,
+    torch's weighted mean) and the coefficients of the loss's gradient. A mean over no rows
+    gives a = 1 / 0 = inf (and a nan loss, as torch)."""
+    offs0 = tl.arange(0, BLOCK)
+    bad = tl.zeros([BLOCK], tl.int32)
+    count = tl.zeros([BLOCK], tl.int32)
+    wsum = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_rows, BLOCK):
+        offs = start + offs0
+        t = tl.load(target_ptr + offs, mask=offs < n_rows, other=ignore_index).to(tl.int64)
+        live = t != ignore_index
+        in_range = (t >= 0) & (t < n_cols)
+        bad += (live & ~in_range).to(tl.int32)
+        count += live.to(tl.int32)
+        if HAS_WEIGHT:
+            take = live & in_range
+            wsum += tl.load(weight_ptr + tl.where(take, t, 0), mask=take, other=0.0)
+    n_live = tl.sum(count, axis=0).to(tl.float32)
+    if HAS_WEIGHT:
+        denom = tl.sum(wsum, axis=0)
+    else:
+        denom = n_live
+    if MEAN:  # as torch's 1.0 / denom and z_loss / count: a reciprocal, then a product
+        a = _reciprocal(denom)
+        rc = _reciprocal(n_live)
+        q = tl.where(n_live == 0.0, tl.where(z_loss == 0.0, float("nan"), float("inf")), rc * z_loss)
+    else:
+        a = 1.0
+        q = z_loss
+    tl.store(stats_ptr + 0, tl.where(tl.sum(bad, axis=0) == 0, 1.0, 0.0))
+    tl.store(stats_ptr + 1, n_live)
+    tl.store(stats_ptr + 2, denom)
+    tl.store(stats_ptr + 3, a)
+    tl.store(stats_ptr + 4, q)
+
+
 #: Devices whose targets :func:`check_targets` reads on the host (no device to wait
 #: for there); on any other device the check is a device-side assert (no sync).
 HOST_CHECK_DEVICES = ("cpu",)
 
 
-def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Check that every target is in ``[0, n_classes)`` or ``ignore_index``, without a
-    device-to-host sync: one reduction over the targets, then on a device of
-    ``HOST_CHECK_DEVICES`` a ``ValueError`` naming the first bad target, elsewhere
-    ``torch._assert_async`` (queued on the device: a failure surfaces as a
-    device-side assert at the next sync, with this message where the backend keeps it)."""
-    if not target.numel():
-        return
-    bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+def _range_message(n_classes: int, ignore_index: int) -> str:
+    return f"targets must be in [0, {n_classes}) or equal ignore_index ({ignore_index})"
+
+
+def target_stats(
+    target: torch.Tensor,
+    n_classes: int,
+    ignore_index: int,
+    weight: torch.Tensor | None = None,
+    *,
+    mean: bool = True,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """The target check and the reduction's scalars in one launch, never a device-to-host
+    sync on a GPU: a new (5,) fp32 tensor (slots ``STAT_*``: the ok flag, the non-ignored
+    count, the mean's denominator, ``a`` = 1 / denominator for ``mean`` else 1, ``q`` =
+    z_loss / count for ``mean`` else z_loss). Every target must be in ``[0, n_classes)``
+    or ``ignore_index``: on a device of ``HOST_CHECK_DEVICES`` (the host's memory) a
+    ``ValueError`` naming the first bad target, read there with numpy (no launch, nothing
+    to wait for), elsewhere ``torch._assert_async`` on the flag
+    (queued on the device: a failure surfaces as a device-side assert at the next sync,
+    with this message where the backend keeps it).
+
+    Args:
+        target: (N,) int64/int32 class indices (any strides: a copy where not contiguous).
+        n_classes: V, the classes (> 0).
+        ignore_index: the target of rows that count for nothing.
+        weight: optional (V,) fp32 class weights on the target's device (the denominator
+            is then the non-ignored targets' summed weights).
+        mean: the coefficients of a mean (else of a sum).
+        z_loss: finite, >= 0.
+    """
+    check_tensor("target", target, ndim=1, dtypes=TARGET_DTYPES)
+    if isinstance(n_classes, bool) or not isinstance(n_classes, int) or n_classes < 1:
+        raise ValueError(f"n_classes must be a positive int, got {n_classes!r}")
+    if target.numel() >= 2**31:
+        raise ValueError(f"target must have fewer than 2^31 elements, got {target.numel()}")
+    if weight is not None:
+        check_tensor("weight", weight, ndim=1, dtypes=(torch.float32,))
+        if weight.shape[0] != n_classes or not weight.is_contiguous():
+            raise ValueError(
+                f"weight must be a contiguous ({n_classes},) fp32 tensor, got shape {tuple(weight.shape)}"
+            )
+        check_same_device(target=target, weight=weight)
+    if not (z_loss >= 0.0 and math.isfinite(z_loss)):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    target = target.contiguous()
+    stats = torch.empty(N_STATS, dtype=torch.float32, device=target.device)
+    _target_stats_kernel[(1,)](
+        target, stats if weight is None else weight, stats, target.shape[0], n_classes, ignore_index,
+        float(z_loss), HAS_WEIGHT=weight is not None, MEAN=bool(mean), BLOCK=STATS_BLOCK, num_warps=STATS_WARPS,
+    )  # fmt: skip
     if target.device.type not in HOST_CHECK_DEVICES:
         torch._assert_async(
-            ~bad.any(),
-            f"tkern cross-entropy: a target is out of range: targets must be in [0, {n_classes}) "
-            f"or equal ignore_index ({ignore_index})",
+            stats[STAT_OK], f"tkern cross-entropy: a target is out of range: {_range_message(n_classes, ignore_index)}"
         )
-        return
-    if bool(bad.any()):
-        idx = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"target[{idx}] = {int(target[idx])} is out of range: targets must be in [0, {n_classes}) "
-            f"or equal ignore_index ({ignore_index})"
-        )
+    else:  # on the host, the targets read where they are (no launch; the flag is the device's)
+        t = target.detach().numpy()
+        bad = ((t < 0) | (t >= n_classes)) & (t != ignore_index)
+        if bad.any():
+            idx = int(bad.argmax())
+            raise ValueError(
+                f"target[{idx}] = {int(t[idx])} is out of range: {_range_message(n_classes, ignore_index)}"
+            )
+    return stats
+
+
+def check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Check that every target is in ``[0, n_classes)`` or ``ignore_index``, without a
+    device-to-host sync on a GPU: :func:`target_stats`'s one launch (nothing for no targets)."""
+    if target.numel():
+        target_stats(target.reshape(-1), n_classes, ignore_index)
 
 
 def _check_coef(name: str, c: torch.Tensor, n_rows: int) -> None:
@@ -405,6 +532,8 @@ def cross_entropy_forward(
     a: torch.Tensor | None = None,
     q: torch.Tensor | None = None,
     check_target: bool = True,
+    loss_out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss terms and logsumexp, in fp32, in one launch; with ``grad``,
     the gradient in the same launch.
@@ -424,10 +553,12 @@ def cross_entropy_forward(
             (1 / the mean's denominator times the upstream gradient, say).
         q: optional (N,) or (1,) fp32: the coefficients of lse^2 (a z-loss).
         check_target: run :func:`check_targets` (False where the caller checked).
+        loss_out, lse_out: optional (N,) contiguous fp32 tensors that receive the loss
+            terms and the lse (slices of the caller's (rows,) buffers, say), else new ones.
 
     Returns:
-        ``(loss, lse)``: two new (N,) fp32 tensors (0 on ignored rows; NaN loss for
-        a target out of range, which the check reports first).
+        ``(loss, lse)``: (N,) fp32 (``loss_out`` / ``lse_out`` where given; 0 on ignored
+        rows; NaN loss for a target out of range, which the check reports first).
     """
     check_cross_entropy_args(logits, target, weight, label_smoothing, softcap)
     n = logits.shape[0]
@@ -441,10 +572,16 @@ def cross_entropy_forward(
             if q.shape != a.shape:
                 raise ValueError(f"q must have a's shape {tuple(a.shape)}, got {tuple(q.shape)}")
         check_same_device(logits=logits, grad=grad, a=a, q=q)
+    for name, out in (("loss_out", loss_out), ("lse_out", lse_out)):
+        if out is not None:
+            check_tensor(name, out, ndim=1, dtypes=(torch.float32,))
+            if out.shape[0] != n or not out.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous ({n},) fp32 tensor, got shape {tuple(out.shape)}")
+            check_same_device(logits=logits, **{name: out})
     if check_target:
         check_targets(target, logits.shape[1], ignore_index)
-    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device) if lse_out is None else lse_out
     _launch(logits, target, weight, lse, loss, grad, a, None, q, ignore_index, label_smoothing, softcap, True)
     return loss, lse
 

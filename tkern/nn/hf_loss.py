@@ -416,8 +416,10 @@ class FusedCausalLMLoss:
         ignore_index = extra.get("ignore_index", IGNORE_INDEX)
         shift_labels = extra.get("shift_labels")
         if shift_labels is None:
-            # position i predicts label i + 1; the last position predicts nothing
-            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            # position i predicts label i + 1; the last position predicts nothing (the shifted
+            # labels padded: one launch, contiguous, where padding first and slicing made a
+            # strided view that reshape(-1) copied)
+            shift_labels = nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
         shift_labels = shift_labels.to(hidden.device)
         num_items = extra.get("num_items_in_batch")
         weight = head.weight

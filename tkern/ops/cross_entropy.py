@@ -31,7 +31,6 @@ from torch import Tensor
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
 from tkern.kernels.cross_entropy import (
     LOGIT_DTYPES,
-    check_targets,
     cross_entropy_backward,
     cross_entropy_forward,
 )
@@ -186,6 +185,7 @@ def _reduce(
     ignore_index: int,
     reduction: str,
     z_loss: float,
+    n_classes: int,
 ) -> torch.Tensor:
     """The loss from the per-row terms (lse is 0 on ignored rows, so the z-loss
     needs no mask): "none" per row, "sum", or "mean" (the terms over the mean's
@@ -195,7 +195,7 @@ def _reduce(
         return rows if zrows is None else rows + zrows
     if reduction == "sum":
         return rows.sum() if zrows is None else rows.sum() + zrows.sum()
-    denom, count = denominators(target, weight, ignore_index)
+    denom, count = denominators(target, weight, ignore_index, n_classes)
     loss = rows.sum() / denom
     return loss if zrows is None else loss + zrows.sum() / count
 
@@ -284,28 +284,43 @@ def cross_entropy(
     rows, lse = _rows_op(
         rows_logits, rows_target, w, ignore_index, float(label_smoothing), float(softcap or _NO_SOFTCAP)
     )
-    loss = _reduce(rows, lse, rows_target, w, ignore_index, reduction, z_loss)
+    loss = _reduce(rows, lse, rows_target, w, ignore_index, reduction, z_loss, rows_logits.shape[1])
     return loss.reshape(shape) if reduction == "none" else loss
 
 
 # --------------------------------------------------------------------------- linear_cross_entropy
 
 
-def _weight_grad(ctx, gw: Tensor | None, scale: Tensor | None) -> Tensor | None:
-    """The weight's gradient ``gw * scale`` (``gw`` alone for None) as backward returns
-    it: written (or added) into the weight's view in a fused optimizer's flat gradient
-    buffer where :func:`common.flat_wgrad` allows it (the view handed to autograd, no
-    fresh tensor and no second add), else a new tensor."""
-    if gw is None:
+def _weight_grad(ctx, gw32: Tensor | None, scale: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The weight's gradient ``gw32 * scale`` (``gw32`` alone for None) from its fp32 sum, in
+    ``dtype`` (the weight's), as backward returns it, in one launch rounding once from fp32:
+    written (or added: ``view + gw32 * scale`` in fp32, then rounded) into the weight's view
+    in a fused optimizer's flat gradient buffer where :func:`common.flat_wgrad` allows it
+    (the view handed to autograd, no fresh tensor and no second add), else a new tensor.
+    The product is in fp32: a loss scaler's 2^16 is no fp16 number (it rounds to inf)."""
+    if gw32 is None:
         return None
-    target = common.flat_wgrad(ctx, gw.dtype)
+    target = common.flat_wgrad(ctx, dtype)
     if target is None:
-        return gw if scale is None else (gw * scale).to(gw.dtype)
+        return _scaled32(gw32, scale, dtype)
     _, view, accumulate = target
-    if scale is not None:  # in fp32: a loss scaler's 2^16 is no fp16 number (it rounds to inf)
-        gw = gw.float().mul_(scale)
-    view.add_(gw) if accumulate else view.copy_(gw)
+    if scale is None:
+        view.add_(gw32) if accumulate else view.copy_(gw32)
+    elif accumulate:
+        view.addcmul_(gw32, scale)
+    else:
+        torch.mul(gw32, scale, out=view)
     return common.hand_over(target)
+
+
+def _scaled32(t32: Tensor | None, scale: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t32 * scale`` (``t32`` for None) computed in fp32 and rounded once to ``dtype``:
+    one launch into a new tensor."""
+    if t32 is None:
+        return None
+    if scale is None:
+        return t32.to(dtype)
+    return torch.mul(t32, scale, out=torch.empty(t32.shape, dtype=dtype, device=t32.device))
 
 
 def _scaled(t: Tensor | None, g: Tensor) -> Tensor | None:
@@ -323,24 +338,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # needs_input_grad says True under no_grad too: grad_mode (the caller's) decides
         needs = ctx.needs_input_grad[:3] if grad_mode else NO_GRADS
         ch = ChunkedLoss(x, w, b, target, weight, opts)
-        ctx.opts = opts
-        loss, lse, gx, gw, gb = fused_forward(ch, needs)
+        ctx.opts, ctx.dtypes = opts, (w.dtype, None if b is None else b.dtype)
+        # The weight's and the bias's gradients stay fp32 sums until backward, always (not
+        # only where the flat-buffer path will apply: that is decided in backward, from the
+        # graph then): 4 V H bytes held between forward and backward instead of the rounded
+        # copy's 2 V H, but no 6 V H peak while forward rounds, and backward makes the
+        # gradient in one launch rounding once from fp32 (not a round trip through fp16).
+        loss, lse, gx, gw32, gb32 = fused_forward(ch, needs, round_grads=False)
         if opts.reduction == "none":
             ctx.save_for_backward(x, w, b, target, weight, lse)
         else:
-            ctx.save_for_backward(gx, gw, gb)
+            ctx.save_for_backward(gx, gw32, gb32)
         return loss
 
     @staticmethod
     def backward(ctx, grad_out):
         g = grad_out.to(torch.float32)
+        w_dtype, b_dtype = ctx.dtypes
         if ctx.opts.reduction != "none":
-            gx, gw, gb = ctx.saved_tensors
-            return _scaled(gx, g), _weight_grad(ctx, gw, g), _scaled(gb, g), None, None, None, None
+            gx, gw32, gb32 = ctx.saved_tensors
+            gw, gb = _weight_grad(ctx, gw32, g, w_dtype), _scaled32(gb32, g, b_dtype)
+            return _scaled(gx, g), gw, gb, None, None, None, None
         x, w, b, target, weight, lse = ctx.saved_tensors
         ch = ChunkedLoss(x, w, b, target, weight, ctx.opts)
-        gx, gw, gb = recompute_grads(ch, lse, g, ctx.needs_input_grad[:3])
-        return gx, _weight_grad(ctx, gw, None), gb, None, None, None, None
+        gx, gw32, gb32 = recompute_grads(ch, lse, g, ctx.needs_input_grad[:3], round_grads=False)
+        gw, gb = _weight_grad(ctx, gw32, None, w_dtype), _scaled32(gb32, None, b_dtype)
+        return gx, gw, gb, None, None, None, None
 
 
 # the traced door: custom ops with fake implementations (torch.compile, meta tensors)
@@ -371,14 +394,15 @@ def _lce_op(
     needs_w: bool,
     needs_b: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`loss_chunks.fused_forward`: ``(loss, lse, gx, gW, gb)``, a gradient not asked
-    for (or for "none") an empty tensor; the targets are checked here, in the op's body."""
-    check_targets(target, w.shape[0], ignore_index)
+    """:func:`loss_chunks.fused_forward`: ``(loss, lse, gx, gW, gb)``, gW and gb their fp32
+    sums (rounded in backward, as the eager door's), a gradient not asked
+    for (or for "none") an empty tensor; the targets are checked here, in the op's body
+    (fused_forward's first launch)."""
     ch = ChunkedLoss(
         x, w, b, target, weight, _opts(ignore_index, smoothing, softcap, z_loss, reduction, chunk)
     )
-    loss, lse, gx, gw, gb = fused_forward(ch, (needs_x, needs_w, needs_b))
-    return loss, lse, _or_empty(gx, x), _or_empty(gw, w), _or_empty(gb, x)
+    loss, lse, gx, gw32, gb32 = fused_forward(ch, (needs_x, needs_w, needs_b), round_grads=False)
+    return loss, lse, _or_empty(gx, x), _or_empty(gw32, w), _or_empty(gb32, x)
 
 
 @_lce_op.register_fake
@@ -386,8 +410,8 @@ def _(x, w, b, target, weight, ignore_index, smoothing, softcap, z_loss, reducti
     n, grads = x.shape[0], reduction != "none"
     loss = x.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     gx = torch.empty_like(x) if grads and nx else x.new_empty(0)
-    gw = torch.empty_like(w) if grads and nw else w.new_empty(0)
-    gb = torch.empty_like(b) if grads and nb and b is not None else x.new_empty(0)
+    gw = torch.empty_like(w, dtype=torch.float32) if grads and nw else w.new_empty(0)
+    gb = torch.empty_like(b, dtype=torch.float32) if grads and nb and b is not None else x.new_empty(0)
     return loss, x.new_empty(n, dtype=torch.float32), gx, gw, gb
 
 
@@ -425,6 +449,7 @@ def _(x, w, b, target, weight, lse, grad_out, ignore_index, smoothing, softcap, 
 def _lce_setup_context(ctx, inputs, output):
     x, w, b, target, weight, *options = inputs
     ctx.options, ctx.has_bias = options, b is not None
+    ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
     if options[4] == "none":
         ctx.save_for_backward(x, w, b, target, weight, output[1])
     else:
@@ -436,10 +461,9 @@ def _lce_backward(ctx, grad_loss, _grad_lse, *_grads):
     ignore_index, smoothing, softcap, z_loss, reduction, chunk = ctx.options[:6]
     if reduction != "none":
         g = grad_loss.to(torch.float32)
-        grads = [
-            None if not need else (t * g).to(t.dtype)
-            for t, need in zip(ctx.saved_tensors, needs, strict=True)
-        ]
+        gx, gw32, gb32 = (t if need else None for t, need in zip(ctx.saved_tensors, needs, strict=True))
+        grads = [_scaled(gx, g), _scaled32(gw32, g, ctx.dtypes[1])]
+        grads.append(_scaled32(gb32, g, ctx.dtypes[2]) if ctx.has_bias else None)
     else:
         x, w, b, target, weight, lse = ctx.saved_tensors
         args = (ignore_index, smoothing, softcap, z_loss, chunk, *needs)
@@ -550,8 +574,7 @@ def linear_cross_entropy(
         reduction,
         chunk,
     )
-    if type(input) is torch.Tensor and not input.is_meta and not is_compiling():
-        check_targets(t, v, ignore_index)
+    if type(input) is torch.Tensor and not input.is_meta and not is_compiling():  # targets checked in forward
         loss = _LinearCrossEntropy.apply(x2d, linear_weight, linear_bias, t, w, opts, torch.is_grad_enabled())
     else:
         loss = _linear_cross_entropy_op(x2d, linear_weight, linear_bias, t, w, opts)

@@ -21,8 +21,17 @@ import torch
 from torch import Tensor
 
 from tkern.kernels._common import HALF_DTYPES
-from tkern.kernels.cross_entropy import cross_entropy_backward, cross_entropy_forward
+from tkern.kernels.cross_entropy import (
+    STAT_A,
+    STAT_COUNT,
+    STAT_DENOM,
+    STAT_Q,
+    cross_entropy_backward,
+    cross_entropy_forward,
+    target_stats,
+)
 from tkern.kernels.gemm import matmul_prechecked
+from tkern.ops.common import is_compiling
 
 __all__ = [
     "MIN_CHUNK_ROWS",
@@ -81,16 +90,22 @@ def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
     return max(1, min(rows, 1 << max(n_rows - 1, 0).bit_length()))
 
 
-def denominators(target: Tensor, weight: Tensor | None, ignore_index: int) -> tuple[Tensor, Tensor]:
+def denominators(target: Tensor, weight: Tensor | None, ignore_index: int, n_classes: int) -> tuple[Tensor, Tensor]:
     """``(the mean's denominator, the non-ignored count)`` as fp32 0-d device
-    tensors (no host sync): the summed class weights of the non-ignored targets
-    (torch's weighted mean) or their count, and the count (the z-loss's mean)."""
-    valid = target != ignore_index
-    count = valid.sum(dtype=torch.float32)
-    if weight is None:
-        return count, count
-    safe = torch.where(valid, target, 0).long()
-    return (weight[safe] * valid).sum(), count
+    tensors (no host sync; the targets checked in the same launch,
+    :func:`kernels.cross_entropy.target_stats`): the summed class weights of the
+    non-ignored targets (torch's weighted mean) or their count, and the count (the
+    z-loss's mean). Traced (torch.compile, meta tensors), torch's ops on the same
+    formula instead: a Triton launch outside a custom op would break the graph, and the
+    compiler fuses these."""
+    if is_compiling() or target.is_meta:
+        valid = target != ignore_index
+        count = valid.sum(dtype=torch.float32)
+        if weight is None:
+            return count, count
+        return (weight[torch.where(valid, target, 0).long()] * valid).sum(), count
+    stats = target_stats(target, n_classes, ignore_index, weight)
+    return stats[STAT_DENOM], stats[STAT_COUNT]
 
 
 def _mm_into(a: Tensor, b: Tensor, bias: Tensor | None, out: Tensor, accumulate: bool) -> None:
@@ -165,10 +180,12 @@ class ChunkedLoss:
         the gradients of ``sum_i a * loss_i + q * lse_i^2`` (a, q: (1,) fp32 device tensors)."""
         o, want = self.opts, any(needs)
         gx, gw32, gb32 = self.grad_outputs(needs)
-        rows, lses = [], []
+        n = self.x.shape[0]  # each chunk's launch writes its slice of the (N,) rows and lse
+        rows = torch.empty(n, dtype=torch.float32, device=self.x.device)
+        lses = torch.empty(n, dtype=torch.float32, device=self.x.device)
         for i, (s, e) in enumerate(self.spans()):
             grad = self.grad_buffer(e - s) if want else None
-            loss, lse = cross_entropy_forward(
+            cross_entropy_forward(
                 self.logits_of(s, e),
                 self.target[s:e],
                 self.weight,
@@ -179,13 +196,12 @@ class ChunkedLoss:
                 a=a if want else None,
                 q=q if want else None,
                 check_target=False,
+                loss_out=rows[s:e],
+                lse_out=lses[s:e],
             )
-            rows.append(loss)
-            lses.append(lse)
             if want:
                 self.backprop(grad, s, e, gx, gw32, gb32, i == 0)
-        empty = self.x.new_empty(0, dtype=torch.float32)
-        return torch.cat(rows) if rows else empty, torch.cat(lses) if lses else empty, gx, gw32, gb32
+        return rows, lses, gx, gw32, gb32
 
     def recompute_pass(
         self, lse: Tensor, grad_rows: Tensor, grad_lse: Tensor | None, needs: tuple[bool, ...]
@@ -211,31 +227,39 @@ class ChunkedLoss:
         return gx, gw32, gb32
 
 
-def fused_forward(ch: ChunkedLoss, needs: tuple[bool, ...]):
+def fused_forward(ch: ChunkedLoss, needs: tuple[bool, ...], round_grads: bool = True):
     """``(loss, lse, gx, gW, gb)``: the loss (0-d for "mean"/"sum", per row for "none"),
     the rows' logsumexp and, for "mean"/"sum" with ``needs`` (x, W, b), the loss's
-    gradients (gW and gb rounded once from their fp32 sums, in W's and b's dtypes);
-    None for a gradient not computed."""
-    o, x = ch.opts, ch.x
+    gradients (gW and gb rounded once from their fp32 sums into W's and b's dtypes, or
+    with ``round_grads=False`` those fp32 sums themselves); None for a gradient not
+    computed. The targets are checked first, in the launch that gives the reduction's
+    scalars (:func:`target_stats`)."""
+    o = ch.opts
+    stats = target_stats(
+        ch.target, ch.w.shape[0], o.ignore_index, ch.weight, mean=o.reduction == "mean", z_loss=o.z_loss
+    )
     if o.reduction == "none":
         rows, lse, *_ = ch.forward_pass(None, None, NO_GRADS)
         return (rows + o.z_loss * lse * lse if o.z_loss else rows), lse, None, None, None
-    denom, count = denominators(ch.target, ch.weight, o.ignore_index)
-    if o.reduction == "mean":
-        a, q = (1.0 / denom).reshape(1), (o.z_loss / count).reshape(1)
-    else:
-        a, q = torch.ones(1, device=x.device), torch.full((1,), o.z_loss, device=x.device)
+    a, q = stats[STAT_A : STAT_A + 1], stats[STAT_Q : STAT_Q + 1]  # (1,) views, no launch
     rows, lse, gx, gw32, gb32 = ch.forward_pass(a, q if o.z_loss else None, needs)
     loss = (rows.sum() * a[0]).reshape(())
     if o.z_loss:
         loss = loss + (lse * lse).sum() * q[0]
+    if not round_grads:
+        return loss, lse, gx, gw32, gb32
     return loss, lse, gx, _cast(gw32, ch.w), _cast(gb32, ch.b)
 
 
-def recompute_grads(ch: ChunkedLoss, lse: Tensor, grad_out: Tensor, needs: tuple[bool, ...]):
+def recompute_grads(
+    ch: ChunkedLoss, lse: Tensor, grad_out: Tensor, needs: tuple[bool, ...], round_grads: bool = True
+):
     """``reduction="none"``'s ``(gx, gW, gb)`` for the per-row upstream gradient ``grad_out``
-    (gW and gb rounded once from their fp32 sums; None for a gradient not asked for)."""
+    (gW and gb rounded once from their fp32 sums, or those sums with ``round_grads=False``;
+    None for a gradient not asked for)."""
     g = grad_out.to(torch.float32).contiguous()
     glse = (2.0 * ch.opts.z_loss) * lse * g if ch.opts.z_loss else None
     gx, gw32, gb32 = ch.recompute_pass(lse, g, glse, needs)
+    if not round_grads:
+        return gx, gw32, gb32
     return gx, _cast(gw32, ch.w), _cast(gb32, ch.b)
