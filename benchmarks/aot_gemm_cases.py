@@ -147,6 +147,9 @@ class GemmLaunch:
     # C column-major (``stride_cm`` 1): dW written through the transposed flat view of a weight
     # stored (in, out), GPT-2's Conv1D (ops.common.flat_wgrad)
     out_t: bool = False
+    # the gate's activation code: the up GEMM of a gated unit storing up beside the gate at
+    # preact_ptr and C = h = act(gate) * up (``GLU_FWD``, gemm.matmul_glu_prechecked)
+    glu_fwd: int = 0
 
     @property
     def label(self) -> str:
@@ -157,6 +160,7 @@ class GemmLaunch:
         grad = f",dZ=dY*{activation_names()[self.grad_act]}'(Z)" if self.grad_act else ""
         grad = grad.replace("'(Z)", "'(G)*U,dU") if self.glu else grad
         grad += ",+residual" if self.residual else ""
+        grad += f",H={activation_names()[self.glu_fwd]}(G)*U" if self.glu_fwd else ""
         into = (",C^T" if self.out_t else "") + (",C+=" if self.accumulate else "")
         return label + self.prologue_label + into + grad
 
@@ -275,6 +279,15 @@ DGRAD_EPILOGUE_LAUNCHES = (
 #: reading gate and up and writing both gradients), SwiGLU's (SiLU) with down's (hidden,
 #: intermediate) weight row-major as dgrad reads it.
 GLU_DGRAD_LAUNCHES = (GemmLaunch("bf16", "bf16", layout="NN", grad_act=3, glu=True),)
+#: The gated unit's forward in the up GEMM's epilogue (``GLU_FWD``, ops/mlp.py's linear_glu_linear:
+#: up stored beside the gate, the gate read, h = act(gate) * up stored), ``x @ W_up^T`` with
+#: nn.Linear's weight read in place: SwiGLU's (SiLU) without a bias (Llama's) and with one, on
+#: every config; GeGLU's tanh-GELU with a bias on the first.
+GLU_FWD_LAUNCHES = (
+    GemmLaunch("bf16", "bf16", layout="NT", glu_fwd=3),
+    GemmLaunch("bf16", "bf16", "bf16", layout="NT", glu_fwd=3),
+    GemmLaunch("bf16", "bf16", "bf16", layout="NT", glu_fwd=4),
+)
 #: The residual stream's add in the block's last GEMM (``ADD_RESIDUAL``: GPT-2's c_proj with
 #: its bias, Llama's down_proj without), the forward with ``nn.Linear``'s weight read in place.
 RESIDUAL_LAUNCHES = (GemmLaunch("bf16", "bf16", "bf16", layout="NT", residual=True),)
@@ -319,7 +332,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
     """``_matmul_kernel`` under ``cfg`` as the launcher specialises it for ``v``."""
     tl = _tl()
     kw = cfg.kwargs
-    sig = _gemm_sig(v.dtype, v.out, v.bias, v.preact, sum_dtype=v.sum_a)
+    sig = _gemm_sig(v.dtype, v.out, v.bias, v.preact or bool(v.glu_fwd), sum_dtype=v.sum_a)
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]),
@@ -327,6 +340,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
         A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
         PRECISE_ACC=False, GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, ADD_SUM=v.add_sum,
+        GLU_FWD=v.glu_fwd,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -355,17 +369,22 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
     kw = cfg.kwargs
     a_t, b_t = v.layout[0] == "T", v.layout[1] == "T"
     sig = _gemm_sig(
-        v.dtype, v.out, v.bias, v.preact, tma=(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], a_t, b_t)
+        v.dtype,
+        v.out,
+        v.bias,
+        v.preact or bool(v.glu_fwd),
+        tma=(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], a_t, b_t),
     )
     # the TMA-store epilogue where the launcher takes it: C row-major with aligned rows
     # (not ragged) and no pre-activation stored beside it (gemm_tma.launch_tma)
-    c_tma = not v.preact and not v.ragged and not v.grad_act and not v.residual and not v.out_t
+    c_tma = not (v.preact or v.ragged or v.grad_act or v.residual or v.out_t or v.glu_fwd)
     c_unit, c_rows = _c_strides(v.out_t)
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
         A_T=a_t, B_T=b_t, NUM_SMS=132, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma,
-        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, **kw, **{c_unit: 1},
+        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, GLU_FWD=v.glu_fwd, **kw,
+        **{c_unit: 1},
     )  # fmt: skip
     if c_tma:
         from tkern.kernels.gemm_epilogue import epilogue_parts

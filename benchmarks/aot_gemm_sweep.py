@@ -20,6 +20,7 @@ from aot_gemm_cases import (
     DGRAD_EPILOGUE_LAUNCHES,
     FORWARD_HEAVIEST,
     GLU_DGRAD_LAUNCHES,
+    GLU_FWD_LAUNCHES,
     RESIDUAL_LAUNCHES,
     TMA_CONV1D_WGRAD_INTO,
     TMA_RAGGED_GATE_LAUNCHES,
@@ -43,7 +44,7 @@ def _code(name: str) -> int:
 
 def offered(cc, cfg, v: GemmLaunch, tma: bool = False) -> bool:
     """Whether tkern's autotuner offers ``cfg`` to launch ``v`` on target ``cc``."""
-    act = v.act or v.grad_act  # an epilogue's act' is pruned as an activation is
+    act = v.act or v.grad_act or v.glu_fwd  # an epilogue's act' (or act(gate)) is pruned as an activation is
     rules = dict(tma=tma, ragged=v.ragged, activation=act, prologue=v.a_act, sum_a=v.sum_a is not None)
     rules.update(accumulate=v.accumulate, store_preact=v.preact, out_bytes=_SIZE[v.out])
     configs = gemm_configs_for(cc, **rules)
@@ -100,6 +101,14 @@ def dgrad_epilogue_launches(cc, cfg, tma: bool = False) -> tuple[list, list]:
     return heaviest, [v for v in (*DGRAD_EPILOGUE_LAUNCHES, *RESIDUAL_LAUNCHES) if v not in heaviest]
 
 
+def glu_forward_launches(cc, cfg, tma: bool = False) -> tuple[list, list]:
+    """The gated unit's forward in the up GEMM (:data:`GLU_FWD_LAUNCHES`: one tile read and two
+    stored) as (heaviest, others) for ``cfg``: SwiGLU's with and without a bias where the
+    autotuner offers ``cfg`` to them; GeGLU's on the first config."""
+    heaviest = [v for v in GLU_FWD_LAUNCHES[:2] if offered(cc, cfg, v, tma)]
+    return heaviest, [v for v in GLU_FWD_LAUNCHES[2:] if offered(cc, cfg, v, tma)]
+
+
 #: The forwards of :data:`FORWARD_HEAVIEST` that set a pointer-kernel config's spill bound
 #: (bf16 out with a bias, fp32 out without one; the other two on the first config): with GELU
 #: they reach the most registers of the four, or within 2-24 of it far from the limit (sm_90,
@@ -120,7 +129,7 @@ def pointer_heaviest(cc, cfg, ragged: bool = False, public: bool = False) -> lis
         for v in _first_offered(cc, cfg, _replace([f, _replace([f], act=relu)[0]], ragged=ragged))
     ]
     backward = _replace(BACKWARD, ragged=True) if ragged else []
-    dact = [] if ragged else dgrad_epilogue_launches(cc, cfg)[0]
+    dact = [] if ragged else [*dgrad_epilogue_launches(cc, cfg)[0], *glu_forward_launches(cc, cfg)[0]]
     return [*forward, *backward, *prologue_launches(cc, cfg, ragged, public)[0], *dact]
 
 
@@ -137,7 +146,7 @@ def pointer_others(cc, cfg, ragged: bool = False) -> list[GemmLaunch]:
     ]
     for act in ("silu", "gelu_tanh"):
         forward += _replace(FORWARD_HEAVIEST, act=_code(act), ragged=ragged)
-    dact = [] if ragged else dgrad_epilogue_launches(cc, cfg)[1]
+    dact = [] if ragged else [*dgrad_epilogue_launches(cc, cfg)[1], *glu_forward_launches(cc, cfg)[1]]
     conv1d = [] if ragged else [v for v in CONV1D_WGRAD_INTO if offered(cc, cfg, v)]
     return [*forward, *prologue_launches(cc, cfg, ragged)[1], *dact, *conv1d]
 
@@ -149,7 +158,8 @@ def tma_heaviest(cc, cfg) -> list[GemmLaunch]:
     epilogue), the dgrad epilogue's heaviest act'."""
     forward = [v for v in FORWARD_HEAVIEST if v.bias is None and offered(cc, cfg, v, tma=True)]
     into = _first_offered(cc, cfg, [TMA_WGRAD_INTO], tma=True)  # C's old tile staged: where it fits
-    return [*forward, *into, *dgrad_epilogue_launches(cc, cfg, tma=True)[0]]
+    glu = glu_forward_launches(cc, cfg, tma=True)[0]
+    return [*forward, *into, *dgrad_epilogue_launches(cc, cfg, tma=True)[0], *glu]
 
 
 def tma_others(cc, cfg) -> list[GemmLaunch]:
@@ -161,7 +171,7 @@ def tma_others(cc, cfg) -> list[GemmLaunch]:
     bias = [v for v in FORWARD_HEAVIEST if v.bias is not None and offered(cc, cfg, v, tma=True)]
     layout = dataclasses.replace(FORWARD_HEAVIEST[0], layout="TN")  # it changes the loads, not the epilogue
     conv1d = [v for v in TMA_CONV1D_WGRAD_INTO if offered(cc, cfg, v, tma=True)]
-    dact = dgrad_epilogue_launches(cc, cfg, tma=True)[1]
+    dact = [*dgrad_epilogue_launches(cc, cfg, tma=True)[1], *glu_forward_launches(cc, cfg, tma=True)[1]]
     return [*bias, *TMA_STORE_GATE_LAUNCHES, *acts, layout, *dact, *conv1d]
 
 

@@ -223,6 +223,8 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
         if named.get("GRAD_ACT"):  # the dgrad epilogue reads Z; a gated unit's reads gate and up
             glu = 2 if named.get("GRAD_GLU") else 1  # ... and writes d(up) beside d(gate)
             nbytes += m * n * (glu * named["preact_ptr"].element_size() + (glu - 1) * c.element_size())
+        if named.get("GLU_FWD"):  # a gated unit's forward in up's GEMM (C is h): gate read, up written
+            nbytes += 2 * m * n * named["preact_ptr"].element_size()
         if named.get("A_ACT"):
             nbytes += m * k * named["z_ptr"].element_size()
         if named.get("STORE_A"):

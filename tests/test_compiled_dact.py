@@ -11,7 +11,9 @@ aot_gemm_cases.DGRAD_EPILOGUE_LAUNCHES, compiled in the gate's rows (aot_gemm_sw
 gated unit's (``GRAD_GLU``: down's dgrad reading gate and up and writing both gradients,
 aot_gemm_cases.GLU_DGRAD_LAUNCHES) is compiled on the same configs as the heaviest act', and
 the residual stream's add in the block's last GEMM (``ADD_RESIDUAL``, RESIDUAL_LAUNCHES) on
-the first config of each kernel.
+the first config of each kernel. The gated unit's forward in the up GEMM (``GLU_FWD``: up
+stored beside the gate, the gate read, h stored; GLU_FWD_LAUNCHES) is SwiGLU's on the same
+configs as GRAD_GLU, with and without a bias, and GeGLU's on the first.
 Compiled mode only (``TRITON_INTERPRET=0``), as tests/test_compiled.py::
 
     TRITON_INTERPRET=0 python -m pytest -m compiled tests/test_compiled_dact.py
@@ -30,6 +32,8 @@ pytestmark = test_compiled.pytestmark
 DACT = ",dZ=dY*"
 #: The residual add's (ADD_RESIDUAL) case labels
 RESIDUAL = ",+residual"
+#: The gated unit's forward's (GLU_FWD) case labels
+GLU_FWD = "(G)*U]"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,7 @@ def rows() -> list[dict]:
 
 
 def test_dgrad_epilogue_variants_compile_without_spills(rows):
-    dact = [r for r in rows if DACT in r["case"] or RESIDUAL in r["case"]]
+    dact = [r for r in rows if DACT in r["case"] or RESIDUAL in r["case"] or GLU_FWD in r["case"]]
     assert {r["target"] for r in dact} == set(RUN)
     for r in dact:
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"
@@ -60,7 +64,8 @@ def test_every_offered_config_takes_the_heaviest_dgrad_epilogue(rows):
                 candidates = static_report.DGRAD_EPILOGUE_LAUNCHES[:2]
                 heaviest = [v for v in candidates if static_report.offered(cc, cfg, v, tma)][:1]
                 assert heaviest and (case(cfg, heaviest[0]).name, cc) in compiled, (cc, kind, cfg)
-                for v in static_report.GLU_DGRAD_LAUNCHES:  # the gated unit's, on every config too
+                # the gated unit's backward and SwiGLU's forward, on every config too
+                for v in (*static_report.GLU_DGRAD_LAUNCHES, *static_report.GLU_FWD_LAUNCHES[:2]):
                     if static_report.offered(cc, cfg, v, tma):
                         assert (case(cfg, v).name, cc) in compiled, (cc, kind, cfg, v.label)
             if every_config(cc):
@@ -69,3 +74,7 @@ def test_every_offered_config_takes_the_heaviest_dgrad_epilogue(rows):
                     assert any(n.endswith(v.label + "]") for n in names), (cc, v)
             for v in static_report.RESIDUAL_LAUNCHES if every_variant(cc) else ():  # first config
                 assert (case(configs[0], v).name, cc) in compiled, (cc, kind, v.label)
+            if every_config(cc):  # GeGLU's forward on the first config offered to it
+                v = static_report.GLU_FWD_LAUNCHES[2]
+                first = next(c for c in configs if static_report.offered(cc, c, v, tma))
+                assert (case(first, v).name, cc) in compiled, (cc, kind, v.label)

@@ -244,6 +244,26 @@ def test_dgrad_epilogues_are_charged_what_they_read_and_write(sl):
     assert glu == plain + 2 * 3 * m * n  # gate and up read, d(up) written beside d(gate)
 
 
+def test_the_up_gemm_with_the_gated_unit_is_charged_gate_read_and_h_written(sl):
+    """The up GEMM whose epilogue computes h = act(gate) * up (gemm.matmul_glu_prechecked)
+    writes up and h and reads the stored gate beside its operands (and its bias)."""
+    import ledger_record
+
+    from tkern.kernels import gemm
+
+    rec = ledger_record._Recorder(sl.MODELS["gpt2-tiny"], False)
+    rec.on = True
+    m, k, n = 64, 32, 48
+    x, w = torch.empty(m, k, dtype=torch.float16), torch.empty(k, n, dtype=torch.float16)
+    bias = torch.empty(n, dtype=torch.float16)
+    with ledger_record.recorded_launches(rec):
+        tkern.matmul(x, w)
+        gemm.matmul_glu_prechecked(x, w, bias, torch.empty(m, 2 * n, dtype=torch.float16), "silu")
+    plain, glu = [x.bytes for x in rec.launches if x.name.startswith("triton.gemm")]
+    assert plain == 2 * (m * k + k * n + m * n)
+    assert glu == plain + 2 * n + 2 * 2 * m * n  # the bias, gate read, up written beside h
+
+
 def test_norm_parameter_gradients_are_charged_their_partials_and_gradients(sl):
     """The norm's dweight / dbias reduction (one launch for both) reads the backward's (P, N)
     fp32 partials for each output and writes the (N,) gradient, or reads and writes it where

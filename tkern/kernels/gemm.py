@@ -69,6 +69,7 @@ from tkern.kernels.gemm_epilogue import (
     epilogue,
     epilogue_emit,
     epilogue_meta,
+    read_meta,
     refuse_e5m2_pair,
     tile_coords,
 )
@@ -225,7 +226,7 @@ def _matmul_tile(
 
 #: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
 _AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT",
-                 "GRAD_ACT", "GRAD_GLU", "ADD_RESIDUAL"]  # fmt: skip
+                 "GRAD_ACT", "GRAD_GLU", "ADD_RESIDUAL", "GLU_FWD"]  # fmt: skip
 
 
 @gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
@@ -292,6 +293,7 @@ def _matmul_kernel(
     GRAD_ACT: tl.constexpr = 0,  # activation code: C = (A' @ B) * act'(Z), Z at preact_ptr (0: off)
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (epilogue's GRAD_GLU)
     ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added (epilogue's ADD_RESIDUAL)
+    GLU_FWD: tl.constexpr = 0,  # activation code: up stored into [gate | up] at preact_ptr, C = act(gate)*up
 ):
     """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
     accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
@@ -303,7 +305,8 @@ def _matmul_kernel(
     (``pid_n == 0``, each of A's row bands has exactly one) store the A' tiles they
     built and their row sums (dbias): no atomics, every row written once. The epilogue's
     ``GRAD_ACT`` serves the layer before: ``dZ = (dY @ W) * act'(Z)`` (matmul_grad_act),
-    and with ``GRAD_GLU`` a gated unit's d(gate) and d(up) (matmul_grad_glu)."""
+    and with ``GRAD_GLU`` a gated unit's d(gate) and d(up) (matmul_grad_glu); ``GLU_FWD`` a
+    gated unit's forward in its up GEMM (matmul_glu: up stored, C = act(gate) * up)."""
     acc, pid_m, pid_n = _matmul_tile(
         a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a_ptr, scale_b_ptr,
         stride_sam, stride_sak, stride_sbk, stride_sbn, block_am, block_ak, block_bk, block_bn, z_ptr,
@@ -313,7 +316,7 @@ def _matmul_kernel(
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-        ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL,
+        ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD,
     )  # fmt: skip
 
 
@@ -695,9 +698,7 @@ def _kernel_meta(
         "A_T": a_t, "B_T": b_t, "SCALE_A": scales.kind_a, "SCALE_B": scales.kind_b,
         "PRECISE_ACC": scales.precise_acc,
         **prologue.meta(),  # A_ACT is in the autotune key: passed even when off
-        "GRAD_ACT": ACTIVATIONS[None if read is None else read.activation],  # in the key too
-        "GRAD_GLU": read is not None and read.glu,
-        "ADD_RESIDUAL": read is not None and read.residual,
+        **read_meta(read),  # GRAD_ACT and GLU_FWD are in the key too: passed even when off
     }  # fmt: skip
 
 
@@ -733,7 +734,7 @@ def _launch(
            prologue.a_out is not None,
            None if prologue.a_sum is None else (prologue.a_sum.dtype, prologue.add_sum),
            None if into is None else sc, accumulate, scales.precise_acc,
-           None if read is None else (read.activation, read.glu, read.residual))  # fmt: skip
+           None if read is None else (read.activation, *read[2:]))  # fmt: skip
     accumulate = into is not None and accumulate
     if scales is NO_SCALES:
         kernel = _matmul_accumulate_kernel if accumulate else _matmul_kernel
@@ -1039,6 +1040,34 @@ def matmul_grad_glu_prechecked(
     d = torch.empty(M, 2 * N, dtype=a.dtype, device=a.device)
     _launch_reading(a, b, EpilogueRead(activation, gate_up[:, :N], glu=True), d[:, :N])
     return d
+
+
+def matmul_glu_prechecked(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gate_up: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """The up GEMM of a gated unit ``h = act(gate) * up`` whose gate GEMM ran first, for a caller
+    that checked its arguments (``tkern.ops.mlp``'s forward): ``up = a @ b + bias`` accumulated
+    in fp32, rounded once and stored into ``gate_up[:, N:]``; in the same epilogue the stored
+    ``gate_up[:, :N]`` read and ``h = act(gate) * up`` computed in fp32 from the two 16-bit
+    values and rounded once: bit for bit what ``swiglu.swiglu_forward`` makes of the stored gate
+    and up, without its pass over them (the epilogue's ``GLU_FWD``). On the pointer kernel or,
+    where the plan says so, the TMA kernel; never split-K.
+
+    Args:
+        a: (M, K) fp16 or bf16, any strides (x); b: (K, N), ``a``'s dtype, any strides (W_up^T,
+            read in place). bias: optional (N,), ``a``'s dtype or fp32 (up's).
+        gate_up: (M, 2N) contiguous, ``a``'s dtype, gate in columns ``[0, N)``; up is written
+            into ``[N, 2N)``.
+        activation: the gate's activation (``"silu"``: SwiGLU; ``"gelu_tanh"``, ``"gelu"``,
+            ``"relu"``).
+
+    Returns:
+        A new contiguous (M, N) tensor of ``a``'s dtype: ``h``.
+    """
+    M, N = a.shape[0], b.shape[1]
+    h = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    _launch_reading(a, b, EpilogueRead(activation, gate_up, glu_forward=True), h, bias)
+    return h
 
 
 def matmul_tma_persistent(

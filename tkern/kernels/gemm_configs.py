@@ -610,8 +610,9 @@ def gemm_autotune(configs: list[triton.Config], key: list[str], tma: bool = Fals
     def prune(configs, nargs, **kwargs):
         ragged = tma_output_ragged(nargs) if tma else _ragged_args(nargs)
         meta = {**nargs, **kwargs}
-        # an epilogue's act' (GRAD_ACT) holds Z's tile and act's temporaries as an activation does
-        activation = meta.get("ACTIVATION", 0) or meta.get("GRAD_ACT", 0)
+        # an epilogue's act' (GRAD_ACT) holds Z's tile and act's temporaries as an activation does,
+        # and so does a gated unit's act(gate) (GLU_FWD)
+        activation = meta.get("ACTIVATION", 0) or meta.get("GRAD_ACT", 0) or meta.get("GLU_FWD", 0)
         prologue = meta.get("A_ACT", 0)
         a = nargs.get("a_ptr", nargs.get("a_desc"))
         a = getattr(a, "base", a)  # a tensor descriptor's tensor

@@ -44,12 +44,16 @@ class EpilogueRead(NamedTuple):
     whose act'(z) multiplies the product (the kernels' ``GRAD_ACT``: ``activation``, a name);
     with ``glu``, ``z`` and C the left halves of (M, 2N) tensors (gate | up, d(gate) | d(up):
     ``GRAD_GLU``); with ``residual`` (``activation`` None) added to the result before its one
-    rounding (``ADD_RESIDUAL``: the residual stream's add in the layer's GEMM)."""
+    rounding (``ADD_RESIDUAL``: the residual stream's add in the layer's GEMM). With
+    ``glu_forward`` (``GLU_FWD``, ``activation`` the gate's) ``z`` is a contiguous (M, 2N)
+    ``[gate | up]`` and C a contiguous (M, N) ``h``: the product is ``up``, stored into ``z``'s
+    right half, and ``h = act(gate) * up`` into C (rows of ``z`` twice C's row stride apart)."""
 
     activation: str | None
     z: torch.Tensor
     glu: bool = False
     residual: bool = False
+    glu_forward: bool = False
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -113,12 +117,14 @@ def _epilogue_part(
     GRAD_ACT: tl.constexpr = 0,
     GRAD_GLU: tl.constexpr = False,
     ADD_RESIDUAL: tl.constexpr = False,
+    GLU_FWD: tl.constexpr = 0,
 ):
     """Bias, optional pre-activation store, the product with act'(Z) of the Z read at
     ``preact_ptr`` (GRAD_ACT; with GRAD_GLU the gated unit's two gradients, see
-    :func:`epilogue`), activation, C's old value (ACCUMULATE) or the residual read at
-    ``preact_ptr`` (ADD_RESIDUAL) added, and one masked cast-and-store on WIDTH columns
-    of the fp32 tile.
+    :func:`epilogue`), the gated unit's forward (GLU_FWD: the product is ``up``, stored at
+    ``preact_ptr``'s right half, and C gets ``act(gate) * up``), activation, C's old value
+    (ACCUMULATE) or the residual read at ``preact_ptr`` (ADD_RESIDUAL) added, and one masked
+    cast-and-store on WIDTH columns of the fp32 tile.
     Returns ``(stored, cols, mask)``: the values stored (OUT_DTYPE), their columns and
     mask (:func:`epilogue_emit` casts them to fp8; :func:`epilogue` drops them)."""
     cols = col0 + tl.arange(0, WIDTH)
@@ -127,7 +133,10 @@ def _epilogue_part(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
-    preact_ptrs = preact_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    stride_zm = stride_cm
+    if GLU_FWD != 0:  # [gate | up] (M, 2N) beside h (M, N): its rows twice h's apart
+        stride_zm = 2 * stride_cm
+    preact_ptrs = preact_ptr + rows[:, None] * stride_zm + cols[None, :] * stride_cn
     if STORE_PREACT:
         tl.store(preact_ptrs, cast_rne(acc, PREACT_DTYPE), mask=mask_c)
     if GRAD_GLU:  # dH = dY @ W of h = act(gate) * up: gate at preact_ptr, up N columns right of it
@@ -136,6 +145,11 @@ def _epilogue_part(
         d_up_ptrs = c_ptr + rows[:, None] * stride_cm + (cols + N)[None, :] * stride_cn
         tl.store(d_up_ptrs, cast_rne(acc * apply_activation(g, GRAD_ACT), OUT_DTYPE), mask=mask_c)
         acc = activation_grad_f32(acc * u, g, GRAD_ACT)  # d(gate), stored below
+    elif GLU_FWD != 0:  # h = act(gate) * up of the stored gate and the rounded up: swiglu.py's formula
+        up = cast_rne(acc, PREACT_DTYPE)
+        tl.store(preact_ptrs + N * stride_cn, up, mask=mask_c)
+        g = tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
+        acc = apply_activation(g, GLU_FWD) * up.to(tl.float32)  # h, stored below
     elif GRAD_ACT != 0:  # dZ = (dY @ W) * act'(Z) on the unrounded fp32 product: one rounding
         z = tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
         acc = activation_grad_f32(acc, z, GRAD_ACT)
@@ -177,6 +191,7 @@ def epilogue(
     GRAD_ACT: tl.constexpr = 0,  # an ACTIVATIONS code: the result times act'(Z), Z at preact_ptr
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: the gated unit's d(gate) and d(up) (see below)
     ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added to the result
+    GLU_FWD: tl.constexpr = 0,  # an ACTIVATIONS code: C = act(gate) * up, up stored beside gate (below)
 ):
     """Bias, activation and one cast, on the fp32 accumulator; masked stores.
     With ``ACCUMULATE`` the store adds the result to what C holds (the wgrad
@@ -203,17 +218,25 @@ def epilogue(
 
     With ``ADD_RESIDUAL`` the tensor at ``preact_ptr`` (C's strides: the residual stream) is
     added to the result in fp32 before the one rounding, the pre-norm block's ``y = h +
-    layer(x)`` (as ACCUMULATE adds C's old value; sliced as it is)."""
+    layer(x)`` (as ACCUMULATE adds C's old value; sliced as it is).
+
+    With ``GLU_FWD`` (an activation code: the up GEMM of a gated unit ``h = act(gate) * up``
+    whose gate GEMM ran first) the tile (+ bias) is ``up``: ``preact_ptr`` is the contiguous
+    (M, 2N) ``[gate | up]`` (rows ``2 * stride_cm`` apart) and C the contiguous (M, N) ``h``;
+    ``up`` is rounded and stored N columns right of ``gate``, the stored 16-bit ``gate`` read,
+    and ``h = act(gate) * up`` computed in fp32 from the two 16-bit values (kernels/swiglu.py's
+    forward: bit for bit its ``h``) and rounded once into C; sliced as GRAD_GLU is."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    SLICED: tl.constexpr = ((TRANSCENDENTAL_BITS >> ACTIVATION) | (TRANSCENDENTAL_BITS >> GRAD_ACT)) & 1
-    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or SLICED or GRAD_GLU or ADD_RESIDUAL else 1
+    BITS: tl.constexpr = TRANSCENDENTAL_BITS
+    SLICED: tl.constexpr = ((BITS >> ACTIVATION) | (BITS >> GRAD_ACT) | (BITS >> GLU_FWD)) & 1
+    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or SLICED or GRAD_GLU or ADD_RESIDUAL or GLU_FWD else 1
     WIDTH: tl.constexpr = BLOCK_N // PARTS
     slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
     for i in tl.static_range(PARTS):
         _epilogue_part(
             slices[i], rows, pid_n * BLOCK_N + i * WIDTH, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm,
             stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
-            ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL,
+            ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD,
         )  # fmt: skip
 
 
@@ -400,6 +423,21 @@ def bias_stride(bias: torch.Tensor | None) -> int:
     expanded (stride-0) bias is read in place; 1 (contiguous) is the common case,
     which Triton specialises to a vectorised load."""
     return 1 if bias is None else bias.stride(0)
+
+
+def read_meta(read: EpilogueRead | None) -> dict:
+    """The constexpr arguments both GEMM kernels take for what their epilogue reads (``read``,
+    None: nothing): ``GRAD_ACT`` (an activation code), ``GRAD_GLU``, ``ADD_RESIDUAL``, and
+    ``GLU_FWD`` (the gate's activation code); every one passed, off or not (autotune keys)."""
+    if read is None:
+        return {"GRAD_ACT": 0, "GRAD_GLU": False, "ADD_RESIDUAL": False, "GLU_FWD": 0}
+    code = ACTIVATIONS[read.activation]
+    return {
+        "GRAD_ACT": 0 if read.glu_forward else code,
+        "GRAD_GLU": read.glu,
+        "ADD_RESIDUAL": read.residual,
+        "GLU_FWD": code if read.glu_forward else 0,
+    }
 
 
 def epilogue_meta(dtype, bias, activation, out_dtype, preact, accumulate=False) -> dict:

@@ -15,9 +15,15 @@ import triton.language as tl
 
 from tkern import device as tkdev
 from tkern.kernels._common import INTERPRET
-from tkern.kernels.activation import ACTIVATIONS
 from tkern.kernels.gemm_configs import gemm_autotune, tma_configs
-from tkern.kernels.gemm_epilogue import bias_stride, epilogue, epilogue_meta, epilogue_tma, tile_coords
+from tkern.kernels.gemm_epilogue import (
+    bias_stride,
+    epilogue,
+    epilogue_meta,
+    epilogue_tma,
+    read_meta,
+    tile_coords,
+)
 
 #: Tensor descriptors need 16-byte aligned base addresses and strides.
 TMA_ALIGN_BYTES = 16
@@ -38,6 +44,7 @@ _AUTOTUNE_KEY = [
     "GRAD_ACT",
     "GRAD_GLU",
     "ADD_RESIDUAL",
+    "GLU_FWD",
 ]
 
 
@@ -80,6 +87,7 @@ def _matmul_tma_kernel(
     GRAD_ACT: tl.constexpr = 0,  # C = (A @ B) * act'(Z), Z at preact_ptr (the pointer epilogue)
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (the pointer epilogue)
     ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added (epilogue's ADD_RESIDUAL)
+    GLU_FWD: tl.constexpr = 0,  # activation code: C = act(gate) * up, up stored (epilogue's GLU_FWD)
 ):
     """C = act(A @ B + bias) (or C += A @ B), fp32 accumulation, persistent (one program per SM
     walks the tiles) with A and B fetched by the tensor memory accelerator
@@ -113,7 +121,7 @@ def _matmul_tma_kernel(
             epilogue(
                 acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
                 HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-                ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL,
+                ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD,
             )  # fmt: skip
 
 
@@ -174,8 +182,9 @@ def launch_tma(
     activation) or the result written into it, returned. ``read``: a
     ``gemm_epilogue.EpilogueRead``, ``(a @ b) * act'(z)`` for an (M, N) ``z`` with C's
     strides, a gated unit's two gradients (no bias, activation or preact; C new or
-    ``into``, not accumulated), or ``z`` added to ``act(a @ b + bias)`` (``residual``),
-    through the pointer epilogue, which reads Z beside C."""
+    ``into``, not accumulated), ``z`` added to ``act(a @ b + bias)`` (``residual``), or a
+    gated unit's forward (``glu_forward``: up, ``a @ b + bias``, stored into ``z``'s right
+    half, ``act(gate) * up`` into C), through the pointer epilogue, which reads Z beside C."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a_t, b_t = layouts[0] == "col", layouts[1] == "col"
@@ -200,7 +209,7 @@ def launch_tma(
     def grid(meta):
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
-    grad_code, z = (0, preact) if read is None else (ACTIVATIONS[read.activation], read.z)
+    z = preact if read is None else read.z
     kernel[grid](
         a_desc, b_desc, c_desc, c, bias if bias is not None else c, z if z is not None else c,
         M, N, K, c.stride(0), c.stride(1), bias_stride(bias),
@@ -209,8 +218,6 @@ def launch_tma(
         B_T=b_t,
         NUM_SMS=num_sms,
         C_TMA=c_tma,
-        GRAD_ACT=grad_code,
-        GRAD_GLU=read is not None and read.glu,
-        ADD_RESIDUAL=read is not None and read.residual,
+        **read_meta(read),
     )  # fmt: skip
     return c

@@ -12,8 +12,10 @@ wgrad read dZ as plain operands (no prologue). The same Parameters as two
 
 :func:`linear_glu_linear` does the same for a gated MLP ``y = (act(x @ Wg^T + bg) *
 (x @ Wu^T + bu)) @ Wd^T + bd``: gate and up are written side by side into one (M, 2N)
-buffer (two GEMMs, or one over a packed ``gate_up`` weight), the gated unit reads its
-halves, and in backward down's dgrad epilogue (``gemm.matmul_grad_glu``) writes
+buffer (two GEMMs, or one over a packed ``gate_up`` weight); with two, up's GEMM computes
+the gated unit ``h`` in its epilogue from the gate the first stored
+(``gemm.matmul_glu_prechecked``: no pass over gate and up), with the packed weight a
+gated-unit pass reads the halves; in backward down's dgrad epilogue (``gemm.matmul_grad_glu``) writes
 ``[d(gate) | d(up)]`` from the unrounded fp32 dH, so no gated-unit backward pass runs;
 ``dX = d(gate) @ Wg + d(up) @ Wu`` is the second GEMM adding into the first's output (one
 rounding of the fp32 sum), not a torch add of two (M, K) gradients.
@@ -35,6 +37,7 @@ from tkern.kernels.activation import GRAD_FROM_OUTPUT
 from tkern.kernels.gemm import (
     linear_prechecked,
     linear_residual_prechecked,
+    matmul_glu_prechecked,
     matmul_grad_act_prechecked,
     matmul_grad_glu_prechecked,
     matmul_prechecked,
@@ -199,12 +202,12 @@ class _LinearGLULinear(torch.autograd.Function):
         x2d = x if x.dim() == 2 else as_2d(x, w_gate.shape[1])
         n = w_down.shape[1]
         gate_up = torch.empty(x2d.shape[0], 2 * n, dtype=x.dtype, device=x.device)
-        if w_up is None:  # one GEMM over the packed weight
+        if w_up is None:  # one GEMM over the packed weight, then the gated unit's pass
             matmul_prechecked(x2d, w_gate.t(), b_gate, None, x.dtype, None, gate_up, False)
-        else:  # gate and up side by side: each GEMM writes its half
+            h = swiglu_forward_prechecked(gate_up[:, :n], gate_up[:, n:], activation)
+        else:  # gate's GEMM writes its half; up's writes the other and h in its epilogue
             matmul_prechecked(x2d, w_gate.t(), b_gate, None, x.dtype, None, gate_up[:, :n], False)
-            matmul_prechecked(x2d, w_up.t(), b_up, None, x.dtype, None, gate_up[:, n:], False)
-        h = swiglu_forward_prechecked(gate_up[:, :n], gate_up[:, n:], activation)
+            h = matmul_glu_prechecked(x2d, w_up.t(), b_up, gate_up, activation)
         y = _second_layer(h, w_down, b_down, residual)
         ctx.activation = activation
         ctx.slots = common.next_function_slots(x, w_gate, b_gate, w_up, b_up, w_down, b_down)
