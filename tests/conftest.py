@@ -244,3 +244,12 @@ class AddsOver(TorchDispatchMode):
         if func.overloadpacket in (torch.ops.aten.add, torch.ops.aten.add_) and out.numel() == self.numel:
             self.seen += 1
         return out
+
+
+def loss_and_grads(model, ids):
+    """A causal LM's loss on ``ids`` (its own labels) and a copy of every parameter's gradient
+    by name, from fresh gradients (the copies survive a fused optimizer's buffer being zeroed)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.float().backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}

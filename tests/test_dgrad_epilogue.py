@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, AddsOver, rel_err
+from conftest import DEVICE, TOL, AddsOver, loss_and_grads, rel_err
 
 import tkern
 from tkern.kernels import gemm
@@ -107,13 +107,6 @@ def _gpt2(activation="gelu_new"):
     return transformers.GPT2LMHeadModel(config).to(DEVICE)
 
 
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.float().backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def _act_launches(seen):
     """What applies act' in a backward: the pass, prologues, and the dgrad epilogue."""
     passes = sum(name == "_activation_grad_kernel" for name, _ in seen)
@@ -126,18 +119,18 @@ def test_converted_gpt2_backward_applies_act_grad_in_c_proj_dgrad(launches, monk
     dtype = torch.float16
     model = _gpt2()
     ids = torch.randint(0, 64, (2, 8), device=DEVICE, generator=torch.Generator().manual_seed(0))
-    ref_loss, ref = _loss_and_grads(model, ids)  # fp32, HF's own modules
+    ref_loss, ref = loss_and_grads(model, ids)  # fp32, HF's own modules
     convert_network(model, dtype)
     params = dict(model.named_parameters())
     # a hook on the block keeps its residual add a torch add on both paths (fusion.mlp_with_residual
     # puts it in c_proj's epilogue only on the fused one): the two forwards are the same GEMMs
     model.transformer.h[0].mlp.register_forward_hook(lambda module, args, out: None)
     monkeypatch.setattr(fusion, "DGRAD_EPILOGUE", False)
-    old_loss, old = _loss_and_grads(model, ids)  # the previous path: act' after c_proj's dgrad
+    old_loss, old = loss_and_grads(model, ids)  # the previous path: act' after c_proj's dgrad
     assert _act_launches(launches)[:2] == (1, 0)  # GELU's gradient: a pass of its own
     monkeypatch.setattr(fusion, "DGRAD_EPILOGUE", True)
     launches.clear()
-    loss, grads = _loss_and_grads(model, ids)
+    loss, grads = loss_and_grads(model, ids)
     assert _act_launches(launches) == (0, 0, [ACTIVATIONS["gelu_tanh"]])  # c_proj's dgrad only
     assert torch.equal(loss, old_loss)  # the same forward GEMMs
     assert rel_err(loss, ref_loss) < TOL[dtype]

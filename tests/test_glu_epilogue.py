@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, loss_and_grads
 
 from tkern.kernels import gemm, swiglu
 from tkern.kernels.activation import ACTIVATIONS
@@ -107,20 +107,13 @@ def _llama():
     return transformers.LlamaForCausalLM(config).to(DEVICE)
 
 
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.float().backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.filterwarnings("ignore:.*rotary_emb.*")
 def test_converted_llama_loss_and_gradients_are_the_unfused_paths(monkeypatch):
     model = convert_network(_llama(), torch.bfloat16)
     ids = torch.randint(0, 64, (2, 8), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
-    loss, grads = _loss_and_grads(model, ids)
+    loss, grads = loss_and_grads(model, ids)
     monkeypatch.setattr(ops_mlp, "matmul_glu_prechecked", _unfused)  # the previous forward
-    old_loss, old = _loss_and_grads(model, ids)
+    old_loss, old = loss_and_grads(model, ids)
     assert torch.equal(loss, old_loss)
     for name, g in grads.items():
         assert torch.equal(g, old[name]), name
