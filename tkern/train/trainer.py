@@ -196,23 +196,25 @@ class Trainer(GraphMixin, EpochMixin, CheckpointMixin):
         """Zero the gradients, forward and scaled backward of every micro-batch, then
         the scaler's (or the optimizer's) step and update; the mean loss."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        total = torch.zeros((), device=self.device)
+        total = None
         k = len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self._activations.measure(self.model) if measure and i == 0 else nullcontext():
-                loss = self.loss_fn(self._forward(x).float(), y) / k
+                loss = self.loss_fn(self._forward(x).float(), y)
+                if k > 1:  # one micro-batch: no division forward and backward (two launches)
+                    loss = loss / k
             # a sharded optimizer reduces the gradients once, after the last micro-batch
             no_sync = getattr(self.optimizer, "no_sync", None)
             with no_sync() if no_sync is not None and i < k - 1 else nullcontext():
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        return total
+        return torch.zeros((), device=self.device) if total is None else total
 
     @torch.no_grad()
     def evaluate(self, loader: Iterable) -> dict[str, float]:
