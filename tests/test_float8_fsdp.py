@@ -1,4 +1,5 @@
-"""fp8 all-gather of Float8Linear weights under FSDP2 (issue 36 item 6), on 2 gloo ranks.
+"""fp8 all-gather of Float8Linear weights under FSDP2 (issue 36 item 6), and the mxfp8
+recipe under FSDP2 with bf16 all-gathers (issue 53), on 2 gloo ranks.
 
 Every scenario builds two copies of one tiny bf16 model of Float8Linear layers, both
 ``fully_shard``-ed per layer: the fp8 all-gather one (``Float8Recipe(
@@ -14,6 +15,7 @@ the collective FSDP2's all-gather calls: the input tensor's bytes on each rank.
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -186,7 +188,85 @@ def _scenario_conv1d(rank, world):
     return out
 
 
-SCENARIOS = {"equal": _scenario_equal, "train": _scenario_train, "conv1d": _scenario_conv1d}
+# ------------------------------------------------- the mxfp8 recipe under FSDP2 (issue 53)
+# "FSDP2 as the other recipes", the weights all-gathered in bf16: each rank holds a model of
+# Float8Linear(recipe="mxfp8") layers fully_shard-ed per layer and its whole twin. FSDP2
+# gathers the exact bf16 weight and the MX casts read the gathered weight, so the sharded
+# forward is the twin's bit for bit on the same batch. FSDP2 averages the gradients over
+# the ranks (reduce-scatter in bf16): the sharded gradient is held to the float mean of the
+# twin's gradients on both ranks' batches within two bf16 roundings (2^-7 relative: the
+# twin's gradients rounded once each, their bf16 sum and the division, each within half an
+# ulp of 2^-8). FusedAdamW's step on the shards is torch's AdamW (fp32, from the twin's
+# rows, on the gradient the shard was given) rounded once to bf16, exactly.
+
+MX_SIZES = (64, 96, 32)  # every GEMM's K a multiple of the MX block (32); 96 rows: shards 48/48
+MX_TOKENS = 32
+MX_LR = 1e-2
+
+
+def make_mx_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        Float8Linear(MX_SIZES[0], MX_SIZES[1], bias=True, recipe="mxfp8", dtype=torch.bfloat16),
+        Float8Linear(MX_SIZES[1], MX_SIZES[2], bias=False, recipe="mxfp8", dtype=torch.bfloat16),
+    )
+
+
+def mx_batch(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7 + rank)
+    return torch.randn(MX_TOKENS, MX_SIZES[0], generator=g).to(torch.bfloat16)
+
+
+def _loss(model, x):
+    y = model(x)
+    return y, y.float().square().mean()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local().detach().clone() if hasattr(t, "to_local") else t.detach().clone()
+
+
+def _scenario_mx(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh(world)
+    twin = make_mx_model()
+    model = copy.deepcopy(twin)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = FusedAdamW(model.parameters(), lr=MX_LR, weight_decay=0.0)
+
+    y, loss = _loss(model, mx_batch(rank))
+    loss.backward()
+    out = {
+        "y": y.detach().clone(),
+        "grads": [_local(p.grad) for p in model.parameters()],
+        "types": [type(m).__name__ for m in model],
+    }
+    opt.step()
+    out["params"] = [_local(p) for p in model.parameters()]
+
+    # the twin: its output on this rank's batch, its gradients on every rank's batch
+    twin_grads = []
+    for r in range(world):
+        twin.zero_grad()
+        ty, tloss = _loss(twin, mx_batch(r))
+        tloss.backward()
+        if r == rank:
+            out["twin_y"] = ty.detach().clone()
+        twin_grads.append([p.grad.detach().float().clone() for p in twin.parameters()])
+    out["twin_mean_grads"] = [torch.stack(gs).mean(0) for gs in zip(*twin_grads, strict=True)]
+    out["twin_params"] = [p.detach().clone() for p in twin.parameters()]
+    return out
+
+
+SCENARIOS = {
+    "equal": _scenario_equal,
+    "train": _scenario_train,
+    "conv1d": _scenario_conv1d,
+    "mx": _scenario_mx,
+}
 
 
 @pytest.fixture(scope="module")
@@ -418,3 +498,44 @@ def test_convert_network_state_dicts_and_converting_back():
     tkern.convert_network(fp8, torch.float32)
     assert type(fp8[0]) is nn.Linear and type(fp8[0].weight) is torch.nn.Parameter
     assert fp8[0].weight.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ mxfp8 under FSDP2
+
+
+def _rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of a param FSDP2 shards on dim 0 (even here: 96, 32 and 96 rows)."""
+    n = full.shape[0] // world
+    return full[rank * n : (rank + 1) * n]
+
+
+def test_mxfp8_sharded_forward_is_the_whole_models_bit_for_bit(world2):
+    for res in result(world2, "mx"):
+        assert res["types"] == ["FSDPFloat8Linear"] * 2  # fully_shard's class over Float8Linear
+        assert res["y"].dtype == torch.bfloat16 and torch.equal(res["y"], res["twin_y"])
+
+
+def test_mxfp8_sharded_gradients_are_the_mean_of_the_ranks_within_two_bf16_roundings(world2):
+    ranks = result(world2, "mx")
+    for rank, res in enumerate(ranks):
+        assert len(res["grads"]) == 3
+        for g, ref in zip(res["grads"], res["twin_mean_grads"], strict=True):
+            ref = _rows(ref, rank, len(ranks))
+            assert g.dtype == torch.bfloat16 and g.shape == ref.shape
+            assert ref.abs().max() > 0
+            torch.testing.assert_close(g.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
+
+
+def test_mxfp8_fused_adamw_steps_the_shards_as_torchs_adamw_on_their_gradients(world2):
+    # the reference: torch's AdamW in fp32 from the twin's rows (the shard's starting
+    # values) with the gradient the shard was given, rounded once to bf16
+    ranks = result(world2, "mx")
+    for rank, res in enumerate(ranks):
+        start = [_rows(p, rank, len(ranks)).float().requires_grad_() for p in res["twin_params"]]
+        ref_opt = torch.optim.AdamW(start, lr=MX_LR, weight_decay=0.0)
+        for p, g in zip(start, res["grads"], strict=True):
+            p.grad = g.float()
+        ref_opt.step()
+        for p, ref in zip(res["params"], start, strict=True):
+            assert p.dtype == torch.bfloat16
+            torch.testing.assert_close(p, ref.detach().to(torch.bfloat16), rtol=0, atol=0)
