@@ -45,10 +45,24 @@ from tkern.kernels._common import (
     next_power_of_2,
 )
 
-#: The two fp8 formats and their largest finite values.
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_MAX = {dt: float(torch.finfo(dt).max) for dt in FP8_DTYPES}  # 448 and 57344
-_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+#: The OCP fp8 formats (NVIDIA Ada / Hopper / Blackwell, AMD gfx950) and the FNUZ ones
+#: AMD's gfx942 (MI300X) multiplies natively: no negative zero, one NaN (0x80), no inf,
+#: exponent bias one more than OCP's (e4m3fnuz's largest value 240, not 448).
+OCP_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+FNUZ_FP8 = (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+#: Every fp8 format tkern's per-tensor, per-row and blockwise casts and GEMMs take, and
+#: their largest finite values (448, 57344, 240, 57344).
+FP8_DTYPES = OCP_FP8 + FNUZ_FP8
+FP8_MAX = {dt: float(torch.finfo(dt).max) for dt in FP8_DTYPES}
+#: The e4m3 formats (the forward's) and the e5m2 ones (the gradients').
+E4M3_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+E5M2_DTYPES = (torch.float8_e5m2, torch.float8_e5m2fnuz)
+_TL_FP8 = {
+    torch.float8_e4m3fn: tl.float8e4nv,
+    torch.float8_e5m2: tl.float8e5,
+    torch.float8_e4m3fnuz: tl.float8e4b8,
+    torch.float8_e5m2fnuz: tl.float8e5b16,
+}
 #: What may be cast.
 HIGH_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: amax is clamped below at this value (torchao's EPS): an all-zero block gets a
@@ -120,9 +134,23 @@ def to_fp8_saturated(x, multiplier, FP8_MAX: tl.constexpr, DTYPE: tl.constexpr):
     if IS_INTERPRETER:
         if tl.float8e4nv == DTYPE:
             y = _round_to_fp8_grid(y, 3, -6)
-        else:
+        elif tl.float8e5 == DTYPE:
             y = _round_to_fp8_grid(y, 2, -14)
+        elif tl.float8e4b8 == DTYPE:
+            y = _round_to_fp8_grid(y, 3, -7)
+        else:
+            y = _round_to_fp8_grid(y, 2, -15)
+    if tl.float8e4b8 == DTYPE or tl.float8e5b16 == DTYPE:
+        return _to_fnuz(y, DTYPE)
     return y.to(DTYPE)
+
+
+@triton.jit
+def _to_fnuz(y, DTYPE: tl.constexpr):
+    """fp32 ``y`` (clamped, so never NaN: the clamp's min / max return the number) in an
+    FNUZ ``DTYPE`` as torch casts it: a zero of either sign is +0, since FNUZ has no -0
+    (its 0x80 is the NaN)."""
+    return tl.where(y == 0.0, 0.0, y).to(DTYPE)
 
 
 @triton.jit
@@ -477,8 +505,8 @@ def format_names(dtypes) -> str:
 def fp8_refusal(spec: DeviceSpec, what: str, dtypes=()) -> str | None:
     """Why ``what`` cannot run on a GPU of ``spec`` with fp8 ``dtypes``, or None where it
     can: no fp8 tensor cores at all, or a format its tensor cores do not take (OCP
-    ``float8_e4m3fn`` on an MI300X, whose native formats are FNUZ). Pure: ``tkern info
-    --device`` and the checks below ask it."""
+    ``float8_e4m3fn`` on an MI300X, whose native formats are FNUZ; FNUZ on an H100).
+    Pure: ``tkern info --device`` and the checks below ask it."""
     where = f"{spec.name} ({spec.vendor} {spec.arch}, capability {spec.capability[0]}.{spec.capability[1]})"
     if not spec.fp8:
         return (
@@ -488,13 +516,33 @@ def fp8_refusal(spec: DeviceSpec, what: str, dtypes=()) -> str | None:
     missing = [d for d in dict.fromkeys(dtypes) if d not in spec.fp8_dtypes]
     if not missing:
         return None
-    fnuz = (
-        "; tkern's fp8 kernels cast to the OCP formats only" if spec.fp8_e4m3 == torch.float8_e4m3fnuz else ""
-    )
     return (
         f"{what} uses {format_names(dtypes)}; {where} multiplies {format_names(spec.fp8_dtypes)} natively, "
-        f"not {format_names(missing)} (Triton would emulate it at 16-bit speed){fnuz}"
+        f"not {format_names(missing)} (Triton would emulate it at 16-bit speed)"
     )
+
+
+def native_formats_of(spec: DeviceSpec | None, dtypes) -> tuple[torch.dtype, ...]:
+    """``dtypes`` (fp8 formats named the OCP way, as the recipes name them) in the formats
+    a GPU of ``spec`` multiplies natively: e4m3fn -> e4m3fnuz and e5m2 -> e5m2fnuz on a
+    gfx942, unchanged on every other GPU, on one without fp8 (refused elsewhere) and for
+    None (the CPU: the interpreter takes either family). Pure: ``tkern info --device``."""
+    if spec is None or not spec.fp8:
+        return tuple(dtypes)
+    native = {E4M3_DTYPES[0]: spec.fp8_e4m3, E5M2_DTYPES[0]: spec.fp8_e5m2}
+    return tuple(native.get(d, d) for d in dtypes)
+
+
+def native_formats(device: torch.device | str, dtypes) -> tuple[torch.dtype, ...]:
+    """:func:`native_formats_of` for the GPU ``device`` is (one dict lookup): how a recipe,
+    a producer and the weight cache pick their fp8 formats."""
+    return native_formats_of(compiled_spec(device), dtypes)
+
+
+def native_e4m3(device: torch.device | str) -> torch.dtype:
+    """The e4m3 format ``device`` multiplies natively (``float8_e4m3fnuz`` on a gfx942,
+    else ``float8_e4m3fn``): what every fp8 recipe casts x and W to."""
+    return native_formats(device, E4M3_DTYPES[:1])[0]
 
 
 def check_fp8_device(device: torch.device | str, what: str = "tkern's fp8 kernels", dtypes=()) -> None:
@@ -509,10 +557,17 @@ def check_fp8_device(device: torch.device | str, what: str = "tkern's fp8 kernel
             raise RuntimeError(f"{reason} (device {device})")
 
 
-def check_fp8_dtype(dtype: torch.dtype, name: str = "dtype") -> None:
-    """Raise ``TypeError`` unless ``dtype`` is torch.float8_e4m3fn or torch.float8_e5m2."""
-    if dtype not in FP8_DTYPES:
-        raise TypeError(f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+def check_fp8_dtype(dtype: torch.dtype, name: str = "dtype", dtypes=FP8_DTYPES) -> None:
+    """Raise ``TypeError`` unless ``dtype`` is one of ``dtypes`` (by default the OCP
+    formats ``torch.float8_e4m3fn`` / ``float8_e5m2`` and the FNUZ ones, ``float8_e4m3fnuz``
+    / ``float8_e5m2fnuz``)."""
+    if dtype not in dtypes:
+        raise TypeError(f"{name} must be {_either(dtypes)}, got {dtype}")
+
+
+def _either(dtypes) -> str:
+    names = [str(d) for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
 
 
 def _fp8_constants(dtype: torch.dtype) -> dict:

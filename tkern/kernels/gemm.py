@@ -37,6 +37,7 @@ from tkern.kernels._common import (
 )
 from tkern.kernels.activation import ACTIVATIONS, activation_grad, activation_grad_f32, check_activation
 from tkern.kernels.float8 import (
+    FP8_DTYPES,
     cast_2d_prechecked,
     cast_multiplier,
     check_fp8_device,
@@ -1101,8 +1102,8 @@ def matmul_tma_persistent(
 
 # --------------------------------------------------------------------------- fp8 (scaled_mm)
 
-#: fp8 operand pairs the tensor cores take (e5m2 x e5m2 is not one of them).
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: fp8 operand formats (float8.FP8_DTYPES: OCP and FNUZ; the pairs the tensor cores take
+#: are one family's e4m3 x e4m3, e4m3 x e5m2 and e5m2 x e4m3: refuse_e5m2_pair).
 #: Block scales change along K at most once per this many elements: every K tile
 #: of every config (BLOCK_K <= 128) then lies inside one scale block, and partial
 #: sums are promoted to fp32 at least this often (DeepSeek-V3's interval).
@@ -1212,7 +1213,8 @@ def scaled_mm(
     kernel (tiles, ordering, epilogue, configs) with the scales on the fp32 accumulator.
 
     Args:
-        a: (M, K) ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``, any strides.
+        a: (M, K) ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or their FNUZ forms,
+            gfx942's), any strides.
         b: (K, N) fp8, any strides; e5m2 x e5m2 is refused (no such tensor-core op).
         scale_a: fp32: one element (per tensor), (M, 1) (per row of a), or block scales
             (ceil(M / bm), ceil(K / bk)); scale_b: one element, (1, N) (per column of b),

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from tkern.kernels._common import INTERPRET, check_same_device, check_tensor
+from tkern.kernels.float8 import FP8_DTYPES
 from tkern.kernels.gemm_configs import blockwise_configs, gemm_autotune
 from tkern.kernels.gemm_epilogue import (
     bias_stride,
@@ -48,9 +49,6 @@ from tkern.kernels.gemm_epilogue import (
     tile_coords,
 )
 from tkern.kernels.gemm_tma import has_tma, persistent_programs, tma_layout, tma_layouts
-
-#: fp8 operand formats (not both e5m2: the tensor cores have no e5m2 x e5m2 product).
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 #: The K extent of a scale block, and the kernel's K step: one per block.
 SCALE_BLOCK_K = 128
@@ -201,7 +199,8 @@ def scaled_mm_blockwise(
     its block-scaled calls here itself (with ``out`` / ``accumulate_into``).
 
     Args:
-        a: (M, K) ``torch.float8_e4m3fn`` or ``float8_e5m2``, row-major (unit stride along K).
+        a: (M, K) ``torch.float8_e4m3fn`` or ``float8_e5m2`` (or the FNUZ forms), row-major
+            (unit stride along K).
         b: (K, N) fp8, K-major (unit stride along K: ``w.t()`` of a row-major (N, K) ``w``).
         scale_a: (ceil(M / block_a[0]), ceil(K / 128)) fp32, any strides (K-block-major,
             strides (1, rows), reads one contiguous run per K step).

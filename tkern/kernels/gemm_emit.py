@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from tkern.kernels._common import HALF_DTYPES, check_same_device, check_tensor
-from tkern.kernels.float8 import check_amaxes
+from tkern.kernels.float8 import E4M3_DTYPES, check_amaxes
 
 __all__ = ["EMIT_SCALINGS", "Float8Emit", "Float8Emitted", "check_emit", "emit_counter"]
 
@@ -36,7 +36,8 @@ class Float8Emit(NamedTuple):
 
     Args:
         scaling: the consumer's recipe, ``"tensorwise"`` or ``"delayed"``.
-        dtype: the cast's format: ``torch.float8_e4m3fn`` (a forward GEMM's input).
+        dtype: the cast's format: ``torch.float8_e4m3fn`` (a forward GEMM's input), or
+            ``torch.float8_e4m3fnuz`` on a gfx942.
         store_t: also write C^T's cast (the consumer's wgrad operand; wanted in training).
         history: ``"delayed"``: the consumer's (H,) fp32 input amax history.
         margin: ``"delayed"``: the consumer's margin.
@@ -76,8 +77,11 @@ def check_emit(emit, out_dtype: torch.dtype, block_scales: bool, into: torch.Ten
         raise TypeError(f"emit_fp8 must be a tkern.Float8Emit, got {type(emit).__name__}")
     if emit.scaling not in EMIT_SCALINGS:
         _fail(f'scaling must be "tensorwise" or "delayed" (per-tensor scales), got {emit.scaling!r}')
-    if emit.dtype != torch.float8_e4m3fn:
-        _fail(f"dtype must be torch.float8_e4m3fn (the next GEMM's forward input), got {emit.dtype}")
+    if emit.dtype not in E4M3_DTYPES:
+        _fail(
+            "dtype must be torch.float8_e4m3fn or torch.float8_e4m3fnuz (the next GEMM's forward "
+            f"input), got {emit.dtype}"
+        )
     if block_scales:
         _fail("the emitting epilogue takes per-tensor or per-row scales, not block scales")
     if out_dtype not in HALF_DTYPES:

@@ -34,7 +34,7 @@ from tkern.kernels.activation import (
     apply_activation,
     check_activation,
 )
-from tkern.kernels.float8 import store_fp8_tile
+from tkern.kernels.float8 import E5M2_DTYPES, FNUZ_FP8, store_fp8_tile
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -383,12 +383,13 @@ def _same_dtype(da: torch.dtype, db: torch.dtype) -> str | None:
 
 
 def refuse_e5m2_pair(da: torch.dtype, db: torch.dtype) -> str | None:
-    """Why fp8 operands of dtypes ``da`` x ``db`` have no tensor-core op (e5m2 x e5m2), or None."""
-    if da == db == torch.float8_e5m2:
-        return (
-            "a and b cannot both be torch.float8_e5m2: fp8 tensor cores take e4m3 x e4m3, "
-            "e4m3 x e5m2 and e5m2 x e4m3"
-        )
+    """Why fp8 operands of dtypes ``da`` x ``db`` have no tensor-core op, or None: both
+    e5m2 (no e5m2 x e5m2 product, as torch._scaled_mm refuses), or an OCP format with an
+    FNUZ one (no GPU multiplies the two families together)."""
+    if da == db and da in E5M2_DTYPES:
+        return f"a and b cannot both be {da}: fp8 tensor cores take e4m3 x e4m3, e4m3 x e5m2 and e5m2 x e4m3"
+    if (da in FNUZ_FP8) != (db in FNUZ_FP8):
+        return f"a and b must both be OCP fp8 or both FNUZ fp8, got a {da} and b {db}"
     return None
 
 

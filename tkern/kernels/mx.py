@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from tkern.kernels._common import INTERPRET, cdiv, check_int32_addressable, check_tensor, to_f32
-from tkern.kernels.float8 import FP8_DTYPES, FP8_MAX, HIGH_DTYPES, check_fp8_dtype, to_fp8_saturated
+from tkern.kernels.float8 import FP8_MAX, HIGH_DTYPES, OCP_FP8, check_fp8_dtype, to_fp8_saturated
 
 #: Elements per scale (OCP MX: 32; the only block size MX tensor cores take).
 BLOCK_SIZE = 32
@@ -55,6 +55,8 @@ E8M0_NAN = 255
 #: log2 of each format's largest power of two (256 and 32768): FLOOR's emax.
 MAX_POW2 = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+#: MX elements are OCP fp8 (the OCP MX spec; gfx942's FNUZ formats have no MX form).
+FP8_DTYPES = OCP_FP8
 #: An fp8 NaN's magnitude bits (0x7F in both formats; the sign comes from the value).
 FP8_NAN_BITS = tl.constexpr(0x7F)
 #: Tile of one program: TILE_R rows x TILE_C columns (multiples of the block).
@@ -187,7 +189,7 @@ def _to_mx_kernel(
 
 def _check_args(x: object, dtype: torch.dtype, block_size: object, scale_mode: object) -> None:
     check_tensor("x", x, dtypes=HIGH_DTYPES)
-    check_fp8_dtype(dtype)
+    check_fp8_dtype(dtype, dtypes=FP8_DTYPES)
     if block_size != BLOCK_SIZE or isinstance(block_size, bool):
         raise ValueError(f"block_size must be {BLOCK_SIZE} (the MX block), got {block_size!r}")
     if scale_mode not in SCALE_MODES:

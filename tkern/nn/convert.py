@@ -217,9 +217,8 @@ def _checked_conversion(
         raise ValueError("float8 needs dtype torch.bfloat16 or torch.float16, not torch.float32")
     if recipe is not None:  # before any module changes: a GPU without fp8 tensor cores
         for device in {p.device for p in model.parameters()}:
-            check_fp8_device(
-                device, f"convert_network(float8={recipe.scaling!r})", recipe_formats(recipe.scaling)
-            )
+            formats = recipe_formats(recipe.scaling, device)  # FNUZ on a gfx942
+            check_fp8_device(device, f"convert_network(float8={recipe.scaling!r})", formats)
     return Conversion(dtype, recipe, float8_filter, **flags, norm_dtype=norm_dtype or torch.float32)
 
 

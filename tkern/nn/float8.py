@@ -124,11 +124,10 @@ class Float8Layer:
         if not isinstance(recipe, Float8Recipe):
             raise TypeError(f"recipe must be a Float8Recipe, got {recipe!r}")
         weight = self.weight
-        check_fp8_device(
-            weight.device, f"{type(self).__name__}({recipe.scaling!r})", recipe_formats(recipe.scaling)
-        )
-        if recipe.scaling == "mxfp8":
+        if recipe.scaling == "mxfp8":  # first: on a GPU without MX, that is the reason
             check_mx_device(weight.device)
+        formats = recipe_formats(recipe.scaling, weight.device)  # FNUZ on a gfx942
+        check_fp8_device(weight.device, f"{type(self).__name__}({recipe.scaling!r})", formats)
         if recipe.enable_fsdp_float8_all_gather != is_fp8_all_gather_weight(weight):
             if isinstance(weight, _dtensor_class()):
                 raise ValueError(

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from tkern.kernels._common import HALF_DTYPES
+from tkern.kernels.float8 import native_e4m3
 from tkern.nn.float8 import Float8Layer
 from tkern.nn.float8_norm import is_the_output, resolve
 from tkern.ops.float8 import CACHED_SCALINGS, Float8Input
@@ -123,9 +124,10 @@ class Float8GemmEmitter:
         grad = torch.is_grad_enabled()
         update = consumer.training and grad
         cached = consumer.cached_weight_fp8()
+        e4m3 = native_e4m3(weight.device)  # the consumer's x format (FNUZ on a gfx942)
         if recipe.scaling == "tensorwise":
             self._weight = cached
-            return Float8Emit("tensorwise", store_t=grad and consumer.weight.requires_grad)
+            return Float8Emit("tensorwise", e4m3, store_t=grad and consumer.weight.requires_grad)
         histories = consumer.fp8_histories()
         roll2 = None
         if update and cached is not None:  # the weight's deferred amax, rolled in the producer's launch
@@ -133,7 +135,7 @@ class Float8GemmEmitter:
             cached = ((*cached[0][:2], None), cached[1])
         self._weight = cached
         return Float8Emit(
-            "delayed", store_t=grad and consumer.weight.requires_grad, history=histories[0],
+            "delayed", e4m3, store_t=grad and consumer.weight.requires_grad, history=histories[0],
             margin=recipe.margin, update=update, counter=consumer.fp8_counters()[0:1], roll2=roll2,
         )  # fmt: skip
 

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from tkern.kernels.float8 import to_float8_with_amax
+from tkern.kernels.float8 import E4M3_DTYPES, native_e4m3, to_float8_with_amax
 
 __all__ = [
     "Float8AllGatherWeight",
@@ -46,7 +46,6 @@ __all__ = [
     "precompute_float8_dynamic_scale_for_fsdp",
 ]
 
-E4M3 = torch.float8_e4m3fn
 _HIGH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -165,7 +164,8 @@ class Float8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         """This rank's rows cast to e4m3 with the whole weight's scale, padded to FSDP2's
-        padded shard size, as uint8; the (0-dim fp32) scale as metadata."""
+        padded shard size, as uint8; the (0-dim fp32) scale and the e4m3 format (the device's
+        native one) as metadata."""
         shard = self._tensor.detach()
         amax = self._state.amax
         if amax is not None:
@@ -179,13 +179,13 @@ class Float8AllGatherWeight(torch.Tensor):
         else:
             amax = _local_amax(shard).reshape(1)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        data, scale = to_float8_with_amax(shard, amax, E4M3)
+        data, scale = to_float8_with_amax(shard, amax, native_e4m3(shard.device))
         rows = -(-orig_size[0] // mesh.size()) if len(orig_size) else 0
         if data.dim() and data.shape[0] != rows:  # an uneven shard: FSDP2 gathers padded shards
             padded = data.new_zeros((rows, *data.shape[1:]))
             padded[: data.shape[0]].copy_(data)
             data = padded
-        return (data.view(torch.uint8),), (scale,)
+        return (data.view(torch.uint8),), (scale, data.dtype)
 
     def fsdp_post_all_gather(
         self,
@@ -199,7 +199,7 @@ class Float8AllGatherWeight(torch.Tensor):
         (with ``out``, FSDP2's unsharded param of an earlier gather, refilled in place:
         only its scale is new)."""
         (data,) = all_gather_outputs
-        (scale,) = metadata
+        scale, e4m3 = metadata
         if out is not None:
             if not isinstance(out, Float8GatheredWeight):
                 raise RuntimeError(
@@ -207,7 +207,7 @@ class Float8AllGatherWeight(torch.Tensor):
                 )
             out._scale = scale
             return None
-        data = data.view(E4M3)
+        data = data.view(e4m3)
         return Float8GatheredWeight(data, scale, param_dtype), (data,)
 
 
@@ -277,7 +277,7 @@ class Float8GatheredWeight(torch.Tensor):
         return _wrapper(cls, data, dtype)
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        if data.dtype != E4M3 or scale.dtype != torch.float32 or scale.numel() != 1:
+        if data.dtype not in E4M3_DTYPES or scale.dtype != torch.float32 or scale.numel() != 1:
             raise TypeError(
                 f"Float8GatheredWeight holds e4m3 data and a one-element fp32 scale, got {data.dtype} and "
                 f"{scale.dtype} of shape {tuple(scale.shape)}"

@@ -22,6 +22,7 @@ from tkern.kernels.float8 import (
     cast_tiles,
     cast_tiles_prechecked,
     check_fp8_device,
+    native_formats,
     roll_amax_history,
     roll_amax_history_prechecked,
 )
@@ -344,6 +345,8 @@ class _Float8Call(NamedTuple):
     grad_enabled: bool = True  # grad mode at the call (forward itself runs without it)
     activation: str | None = None  # the forward GEMM's epilogue activation
     emit: Float8Emit | None = None  # the next fp8 layer's input cast, written by the epilogue
+    e4m3: torch.dtype = E4M3  # x's and W's format: the device's native e4m3 (FNUZ on a gfx942)
+    e5m2: torch.dtype = E5M2  # dY's (tensorwise, delayed): the device's native e5m2
 
 
 class _WeightCast(NamedTuple):
@@ -370,7 +373,7 @@ def _per_tensor_casts(ops, x2d, weight, call, histories, counters, cached, given
     roll2 = (h_w, amax) if delayed and call.update and amax is not None else None
     if given is None:
         xq, saved_x, sx, _ = ops.cast_2d(
-            x2d, E4M3, True, wgrad, None, h_x, ctr[0], call.margin, call.update, roll2
+            x2d, call.e4m3, True, wgrad, None, h_x, ctr[0], call.margin, call.update, roll2
         )
     else:  # x's producer cast it (and recorded its amax); the weight's update on its own
         xq, saved_x, sx = given
@@ -383,7 +386,9 @@ def _per_tensor_casts(ops, x2d, weight, call, histories, counters, cached, given
         if dgrad and wq_t is None:  # a cast without W^T (FSDP2's fp8 all-gather): one copy
             wq_t = wq.t().contiguous()
     else:
-        wq, wq_t, sw, _ = ops.cast_2d(weight, E4M3, True, dgrad, None, h_w, ctr[1], call.margin, call.update)
+        wq, wq_t, sw, _ = ops.cast_2d(
+            weight, call.e4m3, True, dgrad, None, h_w, ctr[1], call.margin, call.update
+        )
     return (xq, saved_x, sx), (wq, sw, wq_t), ctr[2]
 
 
@@ -417,8 +422,8 @@ class _Float8Linear(torch.autograd.Function):
         if call.recipe == "blockwise":
             # x in 1x128 tiles and, for wgrad (which reads x with its tiles along M), x^T in
             # 1x128 tiles along M: one read of x
-            xq, sx, saved_x, saved_sx, _ = ops.cast_tiles(x2d, E4M3, wgrad, None)
-            wq, sw, wq_t = ops.cast_blocks(weight, E4M3, *WEIGHT_BLOCK, dgrad)
+            xq, sx, saved_x, saved_sx, _ = ops.cast_tiles(x2d, call.e4m3, wgrad, None)
+            wq, sw, wq_t = ops.cast_blocks(weight, call.e4m3, *WEIGHT_BLOCK, dgrad)
             y = ops.scaled_mm(xq, wq.t(), sx, sw.t(), bias, x.dtype, list(TILE), list(WEIGHT_BLOCK), True)
         else:
             (xq, saved_x, sx), (wq, sw, wq_t), ctx.counter = _per_tensor_casts(
@@ -465,14 +470,14 @@ class _Float8Linear(torch.autograd.Function):
         if recipe == "blockwise":
             # dY and dY^T (wgrad's, tiles along M) in 1x128 tiles and the bias gradient: one read
             sum_dtype = ctx.bias_dtype if bias_grad else None
-            gq, sg, gq_t, sg_t, db = ops.cast_tiles(dy2d, E4M3, wgrad, sum_dtype)
+            gq, sg, gq_t, sg_t, db = ops.cast_tiles(dy2d, call.e4m3, wgrad, sum_dtype)
             blocks = (list(TILE), list(WEIGHT_BLOCK))
         else:
             delayed = recipe == "delayed"
             sum_dtype = ctx.bias_dtype if bias_grad else None
             gq, gq_t, sg, db = ops.cast_2d(
                 dy2d,
-                E5M2,
+                call.e5m2,
                 dgrad,
                 wgrad,
                 sum_dtype,
@@ -555,22 +560,25 @@ def float8_linear(
     check_bias(bias, weight.shape[0], weight.dtype)
     check_same_device(x=x, weight=weight, bias=bias)
     check_scaling(scaling)
-    check_fp8_device(x.device, f"float8_linear (Float8Linear, {scaling!r})", recipe_formats(scaling))
-    if scaling == "mxfp8":  # e8m0 blocks of 32 along each GEMM's K; none of the options below
+    if scaling == "mxfp8":  # e8m0 blocks of 32 along each GEMM's K (its device check: native MX)
         return mx_float8_linear(x, weight, bias, grad_dtype=grad_dtype, weight_fp8=weight_fp8,
                                 weight_fp8_t=weight_fp8_t, unused=(activation, emit_fp8, x_fp8))  # fmt: skip
+    check_fp8_device(
+        x.device, f"float8_linear (Float8Linear, {scaling!r})", recipe_formats(scaling, x.device)
+    )
     check_activation_args(activation, scaling, weight.dtype)
     check_emit_args(emit_fp8, x, weight, scaling)
     if scaling == "delayed":  # all three histories before the first cast: the casts roll them as they go
         check_delayed_args(histories, margin, counters, weight)
+    e4m3, e5m2 = native_formats(x.device, (E4M3, E5M2))  # FNUZ on a gfx942
     if x_fp8 is not None:
-        check_x_fp8(x_fp8, x, weight, scaling)
+        check_x_fp8(x_fp8, x, weight, scaling, e4m3)
     cached = None
     if weight_fp8 is not None:
-        check_weight_fp8(weight_fp8, weight, scaling, weight_fp8_t)
+        check_weight_fp8(weight_fp8, weight, scaling, weight_fp8_t, e4m3)
         amax = weight_fp8[2] if scaling == "delayed" else None
         cached = _WeightCast(weight_fp8[0], weight_fp8[1], weight_fp8_t, amax)
     check_gemm_reach(x, weight)  # int32 offsets: once here for the three GEMMs (fwd, dgrad, wgrad)
-    call = _Float8Call(scaling, margin, update, torch.is_grad_enabled(), activation, emit_fp8)
+    call = _Float8Call(scaling, margin, update, torch.is_grad_enabled(), activation, emit_fp8, e4m3, e5m2)
     out = _Float8Linear.apply(x, weight, bias, call, histories, counters, cached, x_fp8)
     return out if emit_fp8 is None else emitted_pair(out, emit_fp8)

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from tkern.device import DeviceSpec
 from tkern.kernels._common import (
     HALF_DTYPES,
     check_int32_addressable,
@@ -17,6 +18,7 @@ from tkern.kernels._common import (
     check_tensor,
 )
 from tkern.kernels.activation import check_activation
+from tkern.kernels.float8 import native_formats, native_formats_of
 
 __all__ = [
     "CACHED_SCALINGS",
@@ -49,10 +51,19 @@ RECIPE_FORMATS = {
 }
 
 
-def recipe_formats(scaling: str) -> tuple[torch.dtype, ...]:
-    """The fp8 dtypes recipe ``scaling`` casts to (:data:`RECIPE_FORMATS`; none for a
-    name it does not know, which the recipe's own check refuses)."""
-    return RECIPE_FORMATS.get(scaling, ())
+def recipe_formats(
+    scaling: str, where: DeviceSpec | torch.device | str | None = None
+) -> tuple[torch.dtype, ...]:
+    """The fp8 dtypes recipe ``scaling`` casts to on ``where``, a device or a GPU's
+    :class:`~tkern.DeviceSpec` (:data:`RECIPE_FORMATS` in that GPU's native formats: FNUZ on
+    a gfx942; as named for None and the CPU; MX elements stay OCP, the MX spec's); none
+    for a name it does not know, which the recipe's own check refuses."""
+    formats = RECIPE_FORMATS.get(scaling, ())
+    if scaling == "mxfp8" or where is None:
+        return formats
+    if isinstance(where, DeviceSpec):
+        return native_formats_of(where, formats)
+    return native_formats(where, formats)
 
 
 class Float8Input(NamedTuple):
@@ -120,8 +131,9 @@ def check_gemm_reach(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_int32_elements("output", (m, n))
 
 
-def check_x_fp8(x_fp8, x: torch.Tensor, weight: torch.Tensor, scaling: str) -> None:
-    """float8_linear's ``x_fp8`` against x (as (M, K) rows) and the scaling."""
+def check_x_fp8(x_fp8, x: torch.Tensor, weight: torch.Tensor, scaling: str, e4m3: torch.dtype = E4M3) -> None:
+    """float8_linear's ``x_fp8`` against x (as (M, K) rows), the scaling and the device's
+    e4m3 format ``e4m3``."""
     if scaling not in CACHED_SCALINGS:
         raise ValueError(f'x_fp8 is a tensorwise or delayed cast; scaling is "{scaling}"')
     if not isinstance(x_fp8, Float8Input):
@@ -129,7 +141,7 @@ def check_x_fp8(x_fp8, x: torch.Tensor, weight: torch.Tensor, scaling: str) -> N
     k = weight.shape[1]
     m = x.numel() // k if k else 0
     data, data_t, scale = x_fp8
-    check_tensor("x_fp8 data", data, ndim=2, dtypes=(E4M3,))
+    check_tensor("x_fp8 data", data, ndim=2, dtypes=(e4m3,))
     check_tensor("x_fp8 scale", scale, dtypes=(torch.float32,))
     if data.shape != (m, k) or not data.is_contiguous() or scale.numel() != 1:
         raise ValueError(
@@ -137,7 +149,7 @@ def check_x_fp8(x_fp8, x: torch.Tensor, weight: torch.Tensor, scaling: str) -> N
             f"shapes {tuple(data.shape)} (contiguous: {data.is_contiguous()}) and {tuple(scale.shape)}"
         )
     if data_t is not None:
-        check_tensor("x_fp8 data_t", data_t, ndim=2, dtypes=(E4M3,))
+        check_tensor("x_fp8 data_t", data_t, ndim=2, dtypes=(e4m3,))
         if data_t.shape != (k, m) or not data_t.is_contiguous():
             raise ValueError(
                 f"x_fp8 data_t must be the ({k}, {m}) e4m3 transpose, contiguous, got shape "
@@ -146,15 +158,18 @@ def check_x_fp8(x_fp8, x: torch.Tensor, weight: torch.Tensor, scaling: str) -> N
     check_same_device(x=x, x_fp8=data, x_fp8_scale=scale, x_fp8_t=data_t)
 
 
-def check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, weight_fp8_t) -> None:
-    """float8_linear's ``weight_fp8`` against the weight and the scaling."""
+def check_weight_fp8(
+    weight_fp8: tuple, weight: torch.Tensor, scaling: str, weight_fp8_t, e4m3: torch.dtype = E4M3
+) -> None:
+    """float8_linear's ``weight_fp8`` against the weight, the scaling and the device's e4m3
+    format ``e4m3``."""
     parts = {"tensorwise": ("data", "scale"), "delayed": ("data", "scale", "amax")}.get(scaling)
     if parts is None:
         raise ValueError(f'weight_fp8 is a tensorwise or delayed cast; scaling is "{scaling}"')
     if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != len(parts):
         raise ValueError(f'weight_fp8 must be ({", ".join(parts)}) under scaling="{scaling}"')
     wq, sw, *amax = weight_fp8
-    check_tensor("weight_fp8 data", wq, dtypes=(E4M3,))
+    check_tensor("weight_fp8 data", wq, dtypes=(e4m3,))
     check_int32_addressable("weight_fp8 data", wq)  # the GEMMs read it with int32 offsets
     check_tensor("weight_fp8 scale", sw, dtypes=(torch.float32,))
     if wq.shape != weight.shape or sw.numel() != 1 or wq.device != weight.device:
@@ -163,7 +178,7 @@ def check_weight_fp8(weight_fp8: tuple, weight: torch.Tensor, scaling: str, weig
             f"{weight.device}, got shapes {tuple(wq.shape)} and {tuple(sw.shape)} on {wq.device}"
         )
     if weight_fp8_t is not None:
-        check_tensor("weight_fp8_t", weight_fp8_t, ndim=2, dtypes=(E4M3,))
+        check_tensor("weight_fp8_t", weight_fp8_t, ndim=2, dtypes=(e4m3,))
         check_int32_addressable("weight_fp8_t", weight_fp8_t)
         if weight_fp8_t.shape != weight.shape[::-1] or weight_fp8_t.stride(1) != 1:
             raise ValueError(

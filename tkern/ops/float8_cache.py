@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from tkern.kernels.float8 import cast_2d
+from tkern.kernels.float8 import cast_2d, native_e4m3
 from tkern.kernels.mx import to_mx_both
 from tkern.ops.float8_args import E4M3, WEIGHT_CACHE_SCALINGS
 from tkern.ops.float8_mx import MX_SCALE_MODE
@@ -110,6 +110,7 @@ class Float8WeightCache:
         if weight is None:
             return
         self._stamp = None
+        e4m3 = native_e4m3(weight.device)  # FNUZ on a gfx942, as float8_linear casts x
         with torch.no_grad():
             if self.scaling == "delayed":
                 history = self._history()
@@ -118,7 +119,7 @@ class Float8WeightCache:
                     return
                 # the weight in both layouts (each GEMM's K-major operand), the update put off
                 cast = cast_2d(
-                    weight.detach(), E4M3, store_t=True, history=history, margin=self.margin, defer=True
+                    weight.detach(), e4m3, store_t=True, history=history, margin=self.margin, defer=True
                 )
                 self._history_used = history
                 self._history_stamp = (history._version, history.data_ptr())
@@ -126,7 +127,7 @@ class Float8WeightCache:
                 data, scale, data_t, scale_t = to_mx_both(weight.detach(), E4M3, scale_mode=MX_SCALE_MODE)
                 self._keep(data, scale, data_t, None, scale_t)
             else:
-                cast = cast_2d(weight.detach(), E4M3, store_t=True)
+                cast = cast_2d(weight.detach(), e4m3, store_t=True)
             if self.scaling != "mxfp8":
                 self._keep(cast.data, cast.scale, cast.data_t, cast.amax, None)
         self._stamp = (weight._version, weight.data_ptr())

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tkern.kernels._common import INTERPRET
+from tkern.kernels.float8 import native_e4m3
 from tkern.kernels.norm import (
     INPUT_DTYPES,
     norm_backward,
@@ -214,16 +215,15 @@ class _NormAndResidual(torch.autograd.Function):
 
 
 class _NormFloat8(torch.autograd.Function):
-    """y = norm(x) on (M, N) tensors, with y's e4m3 cast for the next GEMM as three
-    more outputs (data, data_t, scale; not differentiable). Backward is :class:`_Norm`'s
-    (inputs x, residual (None), weight, bias, eps, rms first, as there)."""
+    """y = norm(x) on (M, N) tensors, with y's e4m3 cast (the device's) for the next GEMM as three more
+    outputs (data, data_t, scale; not differentiable). Backward is :class:`_Norm`'s (inputs as there)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, rms, store_t, history, margin, update, counter, rolls):
         w = None if weight is None else weight.reshape(-1)
         b = None if bias is None else bias.reshape(-1)
         out = norm_forward_float8(
-            x, w, b, eps, rms, torch.float8_e4m3fn, store_t=store_t, history=history, margin=margin,
+            x, w, b, eps, rms, native_e4m3(x.device), store_t=store_t, history=history, margin=margin,
             update=update, counter=counter, rolls=rolls,
         )  # fmt: skip
         _keep(ctx, x, (x, residual, weight, bias, eps, rms), out.mean, out.rstd)

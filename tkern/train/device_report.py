@@ -119,10 +119,11 @@ def gemm_lines(spec: DeviceSpec, gemms: list[Gemm] = GPT2_SMALL) -> list[str]:
 def fp8_lines(spec: DeviceSpec) -> list[str]:
     """The fp8 formats and each recipe's verdict (native, or why it is refused), and MX."""
     from tkern.kernels.float8 import format_names
-    from tkern.ops.float8_args import RECIPE_FORMATS
+    from tkern.ops.float8_args import RECIPE_FORMATS, recipe_formats
 
     lines = [f"fp8 formats (native): {format_names(spec.fp8_dtypes)}"]
-    for recipe, formats in RECIPE_FORMATS.items():
+    for recipe in RECIPE_FORMATS:
+        formats = recipe_formats(recipe, spec)
         reason = recipe_refusal(spec, recipe)
         verdict = "native" if reason is None else "refused: " + reason
         lines.append(f"  {recipe:<10} ({format_names(formats)}): {verdict}")
@@ -164,15 +165,14 @@ COMPILED_EVERY_CONFIG = ("sm_90", "sm_100")
 
 
 def recipe_refusal(spec: DeviceSpec, recipe: str) -> str | None:
-    """Why Float8Linear(``recipe``) is refused on ``spec`` (its fp8 formats, and for
-    "mxfp8" native MX), or None where it runs."""
+    """Why Float8Linear(``recipe``) is refused on ``spec`` (its fp8 formats in the
+    device's native family, and for "mxfp8" native MX), or None where it runs."""
     from tkern.kernels.float8 import fp8_refusal
-    from tkern.ops.float8_args import RECIPE_FORMATS
+    from tkern.ops.float8_args import recipe_formats
 
-    reason = fp8_refusal(spec, f"Float8Linear({recipe!r})", RECIPE_FORMATS[recipe])
-    if reason is None and recipe == "mxfp8" and not spec.mx:
-        reason = f"{spec.name} ({spec.arch}) has no native MX (e8m0 block-scaled) MMA"
-    return reason
+    if recipe == "mxfp8" and spec.fp8 and not spec.mx:
+        return f"{spec.name} ({spec.arch}) has no native MX (e8m0 block-scaled) MMA"
+    return fp8_refusal(spec, f"Float8Linear({recipe!r})", recipe_formats(recipe, spec))
 
 
 def _recipes(spec: DeviceSpec) -> str:
@@ -182,8 +182,6 @@ def _recipes(spec: DeviceSpec) -> str:
     runs = [r for r in RECIPE_FORMATS if recipe_refusal(spec, r) is None]
     if not spec.fp8:
         return "refused: no fp8 tensor cores"
-    if not runs:
-        return "refused: FNUZ formats, tkern casts to OCP"
     return ", ".join(runs)
 
 
