@@ -11,6 +11,7 @@ from aot_fp8_cases import (
     _fp8_gemm_cases,
     blockwise_cases,
     fp8_cast_cases,
+    in_fnuz,
     mx_cast_cases,
     mx_gemm_cases,
 )
@@ -441,9 +442,9 @@ def _gemm_cases(cc, level: str) -> list[Case]:
     """Every GEMM family tkern's public API launches on target ``cc``, at ``level``
     (:func:`aot_targets.depth`; the launches and configs: aot_gemm_sweep): the pointer
     kernel aligned and ragged (with the backward prologue and the dgrad epilogue), split-K,
-    fp8 where the target's tensor cores take OCP e4m3 (:func:`fp8_planned`: scaled_mm, its
-    emitting epilogue), the TMA kernels where it has TMA (the 16-bit GEMM, the blockwise fp8
-    GEMM), the MX GEMM where it has native MX MMA."""
+    fp8 where the target's tensor cores take fp8 (:func:`fp8_planned`: scaled_mm, its
+    emitting epilogue; in FNUZ on gfx942), the TMA kernels where it has TMA (the 16-bit GEMM,
+    the blockwise fp8 GEMM), the MX GEMM where it has native MX MMA."""
     cases = pointer_cases(cc, level) + split_k_cases(cc, level)
     if fp8_planned(cc):
         cases += _fp8_gemm_cases(cc, level) + _fp8_emit_cases(cc, level)
@@ -455,13 +456,16 @@ def _gemm_cases(cc, level: str) -> list[Case]:
 
 
 def fp8_planned(cc) -> bool:
-    """Whether tkern plans fp8 GEMMs on target ``cc``: its tensor cores take the OCP e4m3
-    tkern casts to (``float8.fp8_refusal`` says why not: none before sm_89, FNUZ on gfx942)."""
+    """Whether tkern plans fp8 GEMMs on target ``cc``: its tensor cores multiply fp8 (none
+    before sm_89); tkern casts to the formats they take (OCP; FNUZ on gfx942: :func:`in_fnuz`)."""
+    return spec_of(cc).fp8
+
+
+def _fnuz(cc) -> bool:
+    """Whether target ``cc``'s native fp8 is FNUZ (gfx942): its fp8 cases are compiled so."""
     import torch
 
-    from tkern.kernels.float8 import fp8_refusal
-
-    return fp8_refusal(spec_of(cc), "scaled_mm", (torch.float8_e4m3fn,)) is None
+    return spec_of(cc).fp8_e4m3 == torch.float8_e4m3fnuz
 
 
 def all_cases(cc, full: bool = True) -> list[Case]:
@@ -477,9 +481,11 @@ def all_cases(cc, full: bool = True) -> list[Case]:
     cases += _stats_cases() + _activation_cases()
     cases += cross_entropy_cases() + _swiglu_cases() + rotary_cases() + rotary_table_cases()
     cases += _norm_cases(full) + _scale_cases()
-    if fp8_planned(cc):
+    if fp8_planned(cc):  # MX's casts write OCP elements (as bytes) on gfx942 too: in_fnuz keeps them
         cases += fp8_cast_cases() + mx_cast_cases()
     if level != REPORT and not every_variant(cc):
         cases = [c for c in cases if not c.light]
     cases += _gemm_cases(cc, level)
+    if _fnuz(cc):
+        cases = [in_fnuz(c) for c in cases]
     return list({c.name: c for c in cases}.values())  # a launch reached twice compiles once

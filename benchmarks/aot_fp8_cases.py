@@ -428,3 +428,44 @@ def mx_cast_cases() -> list[Case]:
     aligned = ("x_ptr", "data_ptr", "scale_ptr", "data_r_ptr", "scale_r_ptr")
     return [Case("mx cast[bf16->e4m3,RCEIL,along C and R]", "fp8cast", "tkern.kernels.mx:_to_mx_kernel",
                  sig, const, aligned, 4)]  # fmt: skip
+
+
+#: Triton's OCP fp8 type names and their FNUZ forms (gfx942's: ``tl.float8e4b8``, ``tl.float8e5b16``).
+_FNUZ_TYPES = {"fp8e4nv": "fp8e4b8", "fp8e5": "fp8e5b16"}
+
+
+def fnuz_name(text: str) -> str:
+    """A case's name or a signature type with its fp8 in the FNUZ formats (``fp8e4nv`` ->
+    ``fp8e4b8``, ``->e4m3,`` -> ``->e4m3fnuz,``): what :func:`in_fnuz` makes of it."""
+    import re
+
+    text = re.sub(r"->(e4m3|e5m2),", r"->\1fnuz,", text)  # the casts' names
+    return re.sub(r"fp8e4nv|fp8e5(?!b16)", lambda m: _FNUZ_TYPES[m.group(0)], text)
+
+
+def in_fnuz(case: Case) -> Case:
+    """``case`` with its fp8 in the FNUZ formats, as tkern launches it on a gfx942
+    (``float8.native_formats``): fp8 pointers ``*fp8e4b8`` / ``*fp8e5b16``, the casts' DTYPE
+    and their constants (FP8_MAX 240 for e4m3fnuz) the FNUZ format's; a case with no fp8
+    unchanged."""
+    import dataclasses
+
+    import torch
+
+    from tkern.kernels import float8 as f8
+
+    signature = {k: fnuz_name(v) for k, v in case.signature.items()}
+    if signature == case.signature:
+        return case
+    constexprs = dict(case.constexprs)
+    tl = _tl()
+    for key, ocp, dtype in (
+        ("DTYPE", tl.float8e4nv, torch.float8_e4m3fnuz),
+        ("DTYPE", tl.float8e5, torch.float8_e5m2fnuz),
+        ("DTYPE8", tl.float8e4nv, torch.float8_e4m3fnuz),
+    ):
+        if constexprs.get(key) == ocp:
+            const = f8.fp8_constants(dtype)
+            const[key] = const.pop("DTYPE")
+            constexprs.update((k, v) for k, v in const.items() if k in constexprs)
+    return dataclasses.replace(case, name=fnuz_name(case.name), signature=signature, constexprs=constexprs)

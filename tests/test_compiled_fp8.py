@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import test_compiled
+from aot_fp8_cases import fnuz_name, in_fnuz
 from test_compiled import NVIDIA, RUN, _mma, _name, _needs, every_config, gate_cases, static_report
 
 # compiled mode, no GPU: the compile gate's own marks
@@ -31,12 +32,14 @@ def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
     into a fused optimizer's gradient buffer, blockwise; FP8_EMIT_LAUNCHES: the emitting
     epilogue's entry kernel, c_fc writing c_proj's e4m3 input), no spills; it is not offered
     before sm_89 (scaled_mm refuses those GPUs by name)."""
-    _needs("sm_89", "sm_90", "sm_100", "sm_120", "gfx950")
+    _needs("sm_89", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950")
     fp8 = [r for r in rows if r["case"].startswith("scaled_mm")]
-    # every target whose tensor cores take OCP e4m3: sm_89, sm_90, sm_100, sm_120, gfx950
+    # every target with fp8 tensor cores: sm_89, sm_90, sm_100, sm_120, gfx950 (OCP), gfx942 (FNUZ)
     planned = {t for t in RUN if static_report.fp8_planned(t)}
     assert (
-        {r["target"] for r in fp8} == planned == {"sm_89", "sm_90", "sm_100", "sm_120", "gfx950"} & set(RUN)
+        {r["target"] for r in fp8}
+        == planned
+        == {"sm_89", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950"} & set(RUN)
     )
     for cc in planned:
         of_cc = {r["case"] for r in fp8 if r["target"] == cc}
@@ -49,8 +52,9 @@ def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
                 expected = offered if every_config(cc) else offered[:1]
             else:
                 expected = offered[:1] if every_config(cc) else []
+            as_launched = fnuz_name if cc == "gfx942" else str  # gfx942 multiplies FNUZ
             for cfg in expected:
-                assert static_report.fp8_case_name(cfg, launch) in of_cc, (cc, cfg, launch)
+                assert as_launched(static_report.fp8_case_name(cfg, launch)) in of_cc, (cc, cfg, launch)
         # and the emitting epilogue's entry kernel (scaled_mm(emit_fp8=...)), its tanh-GELU forward's configs
         for scaling, store_t in static_report.FP8_EMIT_LAUNCHES:
             offered = static_report.emit_configs_for(cc, scaling)
@@ -70,20 +74,25 @@ def test_fp8_gemm_runs_on_fp8_tensor_cores_without_spills(rows):
         assert _mma(r) > 0 and r["fp8_mma"] > 0, f"{_name(r)}: no fp8 tensor-core instruction"
 
 
-def test_the_plan_refuses_fp8_on_gfx942():
-    # MI300X multiplies the FNUZ formats; tkern casts to OCP e4m3/e5m2 only: its fp8 GEMMs are
-    # refused there (float8.fp8_refusal), so the gate plans none (and no TMA on any AMD target)
+def test_gfx942_plans_fp8_in_fnuz_and_no_amd_target_plans_tma():
+    # MI300X multiplies the FNUZ formats, and tkern casts to them there (float8.native_formats):
+    # every fp8 case the gate compiles for gfx942 has FNUZ pointers and constants (aot_fp8_cases.
+    # in_fnuz), none an OCP one; its GEMMs' fp8 MFMA is held by the test above
     import torch
 
-    from tkern.kernels.float8 import fp8_refusal
+    from tkern.kernels.float8 import FP8_MAX
     from tkern.kernels.gemm_tma import has_tma
 
-    reason = fp8_refusal(static_report.spec_of("gfx942"), "scaled_mm", (torch.float8_e4m3fn,))
-    assert reason and "OCP" in reason
-    assert not static_report.fp8_planned("gfx942") and static_report.fp8_planned("gfx950")
-    assert not any(
-        c.name.startswith(("scaled_mm", "blockwise")) for c in static_report.all_cases("gfx942", False)
+    assert static_report.fp8_planned("gfx942") and static_report.fp8_planned("gfx950")
+    cases = static_report.all_cases("gfx942", False)
+    fp8 = [c for c in cases if any("fp8" in v for v in c.signature.values())]
+    assert any(c.name.startswith("scaled_mm[") for c in fp8) and any("cast" in c.name for c in fp8)
+    assert all("fp8e4nv" not in str(c.signature) and "fp8e5'" not in str(c.signature) for c in fp8)
+    assert all(
+        c.constexprs.get("FP8_MAX") in (None, FP8_MAX[torch.float8_e4m3fnuz], FP8_MAX[torch.float8_e5m2fnuz])
+        for c in fp8
     )
+    assert any(c.constexprs.get("FP8_MAX") == 240.0 for c in fp8)
     for t in ("gfx942", "gfx950"):
         assert not has_tma(static_report.spec_of(t))
         assert not any("tma" in c.kernel for c in static_report.all_cases(t, full=False)), t
@@ -220,9 +229,10 @@ def test_fp8_cast_kernels_compile_without_spills(rows):
     in the same launch, 1x128 tiles and 128x128 blocks (W and W^T), the history roll, the
     norm writing the next GEMM's fp8 input; every one compiles with no spills. They are in
     all_cases (the gate's rows) where fp8 is planned."""
-    _needs("sm_89", "sm_90", "sm_100", "sm_120", "gfx950")
-    casts = {c.name: c for c in static_report.fp8_cast_cases()}
+    _needs("sm_89", "sm_90", "sm_100", "sm_120", "gfx942", "gfx950")
     for cc in (t for t in RUN if static_report.fp8_planned(t)):
+        as_launched = in_fnuz if cc == "gfx942" else (lambda c: c)  # gfx942 casts to FNUZ
+        casts = {(c := as_launched(case)).name: c for case in static_report.fp8_cast_cases()}
         of_cc = {r["case"]: r for r in rows if r["target"] == cc and r["family"] == "fp8cast"}
         expected = {n for n, c in casts.items() if static_report.every_variant(cc) or not c.light}
         assert expected and expected <= set(of_cc), (cc, sorted(expected - set(of_cc)))

@@ -629,7 +629,8 @@ def to_float8(
 
     Args:
         x: fp32, fp16 or bf16, any shape for ``"tensor"``; 2-D (M, K) otherwise.
-        dtype: ``torch.float8_e4m3fn`` (max 448) or ``torch.float8_e5m2`` (max 57344).
+        dtype: ``torch.float8_e4m3fn`` (max 448) or ``torch.float8_e5m2`` (max 57344), or
+            their FNUZ forms ``float8_e4m3fnuz`` (max 240) / ``float8_e5m2fnuz`` (gfx942's).
         granularity: ``"tensor"`` (one scale), ``"row"`` (one per row: scales
             (M, 1)) or a block shape ``(bm, bk)`` (scales (ceil(M/bm), ceil(K/bk));
             DeepSeek-V3 uses (1, 128) for activations and (128, 128) for weights).
@@ -836,7 +837,7 @@ def to_float8_with_amax(
     Args:
         x: fp32, fp16 or bf16, any shape (empty allowed).
         amax: (P,) fp32 contiguous, P >= 1, on x's device: values whose max is the amax.
-        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or their FNUZ forms).
 
     Returns:
         ``(data, scale)`` as :func:`to_float8` with ``"tensor"`` granularity.
