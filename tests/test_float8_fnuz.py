@@ -198,3 +198,27 @@ def test_the_optimizer_casts_the_weight_to_fnuz_on_an_mi300x(on_mi300x):
     data, scale = float8_weight_cache(cached.weight).lookup(cached.weight)
     ref, ref_scale = tkern.to_float8(cached.weight.detach(), E4)
     assert data.dtype == E4 and torch.equal(bits(data), bits(ref)) and torch.equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2, E4, E5])
+@pytest.mark.parametrize("granularity", ["tensor", "row", (1, 2)])
+def test_a_non_finite_input_reaches_the_fp8_output_as_nan(fp8, granularity):
+    """torchao's clamp keeps a NaN, and an inf's block scales by fp8_max / inf = 0, so
+    inf * 0 is NaN: a gradient that overflowed under fp16 loss scaling stays non-finite
+    through the casts and the fp8 GEMM, where the scaler's overflow check finds it (a
+    plain min / max would have returned ±fp8_max, a finite value). The finite values of
+    a block whose amax is inf are zeros, as torchao's cast gives them."""
+    x = torch.tensor([[float("nan"), float("inf"), -float("inf"), 1.0], [1.0, -0.0, 2.0, 3.0]], device=DEVICE)
+    data, scale = tkern.to_float8(x, fp8, granularity)
+    got = data.float().cpu()
+    assert got[0, :3].isnan().all() and got[0, 3] == 0
+    assert torch.isfinite(got[1]).all()
+    ones = torch.ones(4, 8, device=DEVICE)
+    b, sb = tkern.to_float8(
+        ones, torch.float8_e4m3fn if fp8 in (torch.float8_e4m3fn, torch.float8_e5m2) else E4
+    )
+    a, sa = tkern.to_float8(x, fp8)
+    if fp8 in (torch.float8_e5m2, E5):
+        a, sa = tkern.to_float8(x, E4 if fp8 == E5 else torch.float8_e4m3fn)
+    out = tkern.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    assert not torch.isfinite(out[0]).any()  # NaN on a GPU; non-finite here too

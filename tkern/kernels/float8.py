@@ -123,14 +123,17 @@ def _round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
 def to_fp8_saturated(x, multiplier, FP8_MAX: tl.constexpr, DTYPE: tl.constexpr):
     """``x * multiplier`` (fp32) clamped to ±FP8_MAX and rounded to nearest
     even in ``DTYPE`` (torchao's ``to_fp8_saturated``): never inf, never NaN
-    from overflow.
+    from overflow; a NaN stays NaN, as torch's clamp keeps it (an inf or NaN in a
+    gradient must reach the loss scaler's overflow check through the fp8 GEMMs:
+    a plain min / max would return the bound for it, a finite value).
 
     Compiled Triton rounds fp32 -> fp8 to nearest even in hardware. The
     interpreter (triton 3.9) drops the carry when rounding up crosses a power
     of two (0.1236 -> 0.0625 in e4m3), so there the value is first rounded on
-    the fp8 grid in fp32 (then the cast is exact)."""
+    the fp8 grid in fp32 (then the cast is exact), and a NaN is given the
+    format's NaN bits (its cast makes 0x7C, a finite 256)."""
     y = x.to(tl.float32) * multiplier
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    y = tl.clamp(y, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     if IS_INTERPRETER:
         if tl.float8e4nv == DTYPE:
             y = _round_to_fp8_grid(y, 3, -6)
@@ -141,16 +144,16 @@ def to_fp8_saturated(x, multiplier, FP8_MAX: tl.constexpr, DTYPE: tl.constexpr):
         else:
             y = _round_to_fp8_grid(y, 2, -15)
     if tl.float8e4b8 == DTYPE or tl.float8e5b16 == DTYPE:
-        return _to_fnuz(y, DTYPE)
-    return y.to(DTYPE)
-
-
-@triton.jit
-def _to_fnuz(y, DTYPE: tl.constexpr):
-    """fp32 ``y`` (clamped, so never NaN: the clamp's min / max return the number) in an
-    FNUZ ``DTYPE`` as torch casts it: a zero of either sign is +0, since FNUZ has no -0
-    (its 0x80 is the NaN)."""
-    return tl.where(y == 0.0, 0.0, y).to(DTYPE)
+        y8 = tl.where(y == 0.0, 0.0, y).to(DTYPE)  # FNUZ has no -0 (its 0x80 is the NaN)
+        nan_bits = 0x80
+    else:
+        y8 = y.to(DTYPE)
+        nan_bits = 0x7F  # OCP's NaN magnitude in both formats (the sign kept below)
+    if IS_INTERPRETER:
+        sign = ((y.to(tl.int32, bitcast=True) >> 24) & 0x80) if nan_bits == 0x7F else 0
+        bits = tl.where(y != y, sign | nan_bits, y8.to(tl.uint8, bitcast=True).to(tl.int32))
+        y8 = bits.to(tl.uint8).to(DTYPE, bitcast=True)
+    return y8
 
 
 @triton.jit
