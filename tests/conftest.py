@@ -196,6 +196,34 @@ def wgrad_counts(monkeypatch):
 
 
 @pytest.fixture
+def scaled_mm_calls(monkeypatch):
+    """Every ``tkern.ops.float8.scaled_mm`` call the test makes, as (a, b, scale_a, scale_b,
+    block_a, block_b), each still run: the fp8 operands a GEMM received, for a float64
+    product of them (:func:`dequantized`)."""
+    import tkern.ops.float8
+
+    calls = []
+    real = tkern.ops.float8.scaled_mm
+
+    def recording(a, b, scale_a, scale_b, **kw):
+        calls.append((a, b, scale_a, scale_b, kw.get("block_a"), kw.get("block_b")))
+        return real(a, b, scale_a, scale_b, **kw)
+
+    monkeypatch.setattr(tkern.ops.float8, "scaled_mm", recording)
+    return calls
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """fp8 data ``q`` times its scale in float64: one scale (``block`` None) or one per
+    ``block`` = (rows, cols) tile, the ragged last tiles cut to ``q``'s shape."""
+    if not block:
+        return q.double() * scale.double().reshape(-1)[0]
+    r, c = q.shape
+    full = scale.double().repeat_interleave(block[0], 0)[:r].repeat_interleave(block[1], 1)[:, :c]
+    return q.double() * full
+
+
+@pytest.fixture
 def hopper_routes(monkeypatch):
     """Hopper's routing (gemm.device_gemm_info patched: TMA, ragged M plans the TMA kernel),
     the TMA kernel run by the interpreter; the list of "tma" launches it took."""

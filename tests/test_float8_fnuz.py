@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, dequantized
 from test_float8 import assert_gemm_close, bits, emulate_blocks, quantize_b, reference, sample
 
 import tkern
@@ -123,30 +123,13 @@ def test_recipes_take_the_devices_native_formats():
 
 
 @pytest.fixture
-def on_mi300x(monkeypatch):
+def on_mi300x(monkeypatch, scaled_mm_calls):
     """tkern's fp8 code asked about the GPU (``float8.compiled_spec``, its one seam) answers
     for an MI300X: the kernels run here, under the interpreter, in gfx942's formats."""
     from tkern.device import device_spec
 
     monkeypatch.setattr(f8, "compiled_spec", lambda device: device_spec("mi300x"))
-    calls = []
-    real = tkern.ops.float8.scaled_mm
-
-    def recording(a, b, scale_a, scale_b, **kw):
-        calls.append((a, b, scale_a, scale_b, kw.get("block_a"), kw.get("block_b")))
-        return real(a, b, scale_a, scale_b, **kw)
-
-    monkeypatch.setattr(tkern.ops.float8, "scaled_mm", recording)
-    return calls
-
-
-def _dequantized(q, scale, block):
-    if not block:
-        return q.double() * scale.double().reshape(-1)[0]
-    r, c = q.shape
-    return (
-        q.double() * scale.double().repeat_interleave(block[0], 0)[:r].repeat_interleave(block[1], 1)[:, :c]
-    )
+    return scaled_mm_calls
 
 
 @pytest.mark.parametrize(("recipe", "grad"), [("tensorwise", E5), ("delayed", E5), ("blockwise", E4)])
@@ -164,7 +147,7 @@ def test_float8_linear_on_an_mi300x_multiplies_fnuz(recipe, grad, on_mi300x):
     assert (fwd[0].dtype, fwd[1].dtype) == (E4, E4)
     assert (dgrad[0].dtype, dgrad[1].dtype) == (grad, E4) and (wgrad[0].dtype, wgrad[1].dtype) == (grad, E4)
     for (a, b, sa, sb, ba, bb), got in ((fwd, y), (dgrad, x.grad)):
-        ref = _dequantized(a, sa, ba) @ _dequantized(b, sb, bb)
+        ref = dequantized(a, sa, ba) @ dequantized(b, sb, bb)
         if got is y:
             ref = ref + layer.bias.double()
         err = (got.double() - ref).abs()  # fp32 sums of exact products, one bf16 rounding

@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, dequantized
 from torch import nn
 
 import tkern
@@ -79,29 +79,12 @@ def test_forward_and_gradients_are_the_linear_within_fp8_precision(recipe):
     assert_within(x1.grad, x2.grad, 0.15)
 
 
-def _dequantized(q, scale, block):
-    """float64 values of fp8 ``q`` (R, C) with a per-tensor ``scale`` (no ``block``) or
-    (bm, bk) block scales: what the scaled GEMM multiplies."""
-    if not block:
-        return q.double() * scale.double().reshape(-1)[0]
-    r, c = q.shape
-    full = scale.double().repeat_interleave(block[0], 0)[:r].repeat_interleave(block[1], 1)[:, :c]
-    return q.double() * full
-
-
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_weight_gradient_is_the_product_of_its_quantized_operands(recipe, monkeypatch):
+def test_the_weight_gradient_is_the_product_of_its_quantized_operands(recipe, scaled_mm_calls):
     """dW for every recipe against a float64 product of the fp8 operands the wgrad GEMM
     received (dequantized with their scales): the casts are tested in test_float8.py,
     this is the GEMM, its scales and its operand layout (blockwise re-tiles both)."""
-    calls = []
-    real = tkern.ops.float8.scaled_mm
-
-    def recording(a, b, scale_a, scale_b, **kw):
-        calls.append((a, b, scale_a, scale_b, kw.get("block_a"), kw.get("block_b")))
-        return real(a, b, scale_a, scale_b, **kw)
-
-    monkeypatch.setattr(tkern.ops.float8, "scaled_mm", recording)
+    calls = scaled_mm_calls
     lin = bf16_linear(seed=2)
     mine = Float8Linear(256, 64, recipe=recipe, device=DEVICE)
     mine.load_state_dict(lin.state_dict())
@@ -113,7 +96,7 @@ def test_the_weight_gradient_is_the_product_of_its_quantized_operands(recipe, mo
         g = torch.randn_like(y)
         y.backward(g)
     (a, b, sa, sb, block_a, block_b) = next(c for c in calls if c[0].shape == (64, 40))  # (N, M) @ (M, K)
-    qa, qb = _dequantized(a, sa, block_a), _dequantized(b, sb, block_b)
+    qa, qb = dequantized(a, sa, block_a), dequantized(b, sb, block_b)
     ref = qa @ qb
     # fp8 x fp8 products are exact in fp32; their fp32 sums over M = 40 (per K block,
     # then scaled) each err by <= M * 2^-24 * sum |products|, and the result is
