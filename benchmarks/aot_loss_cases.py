@@ -87,7 +87,8 @@ def target_stats_cases() -> list[Case]:
                 sig = {"target_ptr": f"*{tdtype}", "weight_ptr": "*fp32", "stats_ptr": "*fp32"}
                 sig.update(n_rows="i32", n_cols="i32", ignore_index="i32", z_loss="fp32")
                 sig.update(HAS_WEIGHT="constexpr", MEAN="constexpr", BLOCK="constexpr")
-                flags = ",".join(filter(None, (tdtype, "weight" if weight else "", "mean" if mean else "sum")))
+                reduction = "mean" if mean else "sum"
+                flags = ",".join(filter(None, (tdtype, "weight" if weight else "", reduction)))
                 cases.append(
                     Case(
                         name=f"cross_entropy_target_stats[{flags}]",
@@ -101,5 +102,3 @@ def target_stats_cases() -> list[Case]:
                     )
                 )
     return cases
-
-

@@ -409,12 +409,12 @@ def target_stats(
     stats = torch.empty(N_STATS, dtype=torch.float32, device=target.device)
     _target_stats_kernel[(1,)](
         target, stats if weight is None else weight, stats, target.shape[0], n_classes, ignore_index,
-        float(z_loss), HAS_WEIGHT=weight is not None, MEAN=bool(mean), BLOCK=STATS_BLOCK, num_warps=STATS_WARPS,
+        float(z_loss), HAS_WEIGHT=weight is not None, MEAN=bool(mean), BLOCK=STATS_BLOCK,
+        num_warps=STATS_WARPS,
     )  # fmt: skip
     if target.device.type not in HOST_CHECK_DEVICES:
-        torch._assert_async(
-            stats[STAT_OK], f"tkern cross-entropy: a target is out of range: {_range_message(n_classes, ignore_index)}"
-        )
+        message = f"tkern cross-entropy: a target is out of range: {_range_message(n_classes, ignore_index)}"
+        torch._assert_async(stats[STAT_OK], message)
     else:  # on the host, the targets read where they are (no launch; the flag is the device's)
         t = target.detach().numpy()
         bad = ((t < 0) | (t >= n_classes)) & (t != ignore_index)
@@ -576,7 +576,9 @@ def cross_entropy_forward(
         if out is not None:
             check_tensor(name, out, ndim=1, dtypes=(torch.float32,))
             if out.shape[0] != n or not out.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous ({n},) fp32 tensor, got shape {tuple(out.shape)}")
+                raise ValueError(
+                    f"{name} must be a contiguous ({n},) fp32 tensor, got shape {tuple(out.shape)}"
+                )
             check_same_device(logits=logits, **{name: out})
     if check_target:
         check_targets(target, logits.shape[1], ignore_index)

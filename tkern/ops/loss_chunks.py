@@ -90,7 +90,9 @@ def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
     return max(1, min(rows, 1 << max(n_rows - 1, 0).bit_length()))
 
 
-def denominators(target: Tensor, weight: Tensor | None, ignore_index: int, n_classes: int) -> tuple[Tensor, Tensor]:
+def denominators(
+    target: Tensor, weight: Tensor | None, ignore_index: int, n_classes: int
+) -> tuple[Tensor, Tensor]:
     """``(the mean's denominator, the non-ignored count)`` as fp32 0-d device
     tensors (no host sync; the targets checked in the same launch,
     :func:`kernels.cross_entropy.target_stats`): the summed class weights of the
