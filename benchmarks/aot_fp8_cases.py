@@ -413,21 +413,27 @@ def mx_gemm_cases() -> list[Case]:
 
 
 def mx_cast_cases() -> list[Case]:
-    """The MX cast (mx.py, ``_to_mx_kernel``) as the mxfp8 recipe launches it for a weight:
-    bf16 to e4m3 with RCEIL scales (the longer arithmetic), the one-pass pair (blocks along
-    C and along R, ``ALONG_R``) on the launcher's tile. Compiled where fp8 is planned."""
+    """The MX cast (mx.py, ``_to_mx_kernel``) as the mxfp8 recipe launches it: the one-pass
+    pair (blocks along C and along R, ``ALONG_R``) on the launcher's tile, bf16 to e4m3, for a
+    weight with RCEIL scales (the longer arithmetic) and for dY with FLOOR scales (the
+    recipe's) and the column sums of its bias gradient (``COL_SUM``). Compiled where fp8 is
+    planned."""
     from tkern.kernels import mx
 
     tl = _tl()
     fn = mx._to_mx_kernel
-    sig = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*u8", "data_r_ptr": "*u8", "scale_r_ptr": "*u8"}
+    ptrs = ("x_ptr", "data_ptr", "scale_ptr", "data_r_ptr", "scale_r_ptr", "partial_sum_ptr")
+    sig = dict(zip(ptrs, ("*bf16", "*u8", "*u8", "*u8", "*u8", "*fp32"), strict=True))
     sig.update({a: "i32" for a in fn.arg_names if a in ("R", "C") or (a.startswith("s") and a not in sig)})
-    const = dict(MODE=1, FP8_MAX=448.0, MAX_POW2=8, DTYPE=tl.float8e4nv, BLOCK=32, TR=mx.TILE_R,
-                 TC=mx.TILE_C, ALONG_R=True)  # fmt: skip
-    sig.update(dict.fromkeys(const, "constexpr"))
-    aligned = ("x_ptr", "data_ptr", "scale_ptr", "data_r_ptr", "scale_r_ptr")
-    return [Case("mx cast[bf16->e4m3,RCEIL,along C and R]", "fp8cast", "tkern.kernels.mx:_to_mx_kernel",
-                 sig, const, aligned, 4)]  # fmt: skip
+    cases = []
+    launches = (("RCEIL,along C and R", 1, False), ("FLOOR,along C and R,column sums", 0, True))
+    for label, mode, col_sum in launches:
+        const = dict(MODE=mode, FP8_MAX=448.0, MAX_POW2=8, DTYPE=tl.float8e4nv, BLOCK=32, TR=mx.TILE_R,
+                     TC=mx.TILE_C, ALONG_R=True, COL_SUM=col_sum)  # fmt: skip
+        case_sig = {**sig, **dict.fromkeys(const, "constexpr")}
+        cases.append(Case(f"mx cast[bf16->e4m3,{label}]", "fp8cast", "tkern.kernels.mx:_to_mx_kernel",
+                          case_sig, const, ptrs, 4))  # fmt: skip
+    return cases
 
 
 #: Triton's OCP fp8 type names and their FNUZ forms (gfx942's: ``tl.float8e4b8``, ``tl.float8e5b16``).

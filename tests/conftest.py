@@ -274,6 +274,66 @@ class AddsOver(TorchDispatchMode):
         return out
 
 
+class OpsOver(TorchDispatchMode):
+    """The aten ops (outside Triton's launches) that read or write a tensor of one of
+    ``sizes`` ((numel, last dim) pairs). Views and allocations touch no data: not counted.
+    Under the interpreter a launch copies its tensors with aten ops: those are the kernel's;
+    a tkern custom op is a launcher's door (its insides are not dispatched to a mode)."""
+
+    FREE = {
+        getattr(torch.ops.aten, n)
+        for n in (
+            "view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "slice",
+            "split", "split_with_sizes", "select", "unsqueeze", "squeeze", "detach", "alias",
+            "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_",
+        )
+    }  # fmt: skip
+
+    def __init__(self, sizes: set[tuple[int, int]]) -> None:
+        super().__init__()
+        self.sizes = sizes
+        self.busy = 0
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.busy and func.overloadpacket not in self.FREE and func.namespace != "tkern":
+            tensors = torch.utils._pytree.tree_leaves((args, kwargs, out))
+            if any(isinstance(t, torch.Tensor) and (t.numel(), t.shape[-1:]) in self.sizes for t in tensors):
+                self.seen.append(str(func))
+        return out
+
+
+@contextlib.contextmanager
+def outside_launches(monkeypatch, mode):
+    """``mode`` (a TorchDispatchMode with a ``busy`` count) entered, and under the interpreter
+    ``busy`` raised while a Triton launch runs: the interpreter's own tensor ops inside a
+    launch are the kernel's, not the model's (a compiled launch dispatches no aten op)."""
+    if tkern.INTERPRET:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        real = InterpretedFunction.run
+
+        def run(*args, **kwargs):
+            mode.busy += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                mode.busy -= 1
+
+        monkeypatch.setattr(InterpretedFunction, "run", run)
+    with mode:
+        yield mode
+
+
+@contextlib.contextmanager
+def ops_over(monkeypatch, sizes):
+    """:class:`OpsOver` of ``sizes`` ((numel, last dim) pairs) while in the block: yields its
+    ``seen`` list, which fills as the block runs."""
+    with outside_launches(monkeypatch, OpsOver({(n, torch.Size([d])) for n, d in sizes})) as mode:
+        yield mode.seen
+
+
 def loss_and_grads(model, ids):
     """A causal LM's loss on ``ids`` (its own labels) and a copy of every parameter's gradient
     by name, from fresh gradients (the copies survive a fused optimizer's buffer being zeroed)."""

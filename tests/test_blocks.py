@@ -17,12 +17,9 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICE, TOL, rel_err
+from conftest import DEVICE, TOL, ops_over, rel_err
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import tkern
-from tkern.kernels.swiglu import _swiglu_fwd_kernel
 from tkern.nn import convert_network, fusion
 from tkern.nn.fusion import MLP_RULES, FusedMLPForward
 
@@ -355,60 +352,12 @@ def test_models_whose_blocks_have_rules_say_nothing_left_eager():
 # --------------------------------------------------------------------------- whole models
 
 
-class _OpsOver(TorchDispatchMode):
-    """The aten ops (outside Triton's launches) that read or write a tensor of one of
-    ``sizes`` ((numel, last dim) pairs). Views and allocations touch no data: not counted.
-    Under the interpreter a launch copies its tensors with aten ops: those are the kernel's."""
-
-    FREE = {
-        getattr(torch.ops.aten, n)
-        for n in (
-            "view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "slice",
-            "split", "split_with_sizes", "select", "unsqueeze", "squeeze", "detach", "alias",
-            "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_",
-        )
-    }  # fmt: skip
-
-    def __init__(self, sizes: set[tuple[int, int]]) -> None:
-        super().__init__()
-        self.sizes = sizes
-        self.busy = 0
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.busy and func.overloadpacket not in self.FREE:
-            tensors = torch.utils._pytree.tree_leaves((args, kwargs, out))
-            if any(isinstance(t, torch.Tensor) and (t.numel(), t.shape[-1:]) in self.sizes for t in tensors):
-                self.seen.append(str(func))
-        return out
-
-
-@contextlib.contextmanager
-def _ops_over(monkeypatch, sizes):
-    mode = _OpsOver({(n, torch.Size([d])) for n, d in sizes})
-    if tkern.INTERPRET:  # a compiled launch dispatches no aten op: nothing to tell apart there
-        launches = type(_swiglu_fwd_kernel)  # the interpreter's class of every jit kernel
-        real = launches.run
-
-        def run(*args, **kwargs):
-            mode.busy += 1
-            try:
-                return real(*args, **kwargs)
-            finally:
-                mode.busy -= 1
-
-        monkeypatch.setattr(launches, "run", run)
-    with mode:
-        yield mode.seen
-
-
 def test_the_dispatch_check_sees_an_unfused_block(monkeypatch):
     # the check can fail: the same blocks unfused run torch ops over (tokens, intermediate)
     tokens = TOKENS[0] * TOKENS[1]
     for name in ("GPT2MLP", "LlamaMLP"):
         block = convert_network(_block(name, "silu" if name == "LlamaMLP" else None), fuse_activations=False)
-        with _ops_over(monkeypatch, {(tokens * INTER, INTER)}) as seen:
+        with ops_over(monkeypatch, {(tokens * INTER, INTER)}) as seen:
             _run(block, torch.randn(*TOKENS, HIDDEN, device=DEVICE))
         assert any("mul" in op for op in seen), (name, seen)
 
@@ -418,7 +367,7 @@ def test_fused_gated_blocks_run_no_torch_op_over_the_activation(name, monkeypatc
     tokens = TOKENS[0] * TOKENS[1]
     block = convert_network(_block(name))
     sizes = {(tokens * INTER, INTER), (tokens * 2 * INTER, 2 * INTER)}  # Phi-3's gate_up too
-    with _ops_over(monkeypatch, sizes) as seen:
+    with ops_over(monkeypatch, sizes) as seen:
         _run(block, torch.randn(*TOKENS, HIDDEN, device=DEVICE))
     assert seen == []
 
@@ -462,7 +411,7 @@ def test_whole_model_matches_fp32_and_autocast_with_no_torch_op_over_the_activat
     assert {n: p for n, p in model.named_parameters()} == params  # the very same Parameter objects
     assert all(p1 is p2 for p1, p2 in zip(params.values(), model.parameters(), strict=True))
     tokens = TOKENS[0] * TOKENS[1]
-    with _ops_over(monkeypatch, {(tokens * INTER, INTER)}) as seen:
+    with ops_over(monkeypatch, {(tokens * INTER, INTER)}) as seen:
         loss, grads = _loss_and_grads(model, ids)
     assert seen == []  # forward and backward: only tkern's kernels touched the activation
     # the loss: a mean over tokens of fp32 log-softmax of 16-bit logits: within one rounding

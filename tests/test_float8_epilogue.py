@@ -12,8 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE
-from test_blocks import _ops_over
+from conftest import DEVICE, ops_over
 from test_float8 import E4M3, assert_gemm_close, fp8_pair, quantize_b, reference, sample
 from test_float8_passes import launches  # noqa: F401 (the fixture)
 
@@ -249,7 +248,7 @@ def test_fp8_mlp_runs_no_torch_op_over_the_activation(scaling, forward, launches
         mlp(x).float().sum().backward()
         opt.step()  # casts the weights for the next forward
         launches.clear()
-        with _ops_over(monkeypatch, {(32 * 128, 128)}) as seen:
+        with ops_over(monkeypatch, {(32 * 128, 128)}) as seen:
             y = mlp(x)
             n_forward, ops_forward = len(launches), len(seen)
             y.backward(torch.ones_like(y))

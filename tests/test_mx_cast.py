@@ -1,4 +1,5 @@
-"""MX casts (tkern.to_mx and the one-pass pair to_mx_both) against torchao's to_mx, bit for bit."""
+"""MX casts (tkern.to_mx and the one-pass pair to_mx_both) against torchao's to_mx, bit for bit;
+the pair's column sums (to_mx_both_sum, the MX backward's bias gradient) against float64."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from conftest import DEVICE, LazyModule
 
 import tkern
-from tkern.kernels.mx import to_mx_both
+from tkern.kernels.mx import to_mx_both, to_mx_both_sum
 
 mx_tensor = LazyModule("torchao.prototype.mx_formats.mx_tensor")
 mx_config = LazyModule("torchao.prototype.mx_formats.config")
@@ -93,6 +94,29 @@ def test_both_casts_in_one_pass(mode):
     assert_bits_equal(x, E4M3, 1, mode, data, scales)
     assert data_t.shape == (96, 64) and data_t.is_contiguous()
     assert_bits_equal(x.t(), E4M3, 1, mode, data_t, scales_t)
+
+
+@pytest.mark.parametrize("sum_dtype", [torch.float32, torch.bfloat16])
+def test_both_casts_and_the_column_sums_in_one_pass(sum_dtype):
+    # 96 rows: a ragged last band of rows under either tile (64 interpreted, 32 compiled)
+    torch.manual_seed(0)
+    x = (torch.randn(96, 64) * 3).to(torch.bfloat16)
+    x[5, 3], x[70, 9], x[90, 9] = float("nan"), float("inf"), float("-inf")
+    x = x.to(DEVICE)
+    *casts, col_sum = to_mx_both_sum(x, E4M3, scale_mode="rceil", sum_dtype=sum_dtype)
+    for got, want in zip(casts, to_mx_both(x, E4M3, scale_mode="rceil"), strict=True):
+        assert torch.equal(bits(got), bits(want))  # the same four casts
+    assert col_sum.shape == (64,) and col_sum.dtype == sum_dtype
+    ref = x.cpu().double().sum(0)
+    finite = ref.isfinite()
+    assert col_sum[3].isnan() and col_sum[9].isnan()  # NaN, and inf + -inf, reach the bias gradient
+    assert torch.equal(finite, col_sum.cpu().isfinite())
+    # fp32 accumulation (96 terms), then one rounding to sum_dtype
+    err = (col_sum.cpu().double() - ref)[finite].abs()
+    rounding = 2.0**-24 if sum_dtype == torch.float32 else 2.0**-8
+    assert (err <= rounding * ref[finite].abs() + 96 * 2.0**-24 * x.cpu().double().abs().sum(0)[finite]).all()
+    with pytest.raises(ValueError, match="sum_dtype"):
+        to_mx_both_sum(x, sum_dtype=torch.int32)
 
 
 def test_errors_before_launch():

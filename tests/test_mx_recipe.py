@@ -1,11 +1,11 @@
 """The MXFP8 recipe (Float8Recipe(scaling="mxfp8")): one Float8Linear step against a float64
-emulation built from torchao's to_mx on the same axes, and its launches."""
+emulation built from torchao's to_mx on the same axes, its launches, and no torch op over x or dY."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, LazyModule
+from conftest import DEVICE, LazyModule, ops_over
 
 import tkern
 import tkern.device
@@ -79,6 +79,15 @@ def test_launches_per_step(monkeypatch):
     y.backward(dy)
     assert forward == ["_to_mx_kernel", "_to_mx_kernel", "_scaled_mm_mx_kernel"]
     assert seen == ["_to_mx_kernel", "_scaled_mm_mx_kernel", "_scaled_mm_mx_kernel"]
+
+
+def test_no_torch_op_over_x_or_dy(monkeypatch):
+    # the bias gradient is summed in dY's cast (to_mx_both_sum), not by a torch sum over dY
+    layer, x, dy = layer_and_inputs()
+    with ops_over(monkeypatch, {(x.numel(), x.shape[-1]), (dy.numel(), dy.shape[-1])}) as seen:
+        layer(x).backward(dy)
+    assert seen == []
+    assert layer.bias.grad is not None
 
 
 def test_refusals():

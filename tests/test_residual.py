@@ -18,12 +18,11 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICE, TOL, eager_and_compiled, rel_err
+from conftest import DEVICE, TOL, eager_and_compiled, outside_launches, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tkern
 from tkern.kernels.norm import MAX_BLOCK
-from tkern.kernels.rotary import _rotary_kernel
 from tkern.nn.residual import DECODER_RULES, FusedDecoderForward
 from tkern.ops.norm import layer_norm, layer_norm_and_residual, rms_norm, rms_norm_and_residual
 
@@ -74,24 +73,9 @@ class _Adds(TorchDispatchMode):
         return self.forward, self.backward
 
 
-@contextlib.contextmanager
 def counting_adds(monkeypatch, shape):
     """A dispatch mode counting the torch adds with output ``shape`` (:class:`_Adds`)."""
-    mode = _Adds(shape)
-    if tkern.INTERPRET:  # the interpreter's own tensor ops inside a launch are not the model's
-        launches = type(_rotary_kernel)
-        real = launches.run
-
-        def run(*args, **kwargs):
-            mode.busy += 1
-            try:
-                return real(*args, **kwargs)
-            finally:
-                mode.busy -= 1
-
-        monkeypatch.setattr(launches, "run", run)
-    with mode:
-        yield mode
+    return outside_launches(monkeypatch, _Adds(shape))
 
 
 def loss_and_grads(model, ids, autocast_dtype=None):

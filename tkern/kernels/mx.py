@@ -143,6 +143,7 @@ def _to_mx_kernel(
     scale_ptr,  # (batch, R, C // BLOCK) uint8 (e8m0), strides (ssb, ssr, ssc)
     data_r_ptr,  # (batch, R, C) uint8, strides (sdb2, sdr2, sdc2): blocks along R; unused unless ALONG_R
     scale_r_ptr,  # (batch, R // BLOCK, C) uint8, strides (ssb2, ssr2, ssc2); unused unless ALONG_R
+    partial_sum_ptr,  # (batch, cdiv(R, TR), C) fp32, contiguous: tiles' column sums; unused unless COL_SUM
     R,
     C,
     sxb, sxr, sxc, sdb, sdr, sdc, ssb, ssr, ssc,
@@ -155,10 +156,12 @@ def _to_mx_kernel(
     TR: tl.constexpr,  # tile rows (a multiple of BLOCK when ALONG_R)
     TC: tl.constexpr,  # tile columns, a multiple of BLOCK
     ALONG_R: tl.constexpr,  # also the cast with blocks along R (the one-pass pair)
+    COL_SUM: tl.constexpr = False,  # also the tile's column sums in fp32 (a bias gradient's share)
 ):  # fmt: skip
     """One (TR, TC) tile of one batch entry: each BLOCK of columns' amax, its scale
-    and cast, stored; with ALONG_R also each BLOCK of rows'. C (and R with ALONG_R)
-    is a multiple of BLOCK, so a block is either wholly inside or wholly past the edge."""
+    and cast, stored; with ALONG_R also each BLOCK of rows'; with COL_SUM the tile's
+    column sums, its band of rows' share of x.sum(-2). C (and R with ALONG_R) is a
+    multiple of BLOCK, so a block is either wholly inside or wholly past the edge."""
     batch = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * TR + tl.arange(0, TR)
     cols = tl.program_id(1) * TC + tl.arange(0, TC)
@@ -182,6 +185,9 @@ def _to_mx_kernel(
         tl.store(s_ptrs, biased_r.to(tl.uint8), mask=smask_r)
         data_r = mx_cast_bits(x, _expand(rcp_r, 0, TR, TC, BLOCK), FP8_MAX, DTYPE)
         tl.store(data_r_ptr + batch * sdb2 + rows[:, None] * sdr2 + cols[None, :] * sdc2, data_r, mask=mask)
+    if COL_SUM:  # masked rows loaded as 0.0
+        band = batch * tl.num_programs(0) + tl.program_id(0)
+        tl.store(partial_sum_ptr + band * C + cols, tl.sum(x, axis=0), mask=cols < C)
 
 
 # --------------------------------------------------------------------------- host side
@@ -221,19 +227,26 @@ def _as_brc(t: torch.Tensor, axis: int) -> torch.Tensor:
     return t.permute(*others, axis)
 
 
-def _launch(x3, d3, s3, mode, dtype, along_r=None) -> None:
+def _launch(x3, d3, s3, mode, dtype, along_r=None, partial_sums=None) -> None:
     """:func:`_to_mx_kernel` on (batch, R, C) views; ``along_r`` = (data, scales) views of the
-    second cast (blocks along R), or None."""
+    second cast (blocks along R), or None; ``partial_sums`` a contiguous (batch,
+    :func:`row_bands` (R), C) fp32 tensor for each tile's column sums, or None."""
     batch, R, C = x3.shape
     if x3.numel() == 0:
         return
     d2, s2 = along_r if along_r is not None else (d3, s3)
     grid = (cdiv(R, TILE_R), cdiv(C, TILE_C), batch)
     _to_mx_kernel[grid](
-        x3, d3, s3, d2, s2, R, C, *x3.stride(), *d3.stride(), *s3.stride(), *d2.stride(), *s2.stride(),
+        x3, d3, s3, d2, s2, s3 if partial_sums is None else partial_sums, R, C,
+        *x3.stride(), *d3.stride(), *s3.stride(), *d2.stride(), *s2.stride(),
         MODE=_MODE_CODE[mode], FP8_MAX=FP8_MAX[dtype], MAX_POW2=MAX_POW2[dtype], DTYPE=_TL_FP8[dtype],
-        BLOCK=BLOCK_SIZE, TR=TILE_R, TC=TILE_C, ALONG_R=along_r is not None,
+        BLOCK=BLOCK_SIZE, TR=TILE_R, TC=TILE_C, ALONG_R=along_r is not None, COL_SUM=partial_sums is not None,
     )  # fmt: skip
+
+
+def row_bands(rows: int) -> int:
+    """How many bands of rows :func:`_to_mx_kernel` sums columns in: one per row tile."""
+    return cdiv(rows, TILE_R)
 
 
 def check_to_mx_args(
@@ -247,9 +260,14 @@ def check_to_mx_args(
     return axis
 
 
-def check_to_mx_both_args(x: object, dtype: torch.dtype, scale_mode: object) -> None:
-    """Raise unless :func:`to_mx_both` can cast ``x``: 2-D, both extents multiples of 32."""
+def check_to_mx_both_args(
+    x: object, dtype: torch.dtype, scale_mode: object, sum_dtype: object = None
+) -> None:
+    """Raise unless :func:`to_mx_both` can cast ``x``: 2-D, both extents multiples of 32;
+    and :func:`to_mx_both_sum` sum it in ``sum_dtype`` where given."""
     _check_args(x, dtype, BLOCK_SIZE, scale_mode)
+    if sum_dtype is not None and sum_dtype not in HIGH_DTYPES:
+        raise ValueError(f"sum_dtype must be float32, float16 or bfloat16, got {sum_dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
     for axis in (0, 1):
@@ -301,6 +319,25 @@ def to_mx(
     return data.view(dtype), scales.view(torch.float8_e8m0fnu)
 
 
+def _pair(x: torch.Tensor, dtype: torch.dtype, scale_mode: str, sum_dtype: torch.dtype | None):
+    """:func:`to_mx_both`'s four outputs and, with ``sum_dtype``, x.sum(0) (else None)."""
+    M, K = x.shape
+    data, scales = _bytes((M, K), x), _bytes((M, K // BLOCK_SIZE), x)
+    data_t, scales_t = _bytes((K, M), x), _bytes((K, M // BLOCK_SIZE), x)
+    partial = None
+    if sum_dtype is not None:
+        partial = torch.empty((1, row_bands(M), K), dtype=torch.float32, device=x.device)
+    _launch(
+        x.unsqueeze(0), data.unsqueeze(0), scales.unsqueeze(0), scale_mode, dtype,
+        (data_t.t().unsqueeze(0), scales_t.t().unsqueeze(0)), partial,
+    )  # fmt: skip
+    e8m0 = torch.float8_e8m0fnu
+    col_sum = None
+    if partial is not None:  # the bands in order, in fp32, rounded once; zeros when M == 0
+        col_sum = partial[0].sum(0).to(sum_dtype)
+    return data.view(dtype), scales.view(e8m0), data_t.view(dtype), scales_t.view(e8m0), col_sum
+
+
 def to_mx_both(
     x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, scale_mode: str = "floor"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -310,15 +347,22 @@ def to_mx_both(
     as x^T: (K, M) and (K, M / 32), each contiguous: the K-major operand of a GEMM that
     reduces over M, as the wgrad reduces over tokens). M and K multiples of 32."""
     check_to_mx_both_args(x, dtype, scale_mode)
-    M, K = x.shape
-    data, scales = _bytes((M, K), x), _bytes((M, K // BLOCK_SIZE), x)
-    data_t, scales_t = _bytes((K, M), x), _bytes((K, M // BLOCK_SIZE), x)
-    _launch(
-        x.unsqueeze(0), data.unsqueeze(0), scales.unsqueeze(0), scale_mode, dtype,
-        (data_t.t().unsqueeze(0), scales_t.t().unsqueeze(0)),
-    )  # fmt: skip
-    e8m0 = torch.float8_e8m0fnu
-    return data.view(dtype), scales.view(e8m0), data_t.view(dtype), scales_t.view(e8m0)
+    return _pair(x, dtype, scale_mode, None)[:4]
+
+
+def to_mx_both_sum(
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    scale_mode: str = "floor",
+    sum_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`to_mx_both` and ``x.sum(0)`` from the same read: ``(data, scales, data_t,
+    scales_t, col_sum)``, ``col_sum`` (K,) of ``sum_dtype`` (fp32, fp16 or bf16) summed in
+    fp32 (each row tile's column sums in the kernel, the bands added in order after it)
+    and rounded once: the MX backward's dY, whose column sums are the bias gradient."""
+    check_to_mx_both_args(x, dtype, scale_mode, sum_dtype)
+    return _pair(x, dtype, scale_mode, sum_dtype)
 
 
 __all__ = [
@@ -329,4 +373,5 @@ __all__ = [
     "check_to_mx_both_args",
     "to_mx",
     "to_mx_both",
+    "to_mx_both_sum",
 ]

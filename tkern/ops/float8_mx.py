@@ -11,7 +11,8 @@ Each tensor's two casts come from one read of it (tkern.kernels.mx.to_mx_both): 
 the forward (along K, and along M stored as x^T for wgrad), W's in the forward (along K,
 and along N stored as W^T for dgrad), dY's in the backward (along N, and along M stored
 as dY^T). A step is then three Triton launches forward (two casts, one GEMM) and three
-backward (one cast, two GEMMs), plus torch's sum for the bias gradient. The weight's two
+backward (one cast, which also sums dY's columns for the bias gradient, two GEMMs); only
+the cast's per-tile partial sums (M / 32 rows) are added up by torch. The weight's two
 casts are written by a fused optimizer's step (tkern.ops.float8_cache.Float8WeightCache,
 given as ``weight_fp8``); without it the forward casts the weight. e4m3 everywhere by default;
 ``grad_dtype=torch.float8_e5m2`` casts dY to e5m2.
@@ -23,7 +24,7 @@ import torch
 
 from tkern.kernels.gemm_mx import check_mx_device
 from tkern.kernels.mx import BLOCK_SIZE, SCALE_MODES
-from tkern.ops import mx as _mx_ops  # noqa: F401 (registers tkern::to_mx and tkern::to_mx_both)
+from tkern.ops import mx as _mx_ops  # noqa: F401 (registers tkern::to_mx, to_mx_both, to_mx_both_sum)
 from tkern.ops.common import as_2d
 
 __all__ = ["MX_GRAD_DTYPES", "MX_SCALE_MODE", "check_mx_linear", "check_mx_weight_fp8", "mx_float8_linear"]
@@ -48,6 +49,11 @@ def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
 def _both(t, dtype, scale_mode):
     """tkern.kernels.mx.to_mx_both: (data, scales, data_t, scales_t)."""
     return torch.ops.tkern.to_mx_both(t, dtype, scale_mode)
+
+
+def _both_sum(t, dtype, scale_mode, sum_dtype):
+    """tkern.kernels.mx.to_mx_both_sum: :func:`_both`'s four and t.sum(0) in ``sum_dtype``."""
+    return torch.ops.tkern.to_mx_both_sum(t, dtype, scale_mode, sum_dtype)
 
 
 def _along_k(t, scale_mode):
@@ -86,15 +92,17 @@ class _MxFloat8Linear(torch.autograd.Function):
         xq_t, sx_t, wq_t, sw_t = ctx.saved_tensors
         dy2d = as_2d(dy, dy.shape[-1])
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx = dw = db = None
-        # dY along out_features (dgrad) and along the tokens (dY^T, wgrad): one read
-        gq, sg, gq_t, sg_t = _both(dy2d, ctx.grad_dtype, ctx.scale_mode)
+        dx = dw = None
+        # dY along out_features (dgrad) and along the tokens (dY^T, wgrad), and with a bias
+        # its column sums (the bias gradient): one read
+        if ctx.bias_grad:
+            gq, sg, gq_t, sg_t, db = _both_sum(dy2d, ctx.grad_dtype, ctx.scale_mode, ctx.w_dtype)
+        else:
+            (gq, sg, gq_t, sg_t), db = _both(dy2d, ctx.grad_dtype, ctx.scale_mode), None
         if dgrad:  # (M, N) @ (N, K), reduced over N
             dx = _scaled_mm(gq, wq_t.t(), sg, sw_t, None, ctx.x_dtype).reshape(ctx.x_shape)
         if wgrad:  # (N, M) @ (M, K), reduced over the tokens
             dw = _scaled_mm(gq_t, xq_t.t(), sg_t, sx_t, None, ctx.w_dtype)
-        if ctx.bias_grad:
-            db = dy2d.sum(0, dtype=torch.float32).to(ctx.w_dtype)
         return dx, dw, db, None, None, None, None
 
 

@@ -41,7 +41,7 @@ def _to_mx_both_op(
 
 
 @_to_mx_both_op.register_fake
-def _(x, dtype, scale_mode):
+def _to_mx_both_fake(x, dtype, scale_mode):
     m, k = x.shape
     b = mx.BLOCK_SIZE
     return (
@@ -50,6 +50,19 @@ def _(x, dtype, scale_mode):
         x.new_empty((k, m), dtype=dtype),
         x.new_empty((k, m // b), dtype=_E8M0),
     )
+
+
+@torch.library.custom_op("tkern::to_mx_both_sum", mutates_args=())
+def _to_mx_both_sum_op(
+    x: torch.Tensor, dtype: torch.dtype, scale_mode: str, sum_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tkern.kernels.mx.to_mx_both_sum`."""
+    return mx.to_mx_both_sum(x, dtype, scale_mode=scale_mode, sum_dtype=sum_dtype)
+
+
+@_to_mx_both_sum_op.register_fake
+def _(x, dtype, scale_mode, sum_dtype):
+    return (*_to_mx_both_fake(x, dtype, scale_mode), x.new_empty((x.shape[1],), dtype=sum_dtype))
 
 
 def to_mx(
