@@ -178,6 +178,7 @@ _TRITON_CATEGORY = {
     "norm": "norm",
     "cross_entropy": "loss",
     "float8": "fp8 cast/amax",
+    "mx": "fp8 cast/amax",  # MX casts: x's, W's or dY's pair of e8m0-scaled casts (and dY's column sums)
     "adam": "optimizer",
     "sgd": "optimizer",
     "overflow": "optimizer",
@@ -218,6 +219,8 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
                   + m * n * c.element_size() * (2 if "accumulate" in name else 1))  # fmt: skip
         if named.get("HAS_BIAS"):
             nbytes += n * named["bias_ptr"].element_size()
+        if module == "gemm_mx":  # its e8m0 scales, a byte per 32 of K (a's rows', b's columns')
+            nbytes += footprint(named["scale_a_ptr"]) + footprint(named["scale_b_ptr"])
         if named.get("STORE_PREACT"):
             nbytes += m * n * named["preact_ptr"].element_size()
         if named.get("GRAD_ACT"):  # the dgrad epilogue reads Z; a gated unit's reads gate and up

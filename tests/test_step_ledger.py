@@ -62,6 +62,7 @@ def _llama_flops(cfg: dict, seq: int, batch: int) -> int:
         ("gpt2-tiny", "torch autocast fused"),
         ("llama-tiny", "tkern"),
         ("llama-tiny", "tkern fp8 delayed"),
+        ("llama-tiny", "tkern fp8 mxfp8"),  # the MX GEMMs as Triton launches, with their FLOPs
     ],
 )
 def test_flops_agree_with_the_analytic_count_and_nothing_is_unclassified(sl, model, recipe):

@@ -30,7 +30,7 @@ from tkern.kernels.gemm import scaled_mm
 from tkern.kernels.gemm_epilogue import check_bias
 from tkern.ops import common
 from tkern.ops import linear as _linear  # noqa: F401 (registers tkern::activation_grad)
-from tkern.ops.common import as_2d, check_in_features, is_compiling
+from tkern.ops.common import as_2d, check_in_features, launches_directly
 from tkern.ops.float8_args import (
     CACHED_SCALINGS,
     E4M3,
@@ -330,8 +330,7 @@ _EAGER_FP8 = _Fp8Ops(
 def _fp8_ops(t: torch.Tensor) -> _Fp8Ops:
     """The launchers for a pass over ``t``: the custom ops while tracing or for
     anything but a plain tensor on a device that runs, else the launchers."""
-    plain = type(t) is torch.Tensor and not t.is_meta and not is_compiling()
-    return _EAGER_FP8 if plain else _TRACED_FP8
+    return _EAGER_FP8 if launches_directly(t) else _TRACED_FP8
 
 
 class _Float8Call(NamedTuple):

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from tkern.kernels.gemm_mx import check_mx_device
-from tkern.kernels.mx import BLOCK_SIZE, SCALE_MODES
+from tkern.kernels.gemm_mx import check_mx_device, scaled_mm_mx
+from tkern.kernels.mx import BLOCK_SIZE, SCALE_MODES, to_mx, to_mx_both, to_mx_both_sum
 from tkern.ops import mx as _mx_ops  # noqa: F401 (registers tkern::to_mx, to_mx_both, to_mx_both_sum)
-from tkern.ops.common import as_2d
+from tkern.ops.common import as_2d, launches_directly
 
 __all__ = ["MX_GRAD_DTYPES", "MX_SCALE_MODE", "check_mx_linear", "check_mx_weight_fp8", "mx_float8_linear"]
 
@@ -36,28 +36,38 @@ MX_GRAD_DTYPES = (E4M3, E5M2)
 MX_SCALE_MODE = "floor"
 
 
-# The casts and GEMM as custom ops (tkern.ops.mx's, tkern.ops.float8's), eager and traced
-# alike: inside an autograd.Function a compiled graph may not read a tensor's layout, which
-# the launchers' checks do (the layer's arguments are checked once, before the Function).
+# The casts and GEMM: the launchers on plain tensors (tkern.kernels.mx's, gemm_mx's), the
+# custom ops (tkern.ops.mx's, tkern.ops.float8's) while tracing or on any other tensor
+# (common.launches_directly, decided once per forward and once per backward): inside an
+# autograd.Function a compiled graph may not read a tensor's layout, which the launchers'
+# checks do (the layer's arguments are checked once, before the Function).
 
 
-def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
+def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, eager):
     """tkern.scaled_mm with MX scales."""
+    if eager:
+        return scaled_mm_mx(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
     return torch.ops.tkern.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, [], [], False)[0]
 
 
-def _both(t, dtype, scale_mode):
+def _both(t, dtype, scale_mode, eager):
     """tkern.kernels.mx.to_mx_both: (data, scales, data_t, scales_t)."""
+    if eager:
+        return to_mx_both(t, dtype, scale_mode=scale_mode)
     return torch.ops.tkern.to_mx_both(t, dtype, scale_mode)
 
 
-def _both_sum(t, dtype, scale_mode, sum_dtype):
+def _both_sum(t, dtype, scale_mode, sum_dtype, eager):
     """tkern.kernels.mx.to_mx_both_sum: :func:`_both`'s four and t.sum(0) in ``sum_dtype``."""
+    if eager:
+        return to_mx_both_sum(t, dtype, scale_mode=scale_mode, sum_dtype=sum_dtype)
     return torch.ops.tkern.to_mx_both_sum(t, dtype, scale_mode, sum_dtype)
 
 
-def _along_k(t, scale_mode):
+def _along_k(t, scale_mode, eager):
     """tkern.kernels.mx.to_mx along dim 1 in e4m3: (data, scales)."""
+    if eager:
+        return to_mx(t, E4M3, block_size=BLOCK_SIZE, axis=1, scale_mode=scale_mode)
     return torch.ops.tkern.to_mx(t, E4M3, BLOCK_SIZE, 1, scale_mode)
 
 
@@ -70,17 +80,18 @@ class _MxFloat8Linear(torch.autograd.Function):
         x2d = as_2d(x, k)
         dgrad = grad_enabled and ctx.needs_input_grad[0]
         wgrad = grad_enabled and ctx.needs_input_grad[1]
+        eager = launches_directly(x) and launches_directly(weight)
         if wgrad:  # x along K, and along the tokens (x^T, wgrad's K-major operand): one read
-            xq, sx, xq_t, sx_t = _both(x2d, E4M3, scale_mode)
+            xq, sx, xq_t, sx_t = _both(x2d, E4M3, scale_mode, eager)
         else:
-            (xq, sx), xq_t, sx_t = _along_k(x2d, scale_mode), None, None
+            (xq, sx), xq_t, sx_t = _along_k(x2d, scale_mode, eager), None, None
         if cached is not None:  # the optimizer's step cast W both ways (Float8WeightCache)
             wq, sw, wq_t, sw_t = cached
         elif dgrad:  # W along K, and along out_features (W^T, dgrad's K-major operand)
-            wq, sw, wq_t, sw_t = _both(weight, E4M3, scale_mode)
+            wq, sw, wq_t, sw_t = _both(weight, E4M3, scale_mode, eager)
         else:
-            (wq, sw), wq_t, sw_t = _along_k(weight, scale_mode), None, None
-        y = _scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype)
+            (wq, sw), wq_t, sw_t = _along_k(weight, scale_mode, eager), None, None
+        y = _scaled_mm(xq, wq.t(), sx, sw, bias, x.dtype, eager)
         ctx.save_for_backward(xq_t, sx_t, wq_t, sw_t)
         ctx.grad_dtype, ctx.scale_mode, ctx.x_shape = grad_dtype, scale_mode, x.shape
         ctx.w_dtype, ctx.x_dtype = weight.dtype, x.dtype
@@ -93,16 +104,17 @@ class _MxFloat8Linear(torch.autograd.Function):
         dy2d = as_2d(dy, dy.shape[-1])
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = None
+        eager = all(launches_directly(t) for t in (dy, *ctx.saved_tensors) if t is not None)
         # dY along out_features (dgrad) and along the tokens (dY^T, wgrad), and with a bias
         # its column sums (the bias gradient): one read
         if ctx.bias_grad:
-            gq, sg, gq_t, sg_t, db = _both_sum(dy2d, ctx.grad_dtype, ctx.scale_mode, ctx.w_dtype)
+            gq, sg, gq_t, sg_t, db = _both_sum(dy2d, ctx.grad_dtype, ctx.scale_mode, ctx.w_dtype, eager)
         else:
-            (gq, sg, gq_t, sg_t), db = _both(dy2d, ctx.grad_dtype, ctx.scale_mode), None
+            (gq, sg, gq_t, sg_t), db = _both(dy2d, ctx.grad_dtype, ctx.scale_mode, eager), None
         if dgrad:  # (M, N) @ (N, K), reduced over N
-            dx = _scaled_mm(gq, wq_t.t(), sg, sw_t, None, ctx.x_dtype).reshape(ctx.x_shape)
+            dx = _scaled_mm(gq, wq_t.t(), sg, sw_t, None, ctx.x_dtype, eager).reshape(ctx.x_shape)
         if wgrad:  # (N, M) @ (M, K), reduced over the tokens
-            dw = _scaled_mm(gq_t, xq_t.t(), sg_t, sx_t, None, ctx.w_dtype)
+            dw = _scaled_mm(gq_t, xq_t.t(), sg_t, sx_t, None, ctx.w_dtype, eager)
         return dx, dw, db, None, None, None, None
 
 
