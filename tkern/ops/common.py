@@ -34,14 +34,16 @@ is_compiling = torch.compiler.is_compiling  # bound once: the fast checks run on
 # AccumulateGrad under autograd.grad(), which captures that gradient instead.
 _will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 _increment_version = torch.autograd.graph.increment_version
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def launches_directly(t: torch.Tensor) -> bool:
-    """Whether a pass over ``t`` may call tkern's launchers themselves: a plain tensor (not
-    meta, not a subclass such as a FakeTensor) outside torch.compile's tracing. Elsewhere the
-    custom ops run (opaque ops with known shapes); eagerly their Python dispatch costs tens
-    of us of host time per call and hides the launches from a dispatch mode's view."""
-    return type(t) is torch.Tensor and not t.is_meta and not is_compiling()
+    """Whether a pass over ``t`` may call tkern's launchers themselves: a plain tensor or
+    Parameter (not meta, not a subclass such as a FakeTensor or a DTensor) outside
+    torch.compile's tracing. Elsewhere the custom ops run (opaque ops with known shapes);
+    eagerly their Python dispatch costs tens of us of host time per call and hides the
+    launches from a dispatch mode's view."""
+    return type(t) in _PLAIN and not t.is_meta and not is_compiling()
 
 
 def as_2d(x: torch.Tensor, k: int) -> torch.Tensor:
