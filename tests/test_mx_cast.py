@@ -96,6 +96,15 @@ def test_both_casts_in_one_pass(mode):
     assert_bits_equal(x.t(), E4M3, 1, mode, data_t, scales_t)
 
 
+def test_both_casts_into_given_tensors():
+    x = edge_values(64, 96).to(torch.bfloat16).to(DEVICE)
+    want = to_mx_both(x, E4M3, scale_mode="rceil")
+    out = tuple(torch.empty_like(t) for t in want)
+    got = to_mx_both(x, E4M3, scale_mode="rceil", out=out)
+    assert all(g is o for g, o in zip(got, out, strict=True))
+    assert all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("sum_dtype", [torch.float32, torch.bfloat16])
 def test_both_casts_and_the_column_sums_in_one_pass(sum_dtype):
     # 96 rows: a ragged last band of rows under either tile (64 interpreted, 32 compiled)
@@ -137,6 +146,11 @@ def test_errors_before_launch():
         tkern.to_mx(torch.ones(64, device=DEVICE))
     with pytest.raises(ValueError, match="axis 0 has size 48"):
         to_mx_both(x.t())
+    y = torch.randn(64, 32, device=DEVICE)
+    out = list(to_mx_both(y))
+    out[1] = out[1].t().contiguous()  # (1, 64) where (64, 1) is written
+    with pytest.raises(ValueError, match=r"out's scales must be a contiguous \(64, 1\)"):
+        to_mx_both(y, out=tuple(out))
 
 
 def test_compile_traces_the_op():

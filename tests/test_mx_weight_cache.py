@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, ops_over
 
 import tkern
 from tkern.functional import float8_weight_cache
@@ -60,6 +60,11 @@ def test_the_step_writes_both_mx_weight_casts_and_the_forward_casts_only_x(monke
         assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]), step
     assert torch.equal(cached.weight, plain.weight)
     cache = float8_weight_cache(cached.weight)
+    held = [t.data_ptr() for t in (cache.data, cache.scale, cache.data_t, cache.scale_t)]
+    with ops_over(monkeypatch, {(32 * 64, 64), (64 * 32, 32)}) as seen:  # cast again: into them,
+        cache.refresh()  # no copy of a fresh cast
+    assert seen == []
+    assert [t.data_ptr() for t in (cache.data, cache.scale, cache.data_t, cache.scale_t)] == held
     data, scale, data_t, scale_t = tkern.kernels.mx.to_mx_both(cached.weight.detach())
     for mine, want in (
         (cache.data, data),

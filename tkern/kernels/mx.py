@@ -319,11 +319,15 @@ def to_mx(
     return data.view(dtype), scales.view(torch.float8_e8m0fnu)
 
 
-def _pair(x: torch.Tensor, dtype: torch.dtype, scale_mode: str, sum_dtype: torch.dtype | None):
-    """:func:`to_mx_both`'s four outputs and, with ``sum_dtype``, x.sum(0) (else None)."""
+def _pair(x: torch.Tensor, dtype: torch.dtype, scale_mode: str, sum_dtype: torch.dtype | None, out=None):
+    """:func:`to_mx_both`'s four outputs (written into ``out``'s where given) and, with
+    ``sum_dtype``, x.sum(0) (else None)."""
     M, K = x.shape
-    data, scales = _bytes((M, K), x), _bytes((M, K // BLOCK_SIZE), x)
-    data_t, scales_t = _bytes((K, M), x), _bytes((K, M // BLOCK_SIZE), x)
+    if out is None:
+        data, scales = _bytes((M, K), x), _bytes((M, K // BLOCK_SIZE), x)
+        data_t, scales_t = _bytes((K, M), x), _bytes((K, M // BLOCK_SIZE), x)
+    else:
+        data, scales, data_t, scales_t = (t.view(torch.uint8) for t in out)
     partial = None
     if sum_dtype is not None:
         partial = torch.empty((1, row_bands(M), K), dtype=torch.float32, device=x.device)
@@ -335,19 +339,49 @@ def _pair(x: torch.Tensor, dtype: torch.dtype, scale_mode: str, sum_dtype: torch
     col_sum = None
     if partial is not None:  # the bands in order, in fp32, rounded once; zeros when M == 0
         col_sum = partial[0].sum(0).to(sum_dtype)
+    if out is not None:
+        return (*out, col_sum)
     return data.view(dtype), scales.view(e8m0), data_t.view(dtype), scales_t.view(e8m0), col_sum
 
 
+def check_mx_pair(what: str, tensors: object, shape: tuple[int, int], dtype: torch.dtype, device) -> None:
+    """Raise ``ValueError`` unless ``tensors`` are (data, scales, data_t, scales_t) as
+    :func:`to_mx_both` makes them for an input of ``shape`` (M, K): contiguous, (M, K)
+    ``dtype``, (M, K/32) e8m0, (K, M) ``dtype``, (K, M/32) e8m0, on ``device``; ``what``
+    names them in the message."""
+    M, K = shape
+    e8m0 = torch.float8_e8m0fnu
+    want = {"data": ((M, K), dtype), "scales": ((M, K // BLOCK_SIZE), e8m0),
+            "data_t": ((K, M), dtype), "scales_t": ((K, M // BLOCK_SIZE), e8m0)}  # fmt: skip
+    if not isinstance(tensors, (tuple, list)) or len(tensors) != 4:
+        raise ValueError(f"{what} must be (data, scales, data_t, scales_t), got {type(tensors).__name__}")
+    for (name, (want_shape, dt)), t in zip(want.items(), tensors, strict=True):
+        ok = isinstance(t, torch.Tensor) and tuple(t.shape) == want_shape and t.dtype == dt
+        if not (ok and t.is_contiguous() and t.device == device):
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
+            raise ValueError(
+                f"{what}'s {name} must be a contiguous {want_shape} {dt} tensor on {device}, got {got}"
+            )
+
+
 def to_mx_both(
-    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, scale_mode: str = "floor"
+    x: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    scale_mode: str = "floor",
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both MX casts of a 2-D ``x`` (M, K) from one read of it: ``(data, scales, data_t,
     scales_t)`` with ``data, scales = to_mx(x, axis=1)`` (blocks along K: (M, K) and
     (M, K / 32)) and ``data_t, scales_t = to_mx(x.t(), axis=1)`` (blocks along M, stored
     as x^T: (K, M) and (K, M / 32), each contiguous: the K-major operand of a GEMM that
-    reduces over M, as the wgrad reduces over tokens). M and K multiples of 32."""
+    reduces over M, as the wgrad reduces over tokens). M and K multiples of 32. ``out``:
+    those four tensors already allocated (contiguous, those shapes, ``dtype`` and e8m0),
+    written in place and returned (a weight cache's buffers, kept step after step)."""
     check_to_mx_both_args(x, dtype, scale_mode)
-    return _pair(x, dtype, scale_mode, None)[:4]
+    if out is not None:
+        check_mx_pair("out", out, tuple(x.shape), dtype, x.device)
+    return _pair(x, dtype, scale_mode, None, out)[:4]
 
 
 def to_mx_both_sum(
@@ -369,6 +403,7 @@ __all__ = [
     "BLOCK_SIZE",
     "FP8_DTYPES",
     "SCALE_MODES",
+    "check_mx_pair",
     "check_to_mx_args",
     "check_to_mx_both_args",
     "to_mx",

@@ -123,9 +123,13 @@ class Float8WeightCache:
                 )
                 self._history_used = history
                 self._history_stamp = (history._version, history.data_ptr())
-            elif self.scaling == "mxfp8":
-                data, scale, data_t, scale_t = to_mx_both(weight.detach(), E4M3, scale_mode=MX_SCALE_MODE)
-                self._keep(data, scale, data_t, None, scale_t)
+            elif self.scaling == "mxfp8":  # into the held casts when there are (_keep's reason)
+                held = (self.data, self.scale, self.data_t, self.scale_t)
+                same = self.scale_t is not None and self.data.shape == weight.shape
+                same = same and self.data.device == weight.device
+                cast = to_mx_both(weight.detach(), E4M3, scale_mode=MX_SCALE_MODE, out=held if same else None)
+                if not same:
+                    self._keep(*cast[:3], None, cast[3])
             else:
                 cast = cast_2d(weight.detach(), e4m3, store_t=True)
             if self.scaling != "mxfp8":

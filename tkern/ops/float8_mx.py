@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from tkern.kernels.gemm_mx import check_mx_device, scaled_mm_mx
-from tkern.kernels.mx import BLOCK_SIZE, SCALE_MODES, to_mx, to_mx_both, to_mx_both_sum
+from tkern.kernels.mx import BLOCK_SIZE, SCALE_MODES, check_mx_pair, to_mx, to_mx_both, to_mx_both_sum
 from tkern.ops import mx as _mx_ops  # noqa: F401 (registers tkern::to_mx, to_mx_both, to_mx_both_sum)
 from tkern.ops.common import as_2d, launches_directly
 
@@ -141,18 +141,10 @@ def check_mx_weight_fp8(weight_fp8: object, weight: torch.Tensor, weight_fp8_t: 
     """Raise unless ``weight_fp8`` = (data (N, K) e4m3, scale (N, K/32) e8m0, scale_t (K, N/32)
     e8m0) and ``weight_fp8_t`` (K, N) e4m3 contiguous are W's two MX casts' shapes
     (``to_mx_both(W)``: ``data, scale`` and ``data_t, scale_t``) on W's device."""
-    n, k = weight.shape
     if not isinstance(weight_fp8, (tuple, list)) or len(weight_fp8) != 3 or weight_fp8_t is None:
         raise ValueError('weight_fp8 must be (data, scale, scale_t) and weight_fp8_t data_t under "mxfp8"')
-    want = {"data": ((n, k), E4M3), "scale": ((n, k // BLOCK_SIZE), E8M0),
-            "scale_t": ((k, n // BLOCK_SIZE), E8M0), "data_t": ((k, n), E4M3)}  # fmt: skip
-    for (name, (shape, dtype)), t in zip(want.items(), (*weight_fp8, weight_fp8_t), strict=True):
-        ok = isinstance(t, torch.Tensor) and t.dtype == dtype and tuple(t.shape) == shape
-        if not (ok and t.is_contiguous() and t.device == weight.device):
-            raise ValueError(
-                f"weight_fp8's {name} must be a contiguous {shape} {dtype} tensor on {weight.device}, got "
-                + (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else repr(t))
-            )
+    pair = (weight_fp8[0], weight_fp8[1], weight_fp8_t, weight_fp8[2])
+    check_mx_pair("weight_fp8", pair, tuple(weight.shape), E4M3, weight.device)
 
 
 def mx_float8_linear(
