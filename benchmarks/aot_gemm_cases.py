@@ -150,6 +150,9 @@ class GemmLaunch:
     # the gate's activation code: the up GEMM of a gated unit storing up beside the gate at
     # preact_ptr and C = h = act(gate) * up (``GLU_FWD``, gemm.matmul_glu_prechecked)
     glu_fwd: int = 0
+    # the epilogue writes C's softmax statistics per 32 columns at preact_ptr (``ROW_STATS``:
+    # the fused loss's logits GEMM, gemm.matmul_row_stats_prechecked)
+    row_stats: bool = False
 
     @property
     def label(self) -> str:
@@ -161,6 +164,7 @@ class GemmLaunch:
         grad = grad.replace("'(Z)", "'(G)*U,dU") if self.glu else grad
         grad += ",+residual" if self.residual else ""
         grad += f",H={activation_names()[self.glu_fwd]}(G)*U" if self.glu_fwd else ""
+        grad += ",row stats" if self.row_stats else ""
         into = (",C^T" if self.out_t else "") + (",C+=" if self.accumulate else "")
         return label + self.prologue_label + into + grad
 
@@ -291,6 +295,13 @@ GLU_FWD_LAUNCHES = (
 #: The residual stream's add in the block's last GEMM (``ADD_RESIDUAL``: GPT-2's c_proj with
 #: its bias, Llama's down_proj without), the forward with ``nn.Linear``'s weight read in place.
 RESIDUAL_LAUNCHES = (GemmLaunch("bf16", "bf16", "bf16", layout="NT", residual=True),)
+#: The fused loss's logits GEMM writing each row's softmax statistics (``ROW_STATS``): ``x @
+#: W^T`` with the head's weight read in place into fp32 logits, with a bias and without
+#: (GPT-2's and Llama's heads have none; linear_cross_entropy takes one).
+ROW_STATS_LAUNCHES = (
+    GemmLaunch("bf16", "fp32", layout="NT", row_stats=True),
+    GemmLaunch("bf16", "fp32", "bf16", layout="NT", row_stats=True),
+)
 
 
 def gate_launches(ragged: bool = False) -> tuple[GemmLaunch, ...]:
@@ -340,7 +351,7 @@ def pointer_case(cfg, v: GemmLaunch, gated: bool = True) -> Case:
         A_T=v.layout[0] == "T", B_T=v.layout[1] == "T", **kw,
         A_ACT=v.a_act, STORE_A=v.store_a, SUM_A=v.sum_a is not None, ACCUMULATE=v.accumulate,
         PRECISE_ACC=False, GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, ADD_SUM=v.add_sum,
-        GLU_FWD=v.glu_fwd,
+        GLU_FWD=v.glu_fwd, ROW_STATS=v.row_stats,
     )  # fmt: skip
     # strides: the unit ones are specialised to the constant 1, as Triton's launcher does
     strides = ("stride_am", "stride_ak", "stride_bk", "stride_bn")
@@ -377,13 +388,14 @@ def tma_case(cfg, v: GemmLaunch) -> Case:
     )
     # the TMA-store epilogue where the launcher takes it: C row-major with aligned rows
     # (not ragged) and no pre-activation stored beside it (gemm_tma.launch_tma)
-    c_tma = not (v.preact or v.ragged or v.grad_act or v.residual or v.out_t or v.glu_fwd)
+    c_tma = not (v.preact or v.ragged or v.grad_act or v.residual or v.out_t or v.glu_fwd or v.row_stats)
     c_unit, c_rows = _c_strides(v.out_t)
     const = dict(
         HAS_BIAS=v.bias is not None, ACTIVATION=v.act, STORE_PREACT=v.preact,
         OUT_DTYPE=getattr(tl, _TL_NAME[v.out]), PREACT_DTYPE=getattr(tl, _TL_NAME[v.dtype]), UPCAST=False,
         A_T=a_t, B_T=b_t, NUM_SMS=132, stride_bias=1, ACCUMULATE=v.accumulate, C_TMA=c_tma,
-        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, GLU_FWD=v.glu_fwd, **kw,
+        GRAD_ACT=v.grad_act, GRAD_GLU=v.glu, ADD_RESIDUAL=v.residual, GLU_FWD=v.glu_fwd,
+        ROW_STATS=v.row_stats, **kw,
         **{c_unit: 1},
     )  # fmt: skip
     if c_tma:

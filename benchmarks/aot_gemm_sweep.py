@@ -22,6 +22,7 @@ from aot_gemm_cases import (
     GLU_DGRAD_LAUNCHES,
     GLU_FWD_LAUNCHES,
     RESIDUAL_LAUNCHES,
+    ROW_STATS_LAUNCHES,
     TMA_CONV1D_WGRAD_INTO,
     TMA_RAGGED_GATE_LAUNCHES,
     TMA_STORE_GATE_LAUNCHES,
@@ -95,10 +96,12 @@ def dgrad_epilogue_launches(cc, cfg, tma: bool = False) -> tuple[list, list]:
     tiles read and two stored; 242-251 registers on sm_90's 128x256 and 4-warp 128x128 tiles,
     triton 3.9); the rest on the first config, with the residual add's forward
     (:data:`RESIDUAL_LAUNCHES`: one tile more read, 40-188 registers on every sm_90 / sm_100
-    config)."""
+    config) and the fused loss's logits GEMM writing its row statistics
+    (:data:`ROW_STATS_LAUNCHES`)."""
     heaviest = _first_offered(cc, cfg, DGRAD_EPILOGUE_LAUNCHES[:2], tma)
     heaviest += [v for v in GLU_DGRAD_LAUNCHES if offered(cc, cfg, v, tma)]
-    return heaviest, [v for v in (*DGRAD_EPILOGUE_LAUNCHES, *RESIDUAL_LAUNCHES) if v not in heaviest]
+    rest = (*DGRAD_EPILOGUE_LAUNCHES, *RESIDUAL_LAUNCHES, *ROW_STATS_LAUNCHES)
+    return heaviest, [v for v in rest if v not in heaviest]
 
 
 def glu_forward_launches(cc, cfg, tma: bool = False) -> tuple[list, list]:

@@ -19,8 +19,8 @@ def cross_entropy_cases() -> list[Case]:
     tl = _tl()
     fn = ce._cross_entropy_kernel
     block = ce.block_v(50257)  # GPT-2's vocabulary: the largest chunk
-    flags = ("HAS_WEIGHT", "SMOOTHING", "SOFTCAP", "COMPUTE_LSE", "WRITE_LOSS", "WRITE_GRAD")
-    flags += ("HAS_B", "HAS_Q")
+    flags = ("HAS_WEIGHT", "SMOOTHING", "SOFTCAP", "COMPUTE_LSE", "LSE_FROM_STATS", "WRITE_LOSS")
+    flags += ("WRITE_GRAD", "HAS_B", "HAS_Q")
     passes = {"fwd": {"COMPUTE_LSE", "WRITE_LOSS"}, "bwd,z": {"WRITE_GRAD", "HAS_B"}}
     options = {"": set(), "weight,smoothing,softcap": {"HAS_WEIGHT", "SMOOTHING", "SOFTCAP"}}
     launches = [  # (name, logits dtype, grad dtype, flags on)
@@ -37,6 +37,9 @@ def cross_entropy_cases() -> list[Case]:
     fused = {"COMPUTE_LSE", "WRITE_LOSS", "WRITE_GRAD", "HAS_WEIGHT", "SMOOTHING", "HAS_Q"}
     for grad in ("fp16", "bf16"):
         launches.append((f"linear_cross_entropy[fp32->{grad},weight,smoothing,z]", "fp32", grad, fused))
+    # without smoothing and softcap: the lse from the logits GEMM's row statistics (one pass)
+    stats = fused - {"SMOOTHING"} | {"LSE_FROM_STATS"}
+    launches.append(("linear_cross_entropy[fp32->bf16,row stats,weight,z]", "fp32", "bf16", stats))
     cases = []
     for name, dtype, grad, on in launches:
         sig = {}
@@ -56,7 +59,9 @@ def cross_entropy_cases() -> list[Case]:
             else:
                 sig[arg] = "i32"
         const = {f: f in on for f in flags}
+        slots = ce.block_v(-(-50257 // 32))  # GPT-2's row statistics: 1571 slots
         const.update(stride_lc=1, stride_gc=1, ROWS=ce.rows_per_program(block), BLOCK_V=block)
+        const["BLOCK_S"] = min(slots, block)
         const["GRAD_DTYPE"] = getattr(tl, _TL_NAME[grad])
         cases.append(
             Case(

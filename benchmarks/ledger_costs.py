@@ -228,6 +228,10 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
             nbytes += m * n * (glu * named["preact_ptr"].element_size() + (glu - 1) * c.element_size())
         if named.get("GLU_FWD"):  # a gated unit's forward in up's GEMM (C is h): gate read, up written
             nbytes += 2 * m * n * named["preact_ptr"].element_size()
+        if named.get("ADD_RESIDUAL"):  # the residual stream read beside C and added before the store
+            nbytes += m * n * named["preact_ptr"].element_size()
+        if named.get("ROW_STATS"):  # the head's softmax statistics, (m, s) per 32 columns, written
+            nbytes += footprint(named["preact_ptr"])
         if named.get("A_ACT"):
             nbytes += m * k * named["z_ptr"].element_size()
         if named.get("STORE_A"):
@@ -243,7 +247,9 @@ def triton_cost(name: str, named: dict, spec: ModelSpec, backward: bool) -> tupl
         return "loss", _target_stats_bytes(named), 0, torch.float32
     nbytes, dtype = _streamed_bytes(named)
     if module == "cross_entropy" and "logits_ptr" in named:  # each pass over a row reads its logits again
-        passes = bool(named.get("COMPUTE_LSE")) + bool(named.get("WRITE_GRAD"))
+        # (the lse from the GEMM's row statistics, LSE_FROM_STATS, is no pass over the logits)
+        first = named.get("COMPUTE_LSE") and not named.get("LSE_FROM_STATS")
+        passes = bool(first) + bool(named.get("WRITE_GRAD"))
         nbytes += max(passes - 1, 0) * _logits_bytes(named)
     return _TRITON_CATEGORY.get(module, "other"), nbytes, 0, dtype
 

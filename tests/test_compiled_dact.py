@@ -11,7 +11,8 @@ aot_gemm_cases.DGRAD_EPILOGUE_LAUNCHES, compiled in the gate's rows (aot_gemm_sw
 gated unit's (``GRAD_GLU``: down's dgrad reading gate and up and writing both gradients,
 aot_gemm_cases.GLU_DGRAD_LAUNCHES) is compiled on the same configs as the heaviest act', and
 the residual stream's add in the block's last GEMM (``ADD_RESIDUAL``, RESIDUAL_LAUNCHES) on
-the first config of each kernel. The gated unit's forward in the up GEMM (``GLU_FWD``: up
+the first config of each kernel, as is the fused loss's logits GEMM writing its row statistics
+(``ROW_STATS``, ROW_STATS_LAUNCHES). The gated unit's forward in the up GEMM (``GLU_FWD``: up
 stored beside the gate, the gate read, h stored; GLU_FWD_LAUNCHES) is SwiGLU's on the same
 configs as GRAD_GLU, with and without a bias, and GeGLU's on the first.
 Compiled mode only (``TRITON_INTERPRET=0``), as tests/test_compiled.py::
@@ -34,6 +35,8 @@ DACT = ",dZ=dY*"
 RESIDUAL = ",+residual"
 #: The gated unit's forward's (GLU_FWD) case labels
 GLU_FWD = "(G)*U]"
+#: The logits GEMM's row statistics' (ROW_STATS) case labels
+ROW_STATS = ",row stats]"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,7 @@ def rows() -> list[dict]:
 
 
 def test_dgrad_epilogue_variants_compile_without_spills(rows):
-    dact = [r for r in rows if DACT in r["case"] or RESIDUAL in r["case"] or GLU_FWD in r["case"]]
+    dact = [r for r in rows if any(label in r["case"] for label in (DACT, RESIDUAL, GLU_FWD, ROW_STATS))]
     assert {r["target"] for r in dact} == set(RUN)
     for r in dact:
         assert r["compiled"], f"{_name(r)}: {r.get('error')}"
@@ -72,7 +75,8 @@ def test_every_offered_config_takes_the_heaviest_dgrad_epilogue(rows):
                 names = [n for n, t in compiled if t == cc and DACT in n]
                 for v in static_report.DGRAD_EPILOGUE_LAUNCHES:
                     assert any(n.endswith(v.label + "]") for n in names), (cc, v)
-            for v in static_report.RESIDUAL_LAUNCHES if every_variant(cc) else ():  # first config
+            rest = (*static_report.RESIDUAL_LAUNCHES, *static_report.ROW_STATS_LAUNCHES)
+            for v in rest if every_variant(cc) else ():  # first config
                 assert (case(configs[0], v).name, cc) in compiled, (cc, kind, v.label)
             if every_config(cc):  # GeGLU's forward on the first config offered to it
                 v = static_report.GLU_FWD_LAUNCHES[2]

@@ -402,3 +402,86 @@ def test_flat_weight_gradient_is_one_rounding_of_the_fp32_sum(monkeypatch):
     # per element: the second add's rounding (half an ulp of the sum) plus the first's
     # (half an ulp of one share) plus the fp32 sums' error (H-term products, 2^-20 relative)
     assert torch.all((got - ref).abs() <= 2 * half_ulp + 2.0**-20 * ref.abs().max())
+
+
+def _lse_of_stats(stats: torch.Tensor) -> torch.Tensor:
+    """float64 logsumexp of each row from its (m_j, s_j) slots."""
+    m, s = stats[..., 0].double(), stats[..., 1].double()
+    top = m.max(1).values
+    return top + torch.log((s * torch.exp(m - top[:, None])).sum(1))
+
+
+@pytest.mark.parametrize("route", ["pointer", "tma"])
+@pytest.mark.parametrize("m, n, k", [(70, 300, 64), (5, 33, 16), (130, 123, 32)])
+def test_logits_gemm_writes_each_rows_softmax_statistics(route, m, n, k, request):
+    # issue 54: the head's GEMM writes, per row and per 32 columns, (max, sum exp(c - max)) of
+    # the C it stores; every slot is written (the NaN fill never survives), and the slots give
+    # the logsumexp of the stored fp32 C to fp32 rounding (exp and sum over at most 128
+    # columns a slice, then log: a few ulp of lse ~ 5-10, checked at 1e-6 relative); the
+    # TMA kernel (Hopper's route, run by the interpreter) writes them in its pointer epilogue.
+    from tkern.kernels.gemm import matmul_row_stats_prechecked
+    from tkern.kernels.gemm_epilogue import row_stats_slots
+
+    routes = request.getfixturevalue("hopper_routes") if route == "tma" else None
+    g = torch.Generator().manual_seed(m + n)
+    a = torch.randn(m, k, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(DEVICE, torch.bfloat16)
+    b = torch.randn(n, generator=g).to(DEVICE, torch.bfloat16)
+    out = torch.empty(m, n, device=DEVICE)
+    stats = torch.full((m, row_stats_slots(n), 2), float("nan"), device=DEVICE)
+    assert matmul_row_stats_prechecked(a, w.t(), b, out, stats) is out
+    assert routes is None or routes == ["tma"]
+    ref = a.double() @ w.double().t() + b.double()
+    assert rel_err(out, ref) <= 1e-6  # fp32 accumulation of exact 16-bit products
+    assert not stats.isnan().any()
+    lse = torch.logsumexp(out.double(), 1)
+    assert ((_lse_of_stats(stats) - lse).abs() / lse.abs()).max() <= 1e-6
+
+
+def test_the_loss_reads_each_chunks_logits_once_from_the_gemms_statistics(launches):
+    # issue 54: without label smoothing and softcap, the chunk's logits GEMM writes the row
+    # statistics (ROW_STATS) and the cross-entropy kernel takes the lse from them
+    # (LSE_FROM_STATS: its one pass over the logits writes the gradient); with either option
+    # the kernel makes both passes, as their terms need every logit. Both within the float64
+    # reference's tolerances, and the statistics path agrees with the two-pass kernel on the
+    # same logits to fp32 rounding.
+    x, w, b, target, weight = _inputs(torch.bfloat16, n=40)
+    _check(x, w, b, target, chunk_size=16, weight=weight, z_loss=1e-3)
+    ce = [k for n, k in launches if n == "_cross_entropy_kernel"]
+    gemms = [k for n, k in launches if n.startswith("_matmul") and k.get("ROW_STATS")]
+    assert len(ce) == 3 and all(k["LSE_FROM_STATS"] and k["COMPUTE_LSE"] for k in ce)
+    assert len(gemms) == 3  # one per chunk: the logits' GEMM
+    launches.clear()
+    _check(x, w, b, target, chunk_size=16, weight=weight, label_smoothing=0.1)
+    ce = [k for n, k in launches if n == "_cross_entropy_kernel"]
+    assert len(ce) == 3 and not any(k["LSE_FROM_STATS"] for k in ce)
+    assert not any(k.get("ROW_STATS") for n, k in launches if n.startswith("_matmul"))
+
+
+def test_cross_entropy_from_row_stats_matches_its_two_passes():
+    # the kernel's LSE_FROM_STATS against its own two passes over the same fp32 logits: the
+    # lse to a few ulp (a different order of the same fp32 sums), so the loss terms too, and
+    # the gradient, exp(x - lse) rounded once to bf16, equal but for a last-bit flip where
+    # the lse's ulp moves the product across a rounding boundary (checked at one bf16 ulp)
+    from tkern.kernels.cross_entropy import cross_entropy_forward
+    from tkern.kernels.gemm import matmul_row_stats_prechecked
+    from tkern.kernels.gemm_epilogue import row_stats_slots
+
+    x, w, b, target, weight = _inputs(torch.bfloat16, n=50)
+    logits = torch.empty(50, V, device=DEVICE)
+    stats = torch.empty(50, row_stats_slots(V), 2, device=DEVICE)
+    matmul_row_stats_prechecked(x, w.t(), b, logits, stats)
+    a = torch.full((1,), 0.02, device=DEVICE)
+    out = []
+    for st in (None, stats):
+        grad = torch.empty(logits.shape, dtype=torch.bfloat16, device=DEVICE)
+        loss, lse = cross_entropy_forward(logits, target, weight, grad=grad, a=a, row_stats=st)
+        out.append((loss, lse, grad))
+    (l2, e2, g2), (l1, e1, g1) = out
+    assert ((e1 - e2).abs() <= 4 * 2**-24 * e2.abs().clamp(min=1)).all()
+    assert rel_err(l1, l2) <= 1e-6
+    assert ((g1.float() - g2.float()).abs() <= 2**-8 * g2.float().abs() + 1e-30).all()
+    with pytest.raises(ValueError, match="row_stats must be a contiguous"):
+        cross_entropy_forward(logits, target, row_stats=stats[:, :-1])
+    with pytest.raises(ValueError, match="label smoothing"):
+        cross_entropy_forward(logits, target, label_smoothing=0.1, row_stats=stats)

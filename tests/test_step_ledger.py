@@ -104,16 +104,19 @@ def test_launch_counts_match_the_model_layers(sl, recipe, tkern_tiny):
     if recipe == "tkern":  # the fused loss: its cross-entropy kernel, and scalars only of torch's
         aten = [r for r in payload["ops"] if r["category"] == "loss" and r["name"].startswith("aten.")]
         assert aten and sum(r["bytes"] for r in aten) < 1024, aten
-        # its two passes over each fp32 logits chunk (lse, then the gradient) and the fp16
-        # gradient written: 10 bytes an element, a few more a row
-        assert logits * 10 <= cats["loss"]["bytes"] < logits * 10 + 64 * spec.tokens
+        # its one pass over each fp32 logits chunk (the lse from the GEMM's row statistics,
+        # 8 bytes a row per 32 columns, read) and the fp16 gradient written: 6 bytes an
+        # element, a few more a row
+        stats = 8 * spec.tokens * -(-spec.vocab // 32)
+        assert logits * 6 + stats <= cats["loss"]["bytes"] < logits * 6 + stats + 64 * spec.tokens
     else:  # the loss reads the (tokens x vocab) logits: at least its fp32 copy written and read back
         assert cats["loss"]["bytes"] >= 2 * logits * 4
 
 
 def test_bytes_of_known_launches(sl, tkern_tiny):
     """The head's GEMMs under the fused loss (one chunk at this size; fp16 operands): the
-    logits x (T x d) @ W^T (V x d) written in fp32 (T x V), the dgrad from their fp16
+    logits x (T x d) @ W^T (V x d) written in fp32 (T x V) with their softmax statistics
+    (an fp32 (max, sum) pair per row and 32 columns, ROW_STATS), the dgrad from their fp16
     gradient g (T x V) @ W and the wgrad g^T @ x into an fp32 (V x d) buffer; the Adam pass
     reads grad (2 B), writes the param (2 B) and reads and writes the master and two moments
     (fp32): 28 B per element of the flat buffer (DESIGN.md)."""
@@ -124,7 +127,7 @@ def test_bytes_of_known_launches(sl, tkern_tiny):
         for r in tkern_tiny["ops"]
         if r["category"] == "gemm lm head" and r["name"].endswith(("_matmul_kernel", "_matmul_tma_kernel"))
     ]
-    logits = 2 * (t * d + v * d) + 4 * t * v
+    logits = 2 * (t * d + v * d) + 4 * t * v + 8 * t * -(-v // 32)
     dgrad, wgrad = 2 * (t * v + v * d + t * d), 2 * (t * v + t * d) + 4 * v * d
     assert head and head[0]["launches"] == 3 and head[0]["bytes"] == logits + dgrad + wgrad
     adam = [r for r in tkern_tiny["ops"] if r["name"] == "triton.adam._adam_kernel"]
@@ -135,6 +138,24 @@ def test_bytes_of_known_launches(sl, tkern_tiny):
     n32 = sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)
     floor = 28 * n16 + 24 * n32
     assert floor <= adam[0]["bytes"] <= floor * 1.02  # the flat buffers' padding and a few scalars
+
+
+def test_epilogue_tensors_beside_c_are_priced(sl):
+    """A GEMM's epilogue that reads the residual stream beside C (ADD_RESIDUAL) pays its
+    (M, N) read; one that writes the head's row statistics (ROW_STATS) pays their bytes."""
+    from ledger_costs import triton_cost
+
+    spec = sl.MODELS["gpt2-tiny"]
+    m, n, k = 64, 96, 32
+    base = {
+        "M": m, "N": n, "K": k, "a_ptr": torch.empty(m, k, dtype=torch.bfloat16),
+        "b_ptr": torch.empty(k, n, dtype=torch.bfloat16), "c_ptr": torch.empty(m, n, dtype=torch.bfloat16),
+    }  # fmt: skip
+    plain = triton_cost("gemm._matmul_kernel", base, spec, False)[1]
+    residual = {**base, "ADD_RESIDUAL": True, "preact_ptr": torch.empty(m, n, dtype=torch.bfloat16)}
+    assert triton_cost("gemm._matmul_kernel", residual, spec, False)[1] == plain + 2 * m * n
+    stats = {**base, "ROW_STATS": True, "preact_ptr": torch.empty(m, n // 32, 2)}
+    assert triton_cost("gemm._matmul_kernel", stats, spec, False)[1] == plain + 8 * m * (n // 32)
 
 
 def test_ledger_is_deterministic_and_compares(sl, tkern_tiny):

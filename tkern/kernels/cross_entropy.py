@@ -15,6 +15,13 @@ vocabulary in chunks of ``BLOCK_V``:
   to bf16 first is 20-100% wrong at p = 0.99..0.999, Liger PR 1329), and the
   logits are never overwritten (other ops may have saved them, Liger issue 272).
 
+With ``LSE_FROM_STATS`` pass 1 reads no logit but the row's softmax statistics that the
+GEMM which made the logits wrote beside them (gemm_epilogue's ``ROW_STATS``: per 32
+columns the max ``m_j`` and ``s_j = sum exp(x - m_j)``), combined as the online pass
+combines its chunks, ``lse = m + log(sum_j s_j exp(m_j - m))``: one pass over the logits
+instead of two (the fused linear cross-entropy's, without label smoothing or softcap, whose
+terms the statistics do not hold).
+
 ``softcap`` applies ``c * tanh(x / c)`` to the logits as they are loaded (Gemma 2);
 the gradient is multiplied by ``1 - tanh(x / c)^2``; both from :func:`_tanh_parts`,
 to a few ulp relative for every ``x / c`` (torch's own fp32 accuracy). A row whose target is
@@ -48,6 +55,7 @@ from tkern.kernels._common import (
     check_tensor,
     tl_dtype,
 )
+from tkern.kernels.gemm_epilogue import row_stats_slots
 
 #: dtypes the logits may have.
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -146,6 +154,28 @@ def _load_logits_and_slope(row_ptr, cols, stride_c, mask, softcap, SOFTCAP: tl.c
     return tl.where(mask, x, float("-inf")), slope
 
 
+@triton.jit
+def _combine_stats(stats_ptr, rows, live, n_slots, BLOCK_S: tl.constexpr):
+    """``(m, s)`` of the live ``rows`` from their (m_j, s_j) slots: ``m = max m_j`` and
+    ``s = sum_j s_j exp(m_j - m)``, online over BLOCK_S slots at a time (a neutral slot,
+    ``(-inf, 0)``, adds nothing; ignored rows read no slot and give ``(-inf, 0)``)."""
+    m = tl.full(rows.shape, float("-inf"), tl.float32)
+    s = tl.zeros(rows.shape, tl.float32)
+    row_ptr = stats_ptr + rows * (n_slots * 2)
+    n_work = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, n_slots, 0)
+    for start in range(0, n_work, BLOCK_S):
+        slots = start + tl.arange(0, BLOCK_S)
+        mask = live[:, None] & (slots < n_slots)[None, :]
+        ptrs = row_ptr[:, None] + slots[None, :] * 2
+        pm = tl.load(ptrs, mask=mask, other=float("-inf"))
+        ps = tl.load(ptrs + 1, mask=mask, other=0.0)
+        m_new = tl.maximum(m, tl.max(pm, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # ignored rows: no inf - inf
+        s = s * tl.exp(m - m_safe) + tl.sum(ps * tl.exp(pm - m_safe[:, None]), axis=1)
+        m = m_new
+    return m, s
+
+
 # --------------------------------------------------------------------------- kernel
 
 
@@ -157,6 +187,7 @@ def _cross_entropy_kernel(
     wsum_ptr,  # (1,) fp32: sum of the class weights (read when HAS_WEIGHT and SMOOTHING)
     loss_ptr,  # (N,) fp32 out: the row's loss terms (written when WRITE_LOSS)
     lse_ptr,  # (N,) fp32: logsumexp of the (softcapped) row; written when COMPUTE_LSE, else read
+    stats_ptr,  # (N, n_slots, 2) fp32, contiguous: the row's (m_j, s_j) slots (read when LSE_FROM_STATS)
     grad_ptr,  # (N, V) out, GRAD_DTYPE, strides (stride_gr, stride_gc) (written when WRITE_GRAD)
     a_ptr,  # (N,) or (1,) fp32: d(objective)/d(loss_i)          (WRITE_GRAD)
     b_ptr,  # (N,) or (1,) fp32: d(objective)/d(lse_i), constant  (WRITE_GRAD and HAS_B)
@@ -164,6 +195,7 @@ def _cross_entropy_kernel(
     coef_stride,  # 1: a, b, q per row; 0: one value broadcast to every row
     n_rows,  # N
     n_cols,  # V
+    n_slots,  # slots of stats_ptr per row (LSE_FROM_STATS)
     stride_lr,
     stride_lc,
     stride_gr,
@@ -175,6 +207,7 @@ def _cross_entropy_kernel(
     SMOOTHING: tl.constexpr,  # eps > 0: the smoothing sum is accumulated (else skipped)
     SOFTCAP: tl.constexpr,
     COMPUTE_LSE: tl.constexpr,  # pass 1 runs (else lse is read from lse_ptr)
+    LSE_FROM_STATS: tl.constexpr,  # with COMPUTE_LSE: pass 1 reads stats_ptr, not the logits
     WRITE_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,  # pass 2 runs
     HAS_B: tl.constexpr,
@@ -182,6 +215,7 @@ def _cross_entropy_kernel(
     GRAD_DTYPE: tl.constexpr,
     ROWS: tl.constexpr,  # rows per program: 1 compiled (rows_per_program), more under the interpreter
     BLOCK_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # slots one LSE_FROM_STATS iteration reads per row
 ):
     """Rows ``[program_id(0) * ROWS, ...)``: their lse and loss terms, and optionally the
     gradient of ``a * loss + (b + q * lse) * lse`` with respect to their logits (see the
@@ -212,19 +246,22 @@ def _cross_entropy_kernel(
         m = tl.full([ROWS], float("-inf"), tl.float32)
         s = tl.zeros([ROWS], tl.float32)
         wx = tl.zeros([ROWS], tl.float32)  # sum_c w[c] x[c], for label smoothing
-        for start in range(0, n_work, BLOCK_V):
-            cols = start + cols0
-            mask = live[:, None] & (cols < n_cols)[None, :]
-            x = _load_logits(row_ptr[:, None], cols[None, :], stride_lc, mask, softcap, SOFTCAP)
-            m_new = tl.maximum(m, tl.max(x, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # ignored rows: no inf - inf
-            s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
-            m = m_new
-            if SMOOTHING:
-                xs = tl.where(mask, x, 0.0)
-                if HAS_WEIGHT:
-                    xs = xs * tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
-                wx += tl.sum(xs, axis=1)
+        if LSE_FROM_STATS:
+            m, s = _combine_stats(stats_ptr, rows, live, n_slots, BLOCK_S)
+        else:
+            for start in range(0, n_work, BLOCK_V):
+                cols = start + cols0
+                mask = live[:, None] & (cols < n_cols)[None, :]
+                x = _load_logits(row_ptr[:, None], cols[None, :], stride_lc, mask, softcap, SOFTCAP)
+                m_new = tl.maximum(m, tl.max(x, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # ignored rows: no inf - inf
+                s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+                m = m_new
+                if SMOOTHING:
+                    xs = tl.where(mask, x, 0.0)
+                    if HAS_WEIGHT:
+                        xs = xs * tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+                    wx += tl.sum(xs, axis=1)
         lse = tl.where(live, m + tl.log(tl.where(live, s, 1.0)), 0.0)
         tl.store(lse_ptr + rows, lse, mask=row_ok)
         if WRITE_LOSS:
@@ -479,13 +516,15 @@ def _check_column_reach(name: str, t: torch.Tensor) -> None:
 
 
 def _launch(
-    logits, target, weight, lse, loss, grad, a, b, q, ignore_index, label_smoothing, softcap, compute_lse
-) -> None:
+    logits, target, weight, lse, loss, grad, a, b, q, ignore_index, label_smoothing, softcap, compute_lse,
+    stats=None,
+) -> None:  # fmt: skip
     """One ``_cross_entropy_kernel`` launch over the (N, V) ``logits`` (arguments checked by
     the caller; tensors left None are not read or written, their pointer a dummy): ``ROWS``
-    rows per program, ``lse`` (N,) fp32 read or (``compute_lse``) written, ``loss`` (N,) and
-    ``grad`` (N, V) written when given, ``a`` / ``b`` / ``q`` the gradient's per-row
-    coefficients (the backward's and the fused linear's)."""
+    rows per program, ``lse`` (N,) fp32 read or (``compute_lse``) written, from ``stats``
+    (N, slots, 2) where given, ``loss`` (N,) and ``grad`` (N, V) written when given,
+    ``a`` / ``b`` / ``q`` the gradient's per-row coefficients (the backward's and the fused
+    linear's)."""
     n, v = logits.shape
     if n == 0:
         return
@@ -495,18 +534,22 @@ def _launch(
     dummy = lse
     block = block_v(v)
     rows = rows_per_program(block)
+    n_slots = 1 if stats is None else stats.shape[1]
     _cross_entropy_kernel[(triton.cdiv(n, rows),)](
         logits, target, dummy if weight is None else weight, dummy if wsum is None else wsum,
-        dummy if loss is None else loss, lse, dummy if grad is None else grad,
+        dummy if loss is None else loss, lse, dummy if stats is None else stats,
+        dummy if grad is None else grad,
         dummy if a is None else a, dummy if b is None else b, dummy if q is None else q,
-        coef_stride, n, v, logits.stride(0), logits.stride(1),
+        coef_stride, n, v, n_slots, logits.stride(0), logits.stride(1),
         0 if grad is None else grad.stride(0), 1 if grad is None else grad.stride(1),
         ignore_index, float(label_smoothing), float(softcap or 1.0),
         HAS_WEIGHT=weight is not None, SMOOTHING=label_smoothing > 0, SOFTCAP=softcap is not None,
-        COMPUTE_LSE=compute_lse, WRITE_LOSS=loss is not None, WRITE_GRAD=grad is not None,
+        COMPUTE_LSE=compute_lse, LSE_FROM_STATS=stats is not None,
+        WRITE_LOSS=loss is not None, WRITE_GRAD=grad is not None,
         HAS_B=b is not None, HAS_Q=q is not None,
         GRAD_DTYPE=tl_dtype(logits.dtype if grad is None else grad.dtype),
-        ROWS=rows, BLOCK_V=block, num_warps=num_warps(block), num_stages=NUM_STAGES,
+        ROWS=rows, BLOCK_V=block, BLOCK_S=min(block_v(n_slots), block),
+        num_warps=num_warps(block), num_stages=NUM_STAGES,
     )  # fmt: skip
 
 
@@ -534,6 +577,7 @@ def cross_entropy_forward(
     check_target: bool = True,
     loss_out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    row_stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss terms and logsumexp, in fp32, in one launch; with ``grad``,
     the gradient in the same launch.
@@ -555,6 +599,11 @@ def cross_entropy_forward(
         check_target: run :func:`check_targets` (False where the caller checked).
         loss_out, lse_out: optional (N,) contiguous fp32 tensors that receive the loss
             terms and the lse (slices of the caller's (rows,) buffers, say), else new ones.
+        row_stats: optional contiguous fp32 (N, ceil(V / 32), 2): the logits' softmax
+            statistics per 32 columns as the GEMM that made them wrote them
+            (``gemm.matmul_row_stats_prechecked``); the lse is taken from them and the
+            logits are read once (for the gradient and the target's logit), not twice.
+            Without label smoothing and softcap only (their terms need every logit).
 
     Returns:
         ``(loss, lse)``: (N,) fp32 (``loss_out`` / ``lse_out`` where given; 0 on ignored
@@ -580,12 +629,31 @@ def cross_entropy_forward(
                     f"{name} must be a contiguous ({n},) fp32 tensor, got shape {tuple(out.shape)}"
                 )
             check_same_device(logits=logits, **{name: out})
+    if row_stats is not None:
+        _check_row_stats(row_stats, logits, label_smoothing, softcap)
     if check_target:
         check_targets(target, logits.shape[1], ignore_index)
     loss = torch.empty(n, dtype=torch.float32, device=logits.device) if loss_out is None else loss_out
     lse = torch.empty(n, dtype=torch.float32, device=logits.device) if lse_out is None else lse_out
-    _launch(logits, target, weight, lse, loss, grad, a, None, q, ignore_index, label_smoothing, softcap, True)
+    _launch(
+        logits, target, weight, lse, loss, grad, a, None, q, ignore_index, label_smoothing, softcap, True,
+        row_stats,
+    )  # fmt: skip
     return loss, lse
+
+
+def _check_row_stats(stats: torch.Tensor, logits: torch.Tensor, label_smoothing: float, softcap) -> None:
+    """Raise unless ``stats`` can stand for a pass over ``logits`` (see cross_entropy_forward)."""
+    n, v = logits.shape
+    shape = (n, row_stats_slots(v), 2)
+    check_tensor("row_stats", stats, ndim=3, dtypes=(torch.float32,))
+    if tuple(stats.shape) != shape or not stats.is_contiguous():
+        raise ValueError(
+            f"row_stats must be a contiguous {shape} fp32 tensor, got shape {tuple(stats.shape)}"
+        )
+    if label_smoothing > 0 or softcap is not None:
+        raise ValueError("row_stats cannot give label smoothing's or softcap's terms: pass neither with it")
+    check_same_device(logits=logits, row_stats=stats)
 
 
 def cross_entropy_backward(

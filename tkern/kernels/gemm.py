@@ -227,7 +227,7 @@ def _matmul_tile(
 
 #: What the pointer kernel's autotuners choose a config by (both: plain and ``C +=``).
 _AUTOTUNE_KEY = ["M", "N", "K", "OUT_DTYPE", "ACTIVATION", "A_T", "B_T", "SCALE_A", "SCALE_B", "A_ACT",
-                 "GRAD_ACT", "GRAD_GLU", "ADD_RESIDUAL", "GLU_FWD"]  # fmt: skip
+                 "GRAD_ACT", "GRAD_GLU", "ADD_RESIDUAL", "GLU_FWD", "ROW_STATS"]  # fmt: skip
 
 
 @gemm_autotune(configs=gemm_configs(), key=_AUTOTUNE_KEY)
@@ -295,6 +295,7 @@ def _matmul_kernel(
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (epilogue's GRAD_GLU)
     ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added (epilogue's ADD_RESIDUAL)
     GLU_FWD: tl.constexpr = 0,  # activation code: up stored into [gate | up] at preact_ptr, C = act(gate)*up
+    ROW_STATS: tl.constexpr = False,  # C's softmax statistics written at preact_ptr (epilogue's ROW_STATS)
 ):
     """C = act(A' @ B + bias) for one (BLOCK_M, BLOCK_N) output tile per program, fp32
     accumulation; fp8 operands with their scales (scaled_mm) on the accumulator:
@@ -317,7 +318,7 @@ def _matmul_kernel(
     epilogue(
         acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
         HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-        ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD,
+        ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD, ROW_STATS,
     )  # fmt: skip
 
 
@@ -788,6 +789,20 @@ def linear_residual_prechecked(
     return _launch_reading(x, weight.t(), EpilogueRead(None, residual, residual=True), None, bias)
 
 
+def matmul_row_stats_prechecked(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, stats: torch.Tensor
+) -> torch.Tensor:
+    """``out = a @ b (+ bias)`` (fp32 accumulation, one rounding to ``out``'s dtype) and, in the
+    same epilogue, the softmax statistics of each row of ``out`` per ``STATS_COLS`` columns
+    into ``stats`` (gemm_epilogue's ``ROW_STATS``), for a caller that checked its arguments:
+    ``a`` (M, K) and ``b`` (K, N) 16-bit, any strides; ``out`` (M, N) of any of fp16 / bf16 /
+    fp32, any strides; ``stats`` a contiguous fp32 (M, ``row_stats_slots(N)``, 2). The head's
+    logits of ops/loss_chunks.py, whose row logsumexp the cross-entropy kernel then takes from
+    ``stats`` instead of a pass over the row. The pointer or TMA kernel (never split-K: its
+    reduction has no epilogue). Returns ``out``."""
+    return _launch_reading(a, b, EpilogueRead(None, stats, row_stats=True), out, bias)
+
+
 def matmul_backward(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -988,18 +1003,19 @@ def matmul_grad_act_prechecked(
 
 
 def _launch_reading(a, b, read: EpilogueRead, into, bias=None) -> torch.Tensor:
-    """A GEMM whose epilogue reads ``read`` (a dgrad epilogue, or a residual added) on the
-    kernel the plan names (the pointer or TMA kernel, never split-K: its reduction has no
-    epilogue); C new or ``into``."""
+    """A GEMM whose epilogue reads ``read`` (a dgrad epilogue, or a residual added) or writes
+    it (row statistics) on the kernel the plan names (the pointer or TMA kernel, never
+    split-K: its reduction has no epilogue); C new (``a``'s dtype) or ``into`` (its own)."""
     (M, K), N = a.shape, b.shape[1]
+    out_dtype = a.dtype if into is None else into.dtype
     if device_gemm_info(a.device)[0] > 0:
         plan = plan_for(a, b, M, N, K, split=False)
         layouts = tma_layouts(a, b) if plan.kernel == TMA else None
         if layouts is not None:
-            return launch_tma(a, b, M, N, K, bias, None, a.dtype, None, layouts, into, False, read)
+            return launch_tma(a, b, M, N, K, bias, None, out_dtype, None, layouts, into, False, read)
     sa, sb = a.stride(), b.stride()
     return _launch(
-        a, sa, b, sb, M, N, K, bias, None, a.dtype, None, NO_SCALES, NO_PROLOGUE, into, False, read
+        a, sa, b, sb, M, N, K, bias, None, out_dtype, None, NO_SCALES, NO_PROLOGUE, into, False, read
     )
 
 

@@ -47,16 +47,55 @@ class EpilogueRead(NamedTuple):
     rounding (``ADD_RESIDUAL``: the residual stream's add in the layer's GEMM). With
     ``glu_forward`` (``GLU_FWD``, ``activation`` the gate's) ``z`` is a contiguous (M, 2N)
     ``[gate | up]`` and C a contiguous (M, N) ``h``: the product is ``up``, stored into ``z``'s
-    right half, and ``h = act(gate) * up`` into C (rows of ``z`` twice C's row stride apart)."""
+    right half, and ``h = act(gate) * up`` into C (rows of ``z`` twice C's row stride apart).
+    With ``row_stats`` (``activation`` None) ``z`` is written, not read: a contiguous fp32
+    (M, :func:`row_stats_slots` (N), 2) tensor of each row's softmax statistics per
+    :data:`STATS_COLS` columns of the stored C (``ROW_STATS``, see :func:`epilogue`)."""
 
     activation: str | None
     z: torch.Tensor
     glu: bool = False
     residual: bool = False
     glu_forward: bool = False
+    row_stats: bool = False
+
+
+#: Columns of C per slot of the ``ROW_STATS`` statistics: the narrowest epilogue slice any
+#: config makes (gemm_configs: BLOCK_N 32), so that every slice starts on a slot.
+STATS_COLS = 32
+_STATS_COLS = tl.constexpr(STATS_COLS)
+
+
+def row_stats_slots(n: int) -> int:
+    """Slots of ``ROW_STATS`` statistics per row of an (M, ``n``) C."""
+    return triton.cdiv(n, STATS_COLS)
 
 
 # --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _store_row_stats(y, rows, col0, M, N, stats_ptr, WIDTH: tl.constexpr):
+    """The softmax statistics of WIDTH columns of C from ``col0`` (``y``: their stored values
+    in fp32, (BLOCK_M, WIDTH)): per row the max ``m`` over the columns inside N and
+    ``s = sum(exp(y - m))``, written as ``(m, s)`` into slot ``col0 // STATS_COLS`` of the
+    contiguous (M, cdiv(N, STATS_COLS), 2) ``stats_ptr``, and the neutral ``(-inf, 0)``
+    into the slice's other slots, so that every slot is written once by some tile and the
+    slots combine as an online softmax does (``m = max m_j``, ``s = sum s_j exp(m_j - m)``)."""
+    cols = col0 + tl.arange(0, WIDTH)
+    x = tl.where((cols < N)[None, :], y, float("-inf"))
+    m = tl.max(x, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # a slice past the edge: no inf - inf
+    s = tl.sum(tl.exp(x - m_safe[:, None]), axis=1)
+    SLOTS: tl.constexpr = WIDTH // _STATS_COLS
+    j = tl.arange(0, SLOTS)
+    first = (j == 0)[None, :]
+    slot = col0 // _STATS_COLS + j
+    n_slots = tl.cdiv(N, _STATS_COLS)
+    mask = (rows < M)[:, None] & (slot < n_slots)[None, :]
+    ptrs = stats_ptr + (rows.to(tl.int64)[:, None] * n_slots + slot[None, :]) * 2
+    tl.store(ptrs, tl.where(first, m[:, None], float("-inf")), mask=mask)
+    tl.store(ptrs + 1, tl.where(first, s[:, None], 0.0), mask=mask)
 
 
 @triton.jit
@@ -118,13 +157,15 @@ def _epilogue_part(
     GRAD_GLU: tl.constexpr = False,
     ADD_RESIDUAL: tl.constexpr = False,
     GLU_FWD: tl.constexpr = 0,
+    ROW_STATS: tl.constexpr = False,
 ):
     """Bias, optional pre-activation store, the product with act'(Z) of the Z read at
     ``preact_ptr`` (GRAD_ACT; with GRAD_GLU the gated unit's two gradients, see
     :func:`epilogue`), the gated unit's forward (GLU_FWD: the product is ``up``, stored at
     ``preact_ptr``'s right half, and C gets ``act(gate) * up``), activation, C's old value
     (ACCUMULATE) or the residual read at ``preact_ptr`` (ADD_RESIDUAL) added, and one masked
-    cast-and-store on WIDTH columns of the fp32 tile.
+    cast-and-store on WIDTH columns of the fp32 tile, then (ROW_STATS) the stored values'
+    softmax statistics into ``preact_ptr`` (:func:`_store_row_stats`).
     Returns ``(stored, cols, mask)``: the values stored (OUT_DTYPE), their columns and
     mask (:func:`epilogue_emit` casts them to fp8; :func:`epilogue` drops them)."""
     cols = col0 + tl.arange(0, WIDTH)
@@ -163,6 +204,8 @@ def _epilogue_part(
         acc = acc + tl.load(preact_ptrs, mask=mask_c, other=0.0).to(tl.float32)
     out = cast_rne(acc, OUT_DTYPE)
     tl.store(c_ptrs, out, mask=mask_c)
+    if ROW_STATS:
+        _store_row_stats(out.to(tl.float32), rows, col0, M, N, preact_ptr, WIDTH)
     return out, cols, mask_c
 
 
@@ -192,6 +235,7 @@ def epilogue(
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: the gated unit's d(gate) and d(up) (see below)
     ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added to the result
     GLU_FWD: tl.constexpr = 0,  # an ACTIVATIONS code: C = act(gate) * up, up stored beside gate (below)
+    ROW_STATS: tl.constexpr = False,  # C's softmax statistics written at preact_ptr (below)
 ):
     """Bias, activation and one cast, on the fp32 accumulator; masked stores.
     With ``ACCUMULATE`` the store adds the result to what C holds (the wgrad
@@ -225,18 +269,25 @@ def epilogue(
     (M, 2N) ``[gate | up]`` (rows ``2 * stride_cm`` apart) and C the contiguous (M, N) ``h``;
     ``up`` is rounded and stored N columns right of ``gate``, the stored 16-bit ``gate`` read,
     and ``h = act(gate) * up`` computed in fp32 from the two 16-bit values (kernels/swiglu.py's
-    forward: bit for bit its ``h``) and rounded once into C; sliced as GRAD_GLU is."""
+    forward: bit for bit its ``h``) and rounded once into C; sliced as GRAD_GLU is.
+
+    With ``ROW_STATS`` (no activation: a head's logits) ``preact_ptr`` is a contiguous fp32
+    (M, cdiv(N, STATS_COLS), 2) tensor that receives, per row and per STATS_COLS columns,
+    the max ``m`` and ``sum(exp(c - m))`` of the stored C (:func:`_store_row_stats`): a
+    row's logsumexp from its slots is one read of N / 4 bytes where a pass over the row reads
+    all of it (kernels/cross_entropy.py's ``LSE_FROM_STATS``); sliced as an exp activation is."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     BITS: tl.constexpr = TRANSCENDENTAL_BITS
     SLICED: tl.constexpr = ((BITS >> ACTIVATION) | (BITS >> GRAD_ACT) | (BITS >> GLU_FWD)) & 1
-    PARTS: tl.constexpr = EPI_SPLIT if ACCUMULATE or SLICED or GRAD_GLU or ADD_RESIDUAL or GLU_FWD else 1
+    SLICE: tl.constexpr = ACCUMULATE or SLICED or GRAD_GLU or ADD_RESIDUAL or GLU_FWD or ROW_STATS
+    PARTS: tl.constexpr = EPI_SPLIT if SLICE else 1
     WIDTH: tl.constexpr = BLOCK_N // PARTS
     slices = _column_slices(acc, BLOCK_M, BLOCK_N, PARTS)
     for i in tl.static_range(PARTS):
         _epilogue_part(
             slices[i], rows, pid_n * BLOCK_N + i * WIDTH, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm,
             stride_cn, stride_bias, HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, WIDTH,
-            ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD,
+            ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD, ROW_STATS,
         )  # fmt: skip
 
 
@@ -428,16 +479,18 @@ def bias_stride(bias: torch.Tensor | None) -> int:
 
 def read_meta(read: EpilogueRead | None) -> dict:
     """The constexpr arguments both GEMM kernels take for what their epilogue reads (``read``,
-    None: nothing): ``GRAD_ACT`` (an activation code), ``GRAD_GLU``, ``ADD_RESIDUAL``, and
-    ``GLU_FWD`` (the gate's activation code); every one passed, off or not (autotune keys)."""
+    None: nothing): ``GRAD_ACT`` (an activation code), ``GRAD_GLU``, ``ADD_RESIDUAL``,
+    ``GLU_FWD`` (the gate's activation code) and ``ROW_STATS`` (what it writes beside C);
+    every one passed, off or not (autotune keys)."""
     if read is None:
-        return {"GRAD_ACT": 0, "GRAD_GLU": False, "ADD_RESIDUAL": False, "GLU_FWD": 0}
+        return {"GRAD_ACT": 0, "GRAD_GLU": False, "ADD_RESIDUAL": False, "GLU_FWD": 0, "ROW_STATS": False}
     code = ACTIVATIONS[read.activation]
     return {
         "GRAD_ACT": 0 if read.glu_forward else code,
         "GRAD_GLU": read.glu,
         "ADD_RESIDUAL": read.residual,
         "GLU_FWD": code if read.glu_forward else 0,
+        "ROW_STATS": read.row_stats,
     }
 
 

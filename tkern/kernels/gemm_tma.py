@@ -45,6 +45,7 @@ _AUTOTUNE_KEY = [
     "GRAD_GLU",
     "ADD_RESIDUAL",
     "GLU_FWD",
+    "ROW_STATS",
 ]
 
 
@@ -88,6 +89,7 @@ def _matmul_tma_kernel(
     GRAD_GLU: tl.constexpr = False,  # with GRAD_ACT: a gated unit's two gradients (the pointer epilogue)
     ADD_RESIDUAL: tl.constexpr = False,  # the (M, N) tensor at preact_ptr added (epilogue's ADD_RESIDUAL)
     GLU_FWD: tl.constexpr = 0,  # activation code: C = act(gate) * up, up stored (epilogue's GLU_FWD)
+    ROW_STATS: tl.constexpr = False,  # C's softmax statistics written at preact_ptr (the pointer epilogue)
 ):
     """C = act(A @ B + bias) (or C += A @ B), fp32 accumulation, persistent (one program per SM
     walks the tiles) with A and B fetched by the tensor memory accelerator
@@ -121,7 +123,7 @@ def _matmul_tma_kernel(
             epilogue(
                 acc, pid_m, pid_n, M, N, c_ptr, bias_ptr, preact_ptr, stride_cm, stride_cn, stride_bias,
                 HAS_BIAS, ACTIVATION, STORE_PREACT, OUT_DTYPE, PREACT_DTYPE, BLOCK_M, BLOCK_N, EPI_SPLIT,
-                ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD,
+                ACCUMULATE, GRAD_ACT, GRAD_GLU, ADD_RESIDUAL, GLU_FWD, ROW_STATS,
             )  # fmt: skip
 
 
