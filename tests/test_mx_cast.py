@@ -162,3 +162,20 @@ def test_compile_traces_the_op():
 
     data, scales = cast(x)
     assert_bits_equal(x, E5M2, 0, "rceil", data, scales)
+
+
+def test_meta_inputs_get_the_casts_shapes_and_dtypes():
+    # a meta tensor (a model built on the meta device, FSDP2's deferred init) takes the custom
+    # op's fake implementation: the shapes and dtypes the launcher would give, no launch (the
+    # launcher itself cannot read a meta tensor); bad arguments are still refused by name
+    from tkern.ops.mx import to_mx_both
+
+    x = torch.empty(64, 96, device="meta", dtype=torch.bfloat16)
+    data, scales = tkern.to_mx(x, axis=0)
+    assert (data.device.type, data.shape, data.dtype) == ("meta", (64, 96), torch.float8_e4m3fn)
+    assert (scales.shape, scales.dtype) == ((2, 96), torch.float8_e8m0fnu)
+    got = [(t.device.type, tuple(t.shape), t.dtype) for t in to_mx_both(x, E5M2)]
+    want = [(64, 96), (64, 3), (96, 64), (96, 2)]
+    assert got == [("meta", s, d) for s, d in zip(want, (E5M2, torch.float8_e8m0fnu) * 2, strict=True)]
+    with pytest.raises(ValueError, match="not a multiple of block_size"):
+        tkern.to_mx(torch.empty(64, 95, device="meta"))

@@ -1,8 +1,9 @@
 """The MX family's custom ops: the casts of tkern.kernels.mx as ``torch.library`` ops.
 
 torch.compile treats each as an opaque op with known output shapes (their fake
-implementations below); eager calls run the launchers directly. ``tkern.to_mx`` is
-:func:`to_mx` here: the op while compiling, the launcher otherwise.
+implementations below); eager calls on plain tensors run the launchers directly. ``tkern.to_mx``
+is :func:`to_mx` here: the op while compiling and on a meta tensor or a subclass
+(``ops.common.launches_directly``: a FakeTensor, a DTensor), the launcher otherwise.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tkern.kernels import mx
-from tkern.ops.common import is_compiling
+from tkern.ops.common import launches_directly
 
 __all__ = ["to_mx", "to_mx_both"]
 
@@ -73,8 +74,9 @@ def to_mx(
     axis: int = -1,
     scale_mode: str = "floor",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tkern.kernels.mx.to_mx` (see there), traceable by torch.compile."""
-    if is_compiling():
+    """:func:`tkern.kernels.mx.to_mx` (see there), traceable by torch.compile; a meta ``x``
+    gives meta outputs of the cast's shapes and dtypes."""
+    if not launches_directly(x):
         mx.check_to_mx_args(x, dtype, block_size, axis, scale_mode)
         return _to_mx_op(x, dtype, block_size, axis % x.dim(), scale_mode)
     return mx.to_mx(x, dtype, block_size=block_size, axis=axis, scale_mode=scale_mode)
@@ -83,8 +85,9 @@ def to_mx(
 def to_mx_both(
     x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, scale_mode: str = "floor"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`tkern.kernels.mx.to_mx_both` (see there), traceable by torch.compile."""
-    if is_compiling():
+    """:func:`tkern.kernels.mx.to_mx_both` (see there), traceable by torch.compile; a meta
+    ``x`` gives meta outputs of the casts' shapes and dtypes."""
+    if not launches_directly(x):
         mx.check_to_mx_both_args(x, dtype, scale_mode)
         return _to_mx_both_op(x, dtype, scale_mode)
     return mx.to_mx_both(x, dtype, scale_mode=scale_mode)
