@@ -87,6 +87,67 @@ def test_the_step_cast_stays_in_the_same_tensors_for_a_captured_forward(recipe):
         assert torch.equal(cache.scale, ref[1])
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_the_step_casts_into_the_held_tensors_with_no_copy(recipe, monkeypatch):
+    """The cache's refresh casts straight into the tensors it holds (cast_2d(out=...)), as the
+    MX cache does: no aten op reads or writes a weight-shaped fp8 tensor (the copy of a fresh
+    cast that _keep made before), the same tensors, and the cast a forward would make now."""
+    from conftest import ops_over
+
+    from tkern.functional import float8_weight_cache
+    from tkern.kernels.float8 import cast_2d
+
+    torch.manual_seed(0)
+    layer = tkern.nn.Float8Linear(64, 32, recipe=recipe).to(DEVICE)
+    opt = tkern.optim.FusedAdamW(layer.parameters(), lr=1e-2)
+    x = torch.randn(8, 64, device=DEVICE).to(torch.bfloat16)
+    opt.zero_grad()
+    layer(x).float().square().mean().backward()
+    opt.step()
+    cache = float8_weight_cache(layer.weight)
+
+    def ptrs():
+        held = (cache.data, cache.scale, cache.data_t, cache.amax)
+        return [None if t is None else t.data_ptr() for t in held]
+
+    held = ptrs()
+    with ops_over(monkeypatch, {(32 * 64, 64), (64 * 32, 32)}) as seen:
+        cache.refresh()
+    assert seen == [] and ptrs() == held
+    if recipe == "tensorwise":
+        ref = cast_2d(layer.weight.detach(), cache.data.dtype, store_t=True)
+        for mine, want in ((cache.data, ref.data), (cache.data_t, ref.data_t)):
+            assert torch.equal(mine.view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(cache.scale, ref.scale)
+
+
+def test_cast_2d_into_given_tensors_is_the_fresh_cast_and_refuses_wrong_ones():
+    from tkern.kernels.float8 import cast_2d
+
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(96, 64, device=DEVICE).to(torch.bfloat16)
+    fresh = cast_2d(x, e4m3, store_t=True)
+    out = cast_2d(torch.zeros_like(x), e4m3, store_t=True)
+    got = cast_2d(x, e4m3, store_t=True, out=out)
+    assert got.data is out.data and got.data_t is out.data_t and got.scale is out.scale
+    for mine, want in ((got.data, fresh.data), (got.data_t, fresh.data_t)):
+        assert torch.equal(mine.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got.scale, fresh.scale)
+    history = torch.zeros(16, device=DEVICE)
+    history[0] = 3.0
+    fresh = cast_2d(x, e4m3, store_t=True, history=history, defer=True)
+    held = cast_2d(torch.zeros_like(x), e4m3, store_t=True, history=history, defer=True)
+    got = cast_2d(x, e4m3, store_t=True, history=history, defer=True, out=held)
+    assert got.amax is held.amax and torch.equal(got.amax, fresh.amax)
+    assert torch.equal(got.data.view(torch.uint8), fresh.data.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"out.data_t must be a contiguous \(64, 96\)"):
+        cast_2d(x, e4m3, store_t=True, out=out._replace(data_t=out.data))
+    with pytest.raises(ValueError, match="out.amax must be"):
+        cast_2d(x, e4m3, store_t=True, history=history, defer=True, out=out)
+    with pytest.raises(TypeError, match="out must be a Float8Cast"):
+        cast_2d(x, e4m3, out=(out.data,))
+
+
 def test_a_write_from_outside_the_optimizer_makes_the_forward_cast_again():
     from tkern.functional import float8_weight_cache
 

@@ -721,6 +721,7 @@ def cast_2d(
     counter: torch.Tensor | None = None,
     roll2: tuple[torch.Tensor, torch.Tensor] | None = None,
     amax: torch.Tensor | None = None,
+    out: Float8Cast | None = None,
 ) -> Float8Cast:
     """A per-tensor fp8 cast of a 2-D ``x`` that writes what each GEMM needs, in one
     pass: ``x``'s layout (``store``), its transpose (``store_t``, both K-major
@@ -745,9 +746,13 @@ def cast_2d(
         sum_dtype: write ``col_sum`` (K,) of this dtype (fp32, fp16 or bf16).
         history, margin, update, defer, counter, roll2: delayed scaling (above).
         amax: current scaling's amax, found elsewhere (above).
+        out: a :class:`Float8Cast` whose tensors receive the cast instead of new ones (a
+            weight cache's, held step after step): ``data`` / ``data_t`` where stored, the
+            0-dim fp32 ``scale`` and, with ``defer``, the (P,) ``amax`` a previous call
+            returned; ``col_sum`` is never taken from it.
 
     Returns:
-        :class:`Float8Cast`.
+        :class:`Float8Cast` (``out``'s tensors where given).
     """
     check_tensor("x", x, ndim=2, dtypes=HIGH_DTYPES)
     check_fp8_dtype(dtype)
@@ -773,13 +778,38 @@ def cast_2d(
         if history is not None:
             raise ValueError("amax is current scaling's (the amax found elsewhere): give no history")
         check_amaxes("amax", amax, x)
+    if out is not None:
+        _check_cast_out(out, x, dtype, store, store_t, defer, sum_dtype is not None)
     return cast_2d_prechecked(
-        x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax
+        x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax, out
     )
 
 
+def _check_cast_out(out: object, x: torch.Tensor, dtype, store, store_t, defer, whole_columns) -> None:
+    """Raise unless ``out`` holds the tensors :func:`cast_2d` would make for these arguments."""
+    if not isinstance(out, Float8Cast):
+        raise TypeError(f"out must be a Float8Cast (a previous cast_2d's result), got {type(out).__name__}")
+    m, k = x.shape
+    grid = _grid(m, k, whole_columns)
+    want = {
+        "data": ((m, k), dtype, store),
+        "data_t": ((k, m), dtype, store_t),
+        "scale": ((), torch.float32, True),
+        "amax": ((grid[0] * grid[1],), torch.float32, defer),
+    }
+    for name, (shape, want_dtype, needed) in want.items():
+        t = getattr(out, name)
+        if not needed:
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != want_dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"out.{name} must be a contiguous {shape} {want_dtype} tensor, got {got}")
+        if not t.is_contiguous() or t.device != x.device:
+            raise ValueError(f"out.{name} must be contiguous and on {x.device}")
+
+
 def cast_2d_prechecked(
-    x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax=None
+    x, dtype, store, store_t, sum_dtype, history, margin, update, defer, counter, roll2, amax=None, out=None
 ):
     """:func:`cast_2d` for a caller whose arguments are valid (:func:`cast_2d`'s checks passed,
     or the caller made them so: Float8Linear's forward and backward on the inputs
@@ -791,10 +821,13 @@ def cast_2d_prechecked(
         :class:`Float8Cast`; ``amax`` holds the (P,) partial maxima only with ``defer``."""
     m, k = x.shape
     dev = x.device
-    data = torch.empty((m, k), dtype=dtype, device=dev) if store else None
-    data_t = torch.empty((k, m), dtype=dtype, device=dev) if store_t else None
+    if out is None:
+        data = torch.empty((m, k), dtype=dtype, device=dev) if store else None
+        data_t = torch.empty((k, m), dtype=dtype, device=dev) if store_t else None
+        scale = torch.empty((), dtype=torch.float32, device=dev)
+    else:
+        data, data_t, scale = out.data if store else None, out.data_t if store_t else None, out.scale
     col_sum = torch.empty(k, dtype=sum_dtype, device=dev) if sum_dtype is not None else None
-    scale = torch.empty((), dtype=torch.float32, device=dev)
     grid = _grid(m, k, col_sum is not None)
     if history is None:
         partials = amax
@@ -804,7 +837,11 @@ def cast_2d_prechecked(
         _launch_cast(x, dtype, partials, scale, data=data, data_t=data_t, col_sum=col_sum, grid=grid)
         return Float8Cast(data, data_t, scale, col_sum, None)
     roll = update and not defer
-    partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev) if (roll or defer) else None
+    partials = None
+    if defer and out is not None:
+        partials = out.amax
+    elif roll or defer:
+        partials = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dev)
     if roll and counter is None:
         counter = torch.zeros(1, dtype=torch.int32, device=dev)
     _launch_cast(

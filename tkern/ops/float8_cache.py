@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from tkern.kernels.float8 import cast_2d, native_e4m3
+from tkern.kernels.float8 import Float8Cast, cast_2d, native_e4m3
 from tkern.kernels.mx import to_mx_both
 from tkern.ops.float8_args import E4M3, WEIGHT_CACHE_SCALINGS
 from tkern.ops.float8_mx import MX_SCALE_MODE
@@ -111,28 +111,34 @@ class Float8WeightCache:
             return
         self._stamp = None
         e4m3 = native_e4m3(weight.device)  # FNUZ on a gfx942, as float8_linear casts x
+        # cast into the held tensors where they are this weight's (_keep's reason), else new ones
+        fits = self.data is not None and self.data.shape == weight.shape and self.data.device == weight.device
+        delayed, mx = self.scaling == "delayed", self.scaling == "mxfp8"
+        same = fits and (self.scale_t is not None if mx else self.scale_t is None and self.data.dtype == e4m3)
+        into = None
+        if same and not mx and (self.amax is not None or not delayed):
+            into = Float8Cast(self.data, self.data_t, self.scale, None, self.amax)
         with torch.no_grad():
-            if self.scaling == "delayed":
+            if delayed:
                 history = self._history()
                 if history is None:  # the module is gone or holds no history
                     self._history_used = None
                     return
                 # the weight in both layouts (each GEMM's K-major operand), the update put off
                 cast = cast_2d(
-                    weight.detach(), e4m3, store_t=True, history=history, margin=self.margin, defer=True
-                )
+                    weight.detach(), e4m3, store_t=True, history=history, margin=self.margin, defer=True,
+                    out=into,
+                )  # fmt: skip
                 self._history_used = history
                 self._history_stamp = (history._version, history.data_ptr())
-            elif self.scaling == "mxfp8":  # into the held casts when there are (_keep's reason)
+            elif mx:
                 held = (self.data, self.scale, self.data_t, self.scale_t)
-                same = self.scale_t is not None and self.data.shape == weight.shape
-                same = same and self.data.device == weight.device
                 cast = to_mx_both(weight.detach(), E4M3, scale_mode=MX_SCALE_MODE, out=held if same else None)
                 if not same:
                     self._keep(*cast[:3], None, cast[3])
             else:
-                cast = cast_2d(weight.detach(), e4m3, store_t=True)
-            if self.scaling != "mxfp8":
+                cast = cast_2d(weight.detach(), e4m3, store_t=True, out=into)
+            if not mx and into is None:
                 self._keep(cast.data, cast.scale, cast.data_t, cast.amax, None)
         self._stamp = (weight._version, weight.data_ptr())
 
