@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import RESULTS, commit, device_name, device_slug  # noqa: E402
 
 SEQ, BATCH, LR, WD = 64, 8, 3e-3, 0.01
-#: Batches the final loss is measured on after training (no dropout anywhere).
-EVAL_BATCHES = 8
+#: Batches the final loss is measured on after training (no dropout anywhere); ``--smoke``
+#: (which checks that every run trains and reports, not the losses' margins) measures on fewer.
+EVAL_BATCHES, SMOKE_EVAL_BATCHES = 8, 2
 #: The largest relative difference of each mode's final loss from the fp32-master run that
 #: the run accepts (split: the same master bit for bit, so only the forward's rounding on
 #: exact ties differs; the rest: quantization or rounding noise).
@@ -152,16 +153,16 @@ def loss_of(net, x, y) -> torch.Tensor:
 
 
 def train(
-    make, data: torch.Tensor, steps: int, device: torch.device
+    make, data: torch.Tensor, steps: int, device: torch.device, eval_batches: int = EVAL_BATCHES
 ) -> tuple[list[float], float, float, float]:
-    """The training losses, bytes per param, the loss on held-out batches after
-    training (the same batches for every run, drawn after the training ones) and
+    """The training losses, bytes per param, the loss on ``eval_batches`` held-out batches
+    after training (the same batches for every run, drawn after the training ones) and
     the seconds it took."""
     net = model(device)
     opt, bytes_per_param = make(net.parameters())
     losses = []
     start = time.perf_counter()
-    all_batches = list(batches(data, steps + EVAL_BATCHES, device))
+    all_batches = list(batches(data, steps + eval_batches, device))
     for x, y in all_batches[:steps]:
         opt.zero_grad()
         loss = loss_of(net, x, y)
@@ -169,13 +170,15 @@ def train(
         opt.step()
         losses.append(loss.item())
     with torch.no_grad():
-        held_out = sum(loss_of(net, x, y).item() for x, y in all_batches[steps:]) / EVAL_BATCHES
+        held_out = sum(loss_of(net, x, y).item() for x, y in all_batches[steps:]) / eval_batches
     return losses, bytes_per_param(), held_out, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="bench_memory.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="3 steps of every run, nothing written")
+    parser.add_argument(
+        "--smoke", action="store_true", help="3 steps of every run, 2 held-out batches, nothing written"
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--only", default="", help="run only the runs whose name contains this")
     args = parser.parse_args(argv)
@@ -187,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, (kind, make) in RUNS.items():
         if args.only not in name:
             continue
-        losses, bpp, final, seconds = train(make, data, steps, device)
+        evals = SMOKE_EVAL_BATCHES if args.smoke else EVAL_BATCHES
+        losses, bpp, final, seconds = train(make, data, steps, device, evals)
         rows.append({"run": name, "kind": kind, "bytes_per_param": round(bpp, 3), "final_loss": final,
                      "first_loss": losses[0], "seconds": round(seconds, 1)})  # fmt: skip
         print(
