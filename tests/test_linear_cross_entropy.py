@@ -492,16 +492,6 @@ def test_a_chunks_logits_in_parts_then_one_dgrad_and_wgrad(launches, reduction):
     assert len(gemms) == 5 * passes + 4
 
 
-def test_a_chunk_size_above_the_rows_is_one_chunk_in_parts(launches):
-    # 600 rows with chunk_size 4096: one chunk of the 600 rows, its logits in 4 parts of
-    # 150 (a short batch holds a quarter of its rows' fp32 logits, as a default chunk
-    # capped at the rows does), then one dgrad and one wgrad; against float64
-    x, w, b, target, weight = _inputs(torch.bfloat16, n=600, h=16, v=40)
-    _check(x, w, b, target, chunk_size=4096, weight=weight)
-    assert sum(1 for name, _ in launches if name == "_cross_entropy_kernel") == 4
-    assert sum(1 for name, _ in launches if name.startswith("_matmul")) == 4 + 2
-
-
 def test_cross_entropy_from_row_stats_matches_its_two_passes():
     # the kernel's LSE_FROM_STATS against its own two passes over the same fp32 logits: the
     # lse to a few ulp (a different order of the same fp32 sums), so the loss terms too, and

@@ -56,7 +56,7 @@ MIN_CHUNK_ROWS = 128
 #: A chunk's fp32 logits are computed in this many parts (:func:`logits_rows`), each into
 #: one reused buffer and through the cross-entropy kernel into its rows of the chunk's
 #: 16-bit gradient, which the chunk's dgrad and wgrad GEMMs then read once: the fp32
-#: logits buffer is 1/4 of a chunk's fp32 logits (the chunk's largest tensor, its gradient,
+#: logits buffer is 1/8 of a chunk's fp32 logits (the chunk's largest tensor, its gradient,
 #: half of them), and the weight-side GEMMs run once per chunk, not per part.
 LOGITS_SPLIT = 4
 
@@ -87,10 +87,10 @@ def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
     row, 14 V bytes whatever the chunks (fp32 logits written and read back, the 16-bit
     gradient written and read by dgrad and wgrad). With C ~ 4 H the weight's side adds
     (4 x 2 + 10) V H / (4 H) = 4.5 V per row, 0.32 of the rows' own traffic, where chunks
-    of ~H rows whose logits were one part (the previous rule) added 12 V, 0.86. The
-    memory it costs is the chunk's buffers, 3 C V bytes (its 16-bit gradient, 2 C V, and
-    one part's fp32 logits, C V), 3x the fp32 weight-gradient sum (4 V H) the pass holds
-    anyway at C ~ 4 H (the previous rule: 1.5x), and no term in the token count. V cancels out of both, so it
+    of ~H rows whose logits were one part (the previous rule) added 12 V, 0.86. The memory it costs is the
+    chunk's buffers, 3 C V bytes (its 16-bit gradient, 2 C V, and one part's fp32 logits,
+    C V), 3x the fp32 weight-gradient sum (4 V H) the pass holds anyway at C ~ 4 H (the
+    previous rule: 1.5x), and no term in the token count. V cancels out of both, so it
     does not move the rule. GPT-2 small (16384 tokens of 768 into 50257, the step
     ledger): 4096 rows, 4 chunks of 4 logits parts of 1024 rows; the LM head's GEMMs and
     loss move 14.8 GB where chunks of 1024 rows moved 19.6 GB, for 630 MB of chunk
@@ -167,8 +167,8 @@ class ChunkedLoss:
     ) -> None:
         self.x, self.w, self.b, self.target, self.weight, self.opts = x, w, b, target, weight, opts
         n, v = x.shape[0], w.shape[0]
-        self.chunk = min(opts.chunk, n)  # a chunk_size above the rows: one chunk of them all, in parts
-        self.part = logits_rows(self.chunk)
+        self.chunk = min(opts.chunk, n)
+        self.part = min(logits_rows(opts.chunk), n)
         self.logits = torch.empty(self.part, v, dtype=torch.float32, device=x.device)
         self.grad = None
         fusable = x.dtype in HALF_DTYPES and opts.smoothing == 0 and opts.softcap is None
