@@ -246,16 +246,36 @@ def _named_args(kernel, args: tuple, kwargs: dict) -> dict:
     return dict(zip(_jit_of(kernel).arg_names, args, strict=False)) | kwargs
 
 
+class _SplitK:
+    """A split-K reduction's category is its GEMM's (the split-K launch just before it, whose
+    partials it sums): the LM head's dgrad runs split-K and its reduction has no vocabulary
+    dimension to be told by (:func:`triton_cost` alone would call it a block GEMM's)."""
+
+    def __init__(self) -> None:
+        self.gemm: str | None = None
+
+    def category(self, name: str, named: dict, category: str, *rest) -> tuple:
+        if name.startswith("gemm_split."):
+            if "K" in named:
+                self.gemm = category
+            elif self.gemm is not None:
+                category, self.gemm = self.gemm, None
+        return (category, *rest)
+
+
 def recorded_launches(rec: _Recorder):
     """Inside, ``kernel[grid](*args, **kwargs)`` of any tkern Triton kernel records the
     launch into ``rec`` and runs nothing."""
+
+    split = _SplitK()
 
     def launcher(kernel, grid, name, real):
         def launch(*args, **kwargs):
             if not rec.on:
                 return None
             named = _named_args(kernel, args, kwargs)
-            category, nbytes, flops, dtype = triton_cost(name, named, rec.spec, rec.backward())
+            cost = triton_cost(name, named, rec.spec, rec.backward())
+            category, nbytes, flops, dtype = split.category(name, named, *cost)
             phase = rec.context()
             if phase == "optimizer" or (phase == "loss" and category not in GEMM_CATEGORIES):
                 category = "optimizer" if phase == "optimizer" else "loss"
@@ -274,10 +294,14 @@ def profiled_launches(spec: ModelSpec):
     :func:`triton_cost`), so that a profile puts its kernel in the ledger's category
     (a GEMM by its role) and knows its FLOPs and bytes."""
 
+    split = _SplitK()
+
     def launcher(kernel, grid, name, real):
         def launch(*args, **kwargs):
             backward = torch._C._current_graph_task_id() != -1
-            category, nbytes, flops, _ = triton_cost(name, _named_args(kernel, args, kwargs), spec, backward)
+            named = _named_args(kernel, args, kwargs)
+            cost = triton_cost(name, named, spec, backward)
+            category, nbytes, flops, _ = split.category(name, named, *cost)
             with torch.profiler.record_function(f"{RANGE}{category}|{flops}|{nbytes}|{name}"):
                 return real()(*args, **kwargs)
 
