@@ -157,11 +157,13 @@ class SavedBytes:
 class LargestTensor(TorchDispatchMode):
     """The largest tensor any op creates: outputs on a storage none of the op's
     inputs had (views, in-place ops and ``set_`` create none), leaving out
-    parameter-shaped ones (and their transposes)."""
+    parameter-shaped ones (a parameter's gradient or cast, which every recipe makes).
+    Not their transposes: a chunk of H rows' (H, V) logits has the transposed shape of
+    the (V, H) head, and a tensor that happens to is still the step's memory."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         super().__init__()
-        self.param_shapes = {tuple(p.shape) for p in params} | {tuple(p.shape)[::-1] for p in params}
+        self.param_shapes = {tuple(p.shape) for p in params}
         self.nbytes, self.what = 0, ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -373,6 +373,21 @@ def test_activation_memory_smoke_counts_saved_bytes_and_the_largest_tensor(tmp_p
     assert res.meta["norms_saved_vs_autocast"] <= bam.TARGETS["norms_saved_vs_autocast"]
 
 
+def test_the_largest_tensor_leaves_out_parameter_shapes_but_not_their_transposes():
+    """A parameter's gradient or cast (its shape) is every recipe's and left out; a tensor
+    shaped like its transpose is the step's own memory: a loss chunk of H rows makes (H, V)
+    fp32 logits, the (V, H) head's transposed shape, which the mode once left out too."""
+    import bench_activation_memory as bam
+
+    head = torch.zeros(64, 8)  # (V, H)
+    with bam.LargestTensor([head]) as mode:
+        torch.zeros(64, 8, dtype=torch.float64)  # the head's shape: left out, whatever its bytes
+        chunk = torch.zeros(8, 64)  # (H, V): counted
+        chunk.t().contiguous()  # a new storage of the head's shape: left out
+        chunk.add_(1)  # in place: no new tensor
+    assert mode.nbytes == 8 * 64 * 4 and mode.what.startswith("zeros") and "(8, 64)" in mode.what
+
+
 def test_floor_bytes_per_param_of_each_memory_mode():
     """The byte floors NOTES.md tabulates: DESIGN.md's 30 B/param for fp32 master and
     moments; 28 split; 8-bit moments 2 B each way plus an fp32 absmax per 256 values."""

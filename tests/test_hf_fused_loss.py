@@ -262,7 +262,7 @@ class _LogitsWatch(TorchDispatchMode):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_every_family_fuses_without_logits(name, monkeypatch):
     # 2 x 12 tokens in chunks of 8 rows (the default rule would take all 24 rows in one
-    # chunk: at least MIN_CHUNK_ROWS = 128 rows a chunk), so the largest (rows, V) tensor
+    # chunk: at least MIN_CHUNK_ROWS = 64 rows a chunk), so the largest (rows, V) tensor
     # of the fused step is a chunk's, never all the tokens'; the unfused model's step makes
     # (tokens, V) logits (the watch's positive control).
     monkeypatch.setattr(ce_ops, "default_chunk_rows", lambda n, h, v: 8)

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import tkern
 import tkern.kernels.cross_entropy as ce_kernels
 from tkern.ops.cross_entropy import MIN_CHUNK_ROWS, default_chunk_rows
+from tkern.ops.loss_chunks import LOGITS_SPLIT, MIN_PART_ROWS, logits_rows
 
 LOSS_TOL = 1e-5
 N, H, V = 188, 31, 123
@@ -169,29 +170,41 @@ def test_never_materializes_the_logits(reduction):
 
 
 def test_default_chunk_rows():
-    # the power of two nearest the features H (the weight side's bytes per chunk, 12 V H,
-    # about 6/7 of the rows' 14 V per row; the chunk's buffers, 6 rows V, ~1.5x the fp32
-    # weight-gradient sum), at least MIN_CHUNK_ROWS, at most the rows rounded up to a power of two
-    assert MIN_CHUNK_ROWS == 128
-    assert default_chunk_rows(16384, 768, 50257) == 1024  # GPT-2 small: 16 chunks
-    assert default_chunk_rows(8192, 4096, 128256) == 4096  # Llama 3 8B: 2 chunks
-    assert default_chunk_rows(65536, 2304, 256000) == 2048  # Gemma 2: 2^11.17
-    assert default_chunk_rows(65536, 5120, 152064) == 4096  # 2^12.32
+    # 4x the power of two nearest the features H (a chunk's logits in LOGITS_SPLIT = 4 parts:
+    # the weight side's bytes, 2 V H per part and 10 V H per chunk, about 0.32 of the rows'
+    # 14 V per row; the chunk's buffers, 3 rows V, ~3x the fp32 weight-gradient sum), capped
+    # at the power of two at most a quarter of the rows (the chunk's 16-bit gradient at most
+    # 1/8 of all the rows' fp32 logits), at least MIN_CHUNK_ROWS, at most the rows rounded up
+    assert MIN_CHUNK_ROWS == 64 and LOGITS_SPLIT == 4 and MIN_PART_ROWS == 16
+    assert default_chunk_rows(16384, 768, 50257) == 4096  # GPT-2 small: 4 chunks
+    assert default_chunk_rows(16384, 1024, 32000) == 4096  # the ledger's Llama-like: 4 chunks
+    assert default_chunk_rows(8192, 4096, 128256) == 2048  # Llama 3 8B: a quarter of 8192
+    assert default_chunk_rows(65536, 2304, 256000) == 8192  # Gemma 2: 4 x 2^11.17
+    assert default_chunk_rows(65536, 5120, 152064) == 16384  # 4 x 2^12.32
     assert default_chunk_rows(3, 4096, 16) == 4  # at most the rows, rounded up
-    assert default_chunk_rows(1000, 4096, 128256) == 1024  # a short batch: one chunk
+    assert default_chunk_rows(1000, 4096, 128256) == 128  # a short batch: 2^7 <= 250 < 2^8
+    assert default_chunk_rows(256, 128, 50257) == 64  # bench_activation_memory: a quarter
     # the floor: never tiny GEMMs (issue 37: 32 rows of 32 into 1501 classes took 32 chunks)
     assert default_chunk_rows(32, 32, 1501) == 32  # one chunk, not 32 of one row
     assert default_chunk_rows(10, 2, 10**6) == 16
-    assert default_chunk_rows(188, 31, 123) == 128  # 32, floored: 2 chunks
-    for n in (1, 7, 100, 129, 1000, 5000, 70000):
+    assert default_chunk_rows(300, 31, 123) == 64  # a quarter, 75, below 4 x 32
+    assert default_chunk_rows(300, 8, 123) == 64  # 4 x 8, floored
+    assert default_chunk_rows(3000, 16, 123) == 64  # 4 x 16
+    for n in (1, 7, 100, 129, 256, 1000, 5000, 70000):
         for h, v in ((32, 1501), (768, 50257), (4096, 16), (2304, 256000)):
             rows = default_chunk_rows(n, h, v)
             assert rows & (rows - 1) == 0 and rows >= min(n, MIN_CHUNK_ROWS)
             assert rows < 2 * n or n == 1  # no chunk more than twice the rows
-            # above the floor and below all the rows: H within a factor sqrt(2), V aside
-            if MIN_CHUNK_ROWS < rows < n:
-                assert 0.7 <= rows / h <= 1.42, (n, h, v, rows)
-                assert default_chunk_rows(n, h, 2 * v) == rows
+            assert default_chunk_rows(n, h, 2 * v) == rows  # V cancels out
+            if n >= 256:  # the 16-bit gradient at most 1/8 of the rows' fp32 logits
+                assert rows * 2 <= n * 4 / 8, (n, h, rows)
+            # above the floor and below a quarter of the rows: 4 H within a factor sqrt(2)
+            if MIN_CHUNK_ROWS < rows < n // 8:
+                assert 0.7 <= rows / (4 * h) <= 1.42, (n, h, v, rows)
+            # the logits parts: a quarter of the chunk, never below 16 rows (or the chunk)
+            assert logits_rows(rows) == max(rows // 4, min(rows, MIN_PART_ROWS))
+    assert logits_rows(40) == 16 and logits_rows(600) == 150  # ceil(600 / 4); 16 at least
+    assert logits_rows(10) == 10  # a chunk of at most 16 rows in one part
 
 
 def test_errors_name_the_argument():
@@ -456,6 +469,44 @@ def test_the_loss_reads_each_chunks_logits_once_from_the_gemms_statistics(launch
     ce = [k for n, k in launches if n == "_cross_entropy_kernel"]
     assert len(ce) == 3 and not any(k["LSE_FROM_STATS"] for k in ce)
     assert not any(k.get("ROW_STATS") for n, k in launches if n.startswith("_matmul"))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_chunks_logits_in_parts_then_one_dgrad_and_wgrad(launches, reduction):
+    # issue 54: a chunk of more than MIN_PART_ROWS rows computes its fp32 logits in
+    # LOGITS_SPLIT parts (chunks of 600 rows: parts of 150; 700 rows: 600 + 100, the ragged
+    # one in one part), each part's kernel writing its rows of the chunk's gradient, then
+    # one dgrad and one wgrad GEMM per chunk (not per part): 5 logits GEMMs and kernels, 2
+    # dgrads, 2 wgrads; "none"'s backward recomputes the same parts. Against float64, and the
+    # largest tensor is the chunk's 16-bit gradient (600 x V x 2, < its fp32 logits).
+    n, chunk = 700, 600
+    x, w, b, target, weight = _inputs(torch.bfloat16, n=n, h=16, v=40)
+    grad_out = torch.rand(n).to(DEVICE) + 0.5 if reduction == "none" else None
+    kw = {"weight": weight, "z_loss": 1e-3, "reduction": reduction}
+    with _LargestAllocation() as mode:
+        out = _run(x, w, b, target, grad_out, chunk_size=chunk, **kw)
+    assert mode.largest <= max(chunk * 40 * 2, n * 16 * 4), mode.largest
+    ref = _reference(x, w, b, target, grad_out, **kw)
+    assert rel_err(out[0], ref[0]) <= LOSS_TOL
+    for got, want in zip(out[1:], ref[1:], strict=True):
+        assert rel_err(got, want) <= TOL[torch.bfloat16]
+    ce = [k for name, k in launches if name == "_cross_entropy_kernel"]
+    gemms = [k for name, k in launches if name.startswith("_matmul")]
+    passes = 2 if reduction == "none" else 1  # forward, then backward's recompute
+    assert len(ce) == 5 * passes
+    assert sum(1 for k in gemms if k.get("ROW_STATS")) == 5  # forward's (the recompute's: two passes)
+    # per pass with gradients: 5 logits GEMMs, then each chunk's dgrad and wgrad
+    assert len(gemms) == 5 * passes + 4
+
+
+def test_a_chunk_size_above_the_rows_is_one_chunk_in_parts(launches):
+    # 600 rows with chunk_size 4096: one chunk of the 600 rows, its logits in 4 parts of
+    # 150 (a short batch holds a quarter of its rows' fp32 logits, as a default chunk
+    # capped at the rows does), then one dgrad and one wgrad; against float64
+    x, w, b, target, weight = _inputs(torch.bfloat16, n=600, h=16, v=40)
+    _check(x, w, b, target, chunk_size=4096, weight=weight)
+    assert sum(1 for name, _ in launches if name == "_cross_entropy_kernel") == 4
+    assert sum(1 for name, _ in launches if name.startswith("_matmul")) == 4 + 2
 
 
 def test_cross_entropy_from_row_stats_matches_its_two_passes():

@@ -98,7 +98,11 @@ def test_launch_counts_match_the_model_layers(sl, recipe, tkern_tiny):
     cats = _by_name(payload)
     for role in ("gemm fwd", "gemm dgrad", "gemm wgrad"):
         assert cats[role]["launches"] == layers, role
-    assert cats["gemm lm head"]["launches"] == 3  # forward, dgrad, wgrad of the tied head
+    if recipe == "tkern":  # the fused loss: per chunk its logits parts, one dgrad, one wgrad
+        chunks = _loss_chunks(spec)
+        assert cats["gemm lm head"]["launches"] == sum(len(parts) + 2 for _, parts in chunks)
+    else:
+        assert cats["gemm lm head"]["launches"] == 3  # forward, dgrad, wgrad of the tied head
     assert cats["attention"]["launches"] == 2 * spec.layers  # SDPA forward and backward per block
     logits = spec.tokens * spec.vocab
     if recipe == "tkern":  # the fused loss: its cross-entropy kernel, and scalars only of torch's
@@ -113,23 +117,42 @@ def test_launch_counts_match_the_model_layers(sl, recipe, tkern_tiny):
         assert cats["loss"]["bytes"] >= 2 * logits * 4
 
 
+def _loss_chunks(spec) -> list[tuple[int, list[int]]]:
+    """The fused loss's chunks at ``spec``'s size by its default rule: (rows, [rows of each
+    logits part]) per chunk."""
+    from tkern.ops.loss_chunks import default_chunk_rows, logits_rows
+
+    t = spec.tokens
+    chunk = default_chunk_rows(t, spec.width, spec.vocab)
+    part = logits_rows(chunk)
+    spans = [min(chunk, t - s) for s in range(0, t, chunk)]
+    return [(c, [min(part, c - a) for a in range(0, c, part)]) for c in spans]
+
+
 def test_bytes_of_known_launches(sl, tkern_tiny):
-    """The head's GEMMs under the fused loss (one chunk at this size; fp16 operands): the
-    logits x (T x d) @ W^T (V x d) written in fp32 (T x V) with their softmax statistics
-    (an fp32 (max, sum) pair per row and 32 columns, ROW_STATS), the dgrad from their fp16
-    gradient g (T x V) @ W and the wgrad g^T @ x into an fp32 (V x d) buffer; the Adam pass
+    """The head's GEMMs under the fused loss (fp16 operands; this size's 96 rows of 64 into
+    1000 take two chunks, 64 + 32 rows, in logits parts of 16): each part's logits
+    x (p x d) @ W^T (V x d) written in fp32 (p x V) with their softmax statistics (an fp32
+    (max, sum) pair per row and 32 columns, ROW_STATS); each chunk's dgrad from its fp16
+    gradient g (c x V) @ W and its wgrad g^T @ x into an fp32 (V x d) buffer, written by the
+    first chunk and read and written by the next (the accumulating kernel); the Adam pass
     reads grad (2 B), writes the param (2 B) and reads and writes the master and two moments
     (fp32): 28 B per element of the flat buffer (DESIGN.md)."""
     spec = sl.MODELS["gpt2-tiny"]
-    t, d, v = spec.tokens, spec.width, spec.vocab
-    head = [
-        r
-        for r in tkern_tiny["ops"]
-        if r["category"] == "gemm lm head" and r["name"].endswith(("_matmul_kernel", "_matmul_tma_kernel"))
-    ]
-    logits = 2 * (t * d + v * d) + 4 * t * v + 8 * t * -(-v // 32)
-    dgrad, wgrad = 2 * (t * v + v * d + t * d), 2 * (t * v + t * d) + 4 * v * d
-    assert head and head[0]["launches"] == 3 and head[0]["bytes"] == logits + dgrad + wgrad
+    d, v = spec.width, spec.vocab
+    chunks = _loss_chunks(spec)
+    assert [c for c, _ in chunks] == [64, 32] and chunks[0][1] == [16] * 4
+    ops = {r["name"]: r for r in tkern_tiny["ops"] if r["category"] == "gemm lm head"}
+    logits = sum(2 * (p * d + v * d) + 4 * p * v + 8 * p * -(-v // 32) for _, ps in chunks for p in ps)
+    dgrads = sum(2 * (c * v + v * d + c * d) for c, _ in chunks)
+    wgrads = [2 * (c * v + c * d) + (4 if i == 0 else 8) * v * d for i, (c, _) in enumerate(chunks)]
+    plain, accumulate = (
+        ops["triton.gemm_tma._matmul_tma_kernel"],
+        ops["triton.gemm_tma._matmul_tma_accumulate_kernel"],
+    )
+    assert plain["launches"] == sum(len(ps) for _, ps in chunks) + len(chunks) + 1
+    assert plain["bytes"] == logits + dgrads + wgrads[0]
+    assert accumulate["launches"] == 1 and accumulate["bytes"] == wgrads[1]
     adam = [r for r in tkern_tiny["ops"] if r["name"] == "triton.adam._adam_kernel"]
     assert adam[0]["launches"] == 2  # the fp16 params with a master, the fp32 (norm) params without
     # fp32 params without a master: grad 4 B, param written 4 B, the two moments read and written 16 B

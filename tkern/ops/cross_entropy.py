@@ -523,12 +523,14 @@ def linear_cross_entropy(
     plus tkern's ``z_loss``, ``softcap`` and ``chunk_size``.
 
     The rows go in chunks of ``chunk_size``; per chunk, tkern's GEMM computes the
-    chunk's logits in fp32 (fp32 accumulation), the cross-entropy kernel its
-    loss terms and (when gradients are needed) its logit gradient into a buffer
-    reused by every chunk, then the chunk's ``grad_input`` rows (``grad @ W``)
-    and its weight gradient (``grad^T @ input``) accumulated in fp32 across the
-    chunks and rounded once. No tensor larger than the chunk's logits (or than
-    the input, the weight and their gradients) is created.
+    chunk's logits in fp32 (fp32 accumulation) in parts of a quarter of its rows
+    (``loss_chunks.logits_rows``; a chunk of at most 16 rows in one), the
+    cross-entropy kernel each part's loss terms and (when gradients are needed) its
+    rows of the chunk's logit gradient, a buffer reused by every chunk, then the
+    chunk's ``grad_input`` rows (``grad @ W``) and its weight gradient
+    (``grad^T @ input``) accumulated in fp32 across the chunks and rounded once. No
+    tensor larger than the chunk's fp32 logits (or than the input, the weight and
+    their gradients) is created, and none with more rows than a chunk.
 
     For ``"mean"`` and ``"sum"`` the gradients are computed in forward (as torch's
     chunked option and Liger do) and multiplied by the upstream gradient in
@@ -551,8 +553,9 @@ def linear_cross_entropy(
             loss (Gemma 2's ``final_logit_softcapping``), as :func:`cross_entropy`'s;
             applied to each chunk's fp32 logits in the kernel, never materialized.
         ignore_index: as :func:`cross_entropy`; None means -100 (torch's convention).
-        chunk_size: rows per chunk; default :func:`default_chunk_rows` (the power of
-            two nearest H, at least ``MIN_CHUNK_ROWS`` = 128 rows or all of them).
+        chunk_size: rows per chunk; default :func:`default_chunk_rows` (4 times the
+            power of two nearest H, at most a quarter of the rows, at least
+            ``MIN_CHUNK_ROWS`` = 64 rows or all of them).
 
     Returns:
         fp32: a 0-d tensor, or the per-row losses in the target's shape for ``"none"``.

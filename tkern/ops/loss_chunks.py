@@ -1,9 +1,10 @@
 """The chunked pass of :func:`tkern.linear_cross_entropy`: the rows in chunks, per chunk
-tkern's GEMM for the chunk's fp32 logits, the cross-entropy kernel for its loss terms
-and logit gradient (one launch, into a buffer reused by every chunk), then the chunk's
-dgrad and its wgrad, the wgrad accumulated in an fp32 (V, H) buffer across the chunks
-and rounded once at the end (Liger PR 1391: bf16 accumulation over many chunks loses
-digits with the chunk count).
+its fp32 logits by tkern's GEMM in :data:`LOGITS_SPLIT` parts (one reused buffer), each
+part through the cross-entropy kernel for its loss terms and its rows of the chunk's
+logit gradient (one launch, into a buffer reused by every chunk), then the chunk's dgrad
+and its wgrad, the wgrad accumulated in an fp32 (V, H) buffer across the chunks and
+rounded once at the end (Liger PR 1391: bf16 accumulation over many chunks loses digits
+with the chunk count).
 
 Both doors of ops/cross_entropy.py (the eager ``autograd.Function`` and the custom ops
 ``tkern::linear_cross_entropy`` / ``tkern::linear_cross_entropy_backward`` that
@@ -38,17 +39,32 @@ __all__ = [
     "MIN_CHUNK_ROWS",
     "ChunkedLoss",
     "LossOptions",
+    "LOGITS_SPLIT",
+    "MIN_PART_ROWS",
     "default_chunk_rows",
     "denominators",
     "fused_forward",
+    "logits_rows",
     "recompute_grads",
 ]
 
 #: The fewest rows a default chunk has (all the rows where there are fewer): each chunk
 #: runs three GEMMs whose row count is the chunk's (the logits' and dgrad's M, the weight
-#: gradient's K), plus a kernel launch; below ~128 rows they are launch-bound and the
-#: weight gradient's K too short to fill a 128-wide tile (1-row chunks: one launch per token).
-MIN_CHUNK_ROWS = 128
+#: gradient's K), plus a kernel launch; far below ~64 rows they are launch-bound (1-row
+#: chunks: one launch per token). Only batches under 256 rows (16 chunks' worth of a
+#: quarter, :func:`default_chunk_rows`) get chunks this short.
+MIN_CHUNK_ROWS = 64
+
+#: A chunk's fp32 logits are computed in this many parts (:func:`logits_rows`), each into
+#: one reused buffer and through the cross-entropy kernel into its rows of the chunk's
+#: 16-bit gradient, which the chunk's dgrad and wgrad GEMMs then read once: the fp32
+#: logits buffer is 1/4 of a chunk's fp32 logits (the chunk's largest tensor, its gradient,
+#: half of them), and the weight-side GEMMs run once per chunk, not per part.
+LOGITS_SPLIT = 4
+
+#: The fewest rows a logits part has (all the chunk's where it has fewer): the logits GEMM's
+#: M, its smallest tile's rows (its N, the vocabulary, keeps the GPU busy).
+MIN_PART_ROWS = 16
 
 NO_GRADS = (False, False, False)
 
@@ -65,30 +81,45 @@ class LossOptions(NamedTuple):
 
 
 def default_chunk_rows(n_rows: int, in_features: int, n_classes: int) -> int:
-    """Rows per chunk: the power of two nearest the head's ``in_features`` H, raised to
-    :data:`MIN_CHUNK_ROWS` and capped at ``n_rows`` rounded up to a power of two (one chunk
-    holds every row).
+    """Rows per chunk: :data:`LOGITS_SPLIT` times the power of two nearest the head's
+    ``in_features`` H, capped at the power of two at most a quarter of ``n_rows`` (so at
+    least four chunks), never below :data:`MIN_CHUNK_ROWS` nor above ``n_rows`` rounded up
+    to a power of two.
 
-    The rule, by bytes against memory, for V = ``n_classes``. Each chunk moves 12 V H
-    bytes on the weight's side whatever its rows (the 16-bit weight read by its logits
-    GEMM and by its dgrad, the fp32 (V, H) weight-gradient sum read and written by its
-    wgrad) and 14 V bytes per row (fp32 logits written and read back, the 16-bit logit
-    gradient written and read by dgrad and wgrad): with rows ~ H the chunks add about
-    6/7 of the rows' own traffic (0.64 at GPT-2 small's 1024 rows), where 256 rows (the
-    previous rule, as many logits per chunk as the input's elements) added 2.6 times it.
-    The memory it costs is the chunk's buffers, 6 rows V bytes (its fp32 logits and
-    16-bit gradient): with rows ~ H about 1.5x the fp32 weight-gradient sum (4 V H) the
-    pass holds anyway, and no term in the token count. V cancels out of both, so it does
-    not move the rule. GPT-2 small (16384 tokens of 768 into 50257, the step ledger):
-    1024 rows, 16 chunks; the LM head's GEMMs move 13.9 GB where 256 rows moved 36.2 GB,
-    for 309 MB of chunk buffers instead of 77 MB. Llama 3 8B (4096 into 128256): 4096
-    rows, 3.2 GB of buffers beside the 2.1 GB fp32 weight-gradient sum.
+    The rule, by bytes against memory, for V = ``n_classes``. A chunk of C rows runs one
+    dgrad and one wgrad GEMM over its 16-bit logit gradient and its logits GEMMs in
+    :data:`LOGITS_SPLIT` parts of C / 4 rows (:func:`logits_rows`). On the weight's side
+    each logits part reads the 16-bit weight (2 V H bytes), each chunk's dgrad reads it
+    too and its wgrad reads and writes the fp32 (V, H) weight-gradient sum (10 V H); per
+    row, 14 V bytes whatever the chunks (fp32 logits written and read back, the 16-bit
+    gradient written and read by dgrad and wgrad). With C ~ 4 H the weight's side adds
+    (4 x 2 + 10) V H / (4 H) = 4.5 V per row, 0.32 of the rows' own traffic, where chunks
+    of ~H rows whose logits were one part (the previous rule) added 12 V, 0.86. The
+    memory it costs is the chunk's buffers, 3 C V bytes (its 16-bit gradient, 2 C V, and
+    one part's fp32 logits, C V), 3x the fp32 weight-gradient sum (4 V H) the pass holds
+    anyway at C ~ 4 H (the previous rule: 1.5x). V cancels out of both, so it does not move
+    the rule.
 
-    The floor keeps each chunk's GEMMs large enough to keep a GPU busy (and tiny heads
-    from one-row chunks); the cap, short batches in one chunk (their rows x V fp32 logits
-    once)."""
-    rows = max(1 << round(math.log2(max(in_features, 1))), MIN_CHUNK_ROWS)
+    The quarter bounds the memory against the logits the pass never makes: the chunk's
+    largest tensor, its 16-bit gradient, is at most 1/8 of all the rows' fp32 logits
+    (from 256 rows up; below, :data:`MIN_CHUNK_ROWS`), one part's fp32 logits 1/16. It
+    binds only on batches of fewer than 16 H rows, at a price on the weight's side: Llama
+    3 8B (4096 into 128256) at 8192 tokens takes 4 chunks of 2048 rows, 0.8 GB of buffers
+    where one chunk of 8192 held 3.2 GB, and its weight side moves 37.8 GB where one chunk
+    moved 9.5 (``chunk_size=8192`` takes that trade back). GPT-2 small (16384 tokens of 768
+    into 50257, the step ledger): 4096 rows, 4 chunks of 4 logits parts of 1024 rows; the
+    LM head's GEMMs and loss move 14.8 GB where chunks of 1024 rows moved 19.6 GB, for 630
+    MB of chunk buffers instead of 322 MB."""
+    rows = LOGITS_SPLIT << round(math.log2(max(in_features, 1)))
+    quarter = 1 << (max(n_rows // LOGITS_SPLIT, 1).bit_length() - 1)
+    rows = max(min(rows, quarter), MIN_CHUNK_ROWS)
     return max(1, min(rows, 1 << max(n_rows - 1, 0).bit_length()))
+
+
+def logits_rows(chunk: int) -> int:
+    """Rows per logits part of a ``chunk``-row chunk: ``chunk / LOGITS_SPLIT`` (rounded
+    up), but at least :data:`MIN_PART_ROWS` (a chunk of at most that many rows in one part)."""
+    return max(-(-chunk // LOGITS_SPLIT), min(chunk, MIN_PART_ROWS))
 
 
 def denominators(
@@ -131,8 +162,9 @@ def _cast(t: Tensor | None, like: Tensor | None) -> Tensor | None:
 
 class ChunkedLoss:
     """The chunked pass over the rows of ``x`` (N, H) against the head ``w`` (V, H) and
-    ``b``: per chunk the logits (fp32, reused buffer), the kernel, and the chunk's
-    dgrad and wgrad from the kernel's gradient (reused buffer of the input's dtype).
+    ``b``: per chunk its logits in :func:`logits_rows` parts (fp32, one reused buffer),
+    each part through the kernel into its rows of the chunk's gradient (a reused buffer of
+    the input's dtype), then the chunk's dgrad and wgrad from that gradient.
 
     With 16-bit operands and neither label smoothing nor softcap, the forward's logits GEMM
     also writes each row's softmax statistics per 32 columns (``ROW_STATS``, a reused
@@ -144,20 +176,29 @@ class ChunkedLoss:
         self, x: Tensor, w: Tensor, b: Tensor | None, target: Tensor, weight: Tensor | None, opts: LossOptions
     ) -> None:
         self.x, self.w, self.b, self.target, self.weight, self.opts = x, w, b, target, weight, opts
-        rows, v = min(opts.chunk, x.shape[0]), w.shape[0]
-        self.logits = torch.empty(rows, v, dtype=torch.float32, device=x.device)
+        n, v = x.shape[0], w.shape[0]
+        self.chunk = min(opts.chunk, n)  # a chunk_size above the rows: one chunk of them all, in parts
+        self.part = logits_rows(self.chunk)
+        self.logits = torch.empty(self.part, v, dtype=torch.float32, device=x.device)
         self.grad = None
         fusable = x.dtype in HALF_DTYPES and opts.smoothing == 0 and opts.softcap is None
         slots = row_stats_slots(v)
-        self.stats = torch.empty(rows, slots, 2, dtype=torch.float32, device=x.device) if fusable else None
+        self.stats = None
+        if fusable:
+            self.stats = torch.empty(self.part, slots, 2, dtype=torch.float32, device=x.device)
 
     def spans(self) -> list[tuple[int, int]]:
+        """The chunks' ``[s, e)`` row spans."""
         n, chunk = self.x.shape[0], self.opts.chunk
         return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
+    def parts(self, s: int, e: int) -> list[tuple[int, int]]:
+        """The logits parts' ``[a, b)`` row spans of the chunk ``[s, e)``."""
+        return [(a, min(a + self.part, e)) for a in range(s, e, self.part)]
+
     def logits_of(self, s: int, e: int, stats: Tensor | None = None) -> Tensor:
-        """Rows ``[s, e)``'s fp32 logits; with ``stats`` (a slice of ``self.stats``) their
-        softmax statistics written beside them by the same GEMM."""
+        """Rows ``[s, e)``'s fp32 logits (at most one part's rows); with ``stats`` (a slice of
+        ``self.stats``) their softmax statistics written beside them by the same GEMM."""
         out = self.logits[: e - s]
         if stats is None:
             _mm_into(self.x[s:e], self.w.t(), self.b, out, False)
@@ -166,8 +207,9 @@ class ChunkedLoss:
         return out
 
     def grad_buffer(self, rows: int) -> Tensor:
+        """The first ``rows`` rows of the chunk's logit-gradient buffer (made on first use)."""
         if self.grad is None:
-            self.grad = torch.empty(self.logits.shape, dtype=self.x.dtype, device=self.x.device)
+            self.grad = torch.empty(self.chunk, self.w.shape[0], dtype=self.x.dtype, device=self.x.device)
         return self.grad[:rows]
 
     def grad_outputs(self, needs: tuple[bool, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -201,22 +243,23 @@ class ChunkedLoss:
         lses = torch.empty(n, dtype=torch.float32, device=self.x.device)
         for i, (s, e) in enumerate(self.spans()):
             grad = self.grad_buffer(e - s) if want else None
-            stats = None if self.stats is None else self.stats[: e - s]
-            cross_entropy_forward(
-                self.logits_of(s, e, stats),
-                self.target[s:e],
-                self.weight,
-                ignore_index=o.ignore_index,
-                label_smoothing=o.smoothing,
-                softcap=o.softcap,
-                grad=grad,
-                a=a if want else None,
-                q=q if want else None,
-                check_target=False,
-                loss_out=rows[s:e],
-                lse_out=lses[s:e],
-                row_stats=stats,
-            )
+            for ps, pe in self.parts(s, e):
+                stats = None if self.stats is None else self.stats[: pe - ps]
+                cross_entropy_forward(
+                    self.logits_of(ps, pe, stats),
+                    self.target[ps:pe],
+                    self.weight,
+                    ignore_index=o.ignore_index,
+                    label_smoothing=o.smoothing,
+                    softcap=o.softcap,
+                    grad=None if grad is None else grad[ps - s : pe - s],
+                    a=a if want else None,
+                    q=q if want else None,
+                    check_target=False,
+                    loss_out=rows[ps:pe],
+                    lse_out=lses[ps:pe],
+                    row_stats=stats,
+                )
             if want:
                 self.backprop(grad, s, e, gx, gw32, gb32, i == 0)
         return rows, lses, gx, gw32, gb32
@@ -229,18 +272,20 @@ class ChunkedLoss:
         o = self.opts
         gx, gw32, gb32 = self.grad_outputs(needs)
         for i, (s, e) in enumerate(self.spans()):
-            grad = cross_entropy_backward(
-                self.logits_of(s, e),
-                self.target[s:e],
-                lse[s:e],
-                grad_rows[s:e],
-                None if grad_lse is None else grad_lse[s:e],
-                self.weight,
-                ignore_index=o.ignore_index,
-                label_smoothing=o.smoothing,
-                softcap=o.softcap,
-                grad=self.grad_buffer(e - s),
-            )
+            grad = self.grad_buffer(e - s)
+            for ps, pe in self.parts(s, e):
+                cross_entropy_backward(
+                    self.logits_of(ps, pe),
+                    self.target[ps:pe],
+                    lse[ps:pe],
+                    grad_rows[ps:pe],
+                    None if grad_lse is None else grad_lse[ps:pe],
+                    self.weight,
+                    ignore_index=o.ignore_index,
+                    label_smoothing=o.smoothing,
+                    softcap=o.softcap,
+                    grad=grad[ps - s : pe - s],
+                )
             self.backprop(grad, s, e, gx, gw32, gb32, i == 0)
         return gx, gw32, gb32
 
