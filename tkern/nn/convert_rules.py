@@ -20,6 +20,7 @@ from tkern.nn.hf_loss import install_fused_loss, remove_fused_loss
 from tkern.nn.linear import Linear, conv1d_class, hf_conv1d
 from tkern.nn.loss import LinearCrossEntropy
 from tkern.nn.norm import LayerNorm, RMSNorm
+from tkern.nn.projections import SplitAttentionForward, route_split
 from tkern.nn.residual import FusedDecoderForward, route_decoder
 from tkern.nn.rotary import RotaryAttentionForward, route_rotary
 from tkern.nn.rotary_tables import RotaryTablesForward, route_rotary_tables
@@ -234,6 +235,17 @@ def _rotary_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     return False
 
 
+def _split_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
+    """With ``fuse_activations``: a transformers attention module of a family in
+    ``projections.SPLIT_RULES`` (GPT-2's) runs its packed projection and its split into q, k, v
+    as one autograd node, no concatenation of their gradients in backward
+    (tkern/nn/projections.py). Declines in any case, so that the module's children are
+    converted by the other rules."""
+    if conv.fuse_activations:
+        route_split(module)
+    return False
+
+
 def _rotary_tables_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
     """With ``fuse_activations``: a transformers rotary embedding of a family in
     ``rotary_tables.ROTARY_TABLES_RULES`` computes its (cos, sin) on tkern's kernel, its
@@ -324,6 +336,7 @@ def _fp32_norm_rule(module: nn.Module, path: str, conv: Conversion) -> bool:
 RULES: list[Rule] = [
     _fused_loss_rule,
     _rotary_rule,
+    _split_rule,
     _keep_in_fp32_rule,
     _rotary_tables_rule,
     _float8_linear_rule,
@@ -388,6 +401,7 @@ def remove_tkern_hooks(module: nn.Module) -> None:
             RotaryAttentionForward,
             RotaryTablesForward,
             FusedDecoderForward,
+            SplitAttentionForward,
         ),
     ):
         del module.forward

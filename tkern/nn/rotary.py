@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from tkern.nn.fusion import family_rule
-from tkern.nn.projections import CALL, SharedInputCall, grouped_code
+from tkern.nn.projections import CALL, SharedInputCall, grouped_code, rebuilt
 from tkern.ops.rotary import apply_rotary_pos_emb
 
 __all__ = ["ROTARY_RULES", "RotaryAttentionForward", "RotaryRule", "route_rotary"]
@@ -83,13 +83,12 @@ def _innermost(fn):
 
 
 def _rebuilt(fn, name: str, value, group: tuple[str, ...] = ()):
-    """``fn`` rebuilt so that its innermost function looks ``name`` up as ``value`` (in a copy
-    of its globals) and, where its code calls the children ``group`` as
-    :func:`tkern.nn.projections.grouped_code` wants, calls them as one group; each wrapper
-    above it rebuilt with its closure's reference to the function below replaced. None where
-    a wrapper holds the function below otherwise."""
-    inner = getattr(fn, "__wrapped__", None)
-    if inner is None:
+    """``fn`` rebuilt (:func:`tkern.nn.projections.rebuilt`) so that its innermost function
+    looks ``name`` up as ``value`` (in a copy of its globals) and, where its code calls the
+    children ``group`` as :func:`tkern.nn.projections.grouped_code` wants, calls them as one
+    group. None where a wrapper holds the function below otherwise."""
+
+    def innermost(fn):
         globals_ = {**fn.__globals__, name: value}
         # no __name__: torch.compile would take these globals for the module of that name
         # (and guard on HF's function); without one it guards on this dict itself
@@ -99,28 +98,9 @@ def _rebuilt(fn, name: str, value, group: tuple[str, ...] = ()):
             code = fn.__code__
         else:
             globals_[CALL] = SharedInputCall(group)
-        new = types.FunctionType(code, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
-    else:
-        below = _rebuilt(inner, name, value, group)
-        cells = fn.__closure__ or ()
-        holds = [i for i, c in enumerate(cells) if _contents(c) is inner]
-        if below is None or len(holds) != 1:
-            return None
-        closure = tuple(types.CellType(below) if i == holds[0] else c for i, c in enumerate(cells))
-        new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
-    new.__dict__.update(fn.__dict__)
-    if inner is not None:
-        new.__wrapped__ = below
-    new.__kwdefaults__, new.__qualname__, new.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
-    new.__module__ = fn.__module__
-    return new
+        return types.FunctionType(code, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
 
-
-def _contents(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
+    return rebuilt(fn, innermost)
 
 
 #: attention class -> its forward with tkern's rotary (built once per class).
