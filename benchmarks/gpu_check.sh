@@ -131,6 +131,21 @@ else
 fi
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TKERN_GRAPH_STRICT=1
+PY=$PYTHON # the phases' interpreter
+if ((DRY)); then
+    # A dry-run phase is seconds of work behind some 4 s of imports (torch, Dynamo, transformers,
+    # torchao, matplotlib, tkern): on CI's 2 cores most of the dry run. Its phases fork from
+    # one process that imported them once (benchmarks/dry_run_forks.py), each phase still a
+    # process of its own running its command line; a GPU session runs each as its own python.
+    # The pytest phases stay their own processes (pytest's plugins must be imported after it
+    # starts, and transformers imports one, anyio's, first).
+    forks=$(mktemp -d)
+    $PYTHON benchmarks/dry_run_forks.py serve "$forks/sock" &
+    forks_pid=$!
+    trap 'kill $forks_pid 2>/dev/null; rm -rf "$forks"' EXIT
+    for _ in {1..200}; do [[ -S $forks/sock ]] && break; sleep 0.05; done
+    PY="$PYTHON benchmarks/dry_run_forks.py run $forks/sock --"
+fi
 summary="$OUT/summary.txt"
 : >"$summary"
 failed=()
@@ -175,7 +190,7 @@ pytest_line() { # the last "N passed / failed" line of a log
     grep -E '[0-9]+ (passed|failed|skipped|errors?|tests? collected)' "$OUT/$1.log" 2>/dev/null | tail -1
 }
 bench() { # bench NAME: one benchmark (its cap, its arguments), output into bench.log
-    local py=$PYTHON b=benchmarks
+    local py=$PY b=benchmarks
     case $1 in
     ceilings) run_phase ceilings bench 25 $py $b/harness.py "${SMOKE[@]}" ;;
     optimizer) run_phase bench_optimizer bench 140 $py $b/bench_optimizer.py "${SMOKE[@]}" ;;
@@ -226,7 +241,7 @@ bench() { # bench NAME: one benchmark (its cap, its arguments), output into benc
     esac
 }
 gemm_layouts() { # gemm_layouts PHASE SECTION: bench_gemm's SECTION in the three layouts at GPT-2's shapes
-    run_phase "bench_$1" bench 40 $PYTHON benchmarks/bench_gemm.py --sections "$2" \
+    run_phase "bench_$1" bench 40 $PY benchmarks/bench_gemm.py --sections "$2" \
         --layouts fwd,dgrad,wgrad --shapes gpt2 "${SMOKE[@]}"
 }
 ALL_BENCH=(ceilings optimizer optimizer_sizes optimizer_modes optimizer_health optimizer_grid train train_mlp train_gpt2 train_fp8
@@ -257,10 +272,10 @@ PROFILE="=tkern,=torch autocast compiled,=tkern fp8 tensorwise"
 REST="=torch fp32 (no tf32),=tkern compiled,=torch fp32 tf32,=tkern opt eager,=tkern whole-step graph,=tkern bf16,tkern state"
 REST+=",=tkern bf16 master=split,=tkern bf16 split + 8-bit state"
 
-((PLAN)) || $PYTHON -m tkern info 2>&1 | tee -a "$summary"
+((PLAN)) || $PY -m tkern info 2>&1 | tee -a "$summary"
 ((DRY || PLAN)) || nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv |
     tee -a "$summary"
-((PLAN)) || echo "commit: $($PYTHON -c 'import sys; sys.path.insert(0, "benchmarks"); import harness; print(harness.commit())')" |
+((PLAN)) || echo "commit: $($PY -c 'import sys; sys.path.insert(0, "benchmarks"); import harness; print(harness.commit())')" |
     tee -a "$summary"
 
 for plan in "${plans[@]}"; do
@@ -301,13 +316,13 @@ elif ((DRY)); then # the CPU benchmark (results/host/ in a real run), at its smo
         grep "^GPU-COLLECT" <<<"$out" # every test classified, for tests/test_benchmarks.py to read
         if grep -q "^GPU-COLLECT runs" <<<"$out"; then exit 1; fi
         echo "needs the CPU, skipped on a GPU: $(grep -c "^GPU-COLLECT skipped" <<<"$out") tests"' "$PYTHON"
-    run_phase bench_activation_memory bench 90 $PYTHON benchmarks/bench_activation_memory.py --smoke \
+    run_phase bench_activation_memory bench 90 $PY benchmarks/bench_activation_memory.py --smoke \
         --launches stubbed --out "$OUT/results/host"
     cp README.md "$OUT/README.md"
-    run_phase report report 30 $PYTHON benchmarks/report.py --write --results "$OUT/results" --readme "$OUT/README.md"
+    run_phase report report 30 $PY benchmarks/report.py --write --results "$OUT/results" --readme "$OUT/README.md"
 else
     tar czf "$OUT/results.tgz" benchmarks/results
-    run_phase report report 30 $PYTHON benchmarks/report.py
+    run_phase report report 30 $PY benchmarks/report.py
 fi
 
 echo

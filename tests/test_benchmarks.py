@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,54 @@ def test_dry_run_train_rows_cover_every_recipe_and_record_the_graph(dry_run):
     # both fp8 recipes reach GPT-2's GEMMs (tkern's Conv1D, torchao's through conv1d_as_linear)
     assert gpt2["tkern fp8 tensorwise"]["fp8_layers"] >= 8
     assert gpt2["torchao float8 tensorwise compiled"]["fp8_layers"] >= 8
+
+
+def test_dry_run_forked_phases_end_as_their_own_processes_would(tmp_path):
+    """The dry run forks its phases from one process that imported their modules once
+    (benchmarks/dry_run_forks.py): a forked phase gets its argv and sys.path[0], its exit
+    status, traceback, signal and ``timeout``'s cut reach gpu_check.sh as its own process's
+    would, and a phase whose environment differs runs as its own process."""
+    fork = [sys.executable, str(BENCH / "dry_run_forks.py")]
+    sock = tmp_path / "sock"
+    server = subprocess.Popen([*fork, "serve", str(sock), "json"])
+    try:
+        for _ in range(400):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+
+        def run(*argv, env=None, cap=None):
+            cmd = [*fork, "run", str(sock), "--", *argv]
+            cmd = ["timeout", str(cap), *cmd] if cap else cmd
+            return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+        script = tmp_path / "phase.py"
+        script.write_text(
+            "import os, sys\nprint(sys.argv[1:], os.getppid(), sys.path[0])\nsys.exit(int(sys.argv[1]))\n"
+        )
+        ok = run(str(script), "0")
+        assert ok.returncode == 0 and ok.stdout.split() == ["['0']", str(server.pid), str(tmp_path)], ok
+        assert run(str(script), "3").returncode == 3
+        crash = run("-c", "1/0")
+        assert crash.returncode == 1 and "ZeroDivisionError" in crash.stderr
+        assert run("-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)").returncode == 128 + 9
+        pid_file = tmp_path / "pid"
+        sleeper = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+        cut = run("-c", sleeper, cap=2)
+        assert cut.returncode == 124
+        pid = int(pid_file.read_text())
+        for _ in range(100):  # the cut phase is ended (and reaped by the server), not left running
+            if not Path(f"/proc/{pid}").exists():
+                break
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists()
+        own = run("-c", "import os; print(os.getppid())", env={**os.environ, "TKERN_AUTOTUNE": "0"})
+        assert own.returncode == 0 and own.stdout.split() != [str(server.pid)], own
+        assert "process of its own" in own.stderr
+        assert server.poll() is None  # one server for every phase
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_gpu_check_plan_puts_the_unknowns_first():
